@@ -1,0 +1,3 @@
+"""Placeholder: commands are added here."""
+
+COMMANDS: list = []

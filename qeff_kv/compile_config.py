@@ -1,0 +1,75 @@
+"""Accelerator compile artifacts for a retained-state graph: ``custom_io.yaml`` and ``specializations.json``.
+
+Shared by ``qeff-kv export`` and ``qeff-kv compile-config``. Buffer names come from the graph's
+:class:`~qeff_kv.layout.KVLayout`, so the files follow whatever prefix the graph carries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from . import fsutil
+from .errors import RuntimeInputError
+from .layout import KVLayout
+
+SpecFormat = Literal["flat", "named"]
+CUSTOM_IO_FILE = "custom_io.yaml"
+SPECIALIZATIONS_FILE = "specializations.json"
+
+
+def custom_io_yaml(layout: KVLayout, precision: str = "float16") -> str:
+    """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output."""
+    layout.require_valid()
+    pairs = sorted(layout.pairs, key=lambda p: (p.layer, p.stem))
+    lines = ["# Model Inputs", ""]
+    for p in pairs:
+        lines += [f" - IOName: {p.input_name}", f"   Precision: {precision}", ""]
+    lines += ["# Model Outputs", ""]
+    for p in pairs:
+        lines += [f" - IOName: {p.output_name}", f"   Precision: {precision}", ""]
+    return "\n".join(lines)
+
+
+def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
+                    full_batch_size: int | None = None, fmt: SpecFormat = "flat") -> dict:
+    """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
+
+    ``flat`` is the format every compiler release reads; ``named`` is the newer
+    ``{"specializations": [{"name": ..., "symbols": {...}}]}`` form. Values are strings, as the peer writes.
+    Under continuous batching, prefill runs one sequence (``batch_size`` 1) and decode runs
+    ``full_batch_size`` rows.
+    """
+    for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
+        if not isinstance(v, int) or v < 1:
+            raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
+    if prefill_seq_len > ctx_len:
+        raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
+    if fmt not in ("flat", "named"):
+        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
+    if full_batch_size is not None:
+        prefill = {"batch_size": "1", "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len),
+                   "full_batch_size": str(full_batch_size)}
+        decode = {"batch_size": str(full_batch_size), "seq_len": "1", "ctx_len": str(ctx_len),
+                  "full_batch_size": str(full_batch_size)}
+    else:
+        prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
+        decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    if fmt == "flat":
+        return {"specializations": [prefill, decode]}
+    return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
+
+
+def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_len: int, ctx_len: int,
+                         batch_size: int = 1, full_batch_size: int | None = None, fmt: SpecFormat = "flat",
+                         precision: str = "float16") -> list[Path]:
+    """Write both files into ``out_dir`` atomically; return their paths."""
+    out_dir = Path(out_dir)
+    spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
+                           full_batch_size=full_batch_size, fmt=fmt)
+    text = custom_io_yaml(layout, precision)
+    cio, sp = out_dir / CUSTOM_IO_FILE, out_dir / SPECIALIZATIONS_FILE
+    fsutil.write_text(cio, text)
+    fsutil.write_text(sp, json.dumps(spec, indent=2) + "\n")
+    return [cio, sp]

@@ -1,0 +1,53 @@
+"""Typed errors of qeff-kv.
+
+Every error the library raises on bad input derives from :class:`QeffKvError`. Its message is one line that
+names what is wrong; the CLI prints ``error: <message>`` and exits with :attr:`QeffKvError.exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class QeffKvError(Exception):
+    """Base class: a refusal with a one-line message."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        # Keep messages on one line whatever the caller passed.
+        super().__init__(" ".join(str(message).split()))
+
+
+class PrefixError(QeffKvError, ValueError):
+    """A KV-cache prefix is not a 1-64 character ASCII alphanumeric string."""
+
+
+class GraphReadError(QeffKvError):
+    """A file is missing, is not ONNX, or is truncated."""
+
+
+class ContractError(QeffKvError):
+    """A graph does not follow the retained-state KV contract (no KV buffers, unpaired, mixed prefixes...)."""
+
+
+class RewriteError(QeffKvError):
+    """A requested rewrite would break the graph (name collision, prefix caught by the substring regex...)."""
+
+
+class ExternalDataError(QeffKvError):
+    """An external-data reference is unsafe (absolute, escapes the model folder) or cannot be followed."""
+
+
+class ExportError(QeffKvError):
+    """A model cannot be exported (unknown architecture, unsupported option, missing files...)."""
+
+
+class MissingDependencyError(QeffKvError):
+    """An optional dependency (torch, transformers, tokenizers) is needed for this command."""
+
+
+class RuntimeInputError(QeffKvError):
+    """Bad input to the runtime: capacity exceeded, unknown sequence, bad token ids, bad options."""
+
+
+class StateFileError(QeffKvError):
+    """A KV state file is unreadable, truncated, edited, or belongs to another graph."""

@@ -1,0 +1,223 @@
+"""The KV layout of a graph: which inputs and outputs are KV buffers, and how they pair.
+
+Built from plain I/O descriptors (name, dtype, shape), so the same code serves an ONNX file read with
+onnx_ir, an onnxruntime session, and a manifest. Names are interpreted only through :mod:`qeff_kv.naming`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import naming
+from .errors import ContractError
+
+Dim = int | str | None
+
+# ONNX TensorProto element types -> numpy dtype names (the subset that occurs in decoder graphs).
+_ONNX_TO_NAME = {
+    1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 9: "bool",
+    10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 16: "bfloat16",
+}
+_ORT_TO_NAME = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+    "tensor(double)": "float64", "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16",
+}
+_ITEMSIZE = {"bfloat16": 2}
+
+
+def dtype_from_onnx(elem_type: int) -> str:
+    return _ONNX_TO_NAME.get(int(elem_type), f"onnx:{int(elem_type)}")
+
+
+def dtype_from_ort(type_str: str) -> str:
+    return _ORT_TO_NAME.get(type_str, type_str)
+
+
+def itemsize(dtype: str) -> int:
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    return np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One graph input or output: name, dtype name (numpy spelling) and shape (ints, dim names or None)."""
+
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...] | None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape)}
+
+
+@dataclass(frozen=True)
+class KVPair:
+    """A KV buffer: its graph input and the output retained against it."""
+
+    stem: str
+    layer: int
+    prefix: str | None
+    input: TensorInfo
+    output: TensorInfo
+
+    @property
+    def input_name(self) -> str:
+        return self.input.name
+
+    @property
+    def output_name(self) -> str:
+        return self.output.name
+
+    def bytes_per_sequence(self, ctx_len: int | None = None) -> int | None:
+        """Bytes of one sequence's slice (all dims but the batch axis), ``ctx_len`` standing for symbolic dims
+        named like the context axis. ``None`` if a dim is unknown."""
+        shape = self.input.shape
+        if shape is None or len(shape) < 1:
+            return None
+        total = itemsize(self.input.dtype)
+        for d in shape[1:]:
+            if isinstance(d, int):
+                total *= d
+            elif ctx_len is not None and isinstance(d, str) and "ctx" in d:
+                total *= ctx_len
+            else:
+                return None
+        return total
+
+    def to_json(self, ctx_len: int | None = None) -> dict:
+        return {
+            "layer": self.layer, "kind": self.stem, "input": self.input_name, "retained": self.output_name,
+            "dtype": self.input.dtype, "shape": None if self.input.shape is None else list(self.input.shape),
+            "bytes_per_sequence": self.bytes_per_sequence(ctx_len),
+        }
+
+
+@dataclass
+class KVLayout:
+    """What the naming contract makes of a graph's inputs and outputs.
+
+    Tolerant: it records problems (unpaired buffers, mixed prefixes) instead of raising, so ``check`` can
+    report them. :meth:`require_valid` raises the first problem as a :class:`ContractError`.
+    """
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    pairs: list[KVPair] = field(default_factory=list)
+    unpaired_inputs: list[str] = field(default_factory=list)
+    unpaired_outputs: list[str] = field(default_factory=list)
+    non_kv_retained: list[tuple[str, str | None]] = field(default_factory=list)  # (input, output) by name
+
+    # ----------------------------------------------------------------------------------------- build
+    @classmethod
+    def from_io(cls, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo]) -> "KVLayout":
+        lay = cls(list(inputs), list(outputs))
+        in_by_name = {t.name: t for t in inputs}
+        out_by_name = {t.name: t for t in outputs}
+        paired_outputs: set[str] = set()
+        for t in inputs:
+            parsed = naming.parse_kv_name(t.name)
+            if parsed is None or parsed.retained:
+                continue
+            out_name = naming.retained_name(t.name)
+            out = out_by_name.get(out_name)
+            if out is None:
+                lay.unpaired_inputs.append(t.name)
+                continue
+            paired_outputs.add(out_name)
+            lay.pairs.append(KVPair(parsed.stem, parsed.layer, parsed.prefix, t, out))
+        for t in outputs:
+            parsed = naming.parse_kv_name(t.name)
+            if parsed is not None and parsed.retained and t.name not in paired_outputs:
+                lay.unpaired_outputs.append(t.name)
+        # Non-KV retained buffers, by the contract's list (never by a "past_" prefix).
+        seen: set[str] = set()
+        for t in list(inputs) + list(outputs):
+            base = naming.non_kv_retained_base(t.name)
+            if base is None or base in seen:
+                continue
+            seen.add(base)
+            out_name = None
+            for cand in (naming.retained_name(base), naming.NON_KV_OUTPUT_ALIASES.get(base)):
+                if cand is not None and cand in out_by_name:
+                    out_name = cand
+            lay.non_kv_retained.append((base if base in in_by_name else None, out_name))  # type: ignore[arg-type]
+        return lay
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def prefixes(self) -> list[str | None]:
+        """Distinct prefixes among KV buffers (inputs and outputs), in order of first appearance."""
+        out: list[str | None] = []
+        for t in self.inputs + self.outputs:
+            parsed = naming.parse_kv_name(t.name)
+            if parsed is not None and parsed.prefix not in out:
+                out.append(parsed.prefix)
+        return out
+
+    @property
+    def prefix(self) -> str | None:
+        """The single prefix of the graph's KV buffers (``None`` if unprefixed). Raises if mixed."""
+        ps = self.prefixes
+        if len(ps) > 1:
+            raise ContractError(f"KV buffers carry mixed prefixes: {_fmt_prefixes(ps)}")
+        return ps[0] if ps else None
+
+    @property
+    def kv_names(self) -> list[str]:
+        """Every KV input and output name (paired or not), inputs first, in graph order."""
+        return [t.name for t in self.inputs + self.outputs if naming.parse_kv_name(t.name) is not None]
+
+    @property
+    def io_names(self) -> list[str]:
+        return [t.name for t in self.inputs] + [t.name for t in self.outputs]
+
+    @property
+    def num_layers(self) -> int:
+        return len({p.layer for p in self.pairs})
+
+    @property
+    def stems(self) -> list[str]:
+        return sorted({p.stem for p in self.pairs}, key=naming.KV_STEMS.index)
+
+    def pair(self, stem: str, layer: int) -> KVPair:
+        for p in self.pairs:
+            if p.stem == stem and p.layer == layer:
+                return p
+        raise KeyError((stem, layer))
+
+    def input(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+    def require_valid(self) -> "KVLayout":
+        """Raise :class:`ContractError` unless the graph has KV buffers, all paired, with one prefix."""
+        if not self.kv_names:
+            raise ContractError("graph has no KV buffers (no input or output named like past_key.<i>)")
+        if self.unpaired_inputs:
+            n = self.unpaired_inputs[0]
+            raise ContractError(f"KV input {n!r} has no output {naming.retained_name(n)!r}")
+        if self.unpaired_outputs:
+            n = self.unpaired_outputs[0]
+            raise ContractError(f"KV output {n!r} has no input {naming.retained_source(n)!r}")
+        _ = self.prefix
+        return self
+
+    def to_json(self, ctx_len: int | None = None) -> dict:
+        return {
+            "prefix": self.prefix if len(self.prefixes) <= 1 else None,
+            "num_layers": self.num_layers,
+            "pairs": [p.to_json(ctx_len) for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
+            "non_kv_retained": [{"input": i, "retained": o} for i, o in self.non_kv_retained],
+        }
+
+
+def _fmt_prefixes(ps: Iterable[str | None]) -> str:
+    return ", ".join("(none)" if p is None else repr(p) for p in ps)

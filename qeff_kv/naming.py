@@ -1,0 +1,239 @@
+"""The retained-state naming contract: the one module that spells buffer names.
+
+Facts (see ``docs/naming.md``, the single reference):
+
+* A KV buffer of layer ``i`` is an input ``<stem>.<i>`` paired with an output ``<stem>.<i>_RetainedState``.
+  Pairing is by exact name: an output ``X_RetainedState`` is retained against the input ``X``.
+* With a prefix ``P`` the names are ``<stem>.<i>_P`` and ``<stem>.<i>_P_RetainedState``.
+* KV stems: ``past_key`` and ``past_value`` (what we export), plus ``compressed_kv``, ``k_pe`` (MLA) and
+  ``conv_state``, ``recurrent_state`` (hybrid models) found in peer graphs. Stems match exactly, never by
+  ``startswith("past_")``.
+* Retained buffers that are not KV (``vision_embeds``...) are never prefixed.
+* A prefix is 1-64 ASCII characters from ``[A-Za-z0-9]``; serving regexes select on it.
+
+Nothing outside this module writes ``_RetainedState`` or parses a buffer name.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .errors import PrefixError
+
+#: Stems that qeff-kv exports (one key and one value buffer per layer).
+EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
+#: Every stem a prefix applies to: ours plus those of peer graphs (MLA, hybrid/linear attention).
+KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
+#: The suffix that pairs an output with the input of the same base name.
+RETAINED_SUFFIX = "_RetainedState"
+#: Retained buffers that are not KV caches: never prefixed, never selected as KV.
+NON_KV_RETAINED: tuple[str, ...] = (
+    "vision_embeds",
+    "pixel_values",
+    "deepstack_features",
+    "image_idx",
+    "past_repetition_penalty_buffer",
+    "past_presence_penalty_buffer",
+)
+#: Non-KV retained outputs that do not follow the ``_RetainedState`` rule (input -> output).
+NON_KV_OUTPUT_ALIASES: dict[str, str] = {"image_idx": "image_idx_output"}
+
+MAX_PREFIX_LEN = 64
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+_LAYER = r"(?:0|[1-9][0-9]*)"
+_BASE_RE = re.compile(r"(?P<stem>" + "|".join(map(re.escape, KV_STEMS)) + r")\.(?P<layer>" + _LAYER + r")"
+                      r"(?:_(?P<prefix>[A-Za-z0-9]+))?")
+
+
+# --------------------------------------------------------------------------------------------- prefixes
+def _describe_char(ch: str) -> str:
+    try:
+        uname = unicodedata.name(ch)
+    except ValueError:
+        uname = f"U+{ord(ch):04X}"
+    return f"{ch!r} ({uname})"
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a valid KV-cache prefix, else raise :class:`PrefixError`.
+
+    Valid: a ``str`` of 1-64 ASCII letters or digits. ``str.isalnum()`` is not enough (it accepts ``é``,
+    ``²``, full-width letters and Arabic-Indic digits, which serving regexes written in ASCII never match).
+    A prefix containing ``RetainedState`` is refused too: it would make the input name of a prefixed buffer
+    read as the retained output of an unprefixed one.
+    """
+    if not isinstance(prefix, str):
+        raise PrefixError(f"KV-cache prefix must be a string, got {type(prefix).__name__} {prefix!r}")
+    if prefix == "":
+        raise PrefixError("KV-cache prefix is empty; it must be 1-64 ASCII letters or digits")
+    if len(prefix) > MAX_PREFIX_LEN:
+        raise PrefixError(
+            f"KV-cache prefix is {len(prefix)} characters long; at most {MAX_PREFIX_LEN} are allowed")
+    for ch in prefix:
+        if not ("a" <= ch <= "z" or "A" <= ch <= "Z" or "0" <= ch <= "9"):
+            if ch.isspace():
+                why = "whitespace"
+            elif not ch.isascii() and ch.isalnum():
+                why = "a non-ASCII letter or digit"
+            else:
+                why = "not a letter or digit"
+            raise PrefixError(
+                f"KV-cache prefix {prefix!r} contains {_describe_char(ch)}: {why}; "
+                "only ASCII letters and digits [A-Za-z0-9] are allowed")
+    if "RetainedState" in prefix:
+        raise PrefixError(
+            f"KV-cache prefix {prefix!r} contains 'RetainedState', which would make input names read as "
+            "retained outputs")
+    assert _PREFIX_RE.fullmatch(prefix)
+    return prefix
+
+
+def is_valid_prefix(prefix: object) -> bool:
+    try:
+        validate_prefix(prefix)
+    except PrefixError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------- names
+@dataclass(frozen=True, order=True)
+class KVName:
+    """A parsed KV buffer name: ``<stem>.<layer>[_<prefix>][_RetainedState]``."""
+
+    stem: str
+    layer: int
+    prefix: str | None = None
+    retained: bool = False
+
+    @property
+    def base(self) -> str:
+        """The input name of this buffer's pair."""
+        return kv_input_name(self.stem, self.layer, self.prefix)
+
+    @property
+    def name(self) -> str:
+        return retained_name(self.base) if self.retained else self.base
+
+    def with_prefix(self, prefix: str | None) -> "KVName":
+        if prefix is not None:
+            validate_prefix(prefix)
+        return KVName(self.stem, self.layer, prefix, self.retained)
+
+    def __str__(self) -> str:  # pragma: no cover - convenience
+        return self.name
+
+
+def kv_input_name(stem: str, layer: int, prefix: str | None = None) -> str:
+    """``past_key.3`` or, with a prefix, ``past_key.3_VLLM``."""
+    if stem not in KV_STEMS:
+        raise ValueError(f"unknown KV stem {stem!r}; known stems: {', '.join(KV_STEMS)}")
+    if not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int, got {layer!r}")
+    base = f"{stem}.{layer}"
+    if prefix is not None:
+        base = f"{base}_{validate_prefix(prefix)}"
+    return base
+
+
+def kv_retained_name(stem: str, layer: int, prefix: str | None = None) -> str:
+    """``past_key.3_RetainedState`` or ``past_key.3_VLLM_RetainedState``."""
+    return retained_name(kv_input_name(stem, layer, prefix))
+
+
+def retained_name(input_name: str) -> str:
+    """The output name retained against ``input_name`` (the pairing rule)."""
+    return input_name + RETAINED_SUFFIX
+
+
+def retained_source(output_name: str) -> str | None:
+    """The input an output is retained against, or ``None`` if the output is not retained."""
+    if output_name.endswith(RETAINED_SUFFIX) and len(output_name) > len(RETAINED_SUFFIX):
+        return output_name[: -len(RETAINED_SUFFIX)]
+    for src, alias in NON_KV_OUTPUT_ALIASES.items():
+        if output_name == alias:
+            return src
+    return None
+
+
+def is_retained_output(name: str) -> bool:
+    return retained_source(name) is not None
+
+
+def parse_kv_name(name: str) -> KVName | None:
+    """Parse a KV buffer name into (stem, layer, prefix, retained), or ``None`` if it is not one.
+
+    ``past_key.0_RetainedState`` is the unprefixed retained output, never a buffer with prefix
+    ``RetainedState``. Stems match exactly (``past_repetition_penalty_buffer`` is not KV).
+    """
+    retained = name.endswith(RETAINED_SUFFIX)
+    base = name[: -len(RETAINED_SUFFIX)] if retained else name
+    m = _BASE_RE.fullmatch(base)
+    if m is None:
+        return None
+    prefix = m.group("prefix")
+    if prefix is not None and not is_valid_prefix(prefix):
+        return None
+    return KVName(m.group("stem"), int(m.group("layer")), prefix, retained)
+
+
+def is_kv_name(name: str) -> bool:
+    return parse_kv_name(name) is not None
+
+
+def non_kv_retained_base(name: str) -> str | None:
+    """If ``name`` is a known non-KV retained buffer (input or output), its input name; else ``None``."""
+    src = retained_source(name)
+    base = src if src is not None else name
+    return base if base in NON_KV_RETAINED else None
+
+
+def rename_kv(name: str, prefix: str | None) -> str:
+    """The same KV buffer name with ``prefix`` (``None`` strips it). Raises ``ValueError`` if not KV."""
+    parsed = parse_kv_name(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a KV buffer name")
+    return parsed.with_prefix(prefix).name
+
+
+# --------------------------------------------------------------------------------------------- regexes
+def exact_regex(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> str:
+    """The exact selection regex: ``^(past_key|past_value)\\.\\d+_P(_RetainedState)?$``.
+
+    Without a prefix: ``^(past_key|past_value)\\.\\d+(_RetainedState)?$``.
+    """
+    alt = "|".join(re.escape(s) for s in stems)
+    mid = "" if prefix is None else "_" + validate_prefix(prefix)
+    return rf"^({alt})\.\d+{mid}({re.escape(RETAINED_SUFFIX)})?$"
+
+
+def substring_regex(prefix: str) -> str:
+    """The substring regex ``.*P.*`` that vLLM-QAIC uses to select the KV buffers of prefix ``P``."""
+    return f".*{re.escape(validate_prefix(prefix))}.*"
+
+
+def legacy_regexes(stems: Sequence[str] = EXPORT_STEMS) -> list[str]:
+    """vLLM-QAIC's legacy (unprefixed) selection: ``past_key.*`` and ``past_value.*``."""
+    return [f"{re.escape(s)}.*" for s in stems]
+
+
+def canonical_regexes(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> dict[str, str | list[str]]:
+    """The canonical selection regexes for a graph with ``prefix`` (``None``: unprefixed)."""
+    if prefix is None:
+        return {"exact": exact_regex(None, stems), "legacy": legacy_regexes(stems)}
+    return {"exact": exact_regex(prefix, stems), "substring": substring_regex(prefix)}
+
+
+def regex_selects(regex: str, name: str) -> bool:
+    """Whether a serving framework's regex selects ``name`` (``re.fullmatch`` semantics, like ``^...$``)."""
+    return re.fullmatch(regex, name) is not None
+
+
+def select(regex: str, names: Iterable[str]) -> list[str]:
+    """The names that ``regex`` selects, in the order given."""
+    pat = re.compile(regex)
+    return [n for n in names if pat.fullmatch(n) is not None]
