@@ -1,3 +1,57 @@
-"""Placeholder: commands are added here."""
+"""``qeff-kv export``: thin front end over :func:`qeff_kv.export.export_model`."""
 
-COMMANDS: list = []
+from __future__ import annotations
+
+import time
+
+import click
+
+from qeff_kv import graphio
+from qeff_kv.buffers import format_buffer_table
+from qeff_kv.export import export_model
+
+
+def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept across calls
+    if _t0[0] is None:
+        _t0[0] = time.monotonic()
+    click.echo(f"[{time.monotonic() - _t0[0]:6.1f}s] {msg}", err=True)
+
+
+@click.command("export")
+@click.argument("model", required=False, type=click.Path(file_okay=True, dir_okay=True))
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False),
+              help="Output folder. Default: the export cache $QEFF_KV_HOME/<arch>/<name>-<hash>/ "
+                   "(an identical earlier export is reused).")
+@click.option("--kv-cache-prefix", metavar="P",
+              help="Prefix for the KV buffers only: past_key.{i}_P / past_key.{i}_P_RetainedState. "
+                   "1-64 ASCII letters or digits.")
+@click.option("--ctx-len", type=int, metavar="N",
+              help="KV capacity (context length) recorded in the manifest and compile files. "
+                   "Default: min(max_position_embeddings, 4096). The graph keeps ctx_len symbolic.")
+@click.option("--prefill-seq-len", type=int, default=32, show_default=True, metavar="N",
+              help="Prefill chunk length (the prefill specialization).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="Weights, activations and KV cache dtype.")
+@click.option("--continuous-batching", is_flag=True,
+              help="Add input batch_index [batch_size, 1]; the KV batch axis becomes full_batch_size.")
+@click.option("--full-batch-size", type=int, metavar="N",
+              help="Number of KV slots (sequences) with --continuous-batching.")
+@click.option("--specializations-format", type=click.Choice(["flat", "named"]), default="flat",
+              show_default=True, help="flat: readable by every compiler release; named: Prefill/Decode entries.")
+@click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
+           full_batch_size, specializations_format, force, quiet):
+    """Export MODEL (a local Hugging Face folder; default: the bundled tiny Llama) to a retained-state ONNX
+    graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
+    result = export_model(
+        model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+        dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
+        specializations_format=specializations_format, progress=None if quiet else _progress)
+    state = "reused" if result.reused else "exported"
+    click.echo(f"{state}: {result.onnx_path}")
+    click.echo(format_buffer_table(graphio.layout_of(graphio.load(result.onnx_path)),
+                                   ctx_len=result.manifest["ctx_len"]))
+
+
+COMMANDS = [export]

@@ -1,0 +1,106 @@
+"""Export options, the options hash and the export cache folder. No torch here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import naming
+from ..errors import ExportError
+
+DTYPES = ("float32", "float16")
+OPSET = 17
+#: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
+IR_VERSION = 8
+#: Weights above this many bytes go to an external data file (protobuf's limit is 2 GiB).
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+#: Bump when the exported graph changes for the same options (invalidates the export cache).
+EXPORTER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    ctx_len: int
+    prefill_seq_len: int
+    kv_cache_prefix: str | None = None
+    dtype: str = "float32"
+    continuous_batching: bool = False
+    full_batch_size: int | None = None
+
+    def validate(self) -> "ExportOptions":
+        if self.kv_cache_prefix is not None:
+            naming.validate_prefix(self.kv_cache_prefix)
+        for label, v in (("ctx_len", self.ctx_len), ("prefill_seq_len", self.prefill_seq_len)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ExportError(f"{label} must be a positive integer, got {v!r}")
+        if self.prefill_seq_len > self.ctx_len:
+            raise ExportError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.continuous_batching:
+            if self.full_batch_size is None:
+                raise ExportError("--continuous-batching needs --full-batch-size N")
+            if not isinstance(self.full_batch_size, int) or self.full_batch_size < 1:
+                raise ExportError(f"full_batch_size must be a positive integer, got {self.full_batch_size!r}")
+        elif self.full_batch_size is not None:
+            raise ExportError("--full-batch-size is only meaningful with --continuous-batching")
+        return self
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:
+    """Everything that determines the exported graph; its hash names the export cache folder."""
+    return {
+        "exporter": "qeff-kv",
+        "exporter_version": EXPORTER_VERSION,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "config": config,
+        "options": options.to_json(),
+        "weights": weights_fingerprint,
+    }
+
+
+def params_hash(params: dict) -> str:
+    """16 hex digits of sha256 over the canonical JSON of the hashed parameters."""
+    blob = json.dumps(params, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def home() -> Path:
+    """``$QEFF_KV_HOME``, default ``~/.cache/qeff_kv``."""
+    env = os.environ.get("QEFF_KV_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qeff_kv"
+
+
+def safe_name(name: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")
+    return name or "model"
+
+
+def cache_dir(architecture: str, model_name: str, digest: str) -> Path:
+    return home() / safe_name(architecture) / f"{safe_name(model_name)}-{digest}"
+
+
+def weights_fingerprint(model_dir: Path | None) -> str | None:
+    """A cheap content fingerprint of the safetensors weights: each file's name, size, header, and the
+    sha256 of its first and last MiB. ``None`` for the bundled default (weights come from a fixed seed)."""
+    if model_dir is None:
+        return None
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(1 << 20)
+            h.update(head)
+            if size > (2 << 20):
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()
