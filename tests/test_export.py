@@ -268,3 +268,20 @@ def test_sliding_window_larger_ctx_refused(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match="sliding-window attention \\(window 16\\).*--ctx-len 16"):
         export_model(d, tmp_path / "o", ctx_len=32, prefill_seq_len=4)
+
+
+def test_large_weights_go_to_external_data(models, tmp_path, monkeypatch):
+    """Above the threshold (1.8 GB in production, lowered here) weights go to <name>.onnx.data beside the graph."""
+    from hf_models import PlainLoop, hf_greedy
+    from qeff_kv.export import export_model
+    from qeff_kv.export import options as opt
+
+    monkeypatch.setattr(opt, "EXTERNAL_DATA_THRESHOLD", 10_000)
+    r = export_model(models["qwen3"], tmp_path / "ext", ctx_len=CTX, prefill_seq_len=CHUNK)
+    data = r.out_dir / (r.onnx_path.name + ".data")
+    assert data.is_file() and data.stat().st_size > 100_000
+    assert r.onnx_path.stat().st_size < data.stat().st_size
+    proto = onnx.load(str(r.onnx_path), load_external_data=False)
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {data.name}
+    assert PlainLoop(r.onnx_path, CTX).greedy(PROMPT, NEW, CHUNK) == hf_greedy(models["qwen3"], PROMPT, NEW)
