@@ -38,16 +38,20 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Number of KV slots (sequences) with --continuous-batching.")
 @click.option("--specializations-format", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: readable by every compiler release; named: Prefill/Decode entries.")
+@click.option("--target", type=click.Choice(["portable", "onnxruntime"]), default="portable", show_default=True,
+              help="portable: static-shape graph for accelerator compilers. onnxruntime: attention follows the "
+                   "valid length (data-dependent Slice), so decode time does not grow with capacity; same names, "
+                   "pairing and in-place safety.")
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, force, quiet):
+           full_batch_size, specializations_format, target, force, quiet):
     """Export MODEL (a local Hugging Face folder; default: the bundled tiny Llama) to a retained-state ONNX
     graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
         model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
-        specializations_format=specializations_format, progress=None if quiet else _progress)
+        specializations_format=specializations_format, target=target, progress=None if quiet else _progress)
     state = "reused" if result.reused else "exported"
     click.echo(f"{state}: {result.onnx_path}")
     click.echo(format_buffer_table(graphio.layout_of(graphio.load(result.onnx_path)),

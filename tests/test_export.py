@@ -29,6 +29,15 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ort_exports(models, tmp_path_factory):
+    from qeff_kv.export import export_model
+
+    root = tmp_path_factory.mktemp("ort_exports")
+    return {arch: export_model(d, root / arch, ctx_len=CTX, prefill_seq_len=CHUNK, target="onnxruntime")
+            for arch, d in models.items()}
+
+
+@pytest.fixture(scope="module")
 def exports(models, tmp_path_factory):
     from qeff_kv.export import export_model
 
@@ -43,6 +52,27 @@ def test_greedy_tokens_match_transformers(arch, models, exports):
     ref = hf_greedy(models[arch], PROMPT, NEW)
     got = PlainLoop(exports[arch].onnx_path, CTX).greedy(PROMPT, NEW, CHUNK)
     assert got == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "granite"])
+def test_onnxruntime_target_matches_transformers_and_attends_valid_slots_only(arch, models, ort_exports):
+    from hf_models import PlainLoop, hf_greedy
+
+    r = ort_exports[arch]
+    assert PlainLoop(r.onnx_path, CTX).greedy(PROMPT, NEW, CHUNK) == hf_greedy(models[arch], PROMPT, NEW)
+    model = graphio.load(r.onnx_path)
+    assert inplace_issues(model, graphio.layout_of(model)) == []
+    # Attention reads a Slice of each scattered buffer, never the whole capacity.
+    for v in model.graph.outputs[1:]:
+        readers = {u.node.op_type for u in v.uses()}
+        assert readers == {"Slice"}, (v.name, readers)
+    assert r.manifest["target"] == "onnxruntime"
+
+
+def test_onnxruntime_target_same_io_as_portable(exports, ort_exports):
+    a = graphio.io_of(graphio.load(exports["llama"].onnx_path))
+    b = graphio.io_of(graphio.load(ort_exports["llama"].onnx_path))
+    assert a == b
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -191,12 +221,13 @@ def test_prompt_filling_capacity_with_padding_keeps_last_slot(models, tmp_path):
     assert int(logits[0, -1].argmax()) == ref[0]
 
 
-def test_continuous_batching_two_slots_decode_together(models, tmp_path):
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_continuous_batching_two_slots_decode_together(target, models, tmp_path):
     from hf_models import PlainLoop, hf_greedy
     from qeff_kv.export import export_model
 
     r = export_model(models["llama"], tmp_path / "cb", ctx_len=CTX, prefill_seq_len=CHUNK,
-                     continuous_batching=True, full_batch_size=2, kv_cache_prefix="VLLM")
+                     continuous_batching=True, full_batch_size=2, kv_cache_prefix="VLLM", target=target)
     ins, _ = graphio.io_of(graphio.load(r.onnx_path))
     by = {t.name: t for t in ins}
     assert by["batch_index"].shape == ("batch_size", 1)
@@ -238,6 +269,7 @@ def test_float16_export_loads_and_runs(tmp_path):
     (dict(continuous_batching=True), "--continuous-batching needs --full-batch-size"),
     (dict(full_batch_size=4), "only meaningful with --continuous-batching"),
     (dict(dtype="int8"), "dtype must be one of"),
+    (dict(target="gpu"), "target must be one of portable, onnxruntime"),
 ])
 def test_bad_options_refused_before_anything_is_written(kwargs, message, tmp_path):
     from qeff_kv.export import export_model

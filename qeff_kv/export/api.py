@@ -86,6 +86,7 @@ def export_model(
     full_batch_size: int | None = None,
     force: bool = False,
     specializations_format: compile_config.SpecFormat = "flat",
+    target: str = "portable",
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
@@ -103,7 +104,7 @@ def export_model(
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
     options = opt.ExportOptions(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, kv_cache_prefix=kv_cache_prefix,
                                 dtype=dtype, continuous_batching=continuous_batching,
-                                full_batch_size=full_batch_size).validate()
+                                full_batch_size=full_batch_size, target=target).validate()
     _check_sliding_window(config, options)
     params = opt.hashed_params(config, options, None if bundled else opt.weights_fingerprint(src_dir))
     params["specializations_format"] = specializations_format
@@ -244,7 +245,8 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")
         dyn["batch_index"] = {0: "batch_size"}
-    wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching).eval()
+    wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
+                                          valid_length_attention=options.target == "onnxruntime").eval()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
@@ -269,6 +271,7 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
     logits.shape = ir.Shape(["batch_size", 1, geometry["vocab_size"]])
     model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
     model.metadata_props["qeff_kv.continuous_batching"] = str(bool(options.continuous_batching)).lower()
+    model.metadata_props["qeff_kv.target"] = options.target
     if options.kv_cache_prefix is not None:
         SetKVPrefixPass(options.kv_cache_prefix)(model)
 
@@ -303,6 +306,7 @@ def _manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, 
         "dtype": options.dtype,
         "continuous_batching": options.continuous_batching,
         "full_batch_size": options.full_batch_size,
+        "target": options.target,
         "num_layers": geometry["num_layers"],
         "n_kv_heads": geometry["n_kv_heads"],
         "head_dim": geometry["head_dim"],

@@ -13,6 +13,9 @@ from .. import naming
 from ..errors import ExportError
 
 DTYPES = ("float32", "float16")
+#: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
+#: valid length through a data-dependent Slice (same names, pairing and in-place safety).
+TARGETS = ("portable", "onnxruntime")
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
@@ -30,6 +33,7 @@ class ExportOptions:
     dtype: str = "float32"
     continuous_batching: bool = False
     full_batch_size: int | None = None
+    target: str = "portable"
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -41,6 +45,8 @@ class ExportOptions:
             raise ExportError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.dtype not in DTYPES:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.target not in TARGETS:
+            raise ExportError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         if self.continuous_batching:
             if self.full_batch_size is None:
                 raise ExportError("--continuous-batching needs --full-batch-size N")

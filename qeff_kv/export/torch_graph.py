@@ -8,6 +8,9 @@ One generic mechanism for every architecture, through transformers' own interfac
 * a ready 4D additive attention mask built from ``position_ids`` (transformers returns a 4D mask as-is),
   so slot ``j`` is visible to a query at position ``p`` iff ``0 <= j <= p``; padded queries
   (``p = -1``) see a fully masked row with a finite mask value, so softmax stays finite;
+* optionally (the onnxruntime target), attention over only the first ``max(position_ids) + 1`` slots: a
+  data-dependent ``Slice`` of the scattered buffer, so a step costs time in proportion to the valid length,
+  not the capacity (accelerator compilers need static shapes, so the portable default attends over all);
 * logits only at the last valid position of each row (``[batch, 1, vocab]``), through the model's own
   output head and its logit scaling/soft-capping.
 
@@ -38,6 +41,26 @@ class _ScatterKV(torch.autograd.Function):
         return g.op("ScatterND", data, indices, updates)
 
 
+class _SliceSlots(torch.autograd.Function):
+    """``Slice(data, starts=[0], ends=length, axes=[2])``: the first ``length`` cache slots, where ``length`` is
+    a data-dependent 1-D tensor (the onnxruntime target's valid-length attention)."""
+
+    @staticmethod
+    def forward(ctx, data, length):  # noqa: D401
+        return data[:, :, : int(length.reshape(-1)[0])]
+
+    @staticmethod
+    def symbolic(g, data, length):
+        starts = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
+        axes = g.op("Constant", value_t=torch.tensor([2], dtype=torch.int64))
+        return g.op("Slice", data, starts, length, axes)
+
+
+def attended_length(position_ids: torch.Tensor) -> torch.Tensor:
+    """1 + the largest position in the batch (at least 1), as a 1-D int64 tensor: the slots attention needs."""
+    return torch.clamp(position_ids.max() + 1, min=1).reshape(1)
+
+
 class RetainedStateCache:
     """A ``past_key_values`` object for transformers models: scatter-update into fixed-capacity buffers.
 
@@ -48,8 +71,9 @@ class RetainedStateCache:
     is_compileable = False
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor,
-                 batch_index: torch.Tensor | None):
+                 batch_index: torch.Tensor | None, attend_length: torch.Tensor | None = None):
         self.past = past
+        self.attend_length = attend_length
         self.position_ids = position_ids
         self.batch_index = batch_index
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
@@ -101,10 +125,14 @@ class RetainedStateCache:
         new_k = _ScatterKV.apply(past_k, indices, k_upd.to(past_k.dtype))
         new_v = _ScatterKV.apply(past_v, indices, v_upd.to(past_v.dtype))
         self.retained[layer_idx] = (new_k, new_v)
+        att_k, att_v = new_k, new_v
+        if self.attend_length is not None:
+            att_k = _SliceSlots.apply(new_k, self.attend_length)
+            att_v = _SliceSlots.apply(new_v, self.attend_length)
         if self.batch_index is not None:
             rows = self.batch_index.reshape(-1)
-            return new_k[rows], new_v[rows]
-        return new_k, new_v
+            return att_k[rows], att_v[rows]
+        return att_k, att_v
 
 
 def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
@@ -120,8 +148,10 @@ def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int
 class RetainedStateLM(torch.nn.Module):
     """``(input_ids, position_ids, *past, [batch_index]) -> (logits, *retained)`` around a causal LM."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool):
+    def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool,
+                 valid_length_attention: bool = False):
         super().__init__()
+        self.valid_length_attention = valid_length_attention
         self.lm = model
         self.num_layers = num_layers
         self.continuous_batching = continuous_batching
@@ -135,9 +165,14 @@ class RetainedStateLM(torch.nn.Module):
         else:
             flat, batch_index = list(rest), None
         past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
-        cache = RetainedStateCache(past, position_ids, batch_index)
         dtype = flat[0].dtype
-        mask = build_attention_mask(position_ids, flat[0].shape[2], dtype)
+        if self.valid_length_attention:
+            length = attended_length(position_ids)
+            cache = RetainedStateCache(past, position_ids, batch_index, length)
+            mask = build_attention_mask(position_ids, length[0], dtype)
+        else:
+            cache = RetainedStateCache(past, position_ids, batch_index)
+            mask = build_attention_mask(position_ids, flat[0].shape[2], dtype)
         base = self.lm.get_decoder()
         out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                    past_key_values=cache, use_cache=True)
