@@ -1,3 +1,113 @@
-"""Placeholder: commands are added here."""
+"""Graph commands: ``rewrite``, ``check``, ``buffers``, ``compile-config``.
 
-COMMANDS: list = []
+Thin: parse options, call one library function, print. Library errors (``QeffKvError``) become
+``error: <message>`` and exit 2 in ``main``; ``check`` exits 1 when a rule fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from qeff_kv import buffers as _buffers
+from qeff_kv import check as _check
+from qeff_kv import rewrite as _rewrite
+
+_MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
+
+
+@click.command("rewrite")
+@_MODEL
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Output .onnx file (never the input unless --in-place).")
+@click.option("--kv-cache-prefix", "prefix", default=None, metavar="P",
+              help="Add or change the KV-cache prefix to P ([A-Za-z0-9]{1,64}).")
+@click.option("--strip-prefix", is_flag=True, help="Remove the KV-cache prefix.")
+@click.option("--in-place", is_flag=True, help="Rewrite MODEL itself (atomically).")
+@click.option("--allow-mixed-prefixes", is_flag=True,
+              help="Accept a graph whose layers carry different prefixes and make them uniform.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix: bool, in_place: bool,
+                allow_mixed_prefixes: bool, as_json: bool) -> None:
+    """Add, change or strip the KV-cache prefix of a retained-state graph.
+
+    Renames exactly the KV buffers (input and its _RetainedState output together); weights are never loaded.
+    Refusals print one line and exit 2 without writing anything.
+    """
+    if prefix is not None and strip_prefix:
+        raise click.UsageError("give either --kv-cache-prefix or --strip-prefix, not both")
+    if prefix is None and not strip_prefix:
+        raise click.UsageError("give --kv-cache-prefix P or --strip-prefix")
+    if output is None and not in_place:
+        raise click.UsageError("give -o OUTPUT, or --in-place to rewrite MODEL itself")
+    result = _rewrite.rewrite(model, output, prefix=prefix, strip=strip_prefix, in_place=in_place,
+                              allow_mixed=allow_mixed_prefixes)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(result.summary())
+
+
+@click.command("check")
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--kv-cache-prefix", "prefix", default=None, metavar="P",
+              help="Require the KV buffers to carry exactly this prefix.")
+@click.option("--no-kv-cache-prefix", "unprefixed", is_flag=True, help="Require unprefixed KV buffers.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the stable JSON report (schema qeff-kv.check/1); a list of reports for several models.")
+@click.option("--skip-onnx-checker", is_flag=True, help="Do not run onnx.checker (rule onnx-checker skipped).")
+def check_cmd(models: tuple[str, ...], prefix: str | None, unprefixed: bool, as_json: bool,
+              skip_onnx_checker: bool) -> None:
+    """Check MODELS against the retained-state rules.
+
+    Exit 0: every rule passes; 1: a rule failed; 2: a file is unreadable, or bad usage.
+    """
+    if prefix is not None and unprefixed:
+        raise click.UsageError("give either --kv-cache-prefix or --no-kv-cache-prefix, not both")
+    expected = None if unprefixed else (prefix if prefix is not None else _check.ANY)
+    reports = [_check.check(m, expected_prefix=expected, skip_checker=skip_onnx_checker) for m in models]
+    if as_json:
+        obj = reports[0].to_json() if len(reports) == 1 else [r.to_json() for r in reports]
+        click.echo(json.dumps(obj, indent=2))
+    else:
+        click.echo("\n".join(r.format_text() for r in reports), nl=False)
+    sys.exit(max(r.exit_code for r in reports))
+
+
+@click.command("buffers")
+@_MODEL
+@click.option("--regex", default=None, metavar="R",
+              help="Show exactly which inputs/outputs R selects (full match) and whether that is the KV set.")
+@click.option("--ctx-len", type=click.IntRange(min=1), default=None, help="Context length for bytes per sequence.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema qeff-kv.buffers/1).")
+def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: bool) -> None:
+    """List the KV buffer pairs, non-KV retained buffers and canonical selection regexes of MODEL."""
+    report = _buffers.buffers_report(model, regex=regex, ctx_len=ctx_len)
+    click.echo(report.to_json_text() if as_json else report.format_text(), nl=False)
+
+
+@click.command("compile-config")
+@_MODEL
+@click.option("-o", "--output-dir", "out_dir", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Folder for custom_io.yaml and specializations.json.")
+@click.option("--prefill-seq-len", type=click.IntRange(min=1), required=True)
+@click.option("--ctx-len", type=click.IntRange(min=1), required=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--full-batch-size", type=click.IntRange(min=1), default=None,
+              help="Continuous batching: rows of the decode specialization (needed for CB graphs).")
+@click.option("--specializations-format", "fmt", type=click.Choice(["flat", "named"]), default="flat",
+              show_default=True, help="flat: read by every compiler release; named: newer format.")
+@click.option("--precision", default="float16", show_default=True, help="Precision of the KV buffers in custom_io.")
+def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
+                       full_batch_size: int | None, fmt: str, precision: str) -> None:
+    """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph."""
+    paths = _buffers.write_compile_config_for_graph(
+        model, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len, batch_size=batch_size,
+        full_batch_size=full_batch_size, fmt=fmt, precision=precision)  # type: ignore[arg-type]
+    for p in paths:
+        click.echo(f"wrote {p}")
+
+
+COMMANDS = [rewrite_cmd, check_cmd, buffers_cmd, compile_config_cmd]

@@ -131,8 +131,9 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
     """Write ``model`` to ``path`` atomically, keeping external data reachable from the new file.
 
     ``source_dir`` is the folder the model was read from. When ``path`` is in that folder, external tensors
-    keep their locations. Otherwise every referenced data file is hard-linked (or copied) to the same
-    relative location beside the new file before the graph file is renamed into place.
+    keep their locations. Otherwise every referenced data file is cloned (reflink) or copied to the same
+    relative location beside the new file before the graph file is renamed into place (never hard-linked:
+    onnx refuses external data with several links).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,18 +148,36 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
             for location in sorted({str(t.location) for t in externals}):
                 src_file = _check_location(location, source_dir, "?")
                 dst_file = _check_location(location, dest_dir, "?")
-                if dst_file.exists() and _same_file(src_file, dst_file):
+                if dst_file.exists() and (_same_file(src_file, dst_file) or _same_content(src_file, dst_file)):
                     continue
                 if dst_file.exists():
                     raise ExternalDataError(
                         f"{dst_file} already exists and is not the external data of the input model; "
                         "refusing to overwrite it (choose another output folder)")
                 dst_file.parent.mkdir(parents=True, exist_ok=True)
-                fsutil.link_or_copy(src_file, dst_file)
+                # A copy (reflink where the file system can), never a hard link: onnx refuses to load external
+                # data files with several links, which would break the new model and the original.
+                fsutil.clone_or_copy(src_file, dst_file)
     model.meta.pop("qeff_kv.source_path", None)
     proto = ir.serde.serialize_model(model)
     fsutil.write_bytes(path, proto.SerializeToString(deterministic=True))
     return path
+
+
+def _same_content(a: Path, b: Path, chunk: int = 16 << 20) -> bool:
+    """Same size and bytes (streamed, constant memory): a copy placed by an earlier save."""
+    try:
+        if a.stat().st_size != b.stat().st_size:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(chunk), fb.read(chunk)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    except OSError:
+        return False
 
 
 def _same_file(a: Path, b: Path) -> bool:

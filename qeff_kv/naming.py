@@ -237,3 +237,35 @@ def select(regex: str, names: Iterable[str]) -> list[str]:
     """The names that ``regex`` selects, in the order given."""
     pat = re.compile(regex)
     return [n for n in names if pat.fullmatch(n) is not None]
+
+
+# --------------------------------------------------------------------------------------------- checks
+#: Stems that come together in one layer (key with value; MLA's latent with its rope part; a hybrid layer's
+#: convolution state with its recurrent state). ``check`` requires both members wherever one is present.
+STEM_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("past_key", "past_value"), ("compressed_kv", "k_pe"), ("conv_state", "recurrent_state"))
+
+_KV_LIKE_RE = re.compile(r"(?:" + "|".join(map(re.escape, KV_STEMS)) + r")\.[0-9]")
+
+
+def looks_like_kv(name: str) -> bool:
+    """Whether ``name`` starts like a KV buffer (``<stem>.<digit>``) whether or not it parses as one.
+
+    ``check`` reports names for which this is true but :func:`parse_kv_name` is ``None`` (``past_key.0_a-b``,
+    ``past_key.01``): a serving regex or the pairing rule would treat them inconsistently.
+    """
+    return _KV_LIKE_RE.match(name) is not None
+
+
+def prefixed_non_kv(name: str) -> tuple[str, str] | None:
+    """If ``name`` is a known non-KV retained buffer that carries a prefix (``vision_embeds_P`` or
+    ``vision_embeds_P_RetainedState``), return ``(base, P)``; else ``None``. Non-KV buffers are never prefixed."""
+    if name in NON_KV_OUTPUT_ALIASES.values():
+        return None
+    base = name[: -len(RETAINED_SUFFIX)] if name.endswith(RETAINED_SUFFIX) else name
+    for known in NON_KV_RETAINED:
+        if base.startswith(known + "_"):
+            rest = base[len(known) + 1:]
+            if rest and all(c.isascii() and c.isalnum() for c in rest):
+                return known, rest
+    return None

@@ -59,11 +59,15 @@ class SetKVPrefixPass(ir.passes.InPlacePass):
                 kv_values.append((v, new))
 
         if self.prefix is not None:
-            for info in layout.inputs + layout.outputs:
-                if naming.parse_kv_name(info.name) is None and self.prefix in info.name:
-                    raise RewriteError(
-                        f"prefix {self.prefix!r} occurs in the non-KV {'input' if layout.input(info.name) else 'output'} "
-                        f"{info.name!r}, so the serving regex {naming.substring_regex(self.prefix)!r} would select it")
+            # Every graph input (initializers listed as inputs included) and output: the serving regex ``.*P.*``
+            # is applied to all of them.
+            for kind, values in (("input", graph.inputs), ("output", graph.outputs)):
+                for v in values:
+                    name = v.name or ""
+                    if naming.parse_kv_name(name) is None and self.prefix in name:
+                        raise RewriteError(
+                            f"prefix {self.prefix!r} occurs in the non-KV {kind} {name!r}, so the serving regex "
+                            f"{naming.substring_regex(self.prefix)!r} would select it")
 
         renamed = {id(v) for v, _ in kv_values}
         taken = {n for n in _all_value_names(graph, exclude=renamed)}

@@ -1,0 +1,245 @@
+"""``qeff-kv buffers``: the KV buffer table of a graph, and what a serving regex would select.
+
+* :func:`format_buffer_table` renders a :class:`~qeff_kv.layout.KVLayout` (also printed after ``export``).
+* :func:`buffers_report` reads a graph (external weights never loaded) and builds a :class:`BuffersReport`:
+  the KV pairs (layer, kind, input name, retained name, dtype, shape, bytes per sequence at ``ctx_len``), the
+  non-KV retained buffers, the canonical regexes for the graph's prefix and, with a regex, exactly which I/O
+  names it selects and whether that equals the KV set.
+* :func:`write_compile_config_for_graph` writes ``custom_io.yaml``/``specializations.json`` for an existing graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import graphio, naming
+from .compile_config import SpecFormat, write_compile_config
+from .errors import QeffKvError, RuntimeInputError
+from .layout import KVLayout, KVPair
+
+SCHEMA = "qeff-kv.buffers/1"
+
+
+class RegexError(QeffKvError, ValueError):
+    """A selection regex given by the user does not compile."""
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def _sorted_pairs(layout: KVLayout) -> list[KVPair]:
+    return sorted(layout.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))
+
+
+def _fmt_shape(shape) -> str:
+    if shape is None:
+        return "?"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    out.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return out
+
+
+def total_bytes_per_sequence(layout: KVLayout, ctx_len: int | None) -> int | None:
+    total = 0
+    for p in layout.pairs:
+        b = p.bytes_per_sequence(ctx_len)
+        if b is None:
+            return None
+        total += b
+    return total
+
+
+def format_buffer_table(layout: KVLayout, ctx_len: int | None = None) -> str:
+    """The KV pairs of ``layout`` as a text table, with the non-KV retained buffers and totals."""
+    rows = []
+    for p in _sorted_pairs(layout):
+        rows.append([str(p.layer), p.stem, p.input_name, p.output_name, p.input.dtype, _fmt_shape(p.input.shape),
+                     human_bytes(p.bytes_per_sequence(ctx_len))])
+    bytes_col = f"bytes/seq @ctx_len={ctx_len}" if ctx_len is not None else "bytes/seq"
+    lines = _table(["layer", "kind", "input", "retained", "dtype", "shape", bytes_col], rows)
+    total = total_bytes_per_sequence(layout, ctx_len)
+    ps = layout.prefixes
+    prefix = "mixed: " + ", ".join("(none)" if p is None else p for p in ps) if len(ps) > 1 else (
+        "(none)" if not ps or ps[0] is None else ps[0])
+    summary = f"{len(layout.pairs)} KV pairs, {layout.num_layers} layers, prefix {prefix}"
+    if total is not None:
+        summary += f", {human_bytes(total)} ({total} bytes) per sequence"
+    elif ctx_len is None and layout.pairs:
+        summary += "; pass --ctx-len N for bytes per sequence"
+    lines.append(summary)
+    if layout.unpaired_inputs or layout.unpaired_outputs:
+        lines.append("unpaired KV buffers: " + ", ".join(layout.unpaired_inputs + layout.unpaired_outputs))
+    if layout.non_kv_retained:
+        lines.append("non-KV retained buffers: " + ", ".join(
+            f"{i or '(no input)'} -> {o or '(no output)'}" for i, o in layout.non_kv_retained))
+    else:
+        lines.append("non-KV retained buffers: none")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ selection
+@dataclass
+class RegexSelection:
+    """What ``regex`` (full-match, as serving frameworks apply it) selects among a graph's I/O names."""
+
+    regex: str
+    selected: list[str]
+    kv: list[str]
+    extra: list[str] = field(default_factory=list)    # selected but not KV
+    missed: list[str] = field(default_factory=list)   # KV but not selected
+
+    @property
+    def equals_kv(self) -> bool:
+        return not self.extra and not self.missed
+
+    def to_json(self) -> dict:
+        return {"regex": self.regex, "selected": list(self.selected), "equals_kv_set": self.equals_kv,
+                "selects_non_kv": list(self.extra), "misses_kv": list(self.missed)}
+
+    def format_text(self) -> str:
+        lines = [f"regex {self.regex!r} selects {len(self.selected)} of the graph's inputs/outputs:"]
+        lines += [f"  {n}" for n in self.selected] or ["  (nothing)"]
+        if self.equals_kv:
+            lines.append(f"= exactly the {len(self.kv)} KV buffers")
+        else:
+            lines.append("!= the KV buffers:")
+            if self.extra:
+                lines.append("  selects non-KV: " + ", ".join(self.extra))
+            if self.missed:
+                lines.append("  misses KV: " + ", ".join(self.missed))
+        return "\n".join(lines) + "\n"
+
+
+def regex_selection(layout: KVLayout, regex: str) -> RegexSelection:
+    try:
+        re.compile(regex)
+    except re.error as exc:
+        raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
+    selected = naming.select(regex, layout.io_names)
+    kv = layout.kv_names
+    sel, kvs = set(selected), set(kv)
+    return RegexSelection(regex, selected, kv, [n for n in selected if n not in kvs],
+                          [n for n in kv if n not in sel])
+
+
+# ------------------------------------------------------------------------------------------------ report
+@dataclass
+class BuffersReport:
+    model: str
+    layout: KVLayout
+    ctx_len: int | None = None
+    selection: RegexSelection | None = None
+
+    @property
+    def prefix(self) -> str | None:
+        ps = self.layout.prefixes
+        return ps[0] if len(ps) == 1 else None
+
+    @property
+    def regexes(self) -> dict | None:
+        """Canonical regexes for the graph's prefix (``None`` when prefixes are mixed or there is no KV)."""
+        ps = self.layout.prefixes
+        if len(ps) != 1:
+            return None
+        return naming.canonical_regexes(ps[0], self.layout.stems or naming.EXPORT_STEMS)
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "prefix": self.prefix,
+            "prefixes": list(lay.prefixes),
+            "num_layers": lay.num_layers,
+            "ctx_len": self.ctx_len,
+            "pairs": [p.to_json(self.ctx_len) for p in _sorted_pairs(lay)],
+            "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len),
+            "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
+            "non_kv_retained": [{"input": i, "retained": o} for i, o in lay.non_kv_retained],
+            "regexes": self.regexes,
+            "selection": None if self.selection is None else self.selection.to_json(),
+        }
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    def format_text(self) -> str:
+        out = [f"{self.model}", format_buffer_table(self.layout, self.ctx_len).rstrip("\n")]
+        rx = self.regexes
+        if rx is not None:
+            out.append("canonical regexes:")
+            for k, v in rx.items():
+                out.append(f"  {k}: " + (" + ".join(v) if isinstance(v, list) else v))
+        elif len(self.layout.prefixes) > 1:
+            out.append("canonical regexes: none (mixed prefixes)")
+        if self.selection is not None:
+            out.append(self.selection.format_text().rstrip("\n"))
+        return "\n".join(out) + "\n"
+
+
+def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
+                   ctx_len: int | None = None) -> BuffersReport:
+    """Read ``path`` (weights stay on disk) and describe its buffers."""
+    if ctx_len is not None and (not isinstance(ctx_len, int) or isinstance(ctx_len, bool) or ctx_len < 1):
+        raise RuntimeInputError(f"ctx_len must be a positive integer, got {ctx_len!r}")
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
+    layout = graphio.layout_of(graphio.load(path))
+    sel = regex_selection(layout, regex) if regex is not None else None
+    return BuffersReport(str(path), layout, ctx_len, sel)
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def _kv_batch_dim(layout: KVLayout) -> str | int | None:
+    for p in layout.pairs:
+        if p.input.shape:
+            return p.input.shape[0]
+    return None
+
+
+def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
+                                   prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
+                                   full_batch_size: int | None = None, fmt: SpecFormat = "flat",
+                                   precision: str = "float16") -> list[Path]:
+    """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
+
+    A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
+    without it refuses one.
+    """
+    layout = graphio.layout_of(graphio.load(path))
+    layout.require_valid()
+    cb = _kv_batch_dim(layout) == "full_batch_size"
+    if cb and full_batch_size is None:
+        raise RuntimeInputError(
+            f"{path} is a continuous-batching graph (KV batch axis 'full_batch_size'); give --full-batch-size")
+    if not cb and full_batch_size is not None:
+        raise RuntimeInputError(
+            f"{path} is not a continuous-batching graph (no KV batch axis 'full_batch_size'); "
+            "--full-batch-size does not apply")
+    if full_batch_size is not None and (not isinstance(full_batch_size, int) or full_batch_size < 1):
+        raise RuntimeInputError(f"full_batch_size must be a positive integer, got {full_batch_size!r}")
+    return write_compile_config(layout, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
+                                batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
+                                precision=precision)
