@@ -1,3 +1,75 @@
-"""Placeholder: commands are added here."""
+"""``qeff-kv generate``: run a retained-state graph (an .onnx file or an export folder) in onnxruntime.
 
-COMMANDS: list = []
+Thin: parse options, call :func:`qeff_kv.runtime.generate.run_generate`, print. Errors are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from qeff_kv.runtime.generate import GenerateRequest, parse_ids, run_generate
+from qeff_kv.runtime.sampling import SamplingParams
+
+
+@click.command("generate")
+@click.argument("model", type=click.Path(path_type=str))
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="Prompt text (needs tokenizer.json beside the graph). Repeat for several sequences.")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
+              help="Prompt token ids, e.g. 5,17,42. Repeat for several sequences (after any --prompt).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True,
+              help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
+@click.option("--ctx-len", type=int, default=None, help="Cache capacity, where the graph leaves it symbolic.")
+@click.option("--prefill-seq-len", type=int, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
+@click.option("--max-sequences", type=int, default=None,
+              help="Slots of a continuous-batching graph (default: the manifest's, or the number of prompts).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same tokens).")
+@click.option("--stop-token", "stop_tokens", type=int, multiple=True, metavar="ID",
+              help="Stop a sequence after this token (repeatable; the manifest's eos ids are included).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the manifest's eos ids.")
+@click.option("--on-capacity", type=click.Choice(["error", "stop"]), default="error", show_default=True,
+              help="When prompt + new tokens exceed ctx_len: refuse before running, or stop early.")
+@click.option("--save-state", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Save the sequence's KV state (safetensors) when done.")
+@click.option("--load-state", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Continue a sequence saved with --save-state.")
+@click.option("--select", default=None, metavar="REGEX",
+              help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
+@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
+@click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
+def generate_cmd(model, prompts, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, max_sequences, temperature,
+                 top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
+                 no_inplace, as_json) -> None:
+    """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
+    req = GenerateRequest(
+        model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
+        max_new_tokens=max_new_tokens, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+        max_sequences=max_sequences,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
+        select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity)
+    result = run_generate(req)
+    t = result["timings"]
+    click.echo(f"prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.3f}s; decode {t['decode_tokens']} tokens "
+               f"in {t['decode_s']:.3f}s ({t['decode_tokens_per_s']:.1f} tokens/s)"
+               + ("" if result["inplace"] else "; separate output buffers (not in place)"), err=True)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for i, s in enumerate(result["sequences"]):
+        if not s["tokens"]:  # prefill only
+            continue
+        ids = " ".join(str(x) for x in s["tokens"])
+        prefix = f"[{i}] " if len(result["sequences"]) > 1 else ""
+        click.echo(f"{prefix}{s['text']}" if s["text"] is not None else f"{prefix}{ids}")
+    if result["saved_state"]:
+        click.echo(f"saved state to {result['saved_state']}", err=True)
+
+
+COMMANDS = [generate_cmd]

@@ -1,0 +1,21 @@
+"""Run retained-state graphs in onnxruntime with a persistent, in-place KV cache.
+
+Needs only numpy, onnx_ir and onnxruntime (no torch, no transformers); ``tokenizers`` is optional.
+
+    from qeff_kv.runtime import Session
+    s = Session("out/", ctx_len=256)
+    [g] = s.generate([[5, 17, 42]], max_new_tokens=8)
+
+See ``docs/runtime.md``.
+"""
+
+from .cache import KVCache, Sequence
+from .sampling import GREEDY, SamplingParams, sample
+from .session import Generation, ModelFiles, Session, TokenEvent, Timings, open_session, resolve_model
+from .state import KVState, export_state, import_state, load_state, read_state, save_state
+
+__all__ = [
+    "GREEDY", "Generation", "KVCache", "KVState", "ModelFiles", "SamplingParams", "Sequence", "Session",
+    "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "read_state",
+    "resolve_model", "sample", "save_state",
+]

@@ -1,0 +1,203 @@
+"""The KV cache manager: one fixed buffer per KV pair, sequences as slots of its batch axis.
+
+In the spirit of llama.cpp's memory API: a sequence is created in a free slot, has a valid ``length``
+(its tokens occupy cache positions ``[0, length)``), can be truncated (rewound) in O(1) — only the valid
+length moves, no data is copied or cleared — reset to empty, or destroyed (its slot becomes free).
+
+Nothing beyond a sequence's valid length is ever read: the graph masks every position past the one it is
+computing, so stale data left by a truncate or by a destroyed sequence is harmless and is overwritten as the
+new tokens arrive.
+
+Buffers are allocated once, at capacity (``max_sequences`` x ``ctx_len``), as numpy arrays wrapped by
+``OrtValue`` objects that share their memory; the session binds them to the graph. A graph that is not
+in-place safe gets a second set (``spare``), and the two sets swap after every run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import RuntimeInputError
+from ..layout import KVPair
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence in the cache.
+
+    Attributes:
+        id: stable identifier (never reused within a cache).
+        slot: index on the KV batch axis (``batch_index`` of a continuous-batching graph).
+        length: valid cache positions ``[0, length)``.
+        tokens: the token ids at those positions.
+        pending: the last sampled token, not yet in the cache (it is fed at position ``length`` next), or
+            ``None``.
+        pending_emitted: whether ``pending`` has already been returned to the caller (a prefill-only run
+            samples the first token but leaves it to whoever continues).
+    """
+
+    id: int
+    slot: int
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+    pending: int | None = None
+    pending_emitted: bool = False
+    alive: bool = True
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"Sequence(id={self.id}, slot={self.slot}, length={self.length}, pending={self.pending})"
+
+
+class KVCache:
+    """Fixed-capacity KV buffers plus the slot bookkeeping of the sequences stored in them.
+
+    Args:
+        pairs: the graph's KV pairs (from :class:`qeff_kv.layout.KVLayout`), in graph input order.
+        max_sequences: size of the KV batch axis.
+        ctx_len: capacity in positions of every sequence.
+        double_buffer: allocate a second set of buffers (graphs that are not in-place safe).
+    """
+
+    def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False):
+        if max_sequences < 1:
+            raise RuntimeInputError(f"max_sequences must be at least 1, got {max_sequences}")
+        if ctx_len < 1:
+            raise RuntimeInputError(f"ctx_len must be at least 1, got {ctx_len}")
+        self.pairs = list(pairs)
+        self.max_sequences = int(max_sequences)
+        self.ctx_len = int(ctx_len)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.values: dict[str, ort.OrtValue] = {}
+        self.spare_arrays: dict[str, np.ndarray] = {}
+        self.spare_values: dict[str, ort.OrtValue] = {}
+        for p in self.pairs:
+            shape = p.input.shape
+            if shape is None or len(shape) != 4:
+                raise RuntimeInputError(
+                    f"KV input {p.input_name!r} has shape {shape}; expected [batch, heads, ctx_len, head_dim]")
+            heads, head_dim = shape[1], shape[3]
+            if not isinstance(heads, int) or not isinstance(head_dim, int):
+                raise RuntimeInputError(
+                    f"KV input {p.input_name!r} has symbolic heads or head_dim ({shape}); cannot allocate it")
+            full = (self.max_sequences, heads, self.ctx_len, head_dim)
+            dtype = np.dtype(p.input.dtype)
+            self.shapes[p.input_name] = full
+            self.dtypes[p.input_name] = dtype
+            self.arrays[p.input_name] = np.zeros(full, dtype=dtype)
+            self.values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[p.input_name])
+            if double_buffer:
+                self.spare_arrays[p.input_name] = np.zeros(full, dtype=dtype)
+                self.spare_values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.spare_arrays[p.input_name])
+        self.double_buffer = double_buffer
+        self._seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+
+    # ---------------------------------------------------------------------------------- buffers
+    def swap(self) -> None:
+        """After a run with separate output buffers: the outputs become the current cache."""
+        if not self.double_buffer:
+            return
+        self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
+        self.values, self.spare_values = self.spare_values, self.values
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position of one sequence occupies across every KV buffer."""
+        total = 0
+        for name, (_, h, _, d) in self.shapes.items():
+            total += h * d * self.dtypes[name].itemsize
+        return total
+
+    @property
+    def memory_capacity(self) -> int:
+        """Bytes of the KV buffers (one set: ``max_sequences`` x ``ctx_len`` positions)."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+    @property
+    def memory_used(self) -> int:
+        """Bytes holding valid positions of live sequences."""
+        return sum(s.length for s in self._seqs.values()) * self.bytes_per_position
+
+    def read(self, seq: Sequence, name: str, length: int | None = None) -> np.ndarray:
+        """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name``."""
+        n = seq.length if length is None else length
+        return np.ascontiguousarray(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :])
+
+    def write(self, seq: Sequence, name: str, data: np.ndarray) -> None:
+        """Copy ``data`` (``[1, heads, n, head_dim]``) into positions ``[0, n)`` of ``seq``'s slot."""
+        n = data.shape[2]
+        self.arrays[name][seq.slot:seq.slot + 1, :, :n, :] = data
+
+    # ---------------------------------------------------------------------------------- sequences
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return sorted(self._seqs.values(), key=lambda s: s.id)
+
+    def free_slots(self) -> list[int]:
+        used = {s.slot for s in self._seqs.values()}
+        return [i for i in range(self.max_sequences) if i not in used]
+
+    def create(self, slot: int | None = None) -> Sequence:
+        """A new empty sequence in a free slot (the lowest one unless ``slot`` is given)."""
+        free = self.free_slots()
+        if not free:
+            raise RuntimeInputError(
+                f"all {self.max_sequences} sequence slots are in use; destroy a sequence first")
+        if slot is None:
+            slot = free[0]
+        elif slot not in free:
+            raise RuntimeInputError(f"slot {slot} is not free (free: {free})")
+        seq = Sequence(self._next_id, slot)
+        self._next_id += 1
+        self._seqs[seq.id] = seq
+        return seq
+
+    def get(self, seq: Sequence | int) -> Sequence:
+        sid = seq.id if isinstance(seq, Sequence) else seq
+        found = self._seqs.get(sid)
+        if found is None or (isinstance(seq, Sequence) and found is not seq):
+            raise RuntimeInputError(f"sequence {sid} does not exist (destroyed or from another session)")
+        return found
+
+    def destroy(self, seq: Sequence | int) -> None:
+        s = self.get(seq)
+        s.alive = False
+        del self._seqs[s.id]
+
+    def reset(self, seq: Sequence | int) -> None:
+        """Empty the sequence (length 0) but keep its slot."""
+        self.truncate(seq, 0)
+
+    def length(self, seq: Sequence | int) -> int:
+        return self.get(seq).length
+
+    def truncate(self, seq: Sequence | int, n: int) -> None:
+        """Keep positions ``[0, n)``; O(1): only the valid length moves. Drops a pending token unless
+        ``n`` equals the current length."""
+        s = self.get(seq)
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise RuntimeInputError(f"truncate length must be a non-negative int, got {n!r}")
+        if n > s.length:
+            raise RuntimeInputError(f"cannot truncate sequence {s.id} of length {s.length} to {n}")
+        if n != s.length:
+            s.pending = None
+            s.pending_emitted = False
+        s.length = int(n)
+        del s.tokens[n:]
+
+    def check_room(self, seqs: Iterable[Sequence], extra: int = 1) -> None:
+        for s in seqs:
+            if s.length + extra > self.ctx_len:
+                raise RuntimeInputError(
+                    f"sequence {s.id} holds {s.length} positions; {extra} more exceed the capacity "
+                    f"ctx_len={self.ctx_len}")

@@ -1,0 +1,130 @@
+"""One call behind ``qeff-kv generate``: open a session, run the requests, save or load state, report.
+
+Also the optional tokenizer (``tokenizer.json`` beside the graph, read with the ``tokenizers`` package).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence as Seq
+
+from ..errors import MissingDependencyError, RuntimeInputError
+from .sampling import SamplingParams
+from .session import Session, TokenEvent, resolve_model
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"5,17,42"`` (commas and/or spaces) -> ``[5, 17, 42]``; one-line error otherwise."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    if not parts:
+        raise RuntimeInputError(f"--prompt-ids {text!r}: no token ids")
+    out = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise RuntimeInputError(f"--prompt-ids {text!r}: {p!r} is not an integer") from None
+        if v < 0:
+            raise RuntimeInputError(f"--prompt-ids {text!r}: token id {v} is negative")
+        out.append(v)
+    return out
+
+
+def load_tokenizer(folder: Path, *, required: bool):
+    """The ``tokenizers.Tokenizer`` of ``folder/tokenizer.json``, or ``None`` when not required and absent."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        if required:
+            raise RuntimeInputError(
+                f"--prompt needs a tokenizer, and {folder} has no tokenizer.json; give --prompt-ids instead")
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        if required:
+            raise MissingDependencyError(
+                "--prompt needs the 'tokenizers' package (pip install tokenizers); or give --prompt-ids") from None
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise RuntimeInputError(f"{path}: cannot be read as a tokenizer ({exc})") from None
+
+
+@dataclass
+class GenerateRequest:
+    model: str | os.PathLike
+    prompts: list[str] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    max_new_tokens: int = 64
+    ctx_len: int | None = None
+    prefill_seq_len: int | None = None
+    max_sequences: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_tokens: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    save_state: str | None = None
+    load_state: str | None = None
+    select: str | None = None
+    threads: int | None = None
+    inplace: bool | None = None
+    on_capacity: str = "error"
+
+
+def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | None = None) -> dict:
+    """Run a :class:`GenerateRequest`; returns the JSON-able result printed by the CLI."""
+    files = resolve_model(req.model)
+    tok = load_tokenizer(files.folder, required=bool(req.prompts))
+    prompts: list[list[int]] = [list(tok.encode(p).ids) for p in req.prompts] if req.prompts else []
+    prompts += [list(p) for p in req.prompt_ids]
+    if req.load_state is None and not prompts:
+        raise RuntimeInputError("give --prompt, --prompt-ids or --load-state")
+    if req.load_state is not None and len(prompts) > 1:
+        raise RuntimeInputError("--load-state continues one sequence: give at most one prompt to append to it")
+    n_requests = max(1, len(prompts))
+    if req.save_state is not None and n_requests != 1:
+        raise RuntimeInputError(f"--save-state saves one sequence; {n_requests} were requested")
+    max_sequences = req.max_sequences if req.max_sequences is not None else (n_requests if n_requests > 1 else None)
+
+    t_open = time.perf_counter()
+    session = Session(req.model, ctx_len=req.ctx_len,
+                      prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
+                      inplace=req.inplace, threads=req.threads)
+    open_s = time.perf_counter() - t_open
+    stops = [] if req.ignore_eos else list(session.eos_token_ids)
+    stops += [t for t in req.stop_tokens if t not in stops]
+
+    if req.load_state is not None:
+        seq = session.load_state(req.load_state)
+        requests: list = [(seq, prompts[0]) if prompts else seq]
+    else:
+        requests = prompts
+    t0 = time.perf_counter()
+    results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                               stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
+    wall = time.perf_counter() - t0
+    saved = None
+    if req.save_state is not None:
+        saved = str(session.save_state(results[0].sequence, req.save_state, select=req.select))
+    seqs = []
+    for g in results:
+        item = g.to_json()
+        item["text"] = tok.decode(g.tokens) if tok is not None else None
+        seqs.append(item)
+    timings = session.timings.to_json()
+    timings["open_s"] = round(open_s, 6)
+    timings["wall_s"] = round(wall, 6)
+    return {
+        "model": str(files.onnx_path),
+        "sequences": seqs,
+        "timings": timings,
+        "inplace": session.inplace,
+        "ctx_len": session.ctx_len,
+        "prefill_seq_len": session.prefill_seq_len,
+        "stop_tokens": stops,
+        "saved_state": saved,
+        "loaded_state": req.load_state,
+    }

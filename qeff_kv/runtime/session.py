@@ -1,0 +1,701 @@
+"""An onnxruntime session over a retained-state decoder graph, with a persistent in-place KV cache.
+
+Works with any graph that follows the retained-state contract — ours, and the peer's (QEfficient), prefixed
+or not, continuous-batching (a ``batch_index`` input) or not. KV pairs come from
+:class:`qeff_kv.layout.KVLayout` (the naming contract), never from hard-coded names.
+
+Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
+range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
+
+How a run is bound (IOBinding):
+
+* one buffer per KV pair, allocated once at ``[max_sequences, heads, ctx_len, head_dim]``;
+* if the graph is in-place safe (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as
+  the input ``X`` and as the output ``X_RetainedState``: onnxruntime's ``ScatterND`` then updates the cache
+  where it is, without copying it; otherwise the outputs go to a second set of buffers and the two sets
+  swap after each run (correct, slower, and :attr:`Session.inplace` says so);
+* ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) live in preallocated
+  arrays, bound once per shape; a step only writes a few integers into them.
+
+Prefill runs in chunks of the graph's prefill length; the last chunk is right-padded with
+``position_ids = -1``. Padding rows of the peer's graphs write their key/value into slot ``ctx_len - 1`` of
+their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
+fill that slot: such a chunk runs unpadded, at its exact length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence as Seq
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from .. import graphio, naming
+from ..errors import ContractError, GraphReadError, RuntimeInputError
+from ..inplace import inplace_issues
+from ..layout import KVLayout
+from ..passes.ort_invalid_index import OrtInvalidIndexPass
+from .cache import KVCache, Sequence
+from .sampling import GREEDY, SamplingParams, sample
+
+MANIFEST = "manifest.json"
+#: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
+DEFAULT_PREFILL_SEQ_LEN = 32
+
+
+# ============================================================================================ model files
+@dataclass
+class ModelFiles:
+    """Where a model's files are: the graph, its export manifest (if any) and its folder."""
+
+    onnx_path: Path
+    folder: Path
+    manifest: dict | None = None
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        p = self.folder / "tokenizer.json"
+        return p if p.is_file() else None
+
+
+def resolve_model(model: str | os.PathLike) -> ModelFiles:
+    """An ``.onnx`` file, or an export folder with ``manifest.json`` (or exactly one ``.onnx`` file)."""
+    path = Path(model)
+    if not path.exists():
+        raise GraphReadError(f"{path}: no such file or folder")
+    if path.is_dir():
+        man_path = path / MANIFEST
+        manifest = None
+        if man_path.is_file():
+            try:
+                manifest = json.loads(man_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise GraphReadError(f"{man_path}: not valid JSON ({exc})") from None
+            if not isinstance(manifest, dict):
+                raise GraphReadError(f"{man_path}: expected a JSON object")
+        if manifest is not None and manifest.get("onnx"):
+            onnx_path = path / str(manifest["onnx"])
+            if not onnx_path.is_file():
+                raise GraphReadError(f"{man_path}: names {manifest['onnx']!r}, which is not in {path}")
+        else:
+            found = sorted(path.glob("*.onnx"))
+            if len(found) != 1:
+                raise GraphReadError(
+                    f"{path}: expected an export folder with {MANIFEST} or exactly one .onnx file, "
+                    f"found {len(found)} .onnx files")
+            onnx_path = found[0]
+        return ModelFiles(onnx_path, path, manifest)
+    manifest = None
+    man_path = path.parent / MANIFEST
+    if man_path.is_file():
+        try:
+            data = json.loads(man_path.read_text(encoding="utf-8"))
+            if isinstance(data, dict) and data.get("onnx") == path.name:
+                manifest = data
+        except (OSError, ValueError):
+            manifest = None
+    return ModelFiles(path, path.parent, manifest)
+
+
+# ============================================================================================ fingerprints
+def kv_contract(layout: KVLayout) -> dict:
+    """What a state file must agree on: buffer names (prefix included), dtypes, heads and head_dim."""
+    pairs = []
+    for p in layout.pairs:
+        shape = p.input.shape or ()
+        pairs.append({
+            "input": p.input_name, "retained": p.output_name, "dtype": p.input.dtype,
+            "heads": shape[1] if len(shape) == 4 else None, "head_dim": shape[3] if len(shape) == 4 else None,
+        })
+    return {"prefix": layout.prefix, "num_layers": layout.num_layers, "pairs": pairs}
+
+
+def kv_fingerprint(layout: KVLayout) -> str:
+    blob = json.dumps(kv_contract(layout), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def model_fingerprint(model: ir.Model, sample_bytes: int = 64, min_elements: int = 1024) -> str:
+    """A cheap identity of the *weights*: for every initializer of at least ``min_elements`` elements, its
+    dtype, shape and ``sample_bytes`` bytes from its start, middle and end (external data is memory-mapped,
+    never read in full), hashed as a sorted multiset.
+
+    Names and graph structure do not enter, so two graphs of the same checkpoint (with and without
+    continuous batching, or from two exporters) accept each other's state files, and graphs of different
+    checkpoints do not.
+    """
+    items = []
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        if t is None or t.size < min_elements:
+            continue
+        try:
+            arr = np.asarray(t.numpy()).reshape(-1)
+        except Exception:  # pragma: no cover - exotic tensor types
+            continue
+        k = max(1, sample_bytes // max(1, arr.itemsize))
+        mid = arr.size // 2
+        h = hashlib.sha256(f"{arr.dtype.str}:{tuple(t.shape)}".encode())
+        for part in (arr[:k], arr[mid:mid + k], arr[-k:]):
+            h.update(np.ascontiguousarray(part).tobytes())
+        items.append(h.hexdigest())
+    return hashlib.sha256("".join(sorted(items)).encode()).hexdigest()
+
+
+# ============================================================================================ results
+@dataclass
+class Generation:
+    """The outcome of :meth:`Session.generate` for one sequence."""
+
+    sequence: Sequence
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "capacity" | "prefill"
+
+    def to_json(self) -> dict:
+        return {"tokens": list(self.tokens), "prompt_tokens": self.prompt_tokens,
+                "finish_reason": self.finish_reason, "length": self.sequence.length}
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
+                "decode_tokens": self.decode_tokens,
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token produced by :meth:`Session.stream`: ``index`` is the request's position in the call."""
+
+    index: int
+    token: int
+    sequence: Sequence
+
+
+# ============================================================================================ session
+class Session:
+    """Run a retained-state graph with a persistent KV cache.
+
+    Args:
+        model: an ``.onnx`` file or an export folder (``manifest.json``).
+        ctx_len: cache capacity in positions; required when neither the graph nor the manifest fixes it.
+        prefill_seq_len: prefill chunk length (default: graph, manifest, else 32).
+        max_sequences: slots of a continuous-batching graph (default: graph, manifest, else 1). A graph
+            without ``batch_index`` holds one sequence.
+        inplace: ``None`` (default) binds in place when the graph is in-place safe; ``False`` forces separate
+            output buffers; ``True`` refuses a graph that is not safe.
+        threads: onnxruntime intra-op threads (default: onnxruntime's choice).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
+                 prefill_seq_len: int | None = None, max_sequences: int | None = None,
+                 inplace: bool | None = None, threads: int | None = None,
+                 providers: Seq[str] | None = None):
+        self.files = resolve_model(model)
+        man = self.files.manifest or {}
+        ir_model = graphio.load(self.files.onnx_path)
+        layout = graphio.layout_of(ir_model)
+        layout.require_valid()
+        self.layout = layout
+        self.prefix = layout.prefix
+        self.num_layers = layout.num_layers
+        if layout.non_kv_retained:
+            names = [i or o for i, o in layout.non_kv_retained]
+            raise ContractError(f"graph has non-KV retained buffers {names}; the runtime handles text decoders only")
+        names_in = {t.name: t for t in layout.inputs}
+        for req in ("input_ids", "position_ids"):
+            if req not in names_in:
+                raise ContractError(f"graph has no {req!r} input; not a decoder graph of the retained-state contract")
+        if layout.output("logits") is None:
+            raise ContractError("graph has no 'logits' output")
+        self.continuous_batching = "batch_index" in names_in
+        kv_inputs = {p.input_name for p in layout.pairs}
+        extra = [n for n in names_in if n not in kv_inputs and n not in ("input_ids", "position_ids", "batch_index")]
+        if extra:
+            raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
+
+        # ---- dimensions
+        first = layout.pairs[0].input.shape or ()
+        self.ctx_len = self._dim("ctx_len", first[2] if len(first) == 4 else None, ctx_len, man.get("ctx_len"))
+        seq_dim = (names_in["input_ids"].shape or (None, None))[1]
+        self.fixed_seq_len = seq_dim if isinstance(seq_dim, int) else None
+        self.prefill_seq_len = self._dim("prefill_seq_len", self.fixed_seq_len, prefill_seq_len,
+                                         man.get("prefill_seq_len"), default=DEFAULT_PREFILL_SEQ_LEN)
+        batch_dim = first[0] if first else None
+        if self.continuous_batching:
+            self.max_sequences = self._dim("max_sequences", batch_dim, max_sequences, man.get("full_batch_size"),
+                                           default=1)
+        else:
+            if isinstance(batch_dim, int) and batch_dim != 1:
+                raise ContractError(
+                    f"graph without batch_index has a fixed KV batch of {batch_dim}; the runtime runs such a "
+                    "graph with one sequence (batch 1)")
+            if max_sequences not in (None, 1):
+                raise RuntimeInputError(
+                    "graph has no batch_index input (not continuous batching): it holds one sequence; "
+                    f"max_sequences={max_sequences} is not possible")
+            self.max_sequences = 1
+        logits = layout.output("logits")
+        lshape = logits.shape if logits is not None else None
+        self.vocab_size = lshape[-1] if lshape and isinstance(lshape[-1], int) else None
+        self.logits_dtype = np.dtype(logits.dtype) if logits is not None and logits.dtype != "unknown" else np.float32
+        eos = man.get("eos_token_id")
+        self.eos_token_ids: list[int] = ([eos] if isinstance(eos, int) else list(eos or []))
+
+        # ---- identity (of the file as given, before any in-memory patch)
+        self.kv_fingerprint = kv_fingerprint(layout)
+        self.model_fingerprint = model_fingerprint(ir_model)
+
+        # ---- in-place safety
+        self.inplace_issues = [i.message for i in inplace_issues(ir_model, layout)]
+        safe = not self.inplace_issues
+        if inplace is True and not safe:
+            raise ContractError(f"graph is not in-place safe: {self.inplace_issues[0]}")
+        self.inplace = safe if inplace is None else (bool(inplace) and safe)
+        if not safe:
+            warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
+                          "running with separate output buffers", RuntimeWarning, stacklevel=2)
+
+        # ---- onnxruntime-specific patch (in memory only)
+        fix = OrtInvalidIndexPass()
+        modified = fix(ir_model).modified
+        self.invalid_index_patch = {"gather": fix.gather_constants, "scatter": fix.scatter_constants}
+
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        so.log_severity_level = 3
+        providers = list(providers or ["CPUExecutionProvider"])
+        try:
+            if modified:
+                ir_model.meta.pop("qeff_kv.source_path", None)
+                proto = ir.serde.serialize_model(ir_model)
+                if graphio.external_tensors(ir_model):
+                    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                                str(self.files.onnx_path.parent.resolve()))
+                if proto.ir_version > graphio.MAX_ORT_IR_VERSION:
+                    proto.ir_version = graphio.MAX_ORT_IR_VERSION
+                self._sess = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+                del proto
+            else:
+                self._sess = ort.InferenceSession(str(self.files.onnx_path), so, providers=providers)
+        except Exception as exc:  # onnxruntime raises several pybind exception types
+            msg = " ".join(str(exc).split())[:400]
+            raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
+        del ir_model
+
+        self.cache = KVCache(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
+                             double_buffer=not self.inplace)
+        self._io = self._sess.io_binding()
+        self._out_order: list[str] = []
+        self._bind_kv()
+        self._small: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._small_values: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
+        self._logits: dict[tuple[int, int], tuple[np.ndarray, ort.OrtValue]] = {}
+        self._bound: tuple[int, int] | None = None
+        self._logits_prebound = self.vocab_size is not None
+        self.timings = Timings()
+
+    # ------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _dim(what: str, graph_value, given, manifest_value, default: int | None = None) -> int:
+        if isinstance(graph_value, int):
+            if given is not None and int(given) != graph_value:
+                raise RuntimeInputError(f"the graph fixes {what}={graph_value}; {given} was requested")
+            return graph_value
+        value = given if given is not None else manifest_value if manifest_value is not None else default
+        if value is None:
+            raise RuntimeInputError(f"the graph leaves {what} symbolic ({graph_value!r}); give it (--{what.replace('_', '-')} N)")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+            raise RuntimeInputError(f"{what} must be a positive int, got {value!r}")
+        return int(value)
+
+    def _bind_kv(self) -> None:
+        for p in self.layout.pairs:
+            self._io.bind_ortvalue_input(p.input_name, self.cache.values[p.input_name])
+            out = self.cache.values[p.input_name] if self.inplace else self.cache.spare_values[p.input_name]
+            self._bind_out(p.output_name, out)
+
+    def _bind_out(self, name: str, value: ort.OrtValue | None) -> None:
+        # IOBinding lists outputs in the order they were first bound; rebinding a name keeps its place.
+        if value is None:
+            self._io.bind_output(name, "cpu")
+        else:
+            self._io.bind_ortvalue_output(name, value)
+        if name not in self._out_order:
+            self._out_order.append(name)
+
+    def _bind_small(self, rows: int, seq_len: int) -> dict[str, np.ndarray]:
+        key = (rows, seq_len)
+        arrays = self._small.get(key)
+        if arrays is None:
+            arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
+                      "position_ids": np.zeros((rows, seq_len), np.int64)}
+            if self.continuous_batching:
+                arrays["batch_index"] = np.zeros((rows, 1), np.int64)
+            self._small[key] = arrays
+            self._small_values[key] = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+            if self._logits_prebound:
+                buf = np.zeros((rows, 1, self.vocab_size), self.logits_dtype)
+                self._logits[key] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
+        if self._bound != key:
+            for k, v in self._small_values[key].items():
+                self._io.bind_ortvalue_input(k, v)
+            self._bind_out("logits", self._logits[key][1] if self._logits_prebound else None)
+            self._bound = key
+        return arrays
+
+    def _run(self, rows: int, seq_len: int, last_index: np.ndarray) -> np.ndarray:
+        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token."""
+        if not self.inplace:
+            self._bind_kv()
+        try:
+            self._sess.run_with_iobinding(self._io)
+        except Exception as exc:
+            raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
+        self.cache.swap()
+        if self._logits_prebound:
+            out = self._logits[(rows, seq_len)][0]
+        else:
+            out = self._io.get_outputs()[self._out_order.index("logits")].numpy()
+        if out.ndim == 3 and out.shape[1] == 1:
+            return out[:, 0, :].copy()
+        if out.ndim == 3:  # full logits [rows, seq_len, vocab]
+            return out[np.arange(rows), last_index, :].copy()
+        raise ContractError(f"logits have shape {out.shape}; expected [batch, 1, vocab]")
+
+    def _check_tokens(self, tokens: Iterable[int]) -> list[int]:
+        out = []
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise RuntimeInputError(f"token ids must be ints, got {t!r}")
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                raise RuntimeInputError(
+                    f"token id {t} is outside the vocabulary [0, {self.vocab_size})" if self.vocab_size
+                    else f"token id {t} is negative")
+            out.append(int(t))
+        return out
+
+    # ------------------------------------------------------------------------------------ sequences
+    def add_sequence(self) -> Sequence:
+        """A new empty sequence in a free slot."""
+        return self.cache.create()
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self.cache.destroy(seq)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.cache.sequences
+
+    # ------------------------------------------------------------------------------------ low level
+    def _chunks(self, start: int, n: int) -> list[tuple[int, int, bool]]:
+        """(offset, count, padded) for feeding ``n`` tokens from position ``start``."""
+        S = self.prefill_seq_len
+        out = []
+        for off in range(0, n, S):
+            cnt = min(S, n - off)
+            padded = cnt < S
+            if padded and start + off + cnt == self.ctx_len:
+                # Padding rows may write slot ctx_len-1 (peer graphs): never while it receives a real token.
+                if self.fixed_seq_len is not None:
+                    raise RuntimeInputError(
+                        f"the last prefill chunk would fill position {self.ctx_len - 1} alongside padding, and "
+                        f"the graph fixes seq_len={self.fixed_seq_len}; use a prompt one token shorter")
+                padded = False
+            out.append((off, cnt, padded))
+        return out
+
+    def prefill(self, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
+        """Append ``tokens`` to ``seq``'s cache (positions ``[length, length + len(tokens))``) in prefill chunks.
+
+        Returns the logits ``[vocab]`` after the last token. Clears any pending token.
+        """
+        seq = self.cache.get(seq)
+        toks = self._check_tokens(tokens)
+        if not toks:
+            raise RuntimeInputError("prefill needs at least one token")
+        if seq.length + len(toks) > self.ctx_len:
+            raise RuntimeInputError(
+                f"sequence {seq.id} holds {seq.length} positions; {len(toks)} more tokens exceed the capacity "
+                f"ctx_len={self.ctx_len}")
+        plan = self._chunks(seq.length, len(toks))
+        t0 = time.perf_counter()
+        logits = None
+        for off, cnt, padded in plan:
+            width = self.prefill_seq_len if padded else cnt
+            if self.fixed_seq_len is not None:
+                width = self.fixed_seq_len
+            arrays = self._bind_small(1, width)
+            ids, pos = arrays["input_ids"], arrays["position_ids"]
+            ids.fill(0)
+            pos.fill(-1)
+            ids[0, :cnt] = toks[off:off + cnt]
+            pos[0, :cnt] = np.arange(seq.length + off, seq.length + off + cnt)
+            if self.continuous_batching:
+                arrays["batch_index"][0, 0] = seq.slot
+            logits = self._run(1, width, np.array([cnt - 1]))[0]
+        seq.length += len(toks)
+        seq.tokens.extend(toks)
+        seq.pending = None
+        seq.pending_emitted = False
+        self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.prefill_tokens += len(toks)
+        assert logits is not None
+        return logits
+
+    def decode(self, feeds: dict[Sequence, int] | Seq[tuple[Sequence, int]]) -> dict[Sequence, np.ndarray]:
+        """One step: feed one token to each given sequence (all together, each at its own position).
+
+        Returns each sequence's logits ``[vocab]``.
+        """
+        items = list(feeds.items()) if isinstance(feeds, dict) else list(feeds)
+        if not items:
+            return {}
+        seqs = [self.cache.get(s) for s, _ in items]
+        if len({s.id for s in seqs}) != len(seqs):
+            raise RuntimeInputError("a sequence appears twice in one decode step")
+        toks = self._check_tokens(t for _, t in items)
+        self.cache.check_room(seqs, 1)
+        rows = len(seqs)
+        if not self.continuous_batching and rows != 1:
+            raise RuntimeInputError("a graph without batch_index decodes one sequence per step")
+        width = self.fixed_seq_len or 1
+        if width > 1 and any(s.length == self.ctx_len - 1 for s in seqs):
+            raise RuntimeInputError(
+                f"the graph fixes seq_len={width}, so a decode step carries padding, which must not share "
+                f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
+        t0 = time.perf_counter()
+        arrays = self._bind_small(rows, width)
+        ids, pos = arrays["input_ids"], arrays["position_ids"]
+        if width != 1:
+            ids.fill(0)
+            pos.fill(-1)
+        for r, (s, t) in enumerate(zip(seqs, toks)):
+            ids[r, 0] = t
+            pos[r, 0] = s.length
+            if self.continuous_batching:
+                arrays["batch_index"][r, 0] = s.slot
+        logits = self._run(rows, width, np.zeros(rows, np.int64))
+        out = {}
+        for r, (s, t) in enumerate(zip(seqs, toks)):
+            s.length += 1
+            s.tokens.append(t)
+            s.pending = None
+            s.pending_emitted = False
+            out[s] = logits[r]
+        self.timings.decode_s += time.perf_counter() - t0
+        self.timings.decode_steps += 1
+        return out
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        """Rewind ``seq`` to positions ``[0, n)`` in O(1)."""
+        self.cache.truncate(seq, n)
+
+    # ------------------------------------------------------------------------------------ generation
+    def _needed(self, seq: Sequence, prompt_len: int, max_new: int) -> int:
+        """Positions ``seq`` will hold after generating ``max_new`` tokens from ``prompt_len`` more tokens."""
+        if max_new == 0:
+            return seq.length + prompt_len
+        first_free = prompt_len > 0 or (seq.pending is not None and not seq.pending_emitted)
+        return seq.length + prompt_len + max_new - (1 if first_free else 0)
+
+    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
+               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
+               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
+        """Generate for several requests together, yielding each token as it is produced.
+
+        A request is a list of prompt token ids (a new sequence), an existing :class:`Sequence` (continue it
+        from its pending token, e.g. after :func:`load_state`), or ``(sequence, more_tokens)``. Every check
+        (capacity, slots, token ids) runs when ``stream`` is called, before anything runs; the returned iterator
+        does the work. ``on_capacity="stop"`` shortens a request that would exceed the capacity instead of
+        refusing it (``finish_reason == "capacity"``).
+        """
+        if on_capacity not in ("error", "stop"):
+            raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise RuntimeInputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        params = (sampling or GREEDY).resolved()
+        stops = set(self._check_tokens(list(stop_tokens) if stop_tokens is not None else self.eos_token_ids))
+
+        # ---- plan and validate everything first
+        plan: list[tuple[Sequence | None, list[int]]] = []
+        for req in prompts:
+            if isinstance(req, Sequence):
+                plan.append((self.cache.get(req), []))
+            elif isinstance(req, tuple) and len(req) == 2 and isinstance(req[0], Sequence):
+                s = self.cache.get(req[0])
+                more = self._check_tokens(req[1])
+                # A pending token the caller has seen is part of the text: it goes in first. One never
+                # shown (a prefill-only run) is replaced by the caller's tokens.
+                if more and s.pending is not None and s.pending_emitted:
+                    more = [s.pending] + more
+                plan.append((s, more))
+            else:
+                toks = self._check_tokens(req)
+                if not toks:
+                    raise RuntimeInputError("a prompt is empty; give at least one token")
+                plan.append((None, toks))
+        new_count = sum(1 for s, _ in plan if s is None)
+        if new_count > len(self.cache.free_slots()):
+            raise RuntimeInputError(
+                f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
+                f"{self.max_sequences} slots are free" + ("" if self.continuous_batching else
+                                                          " (graph without batch_index: one sequence)"))
+        ids = [s.id for s, _ in plan if s is not None]
+        if len(set(ids)) != len(ids):
+            raise RuntimeInputError("a sequence appears twice in one request")
+        budgets = []
+        for i, (s, toks) in enumerate(plan):
+            probe = s if s is not None else Sequence(-1, -1)
+            if s is not None and not toks and s.pending is None:
+                raise RuntimeInputError(
+                    f"sequence {s.id} has no pending token to continue from; give it more tokens")
+            need = self._needed(probe, len(toks), max_new_tokens)
+            budget = max_new_tokens
+            if need > self.ctx_len:
+                if on_capacity == "error":
+                    raise RuntimeInputError(
+                        f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_new_tokens} new tokens "
+                        f"need {need} positions; the capacity is ctx_len={self.ctx_len}")
+                budget = max(0, max_new_tokens - (need - self.ctx_len))
+                if self._needed(probe, len(toks), budget) > self.ctx_len:
+                    raise RuntimeInputError(
+                        f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
+                        f"ctx_len={self.ctx_len}")
+            budgets.append(budget)
+
+        return self._iterate(plan, budgets, params, stops, max_new_tokens,
+                             results if results is not None else [])
+
+    def _iterate(self, plan, budgets, params, stops, max_new_tokens, gens: list[Generation]) -> Iterator[TokenEvent]:
+        gens.clear()
+        for (s, toks), budget in zip(plan, budgets):
+            gens.append(Generation(s if s is not None else self.cache.create(), [], len(toks)))
+        active: list[int] = []
+        for i, ((_, toks), gen) in enumerate(zip(plan, gens)):
+            seq = gen.sequence
+            if toks:
+                logits = self.prefill(seq, toks)
+                seq.pending = sample(logits, params, seq.length)
+                seq.pending_emitted = False
+            if max_new_tokens == 0:
+                gen.finish_reason = "prefill"
+                continue
+            if budgets[i] == 0:
+                gen.finish_reason = "capacity"
+                continue
+            if not seq.pending_emitted:
+                tok = seq.pending
+                seq.pending_emitted = True
+                gen.tokens.append(tok)
+                yield TokenEvent(i, tok, seq)
+                if self._finished(gen, budgets[i], stops, max_new_tokens):
+                    continue
+            active.append(i)
+        while active:
+            step = [(gens[i].sequence, gens[i].sequence.pending) for i in active]
+            out = self.decode(step)
+            still = []
+            for i in active:
+                seq = gens[i].sequence
+                tok = sample(out[seq], params, seq.length)
+                seq.pending = tok
+                seq.pending_emitted = True
+                gens[i].tokens.append(tok)
+                self.timings.decode_tokens += 1
+                yield TokenEvent(i, tok, seq)
+                if not self._finished(gens[i], budgets[i], stops, max_new_tokens):
+                    still.append(i)
+            active = still
+
+    @staticmethod
+    def _finished(gen: Generation, budget: int, stops: set[int], max_new: int) -> bool:
+        if gen.tokens and gen.tokens[-1] in stops:
+            gen.finish_reason = "stop"
+            return True
+        if len(gen.tokens) >= budget:
+            gen.finish_reason = "length" if budget >= max_new else "capacity"
+            return True
+        return False
+
+    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
+                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
+        """Run :meth:`stream` to the end; one :class:`Generation` per request, in order.
+
+        ``prompts`` may also be a single list of token ids (one request).
+        """
+        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [list(prompts)]
+        results: list[Generation] = []
+        for ev in self.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                              stop_tokens=stop_tokens, on_capacity=on_capacity, results=results):
+            if callback is not None:
+                callback(ev)
+        return results
+
+    # ------------------------------------------------------------------------------------ state
+    def export_state(self, seq: Sequence, select: str | None = None):
+        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state`."""
+        from .state import export_state
+        return export_state(self, seq, select=select)
+
+    def import_state(self, state, seq: Sequence | None = None) -> Sequence:
+        from .state import import_state
+        return import_state(self, state, seq=seq)
+
+    def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
+        from .state import save_state
+        return save_state(self, seq, path, select=select)
+
+    def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
+        from .state import load_state
+        return load_state(self, path, seq=seq)
+
+    # ------------------------------------------------------------------------------------ introspection
+    def kv_data_pointers(self) -> dict[str, int]:
+        """Address of every KV input buffer currently bound (for tests and diagnostics)."""
+        return {n: v.data_ptr() for n, v in self.cache.values.items()}
+
+    def bound_output_pointers(self) -> dict[str, int]:
+        """Address of every retained output after the last run."""
+        outs = self._io.get_outputs()
+        return {n: v.data_ptr() for n, v in zip(self._out_order, outs) if naming.retained_source(n) is not None}
+
+    def describe(self) -> dict:
+        return {
+            "onnx": str(self.files.onnx_path), "prefix": self.prefix, "num_layers": self.num_layers,
+            "ctx_len": self.ctx_len, "prefill_seq_len": self.prefill_seq_len,
+            "continuous_batching": self.continuous_batching, "max_sequences": self.max_sequences,
+            "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
+            "invalid_index_patch": self.invalid_index_patch,
+            "memory_capacity": self.cache.memory_capacity,
+        }
+
+
+def open_session(model: str | os.PathLike, **kwargs) -> Session:
+    """Shorthand for :class:`Session`."""
+    return Session(model, **kwargs)

@@ -1,0 +1,225 @@
+"""KV state of one sequence, in memory (:class:`KVState`) and as a safetensors file.
+
+File format (version 1, see ``docs/state-files.md``):
+
+* tensors: one per KV buffer, keyed by the graph's KV **input** name (``past_key.0``, ``past_value.0_VLLM``...),
+  shape ``[1, heads, valid_length, head_dim]``: the sequence's slot, cut to its valid positions ``[0, n)``;
+* metadata (strings only): ``format`` (``qeff-kv-state``), ``format_version``, ``prefix`` (empty: none),
+  ``num_layers``, ``shapes`` (JSON), ``dtype``, ``valid_length``, ``pending_token`` (empty: none),
+  ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (its weights and
+  structure), ``selection`` (the regex that chose the buffers), ``created_by``, and ``checksum``: SHA-256
+  over every other metadata entry and every tensor's name, dtype, shape and bytes.
+
+Loading checks all of it and refuses, with one line, a file that is not a state file, is truncated, was
+edited, belongs to another graph or model, or holds more positions than the session's capacity. Files are
+written atomically. safetensors holds raw tensors and JSON: no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__, fsutil, naming
+from ..errors import RuntimeInputError, StateFileError
+from .cache import Sequence
+
+FORMAT = "qeff-kv-state"
+FORMAT_VERSION = "1"
+_REQUIRED = ("format", "format_version", "prefix", "num_layers", "shapes", "dtype", "valid_length",
+             "pending_token", "pending_emitted", "kv_fingerprint", "model_fingerprint", "checksum")
+
+
+@dataclass
+class KVState:
+    """One sequence's KV state: ``tensors`` (KV input name -> ``[1, heads, n, head_dim]``) and metadata."""
+
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, str]
+
+    @property
+    def valid_length(self) -> int:
+        return int(self.metadata["valid_length"])
+
+    @property
+    def pending_token(self) -> int | None:
+        v = self.metadata.get("pending_token", "")
+        return int(v) if v != "" else None
+
+
+def _checksum(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    meta = {k: v for k, v in metadata.items() if k != "checksum"}
+    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        h.update(f"|{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def default_selection(session) -> str:
+    """The serving regex for this graph: ``.*P.*`` with a prefix, else the exact unprefixed regex."""
+    if session.prefix is not None:
+        return naming.substring_regex(session.prefix)
+    return naming.exact_regex(None, session.layout.stems)
+
+
+def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
+    """The state of ``seq``: the KV buffers ``select`` chooses (default :func:`default_selection`).
+
+    The selection must cover every KV input of the graph (a partial state cannot continue exactly) and may
+    match nothing else that the runtime would have to carry.
+    """
+    seq = session.cache.get(seq)
+    regex = select if select is not None else default_selection(session)
+    try:
+        chosen = naming.select(regex, session.layout.io_names)
+    except Exception as exc:
+        raise RuntimeInputError(f"invalid selection regex {regex!r}: {exc}") from None
+    kv_inputs = [p.input_name for p in session.layout.pairs]
+    missing = [n for n in kv_inputs if n not in chosen]
+    if missing:
+        raise RuntimeInputError(
+            f"selection {regex!r} misses KV buffer {missing[0]!r} ({len(missing)} in all); a state must hold every "
+            "KV buffer")
+    kv_names = set(session.layout.kv_names)
+    other = [n for n in chosen if n not in kv_names]
+    if other:
+        raise RuntimeInputError(f"selection {regex!r} also matches non-KV buffers {other[:3]}")
+    tensors = {n: session.cache.read(seq, n) for n in kv_inputs}
+    first = tensors[kv_inputs[0]]
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "prefix": session.prefix or "",
+        "num_layers": str(session.num_layers),
+        "shapes": json.dumps({n: list(t.shape) for n, t in tensors.items()}, sort_keys=True),
+        "dtype": str(first.dtype),
+        "valid_length": str(seq.length),
+        "pending_token": "" if seq.pending is None else str(int(seq.pending)),
+        "pending_emitted": "true" if seq.pending_emitted else "false",
+        "kv_fingerprint": session.kv_fingerprint,
+        "model_fingerprint": session.model_fingerprint,
+        "selection": regex,
+        "saved_ctx_len": str(session.ctx_len),
+        "created_by": f"qeff-kv {__version__}",
+    }
+    meta["checksum"] = _checksum(meta, tensors)
+    return KVState(tensors, meta)
+
+
+def _validate(session, state: KVState, where: str) -> None:
+    meta = state.metadata
+    if meta.get("format") != FORMAT:
+        raise StateFileError(f"{where}: not a qeff-kv state file (format {meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StateFileError(
+            f"{where}: state format version {meta.get('format_version')!r}; this qeff-kv reads version {FORMAT_VERSION}")
+    missing = [k for k in _REQUIRED if k not in meta]
+    if missing:
+        raise StateFileError(f"{where}: state metadata lacks {missing[0]!r}")
+    if _checksum(meta, state.tensors) != meta["checksum"]:
+        raise StateFileError(f"{where}: checksum mismatch; the file was edited or corrupted")
+    if meta["kv_fingerprint"] != session.kv_fingerprint:
+        theirs = sorted(state.tensors)[:2]
+        ours = [p.input_name for p in session.layout.pairs][:2]
+        raise StateFileError(
+            f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
+            f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
+    if meta["model_fingerprint"] != session.model_fingerprint:
+        raise StateFileError(
+            f"{where}: saved from another model (same KV contract, different weights or structure)")
+    try:
+        n = int(meta["valid_length"])
+        shapes = json.loads(meta["shapes"])
+        pending = meta["pending_token"]
+        pending_tok = int(pending) if pending != "" else None
+    except (ValueError, TypeError):
+        raise StateFileError(f"{where}: malformed state metadata") from None
+    if meta["pending_emitted"] not in ("true", "false"):
+        raise StateFileError(f"{where}: malformed state metadata (pending_emitted)")
+    if n < 0:
+        raise StateFileError(f"{where}: negative valid length {n}")
+    if n > session.ctx_len:
+        raise StateFileError(
+            f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
+    expected = [p.input_name for p in session.layout.pairs]
+    if sorted(state.tensors) != sorted(expected):
+        raise StateFileError(f"{where}: tensors {sorted(state.tensors)[:3]}... do not match the graph's KV inputs")
+    for name in expected:
+        arr = state.tensors[name]
+        full = session.cache.shapes[name]
+        want = (1, full[1], n, full[3])
+        if tuple(arr.shape) != want or list(arr.shape) != shapes.get(name):
+            raise StateFileError(f"{where}: tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
+        if arr.dtype != session.cache.dtypes[name]:
+            raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {session.cache.dtypes[name]}")
+    if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
+        raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
+
+
+def import_state(session, state: KVState, seq: Sequence | None = None, *, where: str = "state") -> Sequence:
+    """Validate ``state`` against ``session`` and copy it into ``seq`` (default: a new sequence)."""
+    _validate(session, state, where)
+    target = session.cache.create() if seq is None else session.cache.get(seq)
+    n = state.valid_length
+    for name, arr in state.tensors.items():
+        session.cache.write(target, name, arr)
+    target.length = n
+    target.tokens = [-1] * n  # token ids are not part of the state
+    target.pending = state.pending_token
+    target.pending_emitted = state.metadata["pending_emitted"] == "true"
+    return target
+
+
+def save_state(session, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
+    """Write ``seq``'s state to ``path`` (safetensors), atomically."""
+    from safetensors.numpy import save
+
+    state = export_state(session, seq, select=select)
+    data = save(state.tensors, metadata=state.metadata)
+    path = Path(path)
+    fsutil.write_bytes(path, data)
+    return path
+
+
+def read_state(path: str | os.PathLike) -> KVState:
+    """Read a state file without validating it against a graph (format and integrity errors still raise)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    path = Path(path)
+    if not path.is_file():
+        raise StateFileError(f"{path}: no such state file")
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise StateFileError(f"{path}: truncated or not a safetensors file ({len(data)} bytes)")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(data):
+        raise StateFileError(f"{path}: truncated or not a safetensors file (header of {header_len} bytes, file of {len(data)})")
+    try:
+        header = json.loads(data[8:8 + header_len])
+    except ValueError:
+        raise StateFileError(f"{path}: truncated or not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"{path}: not a safetensors file (header is not an object)")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise StateFileError(f"{path}: safetensors metadata must be strings")
+    try:
+        tensors = load(data)
+    except (SafetensorError, Exception) as exc:
+        raise StateFileError(f"{path}: truncated or corrupted safetensors data ({' '.join(str(exc).split())})") from None
+    return KVState(dict(tensors), dict(meta))
+
+
+def load_state(session, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
+    """Read, validate and import a state file into ``seq`` (default: a new sequence)."""
+    state = read_state(path)
+    return import_state(session, state, seq=seq, where=str(path))
