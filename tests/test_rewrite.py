@@ -61,6 +61,7 @@ def patched_session(path: Path) -> ort.InferenceSession:
 
 
 def peer_feeds(sess: ort.InferenceSession) -> dict[str, np.ndarray]:
+    """Prompt A at positions 0..7, batch slot 0, zero KV buffers of capacity CTX_LEN (any graph of the contract)."""
     feeds = {}
     for i in sess.get_inputs():
         if i.name == "input_ids":
@@ -71,7 +72,8 @@ def peer_feeds(sess: ort.InferenceSession) -> dict[str, np.ndarray]:
             feeds[i.name] = np.array([[0]], dtype=np.int64)
         else:
             assert naming.parse_kv_name(i.name) is not None, i.name
-            feeds[i.name] = np.zeros((1, 2, CTX_LEN, 16), dtype=np.float32)
+            shape = [d if isinstance(d, int) else CTX_LEN if d == "ctx_len" else 1 for d in i.shape]
+            feeds[i.name] = np.zeros(shape, dtype=np.float32)
     return feeds
 
 
@@ -639,19 +641,6 @@ def our_exports(tmp_path_factory):
     return plain, vllm
 
 
-def _zero_feeds(sess: ort.InferenceSession) -> dict[str, np.ndarray]:
-    feeds = {}
-    for i in sess.get_inputs():
-        if i.name == "input_ids":
-            feeds[i.name] = np.array([PROMPT], dtype=np.int64)
-        elif i.name == "position_ids":
-            feeds[i.name] = np.arange(len(PROMPT), dtype=np.int64)[None]
-        else:
-            shape = [1 if d == "batch_size" else CTX_LEN if d == "ctx_len" else d for d in i.shape]
-            feeds[i.name] = np.zeros(shape, dtype=np.float32)
-    return feeds
-
-
 @pytest.mark.export
 def test_our_exports_rewrite_to_each_other(our_exports, tmp_path):
     plain, vllm = our_exports
@@ -663,7 +652,7 @@ def test_our_exports_rewrite_to_each_other(our_exports, tmp_path):
     assert kvg.io_signature(added) == kvg.io_signature(vllm)
     assert kvg.io_signature(stripped) == kvg.io_signature(plain)
     sess = ort.InferenceSession(str(plain))
-    feeds = _zero_feeds(sess)
+    feeds = peer_feeds(sess)
     ref = run_renamed(sess, feeds)
     for path in (added, stripped):
         got = run_renamed(ort.InferenceSession(str(path)), feeds)
