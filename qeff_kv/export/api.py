@@ -6,6 +6,7 @@ or a cache hit never needs them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -245,9 +246,11 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")
         dyn["batch_index"] = {0: "batch_size"}
+    compact = options.target == "onnxruntime"
     wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
-                                          valid_length_attention=options.target == "onnxruntime").eval()
-    with warnings.catch_warnings(), torch.no_grad():
+                                          valid_length_attention=compact).eval()
+    rotary = torch_graph.compact_rotary(model) if compact else contextlib.nullcontext()
+    with warnings.catch_warnings(), torch.no_grad(), rotary:
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(args), str(path), dynamo=False, opset_version=opt.OPSET,

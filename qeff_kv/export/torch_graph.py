@@ -14,15 +14,19 @@ One generic mechanism for every architecture, through transformers' own interfac
 * logits only at the last valid position of each row (``[batch, 1, vocab]``), through the model's own
   output head and its logit scaling/soft-capping.
 
-Padding (right-padded prompt, ``position_ids = -1``): a padded query row writes the key/value of the last
-valid row of its sequence to the last valid position, i.e. the same data to the same slot as the valid
-write, so it can never corrupt a slot and no out-of-range or wrapping index is produced. (A row made of
-padding only has no valid slot; the runtime never sends one.)
+Padding (right-padded prompt, ``position_ids = -1``): before anything else, a padded row takes the token and
+the position of its sequence's last valid row, so in every layer it computes exactly that row's key and value
+and writes them to the same slot: padding can never corrupt a slot, and no index is negative or beyond
+``ctx_len``. This costs a few nodes once per step, nothing per layer. (A row made of padding only has no
+valid slot; the runtime never sends one.)
 
 This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
 
 import torch
 
@@ -77,7 +81,7 @@ class RetainedStateCache:
         self.position_ids = position_ids
         self.batch_index = batch_index
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
-        self._plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: torch.Tensor | None = None
         self.layers = []  # some helpers inspect cache.layers; we hold no transformers layers
         # Attention is limited by the ready-made mask, never by a sliding cache layer.
         self.is_sliding = [False] * len(past)
@@ -92,38 +96,27 @@ class RetainedStateCache:
     def __len__(self) -> int:
         return len(self.past)
 
-    def _indices(self, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ScatterND indices [B, H, S, 3], source row [B, H, S, D]) shared by every layer of this head count."""
-        if num_heads in self._plan:
-            return self._plan[num_heads]
+    def _indices(self, num_heads: int) -> torch.Tensor:
+        """ScatterND indices ``[B, H, S, 3]`` (batch row, head, position), built once for every layer."""
+        if self._plan is not None:
+            return self._plan
         pos = self.position_ids
         bsz, seq = pos.shape
-        is_pad = pos < 0
-        last_row = pos.argmax(dim=1, keepdim=True)                              # [B, 1]
-        last_pos = torch.gather(pos, 1, last_row)                               # [B, 1]
-        write_pos = torch.where(is_pad, last_pos, pos)                          # [B, S]
-        rows = torch.arange(seq, dtype=torch.int64).unsqueeze(0)
-        src_row = torch.where(is_pad, last_row, rows)                           # [B, S]
         if self.batch_index is not None:
             b_idx = self.batch_index.reshape(bsz, 1, 1)
         else:
             b_idx = torch.arange(bsz, dtype=torch.int64).reshape(bsz, 1, 1)
         shape = (bsz, num_heads, seq)
         h_idx = torch.arange(num_heads, dtype=torch.int64).reshape(1, num_heads, 1)
-        indices = torch.stack([b_idx.expand(shape), h_idx.expand(shape),
-                               write_pos.unsqueeze(1).expand(shape)], dim=-1)
-        gather_idx = src_row.reshape(bsz, 1, seq, 1).expand(bsz, num_heads, seq, head_dim)
-        self._plan[num_heads] = (indices, gather_idx)
-        return indices, gather_idx
+        self._plan = torch.stack([b_idx.expand(shape), h_idx.expand(shape), pos.unsqueeze(1).expand(shape)], dim=-1)
+        return self._plan
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None):
         past_k, past_v = self.past[layer_idx]
-        indices, src = self._indices(key_states.shape[1], key_states.shape[3])
-        k_upd = torch.gather(key_states, 2, src)
-        v_upd = torch.gather(value_states, 2, src)
-        new_k = _ScatterKV.apply(past_k, indices, k_upd.to(past_k.dtype))
-        new_v = _ScatterKV.apply(past_v, indices, v_upd.to(past_v.dtype))
+        indices = self._indices(int(key_states.shape[1]))
+        new_k = _ScatterKV.apply(past_k, indices, key_states.to(past_k.dtype))
+        new_v = _ScatterKV.apply(past_v, indices, value_states.to(past_v.dtype))
         self.retained[layer_idx] = (new_k, new_v)
         att_k, att_v = new_k, new_v
         if self.attend_length is not None:
@@ -133,6 +126,122 @@ class RetainedStateCache:
             rows = self.batch_index.reshape(-1)
             return att_k[rows], att_v[rows]
         return att_k, att_v
+
+
+def fill_padding(input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give every padded row (position -1) the token and position of its sequence's last valid row.
+
+    The padded row then computes, in every layer, exactly the key and value of that last valid row and writes
+    them to the same slot: padding can never corrupt a slot, and no index is negative or out of range.
+    """
+    is_pad = position_ids < 0
+    last_row = position_ids.argmax(dim=1, keepdim=True)                        # [B, 1]
+    last_pos = torch.gather(position_ids, 1, last_row)
+    last_tok = torch.gather(input_ids, 1, last_row)
+    return torch.where(is_pad, last_tok, input_ids), torch.where(is_pad, last_pos, position_ids)
+
+
+class _GroupedAttention(torch.autograd.Function):
+    """Grouped-query attention in a dozen standard ONNX ops, for the onnxruntime target.
+
+    ``q [B, Hq, S, D]``, ``k, v [B, Hkv, L, D]``, additive ``mask [B, 1, S, L]`` -> ``[B, S, Hq, D]``.
+    Queries are grouped per KV head (``[B, Hkv, Hq/Hkv, S, D]``) so keys and values are never repeated, and
+    every Reshape uses constant 0/-1 dims, so no shape arithmetic runs per step.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling: float, hq: int, hkv: int, d: int):  # noqa: D401
+        b, _, s, _ = q.shape
+        q5 = q.reshape(b, hkv, hq // hkv, s, d)
+        scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scaling + mask.unsqueeze(1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, s, d)
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def symbolic(g, q, k, v, mask, scaling, hq, hkv, d):
+        def const(values):
+            return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+        q5 = g.op("Reshape", q, const([0, hkv, hq // hkv, -1, d]))
+        k5 = g.op("Unsqueeze", k, const([2]))
+        v5 = g.op("Unsqueeze", v, const([2]))
+        scores = g.op("MatMul", q5, g.op("Transpose", k5, perm_i=[0, 1, 2, 4, 3]))
+        dtype = q.type().dtype() if q.type().dtype() is not None else torch.float32
+        scores = g.op("Mul", scores, g.op("Constant", value_t=torch.tensor(scaling, dtype=dtype)))
+        scores = g.op("Add", scores, g.op("Unsqueeze", mask, const([1])))
+        if dtype != torch.float32:
+            probs = g.op("Cast", g.op("Softmax", g.op("Cast", scores, to_i=1), axis_i=-1),
+                         to_i=10 if dtype == torch.float16 else 16)
+        else:
+            probs = g.op("Softmax", scores, axis_i=-1)
+        out = g.op("Reshape", g.op("MatMul", probs, v5), const([0, hq, -1, d]))
+        return g.op("Transpose", out, perm_i=[0, 2, 1, 3])
+
+
+class _RotateHalf(torch.autograd.Function):
+    """RoPE's ``rotate_half`` (``cat(-x2, x1)``) as Split, Neg, Concat with static sizes (no shape arithmetic)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int):  # noqa: D401
+        x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    @staticmethod
+    def symbolic(g, x, dim):
+        split = g.op("Constant", value_t=torch.tensor([dim // 2, dim - dim // 2], dtype=torch.int64))
+        x1, x2 = g.op("Split", x, split, axis_i=-1, outputs=2)
+        return g.op("Concat", g.op("Neg", x2), x1, axis_i=-1)
+
+
+def _rotate_half(x):
+    return _RotateHalf.apply(x, int(x.shape[-1]))
+
+
+@contextlib.contextmanager
+def compact_rotary(model: torch.nn.Module):
+    """While tracing, replace ``rotate_half`` in the modeling modules of ``model`` by :func:`_rotate_half`.
+
+    transformers' decoders each define ``rotate_half`` in their modeling module and call it through the module's
+    globals; the replacement computes the same values. Modules without one are left alone.
+    """
+    patched = []
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(mod_name)
+        if module is not None and callable(getattr(module, "rotate_half", None)):
+            patched.append((module, module.rotate_half))
+            module.rotate_half = _rotate_half
+    try:
+        yield
+    finally:
+        for module, fn in patched:
+            module.rotate_half = fn
+
+
+GROUPED_ATTENTION = "qeff_kv_grouped"
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function (registered as ``qeff_kv_grouped``).
+
+    The mask passed by :class:`RetainedStateLM` already has exactly one column per attended slot.
+    """
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention soft-capping and sinks are not supported by the onnxruntime target")
+    hq, d = query.shape[1], query.shape[3]
+    hkv = key.shape[1]
+    if scaling is None:
+        scaling = d ** -0.5
+    out = _GroupedAttention.apply(query, key, value, attention_mask, float(scaling), int(hq), int(hkv), int(d))
+    return out, None
+
+
+def use_grouped_attention(model: torch.nn.Module) -> None:
+    """Route the model's attention through :func:`grouped_attention` (transformers' AttentionInterface)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    model.set_attn_implementation(GROUPED_ATTENTION)
 
 
 def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +261,8 @@ class RetainedStateLM(torch.nn.Module):
                  valid_length_attention: bool = False):
         super().__init__()
         self.valid_length_attention = valid_length_attention
+        if valid_length_attention:
+            use_grouped_attention(model)
         self.lm = model
         self.num_layers = num_layers
         self.continuous_batching = continuous_batching
@@ -165,6 +276,8 @@ class RetainedStateLM(torch.nn.Module):
         else:
             flat, batch_index = list(rest), None
         past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
+        last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
+        input_ids, position_ids = fill_padding(input_ids, position_ids)
         dtype = flat[0].dtype
         if self.valid_length_attention:
             length = attended_length(position_ids)
@@ -177,7 +290,6 @@ class RetainedStateLM(torch.nn.Module):
         out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                    past_key_values=cache, use_cache=True)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1]
         idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
         hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1, H]
         logits = self.lm.get_output_embeddings()(hidden_last)
