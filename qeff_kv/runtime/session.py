@@ -25,6 +25,7 @@ fill that slot: such a chunk runs unpadded, at its exact length.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -288,23 +289,29 @@ class Session:
             so.intra_op_num_threads = int(threads)
         so.log_severity_level = 3
         providers = list(providers or ["CPUExecutionProvider"])
+        # Free the inspected graph before onnxruntime loads its own copy: peak memory is one copy of the
+        # weights, not two.
+        if modified:
+            ir_model.meta.pop("qeff_kv.source_path", None)
+            proto = ir.serde.serialize_model(ir_model)
+            if graphio.external_tensors(ir_model):
+                so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                            str(self.files.onnx_path.parent.resolve()))
+            if proto.ir_version > graphio.MAX_ORT_IR_VERSION:
+                proto.ir_version = graphio.MAX_ORT_IR_VERSION
+            del ir_model
+            source: bytes | str = proto.SerializeToString()
+            del proto
+        else:
+            del ir_model
+            source = str(self.files.onnx_path)
+        gc.collect()
         try:
-            if modified:
-                ir_model.meta.pop("qeff_kv.source_path", None)
-                proto = ir.serde.serialize_model(ir_model)
-                if graphio.external_tensors(ir_model):
-                    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                                str(self.files.onnx_path.parent.resolve()))
-                if proto.ir_version > graphio.MAX_ORT_IR_VERSION:
-                    proto.ir_version = graphio.MAX_ORT_IR_VERSION
-                self._sess = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
-                del proto
-            else:
-                self._sess = ort.InferenceSession(str(self.files.onnx_path), so, providers=providers)
+            self._sess = ort.InferenceSession(source, so, providers=providers)
         except Exception as exc:  # onnxruntime raises several pybind exception types
             msg = " ".join(str(exc).split())[:400]
             raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
-        del ir_model
+        del source
 
         self.cache = KVCache(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
                              double_buffer=not self.inplace)
