@@ -116,6 +116,12 @@ class QeffEngine(Engine):
         return toks, t_first, steps, extra
 
 
+class QeffFusedEngine(QeffEngine):
+    """qeff-kv's runtime on the onnxruntime-fused export (GroupQueryAttention appends in place)."""
+
+    target = "onnxruntime-fused"
+
+
 class PlainOrtEngine(Engine):
     """The peer's reference-runner style: feed each _RetainedState output back through numpy every step."""
 
@@ -245,7 +251,7 @@ class GenaiEngine(Engine):
         return toks, stamps[0] - t0, steps, {}
 
 
-ENGINES = {"qeff": QeffEngine, "hf_eager": HFEngine, "hf_static": HFStaticEngine, "ort_plain": PlainOrtEngine,
+ENGINES = {"qeff": QeffEngine, "qeff_fused": QeffFusedEngine, "hf_eager": HFEngine, "hf_static": HFStaticEngine, "ort_plain": PlainOrtEngine,
            "genai": GenaiEngine}
 
 
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
         work.mkdir(exist_ok=True)
         from qeff_kv.export import export_model
 
-        for target in ("onnxruntime", "portable"):
+        for target in ("onnxruntime-fused", "onnxruntime", "portable"):
             export_model(model_dir, work / f"qeff-{target}", ctx_len=4096, prefill_seq_len=128, target=target)
         print(f"[{model}] starting workers: {', '.join(engines)}", file=sys.stderr, flush=True)
         workers = {e: Worker(e, model_dir, work, args.threads) for e in engines}

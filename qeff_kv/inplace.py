@@ -1,8 +1,11 @@
 """In-place safety of a retained-state graph.
 
 A KV pair ``X`` / ``X_RetainedState`` is *in-place safe* when one buffer can be bound as both: the data of
-input ``X`` is read by exactly one node, a ``ScatterND`` whose data input is ``X`` and whose output is the
-graph output ``X_RetainedState`` itself (no Transpose, Copy or Identity between), and by nothing else.
+input ``X`` is read by exactly one node, an *updater* whose output is the graph output ``X_RetainedState``
+itself (no Transpose, Copy or Identity between), and by nothing else. Updaters (:data:`IN_PLACE_UPDATERS`):
+``ScatterND`` (data input 0 -> output 0), and onnxruntime's ``com.microsoft::GroupQueryAttention``
+(past key/value inputs 3/4 -> present outputs 1/2), which appends in place and reads the shared buffer
+itself when past and present are the same buffer.
 Readers of the shape alone (``Shape``, ``Size``) are harmless. Function calls are followed: a parameter
 that carries ``X`` into a function (the peer's ``CtxScatter``, or whole decoder layers as functions) is
 checked in the body by the same rule, against the function output that becomes ``X_RetainedState``.
@@ -20,6 +23,11 @@ import onnx_ir as ir
 from .layout import KVLayout
 
 SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
+#: (domain, op_type) -> {input index: output index} of ops that update that input's buffer in place.
+IN_PLACE_UPDATERS: dict[tuple[str, str], dict[int, int]] = {
+    ("", "ScatterND"): {0: 0},
+    ("com.microsoft", "GroupQueryAttention"): {3: 1, 4: 2},
+}
 
 
 @dataclass(frozen=True)
@@ -43,13 +51,15 @@ def _follow(model: ir.Model, value: ir.Value, target: ir.Value, where: str, dept
         label = f"{node.op_type} node {node.name or '(unnamed)'!r}{where}"
         if node.domain in ("", "ai.onnx") and node.op_type in SHAPE_ONLY_OPS:
             continue
-        if node.domain in ("", "ai.onnx") and node.op_type == "ScatterND":
-            if idx == 0 and node.outputs[0] is target:
+        updater = IN_PLACE_UPDATERS.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
+        if updater is not None:
+            out_idx = updater.get(idx)
+            if out_idx is not None and out_idx < len(node.outputs) and node.outputs[out_idx] is target:
                 updates += 1
-            elif idx == 0:
+            elif out_idx is not None:
                 problems.append(f"updated by {label}, whose output is not the retained output itself")
             else:
-                problems.append(f"read as indices/updates by {label}")
+                problems.append(f"read as input {idx} by {label}, not as the buffer it updates")
             continue
         fn = _function_of(model, node)
         if fn is not None:
@@ -89,7 +99,7 @@ def inplace_issues(model: ir.Model, layout: KVLayout) -> list[InplaceIssue]:
             via = f"{producer.op_type} node {producer.name!r}" if producer is not None else "no node"
             issues.append(InplaceIssue(
                 pair.input_name,
-                f"{pair.output_name} is not written by a ScatterND that reads {pair.input_name} directly "
+                f"{pair.output_name} is not written by an in-place update (ScatterND) that reads {pair.input_name} directly "
                 f"(produced by {via})"))
         elif updates > 1:
             issues.append(InplaceIssue(pair.input_name, f"{pair.input_name} is updated {updates} times"))

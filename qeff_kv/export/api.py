@@ -246,16 +246,26 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")
         dyn["batch_index"] = {0: "batch_size"}
-    compact = options.target == "onnxruntime"
+    compact = options.target in ("onnxruntime", "onnxruntime-fused")
+    fused = options.target == "onnxruntime-fused"
+    # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
+    max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
     wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
-                                          valid_length_attention=compact).eval()
-    rotary = torch_graph.compact_rotary(model) if compact else contextlib.nullcontext()
+                                          valid_length_attention=compact, fused=fused,
+                                          max_positions=max_positions).eval()
+    if fused and wrapper.rotary is not None:
+        rotary = torch_graph.skip_model_rotary(model)
+    elif compact:
+        rotary = torch_graph.compact_rotary(model)
+    else:
+        rotary = contextlib.nullcontext()
     with warnings.catch_warnings(), torch.no_grad(), rotary:
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(args), str(path), dynamo=False, opset_version=opt.OPSET,
                               input_names=in_names, output_names=out_names, dynamic_axes=dyn,
-                              do_constant_folding=True)
+                              do_constant_folding=True,
+                              custom_opsets={"com.microsoft": 1} if options.target == "onnxruntime-fused" else None)
         except Exception as exc:  # tracing failures are model-specific; report them in one line
             raise ExportError(f"tracing failed for {type(model).__name__}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -14,8 +14,9 @@ from ..errors import ExportError
 
 DTYPES = ("float32", "float16")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
-#: valid length through a data-dependent Slice (same names, pairing and in-place safety).
-TARGETS = ("portable", "onnxruntime")
+#: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
+#: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
+TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
@@ -47,6 +48,9 @@ class ExportOptions:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.target not in TARGETS:
             raise ExportError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.target == "onnxruntime-fused" and self.continuous_batching:
+            raise ExportError("--target onnxruntime-fused does not support --continuous-batching "
+                              "(GroupQueryAttention has no batch_index); use --target onnxruntime")
         if self.continuous_batching:
             if self.full_batch_size is None:
                 raise ExportError("--continuous-batching needs --full-batch-size N")

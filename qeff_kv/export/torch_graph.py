@@ -218,7 +218,160 @@ def compact_rotary(model: torch.nn.Module):
             module.rotate_half = fn
 
 
+class _GQA(torch.autograd.Function):
+    """onnxruntime's ``com.microsoft::GroupQueryAttention`` over a shared past/present buffer.
+
+    Inputs: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]`` (as transformers' attention code holds them), the
+    retained buffers ``past_k, past_v [B, Hkv, ctx, D]``, ``seqlens_k [B]`` int32 (last slot the chunk fills),
+    ``total [1]`` int32 and, when ``rotary``, the cos/sin caches ``[max_pos, D/2]`` (GQA then applies RoPE
+    to q and k itself; otherwise they arrive rotated). The chunk occupies slots ``[seqlens_k - S + 1,
+    seqlens_k]``; GQA appends it to the buffer in place (when the runtime binds one buffer as past and
+    present) and attends causally over the filled slots only. Returns ``(attention [B, S, Hq, D],
+    present_k, present_v)``. Layout changes use constant 0/-1 reshapes (no shape arithmetic per step).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, hq: int, hkv: int, d: int,
+                scale: float, rotary: bool):
+        b, _, s, _ = q.shape
+        start = (seqlens_k.long() - s + 1).reshape(b, 1)
+        pos = start + torch.arange(s).reshape(1, s)                                  # [B, S]
+        if rotary:
+            c = torch.cat([cos[pos], cos[pos]], -1).unsqueeze(1)                     # [B, 1, S, D]
+            sn = torch.cat([sin[pos], sin[pos]], -1).unsqueeze(1)
+
+            def rot(x):
+                return x * c + torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1) * sn
+
+            q, k = rot(q), rot(k)
+        bi = torch.arange(b).reshape(b, 1, 1).expand(b, hkv, s)
+        hi = torch.arange(hkv).reshape(1, hkv, 1).expand(b, hkv, s)
+        pi = pos.reshape(b, 1, s).expand(b, hkv, s)
+        pk, pv = past_k.clone(), past_v.clone()
+        pk[bi, hi, pi] = k.to(pk.dtype)
+        pv[bi, hi, pi] = v.to(pv.dtype)
+        q5 = q.reshape(b, hkv, hq // hkv, s, d)
+        scores = torch.matmul(q5, pk.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, G, S, ctx]
+        slots = torch.arange(pk.shape[2]).reshape(1, 1, 1, 1, -1)
+        scores = scores.masked_fill(~(slots <= pos.reshape(b, 1, 1, s, 1)), float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), pv.unsqueeze(2))  # [B, Hkv, G, S, D]
+        return out.reshape(b, hq, s, d).transpose(1, 2), pk, pv
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, hq, hkv, d, scale, rotary):
+        def const(values):
+            return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+        def packed(x):  # [B, H, S, D] -> [B, S, H*D]
+            return g.op("Reshape", g.op("Transpose", x, perm_i=[0, 2, 1, 3]), const([0, 0, -1]))
+
+        inputs = [packed(q), packed(k), packed(v), past_k, past_v, seqlens_k, total]
+        if rotary:
+            inputs += [cos, sin]
+        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, num_heads_i=hq,
+                                         kv_num_heads_i=hkv, scale_f=scale, do_rotary_i=int(rotary), outputs=3)
+        present_k.setType(past_k.type())
+        present_v.setType(past_v.type())
+        return g.op("Reshape", out, const([0, 0, hq, d])), present_k, present_v
+
+
+#: The cache of the forward pass being traced, for the fused attention function (tracing is single-threaded).
+_ACTIVE_CACHE: list = []
+
+
+def fused_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function of the onnxruntime-fused target (``qeff_kv_fused``).
+
+    ``key``/``value`` are this step's new (rotated) keys and values, as returned by
+    :meth:`FusedKVCache.update`; GroupQueryAttention appends them to the retained buffers itself.
+    """
+    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention soft-capping and sinks are not supported by the fused target")
+    cache = _ACTIVE_CACHE[-1]
+    hq, d, hkv = int(query.shape[1]), int(query.shape[3]), int(key.shape[1])
+    scale = float(scaling if scaling is not None else d ** -0.5)
+    past_k, past_v = cache.past[module.layer_idx]
+    out, present_k, present_v = _GQA.apply(query, key, value, past_k, past_v, cache.seqlens_k, cache.total,
+                                           cache.cos, cache.sin, hq, hkv, d, scale, cache.cos is not None)
+    cache.retained[module.layer_idx] = (present_k, present_v)
+    return out, None
+
+
+class FusedKVCache:
+    """``past_key_values`` of the onnxruntime-fused target: hands the new keys/values to the attention
+    function unchanged; GroupQueryAttention does the in-place append."""
+
+    is_compileable = False
+
+    def __init__(self, past, position_ids: torch.Tensor, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None):
+        self.past = past
+        self.cos, self.sin = cos, sin
+        self.retained: list = [None] * len(past)
+        self.is_sliding = [False] * len(past)
+        self.layers = []
+        seq = position_ids.shape[1]
+        # The chunk fills slots [p0, p0 + S) of each row (padding rows land past the valid length and are
+        # overwritten before they are ever read; the runtime never pads beyond the capacity).
+        self.seqlens_k = (position_ids[:, 0] + seq - 1).to(torch.int32)
+        self.total = (self.seqlens_k.max() + 1).reshape(1)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.past)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return key_states, value_states
+
+
+def rotary_caches(model: torch.nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """GroupQueryAttention's ``cos_cache``/``sin_cache`` ``[max_positions, D/2]`` from the model's own rotary
+    embedding module, or ``None`` where GQA cannot apply this RoPE itself (partial rotary, interleaved or
+    sequence-length-dependent scaling): the model's own rotary code then runs before GQA."""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+        return None
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        return None
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return None
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    pos = torch.arange(max_positions, dtype=torch.int64).unsqueeze(0)
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, dtype=dtype), pos)
+    if cos.shape[-1] != head_dim:
+        return None
+    half = head_dim // 2
+    # rotate_half RoPE repeats each frequency in both halves; GQA takes one half.
+    if not torch.equal(cos[0, :, :half], cos[0, :, half:]):
+        return None
+    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+
+
+@contextlib.contextmanager
+def skip_model_rotary(model: torch.nn.Module):
+    """While tracing the fused target with GQA's own RoPE, make the modeling modules' ``apply_rotary_pos_emb``
+    return q and k unchanged (GroupQueryAttention rotates them)."""
+    patched = []
+    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(mod_name)
+        if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)):
+            patched.append((module, module.apply_rotary_pos_emb))
+            module.apply_rotary_pos_emb = lambda q, k, *args, **kwargs: (q, k)
+    try:
+        yield
+    finally:
+        for module, fn in patched:
+            module.apply_rotary_pos_emb = fn
+
+
 GROUPED_ATTENTION = "qeff_kv_grouped"
+FUSED_ATTENTION = "qeff_kv_fused"
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -258,10 +411,19 @@ class RetainedStateLM(torch.nn.Module):
     """``(input_ids, position_ids, *past, [batch_index]) -> (logits, *retained)`` around a causal LM."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool,
-                 valid_length_attention: bool = False):
+                 valid_length_attention: bool = False, fused: bool = False, max_positions: int = 0):
         super().__init__()
         self.valid_length_attention = valid_length_attention
-        if valid_length_attention:
+        self.fused = fused
+        self.rotary = rotary_caches(model, max_positions) if fused else None
+        if fused:
+            if continuous_batching:
+                raise ValueError("the fused target does not support continuous batching")
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+            model.set_attn_implementation(FUSED_ATTENTION)
+        elif valid_length_attention:
             use_grouped_attention(model)
         self.lm = model
         self.num_layers = num_layers
@@ -277,18 +439,27 @@ class RetainedStateLM(torch.nn.Module):
             flat, batch_index = list(rest), None
         past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
-        input_ids, position_ids = fill_padding(input_ids, position_ids)
         dtype = flat[0].dtype
-        if self.valid_length_attention:
+        if self.fused:
+            cache = FusedKVCache(past, position_ids, *(self.rotary or (None, None)))
+            mask = torch.zeros((1, 1, 1, 1), dtype=dtype)  # GroupQueryAttention masks causally itself
+            _ACTIVE_CACHE.append(cache)
+        elif self.valid_length_attention:
+            input_ids, position_ids = fill_padding(input_ids, position_ids)
             length = attended_length(position_ids)
             cache = RetainedStateCache(past, position_ids, batch_index, length)
             mask = build_attention_mask(position_ids, length[0], dtype)
         else:
+            input_ids, position_ids = fill_padding(input_ids, position_ids)
             cache = RetainedStateCache(past, position_ids, batch_index)
             mask = build_attention_mask(position_ids, flat[0].shape[2], dtype)
         base = self.lm.get_decoder()
-        out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                   past_key_values=cache, use_cache=True)
+        try:
+            out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                       past_key_values=cache, use_cache=True)
+        finally:
+            if self.fused:
+                _ACTIVE_CACHE.pop()
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
         hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1, H]

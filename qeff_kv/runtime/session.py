@@ -425,13 +425,16 @@ class Session:
         for off in range(0, n, S):
             cnt = min(S, n - off)
             padded = cnt < S
-            if padded and start + off + cnt == self.ctx_len:
-                # Padding rows may write slot ctx_len-1 (peer graphs): never while it receives a real token.
-                if self.fixed_seq_len is not None:
+            if padded and start + off + S > self.ctx_len:
+                # Never pad past the capacity: padding rows of a fused (GroupQueryAttention) graph occupy the
+                # slots after the chunk's tokens, and those of peer graphs may write slot ctx_len-1, which must
+                # not happen while it receives a real token. A symbolic seq_len lets the chunk go unpadded.
+                if self.fixed_seq_len is None:
+                    padded = False
+                elif start + off + cnt == self.ctx_len:
                     raise RuntimeInputError(
                         f"the last prefill chunk would fill position {self.ctx_len - 1} alongside padding, and "
                         f"the graph fixes seq_len={self.fixed_seq_len}; use a prompt one token shorter")
-                padded = False
             out.append((off, cnt, padded))
         return out
 
