@@ -72,10 +72,14 @@ def test_padding_never_fills_last_slot(peer_dir):
     forced._chunks = lambda start, n: [(0, 5, False), (5, 4, True)]  # what a naive runtime would do
     bad = forced.prefill(forced.add_sequence(), prompt)
     assert not np.all(np.isfinite(bad))
-    # one token shorter the padded chunk is fine (slot 8 stays beyond the valid length)
+    # A chunk is never padded past the capacity: 5 + 5 > 9, so the 3-token tail goes unpadded too ...
     s2 = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
-    assert s2._chunks(0, 8) == [(0, 5, False), (5, 3, True)]
+    assert s2._chunks(0, 8) == [(0, 5, False), (5, 3, False)]
     assert np.all(np.isfinite(s2.prefill(s2.add_sequence(), PROMPT_A)))
+    # ... while with room for the whole padded chunk it is padded (slot 9 stays beyond the valid length).
+    s3 = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=10, prefill_seq_len=5, max_sequences=1)
+    assert s3._chunks(0, 8) == [(0, 5, False), (5, 3, True)]
+    assert np.all(np.isfinite(s3.prefill(s3.add_sequence(), PROMPT_A)))
 
 
 def test_decode_allocates_no_new_kv_buffers(peer_dir):
