@@ -38,10 +38,13 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Number of KV slots (sequences) with --continuous-batching.")
 @click.option("--specializations-format", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: readable by every compiler release; named: Prefill/Decode entries.")
-@click.option("--target", type=click.Choice(["portable", "onnxruntime"]), default="portable", show_default=True,
-              help="portable: static-shape graph for accelerator compilers. onnxruntime: attention follows the "
-                   "valid length (data-dependent Slice), so decode time does not grow with capacity; same names, "
-                   "pairing and in-place safety.")
+@click.option("--target", type=click.Choice(["portable", "onnxruntime", "onnxruntime-fused"]), default="portable",
+              show_default=True,
+              help="portable: standard ops, static-shape friendly, for accelerator compilers. onnxruntime: standard "
+                   "ops, attention follows the valid length (decode time does not grow with capacity). "
+                   "onnxruntime-fused: onnxruntime's GroupQueryAttention appends to the retained buffers in place "
+                   "(fastest in onnxruntime; no continuous batching). All keep the names, pairing and in-place "
+                   "safety.")
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,

@@ -38,6 +38,15 @@ def ort_exports(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fused_exports(models, tmp_path_factory):
+    from qeff_kv.export import export_model
+
+    root = tmp_path_factory.mktemp("fused_exports")
+    return {arch: export_model(d, root / arch, ctx_len=CTX, prefill_seq_len=CHUNK, target="onnxruntime-fused")
+            for arch, d in models.items()}
+
+
+@pytest.fixture(scope="module")
 def exports(models, tmp_path_factory):
     from qeff_kv.export import export_model
 
@@ -67,6 +76,46 @@ def test_onnxruntime_target_matches_transformers_and_attends_valid_slots_only(ar
         readers = {u.node.op_type for u in v.uses()}
         assert readers == {"Slice"}, (v.name, readers)
     assert r.manifest["target"] == "onnxruntime"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "granite"])
+def test_fused_target_matches_transformers_in_place(arch, models, fused_exports):
+    """onnxruntime-fused: GroupQueryAttention appends to the bound buffer itself; same tokens, same I/O."""
+    from hf_models import PlainLoop, hf_greedy
+    from qeff_kv.runtime import Session
+
+    r = fused_exports[arch]
+    ref = hf_greedy(models[arch], PROMPT, NEW)
+    assert PlainLoop(r.onnx_path, CTX).greedy(PROMPT, NEW, CHUNK) == ref   # separate output buffers
+    session = Session(r.out_dir)                                            # one buffer bound as both
+    assert session.inplace
+    before = session.kv_data_pointers()
+    [g] = session.generate([PROMPT], max_new_tokens=NEW)
+    assert g.tokens == ref and session.kv_data_pointers() == before
+    model = graphio.load(r.onnx_path)
+    assert inplace_issues(model, graphio.layout_of(model)) == []
+    gqa = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.domain == "com.microsoft" for n in gqa)
+    for n in gqa:  # each past input is updated by its GQA node into the retained output of the same pair
+        assert n.outputs[1].name == naming.retained_name(n.inputs[3].name)
+        assert n.outputs[2].name == naming.retained_name(n.inputs[4].name)
+    packed = all(n.inputs[1] is None and n.inputs[2] is None for n in gqa)
+    # q/k norms (Qwen3) and an already fused qkv_proj (Phi-3) keep separate inputs; the rest are packed.
+    assert packed == (arch in ("llama", "mistral", "qwen2", "granite"))
+
+
+def test_fused_target_fills_capacity_and_refuses_cb(models, tmp_path):
+    from hf_models import hf_greedy
+    from qeff_kv.export import export_model
+    from qeff_kv.runtime import Session
+
+    r = export_model(models["llama"], tmp_path / "f", ctx_len=12, prefill_seq_len=5, target="onnxruntime-fused")
+    prompt = list(range(3, 14))  # 11 tokens in capacity 12: the last chunk is sent unpadded
+    [g] = Session(r.out_dir).generate([prompt], max_new_tokens=2)
+    assert g.tokens == hf_greedy(models["llama"], prompt, 2)
+    with pytest.raises(ExportError, match="does not support --continuous-batching"):
+        export_model(models["llama"], tmp_path / "cb", target="onnxruntime-fused", continuous_batching=True,
+                     full_batch_size=2)
 
 
 def test_onnxruntime_target_same_io_as_portable(exports, ort_exports):
@@ -269,7 +318,7 @@ def test_float16_export_loads_and_runs(tmp_path):
     (dict(continuous_batching=True), "--continuous-batching needs --full-batch-size"),
     (dict(full_batch_size=4), "only meaningful with --continuous-batching"),
     (dict(dtype="int8"), "dtype must be one of"),
-    (dict(target="gpu"), "target must be one of portable, onnxruntime"),
+    (dict(target="gpu"), "target must be one of portable, onnxruntime, onnxruntime-fused"),
 ])
 def test_bad_options_refused_before_anything_is_written(kwargs, message, tmp_path):
     from qeff_kv.export import export_model
