@@ -352,7 +352,7 @@ def test_sliding_window_larger_ctx_refused(tmp_path):
 
 
 def test_large_weights_go_to_external_data(models, tmp_path, monkeypatch):
-    """Above the threshold (1.8 GB in production, lowered here) weights go to <name>.onnx.data beside the graph."""
+    """Above the threshold (64 MiB in production, lowered here) weights go to <name>.onnx.data beside the graph."""
     from hf_models import PlainLoop, hf_greedy
     from qeff_kv.export import export_model
     from qeff_kv.export import options as opt

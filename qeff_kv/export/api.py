@@ -162,8 +162,9 @@ def export_model(
             for fname in names:  # one rename per file; the manifest, written last, marks completion
                 (stage / fname).replace(target / fname)
         del written
-    files = sorted(target / n for n in [onnx_name, MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE,
-                                          compile_config.SPECIALIZATIONS_FILE])
+    names = [onnx_name, onnx_name + ".data", MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE,
+             compile_config.SPECIALIZATIONS_FILE]
+    files = sorted(target / n for n in names if (target / n).exists())
     say(f"wrote {target / onnx_name}")
     return ExportResult(target, target / onnx_name, target / MANIFEST_FILE, manifest, files=files)
 

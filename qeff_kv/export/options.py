@@ -20,8 +20,10 @@ TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
-#: Weights above this many bytes go to an external data file (protobuf's limit is 2 GiB).
-EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+#: Weights above this many bytes go to an external data file ``<name>.onnx.data``. Protobuf's limit is 2 GiB,
+#: but inline weights also make every reader hold two copies while parsing (file bytes and message), so
+#: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
+EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
 EXPORTER_VERSION = 1
 
