@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from .. import __version__, compile_config, fsutil, graphio, naming
 from ..errors import ExportError, MissingDependencyError
-from ..passes import PackGQAQKVPass, SetKVPrefixPass
+from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, SetKVPrefixPass
 from . import options as opt
 
 BUNDLED_NAME = "qeff-kv-tiny-llama"
@@ -288,6 +288,8 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
     model.metadata_props["qeff_kv.target"] = options.target
     if options.target == "onnxruntime-fused":
         PackGQAQKVPass()(model)
+        if options.dtype == "float32":
+            FuseSkipRMSNormPass()(model)
     if options.kv_cache_prefix is not None:
         SetKVPrefixPass(options.kv_cache_prefix)(model)
 

@@ -226,8 +226,9 @@ class _GQA(torch.autograd.Function):
     ``total [1]`` int32 and, when ``rotary``, the cos/sin caches ``[max_pos, D/2]`` (GQA then applies RoPE
     to q and k itself; otherwise they arrive rotated). The chunk occupies slots ``[seqlens_k - S + 1,
     seqlens_k]``; GQA appends it to the buffer in place (when the runtime binds one buffer as past and
-    present) and attends causally over the filled slots only. Returns ``(attention [B, S, Hq, D],
-    present_k, present_v)``. Layout changes use constant 0/-1 reshapes (no shape arithmetic per step).
+    present) and attends causally over the filled slots only. Returns ``(attention [B, S, Hq*D],
+    present_k, present_v)``: transformers' attention modules reshape the attention output to
+    ``[B, S, -1]`` next, so the packed form needs no reshape of its own. Layout changes use constant 0/-1 reshapes (no shape arithmetic per step).
     """
 
     @staticmethod
@@ -255,7 +256,7 @@ class _GQA(torch.autograd.Function):
         slots = torch.arange(pk.shape[2]).reshape(1, 1, 1, 1, -1)
         scores = scores.masked_fill(~(slots <= pos.reshape(b, 1, 1, s, 1)), float("-inf"))
         out = torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), pv.unsqueeze(2))  # [B, Hkv, G, S, D]
-        return out.reshape(b, hq, s, d).transpose(1, 2), pk, pv
+        return out.reshape(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d), pk, pv
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, hq, hkv, d, scale, rotary):
@@ -270,9 +271,10 @@ class _GQA(torch.autograd.Function):
             inputs += [cos, sin]
         out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, num_heads_i=hq,
                                          kv_num_heads_i=hkv, scale_f=scale, do_rotary_i=int(rotary), outputs=3)
+        out.setType(q.type().with_sizes([None, None, hq * d]))
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
-        return g.op("Reshape", out, const([0, 0, hq, d])), present_k, present_v
+        return out, present_k, present_v
 
 
 #: The cache of the forward pass being traced, for the fused attention function (tracing is single-threaded).
