@@ -99,6 +99,8 @@ def test_fused_target_matches_transformers_in_place(arch, models, fused_exports)
     for n in gqa:  # each past input is updated by its GQA node into the retained output of the same pair
         assert n.outputs[1].name == naming.retained_name(n.inputs[3].name)
         assert n.outputs[2].name == naming.retained_name(n.inputs[4].name)
+    # Every norm that follows a residual add (all but layer 0's input norm) is one fused node.
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in model.graph) == 4
     packed = all(n.inputs[1] is None and n.inputs[2] is None for n in gqa)
     # q/k norms (Qwen3) and an already fused qkv_proj (Phi-3) keep separate inputs; the rest are packed.
     assert packed == (arch in ("llama", "mistral", "qwen2", "granite"))
