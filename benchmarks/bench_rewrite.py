@@ -15,8 +15,8 @@ data file (``--dense-gib``, 1 GiB by default) measures what a copy into another 
 Each process reports its wall time for the operation (imports excluded; process wall time is recorded too)
 and its peak RSS (``VmHWM`` from /proc/self/status). Results go to benchmarks/results/rewrite.json.
 
-    /work/venv/bin/python benchmarks/bench_rewrite.py                    # default sizes
-    /work/venv/bin/python benchmarks/bench_rewrite.py --sizes-gib 2,4 --ours-only-gib 16 --dense-gib 1 --repeat 3
+    .venv/bin/python benchmarks/bench_rewrite.py                    # default sizes
+    .venv/bin/python benchmarks/bench_rewrite.py --sizes-gib 2,4 --ours-only-gib 16 --dense-gib 1 --repeat 3
 """
 
 from __future__ import annotations
