@@ -43,7 +43,6 @@ LAYERS = 128
 def build(folder: Path, total_bytes: int, layers: int = LAYERS, dense: bool = False) -> Path:
     """A retained-state graph: per layer one MatMul weight [d, d] float32 stored externally (sparse file),
     and past_key.i / past_value.i each updated by ScatterND into its _RetainedState output."""
-    import onnx
     from onnx import TensorProto, helper
 
     from qeff_kv import naming

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import warnings
 
 import numpy as np
-import onnx_ir as ir
 import pytest
 
 from qeff_kv import graphio

@@ -199,23 +199,35 @@ def _rotate_half(x):
 
 
 @contextlib.contextmanager
-def compact_rotary(model: torch.nn.Module):
-    """While tracing, replace ``rotate_half`` in the modeling modules of ``model`` by :func:`_rotate_half`.
+def patch_modeling_function(model: torch.nn.Module, name: str, replacement):
+    """While tracing, replace the function ``name`` in every modeling module that ``model``'s layers come from.
 
-    transformers' decoders each define ``rotate_half`` in their modeling module and call it through the module's
-    globals; the replacement computes the same values. Modules without one are left alone.
+    transformers' decoders define helpers such as ``rotate_half`` and ``apply_rotary_pos_emb`` in their
+    modeling module and call them through the module's globals. Modules without ``name`` are left alone; the
+    originals are restored on exit.
     """
     patched = []
     for mod_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(mod_name)
-        if module is not None and callable(getattr(module, "rotate_half", None)):
-            patched.append((module, module.rotate_half))
-            module.rotate_half = _rotate_half
+        if module is not None and callable(getattr(module, name, None)):
+            patched.append((module, getattr(module, name)))
+            setattr(module, name, replacement)
     try:
         yield
     finally:
         for module, fn in patched:
-            module.rotate_half = fn
+            setattr(module, name, fn)
+
+
+def compact_rotary(model: torch.nn.Module):
+    """``rotate_half`` as :func:`_rotate_half` (same values, static sizes) while tracing."""
+    return patch_modeling_function(model, "rotate_half", _rotate_half)
+
+
+def skip_model_rotary(model: torch.nn.Module):
+    """``apply_rotary_pos_emb`` as a pass-through while tracing the fused target with GQA's own RoPE
+    (GroupQueryAttention rotates q and k itself)."""
+    return patch_modeling_function(model, "apply_rotary_pos_emb", lambda q, k, *args, **kwargs: (q, k))
 
 
 class _GQA(torch.autograd.Function):
@@ -353,23 +365,6 @@ def rotary_caches(model: torch.nn.Module, max_positions: int) -> tuple[torch.Ten
     if not torch.equal(cos[0, :, :half], cos[0, :, half:]):
         return None
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
-
-
-@contextlib.contextmanager
-def skip_model_rotary(model: torch.nn.Module):
-    """While tracing the fused target with GQA's own RoPE, make the modeling modules' ``apply_rotary_pos_emb``
-    return q and k unchanged (GroupQueryAttention rotates them)."""
-    patched = []
-    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(mod_name)
-        if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)):
-            patched.append((module, module.apply_rotary_pos_emb))
-            module.apply_rotary_pos_emb = lambda q, k, *args, **kwargs: (q, k)
-    try:
-        yield
-    finally:
-        for module, fn in patched:
-            module.apply_rotary_pos_emb = fn
 
 
 GROUPED_ATTENTION = "qeff_kv_grouped"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from .pack_gqa_qkv import _const, _op
+from ._patterns import const_array as _const
+from ._patterns import producer_op as _op
 
 _FLOAT = ir.DataType.FLOAT
 

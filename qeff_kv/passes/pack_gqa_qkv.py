@@ -16,26 +16,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    """The constant value of ``v`` (an initializer or a Constant node, possibly behind Identity nodes)."""
-    for _ in range(8):
-        if v is None:
-            return None
-        if v.const_value is not None:
-            return v.const_value.numpy()
-        p = v.producer()
-        if p is not None and p.op_type == "Constant" and "value" in p.attributes:
-            return p.attributes["value"].value.numpy()
-        if p is None or p.op_type != "Identity":
-            return None
-        v = p.inputs[0]
-    return None
-
-
-def _op(v: ir.Value | None, op_type: str) -> ir.Node | None:
-    p = v.producer() if v is not None else None
-    return p if p is not None and p.op_type == op_type and p.domain in ("", "ai.onnx") else None
+from ._patterns import const_array as _const
+from ._patterns import producer_op as _op
 
 
 def _dim_of_shape(v: ir.Value, h: ir.Value, index: int) -> bool:

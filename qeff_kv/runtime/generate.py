@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence as Seq
+from typing import Callable
 
 from ..errors import MissingDependencyError, RuntimeInputError
 from .sampling import SamplingParams

@@ -29,7 +29,6 @@ import gc
 import hashlib
 import json
 import os
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
