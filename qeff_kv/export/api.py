@@ -12,19 +12,18 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
 import onnx_ir as ir
 
 from .. import __version__, compile_config, fsutil, graphio, naming
-from ..errors import ExportError, MissingDependencyError
+from ..errors import ExportError
 from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, SetKVPrefixPass
+from . import family, sources
 from . import options as opt
+from .sources import BUNDLED_NAME, BUNDLED_SEED, bundled_model_dir  # noqa: F401 (re-exported)
 
-BUNDLED_NAME = "qeff-kv-tiny-llama"
-BUNDLED_SEED = 0
 MANIFEST_FILE = "manifest.json"
 PARAMS_FILE = "export_params.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -42,37 +41,6 @@ class ExportResult:
     manifest: dict
     reused: bool = False
     files: list[Path] = field(default_factory=list)
-
-
-def bundled_model_dir() -> Path:
-    """Folder of the bundled default model's config (``fixtures/default-model`` in the source tree)."""
-    return Path(str(resources.files("qeff_kv.bundled")))
-
-
-def _read_config(model_dir: Path) -> dict:
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ExportError(f"{model_dir}: no config.json (expected a Hugging Face model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{cfg_path}: unreadable config ({exc})") from None
-    if not isinstance(cfg, dict) or not cfg.get("architectures"):
-        raise ExportError(f"{cfg_path}: config names no architecture ('architectures' is missing)")
-    return cfg
-
-
-def _resolve_source(model: str | Path | None) -> tuple[Path, bool, str]:
-    if model is None:
-        return bundled_model_dir(), True, BUNDLED_NAME
-    path = Path(model)
-    if not path.exists():
-        raise ExportError(f"{path}: no such model folder (only local folders are supported, no hub downloads)")
-    if not path.is_dir():
-        raise ExportError(f"{path}: is a file; give the Hugging Face model folder that holds config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ExportError(f"{path}: no *.safetensors weights (pickled .bin weights are not loaded)")
-    return path, False, path.resolve().name
 
 
 def export_model(
@@ -98,15 +66,16 @@ def export_model(
     say = progress or (lambda _msg: None)
     if kv_cache_prefix is not None:
         naming.validate_prefix(kv_cache_prefix)
-    src_dir, bundled, name = _resolve_source(model)
-    config = _read_config(src_dir)
+    src_dir, bundled, name = sources.resolve_source(model)
+    config = sources.read_config(src_dir)
     arch = str(config["architectures"][0])
     if ctx_len is None:
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
     options = opt.ExportOptions(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, kv_cache_prefix=kv_cache_prefix,
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target).validate()
-    _check_sliding_window(config, options)
+    facts = family.ModelFacts.from_config(config)
+    facts.require_exportable(options)
     params = opt.hashed_params(config, options, None if bundled else opt.weights_fingerprint(src_dir))
     params["specializations_format"] = specializations_format
     digest = opt.params_hash(params)
@@ -127,7 +96,7 @@ def export_model(
         tmp = Path(tmp_s)
         stage = tmp / "stage"
         stage.mkdir()
-        torch_model = _load_torch_model(src_dir, bundled, options, say)
+        torch_model = sources.load_torch_model(src_dir, bundled, options, say)
         say(f"tracing {arch} ({config.get('num_hidden_layers')} layers, ctx_len {ctx_len}, "
             f"prefill_seq_len {prefill_seq_len})")
         raw = tmp / "raw" / "model.onnx"
@@ -167,48 +136,6 @@ def export_model(
     files = sorted(target / n for n in names if (target / n).exists())
     say(f"wrote {target / onnx_name}")
     return ExportResult(target, target / onnx_name, target / MANIFEST_FILE, manifest, files=files)
-
-
-def _check_sliding_window(config: dict, options: opt.ExportOptions) -> None:
-    window = config.get("sliding_window")
-    if not window or options.ctx_len <= int(window):
-        return
-    layer_types = config.get("layer_types")
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return
-    if config.get("use_sliding_window") is False:
-        return
-    raise ExportError(
-        f"this model uses sliding-window attention (window {window}) and ctx_len {options.ctx_len} is larger; "
-        f"export with --ctx-len {window} or less")
-
-
-def _load_torch_model(src_dir: Path, bundled: bool, options: opt.ExportOptions, say: Progress):
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"export needs torch and transformers ({exc.name} is not installed): pip install 'qeff-kv[export]'"
-        ) from None
-    tdtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
-    warnings.filterwarnings("ignore", module="transformers")
-    transformers.logging.set_verbosity_error()
-    try:
-        if bundled:
-            say(f"building bundled default model {BUNDLED_NAME} (seed {BUNDLED_SEED})")
-            cfg = transformers.AutoConfig.from_pretrained(src_dir)
-            torch.manual_seed(BUNDLED_SEED)
-            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-            model = model.to(tdtype)
-        else:
-            say(f"loading {src_dir}")
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                src_dir, dtype=tdtype, attn_implementation="eager", use_safetensors=True)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ExportError(f"{src_dir}: cannot load as a causal LM ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    return model.eval()
 
 
 def _trace(model, options: opt.ExportOptions, path: Path) -> dict:

@@ -1,0 +1,130 @@
+"""The family matrix: one tiny seeded transformers model per decoder family users bring.
+
+Each entry is ``name -> Family(config class, model class, config kwargs)``. Models are small (2-4 layers,
+hidden 64, vocab 128) and built with a seed and an init scale whose greedy tokens vary. Importing this module
+needs neither torch nor transformers; :func:`make_family_dir` imports them.
+
+The matrix's expected outcome per target lives in ``EXPECT`` (``"exact"`` or the start of the refusal
+message); ``docs/supported-models.md`` is generated from it by ``tests/gen_supported_models.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
+
+_LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                   initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   tie_word_embeddings=False)
+_GPT_LIKE = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.15,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Family:
+    config_class: str
+    model_class: str
+    kwargs: dict = field(default_factory=dict)
+    base: dict = field(default_factory=lambda: dict(_LLAMA_LIKE))
+    #: what the family exercises (shown in docs/supported-models.md)
+    note: str = ""
+
+    def config_kwargs(self) -> dict:
+        return {**self.base, **self.kwargs}
+
+
+def _moe(**kw) -> dict:
+    return dict(num_hidden_layers=2, **kw)
+
+
+FAMILIES: dict[str, Family] = {
+    # --- dense, already exact ---------------------------------------------------------------------------
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=4096)),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=None)),
+    "granite": Family("GraniteConfig", "GraniteForCausalLM",
+                      dict(embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5,
+                           logits_scaling=4.0), note="embedding/attention/residual multipliers, logits scaling"),
+    # --- dense, this round ------------------------------------------------------------------------------
+    "gemma": Family("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16), note="(1+w) RMSNorm, scaled embedding"),
+    "phi": Family("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5), note="partial rotary, parallel block"),
+    "gpt2": Family("GPT2Config", "GPT2LMHeadModel", dict(), base=dict(_GPT_LIKE), note="learned positions, no RoPE"),
+    "gptj": Family("GPTJConfig", "GPTJForCausalLM", dict(rotary_dim=8), base=dict(_GPT_LIKE),
+                   note="interleaved partial rotary"),
+    "gpt_neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5)),
+    "gpt_bigcode": Family("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True), base=dict(_GPT_LIKE),
+                          note="multi-query attention, learned positions"),
+    "falcon_mqa": Family("FalconConfig", "FalconForCausalLM",
+                         dict(multi_query=True, new_decoder_architecture=False, parallel_attn=True, num_kv_heads=4,
+                              alibi=False), note="multi_query=True: 1 KV head whatever num_kv_heads says"),
+    "falcon_mha": Family("FalconConfig", "FalconForCausalLM",
+                         dict(multi_query=False, new_decoder_architecture=False, parallel_attn=True, alibi=False)),
+    "falcon_new": Family("FalconConfig", "FalconForCausalLM",
+                         dict(multi_query=False, new_decoder_architecture=True, num_kv_heads=2, alibi=False)),
+    "stablelm": Family("StableLmConfig", "StableLmForCausalLM", dict(partial_rotary_factor=0.25)),
+    "starcoder2": Family("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=None)),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM"),
+    "cohere": Family("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.0625),
+                     note="interleaved RoPE, logit_scale multiplies the logits"),
+    "glm": Family("GlmConfig", "GlmForCausalLM", dict(head_dim=16, partial_rotary_factor=0.5),
+                  note="interleaved partial RoPE"),
+    "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2),
+                      note="NoPE layers (no_rope_layers)"),
+    "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM",
+                      dict(num_hidden_layers=4, sliding_window=4096, sliding_window_pattern=2),
+                      note="global layers without RoPE"),
+    "llama_rope_llama3": Family("LlamaConfig", "LlamaForCausalLM",
+                                dict(head_dim=16, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
+                                     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=32)), note="rope scaling llama3"),
+    "llama_rope_yarn": Family("LlamaConfig", "LlamaForCausalLM",
+                              dict(head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                   original_max_position_embeddings=32)), note="rope scaling yarn"),
+    "phi3_longrope": Family("Phi3Config", "Phi3ForCausalLM",
+                            dict(sliding_window=None, max_position_embeddings=128,
+                                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                      short_factor=[1.0 + 0.1 * i for i in range(4)],
+                                                      long_factor=[2.0 + 0.5 * i for i in range(4)],
+                                                      original_max_position_embeddings=32)),
+                            note="rope scaling longrope (short/long factors switch at original_max_position_embeddings)"),
+    # --- mixture of experts -----------------------------------------------------------------------------
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
+                      _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                        _moe(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64)),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        _moe(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+    "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM",
+                         _moe(num_local_experts=4, num_experts_per_tok=2, logits_scaling=2.0)),
+    "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM",
+                      _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4096,
+                           layer_types=["sliding_attention", "full_attention"])),
+    # --- multi-head latent attention --------------------------------------------------------------------
+    "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                          dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+                               first_k_dense_replace=1, n_shared_experts=1),
+                          note="MLA (compressed KV), MoE"),
+}
+
+
+def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
+    """Save the tiny seeded model of family ``name`` with safetensors weights; return its folder."""
+    import torch
+    import transformers
+
+    fam = FAMILIES[name]
+    cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())
+    cfg.architectures = [fam.model_class]
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam.model_class)(cfg).eval()
+    out = root / f"tiny-{name}"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
