@@ -51,3 +51,7 @@ class RuntimeInputError(QeffKvError):
 
 class StateFileError(QeffKvError):
     """A KV state file is unreadable, truncated, edited, or belongs to another graph."""
+
+
+class VerificationError(ExportError):
+    """An exported graph does not reproduce the model it came from (verification at export)."""

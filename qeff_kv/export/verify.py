@@ -1,0 +1,235 @@
+"""Verification at export: run the written graph in onnxruntime and compare it with the PyTorch model.
+
+The probe is a prompt of seeded random token ids (nothing like the all-zero tracing input), sent in
+``prefill_seq_len`` chunks whose last one is right-padded with ``position_ids = -1``, followed by decode steps.
+The reference is the untouched transformers model's own forward pass (its own cache, its own attention,
+logit scaling and soft-capping), computed *before* tracing, so nothing the exporter patches can hide in it.
+Decode is teacher-forced with the reference's greedy tokens, so both sides see the same inputs at every step.
+
+At every compared step (the last prefill chunk and each decode step) the graph must give
+
+* logits within ``tolerance = rtol * max(1, max|reference logits|)`` of the reference (``rtol`` 1e-3 for
+  float32, 3e-2 for float16), and
+* the same greedy token, where a near-tie is accepted: the graph's argmax must be a token whose reference
+  logit is within the tolerance of the reference maximum.
+
+A mismatch raises :class:`~qeff_kv.errors.VerificationError` naming the step and how far off it is; the export
+is then not moved into place. The cost is one reference forward pass in PyTorch and one onnxruntime session
+over the probe (a fraction of a second for tiny models, seconds for a 135M-parameter one).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import graphio
+from ..errors import VerificationError
+
+RTOL = {"float32": 1e-3, "float16": 3e-2}
+DECODE_STEPS = 4
+PROBE_SEED = 1234
+#: verification is on by default when twice the weights (PyTorch + onnxruntime copies) plus this margin fit in
+#: the memory available now
+MEMORY_MARGIN = 1 << 30
+
+
+@dataclass
+class Probe:
+    prompt: list[int]
+    chunk: int
+    decode_steps: int
+    slot: int = 0
+
+
+@dataclass
+class Reference:
+    """The PyTorch model's logits: after the prompt, then after each teacher-forced decode token."""
+
+    logits: list[np.ndarray]          # each [vocab], float64
+    tokens: list[int]                 # greedy token after the prompt and after each decode step
+    seconds: float = 0.0
+
+
+@dataclass
+class VerificationResult:
+    status: str                                   # "passed" | "skipped"
+    reason: str | None = None
+    steps: int = 0
+    prompt_len: int = 0
+    chunk: int = 0
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        if self.status != "passed":
+            return {"status": self.status, "reason": self.reason}
+        d = asdict(self)
+        d.pop("extra")
+        d.update(self.extra)
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int = 0,
+               decode_steps: int = DECODE_STEPS) -> Probe:
+    """A prompt of one full chunk plus a padded partial one (when the capacity allows), then decode steps."""
+    chunk = max(1, prefill_seq_len)
+    length = chunk + max(1, chunk // 2) if chunk > 1 else 3
+    steps = decode_steps
+    while length + steps > ctx_len and steps > 1:
+        steps -= 1
+    length = max(1, min(length, ctx_len - steps))
+    rng = np.random.default_rng(PROBE_SEED)
+    low = 3 if vocab_size > 8 else 0       # keep clear of the usual pad/bos/eos ids
+    prompt = [int(t) for t in rng.integers(low, vocab_size, size=length)]
+    return Probe(prompt=prompt, chunk=chunk, decode_steps=steps, slot=slot)
+
+
+def memory_allows(param_bytes: int) -> tuple[bool, str]:
+    """Whether a second copy of the weights fits comfortably in memory available now."""
+    avail = _available_memory()
+    if avail is None:
+        return True, ""
+    need = 2 * param_bytes + MEMORY_MARGIN
+    if need <= avail:
+        return True, ""
+    return False, (f"verification skipped: it needs about {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB "
+                   f"is available (--verify forces it)")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------- PyTorch side
+def reference_run(model, probe: Probe) -> Reference:
+    """Greedy logits of the untouched transformers model on the probe (its own cache and forward pass)."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ids = torch.tensor([probe.prompt], dtype=torch.int64)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        logits = [out.logits[0, -1].double().numpy().copy()]
+        past = out.past_key_values
+        mask_len = len(probe.prompt)
+        tokens = [int(np.argmax(logits[-1]))]
+        for _ in range(probe.decode_steps):
+            mask_len += 1
+            step = torch.tensor([[tokens[-1]]], dtype=torch.int64)
+            out = model(input_ids=step, attention_mask=torch.ones((1, mask_len), dtype=torch.int64),
+                        past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[0, -1].double().numpy().copy())
+            tokens.append(int(np.argmax(logits[-1])))
+    return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------- onnxruntime side
+class _Runner:
+    """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
+
+    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int):
+        import onnxruntime as ort
+
+        layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+        self.out_names = [o.name for o in self.sess.get_outputs()]
+        in_names = {i.name for i in self.sess.get_inputs()}
+        self.has_batch_index = "batch_index" in in_names
+        self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
+        self.kv: dict[str, np.ndarray] = {}
+        for p in layout.pairs:
+            shape = []
+            for i, d in enumerate(p.input.shape or ()):
+                if isinstance(d, int):
+                    shape.append(d)
+                elif i == 0:
+                    shape.append(kv_batch)
+                elif i == 2:
+                    shape.append(ctx_len)
+                else:
+                    raise VerificationError(f"cannot size KV input {p.input_name!r}: symbolic dim {d!r} at axis {i}")
+            self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
+
+    def step(self, ids: list[int], pos: list[int], slot: int) -> np.ndarray:
+        feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": np.array([pos], dtype=np.int64),
+                 **self.kv}
+        if self.has_batch_index:
+            feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
+        out = dict(zip(self.out_names, self.sess.run(None, feeds)))
+        for i, o in self.pairs:
+            self.kv[i] = out[o]
+        return np.asarray(out["logits"])[0, -1].astype(np.float64)
+
+
+def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
+                 kv_batch: int = 1) -> VerificationResult:
+    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch."""
+    t0 = time.perf_counter()
+    try:
+        runner = _Runner(onnx_path, ctx_len, kv_batch)
+    except VerificationError:
+        raise
+    except Exception as exc:  # onnxruntime refuses the graph: that is a failed verification too
+        raise VerificationError(f"verification failed: onnxruntime cannot load the exported graph "
+                                f"({_first_line(exc)})") from None
+    rtol = RTOL.get(dtype, RTOL["float16"])
+    worst, worst_tol = 0.0, 0.0
+    prompt, chunk = probe.prompt, probe.chunk
+    logits = None
+    try:
+        for start in range(0, len(prompt), chunk):
+            part = prompt[start:start + chunk]
+            pad = chunk - len(part) if start + chunk <= ctx_len else 0
+            logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot)
+        steps = [("the prompt", logits)]
+        pos = len(prompt)
+        for k in range(probe.decode_steps):
+            steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot)))
+            pos += 1
+    except Exception as exc:
+        raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "
+                                f"({_first_line(exc)})") from None
+    for (label, got), want in zip(steps, ref.logits):
+        tol = rtol * max(1.0, float(np.max(np.abs(want))))
+        if not np.all(np.isfinite(got)):
+            raise VerificationError(f"verification failed after {label}: the graph's logits are not finite")
+        diff = float(np.max(np.abs(got - want)))
+        if diff > worst:
+            worst, worst_tol = diff, tol
+        token = int(np.argmax(got))
+        if diff > tol:
+            raise VerificationError(
+                f"verification failed after {label}: logits differ from PyTorch by up to {diff:.3g} "
+                f"(tolerance {tol:.3g}); greedy token {token}, PyTorch {int(np.argmax(want))}")
+        if want[token] < float(np.max(want)) - tol:
+            raise VerificationError(f"verification failed after {label}: greedy token {token}, PyTorch "
+                                    f"{int(np.argmax(want))}")
+    return VerificationResult(status="passed", steps=len(steps), prompt_len=len(prompt), chunk=chunk,
+                              max_abs_diff=float(f"{worst:.3g}"),
+                              tolerance=float(f"{(worst_tol or rtol):.3g}"),
+                              seconds=round(time.perf_counter() - t0 + ref.seconds, 3))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
