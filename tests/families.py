@@ -128,3 +128,10 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
     out = root / f"tiny-{name}"
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+#: Expected outcome per family and target: ``"exact"``, or ``"refused: <start of the one-line message>"``.
+#: ``docs/supported-models.md`` is generated from this table and FAMILIES (tests/gen_supported_models.py);
+#: tests/test_families.py proves every cell.
+EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
+EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}

@@ -1,0 +1,51 @@
+"""Refusals that come from the config alone: before loading weights or tracing, one line, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from qeff_kv.errors import ExportError
+
+
+def _vlm_folder(tmp_path):
+    """A Gemma3 vision-language folder: the sliding window lives in text_config, as in real checkpoints."""
+    d = tmp_path / "gemma3-vlm"
+    d.mkdir()
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"model_type": "gemma3_text", "num_hidden_layers": 2, "sliding_window": 8,
+                           "layer_types": ["sliding_attention", "full_attention"], "vocab_size": 128},
+           "vision_config": {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes(b"not read: the refusal comes first")
+    return d
+
+
+def test_vision_language_folder_is_refused_before_loading(tmp_path):
+    from qeff_kv.export import export_model
+
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match=r"^Gemma3ForConditionalGeneration is a vision-language model; qeff-kv "
+                                          r"exports text decoders only"):
+        export_model(_vlm_folder(tmp_path), out, ctx_len=16, prefill_seq_len=4)
+    assert not out.exists()
+
+
+def test_vision_language_refusal_in_the_cli_is_one_line(tmp_path):
+    from qeff_kv_cli.main import main
+
+    res = CliRunner().invoke(main, ["export", str(_vlm_folder(tmp_path)), "-o", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 2
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Gemma3ForConditionalGeneration is a vision-language")
+    assert not (tmp_path / "o").exists()
+
+
+def test_sliding_window_in_text_config_is_read():
+    from qeff_kv.export.family import ModelFacts
+
+    facts = ModelFacts.from_config({"architectures": ["X"], "text_config": {
+        "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2}})
+    assert facts.sliding_window == 8 and facts.sliding_layers == (0, 2)
