@@ -78,6 +78,22 @@ FAMILIES: dict[str, Family] = {
     "exaone4": Family("Exaone4Config", "Exaone4ForCausalLM",
                       dict(num_hidden_layers=4, sliding_window=4096, sliding_window_pattern=2),
                       note="global layers without RoPE"),
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM",
+                     dict(head_dim=16, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                          final_logit_softcapping=3.0, sliding_window=4096,
+                          layer_types=["sliding_attention", "full_attention"]),
+                     note="attention and final logit soft-capping, query_pre_attn_scalar, sliding layers"),
+    "gemma3_text": Family("Gemma3TextConfig", "Gemma3ForCausalLM",
+                          dict(head_dim=16, query_pre_attn_scalar=8, sliding_window=4096,
+                               layer_types=["sliding_attention", "full_attention"],
+                               rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                "full_attention": dict(rope_type="linear", factor=8.0,
+                                                                       rope_theta=1000000.0)}),
+                          note="two RoPE bases (local/global layers), q/k norms, sliding layers"),
+    "granite_swa": Family("GraniteSWAConfig", "GraniteSWAForCausalLM",
+                          dict(layer_rope_theta=[10000.0, 0], layer_types=["full_attention", "sliding_attention"],
+                               sliding_window=4096),
+                          note="learned attention sinks, a NoPE layer (layer_rope_theta 0)"),
     "llama_rope_llama3": Family("LlamaConfig", "LlamaForCausalLM",
                                 dict(head_dim=16, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0,
                                      factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -87,24 +103,34 @@ FAMILIES: dict[str, Family] = {
                                    original_max_position_embeddings=32)), note="rope scaling yarn"),
     "phi3_longrope": Family("Phi3Config", "Phi3ForCausalLM",
                             dict(sliding_window=None, max_position_embeddings=128,
+                                 original_max_position_embeddings=32,  # Phi3Config's own field decides
                                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
-                                                      short_factor=[1.0 + 0.1 * i for i in range(4)],
-                                                      long_factor=[2.0 + 0.5 * i for i in range(4)],
+                                                      short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                                      long_factor=[2.0 + 0.5 * i for i in range(8)],
                                                       original_max_position_embeddings=32)),
-                            note="rope scaling longrope (short/long factors switch at original_max_position_embeddings)"),
+                            note="rope scaling longrope (ctx_len up to original_max_position_embeddings, where "
+                                 "the factors switch)"),
     # --- mixture of experts -----------------------------------------------------------------------------
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
-                      _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+                      _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+                      note="routed experts (softmax, top-k, renormalised)"),
     "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                         _moe(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64)),
+                             shared_expert_intermediate_size=64),
+                        note="routed experts plus a shared expert behind a sigmoid gate"),
     "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        _moe(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),
+                        _moe(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             norm_topk_prob=True),
+                        note="routed experts, norm_topk_prob, q/k norms"),
     "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM",
-                         _moe(num_local_experts=4, num_experts_per_tok=2, logits_scaling=2.0)),
+                         _moe(num_local_experts=4, num_experts_per_tok=2, logits_scaling=2.0),
+                         note="routed experts (softmax after top-k), logits scaling"),
     "gpt_oss": Family("GptOssConfig", "GptOssForCausalLM",
                       _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4096,
-                           layer_types=["sliding_attention", "full_attention"])),
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                                beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
+                      note="experts with biases and clamped SwiGLU, attention sinks, sliding layers, yarn RoPE"),
     # --- multi-head latent attention --------------------------------------------------------------------
     "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
                           dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
@@ -135,3 +161,7 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
 #: tests/test_families.py proves every cell.
 EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
 EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}
+#: onnxruntime-fused refusals, from the config (qeff_kv/export/family.py, ModelFacts.fused_refusal)
+EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
+EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "DeepseekV3ForCausalLM's multi-head latent attention")

@@ -17,18 +17,20 @@ from typing import Callable
 
 import onnx_ir as ir
 
-from .. import __version__, compile_config, fsutil, graphio, naming
+from .. import __version__, compile_config, fsutil, graphio, limits, naming
 from ..errors import ExportError
-from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, SetKVPrefixPass
+from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
 from . import family, sources
+from . import verify as verify_mod
 from . import options as opt
-from .sources import BUNDLED_NAME, BUNDLED_SEED, bundled_model_dir  # noqa: F401 (re-exported)
+from .sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
 
 MANIFEST_FILE = "manifest.json"
 PARAMS_FILE = "export_params.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DEFAULT_PREFILL_SEQ_LEN = 32
 DEFAULT_MAX_CTX_LEN = 4096
+#: Staging folders (``.<name>.export-*``) older than this are left by killed exports and removed by the next one.
+STALE_STAGING_S = 86400.0
 
 Progress = Callable[[str], None]
 
@@ -56,18 +58,23 @@ def export_model(
     force: bool = False,
     specializations_format: compile_config.SpecFormat = "flat",
     target: str = "portable",
+    verify: bool | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
     Without ``out_dir`` the export goes to the cache ``$QEFF_KV_HOME/<arch>/<name>-<hash>/`` and an
     identical earlier export is reused unless ``force``.
+
+    ``verify``: run the written graph in onnxruntime on a probe and compare it with the PyTorch model before
+    calling the export done (see :mod:`qeff_kv.export.verify`). ``None`` (default): on when a second copy of
+    the weights fits comfortably in memory, else skipped with a note; ``True`` forces it, ``False`` skips it.
     """
     say = progress or (lambda _msg: None)
     if kv_cache_prefix is not None:
         naming.validate_prefix(kv_cache_prefix)
-    src_dir, bundled, name = sources.resolve_source(model)
-    config = sources.read_config(src_dir)
+    source = sources.resolve_source(model)
+    config = source.config()
     arch = str(config["architectures"][0])
     if ctx_len is None:
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
@@ -76,11 +83,11 @@ def export_model(
                                 full_batch_size=full_batch_size, target=target).validate()
     facts = family.ModelFacts.from_config(config)
     facts.require_exportable(options)
-    params = opt.hashed_params(config, options, None if bundled else opt.weights_fingerprint(src_dir))
+    params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format
     digest = opt.params_hash(params)
     use_cache = out_dir is None
-    target = opt.cache_dir(arch, name, digest) if use_cache else Path(out_dir)
+    target = opt.cache_dir(arch, source.name, digest) if use_cache else Path(out_dir)
     if use_cache and not force and (target / MANIFEST_FILE).is_file():
         manifest = json.loads((target / MANIFEST_FILE).read_text())
         if manifest.get("options_hash") == digest and (target / manifest["onnx"]).is_file():
@@ -89,43 +96,59 @@ def export_model(
     if target.exists() and not target.is_dir():
         raise ExportError(f"{target}: exists and is not a folder")
 
-    onnx_name = f"{opt.safe_name(name)}.onnx"
+    onnx_name = f"{opt.safe_name(source.name)}.onnx"
     parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    fsutil.make_dirs(parent)
+    # Staging folders of exports killed more than a day ago: nothing else ever removes them.
+    fsutil.remove_stale(parent, ".*.export-*", max_age_s=STALE_STAGING_S)
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.export-", dir=parent) as tmp_s:
         tmp = Path(tmp_s)
         stage = tmp / "stage"
         stage.mkdir()
-        torch_model = sources.load_torch_model(src_dir, bundled, options, say)
+        torch_model = source.load_torch_model(options, say)
+        probe, reference, skipped = _reference_for_verification(torch_model, options, verify, say)
         say(f"tracing {arch} ({config.get('num_hidden_layers')} layers, ctx_len {ctx_len}, "
             f"prefill_seq_len {prefill_seq_len})")
         raw = tmp / "raw" / "model.onnx"
         raw.parent.mkdir()
-        geometry = _trace(torch_model, options, raw)
+        # The loaded config carries the class defaults that config.json may omit (Cohere's logit_scale...):
+        # the wrapper reads its facts from it; refusals above came from config.json before loading.
+        loaded = family.ModelFacts.from_config(torch_model.config.to_dict())
+        loaded.require_exportable(options)
+        geometry = _trace(torch_model, options, raw, loaded)
         del torch_model
         say("post-processing graph")
         ir_model = graphio.load(raw)
         _finalize(ir_model, options, geometry)
         onnx_path = stage / onnx_name
         _save_graph(ir_model, onnx_path, say)
+        del ir_model
+        if probe is not None:
+            say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
+                f"{probe.decode_steps} decode steps)")
+            verification = verify_mod.verify_graph(onnx_path, probe, reference, ctx_len=ctx_len, dtype=dtype,
+                                                   kv_batch=full_batch_size if continuous_batching else 1)
+            say(f"verified: max |logit difference| {verification.max_abs_diff:.3g} "
+                f"(tolerance {verification.tolerance:.3g})")
+        else:
+            verification = verify_mod.VerificationResult(status="skipped", reason=skipped)
         layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
         written = compile_config.write_compile_config(
             layout, stage, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
             full_batch_size=full_batch_size if continuous_batching else None, fmt=specializations_format)
-        for fname in TOKENIZER_FILES:
-            if (src_dir / fname).is_file():
-                shutil.copyfile(src_dir / fname, stage / fname)
+        source.copy_tokenizer(stage)
         fsutil.write_json(stage / PARAMS_FILE, params)
         manifest = _manifest(onnx_name, layout, config, options, geometry, digest,
-                             source=f"bundled:{BUNDLED_NAME}" if bundled else str(src_dir.resolve()),
+                             source=source.describe(),
                              fmt=specializations_format)
+        manifest["verification"] = verification.to_json()
         fsutil.write_json(stage / MANIFEST_FILE, manifest)
         if use_cache:
             with fsutil.atomic_dir(target) as final:
                 for f in stage.iterdir():
                     shutil.move(str(f), final / f.name)
         else:
-            target.mkdir(parents=True, exist_ok=True)
+            fsutil.make_dirs(target)
             (target / MANIFEST_FILE).unlink(missing_ok=True)  # a folder without a manifest is incomplete
             names = sorted(p.name for p in stage.iterdir() if p.name != MANIFEST_FILE) + [MANIFEST_FILE]
             for fname in names:  # one rename per file; the manifest, written last, marks completion
@@ -138,18 +161,43 @@ def export_model(
     return ExportResult(target, target / onnx_name, target / MANIFEST_FILE, manifest, files=files)
 
 
-def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
+def _reference_for_verification(model, options: opt.ExportOptions, verify: bool | None, say: Progress):
+    """The probe and the PyTorch reference on it, computed before tracing touches the model; or why not."""
+    if verify is False:
+        return None, None, "turned off (--no-verify)"
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if verify is None:
+        ok, note = verify_mod.memory_allows(param_bytes)
+        if not ok:
+            say(note)
+            return None, None, note
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
+    probe = verify_mod.make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot)
+    try:
+        reference = verify_mod.reference_run(model, probe)
+    except Exception as exc:
+        raise ExportError(f"{type(model).__name__}: the PyTorch reference run for verification failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                          f"--no-verify skips it") from None
+    return probe, reference, None
+
+
+def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFacts | None = None) -> dict:
     """Trace the wrapped model with the TorchScript exporter (opset 17) into ``path``."""
     import torch
 
-    from . import torch_graph
+    from . import moe, torch_graph
 
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     num_layers = int(text_cfg.num_hidden_layers)
-    n_kv = int(getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)
-    head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads)
     tdtype = next(model.parameters()).dtype
+    try:
+        kv_shapes = torch_graph.probe_kv_shapes(model, num_layers)
+    except Exception as exc:  # a model that does not run through our cache cannot be exported
+        raise ExportError(f"{type(model).__name__} does not run with a retained-state cache: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     seq = max(options.prefill_seq_len, 2)
     kv_batch = options.full_batch_size if options.continuous_batching else 1
     kv_axis = "full_batch_size" if options.continuous_batching else "batch_size"
@@ -160,10 +208,15 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
     dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch_size", 1: "seq_len"},
                                       "position_ids": {0: "batch_size", 1: "seq_len"},
                                       "logits": {0: "batch_size"}}
+    # The probe KV tensors are allocated at ctx_len: refuse, in one line with their size, what cannot fit.
+    limits.require_memory(
+        limits.kv_buffer_bytes([s for layer in kv_shapes[:num_layers] for s in layer], ctx_len=options.ctx_len,
+                               batch=kv_batch, itemsize=tdtype.itemsize),
+        f"the probe KV tensors for tracing ({num_layers} layers x ctx_len {options.ctx_len})", error=ExportError)
     past = []
     for i in range(num_layers):
-        for stem in naming.EXPORT_STEMS:
-            past.append(torch.zeros((kv_batch, n_kv, options.ctx_len, head_dim), dtype=tdtype))
+        for stem, (heads, dim) in zip(naming.EXPORT_STEMS, kv_shapes[i]):
+            past.append(torch.zeros((kv_batch, heads, options.ctx_len, dim), dtype=tdtype))
             in_name = naming.kv_input_name(stem, i)
             out_name = naming.retained_name(in_name)
             in_names.append(in_name)
@@ -180,14 +233,15 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
     wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
                                           valid_length_attention=compact, fused=fused,
-                                          max_positions=max_positions).eval()
+                                          max_positions=max_positions, facts=facts).eval()
     if fused and wrapper.rotary is not None:
         rotary = torch_graph.skip_model_rotary(model)
     elif compact:
         rotary = torch_graph.compact_rotary(model)
     else:
         rotary = contextlib.nullcontext()
-    with warnings.catch_warnings(), torch.no_grad(), rotary:
+    with warnings.catch_warnings(), torch.no_grad(), rotary, torch_graph.export_patches(model), \
+            moe.static_routing(model, path):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(args), str(path), dynamo=False, opset_version=opt.OPSET,
@@ -197,8 +251,12 @@ def _trace(model, options: opt.ExportOptions, path: Path) -> dict:
         except Exception as exc:  # tracing failures are model-specific; report them in one line
             raise ExportError(f"tracing failed for {type(model).__name__}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
-            "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
+    (n_kv, head_dim), (v_heads, v_dim) = kv_shapes[0]
+    geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
+                "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
+    if (v_heads, v_dim) != (n_kv, head_dim):
+        geometry.update(value_heads=v_heads, value_head_dim=v_dim)
+    return geometry
 
 
 def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> None:
@@ -213,6 +271,7 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
     model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
     model.metadata_props["qeff_kv.continuous_batching"] = str(bool(options.continuous_batching)).lower()
     model.metadata_props["qeff_kv.target"] = options.target
+    RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)
     if options.target == "onnxruntime-fused":
         PackGQAQKVPass()(model)
         if options.dtype == "float32":

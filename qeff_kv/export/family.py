@@ -45,6 +45,28 @@ class ModelFacts:
     final_logit_softcapping: float | None = None
     #: attention scores soft-capped (Gemma2's ``attn_logit_softcapping``)
     attn_logit_softcapping: float | None = None
+    #: ``model_type`` of the language model's config
+    model_type: str = ""
+    #: the layers that apply rotary position embeddings, for a model that uses RoPE (see :func:`_rope_layers`)
+    rope_layers: tuple[int, ...] = ()
+    #: how the model's attention is computed (see :data:`ATTENTION_CODE`): ``"interface"`` (transformers'
+    #: AttentionInterface), ``"sdpa"`` (its own code calling torch's scaled_dot_product_attention) or
+    #: ``"eager"`` (its own code only)
+    attention_code: str = "interface"
+    #: ALiBi position biases instead of position embeddings (Falcon's ``alibi``)
+    alibi: bool = False
+    #: multi-head latent attention: keys and values of different head sizes (``kv_lora_rank``, ``v_head_dim``)
+    latent_attention: bool = False
+    #: attention adds learned per-head sink logits to the softmax (GPT-OSS; see :data:`ATTENTION_SINK_MODEL_TYPES`)
+    attention_sinks: bool = False
+    #: RoPE variants the config selects (``rope_parameters``, or the older ``rope_scaling``; one per layer type
+    #: where they differ): ``"default"``, ``"linear"``, ``"llama3"``, ``"yarn"``, ``"longrope"``, ``"dynamic"``...
+    rope_types: tuple[str, ...] = ()
+    #: ``max_position_embeddings``: where transformers' dynamic-NTK RoPE starts rescaling (see :meth:`refusal`)
+    max_position_embeddings: int | None = None
+    #: longrope: the sequence length beyond which the long factors replace the short ones (the effective
+    #: ``original_max_position_embeddings``, see :func:`_longrope_threshold`); ``None`` without longrope
+    longrope_threshold: int | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -52,6 +74,7 @@ class ModelFacts:
         text = text_config(config)
         num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers", default=0))
         window, sliding = _sliding(text, num_layers)
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
         return cls(
             architecture=str((config.get("architectures") or ["?"])[0]),
             vision_language=isinstance(config.get("vision_config"), dict),
@@ -62,6 +85,15 @@ class ModelFacts:
             logits_scaling=_float_or_none(text.get("logits_scaling")),
             final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
             attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
+            model_type=model_type,
+            rope_layers=_rope_layers(text, num_layers, window, sliding),
+            attention_code=ATTENTION_CODE.get(model_type, "interface"),
+            alibi=bool(text.get("alibi")) or model_type in _ALWAYS_ALIBI,
+            latent_attention=_latent_attention(text),
+            attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
+            rope_types=_rope_types(text),
+            max_position_embeddings=_int_or_none(_first(text, "max_position_embeddings", "n_positions")),
+            longrope_threshold=_longrope_threshold(text, model_type),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
@@ -73,12 +105,95 @@ class ModelFacts:
         if self.sliding_layers and options.ctx_len > int(self.sliding_window):
             return (f"this model uses sliding-window attention (window {self.sliding_window}) and ctx_len "
                     f"{options.ctx_len} is larger; export with --ctx-len {self.sliding_window} or less")
+        if ("dynamic" in self.rope_types and self.max_position_embeddings
+                and options.ctx_len > self.max_position_embeddings):
+            # transformers recomputes dynamic-NTK frequencies in a Python branch once a forward pass reaches
+            # beyond max_position_embeddings: a traced graph would keep the unscaled ones (silently wrong).
+            return (f"this model uses dynamic RoPE scaling, which rescales beyond max_position_embeddings "
+                    f"{self.max_position_embeddings} in Python (a traced graph cannot follow); export with "
+                    f"--ctx-len {self.max_position_embeddings} or less")
+        if self.longrope_threshold is not None and options.ctx_len > self.longrope_threshold:
+            # The graph picks short/long factors per forward pass as transformers' rotary module does, but
+            # keys already in the cache keep theirs; transformers' generate recomputes the whole cache with the
+            # long factors when the sequence first grows past the threshold (Phi-3), which a retained cache cannot.
+            return (f"this model uses longrope RoPE scaling, whose factors switch once a sequence is longer than "
+                    f"original_max_position_embeddings {self.longrope_threshold} (transformers then recomputes "
+                    f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
+        # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
+        # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
+        if options.target == "onnxruntime-fused":
+            return self.fused_refusal()
+        return None
+
+    def fused_refusal(self) -> str | None:
+        """Why onnxruntime's GroupQueryAttention cannot compute this model's attention, or ``None``."""
+        cannot = f"--target onnxruntime-fused cannot express {self.architecture}'s"
+        if self.attention_code == "eager":
+            return (f"{cannot} attention (computed by its own code, not through transformers' attention "
+                    f"interface or SDPA); use --target onnxruntime")
+        if self.alibi:
+            return f"{cannot} ALiBi position biases (GroupQueryAttention has no ALiBi); use --target onnxruntime"
+        if self.latent_attention:
+            return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
+                    f"use --target onnxruntime")
         return None
 
     def require_exportable(self, options) -> None:
         reason = self.refusal(options)
         if reason is not None:
             raise ExportError(reason)
+
+
+def _int_or_none(v) -> int | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _rope_types(text: dict) -> tuple[str, ...]:
+    """The RoPE variants of ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older configs), either one
+    set of parameters or one per layer type (Gemma3: ``{"sliding_attention": {...}, "full_attention": {...}}``);
+    ``rope_type`` (or the older ``type``) names the variant, ``"default"`` when absent. Sorted, unique."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return ()
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    sets = per_type if per_type and not ({"rope_type", "type"} & set(rope)) else [rope]
+    return tuple(sorted({str(p.get("rope_type") or p.get("type") or "default") for p in sets}))
+
+
+#: config classes with a top-level ``original_max_position_embeddings`` field of their own, and its default:
+#: transformers gives that field priority over ``rope_parameters`` (``standardize_rope_params``), default included
+_OWN_ORIGINAL_MAX_POSITIONS: dict[str, int] = {"phi3": 4096, "phi4_multimodal": 4096}
+
+
+def _longrope_threshold(text: dict, model_type: str) -> int | None:
+    """The effective ``original_max_position_embeddings`` of a longrope config, as transformers 5.23 settles it:
+    one global set of RoPE parameters takes the config's top-level field when present (or when the config class
+    has one: Phi-3's defaults to 4096), else its own value, else ``max_position_embeddings``; per-layer-type sets
+    take their own value, else ``max_position_embeddings``. The smallest over longrope sets; ``None`` without."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return None
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    nested = bool(per_type) and not ({"rope_type", "type"} & set(rope))
+    sets = [p for p in (per_type if nested else [rope]) if (p.get("rope_type") or p.get("type")) == "longrope"]
+    if not sets:
+        return None
+    max_pos = _int_or_none(text.get("max_position_embeddings"))
+    if not nested:
+        top = _int_or_none(text.get("original_max_position_embeddings"))
+        if top is None:
+            top = _OWN_ORIGINAL_MAX_POSITIONS.get(model_type)
+        if top is not None:
+            return top
+    values = [_int_or_none(p.get("original_max_position_embeddings")) for p in sets]
+    values = [v if v is not None else max_pos for v in values]
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
 
 
 def _float_or_none(v) -> float | None:
@@ -104,3 +219,58 @@ def _sliding(text: dict, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     if isinstance(pattern, int) and pattern > 0:
         return window, tuple(i for i in range(num_layers) if (i + 1) % pattern != 0)
     return window, tuple(range(num_layers))
+
+
+#: Decoder families whose attention does not go through transformers' AttentionInterface, by ``model_type``
+#: (read from transformers 5.23's modeling code): ``"sdpa"`` calls ``torch.nn.functional.
+#: scaled_dot_product_attention`` itself when the attention implementation is "sdpa" (Falcon); ``"eager"``
+#: computes attention in its own code whatever the implementation (causal LMs with neither
+#: ``_supports_attention_backend`` nor ``_supports_sdpa``). Every other family: ``"interface"``.
+ATTENTION_CODE: dict[str, str] = {
+    "falcon": "sdpa",
+    **{t: "eager" for t in ("gptj", "codegen", "gpt_neo", "bloom", "mpt", "gpt_neox_japanese", "xglm",
+                            "openai-gpt")},
+}
+#: ``model_type`` values whose attention adds learned per-head sink logits to the softmax (a ``sinks``
+#: parameter in transformers 5.23); their configs carry no field that says so, so the type is the fact
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4",
+                                        "flint", "deepseek_v4", "openai_privacy_filter"})
+#: families that always use ALiBi (no config switch)
+_ALWAYS_ALIBI = frozenset({"bloom", "mpt"})
+#: families that rotate only their sliding-window layers when a window is configured, by ``model_type``, and
+#: what they rotate without a window (transformers 5.23): ``"all"`` where the code reads ``sliding_window is
+#: None or is_sliding`` (Exaone4, ExaoneMoe, Kolibri1), ``"none"`` where only a layer with a window rotates
+#: (Cohere2, Flint, AFMoE)
+_ROPE_ON_SLIDING_LAYERS_ONLY: dict[str, str] = {"exaone4": "all", "exaone_moe": "all", "kolibri1": "all",
+                                                "cohere2": "none", "flint": "none", "afmoe": "none"}
+
+
+def _rope_layers(text: dict, num_layers: int, window: int | None, sliding: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers that apply RoPE: ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE),
+    ``layer_rope_theta`` (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
+    :data:`_ROPE_ON_SLIDING_LAYERS_ONLY`, else every layer."""
+    flags = text.get("no_rope_layers")
+    if isinstance(flags, list) and len(flags) >= num_layers:
+        return tuple(i for i in range(num_layers) if flags[i])
+    thetas = text.get("layer_rope_theta")
+    if isinstance(thetas, list) and len(thetas) >= num_layers:
+        return tuple(i for i in range(num_layers) if thetas[i])
+    without_window = _ROPE_ON_SLIDING_LAYERS_ONLY.get(str(text.get("model_type")))
+    if without_window is not None:
+        if window:
+            return sliding
+        return tuple(range(num_layers)) if without_window == "all" else ()
+    return tuple(range(num_layers))
+
+
+def _latent_attention(text: dict) -> bool:
+    """Keys and values of different head sizes: MLA (``kv_lora_rank``), or ``v_head_dim`` other than the key's
+    ``qk_nope_head_dim + qk_rope_head_dim`` / ``head_dim``."""
+    if text.get("kv_lora_rank"):
+        return True
+    v = text.get("v_head_dim")
+    if v is None:
+        return False
+    if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
+        return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    return text.get("head_dim") is not None and int(v) != int(text["head_dim"])

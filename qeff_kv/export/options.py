@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import naming
 from ..errors import ExportError
+from ..limits import positive_int
 
 DTYPES = ("float32", "float16")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
@@ -25,7 +26,7 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 1
+EXPORTER_VERSION = 2  # 2: the output head is a Gemm(transB=1) reading its weight as stored
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,7 @@ class ExportOptions:
         if self.kv_cache_prefix is not None:
             naming.validate_prefix(self.kv_cache_prefix)
         for label, v in (("ctx_len", self.ctx_len), ("prefill_seq_len", self.prefill_seq_len)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ExportError(f"{label} must be a positive integer, got {v!r}")
+            positive_int(label, v, error=ExportError)
         if self.prefill_seq_len > self.ctx_len:
             raise ExportError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.dtype not in DTYPES:
@@ -56,8 +56,7 @@ class ExportOptions:
         if self.continuous_batching:
             if self.full_batch_size is None:
                 raise ExportError("--continuous-batching needs --full-batch-size N")
-            if not isinstance(self.full_batch_size, int) or self.full_batch_size < 1:
-                raise ExportError(f"full_batch_size must be a positive integer, got {self.full_batch_size!r}")
+            positive_int("full_batch_size", self.full_batch_size, error=ExportError)
         elif self.full_batch_size is not None:
             raise ExportError("--full-batch-size is only meaningful with --continuous-batching")
         return self
@@ -105,8 +104,13 @@ def weights_fingerprint(model_dir: Path | None) -> str | None:
     sha256 of its first and last MiB. ``None`` for the bundled default (weights come from a fixed seed)."""
     if model_dir is None:
         return None
+    return files_fingerprint(sorted(model_dir.glob("*.safetensors")))
+
+
+def files_fingerprint(files: list[Path]) -> str:
+    """:func:`weights_fingerprint` of these files in this order (a folder's safetensors, or one GGUF file)."""
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:

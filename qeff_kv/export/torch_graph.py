@@ -26,6 +26,7 @@ This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 
 import torch
@@ -128,6 +129,51 @@ class RetainedStateCache:
         return att_k, att_v
 
 
+class _RecordingCache:
+    """A ``past_key_values`` that records each layer's new key/value shapes and attends over them only."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int):
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * num_layers
+        self.is_sliding = [False] * num_layers
+        self.layers = []
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.shapes[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape))
+        return key_states, value_states
+
+
+def probe_kv_shapes(model: torch.nn.Module, num_layers: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Run the decoder once on two tokens and record, per layer, ``((key_heads, key_dim), (value_heads,
+    value_dim))`` as the model itself produces them.
+
+    The cache buffers are shaped from what the model really writes, not from config fields whose meaning
+    differs between families (Falcon's ``multi_query`` ignores ``num_kv_heads``; MLA keys and values have
+    different head sizes)."""
+    cache = _RecordingCache(num_layers)
+    ids = torch.tensor([[1, 2]], dtype=torch.int64)
+    pos = torch.arange(2, dtype=torch.int64).unsqueeze(0)
+    dtype = next(model.parameters()).dtype
+    mask = build_attention_mask(pos, 2, dtype)
+    with torch.no_grad():
+        model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                            use_cache=True)
+    out = []
+    for i, kv in enumerate(cache.shapes):
+        if kv is None:
+            raise RuntimeError(f"layer {i} wrote no keys/values through the cache")
+        (kb, kh, ks, kd), (vb, vh, vs, vd) = kv
+        out.append(((int(kh), int(kd)), (int(vh), int(vd))))
+    return out
+
+
 def fill_padding(input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Give every padded row (position -1) the token and position of its sequence's last valid row.
 
@@ -147,19 +193,31 @@ class _GroupedAttention(torch.autograd.Function):
     ``q [B, Hq, S, D]``, ``k, v [B, Hkv, L, D]``, additive ``mask [B, 1, S, L]`` -> ``[B, S, Hq, D]``.
     Queries are grouped per KV head (``[B, Hkv, Hq/Hkv, S, D]``) so keys and values are never repeated, and
     every Reshape uses constant 0/-1 dims, so no shape arithmetic runs per step.
+
+    ``softcap`` > 0 soft-caps the scaled scores, ``tanh(s / softcap) * softcap``, before the mask (Gemma2).
+    ``sinks [Hq]`` (GPT-OSS) add one logit per head to the softmax denominator: the probabilities are scaled
+    by ``sigmoid(logsumexp(scores) - sink)``, which equals a softmax over the scores plus a sink column.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scaling: float, hq: int, hkv: int, d: int):  # noqa: D401
+    def forward(ctx, q, k, v, mask, scaling: float, hq: int, hkv: int, d: int, dv: int,  # noqa: D401
+                softcap: float = 0.0, sinks=None):
         b, _, s, _ = q.shape
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
-        scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scaling + mask.unsqueeze(1)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, s, d)
+        scores = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scaling
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = (scores + mask.unsqueeze(1)).float()
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            probs = probs * torch.sigmoid(lse - sinks.float().reshape(1, hkv, hq // hkv, 1, 1))
+        probs = probs.to(q.dtype)
+        out = torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, s, dv)   # values may be narrower (MLA)
         return out.transpose(1, 2)
 
     @staticmethod
-    def symbolic(g, q, k, v, mask, scaling, hq, hkv, d):
+    def symbolic(g, q, k, v, mask, scaling, hq, hkv, d, dv, softcap=0.0, sinks=None):
         def const(values):
             return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
@@ -169,13 +227,22 @@ class _GroupedAttention(torch.autograd.Function):
         scores = g.op("MatMul", q5, g.op("Transpose", k5, perm_i=[0, 1, 2, 4, 3]))
         dtype = q.type().dtype() if q.type().dtype() is not None else torch.float32
         scores = g.op("Mul", scores, g.op("Constant", value_t=torch.tensor(scaling, dtype=dtype)))
+        if softcap > 0:
+            scores = g.op("Tanh", g.op("Mul", scores, g.op("Constant", value_t=torch.tensor(1.0 / softcap,
+                                                                                             dtype=dtype))))
+            scores = g.op("Mul", scores, g.op("Constant", value_t=torch.tensor(softcap, dtype=dtype)))
         scores = g.op("Add", scores, g.op("Unsqueeze", mask, const([1])))
         if dtype != torch.float32:
-            probs = g.op("Cast", g.op("Softmax", g.op("Cast", scores, to_i=1), axis_i=-1),
-                         to_i=10 if dtype == torch.float16 else 16)
-        else:
-            probs = g.op("Softmax", scores, axis_i=-1)
-        out = g.op("Reshape", g.op("MatMul", probs, v5), const([0, hq, -1, d]))
+            scores = g.op("Cast", scores, to_i=1)
+        probs = g.op("Softmax", scores, axis_i=-1)
+        if not _absent(sinks):
+            sink = g.op("Reshape", sinks if dtype == torch.float32 else g.op("Cast", sinks, to_i=1),
+                        const([1, hkv, hq // hkv, 1, 1]))
+            lse = g.op("ReduceLogSumExp", scores, axes_i=[-1], keepdims_i=1)
+            probs = g.op("Mul", probs, g.op("Sigmoid", g.op("Sub", lse, sink)))
+        if dtype != torch.float32:
+            probs = g.op("Cast", probs, to_i=10 if dtype == torch.float16 else 16)
+        out = g.op("Reshape", g.op("MatMul", probs, v5), const([0, hq, -1, dv]))
         return g.op("Transpose", out, perm_i=[0, 2, 1, 3])
 
 
@@ -198,20 +265,225 @@ def _rotate_half(x):
     return _RotateHalf.apply(x, int(x.shape[-1]))
 
 
+class _RotateHalfInterleaved(torch.autograd.Function):
+    """Interleaved RoPE's ``rotate_half`` (pairs ``(x0, x1) -> (-x1, x0)``, Cohere, GLM) with static sizes:
+    Reshape to pairs, Split, Neg, Concat, Reshape back (constant 0/-1 shapes, no shape arithmetic)."""
+
+    @staticmethod
+    def forward(ctx, x, rank: int):  # noqa: D401
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+    @staticmethod
+    def symbolic(g, x, rank):
+        def const(values):
+            return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+        pairs = g.op("Reshape", x, const([0] * (rank - 1) + [-1, 2]))
+        x1, x2 = g.op("Split", pairs, const([1, 1]), axis_i=-1, outputs=2)
+        return g.op("Reshape", g.op("Concat", g.op("Neg", x2), x1, axis_i=-1), const([0] * (rank - 1) + [-1]))
+
+
+def _rotate_half_interleaved(x):
+    return _RotateHalfInterleaved.apply(x, int(x.dim()))
+
+
+def rotate_half_kind(fn) -> str | None:
+    """What a modeling module's ``rotate_half`` does, from its behaviour on a probe vector: ``"split-half"``
+    (``cat(-x2, x1)`` of the two halves, Llama), ``"interleaved"`` (pairs ``(x0, x1) -> (-x1, x0)``, Cohere,
+    GLM) or ``None`` (anything else, or it fails on the probe)."""
+    x = torch.arange(1.0, 9.0).reshape(1, 1, 1, 8)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:  # noqa: BLE001 - a helper that does not take one tensor is not a rotate_half
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    if torch.equal(y, _RotateHalf.forward(None, x, 8)):
+        return "split-half"
+    if torch.equal(y, _RotateHalfInterleaved.forward(None, x, 4)):
+        return "interleaved"
+    return None
+
+
+#: rotate_half kind -> its static-size equivalent used while tracing the onnxruntime targets.
+_COMPACT_ROTATE_HALF = {"split-half": _rotate_half, "interleaved": _rotate_half_interleaved}
+
+
+def _const_int(v) -> int | None:
+    """The integer value of a TorchScript constant (``onnx::Constant``/``prim::Constant``), else ``None``."""
+    if isinstance(v, int):
+        return v
+    if not isinstance(v, torch._C.Value):
+        return None
+    node = v.node()
+    if node.kind() not in ("onnx::Constant", "prim::Constant") or not node.hasAttribute("value"):
+        return None
+    kind = node.kindOf("value")
+    if kind == "i":
+        return int(node.i("value"))
+    if kind == "t":
+        t = node.t("value")
+        if t.numel() == 1 and not t.is_floating_point():
+            return int(t.reshape(-1)[0])
+    return None
+
+
+def _repeat_interleave_symbolic(g, x, repeats, dim=None, output_size=None):
+    """``repeat_interleave`` with a constant repeat count along a constant dim as Unsqueeze, Tile, Reshape with
+    constant 0/-1 shapes; anything else goes to torch's own symbolic with a private copy of ``dim``.
+
+    torch's TorchScript symbolic adds the rank to a negative ``dim`` *in place*, on the tensor of the constant
+    node it was given; constants are shared in a traced graph, so a later ``stack(dim=-1)`` (interleaved
+    ``rotate_half``) silently becomes ``stack(dim=2)``. Nothing here modifies a node it did not create."""
+    rank = x.type().dim() if x.type() is not None and hasattr(x.type(), "dim") else None
+    n, d = _const_int(repeats), _const_int(dim)
+    sizes = x.type().varyingSizes() if rank is not None else None
+    if n is not None and d is not None and rank is not None and sizes is not None:
+        d = d + rank if d < 0 else d
+        trailing = sizes[d + 1:]
+        if all(isinstance(s, int) for s in trailing):
+            def const(values):
+                return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+            reps = [1] * (rank + 1)
+            reps[d + 1] = n
+            tiled = g.op("Tile", g.op("Unsqueeze", x, const([d + 1])), const(reps))
+            return g.op("Reshape", tiled, const([0] * d + [-1] + list(trailing)))
+    from torch.onnx._internal.torchscript_exporter import symbolic_opset13
+
+    if d is not None:
+        dim = g.op("Constant", value_t=torch.tensor(d, dtype=torch.int64))
+    return symbolic_opset13.repeat_interleave(g, x, repeats, dim, output_size)
+
+
 @contextlib.contextmanager
-def patch_modeling_function(model: torch.nn.Module, name: str, replacement):
+def export_symbolics():
+    """While exporting: torch symbolics replaced where torch's own corrupt the graph (see
+    :func:`_repeat_interleave_symbolic`); torch's are restored on exit."""
+    from . import options as opt
+
+    torch.onnx.register_custom_op_symbolic("aten::repeat_interleave", _repeat_interleave_symbolic, opt.OPSET)
+    try:
+        yield
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::repeat_interleave", opt.OPSET)
+
+
+def _undecorated_rope_forward(fn):
+    """The rotary ``forward`` inside transformers' ``dynamic_rope_update`` decorator, or ``None``."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    decorator_code = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return None
+        if getattr(fn, "__code__", None) is decorator_code:
+            return inner
+        fn = inner
+    return None
+
+
+def _longrope_forward(module: torch.nn.Module, inner, decorated):
+    """A rotary module's forward computing transformers' longrope choice as a graph: both frequency sets as
+    constants and ``Where(max(position_ids) + 1 > original_max_position_embeddings, long, short)``, exactly
+    transformers' ``longrope_frequency_update`` without its in-place copy into the ``inv_freq`` buffer (which
+    the TorchScript exporter cannot express)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    long_sets: dict = {}
+
+    def forward(x, position_ids, layer_type=None):
+        rope_type = module.rope_type if layer_type is None else module.rope_type[layer_type]
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        if rope_type != "longrope":
+            return decorated(x, position_ids, **kwargs)
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
+        limit = int(params["original_max_position_embeddings"])
+        if layer_type not in long_sets:
+            long_sets[layer_type] = getattr(module, f"{prefix}long_inv_freq", None)
+            if long_sets[layer_type] is None:
+                long_sets[layer_type] = ROPE_INIT_FUNCTIONS["longrope"](module.config, x.device, seq_len=limit + 1,
+                                                                        **kwargs)[0]
+        short = getattr(module, f"{prefix}original_inv_freq").to(x.device)
+        chosen = torch.where(position_ids.max() + 1 > limit, long_sets[layer_type].to(x.device), short)
+        name = f"{prefix}inv_freq"
+        saved = getattr(module, name)
+        setattr(module, name, chosen)   # the forward reads the traced choice instead of the buffer
+        try:
+            return inner(module, x, position_ids, **kwargs)
+        finally:
+            setattr(module, name, saved)
+
+    return forward
+
+
+@contextlib.contextmanager
+def exact_longrope(model: torch.nn.Module):
+    """While tracing, every longrope rotary module selects its short/long frequencies in the graph, per forward
+    pass, from ``max(position_ids) + 1`` (as transformers does), so a graph is exact on both sides of
+    ``original_max_position_embeddings``. Other rotary modules are left alone."""
+    patched = []
+    for m in model.modules():
+        types = getattr(m, "rope_type", None)
+        types = set(types.values()) if isinstance(types, dict) else {types}
+        if "longrope" not in types or not hasattr(m, "config"):
+            continue
+        inner = _undecorated_rope_forward(type(m).forward)
+        if inner is None:
+            continue
+        m.forward = _longrope_forward(m, inner, m.forward)
+        patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@contextlib.contextmanager
+def export_patches(model: torch.nn.Module):
+    """Everything changed in torch and in the model while exporting, for every target: the symbolics of
+    :func:`export_symbolics` and :func:`exact_longrope`; all restored on exit."""
+    with export_symbolics(), exact_longrope(model):
+        yield
+
+
+def _modeling_modules(model: torch.nn.Module) -> list:
+    """The Python modules that define the classes of ``model``'s submodules, in name order."""
+    names = sorted({type(m).__module__ for m in model.modules()})
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+def rope_layout(model: torch.nn.Module) -> str | None:
+    """The kind of RoPE the model's modeling code applies, measured once from its own ``rotate_half``
+    (:func:`rotate_half_kind`): ``"split-half"`` or ``"interleaved"`` when every modeling module that defines a
+    ``rotate_half`` has that kind, else ``None`` (none defined, or mixed, or unrecognised)."""
+    kinds = {rotate_half_kind(m.rotate_half) for m in _modeling_modules(model)
+             if callable(getattr(m, "rotate_half", None))}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@contextlib.contextmanager
+def patch_modeling_function(model: torch.nn.Module, name: str, replacement=None, *, choose=None):
     """While tracing, replace the function ``name`` in every modeling module that ``model``'s layers come from.
 
     transformers' decoders define helpers such as ``rotate_half`` and ``apply_rotary_pos_emb`` in their
     modeling module and call them through the module's globals. Modules without ``name`` are left alone; the
-    originals are restored on exit.
+    originals are restored on exit. ``choose(original)``, when given, picks the replacement per module from
+    the module's own function (``None``: leave that module's function as it is).
     """
     patched = []
-    for mod_name in sorted({type(m).__module__ for m in model.modules()}):
-        module = sys.modules.get(mod_name)
-        if module is not None and callable(getattr(module, name, None)):
-            patched.append((module, getattr(module, name)))
-            setattr(module, name, replacement)
+    for module in _modeling_modules(model):
+        if callable(getattr(module, name, None)):
+            original = getattr(module, name)
+            new = choose(original) if choose is not None else replacement
+            if new is None:
+                continue
+            patched.append((module, original))
+            setattr(module, name, new)
     try:
         yield
     finally:
@@ -220,14 +492,47 @@ def patch_modeling_function(model: torch.nn.Module, name: str, replacement):
 
 
 def compact_rotary(model: torch.nn.Module):
-    """``rotate_half`` as :func:`_rotate_half` (same values, static sizes) while tracing."""
-    return patch_modeling_function(model, "rotate_half", _rotate_half)
+    """``rotate_half`` as its static-size equivalent while tracing: :func:`_rotate_half` where the model's own
+    is the split-half kind, :func:`_rotate_half_interleaved` where it is the interleaved kind (decided by
+    :func:`rotate_half_kind` from the module's own function); any other ``rotate_half`` is left as it is."""
+    return patch_modeling_function(model, "rotate_half",
+                                   choose=lambda fn: _COMPACT_ROTATE_HALF.get(rotate_half_kind(fn)))
+
+
+def _rotary_pass_through(q, k, *args, **kwargs):
+    """The fused target's ``apply_rotary_pos_emb``: returns q and k unrotated (GroupQueryAttention rotates them)
+    and notes on the active :class:`FusedKVCache` that the calling layer applies RoPE, with the cos/sin it was
+    given. Layers that never call it (NoPE layers) get no rotation in GQA either."""
+    if not _ACTIVE_CACHE:
+        raise RuntimeError("apply_rotary_pos_emb was called outside the traced forward pass")
+    cos = args[0] if len(args) > 0 else kwargs.get("cos")
+    sin = args[1] if len(args) > 1 else kwargs.get("sin")
+    _ACTIVE_CACHE[-1].pending_rope = (cos, sin)
+    return q, k
 
 
 def skip_model_rotary(model: torch.nn.Module):
-    """``apply_rotary_pos_emb`` as a pass-through while tracing the fused target with GQA's own RoPE
-    (GroupQueryAttention rotates q and k itself)."""
-    return patch_modeling_function(model, "apply_rotary_pos_emb", lambda q, k, *args, **kwargs: (q, k))
+    """``apply_rotary_pos_emb`` as :func:`_rotary_pass_through` while tracing the fused target with GQA's own
+    RoPE: GroupQueryAttention rotates q and k itself, in exactly the layers that called it."""
+    return patch_modeling_function(model, "apply_rotary_pos_emb", _rotary_pass_through)
+
+
+def _absent(v) -> bool:
+    """An optional argument of a symbolic function that was ``None`` at the call."""
+    return v is None or (isinstance(v, torch._C.Value) and v.node().mustBeNone())
+
+
+class _SplitHeads(torch.autograd.Function):
+    """``[B, S, H*D] -> [B, S, H, D]`` as one ``Reshape`` by the constant ``[0, 0, -1, D]`` (no shape arithmetic:
+    GroupQueryAttention's packed output in the layout every attention module reshapes itself)."""
+
+    @staticmethod
+    def forward(ctx, x, d: int):  # noqa: D401
+        return x.reshape(x.shape[0], x.shape[1], -1, d)
+
+    @staticmethod
+    def symbolic(g, x, d):
+        return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([0, 0, -1, d], dtype=torch.int64)))
 
 
 class _GQA(torch.autograd.Function):
@@ -235,17 +540,21 @@ class _GQA(torch.autograd.Function):
 
     Inputs: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]`` (as transformers' attention code holds them), the
     retained buffers ``past_k, past_v [B, Hkv, ctx, D]``, ``seqlens_k [B]`` int32 (last slot the chunk fills),
-    ``total [1]`` int32 and, when ``rotary``, the cos/sin caches ``[max_pos, D/2]`` (GQA then applies RoPE
-    to q and k itself; otherwise they arrive rotated). The chunk occupies slots ``[seqlens_k - S + 1,
-    seqlens_k]``; GQA appends it to the buffer in place (when the runtime binds one buffer as past and
-    present) and attends causally over the filled slots only. Returns ``(attention [B, S, Hq*D],
-    present_k, present_v)``: transformers' attention modules reshape the attention output to
-    ``[B, S, -1]`` next, so the packed form needs no reshape of its own. Layout changes use constant 0/-1 reshapes (no shape arithmetic per step).
+    ``total [1]`` int32, the cos/sin caches ``[max_pos, D/2]`` when ``rotary`` (GQA then applies RoPE to q
+    and k itself; otherwise they arrive rotated, or the layer has no RoPE), and optionally per-head attention
+    ``sinks [Hq]`` (``head_sink``: softmax as if one more key with that score were present, GPT-OSS). Scores
+    are soft-capped ``tanh(s / softcap) * softcap`` after scaling when ``softcap`` > 0 (Gemma2). The chunk
+    occupies slots ``[seqlens_k - S + 1, seqlens_k]``; GQA appends it to the buffer in place (when the
+    runtime binds one buffer as past and present) and attends causally over the filled slots only.
+
+    Returns ``(attention [B, S, Hq*D], present_k, present_v)``, GQA's own outputs (the symbolic's outputs are
+    exactly the node's, so the exporter keeps the retained outputs' static dims); :class:`_SplitHeads` then
+    gives the attention-interface layout ``[B, S, Hq, D]``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, hq: int, hkv: int, d: int,
-                scale: float, rotary: bool):
+    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq: int, hkv: int, d: int,
+                scale: float, softcap: float, rotary: bool):
         b, _, s, _ = q.shape
         start = (seqlens_k.long() - s + 1).reshape(b, 1)
         pos = start + torch.arange(s).reshape(1, s)                                  # [B, S]
@@ -264,25 +573,45 @@ class _GQA(torch.autograd.Function):
         pk[bi, hi, pi] = k.to(pk.dtype)
         pv[bi, hi, pi] = v.to(pv.dtype)
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
-        scores = torch.matmul(q5, pk.unsqueeze(2).transpose(-1, -2)) * scale         # [B, Hkv, G, S, ctx]
+        scores = (torch.matmul(q5, pk.unsqueeze(2).transpose(-1, -2)) * scale).float()  # [B, Hkv, G, S, ctx]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         slots = torch.arange(pk.shape[2]).reshape(1, 1, 1, 1, -1)
         scores = scores.masked_fill(~(slots <= pos.reshape(b, 1, 1, s, 1)), float("-inf"))
-        out = torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), pv.unsqueeze(2))  # [B, Hkv, G, S, D]
+        if sinks is not None:
+            sink = sinks.float().reshape(1, hkv, hq // hkv, 1, 1).expand(b, hkv, hq // hkv, s, 1)
+            probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
+        out = torch.matmul(probs.to(q.dtype), pv.unsqueeze(2))                      # [B, Hkv, G, S, D]
         return out.reshape(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d), pk, pv
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, hq, hkv, d, scale, rotary):
+    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq, hkv, d, scale, softcap,
+                 rotary):
         def const(values):
             return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
         def packed(x):  # [B, H, S, D] -> [B, S, H*D]
             return g.op("Reshape", g.op("Transpose", x, perm_i=[0, 2, 1, 3]), const([0, 0, -1]))
 
+        def empty():  # an omitted optional input
+            none = g.op("prim::Constant")
+            none.setType(torch._C.OptionalType.ofTensor())
+            return none
+
         inputs = [packed(q), packed(k), packed(v), past_k, past_v, seqlens_k, total]
+        attrs = dict(num_heads_i=hq, kv_num_heads_i=hkv, scale_f=scale, do_rotary_i=int(rotary))
         if rotary:
             inputs += [cos, sin]
-        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, num_heads_i=hq,
-                                         kv_num_heads_i=hkv, scale_f=scale, do_rotary_i=int(rotary), outputs=3)
+        if softcap > 0:
+            attrs["softcap_f"] = softcap
+        if not _absent(sinks):
+            if not rotary:
+                inputs += [empty(), empty()]
+            inputs += [empty(), empty(), sinks]  # position_ids, attention_bias omitted; head_sink
+            attrs["smooth_softmax_i"] = 1
+        out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, outputs=3, **attrs)
         out.setType(q.type().with_sizes([None, None, hq * d]))
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
@@ -296,34 +625,59 @@ _ACTIVE_CACHE: list = []
 def fused_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface function of the onnxruntime-fused target (``qeff_kv_fused``).
 
-    ``key``/``value`` are this step's new (rotated) keys and values, as returned by
-    :meth:`FusedKVCache.update`; GroupQueryAttention appends them to the retained buffers itself.
+    ``key``/``value`` are this step's new keys and values, as returned by :meth:`FusedKVCache.update`;
+    GroupQueryAttention appends them to the retained buffers itself. Soft-capping (``softcap``) and attention
+    sinks (``s_aux``) map to GQA's ``softcap`` and ``head_sink``; ``attention_mask`` is not read (GQA masks
+    causally; a sliding window never binds while ``ctx_len`` is at most the window, which export enforces).
     """
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention soft-capping and sinks are not supported by the fused target")
-    cache = _ACTIVE_CACHE[-1]
-    hq, d, hkv = int(query.shape[1]), int(query.shape[3]), int(key.shape[1])
-    scale = float(scaling if scaling is not None else d ** -0.5)
-    past_k, past_v = cache.past[module.layer_idx]
-    out, present_k, present_v = _GQA.apply(query, key, value, past_k, past_v, cache.seqlens_k, cache.total,
-                                           cache.cos, cache.sin, hq, hkv, d, scale, cache.cos is not None)
-    cache.retained[module.layer_idx] = (present_k, present_v)
+    out = _ACTIVE_CACHE[-1].attend(module.layer_idx, query, key, value, scaling, kwargs.get("softcap"),
+                                   kwargs.get("s_aux"))
     return out, None
+
+
+@contextlib.contextmanager
+def sdpa_to_gqa():
+    """While tracing, route ``torch.nn.functional.scaled_dot_product_attention`` calls on exactly the key and
+    value tensors that :meth:`FusedKVCache.update` just handed out to GroupQueryAttention (families whose own
+    attention code calls SDPA, such as Falcon); every other call runs the real SDPA."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        cache = _ACTIVE_CACHE[-1] if _ACTIVE_CACHE else None
+        pending = cache.pending_kv if cache is not None else None
+        if pending is None or pending[1] is not key or pending[2] is not value:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, **kwargs)
+        out = cache.attend(pending[0], query, key, value, scale, None, None)       # [B, S, Hq, D]
+        return out.transpose(1, 2).contiguous()                                      # SDPA's [B, Hq, S, D]
+
+    functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
 
 
 class FusedKVCache:
     """``past_key_values`` of the onnxruntime-fused target: hands the new keys/values to the attention
-    function unchanged; GroupQueryAttention does the in-place append."""
+    function unchanged; GroupQueryAttention does the in-place append.
+
+    :attr:`rotated` records, per layer, whether its GQA node applies RoPE (the layer called the model's
+    ``apply_rotary_pos_emb``, see :func:`_rotary_pass_through`)."""
 
     is_compileable = False
 
-    def __init__(self, past, position_ids: torch.Tensor, cos: torch.Tensor | None = None,
-                 sin: torch.Tensor | None = None):
+    def __init__(self, past, position_ids: torch.Tensor, rotary: "RotaryCaches | None" = None):
         self.past = past
-        self.cos, self.sin = cos, sin
+        self.rotary = rotary
+        self.position_ids = position_ids
         self.retained: list = [None] * len(past)
+        self.rotated: list[bool | None] = [None] * len(past)
         self.is_sliding = [False] * len(past)
         self.layers = []
+        self.pending_rope = None   # (cos, sin) the current layer passed to apply_rotary_pos_emb
+        self.pending_kv = None     # (layer_idx, key, value) the current layer got back from update()
         seq = position_ids.shape[1]
         # The chunk fills slots [p0, p0 + S) of each row (padding rows land past the valid length and are
         # overwritten before they are ever read; the runtime never pads beyond the capacity).
@@ -337,34 +691,108 @@ class FusedKVCache:
         return len(self.past)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.pending_kv = (layer_idx, key_states, value_states)
         return key_states, value_states
 
+    def attend(self, layer_idx: int, query, key, value, scaling, softcap, sinks) -> torch.Tensor:
+        """Layer ``layer_idx``'s GroupQueryAttention: ``[B, S, Hq, D]``; records its retained buffers."""
+        rope, self.pending_rope, self.pending_kv = self.pending_rope, None, None
+        cos = sin = None
+        if rope is not None:
+            if self.rotary is None:
+                raise RuntimeError(f"layer {layer_idx} applies RoPE but there are no rotary caches")
+            self.rotary.check(layer_idx, rope[0], rope[1], self.position_ids)
+            cos, sin = self.rotary.for_layer(layer_idx)
+        self.rotated[layer_idx] = rope is not None
+        hq, d, hkv = int(query.shape[1]), int(query.shape[3]), int(key.shape[1])
+        if int(value.shape[-1]) != d:
+            raise RuntimeError(f"layer {layer_idx}: keys and values of different head sizes ({d}, "
+                               f"{int(value.shape[-1])}) do not fit GroupQueryAttention")
+        scale = float(scaling if scaling is not None else d ** -0.5)
+        past_k, past_v = self.past[layer_idx]
+        out, present_k, present_v = _GQA.apply(query, key, value, past_k, past_v, self.seqlens_k, self.total,
+                                               cos, sin, sinks, hq, hkv, d, scale, float(softcap or 0.0),
+                                               rope is not None)
+        self.retained[layer_idx] = (present_k, present_v)
+        return _SplitHeads.apply(out, d)
 
-def rotary_caches(model: torch.nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """GroupQueryAttention's ``cos_cache``/``sin_cache`` ``[max_positions, D/2]`` from the model's own rotary
-    embedding module, or ``None`` where GQA cannot apply this RoPE itself (partial rotary, interleaved or
-    sequence-length-dependent scaling): the model's own rotary code then runs before GQA."""
-    cfg = model.config
+
+class RotaryCaches:
+    """GroupQueryAttention's ``cos_cache``/``sin_cache`` ``[max_positions, D/2]`` per layer, from the model's own
+    rotary embedding module: one pair for the whole model, or one pair per layer type where the module takes a
+    ``layer_type`` (Gemma3's local and global RoPE bases)."""
+
+    def __init__(self, tables: dict, layer_keys: list):
+        self.tables = tables            # key -> (cos, sin)
+        self.layer_keys = layer_keys    # layer index -> its key in tables
+
+    def for_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tables[self.layer_keys[layer_idx]]
+
+    def check(self, layer_idx: int, cos, sin, position_ids: torch.Tensor) -> None:
+        """Raise unless ``cos``/``sin``, the values the model passed to ``apply_rotary_pos_emb`` in layer
+        ``layer_idx`` while tracing (batch 1), are this layer's caches at the traced positions (each frequency
+        in both halves, rotate_half layout)."""
+        pos = position_ids.reshape(-1)
+        for got, table, name in zip((cos, sin), self.for_layer(layer_idx), ("cos", "sin")):
+            want = table[pos].detach().float()                                           # [S, D/2]
+            half = int(want.shape[-1])
+            tol = 1e-5 if table.dtype == torch.float32 else 2e-3
+            ok = isinstance(got, torch.Tensor) and int(got.shape[-1]) == 2 * half
+            if ok:
+                g = got.detach().float().reshape(-1, 2 * half)
+                ok = g.shape[0] == want.shape[0] and bool(
+                    torch.allclose(g[:, :half], want, rtol=0, atol=tol)
+                    and torch.allclose(g[:, half:], want, rtol=0, atol=tol))
+            if not ok:
+                raise RuntimeError(f"layer {layer_idx}: the model's RoPE {name} values are not the "
+                                   f"GroupQueryAttention {name} cache of this layer")
+
+
+def _rope_param_sets(cfg) -> list[dict]:
+    """The RoPE parameter dicts of a config: one, or one per layer type (``{layer_type: {...}}``)."""
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
-        return None
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        return None
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())
+    return [rope]
+
+
+def rotary_caches(model: torch.nn.Module, max_positions: int) -> RotaryCaches | None:
+    """GroupQueryAttention's cos/sin caches for each layer from the model's own rotary embedding module, or
+    ``None`` where GQA cannot apply this RoPE itself (partial rotary, interleaved or sequence-length-dependent
+    scaling): the model's own rotary code then runs before GQA."""
+    cfg = model.config
+    for rope in _rope_param_sets(cfg):
+        if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+            return None
+        if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+            return None
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
-    if rotary is None:
+    if rotary is None or rope_layout(model) != "split-half":  # GQA rotates split halves (interleaved: Cohere, GLM)
         return None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    num_layers = int(cfg.num_hidden_layers)
+    layer_keys: list = [None] * num_layers
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    if "layer_type" in inspect.signature(rotary.forward).parameters and len(layer_types) >= num_layers:
+        layer_keys = layer_types[:num_layers]         # one RoPE per layer type (Gemma3)
     pos = torch.arange(max_positions, dtype=torch.int64).unsqueeze(0)
-    dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        cos, sin = rotary(torch.zeros(1, dtype=dtype), pos)
-    if cos.shape[-1] != head_dim:
-        return None
+    x = torch.zeros(1, dtype=next(model.parameters()).dtype)
     half = head_dim // 2
-    # rotate_half RoPE repeats each frequency in both halves; GQA takes one half.
-    if not torch.equal(cos[0, :, :half], cos[0, :, half:]):
-        return None
-    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+    tables = {}
+    with torch.no_grad():
+        for key in dict.fromkeys(layer_keys):
+            try:
+                cos, sin = rotary(x, pos) if key is None else rotary(x, pos, key)
+            except Exception:  # a rotary module called some other way: the model keeps rotating itself
+                return None
+            if cos.shape[-1] != head_dim:
+                return None
+            # rotate_half RoPE repeats each frequency in both halves; GQA takes one half.
+            if not torch.equal(cos[0, :, :half], cos[0, :, half:]):
+                return None
+            tables[key] = (cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
+    return RotaryCaches(tables, layer_keys)
 
 
 GROUPED_ATTENTION = "qeff_kv_grouped"
@@ -376,13 +804,12 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
 
     The mask passed by :class:`RetainedStateLM` already has exactly one column per attended slot.
     """
-    if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention soft-capping and sinks are not supported by the onnxruntime target")
     hq, d = query.shape[1], query.shape[3]
     hkv = key.shape[1]
     if scaling is None:
         scaling = d ** -0.5
-    out = _GroupedAttention.apply(query, key, value, attention_mask, float(scaling), int(hq), int(hkv), int(d))
+    out = _GroupedAttention.apply(query, key, value, attention_mask, float(scaling), int(hq), int(hkv), int(d),
+                                  int(value.shape[-1]), float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux"))
     return out, None
 
 
@@ -404,30 +831,78 @@ def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int
     return torch.where(visible, zero, neg)
 
 
+class _HeadGemm(torch.autograd.Function):
+    """``Gemm(hidden, weight[, bias], transB=1)``: a linear output head that reads its ``[vocab, hidden]`` weight
+    as stored. The TorchScript exporter writes ``linear`` as ``MatMul(x, Transpose(W))`` and constant folding
+    then stores a transposed copy of ``W``; with tied embeddings that copy duplicates the embedding matrix.
+    This form keeps one initializer, read by the embedding ``Gather`` and by this ``Gemm``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias=None):  # noqa: D401
+        return torch.nn.functional.linear(hidden, weight, bias)
+
+    @staticmethod
+    def symbolic(g, hidden, weight, bias=None):
+        inputs = [hidden, weight] if bias is None else [hidden, weight, bias]
+        return g.op("Gemm", *inputs, transB_i=1)
+
+
+def output_head(head: torch.nn.Module, hidden_last: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, H] -> [B, 1, V]`` through the model's output head; a plain ``nn.Linear`` head becomes one
+    ``Gemm(transB=1)`` on ``[B, H]`` (see :class:`_HeadGemm`), any other head module is called as is."""
+    if type(head) is torch.nn.Linear:
+        return _HeadGemm.apply(hidden_last[:, 0], head.weight, head.bias).unsqueeze(1)   # no If: static index
+    return head(hidden_last)
+
+
 class RetainedStateLM(torch.nn.Module):
     """``(input_ids, position_ids, *past, [batch_index]) -> (logits, *retained)`` around a causal LM."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool,
-                 valid_length_attention: bool = False, fused: bool = False, max_positions: int = 0):
+                 valid_length_attention: bool = False, fused: bool = False, max_positions: int = 0,
+                 facts=None):
         super().__init__()
         self.valid_length_attention = valid_length_attention
         self.fused = fused
         self.rotary = rotary_caches(model, max_positions) if fused else None
+        self.sdpa_route = False
         if fused:
             if continuous_batching:
                 raise ValueError("the fused target does not support continuous batching")
-            from transformers import AttentionInterface
+            from ..errors import ExportError
+            from . import family
 
-            AttentionInterface.register(FUSED_ATTENTION, fused_attention)
-            model.set_attn_implementation(FUSED_ATTENTION)
+            if facts is None:
+                facts = family.ModelFacts.from_config(model.config.to_dict())
+            reason = facts.fused_refusal()
+            if reason is not None:  # export refuses these from the config before loading; a safety net
+                raise ExportError(reason)
+            #: the layers whose GQA node applies RoPE must be the config's RoPE layers (cross-check)
+            self.rope_layers = facts.rope_layers
+            self.sdpa_route = facts.attention_code == "sdpa"
+            if self.sdpa_route:
+                # The model's own attention code calls torch SDPA when its config says "sdpa" (see sdpa_to_gqa);
+                # such models refuse set_attn_implementation, so the config of this loaded copy is set.
+                model.config._attn_implementation = "sdpa"
+            else:
+                from transformers import AttentionInterface
+
+                AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+                model.set_attn_implementation(FUSED_ATTENTION)
         elif valid_length_attention:
             use_grouped_attention(model)
         self.lm = model
         self.num_layers = num_layers
         self.continuous_batching = continuous_batching
-        cfg = model.config
-        self.logits_scaling = getattr(cfg, "logits_scaling", None)
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        if facts is None:  # the exporter passes the facts it read from config.json
+            from . import family
+
+            facts = family.ModelFacts.from_config(model.config.to_dict())
+        # What the model's own forward does to the head's output (see ModelFacts): Cohere multiplies by
+        # logit_scale, Granite divides by logits_scaling, Gemma2 soft-caps.
+        self.logit_scale = facts.logit_scale
+        self.logits_scaling = facts.logits_scaling
+        self.softcap = facts.final_logit_softcapping
 
     def forward(self, input_ids, position_ids, *rest):
         if self.continuous_batching:
@@ -438,7 +913,7 @@ class RetainedStateLM(torch.nn.Module):
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
         dtype = flat[0].dtype
         if self.fused:
-            cache = FusedKVCache(past, position_ids, *(self.rotary or (None, None)))
+            cache = FusedKVCache(past, position_ids, self.rotary)
             mask = torch.zeros((1, 1, 1, 1), dtype=dtype)  # GroupQueryAttention masks causally itself
             _ACTIVE_CACHE.append(cache)
         elif self.valid_length_attention:
@@ -452,15 +927,20 @@ class RetainedStateLM(torch.nn.Module):
             mask = build_attention_mask(position_ids, flat[0].shape[2], dtype)
         base = self.lm.get_decoder()
         try:
-            out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                       past_key_values=cache, use_cache=True)
+            with sdpa_to_gqa() if self.sdpa_route else contextlib.nullcontext():
+                out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                           past_key_values=cache, use_cache=True)
         finally:
             if self.fused:
                 _ACTIVE_CACHE.pop()
+        if self.fused:
+            self._check_rope_layers(cache)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
         hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1, H]
-        logits = self.lm.get_output_embeddings()(hidden_last)
+        logits = output_head(self.lm.get_output_embeddings(), hidden_last)     # [B, 1, V]
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         if self.logits_scaling is not None:
             logits = logits / self.logits_scaling
         if self.softcap is not None:
@@ -471,3 +951,11 @@ class RetainedStateLM(torch.nn.Module):
                 raise RuntimeError(f"layer {i} did not update its cache")
             retained.extend(kv)
         return (logits, *retained)
+
+    def _check_rope_layers(self, cache: FusedKVCache) -> None:
+        """GQA rotates exactly the layers that called the model's ``apply_rotary_pos_emb``; when any does, they
+        must be the config's RoPE layers (``ModelFacts.rope_layers``), else the export stops."""
+        rotated = tuple(i for i, r in enumerate(cache.rotated) if r)
+        if rotated and rotated != tuple(self.rope_layers):
+            raise RuntimeError(f"GroupQueryAttention would apply RoPE in layers {list(rotated)} but the config's "
+                               f"RoPE layers are {list(self.rope_layers)}")

@@ -3,6 +3,8 @@
 from .fuse_skip_rmsnorm import FuseSkipRMSNormPass
 from .ort_invalid_index import OrtInvalidIndexPass
 from .pack_gqa_qkv import PackGQAQKVPass
+from .remove_passthrough import RemovePassThroughPass
 from .set_kv_prefix import SetKVPrefixPass
 
-__all__ = ["FuseSkipRMSNormPass", "OrtInvalidIndexPass", "PackGQAQKVPass", "SetKVPrefixPass"]
+__all__ = ["FuseSkipRMSNormPass", "OrtInvalidIndexPass", "PackGQAQKVPass", "RemovePassThroughPass",
+           "SetKVPrefixPass"]

@@ -1,0 +1,189 @@
+"""Family facts (qeff_kv/export/family.py) proved from config dicts alone: no torch, no weights.
+
+Each fact the exporter asks instead of ``model_type == ...`` is read here from a config shaped like the
+family's own ``config.json``, and each onnxruntime-fused refusal is checked word for word.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qeff_kv.export.family import ModelFacts
+from qeff_kv.export.options import ExportOptions
+
+
+def facts(**cfg) -> ModelFacts:
+    cfg.setdefault("architectures", ["XForCausalLM"])
+    cfg.setdefault("num_hidden_layers", 4)
+    return ModelFacts.from_config(cfg)
+
+
+def opts(target: str, ctx_len: int = 32) -> ExportOptions:
+    return ExportOptions(ctx_len=ctx_len, prefill_seq_len=4, target=target).validate()
+
+
+# --- rope_layers: the layers whose GroupQueryAttention applies RoPE ----------------------------------------
+
+def test_rope_layers_default_to_every_layer():
+    assert facts(model_type="llama").rope_layers == (0, 1, 2, 3)
+    assert facts(model_type="gemma3_text", sliding_window=4096,
+                 layer_types=["sliding_attention", "full_attention"] * 2).rope_layers == (0, 1, 2, 3)
+
+
+def test_rope_layers_from_no_rope_layers_one_means_rope():
+    # SmolLM3 (and Llama4): no_rope_layers[i] == 1 means layer i USES RoPE
+    f = facts(model_type="smollm3", no_rope_layers=[1, 0, 1, 0], no_rope_layer_interval=2)
+    assert f.rope_layers == (0, 2)
+
+
+def test_rope_layers_from_layer_rope_theta_zero_means_nope():
+    f = facts(model_type="granite_swa", num_hidden_layers=2, layer_rope_theta=[10000.0, 0])
+    assert f.rope_layers == (0,)
+
+
+def test_exaone4_rotates_only_sliding_layers_when_a_window_is_set():
+    cfg = dict(model_type="exaone4", sliding_window=4096, sliding_window_pattern=2,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+    assert facts(**cfg).rope_layers == (0, 2)
+    assert facts(**{**cfg, "sliding_window": None}).rope_layers == (0, 1, 2, 3)
+
+
+def test_cohere2_rotates_only_sliding_layers():
+    cfg = dict(model_type="cohere2", sliding_window=4096,
+               layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    assert facts(**cfg).rope_layers == (0, 1, 2)
+    assert facts(**{**cfg, "sliding_window": None}).rope_layers == ()
+
+
+# --- how attention is computed, and what GroupQueryAttention cannot express --------------------------------
+
+@pytest.mark.parametrize("model_type, code", [
+    ("llama", "interface"), ("gpt2", "interface"), ("gemma2", "interface"), ("gpt_oss", "interface"),
+    ("falcon", "sdpa"), ("gptj", "eager"), ("codegen", "eager"), ("bloom", "eager"),
+])
+def test_attention_code(model_type, code):
+    assert facts(model_type=model_type).attention_code == code
+
+
+def test_alibi():
+    assert facts(model_type="falcon", alibi=True).alibi
+    assert not facts(model_type="falcon", alibi=False).alibi
+    assert facts(model_type="mpt").alibi and facts(model_type="bloom").alibi
+    assert not facts(model_type="llama").alibi
+
+
+def test_latent_attention():
+    assert facts(model_type="deepseek_v3", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16).latent_attention
+    assert facts(model_type="x", qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16).latent_attention
+    assert not facts(model_type="x", qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24).latent_attention
+    assert facts(model_type="x", head_dim=16, v_head_dim=8).latent_attention
+    assert not facts(model_type="llama", head_dim=16).latent_attention
+
+
+def test_soft_capping_and_sinks_are_facts():
+    f = facts(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    assert (f.attn_logit_softcapping, f.final_logit_softcapping) == (50.0, 30.0)
+    assert facts(model_type="gpt_oss").attention_sinks
+    assert not facts(model_type="llama").attention_sinks
+
+
+# --- refusals ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg, message", [
+    (dict(architectures=["GPTJForCausalLM"], model_type="gptj"),
+     "--target onnxruntime-fused cannot express GPTJForCausalLM's attention (computed by its own code, not "
+     "through transformers' attention interface or SDPA); use --target onnxruntime"),
+    (dict(architectures=["FalconForCausalLM"], model_type="falcon", alibi=True),
+     "--target onnxruntime-fused cannot express FalconForCausalLM's ALiBi position biases (GroupQueryAttention "
+     "has no ALiBi); use --target onnxruntime"),
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", kv_lora_rank=32),
+     "--target onnxruntime-fused cannot express DeepseekV3ForCausalLM's multi-head latent attention (keys and "
+     "values of different head sizes); use --target onnxruntime"),
+])
+def test_fused_refusals_are_one_line_and_fused_only(cfg, message):
+    f = facts(**cfg)
+    assert f.refusal(opts("onnxruntime-fused")) == message
+    assert "\n" not in message
+    assert f.refusal(opts("portable")) is None and f.refusal(opts("onnxruntime")) is None
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(model_type="falcon", alibi=False),                                          # SDPA route
+    dict(model_type="gpt2"),                                                         # no RoPE
+    dict(model_type="gemma2", attn_logit_softcapping=50.0, sliding_window=4096,
+         layer_types=["sliding_attention", "full_attention"] * 2),                  # GQA softcap
+    dict(model_type="gpt_oss", sliding_window=4096,
+         layer_types=["sliding_attention", "full_attention"] * 2),                  # GQA head_sink
+    dict(model_type="smollm3", no_rope_layers=[1, 1, 1, 0]),                         # per-layer do_rotary
+])
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "onnxruntime-fused"])
+def test_expressible_families_are_not_refused(cfg, target):
+    assert facts(**cfg).refusal(opts(target)) is None
+
+
+def test_sliding_window_refusal_comes_before_target_refusals():
+    f = facts(architectures=["GPTJForCausalLM"], model_type="gptj", sliding_window=16)
+    assert f.refusal(opts("onnxruntime-fused", ctx_len=32)).startswith("this model uses sliding-window attention")
+
+
+# --- logits: what the model's own forward does to its head's output (RetainedStateLM applies these) ---------
+
+def test_logit_facts():
+    assert facts(model_type="cohere", logit_scale=0.0625).logit_scale == 0.0625
+    assert facts(model_type="granite", logits_scaling=4.0).logits_scaling == 4.0
+    f = facts(model_type="llama")
+    assert (f.logit_scale, f.logits_scaling, f.final_logit_softcapping) == (None, None, None)
+
+
+# --- RoPE variants and the positions where transformers changes them at run time ---------------------------
+
+def test_rope_types_from_rope_parameters_rope_scaling_and_per_layer_type_sets():
+    assert facts(model_type="llama", rope_parameters={"rope_type": "llama3", "factor": 8.0}).rope_types == ("llama3",)
+    assert facts(model_type="llama", rope_scaling={"type": "dynamic", "factor": 2.0}).rope_types == ("dynamic",)
+    assert facts(model_type="llama", rope_parameters={"rope_theta": 10000.0}).rope_types == ("default",)
+    assert facts(model_type="llama").rope_types == ()
+    nested = {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "linear", "factor": 8}}
+    assert facts(model_type="gemma3_text", rope_parameters=nested).rope_types == ("default", "linear")
+
+
+def _longrope(**top):
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    rope.update(top.pop("rope", {}))
+    return dict(model_type=top.pop("model_type", "phi3"), max_position_embeddings=128, rope_parameters=rope, **top)
+
+
+def test_longrope_threshold_is_the_effective_original_max_position_embeddings():
+    # Phi-3's top-level field has priority over rope_parameters' (transformers' standardize_rope_params) ...
+    assert facts(**_longrope(original_max_position_embeddings=16,
+                             rope={"original_max_position_embeddings": 64})).longrope_threshold == 16
+    # ... and Phi3Config has one even when config.json does not (default 4096)
+    assert facts(**_longrope(rope={"original_max_position_embeddings": 64})).longrope_threshold == 4096
+    # other classes: rope_parameters' own value, else max_position_embeddings
+    assert facts(**_longrope(model_type="x", rope={"original_max_position_embeddings": 64})).longrope_threshold == 64
+    assert facts(**_longrope(model_type="x")).longrope_threshold == 128
+    assert facts(model_type="phi3", rope_parameters={"rope_type": "yarn", "factor": 4.0}).longrope_threshold is None
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "onnxruntime-fused"])
+def test_longrope_beyond_the_threshold_is_refused_in_one_line(target):
+    f = facts(architectures=["Phi3ForCausalLM"], **_longrope(original_max_position_embeddings=16))
+    assert f.refusal(opts(target, ctx_len=16)) is None
+    msg = f.refusal(opts(target, ctx_len=17))
+    assert msg == ("this model uses longrope RoPE scaling, whose factors switch once a sequence is longer than "
+                   "original_max_position_embeddings 16 (transformers then recomputes the whole cache); export "
+                   "with --ctx-len 16 or less")
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "onnxruntime-fused"])
+def test_dynamic_rope_beyond_max_position_embeddings_is_refused_in_one_line(target):
+    f = facts(model_type="llama", max_position_embeddings=64, rope_scaling={"type": "dynamic", "factor": 2.0})
+    assert f.max_position_embeddings == 64
+    assert f.refusal(opts(target, ctx_len=64)) is None
+    assert f.refusal(opts(target, ctx_len=65)) == (
+        "this model uses dynamic RoPE scaling, which rescales beyond max_position_embeddings 64 in Python (a "
+        "traced graph cannot follow); export with --ctx-len 64 or less")
+    # other RoPE variants are exact at any ctx_len
+    for rope in ({"rope_type": "llama3", "factor": 8.0}, {"rope_type": "yarn", "factor": 4.0}):
+        assert facts(model_type="llama", max_position_embeddings=64, rope_parameters=rope).refusal(
+            opts(target, ctx_len=128)) is None

@@ -1,0 +1,187 @@
+"""Mixture-of-experts export (qeff_kv/export/moe.py): every token is routed at run time, by data.
+
+Per MoE family of tests/families.py (one tiny seeded model and one export per family for the module):
+
+* greedy tokens equal transformers' ``generate`` on two prompts unlike the tracing input (zeros), so the
+  experts the tracing input hit cannot be the ones that decide;
+* the graph routes by data: no ``Loop``/``NonZero`` (and no ``If`` in the decoder layers), and every stacked
+  expert weight ``[num_experts, ...]`` is read by a ``Gather`` (weights selected by the router's expert ids);
+* a continuous-batching graph decodes two sequences in one step whose tokens route to different experts,
+  each row equal to transformers run on that sequence alone;
+* a MoE trace that loops over the experts the tracing input hit is refused, and the model's own experts
+  implementation is restored after tracing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch
+from families import FAMILIES, make_family_dir
+
+pytestmark = [requires_torch]
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss"]
+PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
+CTX, CHUNK, NEW = 32, 4, 8
+#: continuous batching: two sequences of different lengths whose decode tokens route to different experts
+CB_FAMILIES = ["mixtral", "gpt_oss"]
+CB_PROMPTS = [[5, 17, 42, 99, 13, 7], [100, 3, 3, 60, 9, 120, 33, 8, 61]]
+CB_STEPS = 3
+
+
+def _num_experts(name: str) -> int:
+    kw = FAMILIES[name].config_kwargs()
+    return int(kw.get("num_local_experts") or kw["num_experts"])
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe")
+
+
+@pytest.fixture(scope="module")
+def moe_models(moe_root):
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = make_family_dir(name, moe_root)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def moe_exports(moe_models, moe_root):
+    from qeff_kv.export import export_model
+
+    cache: dict[tuple, object] = {}
+
+    def get(name: str, continuous_batching: bool = False):
+        key = (name, continuous_batching)
+        if key not in cache:
+            extra = dict(continuous_batching=True, full_batch_size=2) if continuous_batching else {}
+            cache[key] = export_model(moe_models(name), moe_root / f"{name}-{'cb' if continuous_batching else 'b1'}",
+                                      ctx_len=CTX, prefill_seq_len=CHUNK, target="portable", verify=False, **extra)
+        return cache[key]
+
+    return get
+
+
+def _hf(model_dir):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_greedy_tokens_equal_transformers(name, moe_models, moe_exports):
+    from hf_models import PlainLoop, hf_greedy
+
+    refs = [hf_greedy(moe_models(name), p, NEW) for p in PROMPTS]
+    assert any(len(set(r)) > 1 for r in refs), "greedy tokens do not vary: the parity proves little"
+    path = moe_exports(name).onnx_path
+    got = [PlainLoop(path, CTX).greedy(p, NEW, CHUNK) for p in PROMPTS]
+    assert got == refs
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_graph_routes_by_data(name, moe_exports):
+    import onnx
+
+    graph = onnx.load(str(moe_exports(name).onnx_path), load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert not ops & {"Loop", "NonZero"}, ops & {"Loop", "NonZero"}
+    # The wrapper's head may write an ``If`` for a squeeze; nothing inside the decoder layers may.
+    in_layers = [n.name for n in graph.node if n.op_type == "If" and "/layers." in n.name]
+    assert not in_layers, in_layers
+    # Weights as activations: each stacked expert weight is gathered by expert id, never sliced to fixed experts.
+    n_exp = _num_experts(name)
+    stacked = {t.name for t in graph.initializer if len(t.dims) == 3 and t.dims[0] == n_exp}
+    assert stacked, "no stacked expert weights in the graph"
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+    assert stacked <= gathered, sorted(stacked - gathered)
+
+
+def _router_choices(model, ids) -> list[list[set[int]]]:
+    """Per experts module, per token: the expert ids transformers' router chose (forward pre-hooks)."""
+    import torch
+
+    from qeff_kv.export import moe
+
+    seen: list[list[set[int]]] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: seen.append([set(r.tolist()) for r in args[1]]))
+             for m in moe.experts_modules(model)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name", CB_FAMILIES)
+def test_continuous_batching_two_rows_one_step(name, moe_models, moe_exports):
+    """Two sequences in slots 0 and 1, decoded together in one batch-2 step per token; each row's logits equal
+    transformers run on that sequence alone, and the rows' tokens are routed to different experts."""
+    import torch
+
+    from hf_models import PlainLoop
+
+    model = _hf(moe_models(name))
+    loop = PlainLoop(moe_exports(name, continuous_batching=True).onnx_path, CTX, batch=2)
+    seqs = [list(p) for p in CB_PROMPTS]
+    for slot, seq in enumerate(seqs):
+        logits = loop.prefill(seq, CHUNK, slot=slot)
+        seq.append(int(logits[0, -1].argmax()))
+    routed_apart = False
+    for _ in range(CB_STEPS):
+        ids = np.array([[s[-1]] for s in seqs])
+        pos = np.array([[len(s) - 1] for s in seqs])
+        logits = loop.step(ids, pos, np.array([[0], [1]]))
+        assert logits.shape[:2] == (2, 1)
+        for row, seq in enumerate(seqs):
+            with torch.no_grad():
+                want = model(torch.tensor([seq])).logits[0, -1].double().numpy()
+            got = logits[row, 0].astype(np.float64)
+            assert float(np.abs(got - want).max()) <= 1e-3 * max(1.0, float(np.abs(want).max())), (row, seq)
+            assert int(got.argmax()) == int(want.argmax())
+        # the decode tokens of the two rows (last position of each sequence) take different experts somewhere
+        choices = [_router_choices(model, s) for s in seqs]
+        routed_apart |= any(a[-1] != b[-1] for a, b in zip(*choices))
+        for row, seq in enumerate(seqs):
+            seq.append(int(logits[row, 0].argmax()))
+    assert routed_apart, "the two rows were routed to the same experts: the test proves little"
+
+
+def test_routing_fixed_by_the_tracing_input_is_refused(moe_models, moe_root, monkeypatch):
+    """With transformers' ``eager`` experts (a loop over the experts a batch hits) the trace would bake in
+    the tracing input's experts: the export refuses it and writes nothing."""
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model, moe
+
+    monkeypatch.setattr(moe, "GATHERED_EXPERTS", "eager")
+    out = moe_root / "mixtral-eager"
+    with pytest.raises(ExportError, match="NonZero") as info:
+        export_model(moe_models("mixtral"), out, ctx_len=CTX, prefill_seq_len=CHUNK, verify=False)
+    assert "\n" not in str(info.value)
+    assert not (out / "manifest.json").exists()
+
+
+def test_static_routing_restores_the_models_choice(moe_models):
+    from qeff_kv.export import moe
+
+    model = _hf(moe_models("qwen2_moe"))
+    modules = moe.experts_modules(model)
+    assert len(modules) == FAMILIES["qwen2_moe"].config_kwargs()["num_hidden_layers"]
+    before = [m.config._experts_implementation for m in modules]
+    with moe.static_routing(model) as patched:
+        assert patched == modules
+        assert {m.config._experts_implementation for m in modules} == {moe.GATHERED_EXPERTS}
+    assert [m.config._experts_implementation for m in modules] == before
+    assert moe.is_moe(model)

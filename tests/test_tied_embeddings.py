@@ -1,0 +1,70 @@
+"""The output head reads its weight as stored: a tied embedding is one initializer, and no export carries a
+transposed copy of the head (the exported weights are the model's parameters, each once)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import requires_torch
+from qeff_kv import graphio
+
+pytestmark = [requires_torch]
+
+PROMPT = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21]
+CTX, CHUNK, NEW = 32, 4, 8
+VOCAB, HIDDEN = 256, 64
+
+
+def _model_dir(root, tied: bool):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    out = root / ("tied" if tied else "untied")
+    model.save_pretrained(out, safe_serialization=True)
+    return out, sum(p.numel() * 4 for p in model.parameters())  # a tied tensor is yielded once
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("hf"), tied=True)
+
+
+def _weights(onnx_path):
+    model = graphio.load(onnx_path)
+    inits = [v for v in model.graph.initializers.values() if v.const_value is not None]
+    vocab_shaped = [v.name for v in inits if sorted(int(d) for d in v.shape) == sorted((VOCAB, HIDDEN))]
+    return vocab_shaped, sum(v.const_value.nbytes for v in inits), model
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime-fused"])
+def test_tied_embedding_stored_once_and_tokens_exact(tied, target, tmp_path):
+    from hf_models import PlainLoop, hf_greedy
+
+    from qeff_kv.export import export_model
+
+    src, param_bytes = tied
+    r = export_model(src, tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK, target=target)
+    vocab_shaped, weight_bytes, model = _weights(r.onnx_path)
+    assert len(vocab_shaped) == 1, vocab_shaped
+    assert abs(weight_bytes - param_bytes) <= 0.03 * param_bytes, (weight_bytes, param_bytes)
+    # The embedding Gather and the head Gemm(transB=1) read the same initializer.
+    readers = {u.node.op_type for u in model.graph.initializers[vocab_shaped[0]].uses()}
+    assert readers == {"Gather", "Gemm"}, readers
+    assert PlainLoop(r.onnx_path, CTX).greedy(PROMPT, NEW, CHUNK) == hf_greedy(src, PROMPT, NEW)
+
+
+def test_untied_head_is_not_copied(tmp_path):
+    from qeff_kv.export import export_model
+
+    src, param_bytes = _model_dir(tmp_path, tied=False)
+    r = export_model(src, tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK, verify=False)
+    vocab_shaped, weight_bytes, _model = _weights(r.onnx_path)
+    assert len(vocab_shaped) == 2  # the embedding and the head, each once
+    assert abs(weight_bytes - param_bytes) <= 0.03 * param_bytes, (weight_bytes, param_bytes)
