@@ -10,6 +10,8 @@ from qeff_kv import graphio
 from qeff_kv.buffers import format_buffer_table
 from qeff_kv.export import export_model
 
+from .params import DIM
+
 
 def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept across calls
     if _t0[0] is None:
@@ -25,16 +27,16 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--kv-cache-prefix", metavar="P",
               help="Prefix for the KV buffers only: past_key.{i}_P / past_key.{i}_P_RetainedState. "
                    "1-64 ASCII letters or digits.")
-@click.option("--ctx-len", type=int, metavar="N",
+@click.option("--ctx-len", type=DIM, metavar="N",
               help="KV capacity (context length) recorded in the manifest and compile files. "
                    "Default: min(max_position_embeddings, 4096). The graph keeps ctx_len symbolic.")
-@click.option("--prefill-seq-len", type=int, default=32, show_default=True, metavar="N",
+@click.option("--prefill-seq-len", type=DIM, default=32, show_default=True, metavar="N",
               help="Prefill chunk length (the prefill specialization).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Weights, activations and KV cache dtype.")
 @click.option("--continuous-batching", is_flag=True,
               help="Add input batch_index [batch_size, 1]; the KV batch axis becomes full_batch_size.")
-@click.option("--full-batch-size", type=int, metavar="N",
+@click.option("--full-batch-size", type=DIM, metavar="N",
               help="Number of KV slots (sequences) with --continuous-batching.")
 @click.option("--specializations-format", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: readable by every compiler release; named: Prefill/Decode entries.")
@@ -53,8 +55,8 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
            full_batch_size, specializations_format, target, verify, force, quiet):
-    """Export MODEL (a local Hugging Face folder; default: the bundled tiny Llama) to a retained-state ONNX
-    graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
+    """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
+    retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
         model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,

@@ -12,24 +12,30 @@ import click
 from qeff_kv.runtime.generate import GenerateRequest, parse_ids, run_generate
 from qeff_kv.runtime.sampling import SamplingParams
 
+from .params import COUNT, DIM, ID, THREADS
+
 
 @click.command("generate")
 @click.argument("model", type=click.Path(path_type=str))
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (needs tokenizer.json beside the graph). Repeat for several sequences.")
+@click.option("--chat", is_flag=True,
+              help="Format each --prompt as a user turn with the chat template from the model folder "
+                   "(tokenizer_config.json or chat_template.jinja), the assistant's turn opened.")
+@click.option("--system", default=None, metavar="TEXT", help="With --chat: a system turn before each prompt.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
               help="Prompt token ids, e.g. 5,17,42. Repeat for several sequences (after any --prompt).")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True,
+@click.option("--max-new-tokens", type=COUNT, default=64, show_default=True,
               help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
-@click.option("--ctx-len", type=int, default=None, help="Cache capacity, where the graph leaves it symbolic.")
-@click.option("--prefill-seq-len", type=int, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
-@click.option("--max-sequences", type=int, default=None,
+@click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
+@click.option("--prefill-seq-len", type=DIM, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
+@click.option("--max-sequences", type=DIM, default=None,
               help="Slots of a continuous-batching graph (default: the manifest's, or the number of prompts).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
+@click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same tokens).")
-@click.option("--stop-token", "stop_tokens", type=int, multiple=True, metavar="ID",
+@click.option("--seed", type=ID, default=None, help="Sampling seed (same seed, same tokens).")
+@click.option("--stop-token", "stop_tokens", type=ID, multiple=True, metavar="ID",
               help="Stop a sequence after this token (repeatable; the manifest's eos ids are included).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the manifest's eos ids.")
 @click.option("--on-capacity", type=click.Choice(["error", "stop"]), default="error", show_default=True,
@@ -40,10 +46,10 @@ from qeff_kv.runtime.sampling import SamplingParams
               help="Continue a sequence saved with --save-state.")
 @click.option("--select", default=None, metavar="REGEX",
               help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
-@click.option("--threads", type=int, default=None, help="onnxruntime intra-op threads.")
+@click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
-def generate_cmd(model, prompts, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, max_sequences, temperature,
+def generate_cmd(model, prompts, chat, system, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
@@ -53,7 +59,8 @@ def generate_cmd(model, prompts, prompt_ids, max_new_tokens, ctx_len, prefill_se
         max_sequences=max_sequences,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
-        select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity)
+        select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
+        chat=chat, system=system)
     result = run_generate(req)
     t = result["timings"]
     click.echo(f"prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.3f}s; decode {t['decode_tokens']} tokens "

@@ -15,6 +15,8 @@ from qeff_kv import buffers as _buffers
 from qeff_kv import check as _check
 from qeff_kv import rewrite as _rewrite
 
+from .params import DIM, PRECISION
+
 _MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
 
 
@@ -80,7 +82,7 @@ def check_cmd(models: tuple[str, ...], prefix: str | None, unprefixed: bool, as_
 @_MODEL
 @click.option("--regex", default=None, metavar="R",
               help="Show exactly which inputs/outputs R selects (full match) and whether that is the KV set.")
-@click.option("--ctx-len", type=click.IntRange(min=1), default=None, help="Context length for bytes per sequence.")
+@click.option("--ctx-len", type=DIM, default=None, help="Context length for bytes per sequence.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema qeff-kv.buffers/1).")
 def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: bool) -> None:
     """List the KV buffer pairs, non-KV retained buffers and canonical selection regexes of MODEL."""
@@ -92,14 +94,15 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: boo
 @_MODEL
 @click.option("-o", "--output-dir", "out_dir", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Folder for custom_io.yaml and specializations.json.")
-@click.option("--prefill-seq-len", type=click.IntRange(min=1), required=True)
-@click.option("--ctx-len", type=click.IntRange(min=1), required=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--full-batch-size", type=click.IntRange(min=1), default=None,
+@click.option("--prefill-seq-len", type=DIM, required=True)
+@click.option("--ctx-len", type=DIM, required=True)
+@click.option("--batch-size", type=DIM, default=1, show_default=True)
+@click.option("--full-batch-size", type=DIM, default=None,
               help="Continuous batching: rows of the decode specialization (needed for CB graphs).")
 @click.option("--specializations-format", "fmt", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: read by every compiler release; named: newer format.")
-@click.option("--precision", default="float16", show_default=True, help="Precision of the KV buffers in custom_io.")
+@click.option("--precision", type=PRECISION, default="float16", show_default=True,
+              help="Precision of the KV buffers in custom_io.")
 def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
                        full_batch_size: int | None, fmt: str, precision: str) -> None:
     """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph."""

@@ -10,15 +10,46 @@ from qeff_kv import __version__
 from qeff_kv.errors import QeffKvError
 
 
+class _OneLineError(click.ClickException):
+    """A usage error shown as the project's one line ``error: ...`` (click's own format is four lines)."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+def _one_line(exc: click.ClickException, prog: str | None) -> click.ClickException:
+    if isinstance(exc, (_OneLineError, click.exceptions.NoArgsIsHelpError)):
+        return exc  # already one line, or a bare command that shows its help
+    msg = " ".join(exc.format_message().split())
+    if isinstance(exc, click.UsageError):
+        ctx = exc.ctx
+        name = ctx.command_path if ctx is not None else (prog or "qeff-kv")
+        msg = f"{msg} (see '{name} -h')"
+    err = _OneLineError(msg)
+    err.exit_code = exc.exit_code
+    return err
+
+
 class _Group(click.Group):
-    """Turns :class:`QeffKvError` into ``error: <one line>`` on stderr and its exit code (2).
+    """Turns :class:`QeffKvError` into ``error: <one line>`` on stderr and its exit code (2); click's usage
+    errors (unknown option, bad value...) become the same one line with exit code 2.
 
     ``--debug`` (or ``QEFF_KV_DEBUG=1``) shows the traceback instead.
     """
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.ClickException as exc:
+            raise _one_line(exc, info_name) from None
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.ClickException as exc:
+            raise _one_line(exc, ctx.command_path) from None
         except QeffKvError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise

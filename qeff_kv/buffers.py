@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import graphio, naming
 from .compile_config import SpecFormat, write_compile_config
-from .errors import QeffKvError, RuntimeInputError
+from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout, KVPair
 
 SCHEMA = "qeff-kv.buffers/1"
@@ -228,6 +228,19 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
     without it refuses one.
     """
+    from . import check as _check
+    from .compile_config import check_precision, specializations
+
+    # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
+    # passes every check rule.
+    check_precision(precision)
+    specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt)
+    report = _check.check(path)
+    if not report.ok:
+        rule = report.rule(report.failed[0])
+        first = rule.violations[0].message if rule.violations else "failed"
+        raise ContractError(f"{path} fails check rule {rule.id!r} ({first}); run 'qeff-kv check {path}'; "
+                            "no compile files written")
     layout = graphio.layout_of(graphio.load(path))
     layout.require_valid()
     cb = _kv_batch_dim(layout) == "full_batch_size"

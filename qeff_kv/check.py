@@ -7,7 +7,7 @@ Rules, in order:
 
 ``kv-present``        the graph has KV buffers (inputs/outputs named like ``past_key.<i>``).
 ``pairing``           every ``X_RetainedState`` output has the input ``X``, and every KV input ``X`` has the
-                      output ``X_RetainedState``.
+                      output ``X_RetainedState``; no input or output is listed twice.
 ``pair-match``        a KV input and its retained output have the same dtype, rank, dims and dim names.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
@@ -179,6 +179,12 @@ def _rule_kv_present(layout: KVLayout, r: RuleResult) -> None:
 
 
 def _rule_pairing(layout: KVLayout, r: RuleResult) -> None:
+    for kind, values in (("input", layout.inputs), ("output", layout.outputs)):
+        seen: set[str] = set()
+        for t in values:
+            if t.name in seen:
+                r.fail(t.name, f"{kind} {t.name} is listed twice in the graph's {kind}s")
+            seen.add(t.name)
     for n in layout.unpaired_inputs:
         r.fail(n, f"KV input {n} has no output {naming.retained_name(n)}")
     for n in layout.unpaired_outputs:

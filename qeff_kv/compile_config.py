@@ -13,14 +13,24 @@ from typing import Literal
 from . import fsutil
 from .errors import RuntimeInputError
 from .layout import KVLayout
+from .limits import positive_int
 
 SpecFormat = Literal["flat", "named"]
 CUSTOM_IO_FILE = "custom_io.yaml"
 SPECIALIZATIONS_FILE = "specializations.json"
+#: Precisions a compiler accepts for the KV buffers in ``custom_io.yaml``.
+PRECISIONS = ("float16", "bfloat16", "float32", "mxint8", "int8")
+
+
+def check_precision(precision: str) -> str:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise RuntimeInputError(f"unknown KV precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 def custom_io_yaml(layout: KVLayout, precision: str = "float16") -> str:
     """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output."""
+    check_precision(precision)
     layout.require_valid()
     pairs = sorted(layout.pairs, key=lambda p: (p.layer, p.stem))
     lines = ["# Model Inputs", ""]
@@ -42,8 +52,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     ``full_batch_size`` rows.
     """
     for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
-        if not isinstance(v, int) or v < 1:
-            raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
+        positive_int(label, v)
+    if full_batch_size is not None:
+        positive_int("full_batch_size", full_batch_size)
     if prefill_seq_len > ctx_len:
         raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
     if fmt not in ("flat", "named"):
@@ -66,6 +77,7 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
                          precision: str = "float16") -> list[Path]:
     """Write both files into ``out_dir`` atomically; return their paths."""
     out_dir = Path(out_dir)
+    check_precision(precision)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
                            full_batch_size=full_batch_size, fmt=fmt)
     text = custom_io_yaml(layout, precision)

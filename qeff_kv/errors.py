@@ -53,5 +53,13 @@ class StateFileError(QeffKvError):
     """A KV state file is unreadable, truncated, edited, or belongs to another graph."""
 
 
+class OutputError(QeffKvError, OSError):
+    """An output path cannot be written: below an existing file, not a regular file, no permission, no space."""
+
+
+class MemoryLimitError(QeffKvError):
+    """A buffer would not fit in the memory available on this machine (refused before allocating it)."""
+
+
 class VerificationError(ExportError):
     """An exported graph does not reproduce the model it came from (verification at export)."""

@@ -10,24 +10,104 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
+
+from .errors import OutputError
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def make_dirs(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` and its parents; one-line :class:`OutputError` when a part of it is a file, or the
+    folder cannot be created (permission, read-only file system...)."""
+    folder = Path(folder)
+    if folder.is_dir():
+        return folder
+    for part in [folder, *folder.parents]:
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                raise OutputError(f"cannot create folder {folder}: {part} exists and is not a folder")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create folder {folder}: {_reason(exc)}") from None
+    return folder
+
+
+def check_output_file(target: str | os.PathLike) -> Path:
+    """Refuse (:class:`OutputError`) a target that exists and is not a regular file (a folder, a FIFO, a
+    device node, a socket): writing would replace it. A missing target, or a regular file, is fine."""
+    target = Path(target)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return target
+    except OSError as exc:
+        if isinstance(exc, NotADirectoryError):
+            make_dirs(target.parent)  # raises naming the file in the way
+        raise OutputError(f"cannot write {target}: {_reason(exc)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"output {target} is a folder; give a file name")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device node"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise OutputError(f"output {target} is {kind}; refusing to replace it (an output must be a regular "
+                          "file or not exist)")
+    return target
+
+
+def remove_stale(folder: str | os.PathLike, pattern: str, max_age_s: float = 86400.0) -> list[Path]:
+    """Remove the entries of ``folder`` matching ``pattern`` (staging folders of killed runs) last modified
+    more than ``max_age_s`` ago; errors are ignored (another process may be removing them too)."""
+    removed = []
+    now = time.time()
+    try:
+        entries = list(Path(folder).glob(pattern))
+    except OSError:
+        return removed
+    for p in entries:
+        try:
+            if p.is_symlink() or now - p.lstat().st_mtime < max_age_s:
+                continue
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+        except OSError:
+            continue
+    return removed
 
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success rename it onto ``target``, else remove it."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    make_dirs(target.parent)
+    check_output_file(target)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write in {target.parent}: {_reason(exc)}") from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         os.chmod(tmp_path, 0o666 & ~_umask())
-        yield tmp_path
-        _fsync(tmp_path)
-        os.replace(tmp_path, target)
+        try:
+            yield tmp_path
+            _fsync(tmp_path)
+            check_output_file(target)  # may have appeared meanwhile
+            os.replace(tmp_path, target)
+        except OSError as exc:
+            raise OutputError(f"cannot write {target}: {_reason(exc)}") from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
@@ -70,8 +150,13 @@ def write_json(target: str | os.PathLike, obj: object) -> None:
 def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary directory beside ``target``; on success it replaces ``target`` as a whole."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    make_dirs(target.parent)
+    if (target.exists() or target.is_symlink()) and not target.is_dir():
+        raise OutputError(f"{target} exists and is not a folder")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as exc:
+        raise OutputError(f"cannot write in {target.parent}: {_reason(exc)}") from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp

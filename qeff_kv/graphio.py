@@ -70,6 +70,8 @@ def load(path: str | os.PathLike) -> ir.Model:
         raise GraphReadError(f"{path}: no such file")
     if path.is_dir():
         raise GraphReadError(f"{path}: is a folder, not an .onnx file")
+    if not path.is_file():  # a FIFO or a device would block the read, or never end
+        raise GraphReadError(f"{path}: not a regular file (a FIFO, device or socket), not an .onnx file")
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf DecodeError and friends
@@ -136,7 +138,8 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
     onnx refuses external data with several links).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.make_dirs(path.parent)
+    fsutil.check_output_file(path)  # a folder, FIFO or device node is never replaced
     externals = external_tensors(model)
     if externals:
         if source_dir is None:
@@ -154,7 +157,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
                     raise ExternalDataError(
                         f"{dst_file} already exists and is not the external data of the input model; "
                         "refusing to overwrite it (choose another output folder)")
-                dst_file.parent.mkdir(parents=True, exist_ok=True)
+                fsutil.make_dirs(dst_file.parent)
                 # A copy (reflink where the file system can), never a hard link: onnx refuses to load external
                 # data files with several links, which would break the new model and the original.
                 fsutil.clone_or_copy(src_file, dst_file)

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import graphio, naming
+from . import fsutil, graphio, naming
 from .errors import ExternalDataError, RewriteError
 from .passes import SetKVPrefixPass
 
@@ -103,6 +103,7 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
         dst_path = Path(dst)
         if dst_path.exists() and dst_path.is_dir():
             raise RewriteError(f"output {dst_path} is a folder; give a file name")
+        fsutil.check_output_file(dst_path)  # a folder, FIFO, device node or a path below a file: refused
         if src.exists() and dst_path.exists() and _same_path(src, dst_path):
             raise RewriteError(f"output {dst_path} is the input file; pass --in-place to rewrite it")
 

@@ -23,6 +23,7 @@ import onnxruntime as ort
 
 from ..errors import RuntimeInputError
 from ..layout import KVPair
+from ..limits import kv_buffer_bytes, positive_int, require_memory
 
 
 @dataclass(eq=False)
@@ -63,10 +64,9 @@ class KVCache:
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False):
-        if max_sequences < 1:
-            raise RuntimeInputError(f"max_sequences must be at least 1, got {max_sequences}")
-        if ctx_len < 1:
-            raise RuntimeInputError(f"ctx_len must be at least 1, got {ctx_len}")
+        positive_int("max_sequences", max_sequences)
+        positive_int("ctx_len", ctx_len)
+        self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer)
         self.pairs = list(pairs)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
@@ -97,6 +97,33 @@ class KVCache:
         self.double_buffer = double_buffer
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
+
+    @staticmethod
+    def buffer_bytes(pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False) -> int:
+        """Bytes the buffers of ``pairs`` take at ``max_sequences`` x ``ctx_len`` (twice with ``double_buffer``);
+        pairs with a symbolic or malformed shape count 0 (the allocation refuses them)."""
+        total = 0
+        for p in pairs:
+            shape = p.input.shape
+            if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
+                continue
+            try:
+                itemsize = np.dtype(p.input.dtype).itemsize
+            except TypeError:
+                continue
+            total += kv_buffer_bytes([(shape[1], shape[3])], ctx_len=ctx_len, batch=max_sequences,
+                                     itemsize=itemsize, copies=2 if double_buffer else 1)
+        return total
+
+    @classmethod
+    def require_memory(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int,
+                       double_buffer: bool = False) -> int:
+        """Refuse (:class:`~qeff_kv.errors.MemoryLimitError`, one line with the size) KV buffers that do not fit
+        in the memory available now; return their size in bytes."""
+        n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer)
+        require_memory(n, f"the KV buffers ({len(list(pairs))} buffers x {max_sequences} sequences x ctx_len "
+                          f"{ctx_len}{', two sets' if double_buffer else ''})")
+        return n
 
     # ---------------------------------------------------------------------------------- buffers
     def swap(self) -> None:
@@ -163,7 +190,9 @@ class KVCache:
         return seq
 
     def get(self, seq: Sequence | int) -> Sequence:
-        sid = seq.id if isinstance(seq, Sequence) else seq
+        if isinstance(seq, bool) or not isinstance(seq, (Sequence, int, np.integer)):
+            raise RuntimeInputError(f"expected a Sequence (or its id), got {type(seq).__name__}")
+        sid = seq.id if isinstance(seq, Sequence) else int(seq)
         found = self._seqs.get(sid)
         if found is None or (isinstance(seq, Sequence) and found is not seq):
             raise RuntimeInputError(f"sequence {sid} does not exist (destroyed or from another session)")

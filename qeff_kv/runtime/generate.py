@@ -6,12 +6,16 @@ Also the optional tokenizer (``tokenizer.json`` beside the graph, read with the 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import fsutil
 from ..errors import MissingDependencyError, RuntimeInputError
+from .chat import chat_prompt_ids, load_chat_template
+from ..limits import MAX_INT64
 from .sampling import SamplingParams
 from .session import Session, TokenEvent, resolve_model
 
@@ -29,6 +33,8 @@ def parse_ids(text: str) -> list[int]:
             raise RuntimeInputError(f"--prompt-ids {text!r}: {p!r} is not an integer") from None
         if v < 0:
             raise RuntimeInputError(f"--prompt-ids {text!r}: token id {v} is negative")
+        if v > MAX_INT64:
+            raise RuntimeInputError(f"--prompt-ids {text!r}: token id {v} does not fit in 64 bits")
         out.append(v)
     return out
 
@@ -72,13 +78,37 @@ class GenerateRequest:
     threads: int | None = None
     inplace: bool | None = None
     on_capacity: str = "error"
+    #: Format each prompt as a user turn with the folder's chat template (optionally after a system turn).
+    chat: bool = False
+    system: str | None = None
 
 
 def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | None = None) -> dict:
-    """Run a :class:`GenerateRequest`; returns the JSON-able result printed by the CLI."""
+    """Run a :class:`GenerateRequest`; returns the JSON-able result printed by the CLI.
+
+    Every argument is checked before the graph is opened: the selection regex (even when nothing is saved),
+    the state file paths, the sampling parameters.
+    """
+    if req.select is not None:
+        try:
+            re.compile(req.select)
+        except (re.error, TypeError) as exc:
+            raise RuntimeInputError(f"--select {req.select!r} is not a valid regex ({exc})") from None
+    if not isinstance(req.sampling, SamplingParams):
+        raise RuntimeInputError(f"sampling must be a SamplingParams, got {req.sampling!r}")
+    if req.save_state is not None:
+        fsutil.check_output_file(req.save_state)
     files = resolve_model(req.model)
+    if (req.chat or req.system is not None) and not req.prompts:
+        raise RuntimeInputError("--chat formats --prompt text with the chat template; give --prompt TEXT")
+    if req.system is not None and not req.chat:
+        raise RuntimeInputError("--system is a chat turn; use it with --chat")
     tok = load_tokenizer(files.folder, required=bool(req.prompts))
-    prompts: list[list[int]] = [list(tok.encode(p).ids) for p in req.prompts] if req.prompts else []
+    if req.chat:
+        template = load_chat_template(files.folder)
+        prompts: list[list[int]] = [chat_prompt_ids(tok, template, p, req.system) for p in req.prompts]
+    else:
+        prompts = [list(tok.encode(p).ids) for p in req.prompts] if req.prompts else []
     prompts += [list(p) for p in req.prompt_ids]
     if req.load_state is None and not prompts:
         raise RuntimeInputError("give --prompt, --prompt-ids or --load-state")
@@ -87,13 +117,20 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     n_requests = max(1, len(prompts))
     if req.save_state is not None and n_requests != 1:
         raise RuntimeInputError(f"--save-state saves one sequence; {n_requests} were requested")
-    max_sequences = req.max_sequences if req.max_sequences is not None else (n_requests if n_requests > 1 else None)
+    max_sequences = req.max_sequences
+    if max_sequences is None and n_requests > 1 and not (files.manifest or {}).get("full_batch_size"):
+        max_sequences = n_requests  # else the manifest's full_batch_size: the slots the graph was exported for
 
     t_open = time.perf_counter()
     session = Session(req.model, ctx_len=req.ctx_len,
                       prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
                       inplace=req.inplace, threads=req.threads)
     open_s = time.perf_counter() - t_open
+    if req.prefill_seq_len is not None and session.fixed_seq_len is None and req.prefill_seq_len > session.ctx_len:
+        # The library runs such a chunk (never padded past the capacity); asked for on the command line, it
+        # is a contradiction worth one line.
+        raise RuntimeInputError(
+            f"--prefill-seq-len {req.prefill_seq_len} is larger than the capacity ctx_len {session.ctx_len}")
     stops = [] if req.ignore_eos else list(session.eos_token_ids)
     stops += [t for t in req.stop_tokens if t not in stops]
 

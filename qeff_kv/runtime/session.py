@@ -43,6 +43,7 @@ from .. import graphio, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..inplace import inplace_issues
 from ..layout import KVLayout
+from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from .cache import KVCache, Sequence
 from .sampling import GREEDY, SamplingParams, sample
@@ -50,6 +51,17 @@ from .sampling import GREEDY, SamplingParams, sample
 MANIFEST = "manifest.json"
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
 DEFAULT_PREFILL_SEQ_LEN = 32
+
+
+_ORT_QUIET = False
+
+
+def _quiet_onnxruntime() -> None:
+    """onnxruntime's default logger at severity 3 (error): its warnings never print above our one-line errors."""
+    global _ORT_QUIET
+    if not _ORT_QUIET:
+        ort.set_default_logger_severity(3)
+        _ORT_QUIET = True
 
 
 # ============================================================================================ model files
@@ -69,6 +81,9 @@ class ModelFiles:
 
 def resolve_model(model: str | os.PathLike) -> ModelFiles:
     """An ``.onnx`` file, or an export folder with ``manifest.json`` (or exactly one ``.onnx`` file)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise RuntimeInputError(f"model must be a path to an .onnx file or an export folder, got "
+                                f"{type(model).__name__}")
     path = Path(model)
     if not path.exists():
         raise GraphReadError(f"{path}: no such file or folder")
@@ -213,6 +228,18 @@ class Session:
                  prefill_seq_len: int | None = None, max_sequences: int | None = None,
                  inplace: bool | None = None, threads: int | None = None,
                  providers: Seq[str] | None = None):
+        # ---- arguments first: nothing is read before they are valid
+        for label, v in (("ctx_len", ctx_len), ("prefill_seq_len", prefill_seq_len),
+                         ("max_sequences", max_sequences)):
+            if v is not None:
+                positive_int(label, v)
+        if threads is not None:
+            positive_int("threads", threads, maximum=4096)
+        if inplace not in (None, True, False):
+            raise RuntimeInputError(f"inplace must be None, True or False, got {inplace!r}")
+        if providers is not None and (isinstance(providers, str)
+                                      or not all(isinstance(p, str) for p in providers)):
+            raise RuntimeInputError(f"providers must be a list of onnxruntime provider names, got {providers!r}")
         self.files = resolve_model(model)
         man = self.files.manifest or {}
         ir_model = graphio.load(self.files.onnx_path)
@@ -247,6 +274,11 @@ class Session:
         if self.continuous_batching:
             self.max_sequences = self._dim("max_sequences", batch_dim, max_sequences, man.get("full_batch_size"),
                                            default=1)
+            exported = man.get("full_batch_size")
+            if isinstance(exported, int) and not isinstance(exported, bool) and self.max_sequences > exported:
+                raise RuntimeInputError(
+                    f"the graph was exported for full_batch_size={exported} slots (manifest); "
+                    f"{self.max_sequences} sequences were requested")
         else:
             if isinstance(batch_dim, int) and batch_dim != 1:
                 raise ContractError(
@@ -274,6 +306,9 @@ class Session:
         if inplace is True and not safe:
             raise ContractError(f"graph is not in-place safe: {self.inplace_issues[0]}")
         self.inplace = safe if inplace is None else (bool(inplace) and safe)
+        # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
+        KVCache.require_memory(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
+                               double_buffer=not self.inplace)
         if not safe:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=2)
@@ -286,7 +321,9 @@ class Session:
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = int(threads)
+        # Errors are ours to report, in one line: onnxruntime's own log lines stay quiet below "error".
         so.log_severity_level = 3
+        _quiet_onnxruntime()
         providers = list(providers or ["CPUExecutionProvider"])
         # Free the inspected graph before onnxruntime loads its own copy: peak memory is one copy of the
         # weights, not two.
@@ -328,15 +365,13 @@ class Session:
     @staticmethod
     def _dim(what: str, graph_value, given, manifest_value, default: int | None = None) -> int:
         if isinstance(graph_value, int):
-            if given is not None and int(given) != graph_value:
+            if given is not None and given != graph_value:
                 raise RuntimeInputError(f"the graph fixes {what}={graph_value}; {given} was requested")
             return graph_value
         value = given if given is not None else manifest_value if manifest_value is not None else default
         if value is None:
             raise RuntimeInputError(f"the graph leaves {what} symbolic ({graph_value!r}); give it (--{what.replace('_', '-')} N)")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
-            raise RuntimeInputError(f"{what} must be a positive int, got {value!r}")
-        return int(value)
+        return positive_int(what, value)
 
     def _bind_kv(self) -> None:
         for p in self.layout.pairs:
@@ -393,6 +428,10 @@ class Session:
         raise ContractError(f"logits have shape {out.shape}; expected [batch, 1, vocab]")
 
     def _check_tokens(self, tokens: Iterable[int]) -> list[int]:
+        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+            raise RuntimeInputError(f"token ids must be a 1-D sequence, got an array of shape {tokens.shape}")
+        if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
+            raise RuntimeInputError(f"token ids must be a list of ints, got {type(tokens).__name__}")
         out = []
         for t in tokens:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -483,9 +522,15 @@ class Session:
         items = list(feeds.items()) if isinstance(feeds, dict) else list(feeds)
         if not items:
             return {}
+        if not all(isinstance(it, tuple) and len(it) == 2 for it in items):
+            raise RuntimeInputError("decode takes {sequence: token} or [(sequence, token), ...]")
         seqs = [self.cache.get(s) for s, _ in items]
         if len({s.id for s in seqs}) != len(seqs):
             raise RuntimeInputError("a sequence appears twice in one decode step")
+        empty = [s.id for s in seqs if s.length == 0]
+        if empty:
+            raise RuntimeInputError(
+                f"sequence {empty[0]} is empty: prefill it first (decode continues a sequence by one token)")
         toks = self._check_tokens(t for _, t in items)
         self.cache.check_room(seqs, 1)
         rows = len(seqs)
@@ -546,8 +591,17 @@ class Session:
             raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise RuntimeInputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise RuntimeInputError(
+                f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0.7)) or None, got {sampling!r}")
+        if isinstance(prompts, np.ndarray):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
+            raise RuntimeInputError(f"prompts must be a list of requests (lists of token ids or sequences), got "
+                                    f"{type(prompts).__name__}")
+        prompts = list(prompts)
         params = (sampling or GREEDY).resolved()
-        stops = set(self._check_tokens(list(stop_tokens) if stop_tokens is not None else self.eos_token_ids))
+        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
 
         # ---- plan and validate everything first
         plan: list[tuple[Sequence | None, list[int]]] = []
@@ -657,7 +711,13 @@ class Session:
 
         ``prompts`` may also be a single list of token ids (one request).
         """
-        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+        if isinstance(prompts, np.ndarray):
+            if prompts.ndim not in (1, 2):
+                raise RuntimeInputError(f"prompts as an array must be 1-D (one prompt) or 2-D (one per row), got "
+                                        f"shape {prompts.shape}")
+            prompts = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
+        if isinstance(prompts, (list, tuple)) and prompts and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [list(prompts)]
         results: list[Generation] = []
         for ev in self.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -114,7 +114,16 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
     return KVState(tensors, meta)
 
 
+def _state_path(path, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise StateFileError(f"{what} needs a path to a state file, got {type(path).__name__}")
+    return Path(path)
+
+
 def _validate(session, state: KVState, where: str) -> None:
+    if not isinstance(state, KVState) or not isinstance(state.tensors, dict) or not isinstance(state.metadata, dict):
+        raise StateFileError(f"{where}: expected a KVState (from export_state or read_state), got "
+                             f"{type(state).__name__}")
     meta = state.metadata
     if meta.get("format") != FORMAT:
         raise StateFileError(f"{where}: not a qeff-kv state file (format {meta.get('format')!r})")
@@ -183,8 +192,9 @@ def save_state(session, seq: Sequence, path: str | os.PathLike, select: str | No
     from safetensors.numpy import save
 
     state = export_state(session, seq, select=select)
+    path = _state_path(path, "save_state")
+    fsutil.check_output_file(path)  # before anything is computed: a folder, FIFO or a path below a file
     data = save(state.tensors, metadata=state.metadata)
-    path = Path(path)
     fsutil.write_bytes(path, data)
     return path
 
@@ -194,9 +204,10 @@ def read_state(path: str | os.PathLike) -> KVState:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
-    path = Path(path)
+    path = _state_path(path, "read_state")
     if not path.is_file():
-        raise StateFileError(f"{path}: no such state file")
+        what = "not a regular file" if path.exists() else "no such state file"
+        raise StateFileError(f"{path}: {what}")
     data = path.read_bytes()
     if len(data) < 8:
         raise StateFileError(f"{path}: truncated or not a safetensors file ({len(data)} bytes)")
