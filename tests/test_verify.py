@@ -55,8 +55,8 @@ def test_graph_broken_on_purpose_is_refused_and_nothing_is_written(tmp_path, mon
 
 def test_decode_only_breakage_is_named_by_step():
     """A graph right after the prompt but wrong at decode: the message names the decode step."""
-    from qeff_kv.export.verify import Probe, Reference, VerificationResult  # noqa: F401
     from qeff_kv.export import verify
+    from qeff_kv.export.verify import Probe, Reference
 
     class FakeRunner:
         def __init__(self, *a):
@@ -84,12 +84,13 @@ def test_decode_only_breakage_is_named_by_step():
 
 
 def test_no_verify_and_memory_rule(tmp_path, monkeypatch):
-    from qeff_kv.export import export_model, verify
+    from qeff_kv import limits
+    from qeff_kv.export import export_model
 
     r = export_model(None, tmp_path / "a", ctx_len=16, prefill_seq_len=4, verify=False)
     assert r.manifest["verification"] == {"status": "skipped", "reason": "turned off (--no-verify)"}
     notes = []
-    monkeypatch.setattr(verify, "_available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(limits, "available_memory", lambda: 1 << 30)
     r = export_model(None, tmp_path / "b", ctx_len=16, prefill_seq_len=4, progress=notes.append)
     assert r.manifest["verification"]["status"] == "skipped"
     assert r.manifest["verification"]["reason"].startswith("verification skipped: it needs about")

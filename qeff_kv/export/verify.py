@@ -20,14 +20,13 @@ over the probe (a fraction of a second for tiny models, seconds for a 135M-param
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .. import graphio
+from .. import graphio, limits
 from ..errors import VerificationError
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -93,7 +92,7 @@ def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int
 
 def memory_allows(param_bytes: int) -> tuple[bool, str]:
     """Whether a second copy of the weights fits comfortably in memory available now."""
-    avail = _available_memory()
+    avail = limits.available_memory()
     if avail is None:
         return True, ""
     need = 2 * param_bytes + MEMORY_MARGIN
@@ -101,20 +100,6 @@ def memory_allows(param_bytes: int) -> tuple[bool, str]:
         return True, ""
     return False, (f"verification skipped: it needs about {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB "
                    f"is available (--verify forces it)")
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 # ------------------------------------------------------------------------------------------- PyTorch side
