@@ -28,13 +28,15 @@ ARCHS = {
 }
 
 
-def make_model_dir(arch: str, root: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of ``arch`` (seeded) with safetensors weights; return its folder."""
+def make_model_dir(arch: str, root: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of ``arch`` (seeded) with safetensors weights; return its folder.
+
+    ``overrides`` replace entries of the config (e.g. ``vocab_size=256``)."""
     import torch
     import transformers
 
     cfg_cls, model_cls, extra = ARCHS[arch]
-    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **overrides})
     cfg.architectures = [model_cls]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -1,4 +1,5 @@
-"""`qeff-kv check`: every rule on peer graphs and on graphs broken one rule at a time; JSON; CLI; testing API."""
+"""`qeff-kv check`: every rule on our exports, the peer's graphs and graphs broken one rule at a time; JSON; CLI;
+testing API."""
 
 from __future__ import annotations
 
@@ -30,36 +31,37 @@ def _violations(report: qcheck.CheckReport) -> list[tuple[str, str | None, str]]
     return [(v.rule, v.buffer, v.message) for v in report.violations]
 
 
-# ------------------------------------------------------------------------------------------------ peers
+# ------------------------------------------------------------------------------------ our exports and the peer's
 def test_rule_ids_are_stable():
     assert list(qcheck.RULES) == RULE_IDS
 
 
-def test_peer_graphs_pass(peer_graph):
-    prefix = "VLLM" if "vllm" in peer_graph.name else None
-    report = qcheck.check(peer_graph, expected_prefix=prefix)
+def test_graphs_pass(any_graph):
+    """Our exports and the peer's graphs pass every rule."""
+    prefix = "VLLM" if "vllm" in any_graph.name else None
+    report = qcheck.check(any_graph, expected_prefix=prefix)
     assert report.ok, report.format_text()
     assert [(r.id, r.status) for r in report.rules] == [(i, "pass") for i in RULE_IDS]
     assert report.num_layers == 2 and report.prefix == prefix
-    assert_retained_state_graph(peer_graph, prefix=prefix, num_layers=2)
+    assert_retained_state_graph(any_graph, prefix=prefix, num_layers=2)
     if prefix:
-        assert_kv_selected_by(peer_graph, ".*VLLM.*")
-        assert_kv_selected_by(peer_graph, naming.exact_regex("VLLM"))
+        assert_kv_selected_by(any_graph, ".*VLLM.*")
+        assert_kv_selected_by(any_graph, naming.exact_regex("VLLM"))
 
 
-def test_peer_wrong_expected_prefix(peer_dir):
-    report = qcheck.check(peer_dir / "qeff_llama_vllm.onnx", expected_prefix="vllmKvCache")
+def test_wrong_expected_prefix(graphs):
+    report = qcheck.check(graphs / "qeff_llama_vllm.onnx", expected_prefix="vllmKvCache")
     assert not report.ok and report.failed == ["prefix"]
     assert _violations(report) == [(
         "prefix", "past_key.0_VLLM",
         "KV buffers carry prefix 'VLLM' but 'vllmKvCache' is expected (e.g. past_key.0_VLLM)")]
-    report = qcheck.check(peer_dir / "qeff_llama_vllm.onnx", expected_prefix=None)
+    report = qcheck.check(graphs / "qeff_llama_vllm.onnx", expected_prefix=None)
     assert report.failed == ["prefix"]
     assert "carry prefix 'VLLM' but (none) is expected" in report.violations[0].message
 
 
-def test_json_report_is_stable(peer_dir):
-    report = qcheck.check(peer_dir / "qeff_llama_cb_vllm.onnx", expected_prefix="VLLM")
+def test_json_report_is_stable(graphs):
+    report = qcheck.check(graphs / "qeff_llama_cb_vllm.onnx", expected_prefix="VLLM")
     j = json.loads(report.to_json_text())
     assert list(j) == ["schema", "model", "ok", "prefix", "prefixes", "expected_prefix", "num_layers", "summary",
                        "failed", "rules"]
@@ -69,7 +71,7 @@ def test_json_report_is_stable(peer_dir):
     assert [r["id"] for r in j["rules"]] == RULE_IDS
     assert all(list(r) == ["id", "description", "status", "note", "violations"] for r in j["rules"])
     # Deterministic: the same file gives byte-identical JSON.
-    assert qcheck.check(peer_dir / "qeff_llama_cb_vllm.onnx", expected_prefix="VLLM").to_json_text() == \
+    assert qcheck.check(graphs / "qeff_llama_cb_vllm.onnx", expected_prefix="VLLM").to_json_text() == \
         report.to_json_text()
 
 
@@ -284,12 +286,12 @@ def test_invalid_expected_prefix():
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def test_cli_exit_codes(peer_dir, tmp_path):
+def test_cli_exit_codes(graphs, tmp_path):
     runner = CliRunner()
-    ok = runner.invoke(main, ["check", str(peer_dir / "qeff_llama_vllm.onnx"), "--kv-cache-prefix", "VLLM"])
+    ok = runner.invoke(main, ["check", str(graphs / "qeff_llama_vllm.onnx"), "--kv-cache-prefix", "VLLM"])
     assert ok.exit_code == 0
     assert ok.output.splitlines()[-1] == "OK: 10 passed, 0 failed, 0 skipped"
-    bad = runner.invoke(main, ["check", str(peer_dir / "qeff_llama_vllm.onnx"), "--no-kv-cache-prefix"])
+    bad = runner.invoke(main, ["check", str(graphs / "qeff_llama_vllm.onnx"), "--no-kv-cache-prefix"])
     assert bad.exit_code == 1
     assert bad.output.splitlines()[-1] == "FAILED (prefix): 9 passed, 1 failed, 0 skipped"
     assert "  FAIL  prefix" in bad.output
@@ -299,7 +301,7 @@ def test_cli_exit_codes(peer_dir, tmp_path):
     unreadable = runner.invoke(main, ["check", str(garbage)])
     assert unreadable.exit_code == 2 and unreadable.stderr.startswith("error: ") and \
         "not an ONNX model or truncated" in unreadable.stderr
-    usage = runner.invoke(main, ["check", str(peer_dir / "qeff_llama_vllm.onnx"), "--kv-cache-prefix", "a b"])
+    usage = runner.invoke(main, ["check", str(graphs / "qeff_llama_vllm.onnx"), "--kv-cache-prefix", "a b"])
     assert usage.exit_code == 2 and "whitespace" in usage.stderr
     both = runner.invoke(main, ["check", "x.onnx", "--kv-cache-prefix", "A", "--no-kv-cache-prefix"])
     assert both.exit_code == 2
@@ -307,8 +309,8 @@ def test_cli_exit_codes(peer_dir, tmp_path):
     assert none.exit_code == 2
 
 
-def test_cli_json(peer_dir, tmp_path):
-    r = CliRunner().invoke(main, ["check", str(peer_dir / "qeff_llama_default.onnx"), "--json",
+def test_cli_json(graphs, tmp_path):
+    r = CliRunner().invoke(main, ["check", str(graphs / "qeff_llama_default.onnx"), "--json",
                                   "--kv-cache-prefix", "VLLM"])
     assert r.exit_code == 1
     j = json.loads(r.output)
@@ -319,9 +321,9 @@ def test_cli_json(peer_dir, tmp_path):
                                                      "(e.g. past_key.0)"}]
 
 
-def test_cli_several_files(peer_dir, tmp_path):
+def test_cli_several_files(graphs, tmp_path):
     bad = kvg.save(kvg.build(2, extra_reader="past_key.0"), tmp_path / "bad.onnx")
-    r = CliRunner().invoke(main, ["check", str(peer_dir / "qeff_llama_default.onnx"), str(bad), "--json"])
+    r = CliRunner().invoke(main, ["check", str(graphs / "qeff_llama_default.onnx"), str(bad), "--json"])
     assert r.exit_code == 1
     j = json.loads(r.output)
     assert [x["ok"] for x in j] == [True, False] and j[1]["failed"] == ["inplace"]
@@ -354,7 +356,7 @@ def test_pre_commit_hook_file():
     assert "language: python" in text
 
 
-def test_no_torch_import(peer_dir, tmp_path):
+def test_no_torch_import(graphs, tmp_path):
     """rewrite/check/buffers (library and CLI) work on a host without torch/transformers: none is imported."""
     import subprocess
     import sys
@@ -364,7 +366,7 @@ def test_no_torch_import(peer_dir, tmp_path):
         "from click.testing import CliRunner\n"
         "import qeff_kv.rewrite, qeff_kv.check, qeff_kv.buffers, qeff_kv.testing\n"
         "from qeff_kv_cli.main import main\n"
-        f"src = {str(peer_dir / 'qeff_llama_vllm.onnx')!r}\n"
+        f"src = {str(graphs / 'qeff_llama_vllm.onnx')!r}\n"
         "r = CliRunner()\n"
         f"assert r.invoke(main, ['rewrite', src, '-o', {str(tmp_path / 'o.onnx')!r}, '--strip-prefix']).exit_code == 0\n"
         "assert r.invoke(main, ['check', src]).exit_code == 0\n"

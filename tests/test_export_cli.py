@@ -91,14 +91,14 @@ def _run_without_torch(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_library_and_non_export_commands_work_without_torch(peer_dir):
+def test_library_and_non_export_commands_work_without_torch(graphs):
     code = (
         "import qeff_kv, qeff_kv.export, qeff_kv.rewrite, qeff_kv.check, qeff_kv.buffers, qeff_kv.runtime\n"
         "from click.testing import CliRunner\n"
         "from qeff_kv_cli.main import main\n"
-        f"r = CliRunner().invoke(main, ['buffers', {str(peer_dir / 'qeff_llama_vllm.onnx')!r}])\n"
+        f"r = CliRunner().invoke(main, ['buffers', {str(graphs / 'qeff_llama_vllm.onnx')!r}])\n"
         "assert r.exit_code == 0, r.output\n"
-        f"r = CliRunner().invoke(main, ['check', {str(peer_dir / 'qeff_llama_vllm.onnx')!r}])\n"
+        f"r = CliRunner().invoke(main, ['check', {str(graphs / 'qeff_llama_vllm.onnx')!r}])\n"
         "assert r.exit_code == 0, r.output\n"
         "r = CliRunner().invoke(main, ['export', '--kv-cache-prefix', 'VLLM', '-o', '/nonexistent/x'])\n"
         "print(r.exit_code, r.stderr.strip())\n"

@@ -1,4 +1,6 @@
-"""``qeff-kv generate``: options, output, tokenizer support, one-line errors (exit 2)."""
+"""``qeff-kv generate``: options, output, tokenizer support, one-line errors (exit 2).
+
+Runs on our own graphs and on the peer's (``graphs``), each compared with its own reference tokens."""
 
 from __future__ import annotations
 
@@ -10,35 +12,35 @@ from click.testing import CliRunner
 
 from qeff_kv_cli.main import main
 
-A = "5,17,42,99,130,7,201,64"
-B = "250,3,88,19,160,45,12,222"
-LLAMA_A = [124, 176, 188, 78, 77, 163, 243, 166]
-LLAMA_B = [53, 42, 18, 53, 42, 18, 53, 42]
+from conftest import PROMPT_A, PROMPT_B
+
+A = ",".join(map(str, PROMPT_A))
+B = ",".join(map(str, PROMPT_B))
 
 
 def run(*args):
     return CliRunner().invoke(main, ["generate", *map(str, args)])
 
 
-def test_json_output(peer_dir):
-    r = run(peer_dir / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16, "--json")
+def test_json_output(graphs):
+    r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16, "--json")
     assert r.exit_code == 0, r.output
     lines = [l for l in r.stdout.splitlines() if l.strip()]
     out = json.loads(lines[-1])
-    assert out["sequences"][0]["tokens"] == LLAMA_A
+    assert out["sequences"][0]["tokens"] == graphs.llama_a
     assert out["sequences"][0]["text"] is None and out["sequences"][0]["finish_reason"] == "length"
     assert out["inplace"] is True and out["ctx_len"] == 16 and out["prefill_seq_len"] == 32
     assert {"prefill_s", "decode_s", "decode_tokens_per_s"} <= set(out["timings"])
     assert "tokens/s" in r.stderr
 
 
-def test_several_prompts_decode_together(peer_dir):
-    r = run(peer_dir / "qeff_llama_cb_default.onnx", "--prompt-ids", A, "--prompt-ids", B, "--prompt-ids", "1 2 3",
+def test_several_prompts_decode_together(graphs):
+    r = run(graphs / "qeff_llama_cb_default.onnx", "--prompt-ids", A, "--prompt-ids", B, "--prompt-ids", "1 2 3",
             "--max-new-tokens", 8, "--ctx-len", 16, "--prefill-seq-len", 4)
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
-    assert lines[0] == "[0] " + " ".join(map(str, LLAMA_A))
-    assert lines[1] == "[1] " + " ".join(map(str, LLAMA_B))
+    assert lines[0] == "[0] " + " ".join(map(str, graphs.llama_a))
+    assert lines[1] == "[1] " + " ".join(map(str, graphs.llama_b))
     assert lines[2].startswith("[2] ")
 
 
@@ -54,8 +56,8 @@ def test_several_prompts_decode_together(peer_dir):
     (["--prompt-ids", A, "--ctx-len", 16, "--temperature", "-1"], "temperature must be >= 0"),
     (["--load-state", "nope.safetensors", "--ctx-len", 16], "no such state file"),
 ])
-def test_errors_are_one_line_exit_2(peer_dir, args, message):
-    r = run(peer_dir / "qeff_llama_vllm.onnx", *args)
+def test_errors_are_one_line_exit_2(graphs, args, message):
+    r = run(graphs / "qeff_llama_vllm.onnx", *args)
     assert r.exit_code == 2, r.output
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
@@ -66,7 +68,7 @@ def test_missing_model(tmp_path):
     assert r.exit_code == 2 and "no such file" in r.stderr
 
 
-def _folder_with_tokenizer(peer_dir, tmp_path):
+def _folder_with_tokenizer(graphs, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(256)}
@@ -77,14 +79,14 @@ def _folder_with_tokenizer(peer_dir, tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     folder = tmp_path / "model"
     folder.mkdir()
-    os.symlink(peer_dir / "qeff_llama_vllm.onnx", folder / "qeff_llama_vllm.onnx")
+    os.symlink(graphs / "qeff_llama_vllm.onnx", folder / "qeff_llama_vllm.onnx")
     tok.save(str(folder / "tokenizer.json"))
     return folder, tok
 
 
-def test_prompt_text_with_tokenizer(peer_dir, tmp_path):
+def test_prompt_text_with_tokenizer(graphs, tmp_path):
     pytest.importorskip("tokenizers")
-    folder, tok = _folder_with_tokenizer(peer_dir, tmp_path)
+    folder, tok = _folder_with_tokenizer(graphs, tmp_path)
     ids = tok.encode("hello world the cache").ids
     assert ids == [10, 11, 12, 13]
     r = run(folder, "--prompt", "hello world the cache", "--max-new-tokens", 5, "--ctx-len", 16, "--json")
@@ -101,37 +103,31 @@ def test_prompt_text_with_tokenizer(peer_dir, tmp_path):
                    .stdout.strip().splitlines()[-1])["sequences"][0]["tokens"])
 
 
-def test_save_and_load_state_from_cli(peer_dir, tmp_path):
-    g = peer_dir / "qeff_llama_vllm.onnx"
+def test_save_and_load_state_from_cli(graphs, tmp_path):
+    g = graphs / "qeff_llama_vllm.onnx"
     state = tmp_path / "s.safetensors"
     r = run(g, "--prompt-ids", A, "--max-new-tokens", 0, "--ctx-len", 16, "--save-state", state)
     assert r.exit_code == 0 and state.is_file() and "saved state" in r.stderr
     r = run(g, "--load-state", state, "--max-new-tokens", 8, "--ctx-len", 16)
-    assert r.stdout.strip() == " ".join(map(str, LLAMA_A))
-    r = run(peer_dir / "qeff_qwen2_vllm.onnx", "--load-state", state, "--max-new-tokens", 8, "--ctx-len", 16)
+    assert r.stdout.strip() == " ".join(map(str, graphs.llama_a))
+    r = run(graphs / "qeff_qwen2_vllm.onnx", "--load-state", state, "--max-new-tokens", 8, "--ctx-len", 16)
     assert r.exit_code == 2 and "saved from another model" in r.stderr
     r = run(g, "--prompt-ids", A, "--prompt-ids", A, "--save-state", state, "--ctx-len", 16)
     assert r.exit_code == 2 and "saves one sequence" in r.stderr
 
 
-def test_no_inplace_flag_same_tokens(peer_dir):
-    r = run(peer_dir / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16,
+def test_no_inplace_flag_same_tokens(graphs):
+    r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16,
             "--no-inplace", "--json")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["inplace"] is False and out["sequences"][0]["tokens"] == LLAMA_A
+    assert out["inplace"] is False and out["sequences"][0]["tokens"] == graphs.llama_a
     assert "separate output buffers" in r.stderr
 
 
-def test_readme_flow_on_the_bundled_default(tmp_path):
-    """``qeff-kv export -o out`` then ``qeff-kv generate out/ --prompt "Hello"`` (tokenizer from the folder)."""
-    from conftest import HAS_TORCH
-
-    if not HAS_TORCH:
-        pytest.skip("needs the [export] extra (torch, transformers)")
-    from qeff_kv.export import export_model
-
-    out = export_model(None, tmp_path / "out").out_dir
-    r = run(out, "--prompt", "Hello", "--max-new-tokens", 16, "--json")
+def test_readme_flow_on_the_bundled_default(own_vllm_graph):
+    """``qeff-kv export -o tiny/ --kv-cache-prefix VLLM`` (the session's export of the bundled default) then
+    ``qeff-kv generate tiny/ --prompt "Hello"`` (tokenizer and dimensions from the folder)."""
+    r = run(own_vllm_graph, "--prompt", "Hello", "--max-new-tokens", 16, "--json")
     assert r.exit_code == 0, r.output
     seq = json.loads(r.stdout.strip().splitlines()[-1])["sequences"][0]
     assert seq["prompt_tokens"] >= 5 and isinstance(seq["text"], str)

@@ -1,4 +1,6 @@
-"""Cache manager: sequences as slots, truncate/rewind, several sequences per step, capacity refusals."""
+"""Cache manager: sequences as slots, truncate/rewind, several sequences per step, capacity refusals.
+
+Runs on our own graphs and on the peer's (``graphs``), each compared with its own reference tokens."""
 
 from __future__ import annotations
 
@@ -8,25 +10,23 @@ import pytest
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import Session
 
-A = [5, 17, 42, 99, 130, 7, 201, 64]
-B = [250, 3, 88, 19, 160, 45, 12, 222]
+from conftest import PROMPT_A as A, PROMPT_B as B
+
 C = [9, 8, 7]
-LLAMA_A = [124, 176, 188, 78, 77, 163, 243, 166]
-LLAMA_B = [53, 42, 18, 53, 42, 18, 53, 42]
 
 
 @pytest.fixture
-def cb(peer_dir):
-    return Session(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=16, prefill_seq_len=8, max_sequences=3)
+def cb(graphs):
+    return Session(graphs / "qeff_llama_cb_vllm.onnx", ctx_len=16, prefill_seq_len=8, max_sequences=3)
 
 
 @pytest.fixture
-def single(peer_dir):
-    return Session(peer_dir / "qeff_llama_vllm.onnx", ctx_len=16, prefill_seq_len=8)
+def single(graphs):
+    return Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16, prefill_seq_len=8)
 
 
-def alone(peer_dir, prompt, n=8):
-    s = Session(peer_dir / "qeff_llama_vllm.onnx", ctx_len=16, prefill_seq_len=8)
+def alone(graphs, prompt, n=8):
+    s = Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16, prefill_seq_len=8)
     return s.generate([prompt], max_new_tokens=n, stop_tokens=[])[0].tokens
 
 
@@ -68,14 +68,14 @@ def test_truncate_moves_no_data(cb):
         assert np.array_equal(a, snapshot[n])
 
 
-def test_rewind_then_redecode_equals_fresh_run(single, peer_dir):
+def test_rewind_then_redecode_equals_fresh_run(single, graphs):
     [g] = single.generate([A], max_new_tokens=8, stop_tokens=[])
-    assert g.tokens == LLAMA_A
+    assert g.tokens == graphs.llama_a
     seq = g.sequence
     # rewind into the prompt, then feed a different continuation: same as a fresh run of that prompt
     single.truncate(seq, 3)
     [g2] = single.generate([(seq, B[:5])], max_new_tokens=8, stop_tokens=[])
-    assert g2.tokens == alone(peer_dir, A[:3] + B[:5])
+    assert g2.tokens == alone(graphs, A[:3] + B[:5])
     # rewind to the prompt end minus one and re-feed the last prompt token: the same tokens again
     prompt2 = A[:3] + B[:5]
     assert seq.tokens[:8] == prompt2
@@ -84,27 +84,29 @@ def test_rewind_then_redecode_equals_fresh_run(single, peer_dir):
     assert g3.tokens == g2.tokens
 
 
-def test_sequences_of_different_lengths_decode_together(cb, peer_dir):
+def test_sequences_of_different_lengths_decode_together(cb, graphs):
     gens = cb.generate([A, C, B[:5]], max_new_tokens=6, stop_tokens=[])
     assert [g.sequence.length for g in gens] == [8 + 5, 3 + 5, 5 + 5]
     for g, p in zip(gens, [A, C, B[:5]]):
-        assert g.tokens == alone(peer_dir, p, 6)
+        assert g.tokens == alone(graphs, p, 6)
     assert cb.timings.decode_steps == 5  # one step per token for all three together
 
 
-def test_new_sequence_prefilled_while_others_keep_state(cb):
+def test_new_sequence_prefilled_while_others_keep_state(cb, graphs):
+    ref_a, ref_b = graphs.llama_a, graphs.llama_b
     [ga] = cb.generate([A], max_new_tokens=3, stop_tokens=[])
-    assert ga.tokens == LLAMA_A[:3]
+    assert ga.tokens == ref_a[:3]
     [gb] = cb.generate([B], max_new_tokens=4, stop_tokens=[])  # prefilled into slot 1 while A waits
-    assert gb.sequence.slot == 1 and gb.tokens == LLAMA_B[:4]
+    assert gb.sequence.slot == 1 and gb.tokens == ref_b[:4]
     gens = cb.generate([ga.sequence, gb.sequence], max_new_tokens=4, stop_tokens=[])
-    assert gens[0].tokens == LLAMA_A[3:7]
-    assert gens[1].tokens == LLAMA_B[4:8]
+    assert gens[0].tokens == ref_a[3:7]
+    assert gens[1].tokens == ref_b[4:8]
 
 
-def test_stop_tokens_and_finish_reasons(single):
-    [g] = single.generate([A], max_new_tokens=8, stop_tokens=[188])
-    assert g.tokens == LLAMA_A[:3] and g.finish_reason == "stop"
+def test_stop_tokens_and_finish_reasons(single, graphs):
+    stop = graphs.llama_a[2]
+    [g] = single.generate([A], max_new_tokens=8, stop_tokens=[stop])
+    assert g.tokens == graphs.llama_a[:graphs.llama_a.index(stop) + 1] and g.finish_reason == "stop"
 
 
 def test_capacity_refused_before_anything_runs(cb):
@@ -124,19 +126,51 @@ def test_capacity_refused_before_anything_runs(cb):
     assert (cb.timings.prefill_tokens, cb.cache.num_sequences, seq.length) == before
 
 
-def test_capacity_stop_instead_of_error(single):
+def test_capacity_stop_instead_of_error(single, graphs):
     [g] = single.generate([A], max_new_tokens=20, on_capacity="stop", stop_tokens=[])
     assert g.finish_reason == "capacity" and len(g.tokens) == 9 and g.sequence.length == 16
-    assert g.tokens[:8] == LLAMA_A
+    assert g.tokens[:8] == graphs.llama_a
 
 
-def test_graph_without_batch_index_holds_one_sequence(single, peer_dir):
+def test_graph_without_batch_index_holds_one_sequence(single, graphs):
     with pytest.raises(RuntimeInputError, match="holds one sequence"):
-        Session(peer_dir / "qeff_llama_vllm.onnx", ctx_len=16, max_sequences=2)
+        Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16, max_sequences=2)
     with pytest.raises(RuntimeInputError, match="only 1 of 1 slots"):
         single.generate([A, B], max_new_tokens=1)
 
 
-def test_symbolic_ctx_len_must_be_given(peer_dir):
+def test_symbolic_ctx_len_must_be_given(graphs):
+    """A bare graph (no manifest beside it) leaves ctx_len symbolic."""
     with pytest.raises(RuntimeInputError, match=r"leaves ctx_len symbolic.*--ctx-len"):
-        Session(peer_dir / "qeff_llama_vllm.onnx")
+        Session(graphs / "qeff_llama_vllm.onnx")
+
+
+def test_export_folder_gives_the_dimensions(own_cb_graph):
+    """An export folder's manifest fixes ctx_len, the prefill length and the slots; a smaller capacity and fewer
+    slots may still be asked for."""
+    s = Session(own_cb_graph)
+    assert (s.ctx_len, s.prefill_seq_len, s.max_sequences, s.eos_token_ids) == (64, 8, 3, [2])
+    s = Session(own_cb_graph, ctx_len=16, max_sequences=2)
+    assert (s.ctx_len, s.max_sequences) == (16, 2)
+    with pytest.raises(RuntimeInputError, match="exported for full_batch_size=3"):
+        Session(own_cb_graph, max_sequences=4)
+
+
+def test_fused_export_in_place_and_rewind(own_fused_graph, own_graphs):
+    """onnxruntime-fused (GroupQueryAttention appends into the bound buffer itself): the same tokens as
+    transformers, no KV buffer ever reallocated, and a rewind re-decodes as a fresh run does."""
+    s = Session(own_fused_graph, ctx_len=16)
+    assert s.inplace, s.inplace_issues
+    ptrs = s.kv_data_pointers()
+    toks = []
+    for ev in s.stream([A], max_new_tokens=8, stop_tokens=[]):
+        toks.append(ev.token)
+        assert s.kv_data_pointers() == ptrs
+        out = s.bound_output_pointers()
+        assert all(out[p.output_name] == ptrs[p.input_name] for p in s.layout.pairs)
+    assert toks == own_graphs.llama_a
+    seq = ev.sequence
+    s.truncate(seq, 3)
+    [g] = s.generate([(seq, B[:5])], max_new_tokens=8, stop_tokens=[])
+    fresh = Session(own_fused_graph, ctx_len=16)
+    assert g.tokens == fresh.generate([A[:3] + B[:5]], max_new_tokens=8, stop_tokens=[])[0].tokens

@@ -1,4 +1,10 @@
-"""The runtime on the peer's (QEfficient) graphs: reference tokens, in-place binding, the invalid-index pass."""
+"""The runtime on every graph: reference tokens, chunked prefill, in-place binding, the invalid-index pass.
+
+Tests taking ``graphs`` run on our own exports and on the peer's (QEfficient) graphs of the same names, each
+compared with its own reference tokens (transformers on the same weights; the peer's README). Tests taking
+``peer_dir``/``peer_graph`` are about the peer's graphs themselves (their INT32_MAX invalid indices, their
+padding rows) and skip without them.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,10 @@ import hashlib
 import numpy as np
 import pytest
 
+from conftest import OWN_GRAPHS, PEER_GRAPHS, PROMPT_A, PROMPT_B
 from qeff_kv import graphio
 from qeff_kv.passes.ort_invalid_index import INVALID_INDEX, OrtInvalidIndexPass
 from qeff_kv.runtime import Session
-
-PROMPT_A = [5, 17, 42, 99, 130, 7, 201, 64]
-PROMPT_B = [250, 3, 88, 19, 160, 45, 12, 222]
-LLAMA_A = [124, 176, 188, 78, 77, 163, 243, 166]
-QWEN_A = [108, 48, 11, 28, 105, 147, 141, 48]
-LLAMA_B = [53, 42, 18, 53, 42, 18, 53, 42]
 
 
 def _open(path, **kw):
@@ -26,62 +27,71 @@ def _open(path, **kw):
     return Session(path, **kw)
 
 
-def test_every_peer_graph_reproduces_reference_tokens(peer_graph):
-    s = _open(peer_graph)
+@pytest.mark.parametrize("kind, name", [("own", n) for n in OWN_GRAPHS] + [("peer", n) for n in PEER_GRAPHS])
+def test_every_graph_reproduces_reference_tokens(request, kind, name):
+    """Ours (portable, onnxruntime, onnxruntime-fused; single and continuous batching) against transformers,
+    the peer's against its README."""
+    graphs = request.getfixturevalue(f"{kind}_graphs")
+    path = graphs / name
+    s = _open(path)
     assert s.inplace, s.inplace_issues
-    if "cb" in peer_graph.name:
+    if "cb" in name:
         gens = s.generate([PROMPT_A, PROMPT_B], max_new_tokens=8, stop_tokens=[])
-        assert [g.tokens for g in gens] == [LLAMA_A, LLAMA_B]
+        assert [g.tokens for g in gens] == [graphs.llama_a, graphs.llama_b]
         assert {g.sequence.slot for g in gens} == {0, 1}
     else:
         [g] = s.generate([PROMPT_A], max_new_tokens=8, stop_tokens=[])
-        assert g.tokens == (QWEN_A if "qwen2" in peer_graph.name else LLAMA_A)
+        assert g.tokens == (graphs.qwen2_a if "qwen2" in name else graphs.llama_a)
         assert g.finish_reason == "length"
         assert g.sequence.length == 8 + 7  # the last token is pending, not in the cache
 
 
 @pytest.mark.parametrize("chunk", [3, 5, 32])
 @pytest.mark.parametrize("name", ["qeff_llama_default.onnx", "qeff_llama_cb_vllm.onnx"])
-def test_padded_and_chunked_prefill_gives_reference_tokens(peer_dir, name, chunk):
+def test_padded_and_chunked_prefill_gives_reference_tokens(graphs, name, chunk):
     """Chunks of 3 and 5 leave a padded last chunk; 32 pads a single chunk (CB: where the peer's fix gives NaN)."""
-    s = _open(peer_dir / name, prefill_seq_len=chunk)
+    s = _open(graphs / name, prefill_seq_len=chunk)
     reqs = [PROMPT_A, PROMPT_B] if "cb" in name else [PROMPT_A]
     gens = s.generate(reqs, max_new_tokens=8, stop_tokens=[])
-    assert [g.tokens for g in gens] == [LLAMA_A, LLAMA_B][: len(reqs)]
+    assert [g.tokens for g in gens] == [graphs.llama_a, graphs.llama_b][: len(reqs)]
 
 
-def test_cb_second_slot_alone(peer_dir):
-    s = _open(peer_dir / "qeff_llama_cb_default.onnx", max_sequences=2)
+def test_cb_second_slot_alone(graphs):
+    s = _open(graphs / "qeff_llama_cb_default.onnx", max_sequences=2)
     s.add_sequence()  # occupy slot 0, leave it empty
     [g] = s.generate([PROMPT_B], max_new_tokens=8, stop_tokens=[])
-    assert g.sequence.slot == 1 and g.tokens == LLAMA_B
+    assert g.sequence.slot == 1 and g.tokens == graphs.llama_b
 
 
-def test_padding_never_fills_last_slot(peer_dir):
-    """Padding rows write slot ctx_len-1: a padded chunk that also puts a real token there gives NaN.
-    The session runs that chunk unpadded instead."""
+def test_padding_never_fills_last_slot(graphs):
+    """Padding rows (of the peer's graphs) write slot ctx_len-1: a padded chunk that also puts a real token
+    there gives NaN (test_naive_padding_into_last_slot_gives_nan). The session runs that chunk unpadded instead."""
     prompt = PROMPT_A + [3]  # 9 tokens, ctx_len 9: the last real token lands in slot 8 = ctx_len-1
-    s = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
+    s = _open(graphs / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
     assert s._chunks(0, 9) == [(0, 5, False), (5, 4, False)]
     good = s.prefill(s.add_sequence(), prompt)
     assert np.all(np.isfinite(good))
-
-    forced = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
-    forced._chunks = lambda start, n: [(0, 5, False), (5, 4, True)]  # what a naive runtime would do
-    bad = forced.prefill(forced.add_sequence(), prompt)
-    assert not np.all(np.isfinite(bad))
     # A chunk is never padded past the capacity: 5 + 5 > 9, so the 3-token tail goes unpadded too ...
-    s2 = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
+    s2 = _open(graphs / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
     assert s2._chunks(0, 8) == [(0, 5, False), (5, 3, False)]
     assert np.all(np.isfinite(s2.prefill(s2.add_sequence(), PROMPT_A)))
     # ... while with room for the whole padded chunk it is padded (slot 9 stays beyond the valid length).
-    s3 = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=10, prefill_seq_len=5, max_sequences=1)
+    s3 = _open(graphs / "qeff_llama_cb_vllm.onnx", ctx_len=10, prefill_seq_len=5, max_sequences=1)
     assert s3._chunks(0, 8) == [(0, 5, False), (5, 3, True)]
     assert np.all(np.isfinite(s3.prefill(s3.add_sequence(), PROMPT_A)))
 
 
-def test_decode_allocates_no_new_kv_buffers(peer_dir):
-    s = _open(peer_dir / "qeff_llama_cb_vllm.onnx")
+def test_naive_padding_into_last_slot_gives_nan(peer_dir):
+    """Why the session never pads a chunk that fills slot ctx_len-1: on the peer's graphs it gives NaN."""
+    prompt = PROMPT_A + [3]
+    forced = _open(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=9, prefill_seq_len=5, max_sequences=1)
+    forced._chunks = lambda start, n: [(0, 5, False), (5, 4, True)]  # what a naive runtime would do
+    bad = forced.prefill(forced.add_sequence(), prompt)
+    assert not np.all(np.isfinite(bad))
+
+
+def test_decode_allocates_no_new_kv_buffers(graphs):
+    s = _open(graphs / "qeff_llama_cb_vllm.onnx")
     values = dict(s.cache.values)
     ptrs = s.kv_data_pointers()
     arrays = {n: a.__array_interface__["data"][0] for n, a in s.cache.arrays.items()}
@@ -133,17 +143,18 @@ def test_session_never_modifies_the_users_file(peer_dir):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
 
 
-def test_external_data_graph_runs(peer_dir, tmp_path):
-    """A patched graph whose weights live in an external file still loads (weights resolved beside it)."""
+def test_external_data_graph_runs(graphs, tmp_path):
+    """A graph whose weights live in an external file still loads (weights resolved beside it; the peer's
+    graph is also patched in memory first)."""
     import onnx
 
-    proto = onnx.load(str(peer_dir / "qeff_llama_vllm.onnx"))
+    proto = onnx.load(str(graphs / "qeff_llama_vllm.onnx"))
     out = tmp_path / "ext.onnx"
     onnx.save_model(proto, str(out), save_as_external_data=True, location="ext.data", size_threshold=0)
     assert (tmp_path / "ext.data").stat().st_size > 100_000
     s = Session(out, ctx_len=16, prefill_seq_len=8)
     [g] = s.generate([PROMPT_A], max_new_tokens=8, stop_tokens=[])
-    assert g.tokens == LLAMA_A
+    assert g.tokens == graphs.llama_a
 
 
 def test_scatter_constant_choice_matters_for_padded_cb_prefill(peer_dir, monkeypatch):
@@ -163,17 +174,17 @@ def test_scatter_constant_choice_matters_for_padded_cb_prefill(peer_dir, monkeyp
     assert not np.all(np.isfinite(peer_fix.prefill(seq, PROMPT_A[:5])))
 
 
-def test_runtime_works_without_torch(peer_dir):
-    """A serving host has no torch/transformers: block their import and run a peer graph."""
+def test_runtime_works_without_torch(graphs):
+    """A serving host has no torch/transformers: block their import and run a graph."""
     import subprocess
     import sys
 
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
         "from qeff_kv.runtime import Session\n"
-        f"s = Session({str(peer_dir / 'qeff_llama_cb_vllm.onnx')!r}, ctx_len=16, prefill_seq_len=8)\n"
+        f"s = Session({str(graphs / 'qeff_llama_cb_vllm.onnx')!r}, ctx_len=16, prefill_seq_len=8)\n"
         f"print(s.generate([{PROMPT_A!r}], max_new_tokens=8, stop_tokens=[])[0].tokens)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(LLAMA_A)
+    assert out.stdout.strip() == str(graphs.llama_a)

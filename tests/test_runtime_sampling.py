@@ -9,8 +9,7 @@ from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.sampling import SamplingParams, probabilities, sample
 
-A = [5, 17, 42, 99, 130, 7, 201, 64]
-LLAMA_A = [124, 176, 188, 78, 77, 163, 243, 166]
+from conftest import PROMPT_A as A
 
 
 def test_greedy_is_first_argmax():
@@ -58,16 +57,16 @@ def test_nan_logits_refused():
         sample(np.array([np.nan, 1.0]), SamplingParams(), 0)
 
 
-def test_session_sampling(peer_dir):
-    s = Session(peer_dir / "qeff_llama_cb_vllm.onnx", ctx_len=32, prefill_seq_len=8, max_sequences=2)
+def test_session_sampling(graphs):
+    s = Session(graphs / "qeff_llama_cb_vllm.onnx", ctx_len=32, prefill_seq_len=8, max_sequences=2)
     topk1 = s.generate([A], max_new_tokens=8, sampling=SamplingParams(temperature=0.7, top_k=1, seed=1),
                        stop_tokens=[])[0]
-    assert topk1.tokens == LLAMA_A  # top-k 1 is greedy whatever the temperature
+    assert topk1.tokens == graphs.llama_a  # top-k 1 is greedy whatever the temperature
     s.remove_sequence(topk1.sequence)
     p = SamplingParams(temperature=1.5, top_p=0.95, seed=123)
     a, b = s.generate([A, A], max_new_tokens=12, sampling=p, stop_tokens=[])
     assert a.tokens == b.tokens  # same seed, same positions -> same tokens, even in other slots
-    assert a.tokens != LLAMA_A
+    assert a.tokens != graphs.llama_a
     s.remove_sequence(a.sequence)
     s.remove_sequence(b.sequence)
     c = s.generate([A], max_new_tokens=12, sampling=SamplingParams(temperature=1.5, top_p=0.95, seed=124),
