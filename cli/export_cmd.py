@@ -47,6 +47,10 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "onnxruntime-fused: onnxruntime's GroupQueryAttention appends to the retained buffers in place "
                    "(fastest in onnxruntime; no continuous batching). All keep the names, pairing and in-place "
                    "safety.")
+@click.option("--ccl", metavar="L1,L2,...|auto",
+              help="Compute-context lengths (the peer's CCL): the graph takes comp_ctx_lengths and attends over "
+                   "its length only; one prefill and one decode specialization per value. 'auto': powers of two "
+                   "from min(ctx_len, 512) up to ctx_len. Not with --target onnxruntime-fused.")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
@@ -54,13 +58,14 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, verify, force, quiet):
+           full_batch_size, specializations_format, target, ccl, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
         model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
-        specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress)
+        specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
+        ccl=ccl)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

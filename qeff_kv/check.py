@@ -22,6 +22,11 @@ Rules, in order:
                       (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed).
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
+The optional input ``comp_ctx_lengths`` (compute context length, contract section 9) is known: it is not a
+KV buffer, no rule is about it, and the report says the graph has it (``"comp_ctx_lengths": true`` at the end
+of the JSON, present only then).
+A rule that attention is really limited by its length may come later.
+
 Reading the file can fail (missing, not ONNX, truncated, unsafe external data): that raises a typed error
 (exit 2), it is not a rule failure (exit 1).
 """
@@ -110,6 +115,8 @@ class CheckReport:
     expected_prefix: object
     num_layers: int
     rules: list[RuleResult]
+    #: the graph takes ``comp_ctx_lengths`` (CCL, contract section 9)
+    ccl: bool = False
 
     @property
     def ok(self) -> bool:
@@ -146,6 +153,8 @@ class CheckReport:
             "summary": {s: sum(1 for r in self.rules if r.status == s) for s in (PASS, FAIL, SKIP)},
             "failed": self.failed,
             "rules": [r.to_json() for r in self.rules],
+            # only on graphs that have the input: the key set of schema /1 stays as it was for the others
+            **({"comp_ctx_lengths": True} if self.ccl else {}),
         }
 
     def to_json_text(self) -> str:
@@ -154,7 +163,7 @@ class CheckReport:
     def format_text(self) -> str:
         width = max(len(r) for r in RULES)
         lines = [f"{self.model}: prefix {_fmt_prefix(self.prefix) if len(self.prefixes) <= 1 else 'mixed'}, "
-                 f"{self.num_layers} layers"]
+                 f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")]
         for r in self.rules:
             lines.append(f"  {r.status.upper():4}  {r.id:<{width}}  {r.description}")
             if r.note:
@@ -406,4 +415,5 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     prefixes = layout.prefixes
     return CheckReport(
         model=name, prefix=prefixes[0] if len(prefixes) == 1 else None, prefixes=prefixes,
-        expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()))
+        expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()),
+        ccl=layout.input("comp_ctx_lengths") is not None)

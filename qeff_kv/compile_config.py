@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence as Seq
 
 from . import fsutil
 from .errors import RuntimeInputError
@@ -43,13 +43,17 @@ def custom_io_yaml(layout: KVLayout, precision: str = "float16") -> str:
 
 
 def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
-                    full_batch_size: int | None = None, fmt: SpecFormat = "flat") -> dict:
+                    full_batch_size: int | None = None, fmt: SpecFormat = "flat",
+                    ccl: "Seq[int] | None" = None) -> dict:
     """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
 
     ``flat`` is the format every compiler release reads; ``named`` is the newer
     ``{"specializations": [{"name": ..., "symbols": {...}}]}`` form. Values are strings, as the peer writes.
     Under continuous batching, prefill runs one sequence (``batch_size`` 1) and decode runs
     ``full_batch_size`` rows.
+
+    With ``ccl`` (compute-context lengths, contract section 9): one prefill per value, then one decode per
+    value, each with the symbol ``comp_ctx_lengths``; named entries are ``Prefill_ccl<L>`` / ``Decode_ccl<L>``.
     """
     for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
         positive_int(label, v)
@@ -67,19 +71,26 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     else:
         prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
         decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    if ccl:
+        for v in ccl:
+            positive_int("comp_ctx_lengths", v)
+        entries = [(f"Prefill_ccl{v}", {**prefill, "comp_ctx_lengths": str(v)}) for v in ccl]
+        entries += [(f"Decode_ccl{v}", {**decode, "comp_ctx_lengths": str(v)}) for v in ccl]
+    else:
+        entries = [("Prefill", prefill), ("Decode", decode)]
     if fmt == "flat":
-        return {"specializations": [prefill, decode]}
-    return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
+        return {"specializations": [sym for _, sym in entries]}
+    return {"specializations": [{"name": name, "symbols": sym} for name, sym in entries]}
 
 
 def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_len: int, ctx_len: int,
                          batch_size: int = 1, full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                         precision: str = "float16") -> list[Path]:
+                         precision: str = "float16", ccl: "Seq[int] | None" = None) -> list[Path]:
     """Write both files into ``out_dir`` atomically; return their paths."""
     out_dir = Path(out_dir)
     check_precision(precision)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
-                           full_batch_size=full_batch_size, fmt=fmt)
+                           full_batch_size=full_batch_size, fmt=fmt, ccl=ccl)
     text = custom_io_yaml(layout, precision)
     cio, sp = out_dir / CUSTOM_IO_FILE, out_dir / SPECIALIZATIONS_FILE
     fsutil.write_text(cio, text)

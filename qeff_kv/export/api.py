@@ -60,6 +60,7 @@ def export_model(
     target: str = "portable",
     verify: bool | None = None,
     progress: Progress | None = None,
+    ccl: str | list[int] | tuple[int, ...] | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -69,6 +70,10 @@ def export_model(
     ``verify``: run the written graph in onnxruntime on a probe and compare it with the PyTorch model before
     calling the export done (see :mod:`qeff_kv.export.verify`). ``None`` (default): on when a second copy of
     the weights fits comfortably in memory, else skipped with a note; ``True`` forces it, ``False`` skips it.
+
+    ``ccl``: compute-context lengths (``"auto"``, ``"512,1024"`` or a list of ints; contract section 9): the graph
+    takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
+    value. Not with ``target="onnxruntime-fused"``.
     """
     say = progress or (lambda _msg: None)
     if kv_cache_prefix is not None:
@@ -80,7 +85,8 @@ def export_model(
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
     options = opt.ExportOptions(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, kv_cache_prefix=kv_cache_prefix,
                                 dtype=dtype, continuous_batching=continuous_batching,
-                                full_batch_size=full_batch_size, target=target).validate()
+                                full_batch_size=full_batch_size, target=target,
+                                ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl).validate()
     facts = family.ModelFacts.from_config(config)
     facts.require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
@@ -127,7 +133,8 @@ def export_model(
             say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
                 f"{probe.decode_steps} decode steps)")
             verification = verify_mod.verify_graph(onnx_path, probe, reference, ctx_len=ctx_len, dtype=dtype,
-                                                   kv_batch=full_batch_size if continuous_batching else 1)
+                                                   kv_batch=full_batch_size if continuous_batching else 1,
+                                                   ccl=options.ccl)
             say(f"verified: max |logit difference| {verification.max_abs_diff:.3g} "
                 f"(tolerance {verification.tolerance:.3g})")
         else:
@@ -135,7 +142,8 @@ def export_model(
         layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
         written = compile_config.write_compile_config(
             layout, stage, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
-            full_batch_size=full_batch_size if continuous_batching else None, fmt=specializations_format)
+            full_batch_size=full_batch_size if continuous_batching else None, fmt=specializations_format,
+            ccl=options.ccl)
         source.copy_tokenizer(stage)
         fsutil.write_json(stage / PARAMS_FILE, params)
         manifest = _manifest(onnx_name, layout, config, options, geometry, digest,
@@ -223,6 +231,10 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
             out_names.append(out_name)
             dyn[in_name] = dyn[out_name] = {0: kv_axis, 2: "ctx_len"}
     args = [input_ids, position_ids, *past]
+    if options.ccl is not None:  # contract section 9: after the KV inputs, before batch_index
+        args.append(torch.ones(options.ctx_len, dtype=torch.int64))
+        in_names.append("comp_ctx_lengths")
+        dyn["comp_ctx_lengths"] = {0: "comp_ctx_lengths"}
     if options.continuous_batching:
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")
@@ -233,7 +245,8 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
     wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
                                           valid_length_attention=compact, fused=fused,
-                                          max_positions=max_positions, facts=facts).eval()
+                                          max_positions=max_positions, facts=facts,
+                                          ccl=options.ccl is not None).eval()
     if fused and wrapper.rotary is not None:
         rotary = torch_graph.skip_model_rotary(model)
     elif compact:
@@ -319,5 +332,6 @@ def _manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, 
         "buffers": layout.to_json(options.ctx_len)["pairs"],
         "regexes": naming.canonical_regexes(options.kv_cache_prefix),
         "specializations_format": fmt,
+        "ccl": list(options.ccl) if options.ccl is not None else None,
         "exporter": {"name": "qeff-kv", "version": __version__, "opset": opt.OPSET, "ir_version": opt.IR_VERSION},
     }

@@ -38,6 +38,9 @@ class ExportOptions:
     continuous_batching: bool = False
     full_batch_size: int | None = None
     target: str = "portable"
+    #: compute-context lengths (contract section 9): the graph takes ``comp_ctx_lengths`` and attends over the
+    #: first ``len(comp_ctx_lengths)`` slots; one prefill and one decode specialization per value
+    ccl: tuple[int, ...] | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -59,10 +62,76 @@ class ExportOptions:
             positive_int("full_batch_size", self.full_batch_size, error=ExportError)
         elif self.full_batch_size is not None:
             raise ExportError("--full-batch-size is only meaningful with --continuous-batching")
+        if self.ccl is not None:
+            if self.target == "onnxruntime-fused":
+                raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
+                                  "reads exactly the filled slots); use --target portable or onnxruntime")
+            check_ccl(self.ccl, self.ctx_len)
         return self
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["ccl"] is None:
+            del d["ccl"]  # exports without CCL keep the options hash they had before CCL existed
+        else:
+            d["ccl"] = list(d["ccl"])
+        return d
+
+
+#: ``--ccl auto`` starts at this many slots (or at ctx_len when it is smaller)
+CCL_AUTO_START = 512
+
+
+def auto_ccl(ctx_len: int) -> tuple[int, ...]:
+    """``--ccl auto``: powers of two from ``min(ctx_len, 512)`` up to ``ctx_len``, always ending at ``ctx_len``
+    (4096 -> 512, 1024, 2048, 4096; 3000 -> 512, 1024, 2048, 3000; 256 -> 256)."""
+    v = min(ctx_len, CCL_AUTO_START)
+    out = []
+    while v < ctx_len:
+        out.append(v)
+        v *= 2
+    return tuple(out + [ctx_len])
+
+
+def check_ccl(values, ctx_len: int) -> tuple[int, ...]:
+    """Raise a one-line :class:`ExportError` unless ``values`` is a strictly increasing list of positive ints
+    at most ``ctx_len``; return it as a tuple."""
+    vals = list(values)
+    if not vals:
+        raise ExportError("--ccl needs at least one value")
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ExportError(f"--ccl values must be positive integers, got {v!r}")
+        if v <= 0:
+            raise ExportError(f"--ccl values must be positive integers, got {v}")
+    for a, b in zip(vals, vals[1:]):
+        if b <= a:
+            raise ExportError(f"--ccl must be strictly increasing (sorted, no duplicates), got "
+                              f"{','.join(str(v) for v in vals)}")
+    if vals[-1] > ctx_len:
+        raise ExportError(f"--ccl value {vals[-1]} is larger than ctx_len {ctx_len}")
+    return tuple(vals)
+
+
+def parse_ccl(value, ctx_len: int) -> tuple[int, ...] | None:
+    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return auto_ccl(ctx_len)
+        parts = [p.strip() for p in text.split(",")] if text else []
+        vals = []
+        for p in parts:
+            try:
+                vals.append(int(p))
+            except ValueError:
+                raise ExportError(f"--ccl values must be positive integers, got {p!r}") from None
+        return check_ccl(vals, ctx_len)
+    if isinstance(value, (list, tuple)):
+        return check_ccl(value, ctx_len)
+    raise ExportError(f"--ccl must be 'auto' or a list of integers, got {value!r}")
 
 
 def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:

@@ -11,6 +11,9 @@ One generic mechanism for every architecture, through transformers' own interfac
 * optionally (the onnxruntime target), attention over only the first ``max(position_ids) + 1`` slots: a
   data-dependent ``Slice`` of the scattered buffer, so a step costs time in proportion to the valid length,
   not the capacity (accelerator compilers need static shapes, so the portable default attends over all);
+* optionally (``export --ccl``, contract section 9), attention over the first ``len(comp_ctx_lengths)`` slots:
+  a ``Slice`` of the scattered buffer whose end is ``Shape(comp_ctx_lengths)`` (on the onnxruntime target the
+  smaller of that and the valid length), the mask with as many columns;
 * logits only at the last valid position of each row (``[batch, 1, vocab]``), through the model's own
   output head and its logit scaling/soft-capping.
 
@@ -59,6 +62,19 @@ class _SliceSlots(torch.autograd.Function):
         starts = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
         axes = g.op("Constant", value_t=torch.tensor([2], dtype=torch.int64))
         return g.op("Slice", data, starts, length, axes)
+
+
+class _LengthOf(torch.autograd.Function):
+    """``Shape(x)`` of a 1-D tensor: ``[len(x)]`` as a 1-D int64 tensor (the CCL input's length, contract
+    section 9: only the length of ``comp_ctx_lengths`` matters, never its contents)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: D401
+        return torch.tensor([x.shape[0]], dtype=torch.int64)
+
+    @staticmethod
+    def symbolic(g, x):
+        return g.op("Shape", x)
 
 
 def attended_length(position_ids: torch.Tensor) -> torch.Tensor:
@@ -860,8 +876,13 @@ class RetainedStateLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool,
                  valid_length_attention: bool = False, fused: bool = False, max_positions: int = 0,
-                 facts=None):
+                 facts=None, ccl: bool = False):
         super().__init__()
+        #: the graph takes ``comp_ctx_lengths`` (after the KV inputs, before ``batch_index``) and attends over
+        #: its length only (onnxruntime target: the smaller of that and the valid length)
+        self.ccl = ccl
+        if ccl and fused:
+            raise ValueError("the fused target does not take comp_ctx_lengths")
         self.valid_length_attention = valid_length_attention
         self.fused = fused
         self.rotary = rotary_caches(model, max_positions) if fused else None
@@ -909,6 +930,7 @@ class RetainedStateLM(torch.nn.Module):
             *flat, batch_index = rest
         else:
             flat, batch_index = list(rest), None
+        ccl_length = _LengthOf.apply(flat.pop()) if self.ccl else None    # [L] = Shape(comp_ctx_lengths)
         past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
         dtype = flat[0].dtype
@@ -919,8 +941,17 @@ class RetainedStateLM(torch.nn.Module):
         elif self.valid_length_attention:
             input_ids, position_ids = fill_padding(input_ids, position_ids)
             length = attended_length(position_ids)
+            if ccl_length is not None:
+                length = torch.minimum(length, ccl_length)
             cache = RetainedStateCache(past, position_ids, batch_index, length)
             mask = build_attention_mask(position_ids, length[0], dtype)
+        elif ccl_length is not None:
+            # CCL on the portable target: attention reads the first L slots of the scattered buffer (Slice on
+            # axis 2, ends = Shape(comp_ctx_lengths)); the mask has L columns. The ScatterND still reads the
+            # graph input and writes the graph output, so in-place safety is unchanged.
+            input_ids, position_ids = fill_padding(input_ids, position_ids)
+            cache = RetainedStateCache(past, position_ids, batch_index, ccl_length)
+            mask = build_attention_mask(position_ids, ccl_length[0], dtype)
         else:
             input_ids, position_ids = fill_padding(input_ids, position_ids)
             cache = RetainedStateCache(past, position_ids, batch_index)

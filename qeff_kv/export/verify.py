@@ -130,7 +130,7 @@ def reference_run(model, probe: Probe) -> Reference:
 class _Runner:
     """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
 
-    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int):
+    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None):
         import onnxruntime as ort
 
         layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
@@ -140,6 +140,8 @@ class _Runner:
         self.out_names = [o.name for o in self.sess.get_outputs()]
         in_names = {i.name for i in self.sess.get_inputs()}
         self.has_batch_index = "batch_index" in in_names
+        # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
+        self.ccl = (sorted(ccl or ()) + [ctx_len]) if "comp_ctx_lengths" in in_names else None
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
         self.kv: dict[str, np.ndarray] = {}
         for p in layout.pairs:
@@ -160,6 +162,9 @@ class _Runner:
                  **self.kv}
         if self.has_batch_index:
             feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
+        if self.ccl is not None:
+            need = max(pos) + 1
+            feeds["comp_ctx_lengths"] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
         out = dict(zip(self.out_names, self.sess.run(None, feeds)))
         for i, o in self.pairs:
             self.kv[i] = out[o]
@@ -167,11 +172,11 @@ class _Runner:
 
 
 def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
-                 kv_batch: int = 1) -> VerificationResult:
+                 kv_batch: int = 1, ccl=None) -> VerificationResult:
     """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch."""
     t0 = time.perf_counter()
     try:
-        runner = _Runner(onnx_path, ctx_len, kv_batch)
+        runner = _Runner(onnx_path, ctx_len, kv_batch, ccl)
     except VerificationError:
         raise
     except Exception as exc:  # onnxruntime refuses the graph: that is a failed verification too

@@ -45,6 +45,7 @@ from ..inplace import inplace_issues
 from ..layout import KVLayout
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
+from . import ccl as ccl_mod
 from .cache import KVCache, Sequence
 from .sampling import GREEDY, SamplingParams, sample
 
@@ -259,7 +260,8 @@ class Session:
             raise ContractError("graph has no 'logits' output")
         self.continuous_batching = "batch_index" in names_in
         kv_inputs = {p.input_name for p in layout.pairs}
-        extra = [n for n in names_in if n not in kv_inputs and n not in ("input_ids", "position_ids", "batch_index")]
+        extra = [n for n in names_in if n not in kv_inputs
+                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT)]
         if extra:
             raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
 
@@ -360,6 +362,9 @@ class Session:
         self._bound: tuple[int, int] | None = None
         self._logits_prebound = self.vocab_size is not None
         self.timings = Timings()
+        # comp_ctx_lengths (contract section 9), ours or the peer's: fed at the smallest allowed length
+        self.ccl = ccl_mod.CCLFeeder(self.ctx_len, man.get("ccl")) if ccl_mod.INPUT in names_in else None
+        self._ccl_bound: int | None = None
 
     # ------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -408,8 +413,14 @@ class Session:
             self._bound = key
         return arrays
 
-    def _run(self, rows: int, seq_len: int, last_index: np.ndarray) -> np.ndarray:
-        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token."""
+    def _run(self, rows: int, seq_len: int, last_index: np.ndarray, needed: int | None = None) -> np.ndarray:
+        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token.
+        ``needed``: 1 + the largest position the step writes (picks ``comp_ctx_lengths`` on a CCL graph)."""
+        if self.ccl is not None:
+            length = self.ccl.length_for(self.ctx_len if needed is None else needed)
+            if length != self._ccl_bound:
+                self._io.bind_ortvalue_input(ccl_mod.INPUT, self.ccl.value(length))
+                self._ccl_bound = length
         if not self.inplace:
             self._bind_kv()
         try:
@@ -504,7 +515,7 @@ class Session:
             pos[0, :cnt] = np.arange(seq.length + off, seq.length + off + cnt)
             if self.continuous_batching:
                 arrays["batch_index"][0, 0] = seq.slot
-            logits = self._run(1, width, np.array([cnt - 1]))[0]
+            logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
         seq.length += len(toks)
         seq.tokens.extend(toks)
         seq.pending = None
@@ -552,7 +563,7 @@ class Session:
             pos[r, 0] = s.length
             if self.continuous_batching:
                 arrays["batch_index"][r, 0] = s.slot
-        logits = self._run(rows, width, np.zeros(rows, np.int64))
+        logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
             s.length += 1
@@ -761,6 +772,7 @@ class Session:
             "continuous_batching": self.continuous_batching, "max_sequences": self.max_sequences,
             "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
             "invalid_index_patch": self.invalid_index_patch,
+            "comp_ctx_lengths": None if self.ccl is None else list(self.ccl.lengths),
             "memory_capacity": self.cache.memory_capacity,
         }
 
