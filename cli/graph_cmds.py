@@ -103,12 +103,15 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: boo
               show_default=True, help="flat: read by every compiler release; named: newer format.")
 @click.option("--precision", type=PRECISION, default="float16", show_default=True,
               help="Precision of the KV buffers in custom_io.")
+@click.option("--ccl", metavar="L1,L2,...|auto",
+              help="Compute-context lengths of a graph with a comp_ctx_lengths input: one prefill and one decode "
+                   "specialization per value.")
 def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
-                       full_batch_size: int | None, fmt: str, precision: str) -> None:
+                       full_batch_size: int | None, fmt: str, precision: str, ccl: str | None) -> None:
     """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph."""
     paths = _buffers.write_compile_config_for_graph(
         model, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len, batch_size=batch_size,
-        full_batch_size=full_batch_size, fmt=fmt, precision=precision)  # type: ignore[arg-type]
+        full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl)  # type: ignore[arg-type]
     for p in paths:
         click.echo(f"wrote {p}")
 

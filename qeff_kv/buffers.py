@@ -222,19 +222,22 @@ def _kv_batch_dim(layout: KVLayout) -> str | int | None:
 def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
                                    prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
                                    full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                                   precision: str = "float16") -> list[Path]:
+                                   precision: str = "float16", ccl=None) -> list[Path]:
     """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
 
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
-    without it refuses one.
+    without it refuses one. A graph with a ``comp_ctx_lengths`` input needs ``ccl`` (the compute-context
+    lengths, or ``"auto"``); a graph without it refuses one.
     """
     from . import check as _check
-    from .compile_config import check_precision, specializations
+    from .compile_config import check_precision, parse_ccl, specializations
 
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
     # passes every check rule.
     check_precision(precision)
-    specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt)
+    ccl = parse_ccl(ccl, ctx_len)
+    specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
+                    ccl=ccl)
     report = _check.check(path)
     if not report.ok:
         rule = report.rule(report.failed[0])
@@ -251,8 +254,14 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
         raise RuntimeInputError(
             f"{path} is not a continuous-batching graph (no KV batch axis 'full_batch_size'); "
             "--full-batch-size does not apply")
+    has_ccl = any(t.name == naming.CCL_INPUT for t in layout.inputs)
+    if has_ccl and ccl is None:
+        raise RuntimeInputError(f"{path} takes {naming.CCL_INPUT}: give --ccl L1,L2,... (or auto) for its "
+                                "compute-context-length specializations")
+    if ccl is not None and not has_ccl:
+        raise RuntimeInputError(f"{path} has no {naming.CCL_INPUT} input; --ccl does not apply")
     if full_batch_size is not None and (not isinstance(full_batch_size, int) or full_batch_size < 1):
         raise RuntimeInputError(f"full_batch_size must be a positive integer, got {full_batch_size!r}")
     return write_compile_config(layout, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                 batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                                precision=precision)
+                                precision=precision, ccl=ccl)

@@ -154,7 +154,7 @@ class CheckReport:
             "failed": self.failed,
             "rules": [r.to_json() for r in self.rules],
             # only on graphs that have the input: the key set of schema /1 stays as it was for the others
-            **({"comp_ctx_lengths": True} if self.ccl else {}),
+            **({naming.CCL_INPUT: True} if self.ccl else {}),
         }
 
     def to_json_text(self) -> str:
@@ -416,4 +416,4 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     return CheckReport(
         model=name, prefix=prefixes[0] if len(prefixes) == 1 else None, prefixes=prefixes,
         expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()),
-        ccl=layout.input("comp_ctx_lengths") is not None)
+        ccl=layout.input(naming.CCL_INPUT) is not None)

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Literal, Sequence as Seq
 
-from . import fsutil
-from .errors import RuntimeInputError
+from . import fsutil, naming
+from .errors import QeffKvError, RuntimeInputError
 from .layout import KVLayout
 from .limits import positive_int
 
@@ -73,9 +73,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
         decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
     if ccl:
         for v in ccl:
-            positive_int("comp_ctx_lengths", v)
-        entries = [(f"Prefill_ccl{v}", {**prefill, "comp_ctx_lengths": str(v)}) for v in ccl]
-        entries += [(f"Decode_ccl{v}", {**decode, "comp_ctx_lengths": str(v)}) for v in ccl]
+            positive_int(naming.CCL_INPUT, v)
+        entries = [(f"Prefill_ccl{v}", {**prefill, naming.CCL_INPUT: str(v)}) for v in ccl]
+        entries += [(f"Decode_ccl{v}", {**decode, naming.CCL_INPUT: str(v)}) for v in ccl]
     else:
         entries = [("Prefill", prefill), ("Decode", decode)]
     if fmt == "flat":
@@ -96,3 +96,60 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     fsutil.write_text(cio, text)
     fsutil.write_text(sp, json.dumps(spec, indent=2) + "\n")
     return [cio, sp]
+
+
+# ------------------------------------------------------------------------------------ compute context length
+#: ``--ccl auto`` starts at this many slots (or at ctx_len when it is smaller)
+CCL_AUTO_START = 512
+
+
+def auto_ccl(ctx_len: int) -> tuple[int, ...]:
+    """``--ccl auto``: powers of two from ``min(ctx_len, 512)`` up to ``ctx_len``, always ending at ``ctx_len``
+    (4096 -> 512, 1024, 2048, 4096; 3000 -> 512, 1024, 2048, 3000; 256 -> 256)."""
+    v = min(ctx_len, CCL_AUTO_START)
+    out = []
+    while v < ctx_len:
+        out.append(v)
+        v *= 2
+    return tuple(out + [ctx_len])
+
+
+def check_ccl(values, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputError) -> tuple[int, ...]:
+    """Raise a one-line ``error`` unless ``values`` is a strictly increasing list of positive ints
+    at most ``ctx_len``; return it as a tuple."""
+    vals = list(values)
+    if not vals:
+        raise error("--ccl needs at least one value")
+    for v in vals:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise error(f"--ccl values must be positive integers, got {v!r}")
+        if v <= 0:
+            raise error(f"--ccl values must be positive integers, got {v}")
+    for a, b in zip(vals, vals[1:]):
+        if b <= a:
+            raise error(f"--ccl must be strictly increasing (sorted, no duplicates), got "
+                              f"{','.join(str(v) for v in vals)}")
+    if vals[-1] > ctx_len:
+        raise error(f"--ccl value {vals[-1]} is larger than ctx_len {ctx_len}")
+    return tuple(vals)
+
+
+def parse_ccl(value, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputError) -> tuple[int, ...] | None:
+    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return auto_ccl(ctx_len)
+        parts = [p.strip() for p in text.split(",")] if text else []
+        vals = []
+        for p in parts:
+            try:
+                vals.append(int(p))
+            except ValueError:
+                raise error(f"--ccl values must be positive integers, got {p!r}") from None
+        return check_ccl(vals, ctx_len, error=error)
+    if isinstance(value, (list, tuple)):
+        return check_ccl(value, ctx_len, error=error)
+    raise error(f"--ccl must be 'auto' or a list of integers, got {value!r}")

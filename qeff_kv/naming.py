@@ -41,6 +41,10 @@ NON_KV_RETAINED: tuple[str, ...] = (
 #: Non-KV retained outputs that do not follow the ``_RetainedState`` rule (input -> output).
 NON_KV_OUTPUT_ALIASES: dict[str, str] = {"image_idx": "image_idx_output"}
 
+#: The optional compute-context-length input (contract section 9): int64, 1-D, its length limits attention.
+#: Not a buffer: never prefixed, never retained; its one dynamic axis has the same name.
+CCL_INPUT = "comp_ctx_lengths"
+
 MAX_PREFIX_LEN = 64
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9]{1,64}")

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from qeff_kv.errors import ExportError  # noqa: E402
 from qeff_kv.export import export_model  # noqa: E402
-from qeff_kv.export.options import auto_ccl  # noqa: E402
+from qeff_kv.compile_config import auto_ccl  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
 from qeff_kv.runtime.ccl import allowed_lengths  # noqa: E402
 
@@ -188,3 +188,33 @@ def test_onnxruntime_target_and_continuous_batching(tmp_path):
     for prompt, gen in zip((short, long_), gens):
         alone = Session(cb.out_dir, max_sequences=1).generate(prompt, max_new_tokens=16, stop_tokens=[])[0]
         assert gen.tokens == alone.tokens
+
+
+def test_compile_config_for_an_existing_ccl_graph(exports, tmp_path):
+    """compile-config on a graph with comp_ctx_lengths: --ccl required, per-L entries written; refused on a
+    graph without the input."""
+    import json
+
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    _, ccl, plain = exports
+    graph = str(ccl.onnx_path)
+    runner = CliRunner()
+    base = ["compile-config", graph, "--prefill-seq-len", "8", "--ctx-len", "64"]
+    res = runner.invoke(main, base + ["-o", str(tmp_path / "a")])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [
+        f"error: {graph} takes comp_ctx_lengths: give --ccl L1,L2,... (or auto) for its compute-context-length "
+        "specializations"]
+    assert not (tmp_path / "a").exists()
+    res = runner.invoke(main, base + ["-o", str(tmp_path / "b"), "--ccl", "16,32,64"])
+    assert res.exit_code == 0, res.output
+    spec = json.loads((tmp_path / "b" / "specializations.json").read_text())["specializations"]
+    assert [s["comp_ctx_lengths"] for s in spec] == ["16", "32", "64"] * 2
+    res = runner.invoke(main, base + ["-o", str(tmp_path / "c"), "--ccl", "32,16"])
+    assert res.exit_code == 2 and "strictly increasing" in res.output
+    res = runner.invoke(main, ["compile-config", str(plain.onnx_path), "--prefill-seq-len", "8", "--ctx-len", "64",
+                               "-o", str(tmp_path / "d"), "--ccl", "auto"])
+    assert res.exit_code == 2 and "has no comp_ctx_lengths input; --ccl does not apply" in res.output
+    assert not (tmp_path / "d").exists()

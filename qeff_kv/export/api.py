@@ -233,8 +233,8 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     args = [input_ids, position_ids, *past]
     if options.ccl is not None:  # contract section 9: after the KV inputs, before batch_index
         args.append(torch.ones(options.ctx_len, dtype=torch.int64))
-        in_names.append("comp_ctx_lengths")
-        dyn["comp_ctx_lengths"] = {0: "comp_ctx_lengths"}
+        in_names.append(naming.CCL_INPUT)
+        dyn[naming.CCL_INPUT] = {0: naming.CCL_INPUT}
     if options.continuous_batching:
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")

@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import naming
+from .. import compile_config, naming
 from ..errors import ExportError
 from ..limits import positive_int
 
@@ -78,60 +78,14 @@ class ExportOptions:
         return d
 
 
-#: ``--ccl auto`` starts at this many slots (or at ctx_len when it is smaller)
-CCL_AUTO_START = 512
-
-
-def auto_ccl(ctx_len: int) -> tuple[int, ...]:
-    """``--ccl auto``: powers of two from ``min(ctx_len, 512)`` up to ``ctx_len``, always ending at ``ctx_len``
-    (4096 -> 512, 1024, 2048, 4096; 3000 -> 512, 1024, 2048, 3000; 256 -> 256)."""
-    v = min(ctx_len, CCL_AUTO_START)
-    out = []
-    while v < ctx_len:
-        out.append(v)
-        v *= 2
-    return tuple(out + [ctx_len])
-
-
 def check_ccl(values, ctx_len: int) -> tuple[int, ...]:
-    """Raise a one-line :class:`ExportError` unless ``values`` is a strictly increasing list of positive ints
-    at most ``ctx_len``; return it as a tuple."""
-    vals = list(values)
-    if not vals:
-        raise ExportError("--ccl needs at least one value")
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ExportError(f"--ccl values must be positive integers, got {v!r}")
-        if v <= 0:
-            raise ExportError(f"--ccl values must be positive integers, got {v}")
-    for a, b in zip(vals, vals[1:]):
-        if b <= a:
-            raise ExportError(f"--ccl must be strictly increasing (sorted, no duplicates), got "
-                              f"{','.join(str(v) for v in vals)}")
-    if vals[-1] > ctx_len:
-        raise ExportError(f"--ccl value {vals[-1]} is larger than ctx_len {ctx_len}")
-    return tuple(vals)
+    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError`."""
+    return compile_config.check_ccl(values, ctx_len, error=ExportError)
 
 
 def parse_ccl(value, ctx_len: int) -> tuple[int, ...] | None:
-    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() == "auto":
-            return auto_ccl(ctx_len)
-        parts = [p.strip() for p in text.split(",")] if text else []
-        vals = []
-        for p in parts:
-            try:
-                vals.append(int(p))
-            except ValueError:
-                raise ExportError(f"--ccl values must be positive integers, got {p!r}") from None
-        return check_ccl(vals, ctx_len)
-    if isinstance(value, (list, tuple)):
-        return check_ccl(value, ctx_len)
-    raise ExportError(f"--ccl must be 'auto' or a list of integers, got {value!r}")
+    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError`."""
+    return compile_config.parse_ccl(value, ctx_len, error=ExportError)
 
 
 def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:

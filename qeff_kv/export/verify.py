@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import graphio, limits
+from .. import graphio, limits, naming
 from ..errors import VerificationError
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -141,7 +141,7 @@ class _Runner:
         in_names = {i.name for i in self.sess.get_inputs()}
         self.has_batch_index = "batch_index" in in_names
         # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
-        self.ccl = (sorted(ccl or ()) + [ctx_len]) if "comp_ctx_lengths" in in_names else None
+        self.ccl = (sorted(ccl or ()) + [ctx_len]) if naming.CCL_INPUT in in_names else None
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
         self.kv: dict[str, np.ndarray] = {}
         for p in layout.pairs:
@@ -164,7 +164,7 @@ class _Runner:
             feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
         if self.ccl is not None:
             need = max(pos) + 1
-            feeds["comp_ctx_lengths"] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
+            feeds[naming.CCL_INPUT] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
         out = dict(zip(self.out_names, self.sess.run(None, feeds)))
         for i, o in self.pairs:
             self.kv[i] = out[o]

@@ -15,7 +15,9 @@ import bisect
 import numpy as np
 import onnxruntime as ort
 
-INPUT = "comp_ctx_lengths"
+from .. import naming
+
+INPUT = naming.CCL_INPUT
 
 
 def allowed_lengths(capacity: int, listed=None) -> list[int]:

@@ -772,7 +772,7 @@ class Session:
             "continuous_batching": self.continuous_batching, "max_sequences": self.max_sequences,
             "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
             "invalid_index_patch": self.invalid_index_patch,
-            "comp_ctx_lengths": None if self.ccl is None else list(self.ccl.lengths),
+            naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),
             "memory_capacity": self.cache.memory_capacity,
         }
 
