@@ -239,6 +239,64 @@ def own_fused_graph(own_graphs) -> Path:
     return own_graphs.export("own_llama_fused_vllm.onnx").out_dir
 
 
+# ------------------------------------------------------------------ the family matrix (tests/families.py)
+# Each tiny family model is built once per session and each (family, target) exported once, whichever test
+# file asks first: tests/test_families.py (the matrix) and the targeted family tests share them.
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    from families import make_family_dir
+
+    root = tmp_path_factory.mktemp("families")
+    cache: dict = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = make_family_dir(name, root)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_refs(family_models):
+    """transformers' greedy tokens for the matrix prompts."""
+    from families import NEW, PROMPTS
+    from hf_models import hf_greedy
+
+    cache: dict = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            cache[name] = [hf_greedy(family_models(name), p, NEW) for p in PROMPTS]
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_exports(family_models, tmp_path_factory):
+    """``get(name, target)``: the export (verified at export) at the matrix's ctx_len and chunk, or the
+    exception export raised (a refusal is a result under test)."""
+    from families import CHUNK, CTX
+    from qeff_kv.export import export_model
+
+    root = tmp_path_factory.mktemp("family_exports")
+    cache: dict = {}
+
+    def get(name: str, target: str):
+        key = (name, target)
+        if key not in cache:
+            try:
+                cache[key] = export_model(family_models(name), root / f"{name}-{target}", ctx_len=CTX,
+                                          prefill_seq_len=CHUNK, target=target)
+            except Exception as exc:  # noqa: BLE001
+                cache[key] = exc
+        return cache[key]
+
+    get.root = root
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep the export cache of every test away from the user's ~/.cache."""

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
+#: The matrix's probe: two prompts unlike the all-zero tracing input, chunks of CHUNK (the first prompt's
+#: last chunk padded), capacity CTX, NEW greedy tokens.
+PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
+CTX, CHUNK, NEW = 32, 4, 8
 
 _LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

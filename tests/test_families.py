@@ -17,64 +17,15 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch
-from families import EXPECT, FAMILIES, TARGETS, make_family_dir
+from families import CHUNK, CTX, EXPECT, FAMILIES, NEW, PROMPTS, TARGETS
 
 pytestmark = [requires_torch]
 
-PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
-CTX, CHUNK, NEW = 32, 4, 8
 CELLS = [(name, t) for name in FAMILIES for t in TARGETS]
 
 
-@pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    cache: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = make_family_dir(name, root)
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def family_refs(family_models):
-    from hf_models import hf_greedy
-
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            cache[name] = [hf_greedy(family_models(name), p, NEW) for p in PROMPTS]
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def family_exports(family_models, tmp_path_factory):
-    from qeff_kv.export import export_model
-
-    root = tmp_path_factory.mktemp("family_exports")
-    cache: dict[tuple[str, str], object] = {}
-
-    def get(name: str, target: str):
-        key = (name, target)
-        if key not in cache:
-            try:
-                cache[key] = export_model(family_models(name), root / f"{name}-{target}", ctx_len=CTX,
-                                          prefill_seq_len=CHUNK, target=target)
-            except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
-                cache[key] = exc
-        return cache[key]
-
-    return get
-
-
 @pytest.mark.parametrize("name,target", CELLS, ids=[f"{n}-{t}" for n, t in CELLS])
-def test_family_cell(name, target, family_exports, family_refs, family_models, tmp_path_factory):
+def test_family_cell(name, target, family_exports, family_refs):
     from hf_models import PlainLoop
     from qeff_kv.check import check
     from qeff_kv.errors import ExportError
@@ -86,7 +37,7 @@ def test_family_cell(name, target, family_exports, family_refs, family_models, t
         msg = str(result)
         assert msg.startswith(expected[len("refused: "):]), msg
         assert "\n" not in msg
-        out = tmp_path_factory.getbasetemp() / "family_exports0" / f"{name}-{target}"
+        out = family_exports.root / f"{name}-{target}"
         assert not (out / "manifest.json").exists()
         return
     if isinstance(result, BaseException):

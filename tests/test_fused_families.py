@@ -22,12 +22,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import requires_torch
-from families import make_family_dir
+from families import CHUNK, CTX, NEW, PROMPTS
 
 pytestmark = [requires_torch]
 
-PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
-CTX, CHUNK, NEW = 32, 4, 8
 FUSED = "onnxruntime-fused"
 
 #: family -> what its GQA nodes must show: RoPE layers (None: the model rotates itself, GQA never does),
@@ -53,26 +51,32 @@ REFUSED = {
 ORT_TARGET = ("gemma2", "granite_swa")
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused_families")
-    return {name: make_family_dir(name, root) for name in [*EXACT, *REFUSED]}
+class _Lookup:
+    """``fixture[name]`` over a session-shared ``get(name)`` fixture (tests/conftest.py)."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def __getitem__(self, name):
+        value = self.get(name)
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
 
-@pytest.fixture(scope="module")
-def refs(family_dirs):
-    from hf_models import hf_greedy
-
-    return {name: [hf_greedy(family_dirs[name], p, NEW) for p in PROMPTS] for name in [*EXACT, *ORT_TARGET]}
+@pytest.fixture
+def family_dirs(family_models):
+    return _Lookup(family_models)
 
 
-@pytest.fixture(scope="module")
-def exports(family_dirs, tmp_path_factory):
-    from qeff_kv.export import export_model
+@pytest.fixture
+def refs(family_refs):
+    return _Lookup(family_refs)
 
-    root = tmp_path_factory.mktemp("fused_exports")
-    return {name: export_model(family_dirs[name], root / name, ctx_len=CTX, prefill_seq_len=CHUNK, target=FUSED)
-            for name in EXACT}
+
+@pytest.fixture
+def exports(family_exports):
+    return _Lookup(lambda name: family_exports(name, FUSED))
 
 
 def _gqa_nodes(model):
