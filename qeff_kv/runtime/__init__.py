@@ -11,7 +11,8 @@ See ``docs/runtime.md``.
 
 from .cache import KVCache, Sequence
 from .sampling import GREEDY, SamplingParams, sample
-from .session import Generation, ModelFiles, Session, TokenEvent, Timings, open_session, resolve_model
+from .model_files import ModelFiles, resolve_model
+from .session import Generation, Session, TokenEvent, Timings, open_session
 from .state import KVState, export_state, import_state, load_state, read_state, save_state
 
 __all__ = [

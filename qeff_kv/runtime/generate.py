@@ -17,7 +17,8 @@ from ..errors import MissingDependencyError, RuntimeInputError
 from .chat import chat_prompt_ids, load_chat_template
 from ..limits import MAX_INT64
 from .sampling import SamplingParams
-from .session import Session, TokenEvent, resolve_model
+from .model_files import resolve_model
+from .session import Session, TokenEvent
 
 
 def parse_ids(text: str) -> list[int]:

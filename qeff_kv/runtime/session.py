@@ -26,8 +26,6 @@ fill that slot: such a chunk runs unpadded, at its exact length.
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import os
 import time
 import warnings
@@ -42,14 +40,13 @@ import onnxruntime as ort
 from .. import graphio, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..inplace import inplace_issues
-from ..layout import KVLayout
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import ccl as ccl_mod
 from .cache import KVCache, Sequence
+from .model_files import kv_fingerprint, model_fingerprint, resolve_model
 from .sampling import GREEDY, SamplingParams, sample
 
-MANIFEST = "manifest.json"
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
 DEFAULT_PREFILL_SEQ_LEN = 32
 
@@ -63,108 +60,6 @@ def _quiet_onnxruntime() -> None:
     if not _ORT_QUIET:
         ort.set_default_logger_severity(3)
         _ORT_QUIET = True
-
-
-# ============================================================================================ model files
-@dataclass
-class ModelFiles:
-    """Where a model's files are: the graph, its export manifest (if any) and its folder."""
-
-    onnx_path: Path
-    folder: Path
-    manifest: dict | None = None
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        p = self.folder / "tokenizer.json"
-        return p if p.is_file() else None
-
-
-def resolve_model(model: str | os.PathLike) -> ModelFiles:
-    """An ``.onnx`` file, or an export folder with ``manifest.json`` (or exactly one ``.onnx`` file)."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise RuntimeInputError(f"model must be a path to an .onnx file or an export folder, got "
-                                f"{type(model).__name__}")
-    path = Path(model)
-    if not path.exists():
-        raise GraphReadError(f"{path}: no such file or folder")
-    if path.is_dir():
-        man_path = path / MANIFEST
-        manifest = None
-        if man_path.is_file():
-            try:
-                manifest = json.loads(man_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise GraphReadError(f"{man_path}: not valid JSON ({exc})") from None
-            if not isinstance(manifest, dict):
-                raise GraphReadError(f"{man_path}: expected a JSON object")
-        if manifest is not None and manifest.get("onnx"):
-            onnx_path = path / str(manifest["onnx"])
-            if not onnx_path.is_file():
-                raise GraphReadError(f"{man_path}: names {manifest['onnx']!r}, which is not in {path}")
-        else:
-            found = sorted(path.glob("*.onnx"))
-            if len(found) != 1:
-                raise GraphReadError(
-                    f"{path}: expected an export folder with {MANIFEST} or exactly one .onnx file, "
-                    f"found {len(found)} .onnx files")
-            onnx_path = found[0]
-        return ModelFiles(onnx_path, path, manifest)
-    manifest = None
-    man_path = path.parent / MANIFEST
-    if man_path.is_file():
-        try:
-            data = json.loads(man_path.read_text(encoding="utf-8"))
-            if isinstance(data, dict) and data.get("onnx") == path.name:
-                manifest = data
-        except (OSError, ValueError):
-            manifest = None
-    return ModelFiles(path, path.parent, manifest)
-
-
-# ============================================================================================ fingerprints
-def kv_contract(layout: KVLayout) -> dict:
-    """What a state file must agree on: buffer names (prefix included), dtypes, heads and head_dim."""
-    pairs = []
-    for p in layout.pairs:
-        shape = p.input.shape or ()
-        pairs.append({
-            "input": p.input_name, "retained": p.output_name, "dtype": p.input.dtype,
-            "heads": shape[1] if len(shape) == 4 else None, "head_dim": shape[3] if len(shape) == 4 else None,
-        })
-    return {"prefix": layout.prefix, "num_layers": layout.num_layers, "pairs": pairs}
-
-
-def kv_fingerprint(layout: KVLayout) -> str:
-    blob = json.dumps(kv_contract(layout), sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-def model_fingerprint(model: ir.Model, sample_bytes: int = 64, min_elements: int = 1024) -> str:
-    """A cheap identity of the *weights*: for every initializer of at least ``min_elements`` elements, its
-    dtype, shape and ``sample_bytes`` bytes from its start, middle and end (external data is memory-mapped,
-    never read in full), hashed as a sorted multiset.
-
-    Names and graph structure do not enter, so two graphs of the same checkpoint (with and without
-    continuous batching, or from two exporters) accept each other's state files, and graphs of different
-    checkpoints do not.
-    """
-    items = []
-    for v in model.graph.initializers.values():
-        t = v.const_value
-        if t is None or t.size < min_elements:
-            continue
-        try:
-            arr = np.asarray(t.numpy()).reshape(-1)
-        except Exception:  # pragma: no cover - exotic tensor types
-            continue
-        k = max(1, sample_bytes // max(1, arr.itemsize))
-        mid = arr.size // 2
-        h = hashlib.sha256(f"{arr.dtype.str}:{tuple(t.shape)}".encode())
-        for part in (arr[:k], arr[mid:mid + k], arr[-k:]):
-            h.update(np.ascontiguousarray(part).tobytes())
-        items.append(h.hexdigest())
-    return hashlib.sha256("".join(sorted(items)).encode()).hexdigest()
 
 
 # ============================================================================================ results
