@@ -49,3 +49,17 @@ def test_sliding_window_in_text_config_is_read():
     facts = ModelFacts.from_config({"architectures": ["X"], "text_config": {
         "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2}})
     assert facts.sliding_window == 8 and facts.sliding_layers == (0, 2)
+
+
+def test_numpy_integers_are_accepted_as_plain_ints(tmp_path):
+    """``export_model(ctx_len=np.int64(32))`` works and writes plain ints (the manifest is JSON)."""
+    import numpy as np
+
+    from qeff_kv.export import export_model
+
+    r = export_model(None, tmp_path / "o", ctx_len=np.int64(24), prefill_seq_len=np.int32(4), verify=False)
+    assert type(r.manifest["ctx_len"]) is int and r.manifest["ctx_len"] == 24
+    assert type(r.manifest["prefill_seq_len"]) is int and r.manifest["prefill_seq_len"] == 4
+    with pytest.raises(ExportError, match=r"^ctx_len must be a positive integer, got np.float64\(2.5\)$|"
+                                          r"^ctx_len must be a positive integer, got 2.5$"):
+        export_model(None, tmp_path / "p", ctx_len=np.float64(2.5), prefill_seq_len=4, verify=False)

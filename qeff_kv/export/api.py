@@ -20,6 +20,7 @@ import onnx_ir as ir
 from .. import __version__, compile_config, fsutil, graphio, limits, naming
 from ..errors import ExportError
 from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
+from . import checkpoint as checkpoint_mod
 from . import family, sources
 from . import verify as verify_mod
 from . import options as opt
@@ -87,6 +88,7 @@ def export_model(
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target,
                                 ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl).validate()
+    ctx_len, prefill_seq_len, full_batch_size = options.ctx_len, options.prefill_seq_len, options.full_batch_size
     facts = family.ModelFacts.from_config(config)
     facts.require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
@@ -112,6 +114,8 @@ def export_model(
         stage = tmp / "stage"
         stage.mkdir()
         torch_model = source.load_torch_model(options, say)
+        ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
+        say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")
         probe, reference, skipped = _reference_for_verification(torch_model, options, verify, say)
         say(f"tracing {arch} ({config.get('num_hidden_layers')} layers, ctx_len {ctx_len}, "
             f"prefill_seq_len {prefill_seq_len})")
@@ -126,6 +130,7 @@ def export_model(
         say("post-processing graph")
         ir_model = graphio.load(raw)
         _finalize(ir_model, options, geometry)
+        ir_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
         onnx_path = stage / onnx_name
         _save_graph(ir_model, onnx_path, say)
         del ir_model
@@ -149,6 +154,7 @@ def export_model(
         manifest = _manifest(onnx_name, layout, config, options, geometry, digest,
                              source=source.describe(),
                              fmt=specializations_format)
+        manifest["checkpoint"] = ckpt
         manifest["verification"] = verification.to_json()
         fsutil.write_json(stage / MANIFEST_FILE, manifest)
         if use_cache:

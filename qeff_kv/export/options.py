@@ -6,8 +6,10 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from .. import compile_config, naming
 from ..errors import ExportError
@@ -26,7 +28,7 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 2  # 2: the output head is a Gemm(transB=1) reading its weight as stored
+EXPORTER_VERSION = 3  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,22 @@ class ExportOptions:
     #: compute-context lengths (contract section 9): the graph takes ``comp_ctx_lengths`` and attends over the
     #: first ``len(comp_ctx_lengths)`` slots; one prefill and one decode specialization per value
     ccl: tuple[int, ...] | None = None
+    #: weight-only quantization for the onnxruntime targets (``int4``/``int8``, see ``quantize.py``); ``None``:
+    #: float weights. ``block_size``/``accuracy_level`` are resolved to their defaults when ``weights`` is set.
+    weights: str | None = None
+    block_size: int | None = None
+    accuracy_level: int | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
             naming.validate_prefix(self.kv_cache_prefix)
         for label, v in (("ctx_len", self.ctx_len), ("prefill_seq_len", self.prefill_seq_len)):
             positive_int(label, v, error=ExportError)
+        if type(self.ctx_len) is not int or type(self.prefill_seq_len) is not int:  # numpy integers -> int
+            return replace(self, ctx_len=int(self.ctx_len), prefill_seq_len=int(self.prefill_seq_len)).validate()
+        if self.full_batch_size is not None and not isinstance(self.full_batch_size, bool) \
+                and isinstance(self.full_batch_size, np.integer):
+            return replace(self, full_batch_size=int(self.full_batch_size)).validate()
         if self.prefill_seq_len > self.ctx_len:
             raise ExportError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.dtype not in DTYPES:
@@ -67,6 +79,9 @@ class ExportOptions:
                 raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
                                   "reads exactly the filled slots); use --target portable or onnxruntime")
             check_ccl(self.ccl, self.ctx_len)
+        from .quantize import check_scheme  # no torch, no onnxruntime import here
+
+        check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         return self
 
     def to_json(self) -> dict:
@@ -75,6 +90,9 @@ class ExportOptions:
             del d["ccl"]  # exports without CCL keep the options hash they had before CCL existed
         else:
             d["ccl"] = list(d["ccl"])
+        for key in ("weights", "block_size", "accuracy_level"):
+            if d[key] is None:
+                del d[key]  # float exports keep the options hash they had before quantization existed
         return d
 
 
