@@ -51,6 +51,14 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Compute-context lengths (the peer's CCL): the graph takes comp_ctx_lengths and attends over "
                    "its length only; one prefill and one decode specialization per value. 'auto': powers of two "
                    "from min(ctx_len, 512) up to ctx_len. Not with --target onnxruntime-fused.")
+@click.option("--weights", type=click.Choice(["int4", "int8"]),
+              help="Weight-only quantization for the onnxruntime targets: MatMul weights as onnxruntime's "
+                   "MatMulNBits, the (tied) embedding and output head quantized once. Float graph verified first.")
+@click.option("--block-size", type=DIM, metavar="N",
+              help="Quantization block size along K (power of two >= 16; default 32). Needs --weights.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), metavar="L",
+              help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
+                   "Needs --weights.")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
@@ -58,14 +66,15 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, ccl, verify, force, quiet):
+           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, verify, force,
+           quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
         model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
-        ccl=ccl)
+        ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -22,6 +22,7 @@ from ..errors import ExportError
 from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
 from . import checkpoint as checkpoint_mod
 from . import family, sources
+from . import quantize as quant_mod
 from . import verify as verify_mod
 from . import options as opt
 from .sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
@@ -62,6 +63,9 @@ def export_model(
     verify: bool | None = None,
     progress: Progress | None = None,
     ccl: str | list[int] | tuple[int, ...] | None = None,
+    weights: str | None = None,
+    block_size: int | None = None,
+    accuracy_level: int | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -87,7 +91,8 @@ def export_model(
     options = opt.ExportOptions(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, kv_cache_prefix=kv_cache_prefix,
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target,
-                                ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl).validate()
+                                ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl,
+                                **quant_mod.resolve_options(weights, block_size, accuracy_level)).validate()
     ctx_len, prefill_seq_len, full_batch_size = options.ctx_len, options.prefill_seq_len, options.full_batch_size
     facts = family.ModelFacts.from_config(config)
     facts.require_exportable(options)
@@ -144,6 +149,12 @@ def export_model(
                 f"(tolerance {verification.tolerance:.3g})")
         else:
             verification = verify_mod.VerificationResult(status="skipped", reason=skipped)
+        weights_record = None
+        if options.weights is not None:  # after the float graph was verified; see quantize.py
+            weights_record = quant_mod.quantize_export(
+                onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
+                save=lambda m, p: _save_graph(m, p, say),
+                kv_batch=full_batch_size if continuous_batching else 1)
         layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
         written = compile_config.write_compile_config(
             layout, stage, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
@@ -156,6 +167,8 @@ def export_model(
                              fmt=specializations_format)
         manifest["checkpoint"] = ckpt
         manifest["verification"] = verification.to_json()
+        if weights_record is not None:
+            manifest["weights"] = weights_record
         fsutil.write_json(stage / MANIFEST_FILE, manifest)
         if use_cache:
             with fsutil.atomic_dir(target) as final:

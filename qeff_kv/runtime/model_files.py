@@ -1,5 +1,6 @@
-"""Which files make a model (an ``.onnx`` file or an export folder with its manifest), and the two identities a
-state file is checked against: the KV contract (names, dtypes, heads, head sizes) and the weights.
+"""Which files make a model (an ``.onnx`` file or an export folder with its manifest), and the identities a
+state file is checked against: the KV contract (names, dtypes, heads, head sizes) and the model, either its
+checkpoint identity (recorded at export) or, for graphs without one, a sampled fingerprint of the weights.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,10 @@ from ..errors import GraphReadError, RuntimeInputError
 from ..layout import KVLayout
 
 MANIFEST = "manifest.json"
+#: ``metadata_props`` key under which an export records its checkpoint identity (``qeff_kv.export.checkpoint``).
+CHECKPOINT_METADATA_KEY = "qeff_kv.checkpoint"
+#: A checkpoint identity: ``<SHA-256 of the source weights>:<dtype the graph computes in>``.
+_CHECKPOINT_RE = re.compile(r"^[0-9a-f]{64}:[a-z0-9]+$")
 
 
 # ============================================================================================ model files
@@ -119,3 +125,20 @@ def model_fingerprint(model: ir.Model, sample_bytes: int = 64, min_elements: int
             h.update(np.ascontiguousarray(part).tobytes())
         items.append(h.hexdigest())
     return hashlib.sha256("".join(sorted(items)).encode()).hexdigest()
+
+
+def checkpoint_identity(model: ir.Model, manifest: dict | None) -> str | None:
+    """The checkpoint identity the export recorded: the graph's ``qeff_kv.checkpoint`` metadata (it travels with a
+    bare ``.onnx``), else the manifest's ``checkpoint.identity``; ``None`` when neither holds a well-formed one
+    (graphs of other exporters, exports made before identities were recorded)."""
+    value = model.metadata_props.get(CHECKPOINT_METADATA_KEY)
+    if is_checkpoint_identity(value):
+        return value
+    record = (manifest or {}).get("checkpoint")
+    value = record.get("identity") if isinstance(record, dict) else None
+    return value if is_checkpoint_identity(value) else None
+
+
+def is_checkpoint_identity(value) -> bool:
+    """Whether ``value`` is a well-formed checkpoint identity (anything else counts as absent)."""
+    return isinstance(value, str) and bool(_CHECKPOINT_RE.match(value))

@@ -44,7 +44,7 @@ from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import ccl as ccl_mod
 from .cache import KVCache, Sequence
-from .model_files import kv_fingerprint, model_fingerprint, resolve_model
+from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
 from .sampling import GREEDY, SamplingParams, sample
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
@@ -195,7 +195,8 @@ class Session:
 
         # ---- identity (of the file as given, before any in-memory patch)
         self.kv_fingerprint = kv_fingerprint(layout)
-        self.model_fingerprint = model_fingerprint(ir_model)
+        self.model_fingerprint = model_fingerprint(ir_model)  # sampled: the fallback identity
+        self.checkpoint = checkpoint_identity(ir_model, self.files.manifest)  # recorded at export, or None
 
         # ---- in-place safety
         self.inplace_issues = [i.message for i in inplace_issues(ir_model, layout)]

@@ -6,9 +6,15 @@ File format (version 1, see ``docs/state-files.md``):
   shape ``[1, heads, valid_length, head_dim]``: the sequence's slot, cut to its valid positions ``[0, n)``;
 * metadata (strings only): ``format`` (``qeff-kv-state``), ``format_version``, ``prefix`` (empty: none),
   ``num_layers``, ``shapes`` (JSON), ``dtype``, ``valid_length``, ``pending_token`` (empty: none),
-  ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (its weights and
-  structure), ``selection`` (the regex that chose the buffers), ``created_by``, and ``checksum``: SHA-256
-  over every other metadata entry and every tensor's name, dtype, shape and bytes.
+  ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (a sample of its
+  weights), ``model_identity`` (``checkpoint`` or ``sampled``: which identity the model is checked by) and
+  ``checkpoint`` (the checkpoint identity the export recorded, empty for none), ``selection`` (the regex that
+  chose the buffers), ``created_by``, and ``checksum``: SHA-256 over every other metadata entry and every
+  tensor's name, dtype, shape and bytes.
+
+The model check compares like with like: checkpoint identities when the file and the graph both carry one
+(so the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's files), else
+the sampled fingerprints (graphs of other exporters; files written before ``model_identity`` existed).
 
 Loading checks all of it and refuses, with one line, a file that is not a state file, is truncated, was
 edited, belongs to another graph or model, or holds more positions than the session's capacity. Files are
@@ -28,6 +34,7 @@ import numpy as np
 from .. import __version__, fsutil, naming
 from ..errors import RuntimeInputError, StateFileError
 from .cache import Sequence
+from .model_files import is_checkpoint_identity
 
 FORMAT = "qeff-kv-state"
 FORMAT_VERSION = "1"
@@ -106,6 +113,8 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
         "pending_emitted": "true" if seq.pending_emitted else "false",
         "kv_fingerprint": session.kv_fingerprint,
         "model_fingerprint": session.model_fingerprint,
+        "model_identity": "checkpoint" if session.checkpoint else "sampled",
+        "checkpoint": session.checkpoint or "",
         "selection": regex,
         "saved_ctx_len": str(session.ctx_len),
         "created_by": f"qeff-kv {__version__}",
@@ -141,9 +150,7 @@ def _validate(session, state: KVState, where: str) -> None:
         raise StateFileError(
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
-    if meta["model_fingerprint"] != session.model_fingerprint:
-        raise StateFileError(
-            f"{where}: saved from another model (same KV contract, different weights or structure)")
+    _check_model(session, meta, where)
     try:
         n = int(meta["valid_length"])
         shapes = json.loads(meta["shapes"])
@@ -171,6 +178,34 @@ def _validate(session, state: KVState, where: str) -> None:
             raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {session.cache.dtypes[name]}")
     if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
         raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
+
+
+def _short(identity: str) -> str:
+    digest, _, dtype = identity.partition(":")
+    return f"{digest[:12]}:{dtype}"
+
+
+def _check_model(session, meta: dict[str, str], where: str) -> None:
+    """Same model? Checkpoint identities when both sides carry one, else the sampled fingerprints."""
+    kind = meta.get("model_identity", "sampled")  # files written before the key existed carry the sampled one
+    theirs = meta.get("checkpoint", "")
+    if kind not in ("checkpoint", "sampled") or (kind == "checkpoint" and not is_checkpoint_identity(theirs)):
+        raise StateFileError(f"{where}: malformed state metadata (model_identity {kind!r})")
+    theirs = theirs if kind == "checkpoint" else ""
+    ours = session.checkpoint
+    if theirs and ours:
+        if theirs != ours:
+            raise StateFileError(f"{where}: saved from another model (same KV contract, checkpoint {_short(theirs)}; "
+                                 f"this graph's checkpoint is {_short(ours)})")
+        return
+    if meta["model_fingerprint"] == session.model_fingerprint:
+        return
+    why = ""
+    if theirs:
+        why = "; the file names a checkpoint, this graph records none, so sampled weights were compared"
+    elif ours:
+        why = "; this graph names a checkpoint, the file records none, so sampled weights were compared"
+    raise StateFileError(f"{where}: saved from another model (same KV contract, different weights or structure{why})")
 
 
 def import_state(session, state: KVState, seq: Sequence | None = None, *, where: str = "state") -> Sequence:

@@ -1,0 +1,322 @@
+"""Weight-only quantization of an exported onnxruntime graph (``--weights int4|int8``).
+
+Runs after the float graph was verified against PyTorch. MatMul weights become onnxruntime's
+``com.microsoft::MatMulNBits`` through onnxruntime's own quantizer
+(:class:`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`, round-to-nearest, symmetric,
+blocks along K). The vocabulary-sized weights are done here with the same kernel
+(:meth:`DefaultWeightOnlyQuantizer.qbits_block_quant`):
+
+* the output head ``Gemm(transB=1)`` reading ``[vocab, hidden]`` becomes ``MatMulNBits(K=hidden, N=vocab)``:
+  its packed weight ``[vocab, hidden/block, block*bits/8]`` is the row-major layout of the embedding table;
+* the embedding lookup ``Gather`` becomes ``GatherBlockQuantized`` (uint8 data, ``bits``, ``quantize_axis=2``)
+  reading **the same packed initializer**, so a tied embedding stays stored once. Its scales are the head's
+  ``[vocab, hidden/block]`` scales through a ``Reshape`` to ``[vocab, hidden/block, 1]`` (the op wants the rank
+  of its data; onnxruntime folds that Reshape at load), and a ``Reshape`` restores ``[..., hidden]``.
+
+Symmetric quantization has no zero-point tensors: both ops then use the default zero point ``2^(bits-1)``.
+KV inputs, outputs, pairing and the in-place updaters are untouched (only weight readers change).
+
+The quantized graph is checked loosely (:func:`compare_graphs`): it must load and run the probe, and its top-1
+agreement with the float graph and max logit difference are recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ExportError, VerificationError
+
+SCHEMES = {"int4": 4, "int8": 8}
+#: measured on SmolLM2-135M (docs/performance.md): decode speed and NLL of block 32 vs 64 vs 128
+DEFAULT_BLOCK_SIZE = 32
+#: 4: MatMulNBits quantizes its input to int8 per block and uses integer dot products (fastest on CPU)
+DEFAULT_ACCURACY_LEVEL = 4
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    scheme: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    #: symmetric blocks (no zero points); the vocabulary tables are always symmetric (shared by two ops)
+    symmetric: bool = True
+    #: "rtn" (round to nearest, onnxruntime's default quantizer) or "hqq" (onnxruntime's HQQ quantizer: float
+    #: zero points, optimised per block; needs torch)
+    algorithm: str = "rtn"
+
+    @property
+    def bits(self) -> int:
+        return SCHEMES[self.scheme]
+
+    def to_json(self) -> dict:
+        import onnxruntime
+
+        return {"scheme": self.scheme, "bits": self.bits, "block_size": self.block_size,
+                "accuracy_level": self.accuracy_level, "symmetric": self.symmetric,
+                "quantizer": f"onnxruntime {onnxruntime.__version__} MatMulNBitsQuantizer (RTN)"}
+
+
+def check_scheme(weights: str | None, block_size: int | None, accuracy_level: int | None, target: str,
+                 error=ExportError) -> None:
+    """Refuse, in one line, what cannot be quantized (before anything is loaded)."""
+    if weights is None:
+        if block_size is not None or accuracy_level is not None:
+            raise error("--block-size and --accuracy-level need --weights int4|int8")
+        return
+    if weights not in SCHEMES:
+        raise error(f"weights must be one of {', '.join(SCHEMES)}, got {weights!r}")
+    if target == "portable":
+        raise error(f"--weights {weights} needs --target onnxruntime or onnxruntime-fused (accelerator compilers "
+                    "quantize the portable graph at compile time)")
+    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
+        raise error(f"--block-size must be a power of two >= 16, got {block_size}")
+    if accuracy_level is not None and accuracy_level not in ACCURACY_LEVELS:
+        raise error(f"--accuracy-level must be one of 0-4, got {accuracy_level}")
+
+
+def resolve_options(weights: str | None, block_size: int | None, accuracy_level: int | None) -> dict:
+    """ExportOptions fields: with ``weights``, the block size and accuracy level resolved to their defaults (so
+    the options hash and the manifest name the values used)."""
+    if weights is not None:
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        accuracy_level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    return {"weights": weights, "block_size": block_size, "accuracy_level": accuracy_level}
+
+
+def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
+                    kv_batch: int = 1) -> dict:
+    """Replace the verified float graph at ``onnx_path`` (in the staging folder) by its quantized version.
+
+    The quantized graph is written by ``save(model, path)`` into ``work``, checked against the float graph on the
+    probe (:func:`compare_graphs`; the verification probe, or a fresh one when verification was skipped), then
+    renamed over the float files. Returns the manifest's ``weights`` record."""
+    from .verify import make_probe
+
+    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    work.mkdir(parents=True, exist_ok=True)
+    qpath = work / onnx_path.name
+    model = quantize_graph(onnx_path, scheme, say)
+    save(model, qpath)
+    del model
+    if probe is None:
+        probe = make_probe(vocab_size, options.ctx_len, options.prefill_seq_len)
+    say(f"checking the {scheme.scheme} graph against the float graph ({len(probe.prompt)}-token probe)")
+    agreement = compare_graphs(onnx_path, qpath, probe, ctx_len=options.ctx_len, kv_batch=kv_batch,
+                               ccl=options.ccl)
+    say(f"{scheme.scheme}: top-1 agreement with the float graph {agreement.top1_agreement:.0%} over "
+        f"{agreement.steps} steps, max |logit difference| {agreement.max_abs_logit_diff:.3g}")
+    float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
+        old.unlink(missing_ok=True)
+    for f in sorted(work.iterdir()):
+        f.replace(onnx_path.parent / f.name)
+    record = scheme.to_json()
+    record["float_graph_bytes"] = float_bytes
+    record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    record["check"] = agreement.to_json()
+    return record
+
+
+def min_k(block_size: int) -> int:
+    """MatMul weights with fewer input features than this stay float (one block at least)."""
+    return block_size
+
+
+# ------------------------------------------------------------------------------------------ quantization
+def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
+    """The float graph at ``float_path`` with quantized weights, as an ``onnx_ir`` model (not yet written)."""
+    import logging
+
+    import onnx
+    import onnx_ir as ir
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    proto = onnx.load(str(float_path), load_external_data=True)
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    # Name every node (the quantizer excludes by name) and keep small or non-constant MatMuls as they are.
+    exclude = []
+    for i, node in enumerate(graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+        if node.op_type == "MatMul":
+            w = inits.get(node.input[1]) if len(node.input) > 1 else None
+            if w is None or len(w.dims) != 2 or w.dims[0] < min_k(scheme.block_size) \
+                    or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                exclude.append(node.name)
+    if scheme.algorithm == "hqq":
+        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=scheme.bits,
+                                           op_types_to_quantize=("MatMul",))
+    else:
+        cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+                                               accuracy_level=scheme.accuracy_level or None,
+                                               op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    quantizer = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=cfg)
+    quantizer.process()
+    proto = quantizer.model.model
+    n_matmul = 0
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            n_matmul += 1
+            if scheme.accuracy_level and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", scheme.accuracy_level))
+    vcfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=True,
+                                            accuracy_level=scheme.accuracy_level or None,
+                                            op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg))
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "
+        f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s")
+    return ir.serde.deserialize_model(proto)
+
+
+def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer) -> int:
+    """The head ``Gemm(transB=1)`` -> ``MatMulNBits`` and the embedding ``Gather`` -> ``GatherBlockQuantized``,
+    sharing one packed initializer when they read the same (tied) table. Returns the tables quantized."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for idx, name in enumerate(node.input):
+            if name in inits:
+                readers.setdefault(name, []).append((node, idx))
+
+    def is_head(node, idx):
+        if node.op_type != "Gemm" or idx != 1:
+            return False
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+                and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 1.0))
+
+    def is_lookup(node, idx):
+        if node.op_type != "Gather" or idx != 0:
+            return False
+        return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
+
+    bits, block = scheme.bits, scheme.block_size
+    done = 0
+    new_nodes: dict[int, list] = {}   # id(node) -> replacement nodes
+    for name, uses in readers.items():
+        t = inits[name]
+        if len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT or t.dims[1] < min_k(block):
+            continue
+        if not all(is_head(n, i) or is_lookup(n, i) for n, i in uses):
+            continue
+        table = numpy_helper.to_array(t)
+        rows, k = table.shape
+        if k % block:
+            continue  # GatherBlockQuantized reads whole blocks; such a table stays float
+        packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
+        kb = packed.shape[1]
+        qname, sname = f"{name}_Q{bits}", f"{name}_scales"
+        graph.initializer.extend([numpy_helper.from_array(packed, qname),
+                                  numpy_helper.from_array(scales.astype(table.dtype), sname)])
+        need_s3 = any(is_lookup(n, i) for n, i in uses)
+        if need_s3:
+            graph.initializer.append(numpy_helper.from_array(np.array([rows, kb, 1], np.int64), f"{name}_scales_shape"))
+            graph.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{name}_row_shape"))
+        first_lookup = True
+        for node, _idx in uses:
+            if is_head(node, 1) and node.input[1] == name:
+                inputs = [node.input[0], qname, sname]
+                if len(node.input) > 2 and node.input[2]:
+                    inputs += ["", "", node.input[2]]  # zero_points, g_idx absent; bias
+                kw = {"K": k, "N": rows, "bits": bits, "block_size": block}
+                if scheme.accuracy_level:
+                    kw["accuracy_level"] = scheme.accuracy_level
+                new_nodes[id(node)] = [helper.make_node("MatMulNBits", inputs, list(node.output),
+                                                        name=f"{node.name}_Q{bits}", domain="com.microsoft", **kw)]
+            else:
+                pre = f"{node.name}_Q{bits}"
+                out = node.output[0]
+                repl = []
+                s3 = f"{name}_scales_3d"
+                if first_lookup:
+                    repl.append(helper.make_node("Reshape", [sname, f"{name}_scales_shape"], [s3],
+                                                 name=f"{name}_scales_reshape"))
+                    first_lookup = False
+                # [..., kb, block] -> [..., hidden]: Shape(indices) ++ [hidden]
+                repl += [
+                    helper.make_node("GatherBlockQuantized", [qname, node.input[1], s3], [f"{pre}_blocks"],
+                                     name=pre, domain="com.microsoft", gather_axis=0, quantize_axis=2,
+                                     block_size=block, bits=bits),
+                    helper.make_node("Shape", [node.input[1]], [f"{pre}_ishape"], name=f"{pre}_ishape"),
+                    helper.make_node("Concat", [f"{pre}_ishape", f"{name}_row_shape"], [f"{pre}_oshape"],
+                                     name=f"{pre}_oshape", axis=0),
+                    helper.make_node("Reshape", [f"{pre}_blocks", f"{pre}_oshape"], [out], name=f"{pre}_reshape"),
+                ]
+                new_nodes[id(node)] = repl
+        graph.initializer.remove(t)
+        done += 1
+    if new_nodes:
+        nodes = []
+        for node in graph.node:
+            nodes.extend(new_nodes.get(id(node), [node]))
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return done
+
+
+# ------------------------------------------------------------------------------------------ loose check
+@dataclass
+class Agreement:
+    steps: int
+    top1_agreement: float
+    max_abs_logit_diff: float
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"status": "passed", "against": "float graph", "steps": self.steps,
+                "top1_agreement": round(self.top1_agreement, 4),
+                "max_abs_logit_diff": float(f"{self.max_abs_logit_diff:.4g}"), "seconds": round(self.seconds, 3)}
+
+
+def compare_graphs(float_path: Path, quant_path: Path, probe, *, ctx_len: int, kv_batch: int = 1,
+                   ccl=None) -> Agreement:
+    """Run both graphs on ``probe`` (decode teacher-forced with the float graph's greedy tokens): the quantized
+    graph must load, run and give finite logits; report its top-1 agreement and max logit difference."""
+    from .verify import _first_line, _Runner
+
+    t0 = time.perf_counter()
+    runs = []
+    tokens: list[int] = []
+    for label, path in (("float", float_path), ("quantized", quant_path)):
+        try:
+            runner = _Runner(path, ctx_len, kv_batch, ccl)
+            logits = []
+            prompt, chunk = probe.prompt, probe.chunk
+            last = None
+            for start in range(0, len(prompt), chunk):
+                part = prompt[start:start + chunk]
+                pad = chunk - len(part) if start + chunk <= ctx_len else 0
+                last = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot)
+            logits.append(last)
+            pos = len(prompt)
+            for k in range(probe.decode_steps):
+                if label == "float":
+                    tokens.append(int(np.argmax(logits[-1])))
+                logits.append(runner.step([tokens[k]], [pos], probe.slot))
+                pos += 1
+            del runner
+        except Exception as exc:
+            raise VerificationError(f"the {label} graph could not run the probe ({_first_line(exc)})") from None
+        runs.append(logits)
+    ref, got = runs
+    for i, g in enumerate(got):
+        if not np.all(np.isfinite(g)):
+            raise VerificationError(f"the quantized graph's logits are not finite at step {i + 1}")
+    agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got)) / len(ref)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
+    return Agreement(steps=len(ref), top1_agreement=agree, max_abs_logit_diff=diff,
+                     seconds=time.perf_counter() - t0)
