@@ -23,6 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bandwidth import bytes_per_token, graph_bytes, measure_bandwidth  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 MODELS = {
     "S": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=8,
@@ -306,37 +309,6 @@ class Worker:
             self.proc.kill()
 
 
-# =============================================================================================== roofline
-def matvec_bandwidth(model: str, threads: int, repeats: int = 30) -> float:
-    """Bytes/s of fp32 matrix-vector products over the weight matrices one decode token of ``model`` reads."""
-    code = f"""
-import numpy as np, time, json
-cfg = {MODELS[model]!r}
-h, i, v = cfg['hidden_size'], cfg['intermediate_size'], cfg['vocab_size']
-kv = cfg['num_key_value_heads'] * (h // cfg['num_attention_heads'])
-shapes = []
-for _ in range(cfg['num_hidden_layers']):
-    shapes += [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
-shapes.append((v, h))
-rng = np.random.default_rng(0)
-mats = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
-vecs = [rng.standard_normal(s[1], dtype=np.float32) for s in shapes]
-nbytes = sum(m.nbytes for m in mats)
-best = []
-for _ in range({repeats}):
-    t = time.perf_counter()
-    for m, x in zip(mats, vecs):
-        m @ x
-    best.append(time.perf_counter() - t)
-best.sort()
-print(json.dumps({{"bytes": nbytes, "seconds": best[len(best) // 2]}}))
-"""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    r = json.loads(out.stdout)
-    return r["bytes"] / r["seconds"], r["bytes"]
-
-
 # =============================================================================================== driver
 def summarize(runs: list[dict]) -> dict:
     steps = [s for r in runs for s in r["steps"]]
@@ -364,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="S only, 3 rounds")
     ap.add_argument("--models", default="S,M")
+    ap.add_argument("--bw-mib", type=int, default=1024, help="buffer of the bandwidth measurement (MiB)")
+    ap.add_argument("--bw-repeats", type=int, default=7, help="timed passes per bandwidth variant")
     ap.add_argument("--engines", default="qeff_fused,qeff,genai,hf_eager,hf_static,ort_plain",
                     help="qeff_fused: our runtime on the onnxruntime-fused export (the headline figures); qeff: on the "
                          "standard-op onnxruntime export")
@@ -386,6 +360,7 @@ def main(argv=None) -> int:
     results: dict = {"threads": args.threads, "rounds": args.rounds, "engines": engines, "cases": {},
                      "capacity": {}, "roofline": {}, "machine": {"cpus": os.cpu_count()}}
     cases = {"S": [(128, 128, 256), (1536, 64, 2048)], "M": [(128, 128, 256)]}
+    results["roofline"]["bandwidth_before"] = measure_bandwidth(args.threads, args.bw_mib << 20, args.bw_repeats)
     for model in args.models.split(","):
         model_dir = build_model(model, args.work)
         work = args.work / f"{model}-exports"
@@ -432,16 +407,46 @@ def main(argv=None) -> int:
         finally:
             for w in workers.values():
                 w.close()
-        if model == "M":
-            bw, nbytes = matvec_bandwidth("M", args.threads)
-            results["roofline"]["M"] = {"matvec_bandwidth_gb_s": bw / 1e9, "bytes_per_token": nbytes,
-                                        "roofline_tok_s": bw / nbytes}
+        results["roofline"].setdefault("graphs", {})[model] = {
+            t: graph_bytes(work / f"qeff-{t}") for t in ("onnxruntime-fused", "onnxruntime")}
+    _roofline(results, args.threads, args.bw_mib, args.bw_repeats)
     _targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(results, indent=2) + "\n")
     _plot(results, args.out / "decode.png")
     print(json.dumps(results["targets"], indent=2))
     return 0
+
+
+def _roofline(results: dict, threads: int, mib: int, repeats: int) -> None:
+    """Bandwidth limit of each case: measured streaming bandwidth / bytes one decode step reads.
+
+    Bytes per token come from the fused export's initializers (benchmarks/bandwidth.py) plus the KV cache at the
+    mean valid length of the case's decode steps (prompt + new / 2). Every engine is reported against it."""
+    # The machine is shared and its bandwidth moves: measured before the engines ran and again now, the faster
+    # of the two is the limit (both are recorded).
+    roof = results["roofline"]
+    runs = [roof.pop("bandwidth_before"), measure_bandwidth(threads, mib << 20, repeats)]
+    roof["bandwidth_runs"] = runs
+    bw = max(runs, key=lambda r: r["limit_gb_s"])
+    roof["bandwidth"] = bw
+    print("\nbandwidth before the engines %.1f GB/s, after %.1f GB/s" % (runs[0]["limit_gb_s"], runs[1]["limit_gb_s"]),
+          file=sys.stderr)
+    print("\nbandwidth (streaming read, %d MiB, %d threads): %s -> limit %.1f GB/s (%s)" % (
+        mib, threads, ", ".join(f"{k} {v['gb_s']:.1f}" for k, v in bw["variants"].items()), bw["limit_gb_s"],
+        bw["limit_variant"]), file=sys.stderr)
+    roof["cases"] = {}
+    for key, case in results["cases"].items():
+        model, lens = key.split(" ", 1)
+        plen, new = (int(x) for x in lens.split("->"))
+        valid = plen + new / 2
+        nbytes = bytes_per_token(roof["graphs"][model]["onnxruntime-fused"], valid)
+        limit = bw["limit_gb_s"] * 1e9 / nbytes
+        frac = {e: s["decode_tok_s"] / limit for e, s in case.items() if s.get("decode_tok_s")}
+        roof["cases"][key] = {"mean_valid_len": valid, "bytes_per_token": nbytes, "limit_tok_s": limit,
+                              "fraction": frac}
+        print(f"  {key}: {nbytes / 1e6:.1f} MB/token -> limit {limit:.1f} tok/s; " + ", ".join(
+            f"{e} {f:.2f}" for e, f in frac.items()), file=sys.stderr)
 
 
 def _print_case(key, case):
@@ -465,11 +470,11 @@ def _targets(results: dict) -> None:
                     t[f"{key}: step time {e} / {mine}"] = s["step_ms_median"] / q["step_ms_median"]
             if key.startswith("S 1536") and "hf_eager" in case:
                 t[f"{key}: first-token {mine} / hf_eager (<= 1)"] = q["first_token_ms"] / case["hf_eager"]["first_token_ms"]
-    roof = results["roofline"].get("M")
-    for mine in ours:
-        mcase = results["cases"].get("M 128->128", {}).get(mine)
-        if roof and mcase:
-            t[f"M: {mine} decode / bandwidth roofline (>= 0.9)"] = mcase["decode_tok_s"] / roof["roofline_tok_s"]
+    for key, roof in results["roofline"].get("cases", {}).items():
+        for mine in ours:
+            if mine in roof["fraction"]:
+                t[f"{key}: {mine} decode / bandwidth limit (<= 1 unless the weights fit in cache)"] = \
+                    roof["fraction"][mine]
     cap = results.get("capacity", {})
     for mine in ours:
         if cap and mine in cap.get("256", {}):
