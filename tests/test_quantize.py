@@ -20,18 +20,10 @@ VOCAB, HIDDEN, BLOCK = 256, 64, 32
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    import torch
-    import transformers
+    from hf_models import make_model_dir
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(3)
-    out = tmp_path_factory.mktemp("hf") / "tied"
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(out, safe_serialization=True)
-    return out
+    return make_model_dir("llama", tmp_path_factory.mktemp("hf"), seed=3, vocab_size=VOCAB,
+                          tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

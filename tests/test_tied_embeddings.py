@@ -16,19 +16,17 @@ VOCAB, HIDDEN = 256, 64
 
 
 def _model_dir(root, tied: bool):
-    import torch
-    import transformers
+    """The tiny seeded Llama of tests/hf_models.py with vocab 256, tied or not; its float32 parameter bytes
+    (as saved: a tied tensor once)."""
+    from safetensors import safe_open
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
-                                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied)
-    cfg.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    out = root / ("tied" if tied else "untied")
-    model.save_pretrained(out, safe_serialization=True)
-    return out, sum(p.numel() * 4 for p in model.parameters())  # a tied tensor is yielded once
+    from hf_models import make_model_dir
+
+    out = make_model_dir("llama", root / ("tied" if tied else "untied"), seed=3, vocab_size=VOCAB,
+                         tie_word_embeddings=tied)
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        nbytes = sum(f.get_tensor(k).size * 4 for k in f.keys())
+    return out, nbytes
 
 
 @pytest.fixture(scope="module")
