@@ -59,6 +59,14 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--accuracy-level", type=click.IntRange(0, 4), metavar="L",
               help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
                    "Needs --weights.")
+@click.option("--sliding-cache", type=click.Choice(["ring", "full"]),
+              help="Sliding-window layers when ctx_len exceeds the window: ring (window slots written at "
+                   "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "
+                   "(ctx_len slots, the window in the attention mask: more memory, rewinds of any depth; "
+                   "always on onnxruntime-fused).")
+@click.option("--single-graph", is_flag=True,
+              help="Vision-language models: one graph with the vision encoder inside (pixel_values retained) "
+                   "instead of a vision graph beside the language graph.")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
@@ -66,15 +74,16 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, verify, force,
-           quiet):
+           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, sliding_cache,
+           single_graph, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
         model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
-        ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level)
+        ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
+        single_graph=single_graph)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -15,7 +15,7 @@ from qeff_kv import buffers as _buffers
 from qeff_kv import check as _check
 from qeff_kv import rewrite as _rewrite
 
-from .params import DIM, PRECISION
+from .params import DIM, PRECISION, SLIDING_WINDOW
 
 _MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
 
@@ -83,10 +83,14 @@ def check_cmd(models: tuple[str, ...], prefix: str | None, unprefixed: bool, as_
 @click.option("--regex", default=None, metavar="R",
               help="Show exactly which inputs/outputs R selects (full match) and whether that is the KV set.")
 @click.option("--ctx-len", type=DIM, default=None, help="Context length for bytes per sequence.")
+@click.option("--sliding-window", type=SLIDING_WINDOW, default=None, metavar="N",
+              help="Window (capacity) of the sliding-window ring buffers (axis 'sliding_window') for their bytes "
+                   "per sequence; default: the graph metadata qeff_kv.sliding_window.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema qeff-kv.buffers/1).")
-def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: bool) -> None:
+def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_window: int | None,
+                as_json: bool) -> None:
     """List the KV buffer pairs, non-KV retained buffers and canonical selection regexes of MODEL."""
-    report = _buffers.buffers_report(model, regex=regex, ctx_len=ctx_len)
+    report = _buffers.buffers_report(model, regex=regex, ctx_len=ctx_len, sliding_window=sliding_window)
     click.echo(report.to_json_text() if as_json else report.format_text(), nl=False)
 
 
@@ -106,12 +110,18 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, as_json: boo
 @click.option("--ccl", metavar="L1,L2,...|auto",
               help="Compute-context lengths of a graph with a comp_ctx_lengths input: one prefill and one decode "
                    "specialization per value.")
+@click.option("--sliding-window", type=SLIDING_WINDOW, default=None, metavar="N",
+              help="Window of a graph with sliding-window ring buffers (axis 'sliding_window'), written as the "
+                   "symbol sliding_window of every specialization; default: the graph metadata "
+                   "qeff_kv.sliding_window (peer graphs carry none).")
 def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
-                       full_batch_size: int | None, fmt: str, precision: str, ccl: str | None) -> None:
+                       full_batch_size: int | None, fmt: str, precision: str, ccl: str | None,
+                       sliding_window: int | None) -> None:
     """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph."""
     paths = _buffers.write_compile_config_for_graph(
         model, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len, batch_size=batch_size,
-        full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl)  # type: ignore[arg-type]
+        full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl,  # type: ignore[arg-type]
+        sliding_window=sliding_window)
     for p in paths:
         click.echo(f"wrote {p}")
 

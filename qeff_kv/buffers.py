@@ -2,8 +2,10 @@
 
 * :func:`format_buffer_table` renders a :class:`~qeff_kv.layout.KVLayout` (also printed after ``export``).
 * :func:`buffers_report` reads a graph (external weights never loaded) and builds a :class:`BuffersReport`:
-  the KV pairs (layer, kind, input name, retained name, dtype, shape, bytes per sequence at ``ctx_len``), the
-  non-KV retained buffers, the canonical regexes for the graph's prefix and, with a regex, exactly which I/O
+  the KV pairs (layer, kind, input name, retained name, dtype, shape, capacity, bytes per sequence at
+  ``ctx_len`` and, for sliding-window ring buffers (axis 2 ``sliding_window``), at the window ``W`` taken from
+  the graph metadata ``qeff_kv.sliding_window`` or given by the caller), the non-KV retained buffers, the
+  canonical regexes for the graph's prefix and, with a regex, exactly which I/O
   names it selects and whether that equals the KV set.
 * :func:`write_compile_config_for_graph` writes ``custom_io.yaml``/``specializations.json`` for an existing graph.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import graphio, naming
-from .compile_config import SpecFormat, write_compile_config
+from .compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
 from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout, KVPair
 
@@ -58,34 +60,63 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def total_bytes_per_sequence(layout: KVLayout, ctx_len: int | None) -> int | None:
+def total_bytes_per_sequence(layout: KVLayout, ctx_len: int | None,
+                             sliding_window: int | None = None) -> int | None:
+    """Bytes of one sequence over every KV pair, each at its own capacity (``sliding_window`` defaults to the
+    graph metadata's window); ``None`` if one is unknown."""
+    if sliding_window is None:
+        sliding_window = layout.sliding_window
     total = 0
     for p in layout.pairs:
-        b = p.bytes_per_sequence(ctx_len)
+        b = p.bytes_per_sequence(ctx_len, sliding_window)
         if b is None:
             return None
         total += b
     return total
 
 
-def format_buffer_table(layout: KVLayout, ctx_len: int | None = None) -> str:
-    """The KV pairs of ``layout`` as a text table, with the non-KV retained buffers and totals."""
+def _fmt_capacity(n: int | None) -> str:
+    return "?" if n is None else str(n)
+
+
+def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_window: int | None = None) -> str:
+    """The KV pairs of ``layout`` as a text table (capacity and bytes per sequence at each buffer's own
+    capacity: ``ctx_len``, or the window ``W`` for ring buffers), with the non-KV retained buffers and totals.
+    ``sliding_window`` defaults to the graph metadata's window."""
+    if sliding_window is None:
+        sliding_window = layout.sliding_window
+    sliding = layout.has_sliding
     rows = []
     for p in _sorted_pairs(layout):
         rows.append([str(p.layer), p.stem, p.input_name, p.output_name, p.input.dtype, _fmt_shape(p.input.shape),
-                     human_bytes(p.bytes_per_sequence(ctx_len))])
-    bytes_col = f"bytes/seq @ctx_len={ctx_len}" if ctx_len is not None else "bytes/seq"
-    lines = _table(["layer", "kind", "input", "retained", "dtype", "shape", bytes_col], rows)
-    total = total_bytes_per_sequence(layout, ctx_len)
+                     _fmt_capacity(p.capacity(ctx_len, sliding_window)),
+                     human_bytes(p.bytes_per_sequence(ctx_len, sliding_window))])
+    at = []
+    if ctx_len is not None:
+        at.append(f"ctx_len={ctx_len}")
+    if sliding and sliding_window is not None:
+        at.append(f"sliding_window={sliding_window}")
+    bytes_col = "bytes/seq" + (f" @{','.join(at)}" if at else "")
+    lines = _table(["layer", "kind", "input", "retained", "dtype", "shape", "capacity", bytes_col], rows)
+    total = total_bytes_per_sequence(layout, ctx_len, sliding_window)
     ps = layout.prefixes
     prefix = "mixed: " + ", ".join("(none)" if p is None else p for p in ps) if len(ps) > 1 else (
         "(none)" if not ps or ps[0] is None else ps[0])
     summary = f"{len(layout.pairs)} KV pairs, {layout.num_layers} layers, prefix {prefix}"
     if total is not None:
         summary += f", {human_bytes(total)} ({total} bytes) per sequence"
-    elif ctx_len is None and layout.pairs:
-        summary += "; pass --ctx-len N for bytes per sequence"
+    elif layout.pairs:
+        need = []
+        if ctx_len is None and any(p.bytes_per_sequence(None, sliding_window or 1) is None for p in layout.pairs):
+            need.append("--ctx-len N")
+        if sliding and sliding_window is None:
+            need.append("--sliding-window N")
+        if need:
+            summary += f"; pass {' and '.join(need)} for bytes per sequence"
     lines.append(summary)
+    if sliding:
+        w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
+        lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
     if layout.unpaired_inputs or layout.unpaired_outputs:
         lines.append("unpaired KV buffers: " + ", ".join(layout.unpaired_inputs + layout.unpaired_outputs))
     if layout.non_kv_retained:
@@ -148,6 +179,8 @@ class BuffersReport:
     layout: KVLayout
     ctx_len: int | None = None
     selection: RegexSelection | None = None
+    #: the window ``W`` of the ring buffers: given by the caller, else the graph metadata's (``None``: unknown)
+    sliding_window: int | None = None
 
     @property
     def prefix(self) -> str | None:
@@ -171,8 +204,10 @@ class BuffersReport:
             "prefixes": list(lay.prefixes),
             "num_layers": lay.num_layers,
             "ctx_len": self.ctx_len,
-            "pairs": [p.to_json(self.ctx_len) for p in _sorted_pairs(lay)],
-            "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len),
+            "sliding_window": self.sliding_window,
+            "sliding_layers": lay.sliding_layers,
+            "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
+            "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
             "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
             "non_kv_retained": [{"input": i, "retained": o} for i, o in lay.non_kv_retained],
             "regexes": self.regexes,
@@ -183,7 +218,7 @@ class BuffersReport:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     def format_text(self) -> str:
-        out = [f"{self.model}", format_buffer_table(self.layout, self.ctx_len).rstrip("\n")]
+        out = [f"{self.model}", format_buffer_table(self.layout, self.ctx_len, self.sliding_window).rstrip("\n")]
         rx = self.regexes
         if rx is not None:
             out.append("canonical regexes:")
@@ -197,18 +232,23 @@ class BuffersReport:
 
 
 def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
-                   ctx_len: int | None = None) -> BuffersReport:
-    """Read ``path`` (weights stay on disk) and describe its buffers."""
+                   ctx_len: int | None = None, sliding_window: int | None = None) -> BuffersReport:
+    """Read ``path`` (weights stay on disk) and describe its buffers.
+
+    ``sliding_window``: the window ``W`` of the ring buffers (axis 2 ``sliding_window``) for their capacity and
+    bytes per sequence; by default the graph metadata's ``qeff_kv.sliding_window`` (peer graphs carry none)."""
     if ctx_len is not None and (not isinstance(ctx_len, int) or isinstance(ctx_len, bool) or ctx_len < 1):
         raise RuntimeInputError(f"ctx_len must be a positive integer, got {ctx_len!r}")
+    check_sliding_window(sliding_window)
     if regex is not None:
         try:
             re.compile(regex)
         except re.error as exc:
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
     layout = graphio.layout_of(graphio.load(path))
+    window = resolve_sliding_window(layout, sliding_window)
     sel = regex_selection(layout, regex) if regex is not None else None
-    return BuffersReport(str(path), layout, ctx_len, sel)
+    return BuffersReport(str(path), layout, ctx_len, sel, window)
 
 
 # ------------------------------------------------------------------------------------------------ compile
@@ -222,12 +262,16 @@ def _kv_batch_dim(layout: KVLayout) -> str | int | None:
 def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
                                    prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
                                    full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                                   precision: str = "float16", ccl=None) -> list[Path]:
+                                   precision: str = "float16", ccl=None,
+                                   sliding_window: int | None = None) -> list[Path]:
     """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
 
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
     without it refuses one. A graph with a ``comp_ctx_lengths`` input needs ``ccl`` (the compute-context
-    lengths, or ``"auto"``); a graph without it refuses one.
+    lengths, or ``"auto"``); a graph without it refuses one. A graph with sliding-window ring buffers (a KV axis 2
+    named ``sliding_window``) needs its window: ``sliding_window`` or the graph metadata ``qeff_kv.sliding_window``
+    (refused in one line when neither is there, or when they differ); a graph without that axis refuses
+    ``sliding_window``.
     """
     from . import check as _check
     from .compile_config import check_precision, parse_ccl, specializations
@@ -236,8 +280,9 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     # passes every check rule.
     check_precision(precision)
     ccl = parse_ccl(ccl, ctx_len)
+    check_sliding_window(sliding_window)
     specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                    ccl=ccl)
+                    ccl=ccl, sliding_window=sliding_window)
     report = _check.check(path)
     if not report.ok:
         rule = report.rule(report.failed[0])
@@ -262,6 +307,10 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
         raise RuntimeInputError(f"{path} has no {naming.CCL_INPUT} input; --ccl does not apply")
     if full_batch_size is not None and (not isinstance(full_batch_size, int) or full_batch_size < 1):
         raise RuntimeInputError(f"full_batch_size must be a positive integer, got {full_batch_size!r}")
+    if sliding_window is not None and not layout.has_sliding:
+        raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
+                                "--sliding-window does not apply")
+    resolve_sliding_window(layout, sliding_window, required=True)
     return write_compile_config(layout, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                 batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                                precision=precision, ccl=ccl)
+                                precision=precision, ccl=ccl, sliding_window=sliding_window)

@@ -8,7 +8,11 @@ Rules, in order:
 ``kv-present``        the graph has KV buffers (inputs/outputs named like ``past_key.<i>``).
 ``pairing``           every ``X_RetainedState`` output has the input ``X``, and every KV input ``X`` has the
                       output ``X_RetainedState``; no input or output is listed twice.
-``pair-match``        a KV input and its retained output have the same dtype, rank, dims and dim names.
+``pair-match``        a KV input and its retained output have the same dtype, rank, dims and dim names. Axis 2 of
+                      a KV buffer may be ``ctx_len`` (a full-length cache) or ``sliding_window`` (a sliding-window
+                      layer's ring buffer); layers may mix them (the report lists the sliding layers), but the key
+                      and value of one layer may not. Graph metadata ``qeff_kv.sliding_window``, when present,
+                      is a positive integer ``W``, and a static axis 2 on a sliding layer's buffer equals ``W``.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
@@ -18,9 +22,15 @@ Rules, in order:
 ``regex-substring``   the serving regex selects exactly the KV buffers: ``.*P.*`` for prefix ``P``, the legacy
                       ``past_key.*``/``past_value.*`` for an unprefixed graph.
 ``non-kv-unprefixed`` non-KV retained buffers (``vision_embeds``...) carry no prefix.
-``inplace``           each KV input's data is read only by the update producing its retained output
+``inplace``           each KV input is updated by one in-place updater (ScatterND, GroupQueryAttention) writing
+                      its retained output, and every other reader of it or of a view of it (Reshape, Squeeze,
+                      Unsqueeze, Flatten, Identity) is a node the updater depends on, so it runs first
                       (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed).
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
+
+A graph with sliding-window ring buffers (or the metadata ``qeff_kv.sliding_window``) adds
+``"sliding_window"`` (``W`` from the metadata, ``null`` if absent or invalid) and ``"sliding_layers"`` (layer
+indices whose buffers have axis 2 ``sliding_window``) at the end of the JSON; other graphs' JSON is unchanged.
 
 The optional input ``comp_ctx_lengths`` (compute context length, contract section 9) is known: it is not a
 KV buffer, no rule is about it, and the report says the graph has it (``"comp_ctx_lengths": true`` at the end
@@ -51,13 +61,14 @@ SCHEMA = "qeff-kv.check/1"
 RULES: dict[str, str] = {
     "kv-present": "the graph has KV buffers",
     "pairing": "every X_RetainedState output has input X and every KV input X has output X_RetainedState",
-    "pair-match": "a KV input and its retained output have the same dtype, rank, dims and dim names",
+    "pair-match": "a KV input and its retained output have the same dtype, rank, dims and dim names "
+                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window)",
     "layers": "layers 0..N-1 are contiguous and every layer has key and value (each stem group complete)",
     "prefix": "one valid prefix on every KV buffer, equal to the expected prefix when given",
     "regex-exact": "the exact selection regex selects exactly the KV buffers",
     "regex-substring": "the serving regex (.*P.*, or legacy past_key.*/past_value.*) selects exactly the KV buffers",
     "non-kv-unprefixed": "non-KV retained buffers carry no prefix",
-    "inplace": "each KV input is read only by the update that writes its retained output",
+    "inplace": "each KV input is updated in place into its retained output; every other reader runs before the update",
     "onnx-checker": "onnx.checker.check_model passes",
 }
 
@@ -117,6 +128,16 @@ class CheckReport:
     rules: list[RuleResult]
     #: the graph takes ``comp_ctx_lengths`` (CCL, contract section 9)
     ccl: bool = False
+    #: layers with sliding-window ring buffers (axis 2 ``sliding_window``)
+    sliding_layers: list[int] = field(default_factory=list)
+    #: ``W`` from graph metadata ``qeff_kv.sliding_window`` (``None``: absent or not a positive integer)
+    sliding_window: int | None = None
+    #: the graph carries the metadata ``qeff_kv.sliding_window`` (valid or not)
+    sliding_meta: bool = False
+
+    @property
+    def sliding(self) -> bool:
+        return bool(self.sliding_layers) or self.sliding_meta
 
     @property
     def ok(self) -> bool:
@@ -155,6 +176,8 @@ class CheckReport:
             "rules": [r.to_json() for r in self.rules],
             # only on graphs that have the input: the key set of schema /1 stays as it was for the others
             **({naming.CCL_INPUT: True} if self.ccl else {}),
+            **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+               if self.sliding else {}),
         }
 
     def to_json_text(self) -> str:
@@ -163,7 +186,10 @@ class CheckReport:
     def format_text(self) -> str:
         width = max(len(r) for r in RULES)
         lines = [f"{self.model}: prefix {_fmt_prefix(self.prefix) if len(self.prefixes) <= 1 else 'mixed'}, "
-                 f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")]
+                 f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
+                 + (f", sliding-window layers {_fmt_ints(self.sliding_layers) or 'none'} "
+                    f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
+                    if self.sliding else "")]
         for r in self.rules:
             lines.append(f"  {r.status.upper():4}  {r.id:<{width}}  {r.description}")
             if r.note:
@@ -222,6 +248,52 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
         for i, (da, db) in enumerate(zip(a.shape, b.shape)):
             if da != db:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
+    _sliding_dims(layout, r)
+
+
+#: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
+_POSITION_STEMS = ("past_key", "past_value", "compressed_kv", "k_pe")
+
+
+def _axis2(t) -> object:
+    return t.shape[2] if t.shape is not None and len(t.shape) > 2 else None
+
+
+def _sliding_dims(layout: KVLayout, r: RuleResult) -> None:
+    """Sliding-window facts: the metadata window is a positive int; a layer's key and value do not mix a
+    ``ctx_len`` and a ``sliding_window`` axis; static axis-2 sizes on a sliding layer equal the window."""
+    raw = layout.sliding_window_meta
+    window = layout.sliding_window
+    if raw is not None and window is None:
+        r.fail(None, f"graph metadata {naming.SLIDING_WINDOW_META} is {raw!r}; it must be a positive integer "
+                     "(the sliding window)")
+    by_layer: dict[int, list] = {}
+    for p in layout.pairs:
+        if p.stem in _POSITION_STEMS:
+            by_layer.setdefault(p.layer, []).append(p)
+    for layer in sorted(by_layer):
+        pairs = sorted(by_layer[layer], key=lambda p: naming.KV_STEMS.index(p.stem))
+        if not any(p.is_sliding for p in pairs):
+            continue
+        ctx_named = [p.input_name for p in pairs if isinstance(p.axis2, str) and p.axis2 != naming.SLIDING_DIM]
+        sliding_named = [p.input_name for p in pairs if p.axis2 == naming.SLIDING_DIM]
+        if ctx_named and sliding_named:
+            r.fail(ctx_named[0], f"layer {layer} mixes KV axis 2 {_fmt_dim(_axis2_of(pairs, ctx_named[0]))} "
+                                 f"({', '.join(ctx_named)}) and {naming.SLIDING_DIM!r} ({', '.join(sliding_named)}); "
+                                 "a layer's buffers hold the same positions")
+        if window is None:
+            continue
+        for p in pairs:  # one violation per pair: its input's size, else its output's
+            bad = [(t.name, _axis2(t)) for t in (p.input, p.output)
+                   if isinstance(_axis2(t), int) and _axis2(t) != window]
+            if bad:
+                name, d = bad[0]
+                r.fail(p.input_name, f"{name} dim 2 is {d} in sliding-window layer {layer}, but the graph's "
+                                     f"sliding window ({naming.SLIDING_WINDOW_META}) is {window}")
+
+
+def _axis2_of(pairs, name: str):
+    return next(p.axis2 for p in pairs if p.input_name == name)
 
 
 def _fmt_dim(d) -> str:
@@ -416,4 +488,5 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     return CheckReport(
         model=name, prefix=prefixes[0] if len(prefixes) == 1 else None, prefixes=prefixes,
         expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()),
-        ccl=layout.input(naming.CCL_INPUT) is not None)
+        ccl=layout.input(naming.CCL_INPUT) is not None, sliding_layers=layout.sliding_layers,
+        sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None)

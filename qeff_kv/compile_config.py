@@ -2,6 +2,12 @@
 
 Shared by ``qeff-kv export`` and ``qeff-kv compile-config``. Buffer names come from the graph's
 :class:`~qeff_kv.layout.KVLayout`, so the files follow whatever prefix the graph carries.
+
+A graph with sliding-window ring buffers (a KV axis 2 named ``sliding_window``) gets the symbol
+``sliding_window`` = ``str(W)`` in every specialization (flat and named formats, with or without CCL), as the
+peer writes; ``custom_io.yaml`` lists every pair whatever its capacity. ``W`` comes from the caller
+(``sliding_window=``, ``--sliding-window N``) or the graph metadata ``qeff_kv.sliding_window``; a graph with the
+axis and no known ``W`` is refused in one line.
 """
 
 from __future__ import annotations
@@ -42,9 +48,32 @@ def custom_io_yaml(layout: KVLayout, precision: str = "float16") -> str:
     return "\n".join(lines)
 
 
+def check_sliding_window(value) -> int | None:
+    """``None``, or ``value`` as a positive int (one-line :class:`RuntimeInputError` otherwise)."""
+    if value is None:
+        return None
+    return positive_int(naming.SLIDING_DIM, value)
+
+
+def resolve_sliding_window(layout: KVLayout, sliding_window=None, *, required: bool = False) -> int | None:
+    """The window ``W`` of ``layout``'s ring buffers: ``sliding_window`` when given (a positive int), else the graph
+    metadata ``qeff_kv.sliding_window``. A given window that differs from the metadata's is refused; with
+    ``required``, a graph with ring buffers (axis ``sliding_window``) and no known window is refused too."""
+    sliding_window = check_sliding_window(sliding_window)
+    meta = layout.sliding_window
+    if sliding_window is not None and meta is not None and sliding_window != meta:
+        raise RuntimeInputError(f"sliding window {sliding_window} differs from the graph's own "
+                                f"{naming.SLIDING_WINDOW_META} = {meta}")
+    window = sliding_window if sliding_window is not None else meta
+    if required and window is None and layout.has_sliding:
+        raise RuntimeInputError(f"graph has sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
+                            "give --sliding-window N")
+    return window
+
+
 def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                     full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                    ccl: "Seq[int] | None" = None) -> dict:
+                    ccl: "Seq[int] | None" = None, sliding_window: int | None = None) -> dict:
     """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
 
     ``flat`` is the format every compiler release reads; ``named`` is the newer
@@ -54,11 +83,15 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
 
     With ``ccl`` (compute-context lengths, contract section 9): one prefill per value, then one decode per
     value, each with the symbol ``comp_ctx_lengths``; named entries are ``Prefill_ccl<L>`` / ``Decode_ccl<L>``.
+
+    With ``sliding_window`` (the window ``W`` of a graph with ring buffers, axis ``sliding_window``): every entry
+    carries ``"sliding_window": str(W)`` after ``ctx_len``.
     """
     for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
         positive_int(label, v)
     if full_batch_size is not None:
         positive_int("full_batch_size", full_batch_size)
+    check_sliding_window(sliding_window)
     if prefill_seq_len > ctx_len:
         raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
     if fmt not in ("flat", "named"):
@@ -71,6 +104,8 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     else:
         prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
         decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    if sliding_window is not None:
+        prefill, decode = (_after_ctx_len(d, naming.SLIDING_DIM, str(sliding_window)) for d in (prefill, decode))
     if ccl:
         for v in ccl:
             positive_int(naming.CCL_INPUT, v)
@@ -83,14 +118,30 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     return {"specializations": [{"name": name, "symbols": sym} for name, sym in entries]}
 
 
+def _after_ctx_len(d: dict, key: str, value: str) -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        out[k] = v
+        if k == "ctx_len":
+            out[key] = value
+    return out
+
+
 def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_len: int, ctx_len: int,
                          batch_size: int = 1, full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                         precision: str = "float16", ccl: "Seq[int] | None" = None) -> list[Path]:
-    """Write both files into ``out_dir`` atomically; return their paths."""
+                         precision: str = "float16", ccl: "Seq[int] | None" = None,
+                         sliding_window: int | None = None) -> list[Path]:
+    """Write both files into ``out_dir`` atomically; return their paths.
+
+    ``sliding_window``: the model's window ``W`` (default: the graph metadata ``qeff_kv.sliding_window``). It
+    lands in the specializations only when the graph has ring buffers (a KV axis 2 named ``sliding_window``);
+    such a graph without a known window is refused in one line (:class:`RuntimeInputError`), nothing written."""
     out_dir = Path(out_dir)
     check_precision(precision)
+    window = resolve_sliding_window(layout, sliding_window, required=True)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
-                           full_batch_size=full_batch_size, fmt=fmt, ccl=ccl)
+                           full_batch_size=full_batch_size, fmt=fmt, ccl=ccl,
+                           sliding_window=window if layout.has_sliding else None)
     text = custom_io_yaml(layout, precision)
     cio, sp = out_dir / CUSTOM_IO_FILE, out_dir / SPECIALIZATIONS_FILE
     fsutil.write_text(cio, text)

@@ -124,9 +124,15 @@ def _info(v: ir.Value) -> TensorInfo:
     return TensorInfo(v.name or "", dtype, shape)
 
 
+def metadata_of(model: ir.Model) -> dict[str, str]:
+    """The model's ``metadata_props`` (``qeff_kv.sliding_window``...) as a plain dict."""
+    return {str(k): str(v) for k, v in model.metadata_props.items()}
+
+
 def layout_of(model: ir.Model) -> KVLayout:
+    """The KV layout of ``model``, with its graph metadata (the sliding window ``W`` of ring buffers)."""
     ins, outs = io_of(model)
-    return KVLayout.from_io(ins, outs)
+    return KVLayout.from_io(ins, outs, metadata_of(model))
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathLike | None = None) -> Path:

@@ -74,28 +74,71 @@ class KVPair:
     def output_name(self) -> str:
         return self.output.name
 
-    def bytes_per_sequence(self, ctx_len: int | None = None) -> int | None:
-        """Bytes of one sequence's slice (all dims but the batch axis), ``ctx_len`` standing for symbolic dims
-        named like the context axis. ``None`` if a dim is unknown."""
+    @property
+    def axis2(self) -> Dim:
+        """Axis 2 of the KV input (the positions axis of attention KV buffers), ``None`` if unknown."""
+        shape = self.input.shape
+        return shape[2] if shape is not None and len(shape) > 2 else None
+
+    @property
+    def is_sliding(self) -> bool:
+        """A sliding-window ring buffer: axis 2 of its input or retained output is named ``sliding_window``."""
+        return any(t.shape is not None and len(t.shape) > 2 and t.shape[2] == naming.SLIDING_DIM
+                   for t in (self.input, self.output))
+
+    def capacity(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:
+        """Positions this buffer holds per sequence (its axis 2): ``ctx_len`` for an axis named like the context
+        axis (``ctx_len``...), ``sliding_window`` for an axis named ``sliding_window`` (a ring buffer), the int of
+        a static axis; ``None`` when unknown (no axis 2, another name, or the value not given)."""
+        return _dim_value(self.axis2, ctx_len, sliding_window)
+
+    def bytes_per_sequence(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:
+        """Bytes of one sequence's slice (all dims but the batch axis): ``ctx_len`` stands for symbolic dims
+        named like the context axis, ``sliding_window`` for dims named ``sliding_window``. ``None`` if a dim is
+        unknown."""
         shape = self.input.shape
         if shape is None or len(shape) < 1:
             return None
         total = itemsize(self.input.dtype)
         for d in shape[1:]:
-            if isinstance(d, int):
-                total *= d
-            elif ctx_len is not None and isinstance(d, str) and "ctx" in d:
-                total *= ctx_len
-            else:
+            v = _dim_value(d, ctx_len, sliding_window)
+            if v is None:
                 return None
+            total *= v
         return total
 
-    def to_json(self, ctx_len: int | None = None) -> dict:
+    def to_json(self, ctx_len: int | None = None, sliding_window: int | None = None) -> dict:
         return {
             "layer": self.layer, "kind": self.stem, "input": self.input_name, "retained": self.output_name,
             "dtype": self.input.dtype, "shape": None if self.input.shape is None else list(self.input.shape),
-            "bytes_per_sequence": self.bytes_per_sequence(ctx_len),
+            "capacity": self.capacity(ctx_len, sliding_window),
+            "bytes_per_sequence": self.bytes_per_sequence(ctx_len, sliding_window),
         }
+
+
+def _dim_value(d: Dim, ctx_len: int | None, sliding_window: int | None) -> int | None:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return d
+    if isinstance(d, str):
+        if d == naming.SLIDING_DIM:
+            return sliding_window
+        if "ctx" in d:
+            return ctx_len
+    return None
+
+
+def parse_sliding_window(value: object) -> int | None:
+    """The window of graph metadata ``qeff_kv.sliding_window`` (a decimal string of a positive int), else
+    ``None`` (absent or not a positive integer: ``check`` reports the latter)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value > 0 else None
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit():
+        return None
+    v = int(text)
+    return v if v > 0 else None
 
 
 @dataclass
@@ -112,11 +155,14 @@ class KVLayout:
     unpaired_inputs: list[str] = field(default_factory=list)
     unpaired_outputs: list[str] = field(default_factory=list)
     non_kv_retained: list[tuple[str, str | None]] = field(default_factory=list)  # (input, output) by name
+    #: the graph's ``metadata_props`` (empty when built from a session or a manifest)
+    metadata: dict[str, str] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
-    def from_io(cls, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo]) -> "KVLayout":
-        lay = cls(list(inputs), list(outputs))
+    def from_io(cls, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo],
+                metadata: dict[str, str] | None = None) -> "KVLayout":
+        lay = cls(list(inputs), list(outputs), metadata=dict(metadata or {}))
         in_by_name = {t.name: t for t in inputs}
         out_by_name = {t.name: t for t in outputs}
         paired_outputs: set[str] = set()
@@ -185,6 +231,26 @@ class KVLayout:
     def stems(self) -> list[str]:
         return sorted({p.stem for p in self.pairs}, key=naming.KV_STEMS.index)
 
+    @property
+    def has_sliding(self) -> bool:
+        """Whether some KV pair is a sliding-window ring buffer (axis 2 named ``sliding_window``)."""
+        return any(p.is_sliding for p in self.pairs)
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        """Layers with a sliding-window ring buffer, ascending."""
+        return sorted({p.layer for p in self.pairs if p.is_sliding})
+
+    @property
+    def sliding_window_meta(self) -> str | None:
+        """The raw graph metadata ``qeff_kv.sliding_window`` (``None`` if absent)."""
+        return self.metadata.get(naming.SLIDING_WINDOW_META)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """``W`` from graph metadata ``qeff_kv.sliding_window`` when it is a positive int, else ``None``."""
+        return parse_sliding_window(self.sliding_window_meta)
+
     def pair(self, stem: str, layer: int) -> KVPair:
         for p in self.pairs:
             if p.stem == stem and p.layer == layer:
@@ -210,11 +276,14 @@ class KVLayout:
         _ = self.prefix
         return self
 
-    def to_json(self, ctx_len: int | None = None) -> dict:
+    def to_json(self, ctx_len: int | None = None, sliding_window: int | None = None) -> dict:
+        """``sliding_window`` defaults to the graph metadata's window."""
+        if sliding_window is None:
+            sliding_window = self.sliding_window
         return {
             "prefix": self.prefix if len(self.prefixes) <= 1 else None,
             "num_layers": self.num_layers,
-            "pairs": [p.to_json(ctx_len) for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
+            "pairs": [p.to_json(ctx_len, sliding_window) for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
             "non_kv_retained": [{"input": i, "retained": o} for i, o in self.non_kv_retained],
         }
 

@@ -45,6 +45,16 @@ NON_KV_OUTPUT_ALIASES: dict[str, str] = {"image_idx": "image_idx_output"}
 #: Not a buffer: never prefixed, never retained; its one dynamic axis has the same name.
 CCL_INPUT = "comp_ctx_lengths"
 
+#: Axis 2 of a KV buffer: ``ctx_len`` for a full-length cache, ``sliding_window`` for a sliding-window layer's
+#: ring buffer (contract section 7; position ``p`` lives in slot ``p % capacity``). The peer uses both names.
+CTX_DIM = "ctx_len"
+SLIDING_DIM = "sliding_window"
+#: Graph metadata keys of our exports for models with sliding layers: the window ``W`` and how the sliding
+#: layers keep their cache (``ring``: ``[.., sliding_window, ..]`` buffers; ``full``: ``ctx_len`` buffers, the
+#: window applied in attention).
+SLIDING_WINDOW_META = "qeff_kv.sliding_window"
+SLIDING_CACHE_META = "qeff_kv.sliding_cache"
+
 MAX_PREFIX_LEN = 64
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9]{1,64}")

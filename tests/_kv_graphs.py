@@ -2,6 +2,18 @@
 
 Every layer's KV input is updated by one ``ScatterND`` straight into its retained output (in-place safe),
 and the graph runs in onnxruntime. Options let a test break one rule at a time.
+
+Sliding-window layers (``sliding_layers``): their KV buffers have axis 2 ``sliding_window`` (a ring buffer), their
+update comes from the input ``kv_update_sw`` ``[1, 2, "sliding_window", 4]``; ``sliding_window=W`` writes the graph
+metadata ``qeff_kv.sliding_window``.
+
+An *ordered reader* (``ordered_reader="past_key.0"``) reads ``X`` like a ring-buffer layer's attention does:
+``cat = Concat(X, new, axis=2)`` (a graph output, ``ordered_cat``) and the ScatterND's ``updates`` are
+``Slice(cat, Shape(X)[2]:)``: the update depends on the reader (in-place safe). With ``ordered_via_view`` the
+Concat reads ``Unsqueeze(X)`` (a view: still safe); ``view_extra_reader`` adds a ReduceSum of that Unsqueeze that
+the update does not depend on (refused). ``ordered_in_function`` moves Concat/Slice/ScatterND into a function
+``RingUpdate`` called by the graph; ``caller_reader`` adds a reader of ``X`` in the graph whose output feeds the
+call's ``new`` argument (safe: the body's update depends on it).
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ from onnx import TensorProto, helper, numpy_helper
 from qeff_kv import naming
 
 KV_DIMS = ["batch_size", 2, "ctx_len", 4]
+SW_DIMS = ["batch_size", 2, "sliding_window", 4]
+RING_DOMAIN = "qeff.tests"
 
 
 def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
@@ -25,7 +39,11 @@ def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
           drop_outputs: Sequence[str] = (), drop_inputs: Sequence[str] = (),
           output_dims: dict[str, list] | None = None, output_dtype: dict[str, int] | None = None,
           extra_reader: str | None = None, non_kv_retained: Sequence[str] = (),
-          layer_ids: Sequence[int] | None = None, ir_version: int = 8) -> onnx.ModelProto:
+          layer_ids: Sequence[int] | None = None, ir_version: int = 8,
+          sliding_layers: Sequence[int] = (), sliding_window: int | str | None = None,
+          input_dims: dict[str, list] | None = None,
+          ordered_reader: str | None = None, ordered_via_view: bool = False, view_extra_reader: bool = False,
+          ordered_in_function: bool = False, caller_reader: bool = False) -> onnx.ModelProto:
     """A retained-state graph with ``layers`` layers of ``stems``; ``prefix`` may be one per layer."""
     layer_ids = list(range(layers)) if layer_ids is None else list(layer_ids)
     prefixes = list(prefix) if isinstance(prefix, (list, tuple)) else [prefix] * len(layer_ids)
@@ -36,17 +54,39 @@ def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
     inits = [numpy_helper.from_array(np.array([[0]], dtype=np.int64), "scatter_idx")]
     output_dims = output_dims or {}
     output_dtype = output_dtype or {}
+    input_dims = input_dims or {}
+    functions = []
+    if sliding_layers:
+        inputs.append(helper.make_tensor_value_info("kv_update_sw", TensorProto.FLOAT, [1, 2, "sliding_window", 4]))
     for layer, p in zip(layer_ids, prefixes):
+        dims = SW_DIMS if layer in sliding_layers else KV_DIMS
+        update = "kv_update_sw" if layer in sliding_layers else "kv_update"
         for stem in stems:
             x = naming.kv_input_name(stem, layer, p)
             y = naming.retained_name(x)
             if x not in drop_inputs:
-                inputs.append(helper.make_tensor_value_info(x, TensorProto.FLOAT, KV_DIMS))
+                inputs.append(helper.make_tensor_value_info(x, TensorProto.FLOAT, input_dims.get(x, dims)))
             if y not in drop_outputs:
                 outputs.append(helper.make_tensor_value_info(
-                    y, output_dtype.get(y, TensorProto.FLOAT), output_dims.get(y, KV_DIMS)))
-            if x not in drop_inputs and y not in drop_outputs:
-                nodes.append(helper.make_node("ScatterND", [x, "scatter_idx", "kv_update"], [y], name=f"scatter_{x}"))
+                    y, output_dtype.get(y, TensorProto.FLOAT), output_dims.get(y, dims)))
+            if x == ordered_reader and ordered_in_function:
+                new = update
+                if caller_reader:  # X * 0 + update: a reader of X in the graph that the call's update depends on
+                    inits.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero_f"))
+                    nodes += [helper.make_node("Mul", [x, "zero_f"], ["caller_read"], name="caller_reader"),
+                              helper.make_node("Add", [update, "caller_read"], ["caller_new"], name="caller_add")]
+                    new = "caller_new"
+                nodes.append(helper.make_node("RingUpdate", [x, "scatter_idx", new], [y, "ordered_cat"],
+                                              domain=RING_DOMAIN, name=f"ring_{x}"))
+                outputs.append(helper.make_tensor_value_info("ordered_cat", TensorProto.FLOAT, ["batch_size", 2, "cat_len", 4]))
+                functions.append(_ring_function())
+            elif x == ordered_reader:
+                nodes += _ordered_nodes(x, y, update, via_view=ordered_via_view, view_extra=view_extra_reader, inits=inits)
+                outputs.append(helper.make_tensor_value_info("ordered_cat", TensorProto.FLOAT, ["batch_size", 2, "cat_len", 4]))
+                if view_extra_reader:
+                    outputs.append(helper.make_tensor_value_info("view_extra_sum", TensorProto.FLOAT, []))
+            elif x not in drop_inputs and y not in drop_outputs:
+                nodes.append(helper.make_node("ScatterND", [x, "scatter_idx", update], [y], name=f"scatter_{x}"))
             elif x not in drop_inputs:
                 nodes.append(helper.make_node("Shape", [x], [f"shape_of_{x}"], name=f"shape_{x}"))
             elif y not in drop_outputs:
@@ -75,10 +115,55 @@ def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
         nodes.append(helper.make_node("Identity", ["logits"], [n], name=f"mid_{n}"))
         nodes.append(helper.make_node("Identity", [n], [f"{n}__sink"], name=f"sink_{n}"))
     graph = helper.make_graph(nodes, "kv_test", inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="qeff-kv-tests")
+    opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(RING_DOMAIN, 1)] if functions else [])
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="qeff-kv-tests", functions=functions)
     model.ir_version = ir_version
-    helper.set_model_props(model, {"origin": "tests"})
+    props = {"origin": "tests"}
+    if sliding_window is not None:
+        props[naming.SLIDING_WINDOW_META] = str(sliding_window)
+    helper.set_model_props(model, props)
     return model
+
+
+def _ordered_nodes(x: str, y: str, update: str, *, via_view: bool, view_extra: bool, inits: list) -> list:
+    """``cat = Concat(X, update)`` (graph output ``ordered_cat``), ``updates = Slice(cat, Shape(X)[2]:)``,
+    ``ScatterND(X, idx, updates) -> Y``; optionally through ``Unsqueeze(X)`` (axis 0), with a second reader of it."""
+    inits += [numpy_helper.from_array(np.array([2**62], np.int64), "slice_end"),
+              numpy_helper.from_array(np.array([0], np.int64), "axes0")]
+    nodes = [helper.make_node("Shape", [x], ["ordered_start"], start=2, end=3, name="ordered_shape")]
+    if via_view:
+        inits.append(numpy_helper.from_array(np.array([3], np.int64), "axes3"))
+        nodes += [helper.make_node("Unsqueeze", [x, "axes0"], ["x_view"], name="ordered_view"),
+                  helper.make_node("Unsqueeze", [update, "axes0"], ["upd_view"], name="update_view"),
+                  helper.make_node("Concat", ["x_view", "upd_view"], ["cat5"], axis=3, name="ordered_concat"),
+                  helper.make_node("Squeeze", ["cat5", "axes0"], ["ordered_cat"], name="ordered_squeeze"),
+                  helper.make_node("Slice", ["cat5", "ordered_start", "slice_end", "axes3"], ["upd5"],
+                                   name="ordered_slice"),
+                  helper.make_node("Squeeze", ["upd5", "axes0"], ["ordered_upd"], name="ordered_upd_squeeze")]
+        if view_extra:
+            nodes.append(helper.make_node("ReduceSum", ["x_view"], ["view_extra_sum"], keepdims=0,
+                                          name="view_extra_reader"))
+    else:
+        inits.append(numpy_helper.from_array(np.array([2], np.int64), "axes2"))
+        nodes += [helper.make_node("Concat", [x, update], ["ordered_cat"], axis=2, name="ordered_concat"),
+                  helper.make_node("Slice", ["ordered_cat", "ordered_start", "slice_end", "axes2"], ["ordered_upd"],
+                                   name="ordered_slice")]
+    nodes.append(helper.make_node("ScatterND", [x, "scatter_idx", "ordered_upd"], [y], name=f"scatter_{x}"))
+    return nodes
+
+
+def _ring_function() -> onnx.FunctionProto:
+    """``RingUpdate(data, idx, new) -> (out, cat)``: the ordered reader inside a function body."""
+    body = [
+        helper.make_node("Constant", [], ["end"], value=numpy_helper.from_array(np.array([2**62], np.int64))),
+        helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([2], np.int64))),
+        helper.make_node("Concat", ["data", "new"], ["cat"], axis=2, name="fn_concat"),
+        helper.make_node("Shape", ["data"], ["start"], start=2, end=3, name="fn_shape"),
+        helper.make_node("Slice", ["cat", "start", "end", "axes"], ["upd"], name="fn_slice"),
+        helper.make_node("ScatterND", ["data", "idx", "upd"], ["out"], name="fn_scatter"),
+    ]
+    return helper.make_function(RING_DOMAIN, "RingUpdate", ["data", "idx", "new"], ["out", "cat"], body,
+                                [helper.make_opsetid("", 17)])
 
 
 def save(model: onnx.ModelProto, path: Path) -> Path:

@@ -18,6 +18,9 @@ TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
 #: last chunk padded), capacity CTX, NEW greedy tokens.
 PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
 CTX, CHUNK, NEW = 32, 4, 8
+#: the sliding window of the ``*_sw`` families: smaller than CTX, so sliding layers are ring buffers; a prompt
+#: plus its new tokens spans three windows, and chunks of CHUNK straddle the wrap (positions 4..7)
+SW = 6
 
 _LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -114,6 +117,33 @@ FAMILIES: dict[str, Family] = {
                                                       original_max_position_embeddings=32)),
                             note="rope scaling longrope (ctx_len up to original_max_position_embeddings, where "
                                  "the factors switch)"),
+    # --- sliding windows smaller than CTX: ring buffers of SW slots, chunks straddling the wrap ------------
+    "gemma2_sw": Family("Gemma2Config", "Gemma2ForCausalLM",
+                        dict(head_dim=16, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                             final_logit_softcapping=3.0, sliding_window=SW,
+                             layer_types=["sliding_attention", "full_attention"]),
+                        note=f"window {SW}: ring buffers on alternating layers, soft-capping"),
+    "gemma3_sw": Family("Gemma3TextConfig", "Gemma3ForCausalLM",
+                        dict(head_dim=16, query_pre_attn_scalar=8, sliding_window=SW, num_hidden_layers=6,
+                             layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                             rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                              "full_attention": dict(rope_type="linear", factor=8.0,
+                                                                     rope_theta=1000000.0)}),
+                        note=f"window {SW}: 5 ring layers to 1 global, two RoPE bases"),
+    "mistral_sw": Family("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=SW),
+                         note=f"window {SW} on every layer (one mask)"),
+    "phi3_sw": Family("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=SW),
+                      note=f"window {SW} on every layer"),
+    "qwen2_sw": Family("Qwen2Config", "Qwen2ForCausalLM",
+                       dict(use_sliding_window=True, sliding_window=SW, max_window_layers=1),
+                       note=f"use_sliding_window, window {SW} from max_window_layers on"),
+    "gpt_oss_sw": Family("GptOssConfig", "GptOssForCausalLM",
+                         _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=SW,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                                   beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                   original_max_position_embeddings=32)),
+                         note=f"window {SW}: ring buffers with attention sinks, MoE"),
     # --- mixture of experts -----------------------------------------------------------------------------
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
                       _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

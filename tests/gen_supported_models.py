@@ -32,6 +32,11 @@ passing every rule, verification at export passing). Do not edit by hand.
 Targets: `portable` (standard ops, accelerator compilers), `onnxruntime` (attention over the valid length),
 `onnxruntime-fused` (onnxruntime's GroupQueryAttention in place). See [export.md](export.md).
 
+The `*_sw` rows have a sliding window (6) smaller than the matrix's `ctx_len` (32): on `portable` and
+`onnxruntime` their sliding layers are ring buffers of 6 slots (axis `sliding_window`), on `onnxruntime-fused`
+full-length buffers with GroupQueryAttention's `local_window_size`; their prompts and decoding span three
+windows and prefill chunks straddle the wrap. The other sliding families (window 4096) never reach their window.
+
 """
 
 

@@ -6,10 +6,13 @@ torch/transformers are imported inside the functions: importing this module need
 
 from __future__ import annotations
 
+import inspect
+
 from pathlib import Path
 
 import numpy as np
 
+from qeff_kv import naming
 from qeff_kv.layout import KVLayout, TensorInfo, dtype_from_ort
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -71,19 +74,39 @@ class PlainLoop:
         self.layout = KVLayout.from_io(ins, outs).require_valid()
         self.out_names = [o.name for o in outs]
         self.kv = {}
+        # a sliding layer's ring buffer holds `sliding_window` slots (graph metadata), the others ctx_len
+        window = self.sess.get_modelmeta().custom_metadata_map.get(naming.SLIDING_WINDOW_META)
         for p in self.layout.pairs:
-            shape = [batch if i == 0 else (ctx_len if not isinstance(d, int) else d)
-                     for i, d in enumerate(p.input.shape)]
+            shape = [batch if i == 0 else d if isinstance(d, int) else
+                     int(window) if d == naming.SLIDING_DIM else ctx_len for i, d in enumerate(p.input.shape)]
             self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
         self.has_batch_index = any(t.name == "batch_index" for t in ins)
 
+    #: non-KV inputs fed every step (a vision-language graph's image: see :meth:`with_image`)
+    extra: dict = {}
+
+    def with_image(self, pixel_values: np.ndarray, vision_onnx: Path | str | None = None) -> "PlainLoop":
+        """Feed this vision-language graph an image: ``vision_embeds`` from the vision graph (dual layout) or
+        ``pixel_values`` (single), and ``image_idx`` chained from each step's ``image_idx_output``."""
+        import onnxruntime as ort
+
+        self.extra = {"image_idx": np.zeros((1, 1), np.int64)}
+        if vision_onnx is not None:
+            vis = ort.InferenceSession(str(vision_onnx), providers=["CPUExecutionProvider"])
+            self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
+        else:
+            self.extra["pixel_values"] = pixel_values
+        return self
+
     def step(self, ids: np.ndarray, pos: np.ndarray, batch_index: np.ndarray | None = None) -> np.ndarray:
-        feeds = {"input_ids": ids.astype(np.int64), "position_ids": pos.astype(np.int64), **self.kv}
+        feeds = {"input_ids": ids.astype(np.int64), "position_ids": pos.astype(np.int64), **self.kv, **self.extra}
         if self.has_batch_index:
             feeds["batch_index"] = batch_index.astype(np.int64)
         out = dict(zip(self.out_names, self.sess.run(None, feeds)))
         for p in self.layout.pairs:
             self.kv[p.input_name] = out[p.output_name]
+        if "image_idx" in self.extra:
+            self.extra["image_idx"] = out["image_idx_output"]
         return out["logits"]
 
     def prefill(self, prompt: list[int], chunk: int, slot: int | None = None) -> np.ndarray:
@@ -111,3 +134,79 @@ class PlainLoop:
             toks.append(int(logits[0, -1].argmax()))
             pos += 1
         return toks
+
+
+# ------------------------------------------------------------------------------------- vision-language
+LLAVA_IMAGE_TOKEN = 120
+
+
+def make_llava_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded Llava (CLIP vision 32x32 in 8x8 patches: 16 image rows; Llama text, vocab 128) with
+    safetensors weights; its greedy tokens vary with the image."""
+    import torch
+    import transformers
+
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32)
+    tc = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_token_id=LLAVA_IMAGE_TOKEN,
+                                   projector_hidden_act="gelu", vision_feature_select_strategy="default",
+                                   vision_feature_layer=-2)
+    cfg.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    out = root / "tiny-llava"
+    transformers.LlavaForConditionalGeneration(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def make_gemma3_vlm_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded Gemma3 vision-language model (SigLIP 32x32 in 4x4 patches pooled to 16 rows; Gemma3 text
+    with a sliding window of 24 on layer 0). The projector weight, zero at init, is drawn at random so the image
+    matters; with this seed and init scale the greedy tokens vary and depend on the bidirectional image mask."""
+    import torch
+    import transformers
+
+    vc = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, image_size=32, patch_size=4)
+    tc = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=128, initializer_range=0.05, query_pre_attn_scalar=8,
+                                       sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.Gemma3Config(vision_config=vc, text_config=tc, mm_tokens_per_image=16,
+                                    image_token_index=LLAVA_IMAGE_TOKEN, boi_token_index=118, eoi_token_index=119,
+                                    initializer_range=0.05)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+    out = root / "tiny-gemma3-vlm"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def llava_image(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
+
+
+def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, max_new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers ``generate`` with the image (eager attention, fp32)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    ids = torch.tensor([prompt], dtype=torch.int64)
+    extra = {}
+    if "token_type_ids" in inspect.signature(model.forward).parameters:   # Gemma3: bidirectional image blocks
+        extra["token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
+    with torch.no_grad():
+        out = model.generate(ids, pixel_values=torch.from_numpy(pixel_values), attention_mask=torch.ones_like(ids),
+                             **extra,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -109,6 +109,9 @@ def onnx_of(folder: Path) -> Path:
 # ================================================================================================ numbers
 @pytest.mark.parametrize("args, needle", [
     (["buffers", "{graph}", "--ctx-len", TOO_BIG], "--ctx-len"),
+    (["buffers", "{graph}", "--sliding-window", "0"], "--sliding-window"),
+    (["compile-config", "{graph}", "-o", "{out}", "--ctx-len", "64", "--prefill-seq-len", "8", "--sliding-window",
+      TOO_BIG], "--sliding-window"),
     (["compile-config", "{graph}", "-o", "{out}", "--ctx-len", TOO_BIG, "--prefill-seq-len", "8"], "--ctx-len"),
     (["compile-config", "{graph}", "-o", "{out}", "--ctx-len", str(2**40), "--prefill-seq-len", "8"], "--ctx-len"),
     (["compile-config", "{graph}", "-o", "{out}", "--ctx-len", "64", "--prefill-seq-len", "-3"],
@@ -519,7 +522,8 @@ def test_property_check(arena, models, opts):
 
 
 @_settings(30)
-@given(model=_paths(), opts=_opts({"--regex": _odd_text(), "--ctx-len": _ints().map(str), "--json": st.none()}))
+@given(model=_paths(), opts=_opts({"--regex": _odd_text(), "--ctx-len": _ints().map(str), "--json": st.none(),
+                                   "--sliding-window": _ints().map(str)}))
 def test_property_buffers(arena, model, opts):
     _contract(cli("buffers", model, *_argv(opts)))
 
@@ -528,7 +532,7 @@ def test_property_buffers(arena, model, opts):
 @given(model=st.sampled_from(["g.onnx", "dup.onnx", "garbage.onnx", "missing.onnx", "file"]), out=_paths(),
        ctx=_values(), pre=_values(), opts=_opts({
            "--batch-size": _values(), "--full-batch-size": _values(), "--precision": _odd_text(),
-           "--specializations-format": _odd_text()}))
+           "--specializations-format": _odd_text(), "--sliding-window": _values()}))
 def test_property_compile_config(arena, model, out, ctx, pre, opts):
     res = cli("compile-config", model, "-o", out, "--ctx-len", ctx, "--prefill-seq-len", pre, *_argv(opts))
     _contract(res)

@@ -24,9 +24,10 @@ def test_buffers_table(any_graph):
     assert j["pairs"] == [
         {"layer": layer, "kind": stem, "input": naming.kv_input_name(stem, layer, prefix),
          "retained": naming.kv_retained_name(stem, layer, prefix), "dtype": "float32",
-         "shape": [batch, 2, "ctx_len", 16], "bytes_per_sequence": 2 * 16 * 16 * 4}
+         "shape": [batch, 2, "ctx_len", 16], "capacity": 16, "bytes_per_sequence": 2 * 16 * 16 * 4}
         for layer in range(2) for stem in ("past_key", "past_value")]
     assert j["bytes_per_sequence"] == 4 * 2048
+    assert j["sliding_window"] is None and j["sliding_layers"] == []
     assert j["non_kv_retained"] == [] and j["unpaired"] == {"inputs": [], "outputs": []}
     assert j["regexes"] == naming.canonical_regexes(prefix)
     assert j["selection"] is None
@@ -52,9 +53,11 @@ def test_regex_selection(graphs):
 def test_text_output(graphs):
     text = buffers_report(graphs / "qeff_llama_cb_vllm.onnx", regex=".*VLLM.*", ctx_len=16).format_text()
     lines = text.splitlines()
-    assert lines[1].split() == ["layer", "kind", "input", "retained", "dtype", "shape", "bytes/seq", "@ctx_len=16"]
+    assert lines[1].split() == ["layer", "kind", "input", "retained", "dtype", "shape", "capacity", "bytes/seq",
+                                "@ctx_len=16"]
     assert lines[3].split()[:5] == ["0", "past_key", "past_key.0_VLLM", "past_key.0_VLLM_RetainedState", "float32"]
-    assert lines[3].endswith("[full_batch_size, 2, ctx_len, 16]  2 KiB")
+    assert lines[3].endswith("[full_batch_size, 2, ctx_len, 16]  16        2 KiB")
+    assert "sliding-window" not in text
     assert "4 KV pairs, 2 layers, prefix VLLM, 8 KiB (8192 bytes) per sequence" in text
     assert "non-KV retained buffers: none" in text
     assert "  substring: .*VLLM.*" in text
@@ -163,3 +166,168 @@ def test_compile_config_refusals(graphs, tmp_path):
     r = CliRunner().invoke(main, ["compile-config", str(graphs / "qeff_llama_vllm.onnx"), "-o", str(tmp_path / "e"),
                                   "--prefill-seq-len", "8"])
     assert r.exit_code == 2 and "--ctx-len" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ sliding windows
+def _sliding_graph(tmp_path, window=6, name="sw.onnx", **kw):
+    """Layers 0 and 2 are ring buffers [batch, 2, 'sliding_window', 4]; layer 1 keeps 'ctx_len'."""
+    return kvg.save(kvg.build(3, sliding_layers=[0, 2], sliding_window=window, **kw), tmp_path / name)
+
+
+def test_buffers_sliding_capacities(tmp_path):
+    report = buffers_report(_sliding_graph(tmp_path), ctx_len=32)
+    j = report.to_json()
+    assert (j["ctx_len"], j["sliding_window"], j["sliding_layers"]) == (32, 6, [0, 2])
+    assert [(p["input"], p["shape"][2], p["capacity"], p["bytes_per_sequence"]) for p in j["pairs"]] == [
+        ("past_key.0", "sliding_window", 6, 2 * 6 * 4 * 4), ("past_value.0", "sliding_window", 6, 2 * 6 * 4 * 4),
+        ("past_key.1", "ctx_len", 32, 2 * 32 * 4 * 4), ("past_value.1", "ctx_len", 32, 2 * 32 * 4 * 4),
+        ("past_key.2", "sliding_window", 6, 2 * 6 * 4 * 4), ("past_value.2", "sliding_window", 6, 2 * 6 * 4 * 4)]
+    assert j["bytes_per_sequence"] == 4 * 192 + 2 * 1024 == 2816
+    lines = report.format_text().splitlines()
+    assert lines[1].split()[-2:] == ["bytes/seq", "@ctx_len=32,sliding_window=6"]
+    assert lines[3].split()[-5:] == ["sliding_window,", "4]", "6", "192", "B"]
+    assert lines[5].split()[-5:] == ["ctx_len,", "4]", "32", "1", "KiB"]
+    assert "6 KV pairs, 3 layers, prefix (none), 2.8 KiB (2816 bytes) per sequence" in lines
+    assert "sliding-window layers (window 6): 0, 2" in lines
+
+
+def test_buffers_sliding_window_from_the_caller(tmp_path):
+    """A peer graph has the axis but no metadata: W comes from the caller; without it the ring buffers' bytes are
+    unknown and the table says what to pass."""
+    path = _sliding_graph(tmp_path, window=None)
+    report = buffers_report(path, ctx_len=32)
+    j = report.to_json()
+    assert j["sliding_window"] is None and j["bytes_per_sequence"] is None
+    assert [p["capacity"] for p in j["pairs"]] == [None, None, 32, 32, None, None]
+    text = report.format_text()
+    assert "6 KV pairs, 3 layers, prefix (none); pass --sliding-window N for bytes per sequence" in text
+    assert "sliding-window layers (window unknown): 0, 2" in text
+    assert "; pass --ctx-len N and --sliding-window N for bytes per sequence" in buffers_report(path).format_text()
+    j = buffers_report(path, ctx_len=32, sliding_window=8).to_json()
+    assert j["sliding_window"] == 8 and j["bytes_per_sequence"] == 4 * 256 + 2 * 1024
+    assert [p["capacity"] for p in j["pairs"]] == [8, 8, 32, 32, 8, 8]
+
+
+def test_buffers_sliding_window_refusals(tmp_path):
+    path = _sliding_graph(tmp_path)
+    with pytest.raises(RuntimeInputError, match=r"^sliding_window must be a positive integer, got 0$"):
+        buffers_report(path, sliding_window=0)
+    with pytest.raises(RuntimeInputError, match=r"^sliding_window must be a positive integer, got '6'$"):
+        buffers_report(path, sliding_window="6")
+    with pytest.raises(RuntimeInputError, match=r"^sliding window 8 differs from the graph's own "
+                                                r"qeff_kv.sliding_window = 6$"):
+        buffers_report(path, sliding_window=8)
+    assert buffers_report(path, sliding_window=6).sliding_window == 6
+
+
+def test_layout_capacity_api(tmp_path):
+    layout = graphio.layout_of(graphio.load(_sliding_graph(tmp_path)))
+    assert layout.has_sliding and layout.sliding_layers == [0, 2] and layout.sliding_window == 6
+    ring, full = layout.pair("past_key", 0), layout.pair("past_key", 1)
+    assert ring.is_sliding and not full.is_sliding
+    assert (ring.capacity(32, 6), full.capacity(32, 6), ring.capacity(32), full.capacity()) == (6, 32, None, None)
+    assert full.bytes_per_sequence(32) == 1024 and ring.bytes_per_sequence(32) is None     # positional ctx_len
+    assert ring.bytes_per_sequence(32, 6) == 192
+    assert layout.to_json(32)["pairs"][0]["capacity"] == 6                                # W from the metadata
+    plain = graphio.layout_of(graphio.load(kvg.save(kvg.build(1), tmp_path / "p.onnx")))
+    assert not plain.has_sliding and plain.sliding_window is None and plain.sliding_layers == []
+
+
+def test_cli_buffers_sliding_window(tmp_path):
+    path = _sliding_graph(tmp_path, window=None)
+    runner = CliRunner()
+    r = runner.invoke(main, ["buffers", str(path), "--ctx-len", "32", "--sliding-window", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.output)
+    assert (j["sliding_window"], j["bytes_per_sequence"]) == (6, 2816)
+    for bad in ("0", "-1", "x"):
+        r = runner.invoke(main, ["buffers", str(path), "--sliding-window", bad])
+        assert r.exit_code == 2 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def _compile(path, out, **kw):
+    return write_compile_config_for_graph(path, out, prefill_seq_len=4, ctx_len=32, **kw)
+
+
+def test_compile_config_sliding_window_flat_and_named(tmp_path):
+    path = _sliding_graph(tmp_path)
+    _compile(path, tmp_path / "flat")
+    spec = json.loads((tmp_path / "flat" / "specializations.json").read_text())
+    assert spec == {"specializations": [
+        {"batch_size": "1", "seq_len": "4", "ctx_len": "32", "sliding_window": "6"},
+        {"batch_size": "1", "seq_len": "1", "ctx_len": "32", "sliding_window": "6"}]}
+    text = (tmp_path / "flat" / "custom_io.yaml").read_text()
+    names = [line.split(": ", 1)[1] for line in text.splitlines() if "IOName" in line]
+    assert names == [naming.kv_input_name(s, i) for i in range(3) for s in naming.EXPORT_STEMS] + \
+        [naming.kv_retained_name(s, i) for i in range(3) for s in naming.EXPORT_STEMS]
+    _compile(path, tmp_path / "named", fmt="named", sliding_window=6)
+    spec = json.loads((tmp_path / "named" / "specializations.json").read_text())
+    assert spec == {"specializations": [
+        {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "4", "ctx_len": "32", "sliding_window": "6"}},
+        {"name": "Decode", "symbols": {"batch_size": "1", "seq_len": "1", "ctx_len": "32", "sliding_window": "6"}}]}
+
+
+def test_compile_config_library_sliding_window_argument(tmp_path):
+    """The exporter passes the model's window; a graph without ring buffers writes no sliding_window symbol."""
+    from qeff_kv.compile_config import write_compile_config
+
+    layout = graphio.layout_of(graphio.load(_sliding_graph(tmp_path, window=None)))
+    write_compile_config(layout, tmp_path / "a", prefill_seq_len=4, ctx_len=32, sliding_window=6, ccl=[16, 32])
+    spec = json.loads((tmp_path / "a" / "specializations.json").read_text())["specializations"]
+    assert [e["sliding_window"] for e in spec] == ["6"] * 4
+    assert list(spec[0]) == ["batch_size", "seq_len", "ctx_len", "sliding_window", "comp_ctx_lengths"]
+    plain = graphio.layout_of(graphio.load(kvg.save(kvg.build(1), tmp_path / "p.onnx")))
+    write_compile_config(plain, tmp_path / "b", prefill_seq_len=4, ctx_len=32, sliding_window=6)
+    spec = json.loads((tmp_path / "b" / "specializations.json").read_text())["specializations"]
+    assert all("sliding_window" not in e for e in spec)
+    with pytest.raises(RuntimeInputError, match=r"^graph has sliding-window KV buffers \(axis 'sliding_window'\); "
+                                                r"give --sliding-window N$"):
+        write_compile_config(layout, tmp_path / "c", prefill_seq_len=4, ctx_len=32)
+    with pytest.raises(RuntimeInputError, match=r"^sliding_window must be a positive integer, got -6$"):
+        write_compile_config(layout, tmp_path / "d", prefill_seq_len=4, ctx_len=32, sliding_window=-6)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
+def test_compile_config_sliding_window_refusals(tmp_path):
+    peer = _sliding_graph(tmp_path, window=None, name="peer.onnx")
+    with pytest.raises(RuntimeInputError, match=r"^graph has sliding-window KV buffers \(axis 'sliding_window'\); "
+                                                r"give --sliding-window N$"):
+        _compile(peer, tmp_path / "a")
+    with pytest.raises(RuntimeInputError, match=r"^sliding_window must be a positive integer, got 0$"):
+        _compile(peer, tmp_path / "b", sliding_window=0)
+    with pytest.raises(RuntimeInputError, match=r"^sliding_window must be a positive integer, got True$"):
+        _compile(peer, tmp_path / "c", sliding_window=True)
+    with pytest.raises(RuntimeInputError, match=r"^sliding window 8 differs from the graph's own "
+                                                r"qeff_kv.sliding_window = 6$"):
+        _compile(_sliding_graph(tmp_path), tmp_path / "d", sliding_window=8)
+    plain = kvg.save(kvg.build(2), tmp_path / "plain.onnx")
+    with pytest.raises(RuntimeInputError, match=r"has no sliding-window KV buffers \(axis 'sliding_window'\); "
+                                                r"--sliding-window does not apply$"):
+        _compile(plain, tmp_path / "e", sliding_window=6)
+    bad_meta = kvg.save(kvg.build(2, sliding_layers=[0], sliding_window="abc"), tmp_path / "bad.onnx")
+    with pytest.raises(ContractError, match=r"fails check rule 'pair-match' \(graph metadata "
+                                            r"qeff_kv.sliding_window is 'abc'; it must be a positive integer"):
+        _compile(bad_meta, tmp_path / "f", sliding_window=6)
+    for d in "abcdef":
+        assert not (tmp_path / d).exists()
+    _compile(peer, tmp_path / "g", sliding_window=6)
+    spec = json.loads((tmp_path / "g" / "specializations.json").read_text())["specializations"]
+    assert [e["sliding_window"] for e in spec] == ["6", "6"]
+
+
+def test_cli_compile_config_sliding_window(tmp_path):
+    peer = _sliding_graph(tmp_path, window=None, name="peer.onnx")
+    runner = CliRunner()
+    base = ["compile-config", str(peer), "--prefill-seq-len", "4", "--ctx-len", "32", "-o"]
+    r = runner.invoke(main, base + [str(tmp_path / "a")])
+    assert r.exit_code == 2
+    assert r.stderr == "error: graph has sliding-window KV buffers (axis 'sliding_window'); give --sliding-window N\n"
+    r = runner.invoke(main, base + [str(tmp_path / "b"), "--sliding-window", "0"])
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and "--sliding-window" in r.stderr
+    r = runner.invoke(main, base + [str(tmp_path / "c"), "--sliding-window", "6", "--full-batch-size", "2"])
+    assert r.exit_code == 2 and "is not a continuous-batching graph" in r.stderr
+    r = runner.invoke(main, base + [str(tmp_path / "d"), "--sliding-window", "6",
+                                    "--specializations-format", "named"])
+    assert r.exit_code == 0, r.stderr
+    spec = json.loads((tmp_path / "d" / "specializations.json").read_text())["specializations"]
+    assert [e["symbols"]["sliding_window"] for e in spec] == ["6", "6"]

@@ -374,3 +374,165 @@ def test_no_torch_import(graphs, tmp_path):
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------ sliding windows
+def test_sliding_layers_pass_and_are_reported(tmp_path):
+    """Layers 0 and 2 are ring buffers (axis 2 'sliding_window'), layer 1 keeps 'ctx_len': every rule passes and
+    the report names the sliding layers and the metadata's window."""
+    report = _check(tmp_path, kvg.build(3, "VLLM", sliding_layers=[0, 2], sliding_window=6), expected_prefix="VLLM")
+    assert report.ok, report.format_text()
+    assert (report.sliding_layers, report.sliding_window) == ([0, 2], 6)
+    j = report.to_json()
+    assert list(j)[-2:] == ["sliding_window", "sliding_layers"]
+    assert (j["sliding_window"], j["sliding_layers"]) == (6, [0, 2])
+    assert report.format_text().splitlines()[0].endswith(
+        ": prefix 'VLLM', 3 layers, sliding-window layers 0, 2 (window 6)")
+
+
+def test_sliding_axis_without_metadata_passes(tmp_path):
+    """A peer graph: the sliding axis, no metadata; the window is unknown, nothing fails."""
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[1]))
+    assert report.ok, report.format_text()
+    j = report.to_json()
+    assert (j["sliding_window"], j["sliding_layers"]) == (None, [1])
+    assert "sliding-window layers 1 (window unknown)" in report.format_text().splitlines()[0]
+
+
+def test_json_without_sliding_keeps_its_keys(tmp_path):
+    j = _check(tmp_path, kvg.build(2)).to_json()
+    assert "sliding_window" not in j and "sliding_layers" not in j
+
+
+@pytest.mark.parametrize("meta", ["0", "-3", "abc", "6.0", ""])
+def test_sliding_window_metadata_must_be_a_positive_int(tmp_path, meta):
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[0], sliding_window=meta))
+    assert report.failed == ["pair-match"]
+    assert _violations(report) == [("pair-match", None, f"graph metadata qeff_kv.sliding_window is {meta!r}; it must "
+                                                        "be a positive integer (the sliding window)")]
+    assert report.to_json()["sliding_window"] is None
+
+
+def test_sliding_pair_input_and_output_must_agree(tmp_path):
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[0], sliding_window=6,
+                                        output_dims={"past_key.0_RetainedState": ["batch_size", 2, "ctx_len", 4]}))
+    assert report.failed == ["pair-match"]
+    assert _violations(report) == [("pair-match", "past_key.0", "past_key.0 dim 2 is 'sliding_window' but "
+                                                                "past_key.0_RetainedState dim 2 is 'ctx_len'")]
+
+
+def test_sliding_layer_key_and_value_do_not_mix_axes(tmp_path):
+    dims = ["batch_size", 2, "ctx_len", 4]
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[1], sliding_window=6,
+                                        input_dims={"past_value.1": dims},
+                                        output_dims={"past_value.1_RetainedState": dims}))
+    assert report.failed == ["pair-match"]
+    assert _violations(report) == [("pair-match", "past_value.1",
+                                    "layer 1 mixes KV axis 2 'ctx_len' (past_value.1) and 'sliding_window' "
+                                    "(past_key.1); a layer's buffers hold the same positions")]
+
+
+def test_static_sliding_size_must_equal_the_window(tmp_path):
+    ok = ["batch_size", 2, 6, 4]
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[0], sliding_window=6, input_dims={"past_value.0": ok},
+                                        output_dims={"past_value.0_RetainedState": ok}))
+    assert report.ok, report.format_text()
+    bad = ["batch_size", 2, 5, 4]
+    report = _check(tmp_path, kvg.build(2, sliding_layers=[0], sliding_window=6, input_dims={"past_value.0": bad},
+                                        output_dims={"past_value.0_RetainedState": bad}))
+    assert report.failed == ["pair-match"]
+    assert _violations(report) == [("pair-match", "past_value.0",
+                                    "past_value.0 dim 2 is 5 in sliding-window layer 0, but the graph's sliding "
+                                    "window (qeff_kv.sliding_window) is 6")]
+
+
+def test_cli_check_sliding(tmp_path):
+    path = kvg.save(kvg.build(2, sliding_layers=[0], sliding_window=6, ordered_reader="past_key.0"),
+                    tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["check", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.output)
+    assert (j["ok"], j["sliding_window"], j["sliding_layers"]) == (True, 6, [0])
+    r = CliRunner().invoke(main, ["check", str(path)])
+    assert r.exit_code == 0 and "sliding-window layers 0 (window 6)" in r.output.splitlines()[0]
+
+
+# ------------------------------------------------------------------------------------------------ in-place order
+@pytest.mark.parametrize("kw", [
+    {"ordered_reader": "past_key.0"},
+    {"ordered_reader": "past_key.0", "ordered_via_view": True},
+    {"ordered_reader": "past_value.1", "sliding_layers": [1], "sliding_window": 6},
+    {"ordered_reader": "past_key.0", "ordered_in_function": True},
+    {"ordered_reader": "past_key.0", "ordered_in_function": True, "caller_reader": True},
+], ids=["concat", "through-view", "sliding", "in-function", "caller-reader"])
+def test_inplace_ordered_reader_is_safe(tmp_path, kw):
+    """A Concat reading X whose Slice is the ScatterND's updates runs before the update: in-place safe."""
+    report = _check(tmp_path, kvg.build(2, **kw))
+    assert report.ok, report.format_text()
+    assert report.rule("inplace").status == "pass"
+
+
+def test_inplace_reader_the_update_does_not_depend_on(tmp_path):
+    report = _check(tmp_path, kvg.build(2, ordered_reader="past_key.0", extra_reader="past_key.0"))
+    assert report.failed == ["inplace"]
+    assert _violations(report) == [
+        ("inplace", "past_key.0", "past_key.0 is read by ReduceSum node 'extra_reader' besides its update")]
+
+
+def test_inplace_reader_through_a_view_the_update_does_not_depend_on(tmp_path):
+    report = _check(tmp_path, kvg.build(2, ordered_reader="past_key.0", ordered_via_view=True,
+                                        view_extra_reader=True))
+    assert report.failed == ["inplace"]
+    assert _violations(report) == [
+        ("inplace", "past_key.0", "past_key.0 is read by ReduceSum node 'view_extra_reader' through Unsqueeze node "
+                                  "'ordered_view' besides its update")]
+
+
+def test_inplace_reader_in_the_caller_of_a_function_update(tmp_path):
+    """The update is in a function body; a caller-side reader feeding the call's updates is fine, another is not."""
+    report = _check(tmp_path, kvg.build(2, ordered_reader="past_key.0", ordered_in_function=True,
+                                        caller_reader=True, extra_reader="past_key.0"))
+    assert _violations(report) == [
+        ("inplace", "past_key.0", "past_key.0 is read by ReduceSum node 'extra_reader' besides its update")]
+
+
+def test_inplace_view_returned_by_the_graph_is_refused(tmp_path):
+    m = kvg.build(1, ordered_reader="past_key.0")
+    m.graph.node.append(onnx.helper.make_node("Identity", ["past_key.0"], ["alias"], name="alias_x"))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("alias", onnx.TensorProto.FLOAT, kvg.KV_DIMS))
+    report = _check(tmp_path, m)
+    assert _violations(report) == [
+        ("inplace", "past_key.0", "past_key.0 is read by Identity node 'alias_x' besides its update")]
+
+
+def test_inplace_ordered_reader_sees_the_old_contents_in_onnxruntime(tmp_path):
+    """One OrtValue bound as past_key.0 and past_key.0_RetainedState: onnxruntime's ScatterND updates it in place
+    (no copy: the bound buffer holds the update afterwards) and the Concat, which the update depends on, read the
+    old contents first."""
+    import numpy as np
+    import onnxruntime as ort
+
+    for kw in ({}, {"ordered_via_view": True}, {"ordered_in_function": True, "caller_reader": True}):
+        path = kvg.save(kvg.build(1, ordered_reader="past_key.0", **kw), tmp_path / "o.onnx")
+        assert qcheck.check(path).ok
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        old = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)
+        new = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)
+        buf = ort.OrtValue.ortvalue_from_numpy(old.copy())
+        value = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((1, 2, 8, 4)).astype(np.float32))
+        b = sess.io_binding()
+        b.bind_cpu_input("input_ids", np.zeros((1, 1), np.int64))
+        b.bind_cpu_input("kv_update", new)
+        b.bind_ortvalue_input("past_key.0", buf)
+        b.bind_ortvalue_output("past_key.0_RetainedState", buf)
+        b.bind_ortvalue_input("past_value.0", value)
+        b.bind_ortvalue_output("past_value.0_RetainedState", value)
+        b.bind_output("ordered_cat")
+        b.bind_output("logits")
+        sess.run_with_iobinding(b)
+        names = [o.name for o in sess.get_outputs()]
+        cat = b.copy_outputs_to_cpu()[names.index("ordered_cat")]
+        assert np.array_equal(buf.numpy(), new), kw           # the shared buffer was updated in place
+        assert np.array_equal(cat[:, :, :8], old), kw         # the reader saw the contents before the update
+        assert np.array_equal(cat[:, :, 8:], new), kw

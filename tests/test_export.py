@@ -340,7 +340,9 @@ def test_bad_model_folders(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_sliding_window_larger_ctx_refused(tmp_path):
+def test_prefill_chunk_longer_than_the_window_refused(tmp_path):
+    """A ring buffer of W slots cannot take a chunk of more than W positions in one ScatterND: refused up front
+    in one line, nothing written."""
     from hf_models import make_model_dir
     from qeff_kv.export import export_model
 
@@ -348,8 +350,11 @@ def test_sliding_window_larger_ctx_refused(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["sliding_window"] = 16
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ExportError, match="sliding-window attention \\(window 16\\).*--ctx-len 16"):
-        export_model(d, tmp_path / "o", ctx_len=32, prefill_seq_len=4)
+    with pytest.raises(ExportError) as err:
+        export_model(d, tmp_path / "o", ctx_len=64, prefill_seq_len=32)
+    assert str(err.value) == ("prefill_seq_len 32 is longer than the sliding window 16: a prefill chunk must fit in "
+                              "the sliding layers' ring buffers; export with --prefill-seq-len 16 or less")
+    assert not (tmp_path / "o").exists()
 
 
 def test_large_weights_go_to_external_data(models, tmp_path, monkeypatch):

@@ -122,9 +122,11 @@ def test_expressible_families_are_not_refused(cfg, target):
     assert facts(**cfg).refusal(opts(target)) is None
 
 
-def test_sliding_window_refusal_comes_before_target_refusals():
+def test_a_window_smaller_than_ctx_len_is_no_longer_refused():
+    """Sliding windows are ring buffers now: only the target's own refusal remains."""
     f = facts(architectures=["GPTJForCausalLM"], model_type="gptj", sliding_window=16)
-    assert f.refusal(opts("onnxruntime-fused", ctx_len=32)).startswith("this model uses sliding-window attention")
+    assert f.refusal(opts("onnxruntime-fused", ctx_len=32)).startswith("--target onnxruntime-fused cannot express")
+    assert facts(model_type="mistral", sliding_window=16).refusal(opts("portable", ctx_len=32)) is None
 
 
 # --- logits: what the model's own forward does to its head's output (RetainedStateLM applies these) ---------
@@ -187,3 +189,85 @@ def test_dynamic_rope_beyond_max_position_embeddings_is_refused_in_one_line(targ
     for rope in ({"rope_type": "llama3", "factor": 8.0}, {"rope_type": "yarn", "factor": 4.0}):
         assert facts(model_type="llama", max_position_embeddings=64, rope_parameters=rope).refusal(
             opts(target, ctx_len=128)) is None
+
+
+# --- sliding windows: which layers are ring buffers (contract section 7) ---------------------------------------
+
+GEMMA3 = dict(model_type="gemma3_text", sliding_window=8, num_hidden_layers=6,
+              layer_types=["sliding_attention"] * 5 + ["full_attention"])
+
+
+def test_ring_layers_are_the_sliding_layers_when_ctx_len_exceeds_the_window():
+    f = facts(**GEMMA3)
+    assert f.sliding_layers == (0, 1, 2, 3, 4)
+    for target in ("portable", "onnxruntime"):
+        assert f.ring_layers(opts(target, ctx_len=64)) == (0, 1, 2, 3, 4)
+        assert f.sliding_cache(opts(target, ctx_len=64)) == "ring"
+        # at or below the window the window never binds: full-length buffers
+        assert f.ring_layers(opts(target, ctx_len=8)) == ()
+        assert f.sliding_cache(opts(target, ctx_len=8)) == "full"
+    # GroupQueryAttention appends linearly: full-length buffers, the window in local_window_size
+    assert f.ring_layers(opts("onnxruntime-fused", ctx_len=64)) == ()
+    assert f.sliding_cache(opts("onnxruntime-fused", ctx_len=64)) == "full"
+    assert facts(model_type="llama").sliding_cache(opts("portable")) is None
+
+
+def test_sliding_layers_from_each_config_style():
+    assert facts(model_type="mistral", sliding_window=8).sliding_layers == (0, 1, 2, 3)
+    assert facts(model_type="mistral", sliding_window=None).sliding_layers == ()
+    assert facts(model_type="qwen2", sliding_window=8, use_sliding_window=False).sliding_layers == ()
+    assert facts(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=3).sliding_layers == (0, 1, 3)
+
+
+def test_a_chunk_longer_than_the_window_is_refused_only_with_rings():
+    f = facts(**GEMMA3)
+    msg = ("prefill_seq_len 16 is longer than the sliding window 8: a prefill chunk must fit in the sliding "
+           "layers' ring buffers; export with --prefill-seq-len 8 or less")
+    for target in ("portable", "onnxruntime"):
+        o = ExportOptions(ctx_len=64, prefill_seq_len=16, target=target).validate()
+        assert f.refusal(o) == msg
+    assert f.refusal(ExportOptions(ctx_len=64, prefill_seq_len=16, target="onnxruntime-fused").validate()) is None
+    assert f.refusal(ExportOptions(ctx_len=64, prefill_seq_len=8, target="portable").validate()) is None
+
+
+# --- vision-language models: what is exported and what is refused, from the config ---------------------------
+
+def _vlm(**over):
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_id": 120,
+           "text_config": {"model_type": "llama", "num_hidden_layers": 2},
+           "vision_config": {"model_type": "clip_vision_model"}}
+    cfg.update(over)
+    return ModelFacts.from_config(cfg)
+
+
+def test_llava_style_models_are_exported():
+    f = _vlm()
+    assert (f.vision_language, f.image_token_id, f.vision_refusal()) == (True, 120, None)
+    assert _vlm(image_token_id=None, image_token_index=32000).image_token_id == 32000
+
+
+def test_vision_language_refusals_name_the_reason():
+    assert _vlm(image_token_id=None).vision_refusal() == (
+        "LlavaForConditionalGeneration: the config has no image_token_id (or image_token_index); cannot merge "
+        "image rows")
+    qwen = _vlm(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+                text_config={"model_type": "qwen2_5_vl_text", "num_hidden_layers": 2,
+                             "rope_parameters": {"rope_type": "default", "mrope_section": [2, 2, 4]}})
+    assert qwen.vision_refusal() == ("Qwen2_5_VLForConditionalGeneration uses multimodal RoPE (position_ids [4, "
+                                     "batch, seq_len]); qeff-kv does not export it yet")
+    mllama = _vlm(architectures=["MllamaForConditionalGeneration"], model_type="mllama",
+                  text_config={"model_type": "mllama_text_model", "num_hidden_layers": 4,
+                               "cross_attention_layers": [1, 3]})
+    assert mllama.vision_refusal().startswith("MllamaForConditionalGeneration attends to the image through "
+                                              "cross-attention layers")
+    gemma3 = _vlm(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3")
+    assert gemma3.bidirectional_images and gemma3.vision_refusal() is None
+    assert gemma3.fused_refusal() == ("--target onnxruntime-fused cannot express Gemma3ForConditionalGeneration's "
+                                      "attention within an image both ways (GroupQueryAttention masks causally); "
+                                      "use --target onnxruntime")
+    assert not _vlm().bidirectional_images
+
+
+def test_single_graph_is_refused_for_text_decoders():
+    o = ExportOptions(ctx_len=32, prefill_seq_len=4, single_graph=True).validate()
+    assert facts(model_type="llama").refusal(o) == "--single-graph is for vision-language models; this is a text decoder"

@@ -66,11 +66,19 @@ def export_model(
     weights: str | None = None,
     block_size: int | None = None,
     accuracy_level: int | None = None,
+    sliding_cache: str | None = None,
+    single_graph: bool = False,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
     Without ``out_dir`` the export goes to the cache ``$QEFF_KV_HOME/<arch>/<name>-<hash>/`` and an
     identical earlier export is reused unless ``force``.
+
+    ``sliding_cache``: ``"ring"`` or ``"full"`` for sliding-window layers when ``ctx_len`` exceeds the window
+    (default: ring buffers where the target can; see :class:`~qeff_kv.export.options.ExportOptions`).
+
+    ``single_graph``: a vision-language model as one graph (vision encoder inside, ``pixel_values`` retained)
+    instead of a vision graph beside the language graph (the default; contract section 6).
 
     ``verify``: run the written graph in onnxruntime on a probe and compare it with the PyTorch model before
     calling the export done (see :mod:`qeff_kv.export.verify`). ``None`` (default): on when a second copy of
@@ -92,6 +100,7 @@ def export_model(
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target,
                                 ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl,
+                                sliding_cache=sliding_cache, single_graph=bool(single_graph),
                                 **quant_mod.resolve_options(weights, block_size, accuracy_level)).validate()
     ctx_len, prefill_seq_len, full_batch_size = options.ctx_len, options.prefill_seq_len, options.full_batch_size
     facts = family.ModelFacts.from_config(config)
@@ -122,7 +131,7 @@ def export_model(
         ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
         say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")
         probe, reference, skipped = _reference_for_verification(torch_model, options, verify, say)
-        say(f"tracing {arch} ({config.get('num_hidden_layers')} layers, ctx_len {ctx_len}, "
+        say(f"tracing {arch} ({facts.num_layers} layers, ctx_len {ctx_len}, "
             f"prefill_seq_len {prefill_seq_len})")
         raw = tmp / "raw" / "model.onnx"
         raw.parent.mkdir()
@@ -131,7 +140,6 @@ def export_model(
         loaded = family.ModelFacts.from_config(torch_model.config.to_dict())
         loaded.require_exportable(options)
         geometry = _trace(torch_model, options, raw, loaded)
-        del torch_model
         say("post-processing graph")
         ir_model = graphio.load(raw)
         _finalize(ir_model, options, geometry)
@@ -139,12 +147,23 @@ def export_model(
         onnx_path = stage / onnx_name
         _save_graph(ir_model, onnx_path, say)
         del ir_model
+        vision_path = None
+        if "vision" in geometry and not options.single_graph:
+            say("tracing the vision encoder")
+            vision_path = stage / vision_onnx_name(onnx_name)
+            _trace_vision(torch_model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
+            vis_model = graphio.load(tmp / "raw" / "vision.onnx")
+            _finalize_vision(vis_model, options)
+            vis_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
+            _save_graph(vis_model, vision_path, say)
+            del vis_model
+        del torch_model
         if probe is not None:
             say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
                 f"{probe.decode_steps} decode steps)")
             verification = verify_mod.verify_graph(onnx_path, probe, reference, ctx_len=ctx_len, dtype=dtype,
                                                    kv_batch=full_batch_size if continuous_batching else 1,
-                                                   ccl=options.ccl)
+                                                   ccl=options.ccl, vision_path=vision_path)
             say(f"verified: max |logit difference| {verification.max_abs_diff:.3g} "
                 f"(tolerance {verification.tolerance:.3g})")
         else:
@@ -159,7 +178,7 @@ def export_model(
         written = compile_config.write_compile_config(
             layout, stage, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
             full_batch_size=full_batch_size if continuous_batching else None, fmt=specializations_format,
-            ccl=options.ccl)
+            ccl=options.ccl, sliding_window=geometry["sliding_window"] if layout.has_sliding else None)
         source.copy_tokenizer(stage)
         fsutil.write_json(stage / PARAMS_FILE, params)
         manifest = _manifest(onnx_name, layout, config, options, geometry, digest,
@@ -169,6 +188,10 @@ def export_model(
         manifest["verification"] = verification.to_json()
         if weights_record is not None:
             manifest["weights"] = weights_record
+        if "vision" in geometry:
+            manifest.update(layout="single" if options.single_graph else "dual",
+                            image_token_id=loaded.image_token_id, vision=geometry["vision"],
+                            vision_onnx=None if vision_path is None else vision_path.name)
         fsutil.write_json(stage / MANIFEST_FILE, manifest)
         if use_cache:
             with fsutil.atomic_dir(target) as final:
@@ -181,8 +204,8 @@ def export_model(
             for fname in names:  # one rename per file; the manifest, written last, marks completion
                 (stage / fname).replace(target / fname)
         del written
-    names = [onnx_name, onnx_name + ".data", MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE,
-             compile_config.SPECIALIZATIONS_FILE]
+    names = [onnx_name, onnx_name + ".data", vision_onnx_name(onnx_name), vision_onnx_name(onnx_name) + ".data",
+             MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE, compile_config.SPECIALIZATIONS_FILE]
     files = sorted(target / n for n in names if (target / n).exists())
     say(f"wrote {target / onnx_name}")
     return ExportResult(target, target / onnx_name, target / MANIFEST_FILE, manifest, files=files)
@@ -200,7 +223,17 @@ def _reference_for_verification(model, options: opt.ExportOptions, verify: bool 
             return None, None, note
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
-    probe = verify_mod.make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot)
+    facts = family.ModelFacts.from_config(model.config.to_dict())
+    probe = verify_mod.make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
+                                  window=facts.sliding_window if facts.sliding_layers else None)
+    if facts.vision_language:
+        vision = vision_geometry(model)
+        try:
+            probe = verify_mod.add_image(probe, facts.image_token_id, vision["vision_size"], vision["channels"],
+                                         vision["image_size"], options.ctx_len, options.dtype,
+                                         image_blocks=facts.bidirectional_images)
+        except verify_mod.VerificationError as exc:
+            raise ExportError(str(exc)) from None
     try:
         reference = verify_mod.reference_run(model, probe)
     except Exception as exc:
@@ -240,16 +273,45 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
         limits.kv_buffer_bytes([s for layer in kv_shapes[:num_layers] for s in layer], ctx_len=options.ctx_len,
                                batch=kv_batch, itemsize=tdtype.itemsize),
         f"the probe KV tensors for tracing ({num_layers} layers x ctx_len {options.ctx_len})", error=ExportError)
+    if facts is None:
+        facts = family.ModelFacts.from_config(cfg.to_dict())
+    ring_layers = facts.ring_layers(options)   # sliding layers kept as rings of `sliding_window` slots
     past = []
     for i in range(num_layers):
+        ring = i in ring_layers
         for stem, (heads, dim) in zip(naming.EXPORT_STEMS, kv_shapes[i]):
-            past.append(torch.zeros((kv_batch, heads, options.ctx_len, dim), dtype=tdtype))
+            slots = int(facts.sliding_window) if ring else options.ctx_len
+            past.append(torch.zeros((kv_batch, heads, slots, dim), dtype=tdtype))
             in_name = naming.kv_input_name(stem, i)
             out_name = naming.retained_name(in_name)
             in_names.append(in_name)
             out_names.append(out_name)
-            dyn[in_name] = dyn[out_name] = {0: kv_axis, 2: "ctx_len"}
-    args = [input_ids, position_ids, *past]
+            dyn[in_name] = dyn[out_name] = {0: kv_axis, 2: naming.SLIDING_DIM if ring else naming.CTX_DIM}
+    vision = None
+    if facts.vision_language:   # contract section 6: the peer's input and output order
+        from . import vlm as vlm_mod
+
+        vision = vision_geometry(model)
+        if facts.bidirectional_images and options.prefill_seq_len < vision["vision_size"]:
+            raise ExportError(f"{facts.architecture}'s {vision['vision_size']} image tokens attend to each other both "
+                              f"ways, so one prefill chunk must hold a whole image; use --prefill-seq-len "
+                              f"{vision['vision_size']} or more")
+        image_idx = torch.zeros((1, 1), dtype=torch.int64)
+        if options.single_graph:
+            pixels = torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=tdtype)
+            lead, names = [input_ids, position_ids, pixels, image_idx], ["position_ids", "pixel_values"]
+            dyn["pixel_values"] = {0: "vision_batch_size", 2: "img_size", 3: "img_size"}
+        else:
+            rows = torch.zeros((1, vision["vision_size"], vision["hidden_size"]), dtype=tdtype)
+            lead, names = [input_ids, rows, position_ids, image_idx], ["vision_embeds", "position_ids"]
+            dyn["vision_embeds"] = {0: "vision_batch_size", 1: "vision_size"}
+        retained_name = naming.retained_name(names[1] if options.single_graph else names[0])
+        dyn[retained_name] = dyn[names[1] if options.single_graph else names[0]]
+        in_names[1:2] = names + ["image_idx"]
+        out_names[1:1] = [retained_name, naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
+        args = [*lead, *past]
+    else:
+        args = [input_ids, position_ids, *past]
     if options.ccl is not None:  # contract section 9: after the KV inputs, before batch_index
         args.append(torch.ones(options.ctx_len, dtype=torch.int64))
         in_names.append(naming.CCL_INPUT)
@@ -262,10 +324,14 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     fused = options.target == "onnxruntime-fused"
     # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
-    wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching,
-                                          valid_length_attention=compact, fused=fused,
-                                          max_positions=max_positions, facts=facts,
-                                          ccl=options.ccl is not None).eval()
+    common = dict(valid_length_attention=compact, fused=fused, max_positions=max_positions, facts=facts,
+                  ccl=options.ccl is not None, ring_layers=ring_layers, windowed_layers=facts.windowed_layers(options))
+    if vision is not None:
+        wrapper = vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
+                                           image_token_id=facts.image_token_id, single_graph=options.single_graph,
+                                           image_blocks=facts.bidirectional_images, **common).eval()
+    else:
+        wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval()
     if fused and wrapper.rotary is not None:
         rotary = torch_graph.skip_model_rotary(model)
     elif compact:
@@ -288,7 +354,66 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
                 "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
     if (v_heads, v_dim) != (n_kv, head_dim):
         geometry.update(value_heads=v_heads, value_head_dim=v_dim)
+    if vision is not None:
+        geometry["vision"] = vision
+    geometry.update(sliding_window=facts.sliding_window if facts.sliding_layers else None,
+                    sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options))
     return geometry
+
+
+def vision_onnx_name(onnx_name: str) -> str:
+    """The dual layout's vision graph beside the language graph ``onnx_name``: ``<name>_vision.onnx``."""
+    return onnx_name[:-len(".onnx")] + "_vision.onnx"
+
+
+def vision_geometry(model) -> dict:
+    """What a vision-language model's image input and vision rows look like, from its config and one run of its
+    own image encoder on a blank image: ``image_size``, ``channels``, ``vision_size`` (rows per image) and
+    ``hidden_size`` (of a row: the language model's)."""
+    import torch
+
+    from . import vlm as vlm_mod
+
+    vcfg = model.config.vision_config
+    size = int(vcfg.image_size if not isinstance(vcfg.image_size, (list, tuple)) else vcfg.image_size[0])
+    channels = int(getattr(vcfg, "num_channels", 3) or 3)
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        rows = vlm_mod.image_features(model, torch.zeros((1, channels, size, size), dtype=dtype))
+    return {"image_size": size, "channels": channels, "vision_size": int(rows.shape[1]),
+            "hidden_size": int(rows.shape[2])}
+
+
+def _trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -> None:
+    """The dual layout's vision graph: ``pixel_values [batch_size, channels, img_size, img_size] ->
+    vision_embeds [batch_size, vision_size, hidden]``."""
+    import torch
+
+    from . import vlm as vlm_mod
+
+    dtype = next(model.parameters()).dtype
+    pixels = torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=dtype)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(vlm_mod.VisionEncoder(model).eval(), (pixels,), str(path), dynamo=False,
+                              opset_version=opt.OPSET, input_names=["pixel_values"], output_names=["vision_embeds"],
+                              dynamic_axes={"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"},
+                                            "vision_embeds": {0: "batch_size"}},
+                              do_constant_folding=True)
+        except Exception as exc:
+            raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def _finalize_vision(model: ir.Model, options: opt.ExportOptions) -> None:
+    model.ir_version = opt.IR_VERSION
+    model.producer_name = "qeff-kv"
+    model.producer_version = __version__
+    model.doc_string = None
+    model.graph.name = "qeff_kv_vision"
+    model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
+    model.metadata_props["qeff_kv.target"] = options.target
 
 
 def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> None:
@@ -303,6 +428,9 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
     model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
     model.metadata_props["qeff_kv.continuous_batching"] = str(bool(options.continuous_batching)).lower()
     model.metadata_props["qeff_kv.target"] = options.target
+    if geometry.get("sliding_window"):
+        model.metadata_props[naming.SLIDING_WINDOW_META] = str(geometry["sliding_window"])
+        model.metadata_props[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
     RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)
     if options.target == "onnxruntime-fused":
         PackGQAQKVPass()(model)
@@ -348,6 +476,9 @@ def _manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, 
         "head_dim": geometry["head_dim"],
         "vocab_size": geometry["vocab_size"],
         "eos_token_id": eos,
+        "sliding_window": geometry.get("sliding_window"),
+        "sliding_layers": geometry.get("sliding_layers", []),
+        "sliding_cache": geometry.get("sliding_cache"),
         "buffers": layout.to_json(options.ctx_len)["pairs"],
         "regexes": naming.canonical_regexes(options.kv_cache_prefix),
         "specializations_format": fmt,

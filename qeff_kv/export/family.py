@@ -67,6 +67,15 @@ class ModelFacts:
     #: longrope: the sequence length beyond which the long factors replace the short ones (the effective
     #: ``original_max_position_embeddings``, see :func:`_longrope_threshold`); ``None`` without longrope
     longrope_threshold: int | None = None
+    #: vision-language: the token id whose positions take image rows (``image_token_id``/``image_token_index``)
+    image_token_id: int | None = None
+    #: vision-language: multimodal RoPE (``mrope_section`` in the RoPE parameters: Qwen2-VL, Qwen2.5-VL)
+    mrope: bool = False
+    #: vision-language: the language model has cross-attention layers fed by the image (Mllama)
+    cross_attention: bool = False
+    #: vision-language: image tokens attend to each other bidirectionally (Gemma3, PaliGemma: the model's
+    #: forward builds its mask from ``token_type_ids``; see :data:`BIDIRECTIONAL_IMAGE_MODEL_TYPES`)
+    bidirectional_images: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -94,17 +103,29 @@ class ModelFacts:
             rope_types=_rope_types(text),
             max_position_embeddings=_int_or_none(_first(text, "max_position_embeddings", "n_positions")),
             longrope_threshold=_longrope_threshold(text, model_type),
+            image_token_id=_int_or_none(_first(config, "image_token_id", "image_token_index")),
+            mrope=_has_mrope(text),
+            cross_attention=bool(text.get("cross_attention_layers")),
+            bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
         )
 
     # ---------------------------------------------------------------------------------------- refusals
     def refusal(self, options) -> str | None:
         """Why this model cannot be exported with ``options`` (one line), or ``None``."""
         if self.vision_language:
-            return (f"{self.architecture} is a vision-language model; qeff-kv exports text decoders only "
-                    f"(vision-language export is not supported yet)")
-        if self.sliding_layers and options.ctx_len > int(self.sliding_window):
-            return (f"this model uses sliding-window attention (window {self.sliding_window}) and ctx_len "
-                    f"{options.ctx_len} is larger; export with --ctx-len {self.sliding_window} or less")
+            reason = self.vision_refusal()
+            if reason is not None:
+                return reason
+            for flag, value in (("--weights", options.weights), ("--ccl", options.ccl)):
+                if value is not None:
+                    return f"{flag} is not supported for vision-language exports yet"
+        elif getattr(options, "single_graph", False):
+            return "--single-graph is for vision-language models; this is a text decoder"
+        if self.ring_layers(options) and options.prefill_seq_len > int(self.sliding_window):
+            # A chunk longer than the ring would write two of its positions into one slot in one ScatterND.
+            return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "
+                    f"{self.sliding_window}: a prefill chunk must fit in the sliding layers' ring buffers; "
+                    f"export with --prefill-seq-len {self.sliding_window} or less")
         if ("dynamic" in self.rope_types and self.max_position_embeddings
                 and options.ctx_len > self.max_position_embeddings):
             # transformers recomputes dynamic-NTK frequencies in a Python branch once a forward pass reaches
@@ -125,6 +146,23 @@ class ModelFacts:
             return self.fused_refusal()
         return None
 
+    def vision_refusal(self) -> str | None:
+        """Why qeff-kv cannot export this vision-language model yet (one line), or ``None``.
+
+        Supported: an image encoder whose projected features replace the image-token embeddings one row per
+        token (Llava-style: ``get_image_features`` plus an ``image_token_id``), over a language model with
+        ordinary 1-D positions and a causal mask."""
+        name = self.architecture
+        if self.image_token_id is None:
+            return f"{name}: the config has no image_token_id (or image_token_index); cannot merge image rows"
+        if self.mrope:
+            return (f"{name} uses multimodal RoPE (position_ids [4, batch, seq_len]); qeff-kv does not export it "
+                    f"yet")
+        if self.cross_attention:
+            return (f"{name} attends to the image through cross-attention layers; qeff-kv does not export it "
+                    f"yet")
+        return None
+
     def fused_refusal(self) -> str | None:
         """Why onnxruntime's GroupQueryAttention cannot compute this model's attention, or ``None``."""
         cannot = f"--target onnxruntime-fused cannot express {self.architecture}'s"
@@ -136,12 +174,54 @@ class ModelFacts:
         if self.latent_attention:
             return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
                     f"use --target onnxruntime")
+        if self.vision_language and self.bidirectional_images:
+            return (f"{cannot} attention within an image both ways (GroupQueryAttention masks causally); "
+                    f"use --target onnxruntime")
         return None
+
+    def ring_layers(self, options) -> tuple[int, ...]:
+        """The layers whose KV cache is a ring buffer of ``sliding_window`` slots (contract section 7): the
+        sliding layers, when ``ctx_len`` exceeds the window (below it the window never binds), the target
+        writes its cache with ScatterND and ``--sliding-cache full`` was not asked for. The fused target keeps
+        full-length buffers and windows attention in GroupQueryAttention (``local_window_size``)."""
+        if not self.sliding_layers or options.ctx_len <= int(self.sliding_window):
+            return ()
+        if options.target == "onnxruntime-fused" or getattr(options, "sliding_cache", None) == "full":
+            return ()
+        return self.sliding_layers
+
+    def windowed_layers(self, options) -> tuple[int, ...]:
+        """Sliding layers with full-length buffers whose window binds (``ctx_len`` above it): their attention
+        mask (or GroupQueryAttention's ``local_window_size``) applies the window."""
+        if not self.sliding_layers or options.ctx_len <= int(self.sliding_window) or self.ring_layers(options):
+            return ()
+        return self.sliding_layers
+
+    def sliding_cache(self, options) -> str | None:
+        """How the sliding layers keep their cache with ``options``: ``"ring"`` (``sliding_window`` slots),
+        ``"full"`` (``ctx_len`` slots, the window applied by attention), ``None`` without sliding layers."""
+        if not self.sliding_layers:
+            return None
+        return "ring" if self.ring_layers(options) else "full"
 
     def require_exportable(self, options) -> None:
         reason = self.refusal(options)
         if reason is not None:
             raise ExportError(reason)
+
+
+#: vision-language families whose forward makes each image's tokens attend to each other both ways (from
+#: ``token_type_ids``; transformers 5.23 ``create_masks_for_vision_model``), by the top-level ``model_type``
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "gemma3n"})
+
+
+def _has_mrope(text: dict) -> bool:
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("type") == "mrope"
+                                       or rope.get("rope_type") == "mrope"):
+            return True
+    return False
 
 
 def _int_or_none(v) -> int | None:

@@ -28,7 +28,8 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 3  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity
+EXPORTER_VERSION = 4  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
+# 4: sliding layers as ring buffers
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,14 @@ class ExportOptions:
     weights: str | None = None
     block_size: int | None = None
     accuracy_level: int | None = None
+    #: how sliding-window layers keep their cache when ``ctx_len`` exceeds the window (contract section 7):
+    #: ``"ring"`` (``sliding_window`` slots written at ``position % window``), ``"full"`` (``ctx_len`` slots, the
+    #: window in the attention mask: deeper rewinds, more memory); ``None``: ring where the target can (the
+    #: portable and onnxruntime targets), full on the fused one
+    sliding_cache: str | None = None
+    #: vision-language models: one graph with the vision encoder inside (``pixel_values`` retained) instead of
+    #: a vision graph and a language graph (contract section 6)
+    single_graph: bool = False
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -79,6 +88,12 @@ class ExportOptions:
                 raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
                                   "reads exactly the filled slots); use --target portable or onnxruntime")
             check_ccl(self.ccl, self.ctx_len)
+        if self.sliding_cache not in (None, "ring", "full"):
+            raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
+        if self.sliding_cache == "ring" and self.target == "onnxruntime-fused":
+            raise ExportError("--target onnxruntime-fused keeps full-length buffers on sliding layers "
+                              "(GroupQueryAttention appends in order and windows attention itself); "
+                              "use --sliding-cache full, or --target portable or onnxruntime for ring buffers")
         from .quantize import check_scheme  # no torch, no onnxruntime import here
 
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
@@ -90,9 +105,11 @@ class ExportOptions:
             del d["ccl"]  # exports without CCL keep the options hash they had before CCL existed
         else:
             d["ccl"] = list(d["ccl"])
-        for key in ("weights", "block_size", "accuracy_level"):
+        if not d["single_graph"]:
+            del d["single_graph"]
+        for key in ("weights", "block_size", "accuracy_level", "sliding_cache"):
             if d[key] is None:
-                del d[key]  # float exports keep the options hash they had before quantization existed
+                del d[key]  # exports without these options keep the options hash they had before they existed
         return d
 
 

@@ -183,15 +183,18 @@ class FolderSource(ModelSource):
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
         torch, transformers = _import_transformers()
         say(f"loading {self.path}")
+        vision = isinstance(self.config().get("vision_config"), dict)
+        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
         try:
-            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            model, info = auto.from_pretrained(
                 self.path, dtype=_torch_dtype(torch, options), attn_implementation="eager", use_safetensors=True,
                 output_loading_info=True)
         except Exception as exc:  # truncated weights, config/weights mismatch, bad config values...
             if "mismatched" in str(exc):
                 raise ExportError(f"{self.path}: the weights do not match config.json (tensor shapes differ from "
                                   "what the config describes)") from None
-            raise ExportError(f"{self.path}: cannot load as a causal LM ({_first_line(exc)})") from None
+            what = "an image-text-to-text model" if vision else "a causal LM"
+            raise ExportError(f"{self.path}: cannot load as {what} ({_first_line(exc)})") from None
         missing = sorted((info or {}).get("missing_keys") or [])
         if missing:  # the config describes weights the files do not hold: they would be random
             raise ExportError(f"{self.path}: the weights do not match config.json: {len(missing)} tensors are "

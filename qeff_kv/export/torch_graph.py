@@ -77,6 +77,65 @@ class _LengthOf(torch.autograd.Function):
         return g.op("Shape", x)
 
 
+class _RingConcat(torch.autograd.Function):
+    """``cat = Concat(ring, new, axis=2)`` and ``upd = Slice(cat, starts=Shape(ring)[2], axis 2)``.
+
+    ``cat`` is what a sliding layer attends over: the ring buffer as it was *before* this step, then the
+    step's new keys/values. ``upd`` equals ``new`` but is computed from ``cat``, and it is the ``updates`` input
+    of the ring's ScatterND: so the update depends on the copy of the old ring and onnxruntime cannot run the
+    in-place update before that copy is made (see :mod:`qeff_kv.inplace`)."""
+
+    @staticmethod
+    def forward(ctx, ring, new):  # noqa: D401
+        cat = torch.cat([ring, new], dim=2)
+        return cat, cat[:, :, ring.shape[2]:].clone()
+
+    @staticmethod
+    def symbolic(g, ring, new):
+        cat = g.op("Concat", ring, new, axis_i=2)
+        start = g.op("Shape", ring, start_i=2, end_i=3)
+        end = g.op("Constant", value_t=torch.tensor([2**62], dtype=torch.int64))
+        axes = g.op("Constant", value_t=torch.tensor([2], dtype=torch.int64))
+        upd = g.op("Slice", cat, start, end, axes)
+        upd.setType(new.type())
+        return cat, upd
+
+
+class RingStep:
+    """One step's plan for the sliding layers' ring buffers (contract section 7), shared by every such layer.
+
+    A ring of ``window`` slots holds position ``p`` of a sequence in slot ``p % window``. Before this step a
+    row's ring holds its positions ``[p0 - window, p0)`` (``p0``: the row's first position in the chunk; slots
+    of positions below 0 are empty), so slot ``j`` holds position ``x_j = (p0 - 1) - ((p0 - 1 - j) mod window)``.
+    Attention reads that old ring (first ``read`` slots) followed by the chunk's own keys, so no key a query of
+    the chunk needs is lost when a later position of the same chunk overwrites its slot; the additive mask
+    ``[B, 1, S, read + S]`` lets the query at ``p`` see ``x_j`` when ``0 <= x_j`` and ``x_j > p - window``, and
+    chunk position ``q`` when ``p - window < q <= p`` and it is not padding. Then the chunk is scattered into
+    ``p % window``; a chunk holds at most ``window`` positions, so no two of its rows share a slot except
+    padding, which repeats its row's last valid key and value bit for bit.
+    """
+
+    def __init__(self, window: int, position_ids: torch.Tensor, is_pad: torch.Tensor, read: torch.Tensor | None,
+                 dtype: torch.dtype, blocks: torch.Tensor | None = None):
+        self.window = int(window)
+        self.read = read          # [1] int64: slots of the old ring read (onnxruntime target), None: all
+        self.position_ids = position_ids
+        w = self.window
+        p0 = position_ids[:, :1]                                                     # [B, 1]
+        slots = torch.arange(w, dtype=torch.int64) if read is None else torch.arange(read[0], dtype=torch.int64)
+        held = (p0 - 1) - torch.remainder(p0 - 1 - slots.reshape(1, -1), w)          # [B, R]
+        q = position_ids.unsqueeze(-1)                                               # [B, S, 1]
+        ring_vis = (held.unsqueeze(1) >= 0) & (held.unsqueeze(1) > q - w)            # [B, S, R]
+        k = position_ids.unsqueeze(1)                                                # [B, 1, S]
+        causal = k <= q
+        if blocks is not None:   # bidirectional image blocks (see build_attention_mask)
+            causal = causal | ((blocks.unsqueeze(-1) >= 0) & (blocks.unsqueeze(-1) == blocks.unsqueeze(1)))
+        new_vis = causal & (k > q - w) & (~is_pad).unsqueeze(1)                     # [B, S, S]
+        visible = torch.cat([ring_vis, new_vis], dim=-1).unsqueeze(1)                # [B, 1, S, R + S]
+        neg = torch.tensor(torch.finfo(dtype).min / 2, dtype=dtype)
+        self.mask = torch.where(visible, torch.tensor(0, dtype=dtype), neg)
+
+
 def attended_length(position_ids: torch.Tensor) -> torch.Tensor:
     """1 + the largest position in the batch (at least 1), as a 1-D int64 tensor: the slots attention needs."""
     return torch.clamp(position_ids.max() + 1, min=1).reshape(1)
@@ -92,13 +151,16 @@ class RetainedStateCache:
     is_compileable = False
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor,
-                 batch_index: torch.Tensor | None, attend_length: torch.Tensor | None = None):
+                 batch_index: torch.Tensor | None, attend_length: torch.Tensor | None = None,
+                 ring: RingStep | None = None, ring_layers: tuple[int, ...] = ()):
         self.past = past
         self.attend_length = attend_length
         self.position_ids = position_ids
         self.batch_index = batch_index
+        self.ring = ring
+        self.ring_layers = frozenset(ring_layers)
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
-        self._plan: torch.Tensor | None = None
+        self._plans: dict[tuple[int, bool], torch.Tensor] = {}
         self.layers = []  # some helpers inspect cache.layers; we hold no transformers layers
         # Attention is limited by the ready-made mask, never by a sliding cache layer.
         self.is_sliding = [False] * len(past)
@@ -113,11 +175,15 @@ class RetainedStateCache:
     def __len__(self) -> int:
         return len(self.past)
 
-    def _indices(self, num_heads: int) -> torch.Tensor:
-        """ScatterND indices ``[B, H, S, 3]`` (batch row, head, position), built once for every layer."""
-        if self._plan is not None:
-            return self._plan
+    def _indices(self, num_heads: int, ring: bool = False) -> torch.Tensor:
+        """ScatterND indices ``[B, H, S, 3]`` (batch row, head, slot), built once for every layer: the slot is
+        the position, or ``position % window`` in a ring buffer."""
+        key = (num_heads, ring)
+        if key in self._plans:
+            return self._plans[key]
         pos = self.position_ids
+        if ring:
+            pos = torch.remainder(pos, self.ring.window)
         bsz, seq = pos.shape
         if self.batch_index is not None:
             b_idx = self.batch_index.reshape(bsz, 1, 1)
@@ -125,11 +191,30 @@ class RetainedStateCache:
             b_idx = torch.arange(bsz, dtype=torch.int64).reshape(bsz, 1, 1)
         shape = (bsz, num_heads, seq)
         h_idx = torch.arange(num_heads, dtype=torch.int64).reshape(1, num_heads, 1)
-        self._plan = torch.stack([b_idx.expand(shape), h_idx.expand(shape), pos.unsqueeze(1).expand(shape)], dim=-1)
-        return self._plan
+        plan = torch.stack([b_idx.expand(shape), h_idx.expand(shape), pos.unsqueeze(1).expand(shape)], dim=-1)
+        self._plans[key] = plan
+        return plan
+
+    def _update_ring(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A sliding layer's ring buffer: attend over the old ring plus the chunk, then scatter the chunk into
+        ``position % window`` (see :class:`RingStep`)."""
+        past_k, past_v = self.past[layer_idx]
+        indices = self._indices(int(key_states.shape[1]), ring=True)
+        att, new = [], []
+        for past, states in ((past_k, key_states), (past_v, value_states)):
+            old = past[self.batch_index.reshape(-1)] if self.batch_index is not None else past
+            if self.ring.read is not None:
+                old = _SliceSlots.apply(old, self.ring.read)
+            cat, upd = _RingConcat.apply(old, states.to(past.dtype))
+            att.append(cat)
+            new.append(_ScatterKV.apply(past, indices, upd))
+        self.retained[layer_idx] = (new[0], new[1])
+        return att[0], att[1]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None):
+        if layer_idx in self.ring_layers:
+            return self._update_ring(layer_idx, key_states, value_states)
         past_k, past_v = self.past[layer_idx]
         indices = self._indices(int(key_states.shape[1]))
         new_k = _ScatterKV.apply(past_k, indices, key_states.to(past_k.dtype))
@@ -201,6 +286,16 @@ def fill_padding(input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[t
     last_pos = torch.gather(position_ids, 1, last_row)
     last_tok = torch.gather(input_ids, 1, last_row)
     return torch.where(is_pad, last_tok, input_ids), torch.where(is_pad, last_pos, position_ids)
+
+
+def fill_padding_rows(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, ...]`` with every padded row (position -1) replaced by its sequence's last valid row (the
+    embedding counterpart of :func:`fill_padding`)."""
+    last_row = position_ids.argmax(dim=1, keepdim=True)                        # [B, 1]
+    rows = torch.arange(position_ids.shape[1], dtype=torch.int64).unsqueeze(0)  # [1, S]
+    src = torch.where(position_ids < 0, last_row, rows)                        # [B, S]
+    index = src.reshape(src.shape[0], src.shape[1], *([1] * (x.dim() - 2))).expand(x.shape)
+    return torch.gather(x, 1, index)
 
 
 class _GroupedAttention(torch.autograd.Function):
@@ -570,7 +665,7 @@ class _GQA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq: int, hkv: int, d: int,
-                scale: float, softcap: float, rotary: bool):
+                scale: float, softcap: float, rotary: bool, local_window: int = -1):
         b, _, s, _ = q.shape
         start = (seqlens_k.long() - s + 1).reshape(b, 1)
         pos = start + torch.arange(s).reshape(1, s)                                  # [B, S]
@@ -593,7 +688,10 @@ class _GQA(torch.autograd.Function):
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
         slots = torch.arange(pk.shape[2]).reshape(1, 1, 1, 1, -1)
-        scores = scores.masked_fill(~(slots <= pos.reshape(b, 1, 1, s, 1)), float("-inf"))
+        visible = slots <= pos.reshape(b, 1, 1, s, 1)
+        if local_window >= 0:   # GQA's local_window_size W: the query at p sees keys p - W + 1 .. p (measured)
+            visible = visible & (slots > pos.reshape(b, 1, 1, s, 1) - local_window)
+        scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.float().reshape(1, hkv, hq // hkv, 1, 1).expand(b, hkv, hq // hkv, s, 1)
             probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
@@ -604,7 +702,7 @@ class _GQA(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq, hkv, d, scale, softcap,
-                 rotary):
+                 rotary, local_window=-1):
         def const(values):
             return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
@@ -622,6 +720,8 @@ class _GQA(torch.autograd.Function):
             inputs += [cos, sin]
         if softcap > 0:
             attrs["softcap_f"] = softcap
+        if local_window >= 0:
+            attrs["local_window_size_i"] = local_window
         if not _absent(sinks):
             if not rotary:
                 inputs += [empty(), empty()]
@@ -644,10 +744,15 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
     ``key``/``value`` are this step's new keys and values, as returned by :meth:`FusedKVCache.update`;
     GroupQueryAttention appends them to the retained buffers itself. Soft-capping (``softcap``) and attention
     sinks (``s_aux``) map to GQA's ``softcap`` and ``head_sink``; ``attention_mask`` is not read (GQA masks
-    causally; a sliding window never binds while ``ctx_len`` is at most the window, which export enforces).
+    causally; on sliding layers with the window, GQA's ``local_window_size``, see :meth:`FusedKVCache.attend`).
     """
-    out = _ACTIVE_CACHE[-1].attend(module.layer_idx, query, key, value, scaling, kwargs.get("softcap"),
-                                   kwargs.get("s_aux"))
+    cache = _ACTIVE_CACHE[-1]
+    window = kwargs.get("sliding_window")
+    if (window is not None) != (module.layer_idx in cache.window_layers) or (
+            window is not None and int(window) != cache.window):
+        raise RuntimeError(f"layer {module.layer_idx}: the model's sliding window {window} is not the config's "
+                           f"(window {cache.window} on layers {sorted(cache.window_layers)})")
+    out = cache.attend(module.layer_idx, query, key, value, scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
     return out, None
 
 
@@ -684,9 +789,12 @@ class FusedKVCache:
 
     is_compileable = False
 
-    def __init__(self, past, position_ids: torch.Tensor, rotary: "RotaryCaches | None" = None):
+    def __init__(self, past, position_ids: torch.Tensor, rotary: "RotaryCaches | None" = None,
+                 window: int | None = None, window_layers: tuple[int, ...] = ()):
         self.past = past
         self.rotary = rotary
+        self.window = window
+        self.window_layers = frozenset(window_layers)
         self.position_ids = position_ids
         self.retained: list = [None] * len(past)
         self.rotated: list[bool | None] = [None] * len(past)
@@ -726,9 +834,11 @@ class FusedKVCache:
                                f"{int(value.shape[-1])}) do not fit GroupQueryAttention")
         scale = float(scaling if scaling is not None else d ** -0.5)
         past_k, past_v = self.past[layer_idx]
+        # onnxruntime's local_window_size is the window itself: W keys, p - W + 1 .. p, as transformers' window
+        local = self.window if layer_idx in self.window_layers else -1
         out, present_k, present_v = _GQA.apply(query, key, value, past_k, past_v, self.seqlens_k, self.total,
                                                cos, sin, sinks, hq, hkv, d, scale, float(softcap or 0.0),
-                                               rope is not None)
+                                               rope is not None, local)
         self.retained[layer_idx] = (present_k, present_v)
         return _SplitHeads.apply(out, d)
 
@@ -777,7 +887,7 @@ def rotary_caches(model: torch.nn.Module, max_positions: int) -> RotaryCaches | 
     """GroupQueryAttention's cos/sin caches for each layer from the model's own rotary embedding module, or
     ``None`` where GQA cannot apply this RoPE itself (partial rotary, interleaved or sequence-length-dependent
     scaling): the model's own rotary code then runs before GQA."""
-    cfg = model.config
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for rope in _rope_param_sets(cfg):
         if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
             return None
@@ -834,14 +944,40 @@ def use_grouped_attention(model: torch.nn.Module) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    model.set_attn_implementation(GROUPED_ATTENTION)
+    _decoder_module(model).set_attn_implementation(GROUPED_ATTENTION)
 
 
-def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[B, 1, S, ctx_len]``: 0 where ``0 <= slot <= position``, a large finite negative else."""
+def _decoder_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose attention implementation the exporter sets: the language decoder of a vision-language
+    model (its vision encoder keeps its own), else the model itself."""
+    decoder = model.get_decoder()
+    if decoder is not model and hasattr(decoder, "set_attn_implementation") and \
+            getattr(model.config, "vision_config", None) is not None:
+        return decoder
+    return model
+
+
+def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int, dtype: torch.dtype,
+                         window: int | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask ``[B, 1, S, ctx_len]``: 0 where ``0 <= slot <= position`` (and ``slot > position - window``
+    with a sliding ``window``), a large finite negative else.
+
+    ``blocks [B, S]`` (bidirectional image blocks, see :func:`qeff_kv.export.vlm.image_blocks`): a query of
+    block ``b >= 0`` also sees every slot of the chunk whose row is in block ``b``, later ones included (the
+    chunk fills slots ``position_ids[:, 0] + row``, its positions being contiguous)."""
     slots = torch.arange(ctx_len, dtype=torch.int64).reshape(1, 1, 1, -1)
     pos = position_ids.unsqueeze(1).unsqueeze(-1)                                # [B, 1, S, 1]
-    visible = (slots <= pos) & (pos >= 0)
+    causal = slots <= pos
+    if blocks is not None:
+        seq = position_ids.shape[1]
+        row = slots.reshape(1, -1) - position_ids[:, :1]                         # [B, L] chunk row of each slot
+        in_chunk = (row >= 0) & (row < seq)
+        key_block = torch.where(in_chunk, torch.gather(blocks, 1, row.clamp(0, seq - 1)), -1)
+        q_block = blocks.unsqueeze(1).unsqueeze(-1)                              # [B, 1, S, 1]
+        causal = causal | ((q_block >= 0) & (q_block == key_block.unsqueeze(1).unsqueeze(1)))
+    visible = causal & (pos >= 0)
+    if window is not None:
+        visible = visible & (slots > pos - window)
     neg = torch.tensor(torch.finfo(dtype).min / 2, dtype=dtype)
     zero = torch.tensor(0, dtype=dtype)
     return torch.where(visible, zero, neg)
@@ -876,11 +1012,13 @@ class RetainedStateLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool,
                  valid_length_attention: bool = False, fused: bool = False, max_positions: int = 0,
-                 facts=None, ccl: bool = False):
+                 facts=None, ccl: bool = False, ring_layers: tuple[int, ...] = (),
+                 windowed_layers: tuple[int, ...] = ()):
         super().__init__()
         #: the graph takes ``comp_ctx_lengths`` (after the KV inputs, before ``batch_index``) and attends over
         #: its length only (onnxruntime target: the smaller of that and the valid length)
         self.ccl = ccl
+        self._blocks = None
         if ccl and fused:
             raise ValueError("the fused target does not take comp_ctx_lengths")
         self.valid_length_attention = valid_length_attention
@@ -909,7 +1047,7 @@ class RetainedStateLM(torch.nn.Module):
                 from transformers import AttentionInterface
 
                 AttentionInterface.register(FUSED_ATTENTION, fused_attention)
-                model.set_attn_implementation(FUSED_ATTENTION)
+                _decoder_module(model).set_attn_implementation(FUSED_ATTENTION)
         elif valid_length_attention:
             use_grouped_attention(model)
         self.lm = model
@@ -924,8 +1062,26 @@ class RetainedStateLM(torch.nn.Module):
         self.logit_scale = facts.logit_scale
         self.logits_scaling = facts.logits_scaling
         self.softcap = facts.final_logit_softcapping
+        #: sliding layers whose cache is a ring of ``window`` slots (ScatterND targets, ``ctx_len > window``)
+        self.ring_layers = tuple(ring_layers)
+        self.window = int(facts.sliding_window) if facts.sliding_window else None
+        #: every layer is a ring layer: the model takes one mask (Mistral, Phi-3); else one per layer type
+        self.all_ring = len(self.ring_layers) == num_layers
+        #: the fused target windows GroupQueryAttention (``local_window_size``) on these layers
+        self.window_layers = tuple(facts.sliding_layers) if fused and self.window else ()
+        #: full-length sliding layers whose window binds: their mask applies it (``--sliding-cache full``)
+        self.windowed_layers = () if fused else tuple(windowed_layers)
 
     def forward(self, input_ids, position_ids, *rest):
+        return self.run(input_ids, position_ids, rest)
+
+    def run(self, input_ids, position_ids, rest, inputs_embeds=None, blocks=None):
+        """The traced step: ``rest`` is the KV inputs (then ``comp_ctx_lengths``, then ``batch_index``).
+        ``inputs_embeds`` ``[B, S, H]`` (vision-language graphs: text embeddings with image rows merged in)
+        replaces the embedding of ``input_ids``; a padded row takes its sequence's last valid row's, as its id
+        and position do (:func:`fill_padding`). ``blocks [B, S]``: bidirectional image blocks for every mask
+        (:func:`build_attention_mask`)."""
+        self._blocks = blocks
         if self.continuous_batching:
             *flat, batch_index = rest
         else:
@@ -934,8 +1090,12 @@ class RetainedStateLM(torch.nn.Module):
         past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
         dtype = flat[0].dtype
+        is_pad = position_ids < 0
+        if inputs_embeds is not None and not self.fused:
+            inputs_embeds = fill_padding_rows(inputs_embeds, position_ids)
         if self.fused:
-            cache = FusedKVCache(past, position_ids, self.rotary)
+            cache = FusedKVCache(past, position_ids, self.rotary, window=self.window,
+                                 window_layers=self.window_layers)
             mask = torch.zeros((1, 1, 1, 1), dtype=dtype)  # GroupQueryAttention masks causally itself
             _ACTIVE_CACHE.append(cache)
         elif self.valid_length_attention:
@@ -943,24 +1103,33 @@ class RetainedStateLM(torch.nn.Module):
             length = attended_length(position_ids)
             if ccl_length is not None:
                 length = torch.minimum(length, ccl_length)
-            cache = RetainedStateCache(past, position_ids, batch_index, length)
-            mask = build_attention_mask(position_ids, length[0], dtype)
+            ring = self._ring_step(position_ids, is_pad, dtype, read=True)
+            cache = RetainedStateCache(past, position_ids, batch_index, length, ring, self.ring_layers)
+            mask = self._masks(build_attention_mask(position_ids, length[0], dtype, blocks=blocks), ring,
+                               lambda: build_attention_mask(position_ids, length[0], dtype, self.window, blocks))
         elif ccl_length is not None:
             # CCL on the portable target: attention reads the first L slots of the scattered buffer (Slice on
             # axis 2, ends = Shape(comp_ctx_lengths)); the mask has L columns. The ScatterND still reads the
             # graph input and writes the graph output, so in-place safety is unchanged.
             input_ids, position_ids = fill_padding(input_ids, position_ids)
-            cache = RetainedStateCache(past, position_ids, batch_index, ccl_length)
-            mask = build_attention_mask(position_ids, ccl_length[0], dtype)
+            ring = self._ring_step(position_ids, is_pad, dtype)
+            cache = RetainedStateCache(past, position_ids, batch_index, ccl_length, ring, self.ring_layers)
+            mask = self._masks(build_attention_mask(position_ids, ccl_length[0], dtype, blocks=blocks), ring,
+                               lambda: build_attention_mask(position_ids, ccl_length[0], dtype, self.window, blocks))
         else:
             input_ids, position_ids = fill_padding(input_ids, position_ids)
-            cache = RetainedStateCache(past, position_ids, batch_index)
-            mask = build_attention_mask(position_ids, flat[0].shape[2], dtype)
+            ring = self._ring_step(position_ids, is_pad, dtype)
+            cache = RetainedStateCache(past, position_ids, batch_index, ring=ring, ring_layers=self.ring_layers)
+            full = None if self.all_ring else self._full_capacity(flat)
+            mask = self._masks(None if full is None else build_attention_mask(position_ids, full, dtype,
+                                                                             blocks=blocks), ring,
+                               lambda: build_attention_mask(position_ids, full, dtype, self.window, blocks))
         base = self.lm.get_decoder()
         try:
             with sdpa_to_gqa() if self.sdpa_route else contextlib.nullcontext():
-                out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                           past_key_values=cache, use_cache=True)
+                tokens = dict(input_ids=input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+                out = base(**tokens, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+                           use_cache=True)
         finally:
             if self.fused:
                 _ACTIVE_CACHE.pop()
@@ -982,6 +1151,36 @@ class RetainedStateLM(torch.nn.Module):
                 raise RuntimeError(f"layer {i} did not update its cache")
             retained.extend(kv)
         return (logits, *retained)
+
+    def _full_capacity(self, flat) -> int:
+        """``ctx_len``: axis 2 of a full-length (non-ring) layer's KV input."""
+        i = next(i for i in range(self.num_layers) if i not in self.ring_layers)
+        return flat[2 * i].shape[2]
+
+    def _ring_step(self, position_ids, is_pad, dtype, read: bool = False) -> RingStep | None:
+        """This step's :class:`RingStep`, or ``None`` without ring layers. ``read`` (the onnxruntime target):
+        attention reads only the ring slots that can hold a position, ``min(window, max(p0))`` (at least 1)."""
+        if not self.ring_layers:
+            return None
+        n = None
+        if read:
+            n = torch.clamp(torch.clamp(position_ids[:, 0].max(), max=self.window), min=1).reshape(1)
+        return RingStep(self.window, position_ids, is_pad, n, dtype, self._blocks)
+
+    def _masks(self, full, ring: RingStep | None, windowed=None):
+        """What the decoder gets as ``attention_mask``: the full-length mask; the ring mask (or, with full-length
+        sliding layers whose window binds, the ``windowed()`` mask) when every layer is sliding; else
+        ``{layer_type: mask}`` (transformers then gives each layer the mask of its type)."""
+        if ring is None and self.windowed_layers:
+            sliding = windowed()
+            if len(self.windowed_layers) == self.num_layers:
+                return sliding
+            return {"full_attention": full, "sliding_attention": sliding}
+        if ring is None:
+            return full
+        if self.all_ring:
+            return ring.mask
+        return {"full_attention": full, "sliding_attention": ring.mask}
 
     def _check_rope_layers(self, cache: FusedKVCache) -> None:
         """GQA rotates exactly the layers that called the model's ``apply_rotary_pos_emb``; when any does, they

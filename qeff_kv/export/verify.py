@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import graphio, limits, naming
+from ..chunking import plan_chunks
 from ..errors import VerificationError
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -43,6 +44,12 @@ class Probe:
     chunk: int
     decode_steps: int
     slot: int = 0
+    #: vision-language models: one seeded random image ``[1, channels, size, size]`` whose rows the prompt's
+    #: image tokens take (the image starts inside the first chunk and straddles chunk boundaries)
+    pixel_values: np.ndarray | None = None
+    image_token: int | None = None
+    #: the model's image tokens attend to each other both ways: no prefill chunk splits an image
+    image_blocks: bool = False
 
 
 @dataclass
@@ -76,10 +83,15 @@ class VerificationResult:
 
 
 def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int = 0,
-               decode_steps: int = DECODE_STEPS) -> Probe:
-    """A prompt of one full chunk plus a padded partial one (when the capacity allows), then decode steps."""
+               decode_steps: int = DECODE_STEPS, window: int | None = None) -> Probe:
+    """A prompt of one full chunk plus a padded partial one (when the capacity allows), then decode steps.
+
+    With a sliding ``window`` smaller than ``ctx_len`` the prompt is longer than the window by a chunk and a
+    half, so ring buffers wrap, chunks straddle the wrap and decoding runs past it."""
     chunk = max(1, prefill_seq_len)
     length = chunk + max(1, chunk // 2) if chunk > 1 else 3
+    if window is not None and window < ctx_len:
+        length = max(length, window + length)
     steps = decode_steps
     while length + steps > ctx_len and steps > 1:
         steps -= 1
@@ -88,6 +100,22 @@ def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int
     low = 3 if vocab_size > 8 else 0       # keep clear of the usual pad/bos/eos ids
     prompt = [int(t) for t in rng.integers(low, vocab_size, size=length)]
     return Probe(prompt=prompt, chunk=chunk, decode_steps=steps, slot=slot)
+
+
+def add_image(probe: Probe, image_token_id: int, vision_size: int, channels: int, image_size: int,
+              ctx_len: int, dtype: str = "float32", image_blocks: bool = False) -> Probe:
+    """The probe of a vision-language model: three text tokens, ``vision_size`` image tokens, then the probe's
+    own text, trimmed to leave room for the decode steps; a seeded random image."""
+    rng = np.random.default_rng(PROBE_SEED + 1)
+    head = probe.prompt[:3]
+    prompt = head + [int(image_token_id)] * vision_size + probe.prompt[3:]
+    room = ctx_len - probe.decode_steps
+    if len(head) + vision_size >= room:
+        raise VerificationError(f"ctx_len {ctx_len} cannot hold one image ({vision_size} image tokens) and the "
+                                f"probe's text and {probe.decode_steps} decode steps")
+    pixels = rng.standard_normal((1, channels, image_size, image_size)).astype(dtype)
+    return Probe(prompt=prompt[:room], chunk=probe.chunk, decode_steps=probe.decode_steps, slot=probe.slot,
+                 pixel_values=pixels, image_token=int(image_token_id), image_blocks=image_blocks)
 
 
 def memory_allows(param_bytes: int) -> tuple[bool, str]:
@@ -110,7 +138,11 @@ def reference_run(model, probe: Probe) -> Reference:
     t0 = time.perf_counter()
     with torch.no_grad():
         ids = torch.tensor([probe.prompt], dtype=torch.int64)
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        image = {} if probe.pixel_values is None else {
+            "pixel_values": torch.from_numpy(probe.pixel_values).to(next(model.parameters()).dtype)}
+        if probe.image_blocks:   # the model's own bidirectional image mask (Gemma3) is built from these
+            image["token_type_ids"] = (ids == probe.image_token).to(torch.int64)
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **image)
         logits = [out.logits[0, -1].double().numpy().copy()]
         past = out.past_key_values
         mask_len = len(probe.prompt)
@@ -133,7 +165,10 @@ class _Runner:
     def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None):
         import onnxruntime as ort
 
-        layout = graphio.layout_of(graphio.load(onnx_path)).require_valid()
+        graph = graphio.load(onnx_path)
+        layout = graphio.layout_of(graph).require_valid()
+        window = graph.metadata_props.get(naming.SLIDING_WINDOW_META)
+        del graph
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
@@ -143,6 +178,7 @@ class _Runner:
         # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
         self.ccl = (sorted(ccl or ()) + [ctx_len]) if naming.CCL_INPUT in in_names else None
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
+        self.extra: dict[str, np.ndarray] = {}
         self.kv: dict[str, np.ndarray] = {}
         for p in layout.pairs:
             shape = []
@@ -151,6 +187,8 @@ class _Runner:
                     shape.append(d)
                 elif i == 0:
                     shape.append(kv_batch)
+                elif i == 2 and d == naming.SLIDING_DIM and window is not None:
+                    shape.append(int(window))
                 elif i == 2:
                     shape.append(ctx_len)
                 else:
@@ -159,7 +197,7 @@ class _Runner:
 
     def step(self, ids: list[int], pos: list[int], slot: int) -> np.ndarray:
         feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": np.array([pos], dtype=np.int64),
-                 **self.kv}
+                 **self.kv, **self.extra}
         if self.has_batch_index:
             feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
         if self.ccl is not None:
@@ -168,15 +206,34 @@ class _Runner:
         out = dict(zip(self.out_names, self.sess.run(None, feeds)))
         for i, o in self.pairs:
             self.kv[i] = out[o]
+        if "image_idx" in self.extra:   # the next chunk continues the image where this one stopped
+            self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
         return np.asarray(out["logits"])[0, -1].astype(np.float64)
+
+    def add_image(self, pixel_values: np.ndarray, vision_path: Path | None) -> None:
+        """Feed a vision-language graph its image: ``vision_embeds`` from the vision graph (dual layout) or
+        ``pixel_values`` (single), and ``image_idx`` from 0."""
+        import onnxruntime as ort
+
+        if vision_path is not None:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
+            self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
+        else:
+            self.extra["pixel_values"] = pixel_values
+        self.extra["image_idx"] = np.zeros((1, 1), dtype=np.int64)
 
 
 def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
-                 kv_batch: int = 1, ccl=None) -> VerificationResult:
-    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch."""
+                 kv_batch: int = 1, ccl=None, vision_path: Path | None = None) -> VerificationResult:
+    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
+    A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first."""
     t0 = time.perf_counter()
     try:
         runner = _Runner(onnx_path, ctx_len, kv_batch, ccl)
+        if probe.pixel_values is not None:
+            runner.add_image(probe.pixel_values, vision_path)
     except VerificationError:
         raise
     except Exception as exc:  # onnxruntime refuses the graph: that is a failed verification too
@@ -187,8 +244,10 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
     prompt, chunk = probe.prompt, probe.chunk
     logits = None
     try:
-        for start in range(0, len(prompt), chunk):
-            part = prompt[start:start + chunk]
+        plan = plan_chunks(prompt, chunk, run_token=probe.image_token, keep_runs_whole=probe.image_blocks,
+                           error=VerificationError)
+        for start, count in plan:
+            part = prompt[start:start + count]
             pad = chunk - len(part) if start + chunk <= ctx_len else 0
             logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot)
         steps = [("the prompt", logits)]
