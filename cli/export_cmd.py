@@ -67,6 +67,9 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--single-graph", is_flag=True,
               help="Vision-language models: one graph with the vision encoder inside (pixel_values retained) "
                    "instead of a vision graph beside the language graph.")
+@click.option("--image-size", type=DIM, metavar="N",
+              help="Vision-language models that take any image size (Qwen2.5-VL): the side of the square image the "
+                   "vision graph is traced for (default 448; a multiple of patch x merge size).")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
@@ -75,7 +78,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
            full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, sliding_cache,
-           single_graph, verify, force, quiet):
+           single_graph, image_size, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
@@ -83,7 +86,7 @@ def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, con
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
         ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
-        single_graph=single_graph)
+        single_graph=single_graph, image_size=image_size)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -189,11 +189,42 @@ def make_gemma3_vlm_dir(root: Path, seed: int = 0) -> Path:
     return out
 
 
+QWEN_IMAGE_TOKEN = 150
+
+
+def make_qwen25vl_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded Qwen2.5-VL (patch 4, merge 2, windowed vision attention; 16x16 images are a 1x4x4 patch
+    grid, 4 image tokens whose multimodal RoPE rows differ from their text positions)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[1], in_channels=3),
+        image_token_id=QWEN_IMAGE_TOKEN, video_token_id=151, vision_start_token_id=148, vision_end_token_id=149)
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    out = root / "tiny-qwen25vl"
+    transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def qwen_patches(seed: int = 0) -> np.ndarray:
+    """A 16x16 image as the processor's patch rows: [1*4*4 patches, 3 channels * 2 frames * 4 * 4]."""
+    return np.random.default_rng(seed).standard_normal((16, 96)).astype(np.float32)
+
+
 def llava_image(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
 
 
-def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, max_new_tokens: int) -> list[int]:
+def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, max_new_tokens: int,
+                  grid: list[int] | None = None) -> list[int]:
     """Greedy tokens from transformers ``generate`` with the image (eager attention, fp32)."""
     import torch
     import transformers
@@ -202,8 +233,12 @@ def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, 
                                                                      attn_implementation="eager").eval()
     ids = torch.tensor([prompt], dtype=torch.int64)
     extra = {}
-    if "token_type_ids" in inspect.signature(model.forward).parameters:   # Gemma3: bidirectional image blocks
+    params = inspect.signature(model.forward).parameters
+    if "token_type_ids" in params:   # Gemma3: bidirectional image blocks
         extra["token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
+    if grid is not None:             # Qwen2.5-VL: patch rows, their grid, and the modality of every token
+        extra["image_grid_thw"] = torch.tensor([grid], dtype=torch.int64)
+        extra["mm_token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
     with torch.no_grad():
         out = model.generate(ids, pixel_values=torch.from_numpy(pixel_values), attention_mask=torch.ones_like(ids),
                              **extra,

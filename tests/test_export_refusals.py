@@ -11,13 +11,13 @@ from qeff_kv.errors import ExportError
 
 
 def _vlm_folder(tmp_path):
-    """A Qwen2.5-VL folder (multimodal RoPE, not exported yet): refused from its config."""
-    d = tmp_path / "qwen25vl"
+    """An Mllama folder (the image reaches the text through cross-attention layers: not exported yet)."""
+    d = tmp_path / "mllama"
     d.mkdir()
-    cfg = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "image_token_id": 99,
-           "text_config": {"model_type": "qwen2_5_vl_text", "num_hidden_layers": 2, "vocab_size": 128,
-                           "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}},
-           "vision_config": {"model_type": "qwen2_5_vl", "patch_size": 14}}
+    cfg = {"architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "image_token_index": 99,
+           "text_config": {"model_type": "mllama_text_model", "num_hidden_layers": 4, "vocab_size": 128,
+                           "cross_attention_layers": [1, 3]},
+           "vision_config": {"model_type": "mllama_vision_model", "image_size": 32}}
     (d / "config.json").write_text(json.dumps(cfg))
     (d / "model.safetensors").write_bytes(b"not read: the refusal comes first")
     return d
@@ -27,8 +27,8 @@ def test_vision_language_folder_is_refused_before_loading(tmp_path):
     from qeff_kv.export import export_model
 
     out = tmp_path / "out"
-    with pytest.raises(ExportError, match=r"^Qwen2_5_VLForConditionalGeneration uses multimodal RoPE \(position_ids "
-                                          r"\[4, batch, seq_len\]\); qeff-kv does not export it yet$"):
+    with pytest.raises(ExportError, match=r"^MllamaForConditionalGeneration attends to the image through "
+                                          r"cross-attention layers; qeff-kv does not export it yet$"):
         export_model(_vlm_folder(tmp_path), out, ctx_len=16, prefill_seq_len=4)
     assert not out.exists()
 
@@ -39,7 +39,7 @@ def test_vision_language_refusal_in_the_cli_is_one_line(tmp_path):
     res = CliRunner().invoke(main, ["export", str(_vlm_folder(tmp_path)), "-o", str(tmp_path / "o"), "-q"])
     assert res.exit_code == 2
     lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: Qwen2_5_VLForConditionalGeneration uses multimodal RoPE")
+    assert len(lines) == 1 and lines[0].startswith("error: MllamaForConditionalGeneration attends to the image")
     assert not (tmp_path / "o").exists()
 
 

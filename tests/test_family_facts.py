@@ -253,8 +253,7 @@ def test_vision_language_refusals_name_the_reason():
     qwen = _vlm(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
                 text_config={"model_type": "qwen2_5_vl_text", "num_hidden_layers": 2,
                              "rope_parameters": {"rope_type": "default", "mrope_section": [2, 2, 4]}})
-    assert qwen.vision_refusal() == ("Qwen2_5_VLForConditionalGeneration uses multimodal RoPE (position_ids [4, "
-                                     "batch, seq_len]); qeff-kv does not export it yet")
+    assert qwen.mrope and qwen.vision_refusal() is None and qwen.fused_refusal() is None
     mllama = _vlm(architectures=["MllamaForConditionalGeneration"], model_type="mllama",
                   text_config={"model_type": "mllama_text_model", "num_hidden_layers": 4,
                                "cross_attention_layers": [1, 3]})

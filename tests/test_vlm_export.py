@@ -213,3 +213,83 @@ def test_gemma3_refusals(gemma3, tmp_path):
                                           r"Gemma3ForConditionalGeneration's attention within an image both ways"):
         export_model(gemma3, tmp_path / "o", ctx_len=G3_CTX, prefill_seq_len=G3_CHUNK, target="onnxruntime-fused")
     assert not (tmp_path / "o").exists()
+
+
+# --- Qwen2.5-VL: patch rows of a fixed grid, multimodal RoPE positions [4, batch, seq_len] --------------------
+
+Q_GRID = [1, 4, 4]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from hf_models import make_qwen25vl_dir
+
+    return make_qwen25vl_dir(tmp_path_factory.mktemp("qwen25vl"))
+
+
+def _q_prompt(tok: int) -> list[int]:
+    # text, <vision_start>, the 4 image tokens (straddling chunks of 4 at 3..6), <vision_end>, text
+    return [1, 5, 148] + [tok] * 4 + [149, 7, 8, 9, 20, 33]
+
+
+def _mrope_greedy(loop, prompt, image_token, new, chunk):
+    from qeff_kv.mrope import graph_positions, prompt_positions
+
+    rows, delta = prompt_positions(prompt, image_token, [Q_GRID], 2)
+    logits = None
+    for off in range(0, len(prompt), chunk):
+        part = prompt[off:off + chunk]
+        n = len(part)
+        pos = graph_positions(list(range(off, off + n)) + [-1] * (chunk - n), rows[:, off:off + n])
+        logits = loop.step(np.array([part + [0] * (chunk - n)]), pos)
+    toks, p = [int(logits[0, -1].argmax())], len(prompt)
+    while len(toks) < new:
+        pos = graph_positions([p], np.full((3, 1), p + delta))
+        toks.append(int(loop.step(np.array([[toks[-1]]]), pos)[0, -1].argmax()))
+        p += 1
+    return toks
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["dual", "single"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_qwen25vl_parity_with_multimodal_rope(target, single, qwen, tmp_path):
+    from hf_models import QWEN_IMAGE_TOKEN, PlainLoop, hf_vlm_greedy, qwen_patches
+    from qeff_kv.export import export_model
+
+    res = export_model(qwen, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, target=target, single_graph=single,
+                       image_size=16)
+    man = res.manifest
+    assert man["verification"]["status"] == "passed"
+    assert man["vision"] == {"image_size": 16, "channels": 3, "grid": Q_GRID, "patch_dim": 96,
+                             "spatial_merge_size": 2, "vision_size": 4, "hidden_size": 64}
+    ins, _ = _io(res.onnx_path)
+    assert "image_grid_thw" not in ins   # the grid is fixed in the graph
+    m = onnx.load(str(res.onnx_path), load_external_data=False)
+    pos = next(i for i in m.graph.input if i.name == "position_ids")
+    assert [d.dim_param or d.dim_value for d in pos.type.tensor_type.shape.dim] == [4, "batch_size", "seq_len"]
+    prompt = _q_prompt(QWEN_IMAGE_TOKEN)
+    want = hf_vlm_greedy(qwen, prompt, qwen_patches(), NEW, Q_GRID)
+    loop = PlainLoop(res.onnx_path, CTX).with_image(
+        qwen_patches(), None if single else res.out_dir / man["vision_onnx"])
+    assert _mrope_greedy(loop, prompt, QWEN_IMAGE_TOKEN, NEW, CHUNK) == want
+
+
+def test_qwen25vl_verification_needs_the_multimodal_rows(qwen, tmp_path, monkeypatch):
+    """Text positions on every RoPE row (what a runner unaware of multimodal RoPE would feed) fail verification."""
+    from qeff_kv import mrope
+    from qeff_kv.errors import VerificationError
+    from qeff_kv.export import export_model
+
+    monkeypatch.setattr(mrope, "prompt_positions",
+                        lambda tokens, tok, grids, merge: (np.tile(np.arange(len(tokens)), (3, 1)), 0))
+    with pytest.raises(VerificationError, match="^verification failed after "):
+        export_model(qwen, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, image_size=16)
+
+
+def test_qwen25vl_image_size_must_fit_the_patch_grid(qwen, tmp_path):
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    with pytest.raises(ExportError, match=r"^--image-size 12 is not a multiple of patch_size x spatial_merge_size "
+                                          r"\(4 x 2\)"):
+        export_model(qwen, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, image_size=12)

@@ -68,6 +68,7 @@ def export_model(
     accuracy_level: int | None = None,
     sliding_cache: str | None = None,
     single_graph: bool = False,
+    image_size: int | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -100,7 +101,7 @@ def export_model(
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target,
                                 ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl,
-                                sliding_cache=sliding_cache, single_graph=bool(single_graph),
+                                sliding_cache=sliding_cache, single_graph=bool(single_graph), image_size=image_size,
                                 **quant_mod.resolve_options(weights, block_size, accuracy_level)).validate()
     ctx_len, prefill_seq_len, full_batch_size = options.ctx_len, options.prefill_seq_len, options.full_batch_size
     facts = family.ModelFacts.from_config(config)
@@ -178,7 +179,9 @@ def export_model(
         written = compile_config.write_compile_config(
             layout, stage, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
             full_batch_size=full_batch_size if continuous_batching else None, fmt=specializations_format,
-            ccl=options.ccl, sliding_window=geometry["sliding_window"] if layout.has_sliding else None)
+            ccl=options.ccl, sliding_window=geometry["sliding_window"] if layout.has_sliding else None,
+            vision=geometry.get("vision"), single_graph=options.single_graph if "vision" in geometry else None,
+            vision_graph=vision_path)
         source.copy_tokenizer(stage)
         fsutil.write_json(stage / PARAMS_FILE, params)
         manifest = _manifest(onnx_name, layout, config, options, geometry, digest,
@@ -227,10 +230,9 @@ def _reference_for_verification(model, options: opt.ExportOptions, verify: bool 
     probe = verify_mod.make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
                                   window=facts.sliding_window if facts.sliding_layers else None)
     if facts.vision_language:
-        vision = vision_geometry(model)
+        vision = vision_geometry(model, options.image_size)
         try:
-            probe = verify_mod.add_image(probe, facts.image_token_id, vision["vision_size"], vision["channels"],
-                                         vision["image_size"], options.ctx_len, options.dtype,
+            probe = verify_mod.add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,
                                          image_blocks=facts.bidirectional_images)
         except verify_mod.VerificationError as exc:
             raise ExportError(str(exc)) from None
@@ -291,16 +293,20 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     if facts.vision_language:   # contract section 6: the peer's input and output order
         from . import vlm as vlm_mod
 
-        vision = vision_geometry(model)
+        vision = vision_geometry(model, options.image_size)
         if facts.bidirectional_images and options.prefill_seq_len < vision["vision_size"]:
             raise ExportError(f"{facts.architecture}'s {vision['vision_size']} image tokens attend to each other both "
                               f"ways, so one prefill chunk must hold a whole image; use --prefill-seq-len "
                               f"{vision['vision_size']} or more")
         image_idx = torch.zeros((1, 1), dtype=torch.int64)
+        if facts.mrope:   # [4, batch, seq_len]: text positions, then the (t, h, w) RoPE rows
+            position_ids = position_ids.unsqueeze(0).expand(4, 1, seq).contiguous()
+            dyn["position_ids"] = {1: "batch_size", 2: "seq_len"}
         if options.single_graph:
-            pixels = torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=tdtype)
+            pixels = vision_pixels(vision, tdtype)
             lead, names = [input_ids, position_ids, pixels, image_idx], ["position_ids", "pixel_values"]
-            dyn["pixel_values"] = {0: "vision_batch_size", 2: "img_size", 3: "img_size"}
+            dyn["pixel_values"] = ({0: "grid_height"} if "grid" in vision
+                                   else {0: "vision_batch_size", 2: "img_size", 3: "img_size"})
         else:
             rows = torch.zeros((1, vision["vision_size"], vision["hidden_size"]), dtype=tdtype)
             lead, names = [input_ids, rows, position_ids, image_idx], ["vision_embeds", "position_ids"]
@@ -329,7 +335,8 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     if vision is not None:
         wrapper = vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
                                            image_token_id=facts.image_token_id, single_graph=options.single_graph,
-                                           image_blocks=facts.bidirectional_images, **common).eval()
+                                           image_blocks=facts.bidirectional_images, mrope=facts.mrope,
+                                           grid=vision.get("grid"), **common).eval()
     else:
         wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval()
     if fused and wrapper.rotary is not None:
@@ -366,22 +373,54 @@ def vision_onnx_name(onnx_name: str) -> str:
     return onnx_name[:-len(".onnx")] + "_vision.onnx"
 
 
-def vision_geometry(model) -> dict:
+#: the image side a vision graph is traced for when the vision config fixes none (Qwen2.5-VL), unless
+#: ``--image-size`` says otherwise
+DEFAULT_IMAGE_SIZE = 448
+
+
+def vision_geometry(model, image_size: int | None = None) -> dict:
     """What a vision-language model's image input and vision rows look like, from its config and one run of its
     own image encoder on a blank image: ``image_size``, ``channels``, ``vision_size`` (rows per image) and
-    ``hidden_size`` (of a row: the language model's)."""
+    ``hidden_size`` (of a row: the language model's). Models that take patch rows (``temporal_patch_size`` in
+    the vision config: Qwen2.5-VL) add ``grid`` ``[t, h, w]`` (patches), ``patch_dim`` (values per patch row)
+    and ``spatial_merge_size``; their vision graph is traced for that one grid."""
     import torch
 
     from . import vlm as vlm_mod
 
     vcfg = model.config.vision_config
-    size = int(vcfg.image_size if not isinstance(vcfg.image_size, (list, tuple)) else vcfg.image_size[0])
-    channels = int(getattr(vcfg, "num_channels", 3) or 3)
+    own = getattr(vcfg, "image_size", None)
+    own = own[0] if isinstance(own, (list, tuple)) else own
+    size = int(image_size or own or DEFAULT_IMAGE_SIZE)
+    channels = int(getattr(vcfg, "num_channels", None) or getattr(vcfg, "in_channels", None) or 3)
+    geometry = {"image_size": size, "channels": channels}
+    temporal = getattr(vcfg, "temporal_patch_size", None)
+    if temporal:
+        patch, merge = int(vcfg.patch_size), int(getattr(vcfg, "spatial_merge_size", 1) or 1)
+        if size % (patch * merge):
+            raise ExportError(f"--image-size {size} is not a multiple of patch_size x spatial_merge_size "
+                              f"({patch} x {merge}) of {type(model).__name__}'s vision encoder")
+        geometry.update(grid=[1, size // patch, size // patch], patch_dim=channels * int(temporal) * patch * patch,
+                        spatial_merge_size=merge)
+    elif image_size is not None and own is not None and int(image_size) != int(own):
+        raise ExportError(f"--image-size {image_size}: {type(model).__name__}'s vision encoder takes {own}x{own} "
+                          f"images")
     dtype = next(model.parameters()).dtype
+    grid = torch.tensor([geometry["grid"]], dtype=torch.int64) if "grid" in geometry else None
     with torch.no_grad():
-        rows = vlm_mod.image_features(model, torch.zeros((1, channels, size, size), dtype=dtype))
-    return {"image_size": size, "channels": channels, "vision_size": int(rows.shape[1]),
-            "hidden_size": int(rows.shape[2])}
+        rows = vlm_mod.image_features(model, vision_pixels(geometry, dtype), grid)
+    geometry.update(vision_size=int(rows.shape[1]), hidden_size=int(rows.shape[2]))
+    return geometry
+
+
+def vision_pixels(vision: dict, dtype):
+    """A blank input for the vision encoder: one image ``[1, C, H, W]``, or its patch rows ``[t*h*w, patch_dim]``."""
+    import torch
+
+    if "grid" in vision:
+        t, h, w = vision["grid"]
+        return torch.zeros((t * h * w, vision["patch_dim"]), dtype=dtype)
+    return torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=dtype)
 
 
 def _trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -> None:
@@ -392,15 +431,16 @@ def _trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -
     from . import vlm as vlm_mod
 
     dtype = next(model.parameters()).dtype
-    pixels = torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=dtype)
+    args, names = (vision_pixels(vision, dtype),), ["pixel_values"]
+    dyn = {"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"}, "vision_embeds": {0: "batch_size"}}
+    if "grid" in vision:   # patch rows of one grid, fixed in the graph
+        dyn = {"pixel_values": {0: "grid_height"}}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
-            torch.onnx.export(vlm_mod.VisionEncoder(model).eval(), (pixels,), str(path), dynamo=False,
-                              opset_version=opt.OPSET, input_names=["pixel_values"], output_names=["vision_embeds"],
-                              dynamic_axes={"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"},
-                                            "vision_embeds": {0: "batch_size"}},
-                              do_constant_folding=True)
+            torch.onnx.export(vlm_mod.VisionEncoder(model, vision.get("grid")).eval(), args, str(path), dynamo=False,
+                              opset_version=opt.OPSET, input_names=names, output_names=["vision_embeds"],
+                              dynamic_axes=dyn, do_constant_folding=True)
         except Exception as exc:
             raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -150,14 +150,11 @@ class ModelFacts:
         """Why qeff-kv cannot export this vision-language model yet (one line), or ``None``.
 
         Supported: an image encoder whose projected features replace the image-token embeddings one row per
-        token (Llava-style: ``get_image_features`` plus an ``image_token_id``), over a language model with
-        ordinary 1-D positions and a causal mask."""
+        token (``get_image_features`` plus an ``image_token_id``: Llava, Gemma3, Qwen2.5-VL), over a language
+        model with 1-D or multimodal (``[4, batch, seq_len]``) positions."""
         name = self.architecture
         if self.image_token_id is None:
             return f"{name}: the config has no image_token_id (or image_token_index); cannot merge image rows"
-        if self.mrope:
-            return (f"{name} uses multimodal RoPE (position_ids [4, batch, seq_len]); qeff-kv does not export it "
-                    f"yet")
         if self.cross_attention:
             return (f"{name} attends to the image through cross-attention layers; qeff-kv does not export it "
                     f"yet")

@@ -57,6 +57,9 @@ class ExportOptions:
     #: vision-language models: one graph with the vision encoder inside (``pixel_values`` retained) instead of
     #: a vision graph and a language graph (contract section 6)
     single_graph: bool = False
+    #: vision-language models whose vision config fixes no image size (Qwen2.5-VL): the side of the square image
+    #: the vision graph is traced for (``None``: the config's ``image_size``, else 448)
+    image_size: int | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -88,6 +91,8 @@ class ExportOptions:
                 raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
                                   "reads exactly the filled slots); use --target portable or onnxruntime")
             check_ccl(self.ccl, self.ctx_len)
+        if self.image_size is not None:
+            positive_int("image_size", self.image_size, error=ExportError)
         if self.sliding_cache not in (None, "ring", "full"):
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
         if self.sliding_cache == "ring" and self.target == "onnxruntime-fused":
@@ -107,6 +112,8 @@ class ExportOptions:
             d["ccl"] = list(d["ccl"])
         if not d["single_graph"]:
             del d["single_graph"]
+        if d["image_size"] is None:
+            del d["image_size"]
         for key in ("weights", "block_size", "accuracy_level", "sliding_cache"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed

@@ -891,8 +891,8 @@ def rotary_caches(model: torch.nn.Module, max_positions: int) -> RotaryCaches | 
     for rope in _rope_param_sets(cfg):
         if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
             return None
-        if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-            return None
+        if rope.get("rope_type", "default") in ("dynamic", "longrope") or "mrope_section" in rope:
+            return None   # sequence-length-dependent or multimodal (3-row) positions: the model rotates
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None or rope_layout(model) != "split-half":  # GQA rotates split halves (interleaved: Cohere, GLM)
         return None
@@ -1075,13 +1075,17 @@ class RetainedStateLM(torch.nn.Module):
     def forward(self, input_ids, position_ids, *rest):
         return self.run(input_ids, position_ids, rest)
 
-    def run(self, input_ids, position_ids, rest, inputs_embeds=None, blocks=None):
+    def run(self, input_ids, position_ids, rest, inputs_embeds=None, blocks=None, rope_rows=None):
         """The traced step: ``rest`` is the KV inputs (then ``comp_ctx_lengths``, then ``batch_index``).
         ``inputs_embeds`` ``[B, S, H]`` (vision-language graphs: text embeddings with image rows merged in)
         replaces the embedding of ``input_ids``; a padded row takes its sequence's last valid row's, as its id
         and position do (:func:`fill_padding`). ``blocks [B, S]``: bidirectional image blocks for every mask
-        (:func:`build_attention_mask`)."""
+        (:func:`build_attention_mask`). ``rope_rows [3, B, S]``: multimodal RoPE positions; the decoder then gets
+        ``position_ids [4, B, S]`` (the text positions first, as transformers' Qwen2.5-VL takes them), padded rows
+        repeating their sequence's last valid row."""
         self._blocks = blocks
+        if rope_rows is not None and not self.fused:
+            rope_rows = fill_padding_rows(rope_rows.permute(1, 2, 0), position_ids).permute(2, 0, 1)
         if self.continuous_batching:
             *flat, batch_index = rest
         else:
@@ -1128,7 +1132,8 @@ class RetainedStateLM(torch.nn.Module):
         try:
             with sdpa_to_gqa() if self.sdpa_route else contextlib.nullcontext():
                 tokens = dict(input_ids=input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
-                out = base(**tokens, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+                model_pos = position_ids if rope_rows is None else torch.cat([position_ids.unsqueeze(0), rope_rows])
+                out = base(**tokens, position_ids=model_pos, attention_mask=mask, past_key_values=cache,
                            use_cache=True)
         finally:
             if self.fused:

@@ -50,6 +50,18 @@ class Probe:
     image_token: int | None = None
     #: the model's image tokens attend to each other both ways: no prefill chunk splits an image
     image_blocks: bool = False
+    #: models that take patch rows (Qwen2.5-VL): the image's patch grid ``[t, h, w]``; their language graph
+    #: takes multimodal RoPE rows (:mod:`qeff_kv.mrope`)
+    grid: list[int] | None = None
+    spatial_merge_size: int | None = None
+
+    def rope_rows(self) -> tuple[np.ndarray, int] | None:
+        """``(rows [3, len(prompt)], delta)`` of multimodal RoPE, or ``None``."""
+        if self.grid is None:
+            return None
+        from ..mrope import prompt_positions
+
+        return prompt_positions(self.prompt, self.image_token, [self.grid], self.spatial_merge_size)
 
 
 @dataclass
@@ -102,20 +114,29 @@ def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int
     return Probe(prompt=prompt, chunk=chunk, decode_steps=steps, slot=slot)
 
 
-def add_image(probe: Probe, image_token_id: int, vision_size: int, channels: int, image_size: int,
-              ctx_len: int, dtype: str = "float32", image_blocks: bool = False) -> Probe:
-    """The probe of a vision-language model: three text tokens, ``vision_size`` image tokens, then the probe's
-    own text, trimmed to leave room for the decode steps; a seeded random image."""
+def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dtype: str = "float32",
+              image_blocks: bool = False) -> Probe:
+    """The probe of a vision-language model: three text tokens, the image's ``vision_size`` image tokens, then
+    the probe's own text, trimmed to leave room for the decode steps; a seeded random image (or its patch rows
+    and grid, for models that take patch rows), and multimodal RoPE rows where the model uses them."""
     rng = np.random.default_rng(PROBE_SEED + 1)
+    vision_size = int(vision["vision_size"])
     head = probe.prompt[:3]
     prompt = head + [int(image_token_id)] * vision_size + probe.prompt[3:]
     room = ctx_len - probe.decode_steps
     if len(head) + vision_size >= room:
         raise VerificationError(f"ctx_len {ctx_len} cannot hold one image ({vision_size} image tokens) and the "
                                 f"probe's text and {probe.decode_steps} decode steps")
-    pixels = rng.standard_normal((1, channels, image_size, image_size)).astype(dtype)
+    if "grid" in vision:
+        t, h, w = vision["grid"]
+        pixels = rng.standard_normal((t * h * w, vision["patch_dim"])).astype(dtype)
+    else:
+        size, channels = vision["image_size"], vision["channels"]
+        pixels = rng.standard_normal((1, channels, size, size)).astype(dtype)
     return Probe(prompt=prompt[:room], chunk=probe.chunk, decode_steps=probe.decode_steps, slot=probe.slot,
-                 pixel_values=pixels, image_token=int(image_token_id), image_blocks=image_blocks)
+                 pixel_values=pixels, image_token=int(image_token_id), image_blocks=image_blocks,
+                 grid=list(vision["grid"]) if "grid" in vision else None,
+                 spatial_merge_size=vision.get("spatial_merge_size"))
 
 
 def memory_allows(param_bytes: int) -> tuple[bool, str]:
@@ -142,16 +163,26 @@ def reference_run(model, probe: Probe) -> Reference:
             "pixel_values": torch.from_numpy(probe.pixel_values).to(next(model.parameters()).dtype)}
         if probe.image_blocks:   # the model's own bidirectional image mask (Gemma3) is built from these
             image["token_type_ids"] = (ids == probe.image_token).to(torch.int64)
+        if probe.grid is not None:   # Qwen2.5-VL builds its multimodal RoPE rows from these
+            image["image_grid_thw"] = torch.tensor([probe.grid], dtype=torch.int64)
+            image["mm_token_type_ids"] = (ids == probe.image_token).to(torch.int64)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **image)
         logits = [out.logits[0, -1].double().numpy().copy()]
         past = out.past_key_values
         mask_len = len(probe.prompt)
         tokens = [int(np.argmax(logits[-1]))]
+        # multimodal RoPE: decode positions are the text position plus the offset the model itself computed for
+        # the prompt (transformers' generate passes them the same way)
+        deltas = getattr(getattr(model, "model", None), "rope_deltas", None) if probe.grid is not None else None
         for _ in range(probe.decode_steps):
             mask_len += 1
             step = torch.tensor([[tokens[-1]]], dtype=torch.int64)
+            where = {}
+            if deltas is not None:
+                text = torch.full((1, 1, 1), mask_len - 1, dtype=torch.int64)
+                where["position_ids"] = torch.cat([text, (text + deltas.reshape(1, 1, 1)).expand(3, 1, 1)])
             out = model(input_ids=step, attention_mask=torch.ones((1, mask_len), dtype=torch.int64),
-                        past_key_values=past, use_cache=True)
+                        past_key_values=past, use_cache=True, **where)
             past = out.past_key_values
             logits.append(out.logits[0, -1].double().numpy().copy())
             tokens.append(int(np.argmax(logits[-1])))
@@ -195,9 +226,13 @@ class _Runner:
                     raise VerificationError(f"cannot size KV input {p.input_name!r}: symbolic dim {d!r} at axis {i}")
             self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
 
-    def step(self, ids: list[int], pos: list[int], slot: int) -> np.ndarray:
-        feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": np.array([pos], dtype=np.int64),
-                 **self.kv, **self.extra}
+    def step(self, ids: list[int], pos: list[int], slot: int, rope_rows: np.ndarray | None = None) -> np.ndarray:
+        positions = np.array([pos], dtype=np.int64)
+        if rope_rows is not None:   # [4, 1, S]: text positions over the multimodal RoPE rows
+            from ..mrope import graph_positions
+
+            positions = graph_positions(pos, rope_rows)
+        feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": positions, **self.kv, **self.extra}
         if self.has_batch_index:
             feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
         if self.ccl is not None:
@@ -246,14 +281,18 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
     try:
         plan = plan_chunks(prompt, chunk, run_token=probe.image_token, keep_runs_whole=probe.image_blocks,
                            error=VerificationError)
+        mrope = probe.rope_rows()
         for start, count in plan:
             part = prompt[start:start + count]
             pad = chunk - len(part) if start + chunk <= ctx_len else 0
-            logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot)
+            rows = None if mrope is None else mrope[0][:, start:start + count]
+            logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot,
+                                 rows)
         steps = [("the prompt", logits)]
         pos = len(prompt)
         for k in range(probe.decode_steps):
-            steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot)))
+            rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
+            steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))
             pos += 1
     except Exception as exc:
         raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "

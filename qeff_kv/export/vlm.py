@@ -9,6 +9,10 @@ Two layouts, the peer's:
 * **single graph**: ``(input_ids, position_ids, pixel_values, image_idx, KV...) -> (logits,
   pixel_values_RetainedState, image_idx_output, KV_RetainedState...)``, the vision encoder inside.
 
+Models that take images as patch rows with a grid (Qwen2.5-VL) get graphs for one grid, fixed at export (the
+manifest's ``vision.grid``), and no ``image_grid_thw`` input; their language graph takes
+``position_ids [4, batch, seq_len]`` (text positions, then the multimodal RoPE rows of :mod:`qeff_kv.mrope`).
+
 The merge rule (:func:`merge_image_rows`): the image-token positions of a chunk take consecutive rows of the
 flattened ``vision_embeds``, starting at row ``image_idx``; ``image_idx_output`` is one past the last row used
 (or ``image_idx`` when the chunk has no image token), so the runner feeds it back as the next chunk's
@@ -26,27 +30,39 @@ import torch
 from .torch_graph import RetainedStateLM
 
 
-def image_features(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
+                   image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """``[images, vision_size, hidden]``: the model's own ``get_image_features`` (projected into the language
-    model's hidden size), with the config's feature layer and selection strategy."""
-    out = model.get_image_features(pixel_values=pixel_values, return_dict=True)
+    model's hidden size), with the config's feature layer and selection strategy. ``image_grid_thw``: the patch
+    grid of each image, for models that take images as patch rows (Qwen2.5-VL; the graph is traced for one
+    grid, which the runtime must feed unchanged)."""
+    grid = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
+    out = model.get_image_features(pixel_values=pixel_values, return_dict=True, **grid)
     feats = getattr(out, "pooler_output", out)
     if isinstance(feats, (list, tuple)):
         feats = torch.stack(list(feats), 0)
     if feats.dim() == 2:
-        feats = feats.reshape(pixel_values.shape[0], -1, feats.shape[-1])
+        images = pixel_values.shape[0] if image_grid_thw is None else image_grid_thw.shape[0]
+        feats = feats.reshape(images, -1, feats.shape[-1])
     return feats
 
 
-class VisionEncoder(torch.nn.Module):
-    """The vision graph: ``pixel_values -> vision_embeds``."""
+def _grid_tensor(grid) -> torch.Tensor | None:
+    return None if grid is None else torch.tensor([list(grid)], dtype=torch.int64)
 
-    def __init__(self, model: torch.nn.Module):
+
+class VisionEncoder(torch.nn.Module):
+    """The vision graph: ``pixel_values -> vision_embeds``. ``grid``: the one patch grid ``[t, h, w]`` of a
+    patch-row model (Qwen2.5-VL), fixed in the graph (the vision encoder's window layout is computed from it in
+    Python, so a traced graph holds one grid; the manifest records it)."""
+
+    def __init__(self, model: torch.nn.Module, grid=None):
         super().__init__()
         self.model = model
+        self.grid = grid
 
     def forward(self, pixel_values):
-        return image_features(self.model, pixel_values)
+        return image_features(self.model, pixel_values, _grid_tensor(self.grid))
 
 
 def merge_image_rows(text_embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -83,24 +99,34 @@ class VisionLanguageLM(RetainedStateLM):
     vision_embeds | pixel_values, image_idx_output, *KV_RetainedState)``."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, image_token_id: int,
-                 single_graph: bool = False, image_blocks: bool = False, **kwargs):
+                 single_graph: bool = False, image_blocks: bool = False, mrope: bool = False, grid=None, **kwargs):
         super().__init__(model, num_layers, continuous_batching, **kwargs)
         self.image_token_id = int(image_token_id)
         self.single_graph = single_graph
         #: image tokens attend to each other both ways within an image (Gemma3)
         self.image_blocks = image_blocks
+        #: ``position_ids [4, B, S]``: text positions, then the multimodal RoPE rows (Qwen2.5-VL)
+        self.mrope = mrope
+        #: the single graph's fixed patch grid (see :class:`VisionEncoder`)
+        self.grid = grid
 
-    def forward(self, input_ids, first, second, image_idx, *rest):
+    def forward(self, input_ids, first, second, *rest):
         if self.single_graph:
             position_ids, pixel_values = first, second
-            vision_embeds = image_features(self.lm, pixel_values)
+            image_idx, *rest = rest
+            vision_embeds = image_features(self.lm, pixel_values, _grid_tensor(self.grid))
             retained_input = pixel_values
         else:
             vision_embeds, position_ids = first, second
+            image_idx, *rest = rest
             retained_input = vision_embeds
+        rope_rows = None
+        if self.mrope:
+            position_ids, rope_rows = position_ids[0], position_ids[1:]
         text = self.lm.get_input_embeddings()(input_ids)
         merged, image_idx_out = merge_image_rows(text, input_ids, position_ids, vision_embeds, image_idx,
                                                  self.image_token_id)
         blocks = image_blocks(input_ids, position_ids, self.image_token_id) if self.image_blocks else None
-        logits, *kv = self.run(input_ids, position_ids, rest, inputs_embeds=merged, blocks=blocks)
+        logits, *kv = self.run(input_ids, position_ids, rest, inputs_embeds=merged, blocks=blocks,
+                               rope_rows=rope_rows)
         return (logits, retained_input, image_idx_out, *kv)
