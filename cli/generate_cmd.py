@@ -12,7 +12,7 @@ import click
 from qeff_kv.runtime.generate import GenerateRequest, parse_ids, run_generate
 from qeff_kv.runtime.sampling import SamplingParams
 
-from .params import COUNT, DIM, ID, THREADS
+from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 
 
 @click.command("generate")
@@ -29,6 +29,8 @@ from .params import COUNT, DIM, ID, THREADS
               help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
 @click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
 @click.option("--prefill-seq-len", type=DIM, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
+@click.option("--sliding-window", type=SLIDING_WINDOW, default=None,
+              help="Window of a graph with sliding-window ring buffers (axis sliding_window) that records none.")
 @click.option("--max-sequences", type=DIM, default=None,
               help="Slots of a continuous-batching graph (default: the manifest's, or the number of prompts).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -49,14 +51,15 @@ from .params import COUNT, DIM, ID, THREADS
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
-def generate_cmd(model, prompts, chat, system, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, max_sequences, temperature,
+def generate_cmd(model, prompts, chat, system, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
+                 max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
         model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
         max_new_tokens=max_new_tokens, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-        max_sequences=max_sequences,
+        max_sequences=max_sequences, sliding_window=sliding_window,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,

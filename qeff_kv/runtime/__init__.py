@@ -12,11 +12,12 @@ See ``docs/runtime.md``.
 from .cache import KVCache, Sequence
 from .sampling import GREEDY, SamplingParams, sample
 from .model_files import ModelFiles, resolve_model
+from .ring import RingSpec
 from .session import Generation, Session, TokenEvent, Timings, open_session
 from .state import KVState, export_state, import_state, load_state, read_state, save_state
 
 __all__ = [
-    "GREEDY", "Generation", "KVCache", "KVState", "ModelFiles", "SamplingParams", "Sequence", "Session",
+    "GREEDY", "Generation", "KVCache", "KVState", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
     "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "read_state",
     "resolve_model", "sample", "save_state",
 ]

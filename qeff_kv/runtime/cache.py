@@ -8,9 +8,15 @@ Nothing beyond a sequence's valid length is ever read: the graph masks every pos
 computing, so stale data left by a truncate or by a destroyed sequence is harmless and is overwritten as the
 new tokens arrive.
 
-Buffers are allocated once, at capacity (``max_sequences`` x ``ctx_len``), as numpy arrays wrapped by
-``OrtValue`` objects that share their memory; the session binds them to the graph. A graph that is not
-in-place safe gets a second set (``spare``), and the two sets swap after every run.
+Buffers are allocated once, each at its own capacity (``max_sequences`` x ``ctx_len`` positions; a
+sliding-window ring buffer ``max_sequences`` x ``C`` slots, see :mod:`qeff_kv.runtime.ring`; a static axis as
+the graph fixes it), as numpy arrays wrapped by ``OrtValue`` objects that share their memory; the session binds
+them to the graph. A graph that is not in-place safe gets a second set (``spare``), and the two sets swap after
+every run.
+
+With ring buffers, a truncate is exact only while the ring still holds the window of the new last position;
+otherwise it is refused in one line (:func:`qeff_kv.runtime.ring.rewind_refusal`). Each sequence records
+``written`` (1 + the highest position written since its last reset) for that rule.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import onnxruntime as ort
 
 from ..errors import RuntimeInputError
 from ..layout import KVPair
-from ..limits import kv_buffer_bytes, positive_int, require_memory
+from ..limits import positive_int, require_memory
+from .ring import RingSpec, rewind_refusal
 
 
 @dataclass(eq=False)
@@ -39,6 +46,9 @@ class Sequence:
             ``None``.
         pending_emitted: whether ``pending`` has already been returned to the caller (a prefill-only run
             samples the first token but leaves it to whoever continues).
+        written: 1 + the highest position written since the last reset (``>= length``; ring bookkeeping).
+        floor: the lowest position this sequence's buffers hold, 0 unless a ring state was loaded into
+            full-length buffers (a rewind then stops where the window would need a lower position).
     """
 
     id: int
@@ -48,6 +58,8 @@ class Sequence:
     pending: int | None = None
     pending_emitted: bool = False
     alive: bool = True
+    written: int = 0
+    floor: int = 0
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Sequence(id={self.id}, slot={self.slot}, length={self.length}, pending={self.pending})"
@@ -59,17 +71,23 @@ class KVCache:
     Args:
         pairs: the graph's KV pairs (from :class:`qeff_kv.layout.KVLayout`), in graph input order.
         max_sequences: size of the KV batch axis.
-        ctx_len: capacity in positions of every sequence.
+        ctx_len: capacity in positions of every sequence (of each full-length buffer).
         double_buffer: allocate a second set of buffers (graphs that are not in-place safe).
+        rings: the sliding-window ring buffers and their capacities (:func:`qeff_kv.runtime.ring.resolve`).
     """
 
-    def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False):
+    def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
+                 rings: RingSpec | None = None):
         positive_int("max_sequences", max_sequences)
         positive_int("ctx_len", ctx_len)
-        self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer)
+        self.rings = rings if rings is not None else RingSpec()
+        self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
+                            rings=self.rings)
         self.pairs = list(pairs)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
+        #: slots of axis 2 per buffer (KV input name -> ctx_len, a ring's C, or a static axis)
+        self.capacities: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
         self.arrays: dict[str, np.ndarray] = {}
@@ -85,7 +103,8 @@ class KVCache:
             if not isinstance(heads, int) or not isinstance(head_dim, int):
                 raise RuntimeInputError(
                     f"KV input {p.input_name!r} has symbolic heads or head_dim ({shape}); cannot allocate it")
-            full = (self.max_sequences, heads, self.ctx_len, head_dim)
+            self.capacities[p.input_name] = self.capacity_of(p, self.ctx_len, self.rings)
+            full = (self.max_sequences, heads, self.capacities[p.input_name], head_dim)
             dtype = np.dtype(p.input.dtype)
             self.shapes[p.input_name] = full
             self.dtypes[p.input_name] = dtype
@@ -99,9 +118,18 @@ class KVCache:
         self._next_id = 0
 
     @staticmethod
-    def buffer_bytes(pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False) -> int:
-        """Bytes the buffers of ``pairs`` take at ``max_sequences`` x ``ctx_len`` (twice with ``double_buffer``);
-        pairs with a symbolic or malformed shape count 0 (the allocation refuses them)."""
+    def capacity_of(pair: KVPair, ctx_len: int, rings: RingSpec | None = None) -> int:
+        """Slots of ``pair``'s buffer: a ring's capacity, a static axis 2 as it is, else ``ctx_len``."""
+        if rings is not None and pair.input_name in rings.capacities:
+            return rings.capacities[pair.input_name]
+        axis = pair.axis2
+        return axis if isinstance(axis, int) and not isinstance(axis, bool) else int(ctx_len)
+
+    @classmethod
+    def buffer_bytes(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
+                     rings: RingSpec | None = None) -> int:
+        """Bytes the buffers of ``pairs`` take, each at its own capacity, for ``max_sequences`` (twice with
+        ``double_buffer``); pairs with a symbolic or malformed shape count 0 (the allocation refuses them)."""
         total = 0
         for p in pairs:
             shape = p.input.shape
@@ -111,18 +139,20 @@ class KVCache:
                 itemsize = np.dtype(p.input.dtype).itemsize
             except TypeError:
                 continue
-            total += kv_buffer_bytes([(shape[1], shape[3])], ctx_len=ctx_len, batch=max_sequences,
-                                     itemsize=itemsize, copies=2 if double_buffer else 1)
+            slots = cls.capacity_of(p, ctx_len, rings)
+            total += int(shape[1]) * int(shape[3]) * itemsize * slots * int(max_sequences) * (2 if double_buffer else 1)
         return total
 
     @classmethod
     def require_memory(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int,
-                       double_buffer: bool = False) -> int:
+                       double_buffer: bool = False, rings: RingSpec | None = None) -> int:
         """Refuse (:class:`~qeff_kv.errors.MemoryLimitError`, one line with the size) KV buffers that do not fit
         in the memory available now; return their size in bytes."""
-        n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer)
+        n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
+                             rings=rings)
+        ring = f", sliding-window rings of {rings.capacity}" if rings else ""
         require_memory(n, f"the KV buffers ({len(list(pairs))} buffers x {max_sequences} sequences x ctx_len "
-                          f"{ctx_len}{', two sets' if double_buffer else ''})")
+                          f"{ctx_len}{ring}{', two sets' if double_buffer else ''})")
         return n
 
     # ---------------------------------------------------------------------------------- buffers
@@ -133,33 +163,47 @@ class KVCache:
         self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
         self.values, self.spare_values = self.spare_values, self.values
 
+    def _slot_bytes(self, name: str) -> int:
+        _, h, _, d = self.shapes[name]
+        return h * d * self.dtypes[name].itemsize
+
     @property
     def bytes_per_position(self) -> int:
-        """Bytes one position of one sequence occupies across every KV buffer."""
-        total = 0
-        for name, (_, h, _, d) in self.shapes.items():
-            total += h * d * self.dtypes[name].itemsize
-        return total
+        """Bytes one position of one sequence occupies across every KV buffer (a ring slot counted once: the
+        cost of a position while the sequence is shorter than its rings)."""
+        return sum(self._slot_bytes(n) for n in self.shapes)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's slot across every KV buffer, each at its own capacity."""
+        return sum(self._slot_bytes(n) * self.capacities[n] for n in self.shapes)
 
     @property
     def memory_capacity(self) -> int:
-        """Bytes of the KV buffers (one set: ``max_sequences`` x ``ctx_len`` positions)."""
+        """Bytes of the KV buffers (one set: ``max_sequences`` sequences, each buffer at its own capacity)."""
         return sum(a.nbytes for a in self.arrays.values())
 
     @property
     def memory_used(self) -> int:
-        """Bytes holding valid positions of live sequences."""
-        return sum(s.length for s in self._seqs.values()) * self.bytes_per_position
+        """Bytes holding valid positions of live sequences (a ring holds at most its capacity of them)."""
+        return sum(self._slot_bytes(n) * min(s.length, self.capacities[n])
+                   for s in self._seqs.values() for n in self.shapes)
 
     def read(self, seq: Sequence, name: str, length: int | None = None) -> np.ndarray:
-        """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name``."""
+        """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name`` (its first ``length``
+        slots: ring order for a ring buffer)."""
         n = seq.length if length is None else length
         return np.ascontiguousarray(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :])
 
     def write(self, seq: Sequence, name: str, data: np.ndarray) -> None:
-        """Copy ``data`` (``[1, heads, n, head_dim]``) into positions ``[0, n)`` of ``seq``'s slot."""
+        """Copy ``data`` (``[1, heads, n, head_dim]``) into slots ``[0, n)`` of ``seq``'s slot."""
         n = data.shape[2]
         self.arrays[name][seq.slot:seq.slot + 1, :, :n, :] = data
+
+    @staticmethod
+    def wrote(seq: Sequence, end: int) -> None:
+        """Record that a run wrote ``seq``'s positions up to ``end`` (exclusive)."""
+        seq.written = max(seq.written, int(end))
 
     # ---------------------------------------------------------------------------------- sequences
     @property
@@ -212,12 +256,19 @@ class KVCache:
 
     def truncate(self, seq: Sequence | int, n: int) -> None:
         """Keep positions ``[0, n)``; O(1): only the valid length moves. Drops a pending token unless
-        ``n`` equals the current length."""
+        ``n`` equals the current length. With ring buffers a rewind the rings cannot serve exactly is refused
+        (one line, nothing changed); ``n == 0`` (a reset) always works."""
         s = self.get(seq)
-        if not isinstance(n, (int, np.integer)) or n < 0:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise RuntimeInputError(f"truncate length must be a non-negative int, got {n!r}")
         if n > s.length:
             raise RuntimeInputError(f"cannot truncate sequence {s.id} of length {s.length} to {n}")
+        if 0 < n < s.length:
+            why = rewind_refusal(s, int(n), self.rings)
+            if why is not None:
+                raise RuntimeInputError(why)
+        if n == 0:
+            s.written = s.floor = 0
         if n != s.length:
             s.pending = None
             s.pending_emitted = False

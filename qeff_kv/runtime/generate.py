@@ -70,6 +70,8 @@ class GenerateRequest:
     ctx_len: int | None = None
     prefill_seq_len: int | None = None
     max_sequences: int | None = None
+    #: the window of a graph with sliding-window ring buffers that records none (peer graphs)
+    sliding_window: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_tokens: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -125,7 +127,7 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     t_open = time.perf_counter()
     session = Session(req.model, ctx_len=req.ctx_len,
                       prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
-                      inplace=req.inplace, threads=req.threads)
+                      inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window)
     open_s = time.perf_counter() - t_open
     if req.prefill_seq_len is not None and session.fixed_seq_len is None and req.prefill_seq_len > session.ctx_len:
         # The library runs such a chunk (never padded past the capacity); asked for on the command line, it
@@ -162,6 +164,7 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         "inplace": session.inplace,
         "ctx_len": session.ctx_len,
         "prefill_seq_len": session.prefill_seq_len,
+        "sliding_window": session.sliding_window,
         "stop_tokens": stops,
         "saved_state": saved,
         "loaded_state": req.load_state,

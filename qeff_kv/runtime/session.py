@@ -9,7 +9,8 @@ range in this package is half-open). Feeding ``k`` tokens writes positions ``[n,
 
 How a run is bound (IOBinding):
 
-* one buffer per KV pair, allocated once at ``[max_sequences, heads, ctx_len, head_dim]``;
+* one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
+  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`);
 * if the graph is in-place safe (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as
   the input ``X`` and as the output ``X_RetainedState``: onnxruntime's ``ScatterND`` then updates the cache
   where it is, without copying it; otherwise the outputs go to a second set of buffers and the two sets
@@ -20,7 +21,8 @@ How a run is bound (IOBinding):
 Prefill runs in chunks of the graph's prefill length; the last chunk is right-padded with
 ``position_ids = -1``. Padding rows of the peer's graphs write their key/value into slot ``ctx_len - 1`` of
 their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
-fill that slot: such a chunk runs unpadded, at its exact length.
+fill that slot: such a chunk runs unpadded, at its exact length. With ring buffers a chunk holds at most the
+smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import gc
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence as Seq
 
@@ -43,8 +44,10 @@ from ..inplace import inplace_issues
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import ccl as ccl_mod
+from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
+from .results import Generation, Timings, TokenEvent
 from .sampling import GREEDY, SamplingParams, sample
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
@@ -62,49 +65,6 @@ def _quiet_onnxruntime() -> None:
         _ORT_QUIET = True
 
 
-# ============================================================================================ results
-@dataclass
-class Generation:
-    """The outcome of :meth:`Session.generate` for one sequence."""
-
-    sequence: Sequence
-    tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    finish_reason: str | None = None  # "stop" | "length" | "capacity" | "prefill"
-
-    def to_json(self) -> dict:
-        return {"tokens": list(self.tokens), "prompt_tokens": self.prompt_tokens,
-                "finish_reason": self.finish_reason, "length": self.sequence.length}
-
-
-@dataclass
-class Timings:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prefill_tokens: int = 0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def to_json(self) -> dict:
-        return {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
-                "decode_tokens": self.decode_tokens,
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One token produced by :meth:`Session.stream`: ``index`` is the request's position in the call."""
-
-    index: int
-    token: int
-    sequence: Sequence
-
-
 # ============================================================================================ session
 class Session:
     """Run a retained-state graph with a persistent KV cache.
@@ -118,12 +78,14 @@ class Session:
         inplace: ``None`` (default) binds in place when the graph is in-place safe; ``False`` forces separate
             output buffers; ``True`` refuses a graph that is not safe.
         threads: onnxruntime intra-op threads (default: onnxruntime's choice).
+        sliding_window: the window ``W`` of a graph with sliding-window ring buffers (axis ``sliding_window``)
+            when neither its metadata nor its manifest records it.
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
                  prefill_seq_len: int | None = None, max_sequences: int | None = None,
                  inplace: bool | None = None, threads: int | None = None,
-                 providers: Seq[str] | None = None):
+                 providers: Seq[str] | None = None, sliding_window: int | None = None):
         # ---- arguments first: nothing is read before they are valid
         for label, v in (("ctx_len", ctx_len), ("prefill_seq_len", prefill_seq_len),
                          ("max_sequences", max_sequences)):
@@ -160,13 +122,19 @@ class Session:
         if extra:
             raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
 
-        # ---- dimensions
-        first = layout.pairs[0].input.shape or ()
-        self.ctx_len = self._dim("ctx_len", first[2] if len(first) == 4 else None, ctx_len, man.get("ctx_len"))
+        # ---- dimensions (ctx_len from a full-length buffer: rings hold their own capacity)
+        self.rings = ring_mod.resolve(layout, man, sliding_window)
+        self.sliding_window = self.rings.window
+        full = [p.input.shape or () for p in layout.pairs if not p.is_sliding]
+        first = full[0] if full else (layout.pairs[0].input.shape or ())
+        self.ctx_len = self._dim("ctx_len", first[2] if full and len(first) == 4 else None, ctx_len,
+                                 man.get("ctx_len"))
         seq_dim = (names_in["input_ids"].shape or (None, None))[1]
         self.fixed_seq_len = seq_dim if isinstance(seq_dim, int) else None
         self.prefill_seq_len = self._dim("prefill_seq_len", self.fixed_seq_len, prefill_seq_len,
                                          man.get("prefill_seq_len"), default=DEFAULT_PREFILL_SEQ_LEN)
+        self.prefill_seq_len = ring_mod.cap_chunk(self.rings, self.fixed_seq_len, self.prefill_seq_len)
+        self._pad_ring = not self.rings or ir_model.metadata_props.get(naming.SLIDING_CACHE_META) == "ring"
         batch_dim = first[0] if first else None
         if self.continuous_batching:
             self.max_sequences = self._dim("max_sequences", batch_dim, max_sequences, man.get("full_batch_size"),
@@ -206,7 +174,7 @@ class Session:
         self.inplace = safe if inplace is None else (bool(inplace) and safe)
         # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
         KVCache.require_memory(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                               double_buffer=not self.inplace)
+                               double_buffer=not self.inplace, rings=self.rings)
         if not safe:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=2)
@@ -248,7 +216,7 @@ class Session:
         del source
 
         self.cache = KVCache(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                             double_buffer=not self.inplace)
+                             double_buffer=not self.inplace, rings=self.rings)
         self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
@@ -370,10 +338,11 @@ class Session:
         for off in range(0, n, S):
             cnt = min(S, n - off)
             padded = cnt < S
-            if padded and start + off + S > self.ctx_len:
+            if padded and (start + off + S > self.ctx_len or not self._pad_ring):
                 # Never pad past the capacity: padding rows of a fused (GroupQueryAttention) graph occupy the
                 # slots after the chunk's tokens, and those of peer graphs may write slot ctx_len-1, which must
-                # not happen while it receives a real token. A symbolic seq_len lets the chunk go unpadded.
+                # not happen while it receives a real token (nor, in the peer's rings, slot C-1 at all). A
+                # symbolic seq_len lets the chunk go unpadded.
                 if self.fixed_seq_len is None:
                     padded = False
                 elif start + off + cnt == self.ctx_len:
@@ -412,6 +381,7 @@ class Session:
             if self.continuous_batching:
                 arrays["batch_index"][0, 0] = seq.slot
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
+            self.cache.wrote(seq, seq.length + off + cnt)
         seq.length += len(toks)
         seq.tokens.extend(toks)
         seq.pending = None
@@ -463,6 +433,7 @@ class Session:
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
             s.length += 1
+            self.cache.wrote(s, s.length)
             s.tokens.append(t)
             s.pending = None
             s.pending_emitted = False
@@ -472,7 +443,8 @@ class Session:
         return out
 
     def truncate(self, seq: Sequence, n: int) -> None:
-        """Rewind ``seq`` to positions ``[0, n)`` in O(1)."""
+        """Rewind ``seq`` to positions ``[0, n)`` in O(1); with ring buffers only as far as they hold the
+        window (else a one-line refusal); ``n = 0`` always."""
         self.cache.truncate(seq, n)
 
     # ------------------------------------------------------------------------------------ generation
@@ -670,6 +642,7 @@ class Session:
             "invalid_index_patch": self.invalid_index_patch,
             naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),
             "memory_capacity": self.cache.memory_capacity,
+            "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
         }
 
 

@@ -3,22 +3,26 @@
 File format (version 1, see ``docs/state-files.md``):
 
 * tensors: one per KV buffer, keyed by the graph's KV **input** name (``past_key.0``, ``past_value.0_VLLM``...),
-  shape ``[1, heads, valid_length, head_dim]``: the sequence's slot, cut to its valid positions ``[0, n)``;
+  shape ``[1, heads, valid_length, head_dim]``: the sequence's slot, cut to its valid positions ``[0, n)``; a
+  sliding-window ring buffer of ``C`` slots: its first ``min(C, ring_written)`` slots, in ring order;
 * metadata (strings only): ``format`` (``qeff-kv-state``), ``format_version``, ``prefix`` (empty: none),
   ``num_layers``, ``shapes`` (JSON), ``dtype``, ``valid_length``, ``pending_token`` (empty: none),
   ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (a sample of its
   weights), ``model_identity`` (``checkpoint`` or ``sampled``: which identity the model is checked by) and
   ``checkpoint`` (the checkpoint identity the export recorded, empty for none), ``selection`` (the regex that
-  chose the buffers), ``created_by``, and ``checksum``: SHA-256 over every other metadata entry and every
-  tensor's name, dtype, shape and bytes.
+  chose the buffers), ``ring_written``, ``capacities`` (JSON: ring buffer -> slots) and ``sliding_window`` (the
+  ring bookkeeping; files without them are full-length states), ``created_by``, and ``checksum``: SHA-256 over
+  every other metadata entry and every tensor's name, dtype, shape and bytes.
 
 The model check compares like with like: checkpoint identities when the file and the graph both carry one
 (so the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's files), else
 the sampled fingerprints (graphs of other exporters; files written before ``model_identity`` existed).
 
 Loading checks all of it and refuses, with one line, a file that is not a state file, is truncated, was
-edited, belongs to another graph or model, or holds more positions than the session's capacity. Files are
-written atomically. safetensors holds raw tensors and JSON: no pickle anywhere.
+edited, belongs to another graph or model, comes from a graph with another sliding window or ring capacities,
+or holds more positions than the session's capacity. A full-length state loads into ring buffers (each position
+``p`` to slot ``p % C``), and a ring state into the full-length buffers of a graph with the same window (by
+position, from the lowest position held: the sequence's ``floor``). Files are written atomically. safetensors holds raw tensors and JSON: no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 from .. import __version__, fsutil, naming
 from ..errors import RuntimeInputError, StateFileError
 from .cache import Sequence
+from . import ring as ring_mod
 from .model_files import is_checkpoint_identity
 
 FORMAT = "qeff-kv-state"
@@ -99,7 +104,9 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
     other = [n for n in chosen if n not in kv_names]
     if other:
         raise RuntimeInputError(f"selection {regex!r} also matches non-KV buffers {other[:3]}")
-    tensors = {n: session.cache.read(seq, n) for n in kv_inputs}
+    rings = session.rings
+    tensors = {n: session.cache.read(seq, n, ring_mod.saved_slots(rings, n, seq.length, seq.written))
+               for n in kv_inputs}
     first = tensors[kv_inputs[0]]
     meta = {
         "format": FORMAT,
@@ -117,6 +124,7 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
         "checkpoint": session.checkpoint or "",
         "selection": regex,
         "saved_ctx_len": str(session.ctx_len),
+        **ring_mod.state_metadata(rings, seq),
         "created_by": f"qeff-kv {__version__}",
     }
     meta["checksum"] = _checksum(meta, tensors)
@@ -129,7 +137,8 @@ def _state_path(path, what: str) -> Path:
     return Path(path)
 
 
-def _validate(session, state: KVState, where: str) -> None:
+def _validate(session, state: KVState, where: str) -> str:
+    """Check ``state`` against ``session``; returns how its buffers go in (:func:`ring.check_state`)."""
     if not isinstance(state, KVState) or not isinstance(state.tensors, dict) or not isinstance(state.metadata, dict):
         raise StateFileError(f"{where}: expected a KVState (from export_state or read_state), got "
                              f"{type(state).__name__}")
@@ -150,7 +159,6 @@ def _validate(session, state: KVState, where: str) -> None:
         raise StateFileError(
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
-    _check_model(session, meta, where)
     try:
         n = int(meta["valid_length"])
         shapes = json.loads(meta["shapes"])
@@ -162,6 +170,9 @@ def _validate(session, state: KVState, where: str) -> None:
         raise StateFileError(f"{where}: malformed state metadata (pending_emitted)")
     if n < 0:
         raise StateFileError(f"{where}: negative valid length {n}")
+    theirs = ring_mod.read_state_rings(meta, n, where)
+    mode = ring_mod.check_state(session.rings, theirs, n, where)
+    _check_model(session, meta, where)
     if n > session.ctx_len:
         raise StateFileError(
             f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
@@ -171,13 +182,15 @@ def _validate(session, state: KVState, where: str) -> None:
     for name in expected:
         arr = state.tensors[name]
         full = session.cache.shapes[name]
-        want = (1, full[1], n, full[3])
+        want = (1, full[1], ring_mod.saved_slots(ring_mod.RingSpec(theirs.window, theirs.capacities), name, n,
+                                                 theirs.written), full[3])
         if tuple(arr.shape) != want or list(arr.shape) != shapes.get(name):
             raise StateFileError(f"{where}: tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
         if arr.dtype != session.cache.dtypes[name]:
             raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {session.cache.dtypes[name]}")
     if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
         raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
+    return mode
 
 
 def _short(identity: str) -> str:
@@ -210,12 +223,20 @@ def _check_model(session, meta: dict[str, str], where: str) -> None:
 
 def import_state(session, state: KVState, seq: Sequence | None = None, *, where: str = "state") -> Sequence:
     """Validate ``state`` against ``session`` and copy it into ``seq`` (default: a new sequence)."""
-    _validate(session, state, where)
+    mode = _validate(session, state, where)
     target = session.cache.create() if seq is None else session.cache.get(seq)
     n = state.valid_length
+    theirs = ring_mod.read_state_rings(state.metadata, n, where)
     for name, arr in state.tensors.items():
+        cap = session.rings.capacities.get(name)
+        if mode == "to_ring" and cap:
+            arr = ring_mod.to_ring(arr, cap)
+        elif mode == "to_full" and name in theirs.capacities:
+            arr = ring_mod.to_full(arr, theirs.capacities[name], n, theirs.written)
         session.cache.write(target, name, arr)
     target.length = n
+    target.written = theirs.written if mode == "same" else n
+    target.floor = ring_mod.floor_after(mode, theirs)
     target.tokens = [-1] * n  # token ids are not part of the state
     target.pending = state.pending_token
     target.pending_emitted = state.metadata["pending_emitted"] == "true"
