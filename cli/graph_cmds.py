@@ -79,7 +79,7 @@ def check_cmd(models: tuple[str, ...], prefix: str | None, unprefixed: bool, as_
 
 
 @click.command("buffers")
-@_MODEL
+@click.argument("model", type=click.Path(path_type=str))
 @click.option("--regex", default=None, metavar="R",
               help="Show exactly which inputs/outputs R selects (full match) and whether that is the KV set.")
 @click.option("--ctx-len", type=DIM, default=None, help="Context length for bytes per sequence.")
@@ -89,7 +89,11 @@ def check_cmd(models: tuple[str, ...], prefix: str | None, unprefixed: bool, as_
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema qeff-kv.buffers/1).")
 def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_window: int | None,
                 as_json: bool) -> None:
-    """List the KV buffer pairs, non-KV retained buffers and canonical selection regexes of MODEL."""
+    """List the KV buffer pairs, non-KV retained buffers and canonical selection regexes of MODEL.
+
+    MODEL is an .onnx file, or an export folder (the graph its manifest.json names as "onnx": the language graph
+    of a vision-language export).
+    """
     report = _buffers.buffers_report(model, regex=regex, ctx_len=ctx_len, sliding_window=sliding_window)
     click.echo(report.to_json_text() if as_json else report.format_text(), nl=False)
 
@@ -114,14 +118,41 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_wind
               help="Window of a graph with sliding-window ring buffers (axis 'sliding_window'), written as the "
                    "symbol sliding_window of every specialization; default: the graph metadata "
                    "qeff_kv.sliding_window (peer graphs carry none).")
+@click.option("--img-size", type=DIM, default=None, metavar="N",
+              help="Vision-language graph: image side (symbol img_size); default: the export's manifest.json "
+                   "beside MODEL, else a static pixel_values axis.")
+@click.option("--vision-size", type=DIM, default=None, metavar="N",
+              help="Dual-layout language graph: image rows per image (symbol vision_size); default: the manifest, "
+                   "else a static vision_embeds axis.")
+@click.option("--vision-batch-size", type=DIM, default=1, show_default=True, metavar="N",
+              help="Vision-language graph: images per vision run / rows of vision_embeds (symbol "
+                   "vision_batch_size; the vision program's batch_size).")
+@click.option("--max-num-images", type=DIM, default=None, metavar="N",
+              help="Vision-language graph: symbol max_num_images (written when given, or when a graph axis has "
+                   "that name: then 1 by default).")
+@click.option("--vision-precision", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
+              help="Precision of the vision buffers (vision_embeds, pixel_values) in custom_io; default: the "
+                   "model dtype (their dtype in the graph).")
+@click.option("--vision-model", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="Dual layout: the vision graph (pixel_values -> vision_embeds); adds custom_io_vision.yaml and "
+                   "specializations_vision.json. Default: the manifest's vision_onnx.")
 def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
                        full_batch_size: int | None, fmt: str, precision: str, ccl: str | None,
-                       sliding_window: int | None) -> None:
-    """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph."""
+                       sliding_window: int | None, img_size: int | None, vision_size: int | None,
+                       vision_batch_size: int, max_num_images: int | None, vision_precision: str | None,
+                       vision_model: str | None) -> None:
+    """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph.
+
+    For a vision-language graph the files carry the vision buffers and symbols too; for the dual layout's
+    language graph the vision program's custom_io_vision.yaml and specializations_vision.json are written beside
+    them when its vision graph is known (--vision-model, or the export's manifest).
+    """
     paths = _buffers.write_compile_config_for_graph(
         model, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len, batch_size=batch_size,
         full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl,  # type: ignore[arg-type]
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, img_size=img_size, vision_size=vision_size,
+        vision_batch_size=vision_batch_size, max_num_images=max_num_images, vision_precision=vision_precision,
+        vision_model=vision_model)
     for p in paths:
         click.echo(f"wrote {p}")
 

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import graphio, naming
+from . import graphio, multimodal, naming
 from .compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
 from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout, KVPair
@@ -119,12 +119,24 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
     if layout.unpaired_inputs or layout.unpaired_outputs:
         lines.append("unpaired KV buffers: " + ", ".join(layout.unpaired_inputs + layout.unpaired_outputs))
-    if layout.non_kv_retained:
+    kind = multimodal.graph_kind(layout)
+    non_kv = _non_kv_rows(layout)
+    if non_kv:
         lines.append("non-KV retained buffers: " + ", ".join(
-            f"{i or '(no input)'} -> {o or '(no output)'}" for i, o in layout.non_kv_retained))
+            f"{i or '(no input)'} -> {o or '(no output)'}" for i, o in non_kv))
     else:
         lines.append("non-KV retained buffers: none")
+    if kind is not None:
+        lines.append(f"{multimodal.describe_kind(kind)}")
     return "\n".join(lines) + "\n"
+
+
+def _non_kv_rows(layout: KVLayout) -> list[tuple[str | None, str | None]]:
+    """The non-KV retained buffers to list: none in a vision encoder graph (its ``pixel_values`` input and
+    ``vision_embeds`` output are plain I/O there, nothing is retained)."""
+    if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
+        return []
+    return list(layout.non_kv_retained)
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -209,9 +221,11 @@ class BuffersReport:
             "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
             "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
-            "non_kv_retained": [{"input": i, "retained": o} for i, o in lay.non_kv_retained],
+            "non_kv_retained": [{"input": i, "retained": o} for i, o in _non_kv_rows(lay)],
             "regexes": self.regexes,
             "selection": None if self.selection is None else self.selection.to_json(),
+            # only on vision-language graphs: other graphs' key set stays as it was
+            **({"vision_language": kind} if (kind := multimodal.graph_kind(lay)) else {}),
         }
 
     def to_json_text(self) -> str:
@@ -245,10 +259,29 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
             re.compile(regex)
         except re.error as exc:
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
+    path = resolve_graph(path)
     layout = graphio.layout_of(graphio.load(path))
     window = resolve_sliding_window(layout, sliding_window)
     sel = regex_selection(layout, regex) if regex is not None else None
     return BuffersReport(str(path), layout, ctx_len, sel, window)
+
+
+def resolve_graph(path: str | os.PathLike) -> Path:
+    """``path`` itself, or for an export folder the graph its ``manifest.json`` names as ``onnx`` (the graph
+    holding the KV: the language graph of a vision-language export)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    man_path = path / multimodal.MANIFEST
+    if not man_path.is_file():
+        raise ContractError(f"{path} is a folder without {multimodal.MANIFEST}; give an .onnx file")
+    try:
+        man = json.loads(man_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ContractError(f"{man_path}: not valid JSON ({' '.join(str(exc).split())})") from None
+    if not isinstance(man, dict) or not isinstance(man.get("onnx"), str) or not man["onnx"]:
+        raise ContractError(f"{man_path} names no graph (no \"onnx\" entry)")
+    return path / man["onnx"]
 
 
 # ------------------------------------------------------------------------------------------------ compile
@@ -263,7 +296,10 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                                    prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
                                    full_batch_size: int | None = None, fmt: SpecFormat = "flat",
                                    precision: str = "float16", ccl=None,
-                                   sliding_window: int | None = None) -> list[Path]:
+                                   sliding_window: int | None = None, img_size: int | None = None,
+                                   vision_size: int | None = None, vision_batch_size: int = 1,
+                                   max_num_images: int | None = None, vision_precision: str | None = None,
+                                   vision_model: str | os.PathLike | None = None) -> list[Path]:
     """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
 
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
@@ -272,17 +308,33 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     named ``sliding_window``) needs its window: ``sliding_window`` or the graph metadata ``qeff_kv.sliding_window``
     (refused in one line when neither is there, or when they differ); a graph without that axis refuses
     ``sliding_window``.
+
+    A vision-language graph (contract section 6) takes ``img_size`` and, in the dual layout, ``vision_size``
+    (default: the export's ``manifest.json`` beside it when it names this graph, else a static graph axis; refused
+    in one line when unknown), ``vision_batch_size`` (default 1) and ``max_num_images``; ``vision_model`` is the
+    dual layout's vision graph (default: the manifest's ``vision_onnx``), which adds ``custom_io_vision.yaml``
+    and ``specializations_vision.json``. A vision encoder graph given as ``path`` is refused (give the language
+    graph, and this one as ``vision_model``); a text graph refuses the vision settings.
     """
     from . import check as _check
-    from .compile_config import check_precision, parse_ccl, specializations
+    from .compile_config import check_precision, check_vision_precision, parse_ccl, specializations
 
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
     # passes every check rule.
     check_precision(precision)
+    check_vision_precision(vision_precision)
+    for label, v in (("img_size", img_size), ("vision_size", vision_size), ("vision_batch_size", vision_batch_size),
+                     ("max_num_images", max_num_images)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
     ccl = parse_ccl(ccl, ctx_len)
     check_sliding_window(sliding_window)
     specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
                     ccl=ccl, sliding_window=sliding_window)
+    layout = graphio.layout_of(graphio.load(path))
+    if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
+        raise ContractError(f"{path} is a {multimodal.describe_kind(multimodal.VISION_ENCODER)}; give the language "
+                            "graph as MODEL and this one as --vision-model")
     report = _check.check(path)
     if not report.ok:
         rule = report.rule(report.failed[0])
@@ -311,6 +363,30 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
         raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
                                 "--sliding-window does not apply")
     resolve_sliding_window(layout, sliding_window, required=True)
+    kind = multimodal.graph_kind(layout)
+    vision = None
+    if kind is not None:
+        man = multimodal.manifest_beside(path) or {}
+        mvis = man.get("vision") if isinstance(man.get("vision"), dict) else {}
+        for label, given, key in (("img_size", img_size, "image_size"), ("vision_size", vision_size, "vision_size")):
+            if given is not None and mvis.get(key) is not None and given != mvis[key]:
+                raise RuntimeInputError(f"{label} {given} differs from the export's {multimodal.MANIFEST} "
+                                        f"vision.{key} = {mvis[key]} (the graph was traced for it)")
+        vision = {k: v for k, v in (("image_size", img_size if img_size is not None else mvis.get("image_size")),
+                                    ("vision_size", vision_size if vision_size is not None
+                                     else mvis.get("vision_size")),
+                                    ("grid", mvis.get("grid"))) if v is not None}
+        if vision_model is None and kind == multimodal.DUAL and isinstance(man.get("vision_onnx"), str):
+            vision_model = Path(path).parent / man["vision_onnx"]
+    elif img_size is not None or vision_size is not None or vision_model is not None or max_num_images is not None:
+        raise RuntimeInputError(f"{path} has no {multimodal.VISION_EMBEDS} or {multimodal.PIXEL_VALUES} input: it is "
+                                "not a vision-language graph, so --img-size/--vision-size/--vision-model/"
+                                "--max-num-images do not apply")
+    elif vision_precision is not None or vision_batch_size != 1:
+        raise RuntimeInputError(f"{path} is not a vision-language graph; --vision-precision/--vision-batch-size "
+                                "do not apply")
     return write_compile_config(layout, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                 batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                                precision=precision, ccl=ccl, sliding_window=sliding_window)
+                                precision=precision, ccl=ccl, sliding_window=sliding_window, vision=vision,
+                                vision_graph=vision_model, vision_batch_size=vision_batch_size,
+                                max_num_images=max_num_images, vision_precision=vision_precision)

@@ -5,14 +5,21 @@ about. A rule that cannot apply (no KV buffers, mixed prefixes for the regex rul
 
 Rules, in order:
 
-``kv-present``        the graph has KV buffers (inputs/outputs named like ``past_key.<i>``).
+``kv-present``        the graph has KV buffers (inputs/outputs named like ``past_key.<i>``). A vision encoder
+                      graph (``pixel_values`` -> ``vision_embeds``, nothing retained: the dual layout's vision
+                      graph) is ``skip``, and so are the rules that need KV: it passes.
 ``pairing``           every ``X_RetainedState`` output has the input ``X``, and every KV input ``X`` has the
-                      output ``X_RetainedState``; no input or output is listed twice.
+                      output ``X_RetainedState``; no input or output is listed twice. In a graph with KV buffers,
+                      every non-KV retained input (``vision_embeds``, ``pixel_values``, ``image_idx``...) has its
+                      output (``image_idx`` -> ``image_idx_output``), and a vision-language graph (a
+                      ``vision_embeds`` or ``pixel_values`` input) chains ``image_idx``.
 ``pair-match``        a KV input and its retained output have the same dtype, rank, dims and dim names. Axis 2 of
                       a KV buffer may be ``ctx_len`` (a full-length cache) or ``sliding_window`` (a sliding-window
                       layer's ring buffer); layers may mix them (the report lists the sliding layers), but the key
                       and value of one layer may not. Graph metadata ``qeff_kv.sliding_window``, when present,
                       is a positive integer ``W``, and a static axis 2 on a sliding layer's buffer equals ``W``.
+                      A non-KV retained pair keeps its dtype and dims; ``image_idx`` and ``image_idx_output`` are
+                      int64 ``[1, 1]``.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
@@ -31,6 +38,9 @@ Rules, in order:
 A graph with sliding-window ring buffers (or the metadata ``qeff_kv.sliding_window``) adds
 ``"sliding_window"`` (``W`` from the metadata, ``null`` if absent or invalid) and ``"sliding_layers"`` (layer
 indices whose buffers have axis 2 ``sliding_window``) at the end of the JSON; other graphs' JSON is unchanged.
+
+A vision-language graph (contract section 6) adds ``"vision_language"``: ``"dual"`` (the language graph of the
+dual layout), ``"single"`` or ``"vision-encoder"`` at the end of the JSON; other graphs' JSON is unchanged.
 
 The optional input ``comp_ctx_lengths`` (compute context length, contract section 9) is known: it is not a
 KV buffer, no rule is about it, and the report says the graph has it (``"comp_ctx_lengths": true`` at the end
@@ -51,7 +61,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from . import graphio, naming
+from . import graphio, multimodal, naming
 from .inplace import inplace_issues
 from .layout import KVLayout
 
@@ -60,9 +70,11 @@ SCHEMA = "qeff-kv.check/1"
 #: Rule id -> one-line description. Ids are stable: CI configurations and JSON consumers key on them.
 RULES: dict[str, str] = {
     "kv-present": "the graph has KV buffers",
-    "pairing": "every X_RetainedState output has input X and every KV input X has output X_RetainedState",
+    "pairing": "every X_RetainedState output has input X and every KV input X has output X_RetainedState "
+               "(non-KV retained inputs too; image_idx -> image_idx_output chained in a vision-language graph)",
     "pair-match": "a KV input and its retained output have the same dtype, rank, dims and dim names "
-                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window)",
+                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window); "
+                  "non-KV retained pairs too (image_idx: int64 [1, 1])",
     "layers": "layers 0..N-1 are contiguous and every layer has key and value (each stem group complete)",
     "prefix": "one valid prefix on every KV buffer, equal to the expected prefix when given",
     "regex-exact": "the exact selection regex selects exactly the KV buffers",
@@ -134,6 +146,8 @@ class CheckReport:
     sliding_window: int | None = None
     #: the graph carries the metadata ``qeff_kv.sliding_window`` (valid or not)
     sliding_meta: bool = False
+    #: ``"dual"``, ``"single"`` or ``"vision-encoder"`` for a vision-language graph (contract section 6), else None
+    vision_language: str | None = None
 
     @property
     def sliding(self) -> bool:
@@ -178,6 +192,7 @@ class CheckReport:
             **({naming.CCL_INPUT: True} if self.ccl else {}),
             **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
                if self.sliding else {}),
+            **({"vision_language": self.vision_language} if self.vision_language else {}),
         }
 
     def to_json_text(self) -> str:
@@ -189,7 +204,8 @@ class CheckReport:
                  f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
                  + (f", sliding-window layers {_fmt_ints(self.sliding_layers) or 'none'} "
                     f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
-                    if self.sliding else "")]
+                    if self.sliding else "")
+                 + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")]
         for r in self.rules:
             lines.append(f"  {r.status.upper():4}  {r.id:<{width}}  {r.description}")
             if r.note:
@@ -210,6 +226,9 @@ def _fmt_prefix(p: str | None) -> str:
 # ------------------------------------------------------------------------------------------------ rules
 def _rule_kv_present(layout: KVLayout, r: RuleResult) -> None:
     if not layout.kv_names:
+        if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
+            r.skip(f"{multimodal.describe_kind(multimodal.VISION_ENCODER)}: the KV rules do not apply")
+            return
         r.fail(None, "graph has no KV buffers (no input or output named like past_key.<i>)")
 
 
@@ -231,6 +250,14 @@ def _rule_pairing(layout: KVLayout, r: RuleResult) -> None:
             continue  # KV outputs are covered above
         if src not in in_names:
             r.fail(t.name, f"retained output {t.name} has no input {src}")
+    _non_kv(layout, r)
+
+
+def _non_kv(layout: KVLayout, r: RuleResult) -> None:
+    """The non-KV retained buffers' findings that belong to rule ``r`` (vision-language graphs, contract s. 6)."""
+    for issue in multimodal.non_kv_issues(layout):
+        if issue.rule == r.id:
+            r.fail(issue.buffer, issue.message)
 
 
 def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
@@ -249,6 +276,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
             if da != db:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
     _sliding_dims(layout, r)
+    _non_kv(layout, r)
 
 
 #: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
@@ -489,4 +517,5 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         model=name, prefix=prefixes[0] if len(prefixes) == 1 else None, prefixes=prefixes,
         expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()),
         ccl=layout.input(naming.CCL_INPUT) is not None, sliding_layers=layout.sliding_layers,
-        sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None)
+        sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
+        vision_language=multimodal.graph_kind(layout))

@@ -8,22 +8,47 @@ A graph with sliding-window ring buffers (a KV axis 2 named ``sliding_window``) 
 peer writes; ``custom_io.yaml`` lists every pair whatever its capacity. ``W`` comes from the caller
 (``sliding_window=``, ``--sliding-window N``) or the graph metadata ``qeff_kv.sliding_window``; a graph with the
 axis and no known ``W`` is refused in one line.
+
+Vision-language graphs (contract section 6; :mod:`qeff_kv.multimodal`):
+
+* ``custom_io.yaml`` lists the vision/multimodal retained buffers (``vision_embeds`` and
+  ``vision_embeds_RetainedState`` in the dual layout's language graph, ``pixel_values`` and
+  ``pixel_values_RetainedState`` in the single layout) at the model dtype (the buffer's own dtype in the graph,
+  or ``vision_precision``), before the KV buffers at the KV precision. ``image_idx`` (int64) is not listed.
+* every specialization carries ``img_size``, ``vision_size`` (dual layout only: the single layout has no such
+  axis, and the peer drops it there too) and ``vision_batch_size`` after ``ctx_len`` (and ``sliding_window``),
+  plus ``max_num_images`` when given or when a graph axis has that name.
+* the dual layout's vision graph gets ``custom_io_vision.yaml`` (``pixel_values`` in, ``vision_embeds`` out, at the
+  model dtype) and ``specializations_vision.json``: one entry (``batch_size`` = ``vision_batch_size``,
+  [``max_num_images``], ``img_size``), named ``Vision`` in the named format, as the peer names its vision program.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, Sequence as Seq
 
-from . import fsutil, naming
-from .errors import QeffKvError, RuntimeInputError
+from . import fsutil, graphio, multimodal, naming
+from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout
 from .limits import positive_int
 
 SpecFormat = Literal["flat", "named"]
 CUSTOM_IO_FILE = "custom_io.yaml"
 SPECIALIZATIONS_FILE = "specializations.json"
+#: The dual layout's vision program: its own custom_io and specializations, beside the language graph's.
+CUSTOM_IO_VISION_FILE = "custom_io_vision.yaml"
+SPECIALIZATIONS_VISION_FILE = "specializations_vision.json"
+#: Precisions the vision/multimodal buffers may be given (floats: they hold image data, not a cache).
+VISION_PRECISIONS = ("float16", "bfloat16", "float32")
+#: Specialization symbols of a vision-language graph (the peer's names).
+IMG_SIZE, VISION_SIZE, VISION_BATCH_SIZE, MAX_NUM_IMAGES = "img_size", "vision_size", "vision_batch_size", "max_num_images"
+#: The named format's entry for the vision program.
+VISION_SPEC_NAME = "Vision"
+#: The patch-row axis of ``pixel_values`` in models that take patch rows (Qwen2.5-VL).
+GRID_HEIGHT = "grid_height"
 #: Precisions a compiler accepts for the KV buffers in ``custom_io.yaml``.
 PRECISIONS = ("float16", "bfloat16", "float32", "mxint8", "int8")
 
@@ -34,18 +59,58 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def custom_io_yaml(layout: KVLayout, precision: str = "float16") -> str:
-    """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output."""
+def check_vision_precision(precision: str | None) -> str | None:
+    """``None`` (the model dtype) or one of :data:`VISION_PRECISIONS` (one-line :class:`RuntimeInputError`)."""
+    if precision is not None and (not isinstance(precision, str) or precision not in VISION_PRECISIONS):
+        raise RuntimeInputError(f"unknown vision precision {precision!r}; vision buffers take one of "
+                                f"{', '.join(VISION_PRECISIONS)} (default: the model dtype)")
+    return precision
+
+
+def _io_yaml(inputs: "list[tuple[str, str]]", outputs: "list[tuple[str, str]]") -> str:
+    lines = ["# Model Inputs", ""]
+    for name, prec in inputs:
+        lines += [f" - IOName: {name}", f"   Precision: {prec}", ""]
+    lines += ["# Model Outputs", ""]
+    for name, prec in outputs:
+        lines += [f" - IOName: {name}", f"   Precision: {prec}", ""]
+    return "\n".join(lines)
+
+
+def custom_io_yaml(layout: KVLayout, precision: str = "float16", *, vision_precision: str | None = None) -> str:
+    """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output.
+
+    A vision-language graph's float non-KV retained buffers (``vision_embeds``, ``pixel_values``...) come first, at
+    ``vision_precision`` or, by default, their own dtype in the graph (the model dtype)."""
     check_precision(precision)
+    check_vision_precision(vision_precision)
     layout.require_valid()
     pairs = sorted(layout.pairs, key=lambda p: (p.layer, p.stem))
-    lines = ["# Model Inputs", ""]
-    for p in pairs:
-        lines += [f" - IOName: {p.input_name}", f"   Precision: {precision}", ""]
-    lines += ["# Model Outputs", ""]
-    for p in pairs:
-        lines += [f" - IOName: {p.output_name}", f"   Precision: {precision}", ""]
-    return "\n".join(lines)
+    extra = multimodal.custom_io_buffers(layout)
+    ins = [(a.name, vision_precision or multimodal.float_precision(a)) for a, _ in extra]
+    outs = [(b.name, vision_precision or multimodal.float_precision(b)) for _, b in extra]
+    ins += [(p.input_name, precision) for p in pairs]
+    outs += [(p.output_name, precision) for p in pairs]
+    return _io_yaml(ins, outs)  # type: ignore[arg-type]
+
+
+def custom_io_vision_yaml(vision_layout: KVLayout, vision_precision: str | None = None) -> str:
+    """The dual layout's vision graph: ``pixel_values`` in, ``vision_embeds`` out, at ``vision_precision`` or
+    their own dtype (the model dtype)."""
+    check_vision_precision(vision_precision)
+    require_vision_encoder(vision_layout)
+    ins = [(t.name, vision_precision or multimodal.float_precision(t)) for t in vision_layout.inputs
+           if multimodal.float_precision(t) is not None]
+    outs = [(t.name, vision_precision or multimodal.float_precision(t)) for t in vision_layout.outputs
+            if multimodal.float_precision(t) is not None]
+    return _io_yaml(ins, outs)  # type: ignore[arg-type]
+
+
+def require_vision_encoder(vision_layout: KVLayout, name: str = "vision graph") -> KVLayout:
+    if multimodal.graph_kind(vision_layout) != multimodal.VISION_ENCODER:
+        raise ContractError(f"{name} is not a vision encoder graph ({multimodal.PIXEL_VALUES} -> "
+                            f"{multimodal.VISION_EMBEDS}, no KV buffers, nothing retained)")
+    return vision_layout
 
 
 def check_sliding_window(value) -> int | None:
@@ -73,7 +138,8 @@ def resolve_sliding_window(layout: KVLayout, sliding_window=None, *, required: b
 
 def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                     full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                    ccl: "Seq[int] | None" = None, sliding_window: int | None = None) -> dict:
+                    ccl: "Seq[int] | None" = None, sliding_window: int | None = None,
+                    vision_symbols: "dict[str, int] | None" = None) -> dict:
     """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
 
     ``flat`` is the format every compiler release reads; ``named`` is the newer
@@ -86,6 +152,10 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
 
     With ``sliding_window`` (the window ``W`` of a graph with ring buffers, axis ``sliding_window``): every entry
     carries ``"sliding_window": str(W)`` after ``ctx_len``.
+
+    With ``vision_symbols`` (a vision-language graph's ``max_num_images``, ``img_size``, ``vision_size``,
+    ``vision_batch_size``, from :func:`vision_symbols`): every entry carries them after ``ctx_len`` (and
+    ``sliding_window``).
     """
     for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
         positive_int(label, v)
@@ -106,6 +176,10 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
         decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
     if sliding_window is not None:
         prefill, decode = (_after_ctx_len(d, naming.SLIDING_DIM, str(sliding_window)) for d in (prefill, decode))
+    if vision_symbols:
+        after = naming.SLIDING_DIM if sliding_window is not None else "ctx_len"
+        vis = {k: str(positive_int(k, v)) for k, v in vision_symbols.items()}
+        prefill, decode = (_insert_after(d, after, vis) for d in (prefill, decode))
     if ccl:
         for v in ccl:
             positive_int(naming.CCL_INPUT, v)
@@ -119,34 +193,158 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
 
 
 def _after_ctx_len(d: dict, key: str, value: str) -> dict:
+    return _insert_after(d, "ctx_len", {key: value})
+
+
+def _insert_after(d: dict, after: str, items: dict) -> dict:
     out: dict = {}
     for k, v in d.items():
         out[k] = v
-        if k == "ctx_len":
-            out[key] = value
+        if k == after:
+            out.update(items)
     return out
+
+
+def vision_symbols(kind: str, *, img_size: int, vision_size: int | None = None, vision_batch_size: int = 1,
+                   max_num_images: int | None = None) -> dict[str, int]:
+    """The vision symbols of a ``"dual"`` or ``"single"`` language graph's specializations, in the peer's order:
+    [``max_num_images``], ``img_size``, ``vision_size`` (dual only), ``vision_batch_size``."""
+    out: dict[str, int] = {}
+    if max_num_images is not None:
+        out[MAX_NUM_IMAGES] = positive_int(MAX_NUM_IMAGES, max_num_images)
+    out[IMG_SIZE] = positive_int(IMG_SIZE, img_size)
+    if kind == multimodal.DUAL:
+        if vision_size is None:
+            raise RuntimeInputError("the dual layout's language graph needs vision_size (image rows per image); "
+                                    "give --vision-size N")
+        out[VISION_SIZE] = positive_int(VISION_SIZE, vision_size)
+    out[VISION_BATCH_SIZE] = positive_int(VISION_BATCH_SIZE, vision_batch_size)
+    return out
+
+
+def vision_specializations(*, img_size: int, vision_batch_size: int = 1, max_num_images: int | None = None,
+                           fmt: SpecFormat = "flat", extra: "dict[str, int] | None" = None) -> dict:
+    """The dual layout's vision program: one entry, ``batch_size`` (images per run: ``vision_batch_size``),
+    [``max_num_images``], ``img_size``; named ``Vision`` in the named format."""
+    if fmt not in ("flat", "named"):
+        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
+    sym = {"batch_size": str(positive_int(VISION_BATCH_SIZE, vision_batch_size))}
+    if max_num_images is not None:
+        sym[MAX_NUM_IMAGES] = str(positive_int(MAX_NUM_IMAGES, max_num_images))
+    sym[IMG_SIZE] = str(positive_int(IMG_SIZE, img_size))
+    for k, v in (extra or {}).items():
+        sym[k] = str(positive_int(k, v))
+    if fmt == "flat":
+        return {"specializations": [sym]}
+    return {"specializations": [{"name": VISION_SPEC_NAME, "symbols": sym}]}
+
+
+def _given_or_graph(label: str, given, graph_value: int | None, where: str, flag: str) -> int:
+    if given is not None:
+        given = positive_int(label, given)
+        if graph_value is not None and given != graph_value:
+            raise RuntimeInputError(f"{label} {given} differs from the graph's own {where} = {graph_value}")
+        return given
+    if graph_value is None:
+        raise RuntimeInputError(f"the vision-language graph's {label} is unknown (axis {where} is symbolic); "
+                                f"give {flag} N")
+    return graph_value
+
+
+def _axis_named(layouts, name: str) -> bool:
+    return any(t.shape is not None and name in t.shape for lay in layouts for t in lay.inputs + lay.outputs)
+
+
+def _resolve_vision(layout: KVLayout, vision: dict | None, single_graph: bool | None,
+                    vision_layout: KVLayout | None, vision_batch_size: int, max_num_images: int | None):
+    """(kind, language-graph symbols, vision-program settings or None) of ``layout``; refusals in one line."""
+    kind = multimodal.graph_kind(layout)
+    if kind == multimodal.VISION_ENCODER:
+        raise ContractError(f"graph is a {multimodal.describe_kind(kind)}; give the language graph (the vision graph "
+                            "is its vision_graph / --vision-model)")
+    if kind is None:
+        if vision is not None or vision_layout is not None or max_num_images is not None:
+            raise RuntimeInputError(f"graph has no {multimodal.VISION_EMBEDS} or {multimodal.PIXEL_VALUES} input: "
+                                    "it is not a vision-language graph, so vision settings do not apply")
+        return None, None, None
+    if single_graph is not None and bool(single_graph) != (kind == multimodal.SINGLE):
+        raise RuntimeInputError(f"single_graph={bool(single_graph)} but the graph is the "
+                                f"{'single' if kind == multimodal.SINGLE else 'dual'} layout")
+    if kind == multimodal.SINGLE and vision_layout is not None:
+        raise RuntimeInputError("the single layout has no vision graph (the vision encoder is inside it)")
+    vision = dict(vision or {})
+    pix = layout.input(multimodal.PIXEL_VALUES)
+    emb = layout.input(multimodal.VISION_EMBEDS)
+    graph_img = multimodal.static_dim(pix, 2)
+    if vision_layout is not None:
+        require_vision_encoder(vision_layout)
+        graph_img = graph_img or multimodal.static_dim(vision_layout.input(multimodal.PIXEL_VALUES), 2)
+    img_size = _given_or_graph(IMG_SIZE, vision.get("image_size", vision.get(IMG_SIZE)), graph_img,
+                               f"{multimodal.PIXEL_VALUES} dim 2", "--img-size")
+    vision_size = None
+    if kind == multimodal.DUAL:
+        vision_size = _given_or_graph(VISION_SIZE, vision.get(VISION_SIZE), multimodal.static_dim(emb, 1),
+                                      f"{multimodal.VISION_EMBEDS} dim 1", "--vision-size")
+    layouts = [layout] + ([vision_layout] if vision_layout is not None else [])
+    if max_num_images is None and _axis_named(layouts, MAX_NUM_IMAGES):
+        max_num_images = 1
+    syms = vision_symbols(kind, img_size=img_size, vision_size=vision_size, vision_batch_size=vision_batch_size,
+                          max_num_images=max_num_images)
+    # Patch-row models (Qwen2.5-VL) take pixel_values [grid_height, patch_dim]: grid_height = t * h * w patches.
+    grid = vision.get("grid")
+    grid_syms = {}
+    if grid and _axis_named(layouts, GRID_HEIGHT):
+        grid_syms[GRID_HEIGHT] = int(math.prod(int(g) for g in grid))
+        if kind == multimodal.SINGLE:
+            syms.update(grid_syms)
+    vis = None
+    if vision_layout is not None:
+        vis = {"img_size": img_size, "vision_batch_size": vision_batch_size, "max_num_images": max_num_images,
+               "extra": grid_syms}
+    return kind, syms, vis
 
 
 def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_len: int, ctx_len: int,
                          batch_size: int = 1, full_batch_size: int | None = None, fmt: SpecFormat = "flat",
                          precision: str = "float16", ccl: "Seq[int] | None" = None,
-                         sliding_window: int | None = None) -> list[Path]:
+                         sliding_window: int | None = None, vision: dict | None = None,
+                         single_graph: bool | None = None, vision_graph: "KVLayout | str | Path | None" = None,
+                         vision_batch_size: int = 1, max_num_images: int | None = None,
+                         vision_precision: str | None = None) -> list[Path]:
     """Write both files into ``out_dir`` atomically; return their paths.
 
     ``sliding_window``: the model's window ``W`` (default: the graph metadata ``qeff_kv.sliding_window``). It
     lands in the specializations only when the graph has ring buffers (a KV axis 2 named ``sliding_window``);
-    such a graph without a known window is refused in one line (:class:`RuntimeInputError`), nothing written."""
+    such a graph without a known window is refused in one line (:class:`RuntimeInputError`), nothing written.
+
+    A vision-language graph (told by its inputs: :func:`qeff_kv.multimodal.graph_kind`): ``vision`` holds its
+    ``image_size`` and ``vision_size`` (the manifest's ``vision`` dict; a static graph axis is used when it is
+    absent, and must agree when both are there); ``single_graph``, when given, must match the graph's layout;
+    ``vision_graph`` (a layout or a path) is the dual layout's vision graph, which adds
+    ``custom_io_vision.yaml`` and ``specializations_vision.json`` (returned after the other two).
+    ``vision_precision``: the vision buffers' precision (default: the model dtype, their own dtype in the graph).
+    """
     out_dir = Path(out_dir)
     check_precision(precision)
+    check_vision_precision(vision_precision)
+    if vision_graph is not None and not isinstance(vision_graph, KVLayout):
+        vision_graph = graphio.layout_of(graphio.load(vision_graph))
     window = resolve_sliding_window(layout, sliding_window, required=True)
+    kind, syms, vis = _resolve_vision(layout, vision, single_graph, vision_graph, vision_batch_size, max_num_images)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
                            full_batch_size=full_batch_size, fmt=fmt, ccl=ccl,
-                           sliding_window=window if layout.has_sliding else None)
-    text = custom_io_yaml(layout, precision)
-    cio, sp = out_dir / CUSTOM_IO_FILE, out_dir / SPECIALIZATIONS_FILE
-    fsutil.write_text(cio, text)
-    fsutil.write_text(sp, json.dumps(spec, indent=2) + "\n")
-    return [cio, sp]
+                           sliding_window=window if layout.has_sliding else None, vision_symbols=syms)
+    text = custom_io_yaml(layout, precision, vision_precision=vision_precision)
+    files = [(out_dir / CUSTOM_IO_FILE, text), (out_dir / SPECIALIZATIONS_FILE, json.dumps(spec, indent=2) + "\n")]
+    if vis is not None:
+        assert isinstance(vision_graph, KVLayout)
+        vspec = vision_specializations(img_size=vis["img_size"], vision_batch_size=vis["vision_batch_size"],
+                                       max_num_images=vis["max_num_images"], fmt=fmt, extra=vis["extra"])
+        files += [(out_dir / CUSTOM_IO_VISION_FILE, custom_io_vision_yaml(vision_graph, vision_precision)),
+                  (out_dir / SPECIALIZATIONS_VISION_FILE, json.dumps(vspec, indent=2) + "\n")]
+    for path, content in files:  # everything computed first: a refusal writes nothing
+        fsutil.write_text(path, content)
+    return [p for p, _ in files]
 
 
 # ------------------------------------------------------------------------------------ compute context length

@@ -29,17 +29,23 @@ EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
 KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
 #: The suffix that pairs an output with the input of the same base name.
 RETAINED_SUFFIX = "_RetainedState"
+#: Vision-language graphs (contract section 6): the dual layout's image rows (language-graph input, vision-graph
+#: output), the single layout's image input, and the image-row counter chained across prefill chunks.
+VISION_EMBEDS = "vision_embeds"
+PIXEL_VALUES = "pixel_values"
+IMAGE_IDX = "image_idx"
 #: Retained buffers that are not KV caches: never prefixed, never selected as KV.
 NON_KV_RETAINED: tuple[str, ...] = (
-    "vision_embeds",
-    "pixel_values",
+    VISION_EMBEDS,
+    PIXEL_VALUES,
     "deepstack_features",
-    "image_idx",
+    IMAGE_IDX,
     "past_repetition_penalty_buffer",
     "past_presence_penalty_buffer",
 )
 #: Non-KV retained outputs that do not follow the ``_RetainedState`` rule (input -> output).
-NON_KV_OUTPUT_ALIASES: dict[str, str] = {"image_idx": "image_idx_output"}
+NON_KV_OUTPUT_ALIASES: dict[str, str] = {IMAGE_IDX: "image_idx_output"}
+IMAGE_IDX_OUTPUT = NON_KV_OUTPUT_ALIASES[IMAGE_IDX]
 
 #: The optional compute-context-length input (contract section 9): int64, 1-D, its length limits attention.
 #: Not a buffer: never prefixed, never retained; its one dynamic axis has the same name.

@@ -102,10 +102,12 @@ def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
         nodes.append(helper.make_node("Identity", ["logits"], [n], name=f"make_{n}"))
     for n in non_kv_retained:  # e.g. vision_embeds / vision_embeds_RetainedState (names given in full)
         src = naming.retained_source(n)
+        # image_idx / image_idx_output: int64 [1, 1] (contract section 6); the others float [1]
+        elem, dims = ((TensorProto.INT64, [1, 1]) if (src or n) == "image_idx" else (TensorProto.FLOAT, [1]))
         if src is None:
-            inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]))
+            inputs.append(helper.make_tensor_value_info(n, elem, dims))
         else:
-            outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]))
+            outputs.append(helper.make_tensor_value_info(n, elem, dims))
             nodes.append(helper.make_node("Identity", [src], [n], name=f"keep_{n}"))
     for n in initializer_inputs:
         inits.append(numpy_helper.from_array(np.zeros([1], dtype=np.float32), n))
@@ -186,3 +188,86 @@ def io_signature(path_or_proto) -> tuple[list, list]:
         return (vi.name, t.elem_type, dims)
 
     return ([sig(v) for v in m.graph.input if v.name not in inits], [sig(v) for v in m.graph.output])
+
+
+# ------------------------------------------------------------------------------------------ vision-language
+VISION_HIDDEN = 8
+
+
+def build_vlm(layers: int = 2, prefix: str | None = None, *, layout: str = "dual", name_prefix: str | None = None,
+              drop: Sequence[str] = (), retained_dims: dict[str, list] | None = None,
+              image_idx_dtype: int = TensorProto.INT64, image_idx_dims: list | None = None,
+              **kw) -> onnx.ModelProto:
+    """A peer-style vision-language language graph (contract section 6) around :func:`build`'s KV layers.
+
+    ``layout="dual"``: inputs ``input_ids, vision_embeds [vision_batch_size, vision_size, 8], position_ids,
+    image_idx [1, 1]`` before the KV; outputs ``logits, vision_embeds_RetainedState, image_idx_output`` before the
+    KV. ``layout="single"``: ``pixel_values [vision_batch_size, 3, img_size, img_size]`` instead (after
+    ``position_ids``), retained as ``pixel_values_RetainedState``. ``name_prefix`` puts a prefix on the vision
+    buffer's names (a broken graph); ``drop`` leaves out inputs/outputs by name; ``retained_dims`` replaces the dims
+    of an output.
+    """
+    m = build(layers, prefix, **kw)
+    g = m.graph
+    retained_dims = retained_dims or {}
+    base = "vision_embeds" if layout == "dual" else "pixel_values"
+    dims = (["vision_batch_size", "vision_size", VISION_HIDDEN] if layout == "dual"
+            else ["vision_batch_size", 3, "img_size", "img_size"])
+    vin = base if name_prefix is None else f"{base}_{name_prefix}"
+    vout = naming.retained_name(vin)
+    idx_dims = [1, 1] if image_idx_dims is None else image_idx_dims
+    new_in = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "seq_len"])]
+    lead = [helper.make_tensor_value_info(vin, TensorProto.FLOAT, dims),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "seq_len"])]
+    if layout == "single":
+        lead.reverse()
+    new_in += lead + [helper.make_tensor_value_info("image_idx", image_idx_dtype, idx_dims)]
+    rest_in = [v for v in g.input if v.name != "input_ids"]
+    new_out = [g.output[0],
+               helper.make_tensor_value_info(vout, TensorProto.FLOAT, retained_dims.get(vout, dims)),
+               helper.make_tensor_value_info("image_idx_output", image_idx_dtype, retained_dims.get("image_idx_output", idx_dims))]
+    rest_out = list(g.output[1:])
+    nodes = [helper.make_node("Identity", [vin], [vout], name="keep_vision"),
+             helper.make_node("Identity", ["image_idx"], ["image_idx_output"], name="chain_image_idx"),
+             helper.make_node("Identity", ["position_ids"], ["position_ids__copy"], name="use_position_ids")]
+    ins = [v for v in new_in + rest_in if v.name not in drop]
+    outs = [v for v in new_out + rest_out if v.name not in drop]
+    keep_in = {v.name for v in ins}
+    kept = []
+    for n in nodes:
+        if any(o in drop for o in n.output):
+            continue
+        if all(i in keep_in for i in n.input):
+            kept.append(n)
+        elif n.output[0] != "position_ids__copy":  # an output whose input was dropped: a constant stands in
+            zero = (np.zeros([1, 1], np.int64 if image_idx_dtype == TensorProto.INT64 else np.int32)
+                    if n.output[0] == "image_idx_output" else np.zeros([1, 1, VISION_HIDDEN], np.float32))
+            kept.append(helper.make_node("Constant", [], [n.output[0]], value=numpy_helper.from_array(zero),
+                                         name=f"const_{n.output[0]}"))
+    nodes = kept
+    del g.input[:]
+    g.input.extend(ins)
+    del g.output[:]
+    g.output.extend(outs)
+    g.node.extend(nodes)
+    return m
+
+
+def build_vision_encoder(*, output: str = "vision_embeds", extra_output: str | None = None) -> onnx.ModelProto:
+    """A peer-style dual-layout vision graph: ``pixel_values [batch_size, 3, img_size, img_size] -> vision_embeds
+    [batch_size, vision_size, 8]`` (a ReduceMean and a Tile stand in for the encoder)."""
+    ins = [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch_size", 3, "img_size", "img_size"])]
+    outs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch_size", "vision_size", VISION_HIDDEN])]
+    nodes = [helper.make_node("ReduceMean", ["pixel_values"], ["pooled"], axes=[1], keepdims=0, name="pool"),
+             helper.make_node("Flatten", ["pooled"], ["flat"], axis=1, name="flatten"),
+             helper.make_node("Unsqueeze", ["flat", "axes2"], ["col"], name="col"),
+             helper.make_node("Tile", ["col", "reps"], [output], name="tile")]
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "axes2"),
+             numpy_helper.from_array(np.array([1, 1, VISION_HIDDEN], np.int64), "reps")]
+    if extra_output is not None:
+        outs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, ["batch_size", 3, "img_size", "img_size"]))
+        nodes.append(helper.make_node("Identity", ["pixel_values"], [extra_output], name="extra"))
+    graph = helper.make_graph(nodes, "vision_test", ins, outs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="qeff-kv-tests")
+    model.ir_version = 8
+    return model

@@ -77,9 +77,13 @@ def test_json_report_is_stable(graphs):
 
 # ------------------------------------------------------------------------------------------------ each rule
 def test_small_graph_passes(tmp_path):
-    report = _check(tmp_path, kvg.build(3, "VLLM", non_kv_retained=["vision_embeds", "vision_embeds_RetainedState"]),
+    report = _check(tmp_path, kvg.build(3, "VLLM", non_kv_retained=["vision_embeds", "vision_embeds_RetainedState",
+                                                                     "image_idx", "image_idx_output"]),
                     expected_prefix="VLLM")
     assert report.ok, report.format_text()
+    # a vision-language graph must chain image_idx (issue 10): without it, rule pairing fails
+    report = _check(tmp_path, kvg.build(3, "VLLM", non_kv_retained=["vision_embeds", "vision_embeds_RetainedState"]))
+    assert report.failed == ["pairing"]
 
 
 def test_kv_present(tmp_path):

@@ -92,6 +92,10 @@ def test_dual_layout_names_and_manifest(llava_exports):
     assert man["vision"] == {"image_size": 32, "channels": 3, "vision_size": 16, "hidden_size": 64}
     vin, vout = _io(res.out_dir / man["vision_onnx"])
     assert (vin, vout) == (["pixel_values"], ["vision_embeds"])
+    vm = onnx.load(str(res.out_dir / man["vision_onnx"]), load_external_data=False)
+    assert [d.dim_param or d.dim_value for d in vm.graph.output[0].type.tensor_type.shape.dim] == ["batch_size", 16, 64]
+    assert {p.name for p in res.files} >= {"tiny-llava.onnx", "tiny-llava_vision.onnx", "custom_io_vision.yaml",
+                                           "specializations_vision.json", "manifest.json"}
     m = onnx.load(str(res.onnx_path), load_external_data=False)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in list(m.graph.input) + list(m.graph.output)}

@@ -154,7 +154,7 @@ def export_model(
             vision_path = stage / vision_onnx_name(onnx_name)
             _trace_vision(torch_model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
             vis_model = graphio.load(tmp / "raw" / "vision.onnx")
-            _finalize_vision(vis_model, options)
+            _finalize_vision(vis_model, options, geometry["vision"])
             vis_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
             _save_graph(vis_model, vision_path, say)
             del vis_model
@@ -208,7 +208,8 @@ def export_model(
                 (stage / fname).replace(target / fname)
         del written
     names = [onnx_name, onnx_name + ".data", vision_onnx_name(onnx_name), vision_onnx_name(onnx_name) + ".data",
-             MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE, compile_config.SPECIALIZATIONS_FILE]
+             MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE, compile_config.SPECIALIZATIONS_FILE,
+             compile_config.CUSTOM_IO_VISION_FILE, compile_config.SPECIALIZATIONS_VISION_FILE]
     files = sorted(target / n for n in names if (target / n).exists())
     say(f"wrote {target / onnx_name}")
     return ExportResult(target, target / onnx_name, target / MANIFEST_FILE, manifest, files=files)
@@ -304,17 +305,17 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
             dyn["position_ids"] = {1: "batch_size", 2: "seq_len"}
         if options.single_graph:
             pixels = vision_pixels(vision, tdtype)
-            lead, names = [input_ids, position_ids, pixels, image_idx], ["position_ids", "pixel_values"]
-            dyn["pixel_values"] = ({0: "grid_height"} if "grid" in vision
-                                   else {0: "vision_batch_size", 2: "img_size", 3: "img_size"})
+            lead, names = [input_ids, position_ids, pixels, image_idx], ["position_ids", naming.PIXEL_VALUES]
+            dyn[naming.PIXEL_VALUES] = ({0: "grid_height"} if "grid" in vision
+                                        else {0: "vision_batch_size", 2: "img_size", 3: "img_size"})
         else:
             rows = torch.zeros((1, vision["vision_size"], vision["hidden_size"]), dtype=tdtype)
-            lead, names = [input_ids, rows, position_ids, image_idx], ["vision_embeds", "position_ids"]
-            dyn["vision_embeds"] = {0: "vision_batch_size", 1: "vision_size"}
+            lead, names = [input_ids, rows, position_ids, image_idx], [naming.VISION_EMBEDS, "position_ids"]
+            dyn[naming.VISION_EMBEDS] = {0: "vision_batch_size", 1: "vision_size"}
         retained_name = naming.retained_name(names[1] if options.single_graph else names[0])
         dyn[retained_name] = dyn[names[1] if options.single_graph else names[0]]
-        in_names[1:2] = names + ["image_idx"]
-        out_names[1:1] = [retained_name, naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
+        in_names[1:2] = names + [naming.IMAGE_IDX]
+        out_names[1:1] = [retained_name, naming.IMAGE_IDX_OUTPUT]
         args = [*lead, *past]
     else:
         args = [input_ids, position_ids, *past]
@@ -431,22 +432,27 @@ def _trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -
     from . import vlm as vlm_mod
 
     dtype = next(model.parameters()).dtype
-    args, names = (vision_pixels(vision, dtype),), ["pixel_values"]
-    dyn = {"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"}, "vision_embeds": {0: "batch_size"}}
+    args, names = (vision_pixels(vision, dtype),), [naming.PIXEL_VALUES]
+    dyn = {naming.PIXEL_VALUES: {0: "batch_size", 2: "img_size", 3: "img_size"},
+           naming.VISION_EMBEDS: {0: "batch_size"}}
     if "grid" in vision:   # patch rows of one grid, fixed in the graph
-        dyn = {"pixel_values": {0: "grid_height"}}
+        dyn = {naming.PIXEL_VALUES: {0: "grid_height"}}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(vlm_mod.VisionEncoder(model, vision.get("grid")).eval(), args, str(path), dynamo=False,
-                              opset_version=opt.OPSET, input_names=names, output_names=["vision_embeds"],
+                              opset_version=opt.OPSET, input_names=names, output_names=[naming.VISION_EMBEDS],
                               dynamic_axes=dyn, do_constant_folding=True)
         except Exception as exc:
             raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def _finalize_vision(model: ir.Model, options: opt.ExportOptions) -> None:
+def _finalize_vision(model: ir.Model, options: opt.ExportOptions, vision: dict) -> None:
+    """Deterministic metadata, and the output's exact shape: ``[batch_size, vision_size, hidden]`` (one image
+    per row; patch-row models: one row per image of the fixed grid)."""
+    out = model.graph.outputs[0]
+    out.shape = ir.Shape([1 if "grid" in vision else "batch_size", vision["vision_size"], vision["hidden_size"]])
     model.ir_version = opt.IR_VERSION
     model.producer_name = "qeff-kv"
     model.producer_version = __version__

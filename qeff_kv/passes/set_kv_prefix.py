@@ -3,7 +3,9 @@
 Invariant: afterwards every KV buffer (every stem of the naming contract, input and its ``_RetainedState``
 output together) is named with exactly the requested prefix (``None``: none), and nothing else changes:
 every other value and node name, every dim_param, dtype, shape, initializer, function and metadata entry is
-as it was, and for every pair the output is still named ``<input>_RetainedState``.
+as it was, and for every pair the output is still named ``<input>_RetainedState``. Non-KV retained buffers
+(``vision_embeds``, ``pixel_values``, ``image_idx``/``image_idx_output``...) are never renamed; a graph where one
+of them is unpaired or carries a prefix is refused (:func:`qeff_kv.multimodal.first_pairing_problem`).
 
 The pass renames ``ir.Value`` objects, never strings, so every reference to a buffer (nodes of the main
 graph, subgraphs, the call sites of functions such as the peer's decoder-layer subfunctions) follows.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .. import naming
+from .. import multimodal, naming
 from ..errors import ContractError, RewriteError
 from ..graphio import layout_of
 
@@ -38,9 +40,15 @@ class SetKVPrefixPass(ir.passes.InPlacePass):
         graph = model.graph
         layout = layout_of(model)
         if not layout.kv_names:
+            if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
+                raise ContractError(f"graph is a {multimodal.describe_kind(multimodal.VISION_ENCODER)}; "
+                                    "the KV-cache prefix belongs to the language graph beside it")
             raise ContractError("graph has no KV buffers (no input or output named like past_key.<i>)")
         if layout.unpaired_inputs or layout.unpaired_outputs:
             layout.require_valid()  # raises the precise unpaired-buffer message
+        problem = multimodal.first_pairing_problem(layout)  # vision/multimodal buffers: never renamed, must pair
+        if problem is not None:
+            raise ContractError(problem)
         prefixes = layout.prefixes
         if len(prefixes) > 1 and not self.allow_mixed:
             raise ContractError(
