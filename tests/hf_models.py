@@ -219,6 +219,45 @@ def qwen_patches(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((16, 96)).astype(np.float32)
 
 
+def make_internvl_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded InternVL (32x32 images in 8x8 patches, pixel-shuffled to 4 image rows; Qwen2 text)."""
+    import torch
+    import transformers
+
+    vc = transformers.InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=[32, 32], patch_size=[8, 8])
+    tc = transformers.Qwen2Config(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.InternVLConfig(vision_config=vc, text_config=tc, image_token_id=QWEN_IMAGE_TOKEN,
+                                      downsample_ratio=0.5)
+    cfg.architectures = ["InternVLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    out = root / "tiny-internvl"
+    transformers.InternVLForConditionalGeneration(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def make_mistral3_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded Mistral3 (Pixtral encoder, 32x32 images in 8x8 patches merged 2x2: 4 image rows)."""
+    import torch
+    import transformers
+
+    vc = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, image_size=32, patch_size=8, head_dim=8)
+    tc = transformers.MistralConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=128, initializer_range=0.1, bos_token_id=1,
+                                    eos_token_id=2, pad_token_id=0, sliding_window=None)
+    cfg = transformers.Mistral3Config(vision_config=vc, text_config=tc, image_token_index=QWEN_IMAGE_TOKEN,
+                                      spatial_merge_size=2)
+    cfg.architectures = ["Mistral3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    out = root / "tiny-mistral3"
+    transformers.Mistral3ForConditionalGeneration(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def llava_image(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, 32, 32)).astype(np.float32)
 
@@ -236,6 +275,8 @@ def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, 
     params = inspect.signature(model.forward).parameters
     if "token_type_ids" in params:   # Gemma3: bidirectional image blocks
         extra["token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
+    if grid is None and "image_sizes" in params:   # Mistral3 (Pixtral encoder): each image's size
+        extra["image_sizes"] = torch.tensor([list(pixel_values.shape[-2:])], dtype=torch.int64)
     if grid is not None:             # Qwen2.5-VL: patch rows, their grid, and the modality of every token
         extra["image_grid_thw"] = torch.tensor([grid], dtype=torch.int64)
         extra["mm_token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)

@@ -297,3 +297,37 @@ def test_qwen25vl_image_size_must_fit_the_patch_grid(qwen, tmp_path):
     with pytest.raises(ExportError, match=r"^--image-size 12 is not a multiple of patch_size x spatial_merge_size "
                                           r"\(4 x 2\)"):
         export_model(qwen, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, image_size=12)
+
+
+# --- InternVL (pixel-shuffled rows) and Mistral3 (Pixtral encoder taking image_sizes): 4 rows per image --------
+
+@pytest.mark.parametrize("single", [False, True], ids=["dual", "single"])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("maker", ["make_internvl_dir", "make_mistral3_dir"])
+def test_more_architectures_parity(maker, target, single, tmp_path_factory):
+    import hf_models
+    from hf_models import QWEN_IMAGE_TOKEN, PlainLoop, hf_vlm_greedy, llava_image
+    from qeff_kv.export import export_model
+
+    model = _built(maker, tmp_path_factory)
+    res = export_model(model, tmp_path_factory.mktemp("o") / "o", ctx_len=CTX, prefill_seq_len=CHUNK, target=target,
+                       single_graph=single)
+    assert res.manifest["verification"]["status"] == "passed" and res.manifest["vision"]["vision_size"] == 4
+    prompt = [1, 5, 6] + [QWEN_IMAGE_TOKEN] * 4 + [7, 8, 9, 40, 41]
+    want = hf_vlm_greedy(model, prompt, llava_image(), NEW)
+    assert want != hf_vlm_greedy(model, prompt, llava_image(seed=5), NEW), "the image does not change the tokens"
+    loop = PlainLoop(res.onnx_path, CTX).with_image(
+        llava_image(), None if single else res.out_dir / res.manifest["vision_onnx"])
+    assert loop.greedy(prompt, NEW, CHUNK) == want
+    del hf_models
+
+
+_BUILT: dict = {}
+
+
+def _built(maker: str, factory):
+    import hf_models
+
+    if maker not in _BUILT:
+        _BUILT[maker] = getattr(hf_models, maker)(factory.mktemp(maker))
+    return _BUILT[maker]

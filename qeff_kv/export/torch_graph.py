@@ -624,8 +624,9 @@ def _rotary_pass_through(q, k, *args, **kwargs):
 
 def skip_model_rotary(model: torch.nn.Module):
     """``apply_rotary_pos_emb`` as :func:`_rotary_pass_through` while tracing the fused target with GQA's own
-    RoPE: GroupQueryAttention rotates q and k itself, in exactly the layers that called it."""
-    return patch_modeling_function(model, "apply_rotary_pos_emb", _rotary_pass_through)
+    RoPE: GroupQueryAttention rotates q and k itself, in exactly the layers that called it. Only the language
+    decoder's modeling modules are patched: a vision encoder's own RoPE (Pixtral's) keeps rotating."""
+    return patch_modeling_function(model.get_decoder(), "apply_rotary_pos_emb", _rotary_pass_through)
 
 
 def _absent(v) -> bool:

@@ -25,6 +25,8 @@ This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .torch_graph import RetainedStateLM
@@ -36,8 +38,12 @@ def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
     model's hidden size), with the config's feature layer and selection strategy. ``image_grid_thw``: the patch
     grid of each image, for models that take images as patch rows (Qwen2.5-VL; the graph is traced for one
     grid, which the runtime must feed unchanged)."""
-    grid = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
-    out = model.get_image_features(pixel_values=pixel_values, return_dict=True, **grid)
+    extra = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
+    if image_grid_thw is None and "image_sizes" in inspect.signature(model.get_image_features).parameters:
+        # Pixtral-style encoders (Mistral3) take each image's size: the graph's images are all of its one size
+        h, w = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
+        extra["image_sizes"] = torch.tensor([[h, w]] * int(pixel_values.shape[0]), dtype=torch.int64)
+    out = model.get_image_features(pixel_values=pixel_values, return_dict=True, **extra)
     feats = getattr(out, "pooler_output", out)
     if isinstance(feats, (list, tuple)):
         feats = torch.stack(list(feats), 0)
