@@ -46,12 +46,44 @@ def _cell(v: str) -> str:
     return "refused: " + v[len("refused: "):].replace("|", "\\|")
 
 
+#: Vision-language models, proved by tests/test_vlm_export.py (both layouts, every target listed exact; tokens equal
+#: to transformers' generate with the image) and, for the refusals, tests/test_family_facts.py.
+VLM_ROWS = [
+    ("Llava", "LlavaForConditionalGeneration", "CLIP encoder, feature layer and CLS selection, MLP projector",
+     ("exact", "exact", "exact")),
+    ("Gemma3", "Gemma3ForConditionalGeneration", "SigLIP + pooling; image tokens attend both ways (an image stays in "
+     "one prefill chunk); sliding layers as rings",
+     ("exact", "exact", "refused: --target onnxruntime-fused cannot express ... attention within an image both ways")),
+    ("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "patch rows of one grid (`--image-size`), windowed vision "
+     "attention, multimodal RoPE (`position_ids [4, batch, seq_len]`)", ("exact", "exact", "exact")),
+    ("InternVL", "InternVLForConditionalGeneration", "pixel-shuffled image rows", ("exact", "exact", "exact")),
+    ("Mistral3", "Mistral3ForConditionalGeneration", "Pixtral encoder (its own 2-D RoPE, image sizes), patch merger",
+     ("exact", "exact", "exact")),
+    ("Mllama", "MllamaForConditionalGeneration", "cross-attention to the image",
+     ("refused: ... attends to the image through cross-attention layers",) * 3),
+]
+
+VLM_HEADER = """
+## Vision-language models
+
+Exported as a vision graph plus a language graph (default) or one graph (`--single-graph`), the prefix on the
+language KV only; see [vlm.md](vlm.md). Each cell is proved by `tests/test_vlm_export.py` on a tiny seeded model
+in both layouts: verification at export with an image, then greedy tokens equal to transformers' `generate`
+with the image, the image split across prefill chunks.
+
+| model | transformers class | what it exercises | """ + " | ".join(TARGETS) + """ |
+|---|---|---|""" + "---|" * len(TARGETS)
+
+
 def render() -> str:
     lines = [HEADER, "| family | transformers class | what it exercises | " + " | ".join(TARGETS) + " |",
              "|---|---|---|" + "---|" * len(TARGETS)]
     for name, fam in FAMILIES.items():
         cells = " | ".join(_cell(EXPECT[name][t]) for t in TARGETS)
         lines.append(f"| {name} | `{fam.model_class}` | {fam.note or ''} | {cells} |")
+    lines.append(VLM_HEADER)
+    for name, cls, note, cells in VLM_ROWS:
+        lines.append(f"| {name} | `{cls}` | {note} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
