@@ -44,6 +44,14 @@ def test_several_prompts_decode_together(graphs):
     assert lines[2].startswith("[2] ")
 
 
+def test_several_prompts_on_a_graph_without_batch_index_run_in_lock_step(graphs):
+    r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--prompt-ids", B, "--max-new-tokens", 8,
+            "--ctx-len", 16, "--prefill-seq-len", 4, "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert lines[:2] == ["[0] " + " ".join(map(str, graphs.llama_a)), "[1] " + " ".join(map(str, graphs.llama_b))]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--prompt-ids", A, "--max-new-tokens", 10, "--ctx-len", 16],
      "error: request 0: 0 cached + 8 prompt + 10 new tokens need 17 positions; the capacity is ctx_len=16"),
@@ -52,7 +60,7 @@ def test_several_prompts_decode_together(graphs):
     (["--prompt-ids", "5,x", "--ctx-len", 16], "'x' is not an integer"),
     (["--prompt-ids", "5,999", "--ctx-len", 16], "token id 999 is outside the vocabulary [0, 256)"),
     (["--ctx-len", 16], "give --prompt, --prompt-ids or --load-state"),
-    (["--prompt-ids", A, "--prompt-ids", B, "--ctx-len", 16], "holds one sequence"),
+    (["--prompt-ids", A, "--prompt-ids", B, "--ctx-len", 16, "--max-sequences", 1], "only 1 of 1 slots are free"),
     (["--prompt-ids", A, "--ctx-len", 16, "--temperature", "-1"], "temperature must be >= 0"),
     (["--load-state", "nope.safetensors", "--ctx-len", 16], "no such state file"),
 ])

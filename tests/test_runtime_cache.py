@@ -132,11 +132,15 @@ def test_capacity_stop_instead_of_error(single, graphs):
     assert g.tokens[:8] == graphs.llama_a
 
 
-def test_graph_without_batch_index_holds_one_sequence(single, graphs):
-    with pytest.raises(RuntimeInputError, match="holds one sequence"):
-        Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16, max_sequences=2)
+def test_graph_without_batch_index_runs_sequences_in_lock_step(single, graphs):
+    """One sequence by default; with max_sequences the rows of the buffers hold several, prefilled one by one
+    and decoded together (runtime/lockstep.py), each with its own tokens."""
     with pytest.raises(RuntimeInputError, match="only 1 of 1 slots"):
         single.generate([A, B], max_new_tokens=1)
+    two = Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16, max_sequences=2)
+    assert two.lockstep and two.ctx_len == 15   # the last slot is kept for idle rows' writes
+    a, b = two.generate([A, B], max_new_tokens=8, stop_tokens=[])
+    assert a.tokens == graphs.llama_a and b.tokens == graphs.llama_b
 
 
 def test_symbolic_ctx_len_must_be_given(graphs):

@@ -44,6 +44,7 @@ from ..inplace import inplace_issues
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import ccl as ccl_mod
+from . import lockstep as lockstep_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
@@ -149,11 +150,8 @@ class Session:
                 raise ContractError(
                     f"graph without batch_index has a fixed KV batch of {batch_dim}; the runtime runs such a "
                     "graph with one sequence (batch 1)")
-            if max_sequences not in (None, 1):
-                raise RuntimeInputError(
-                    "graph has no batch_index input (not continuous batching): it holds one sequence; "
-                    f"max_sequences={max_sequences} is not possible")
-            self.max_sequences = 1
+            # several sequences without batch_index: lock step (runtime/lockstep.py), checked below
+            self.max_sequences = 1 if max_sequences is None else int(max_sequences)
         logits = layout.output("logits")
         lshape = logits.shape if logits is not None else None
         self.vocab_size = lshape[-1] if lshape and isinstance(lshape[-1], int) else None
@@ -172,6 +170,13 @@ class Session:
         if inplace is True and not safe:
             raise ContractError(f"graph is not in-place safe: {self.inplace_issues[0]}")
         self.inplace = safe if inplace is None else (bool(inplace) and safe)
+        #: several sequences in a graph without batch_index: prefill by rows, decode every row together
+        self.lockstep = not self.continuous_batching and self.max_sequences > 1
+        if self.lockstep:
+            why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim)
+            if why is not None:
+                raise RuntimeInputError(f"graph has no batch_index input: max_sequences={self.max_sequences} needs "
+                                        f"lock-step batching, which is not possible: {why}")
         # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
         KVCache.require_memory(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
                                double_buffer=not self.inplace, rings=self.rings)
@@ -220,6 +225,10 @@ class Session:
         self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
+        if self.lockstep:   # each row keeps its last slot for idle rows' writes (see runtime/lockstep.py)
+            self._rows = lockstep_mod.RowViews(self.cache.arrays)
+            self.ctx_len -= 1
+            self.cache.ctx_len -= 1
         self._small: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self._small_values: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
         self._logits: dict[tuple[int, int], tuple[np.ndarray, ort.OrtValue]] = {}
@@ -368,6 +377,11 @@ class Session:
         plan = self._chunks(seq.length, len(toks))
         t0 = time.perf_counter()
         logits = None
+        if self.lockstep:   # the graph's batch-1 buffers are this sequence's row of ours
+            for p in self.layout.pairs:
+                view = self._rows.row(seq.slot)[p.input_name]
+                self._io.bind_ortvalue_input(p.input_name, view)
+                self._bind_out(p.output_name, view)
         for off, cnt, padded in plan:
             width = self.prefill_seq_len if padded else cnt
             if self.fixed_seq_len is not None:
@@ -382,6 +396,8 @@ class Session:
                 arrays["batch_index"][0, 0] = seq.slot
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.cache.wrote(seq, seq.length + off + cnt)
+        if self.lockstep:
+            self._bind_kv()
         seq.length += len(toks)
         seq.tokens.extend(toks)
         seq.pending = None
@@ -410,8 +426,8 @@ class Session:
                 f"sequence {empty[0]} is empty: prefill it first (decode continues a sequence by one token)")
         toks = self._check_tokens(t for _, t in items)
         self.cache.check_room(seqs, 1)
-        rows = len(seqs)
-        if not self.continuous_batching and rows != 1:
+        rows = self.max_sequences if self.lockstep else len(seqs)
+        if not self.continuous_batching and not self.lockstep and rows != 1:
             raise RuntimeInputError("a graph without batch_index decodes one sequence per step")
         width = self.fixed_seq_len or 1
         if width > 1 and any(s.length == self.ctx_len - 1 for s in seqs):
@@ -424,14 +440,20 @@ class Session:
         if width != 1:
             ids.fill(0)
             pos.fill(-1)
-        for r, (s, t) in enumerate(zip(seqs, toks)):
-            ids[r, 0] = t
-            pos[r, 0] = s.length
-            if self.continuous_batching:
-                arrays["batch_index"][r, 0] = s.slot
+        if self.lockstep:   # every row: the fed ones at their next position, the others write past theirs
+            lockstep_mod.fill_rows(ids, pos, {s.slot: (t, s.length) for s, t in zip(seqs, toks)},
+                                   {s.slot: s.length for s in self.cache.sequences})
+        else:
+            for r, (s, t) in enumerate(zip(seqs, toks)):
+                ids[r, 0] = t
+                pos[r, 0] = s.length
+                if self.continuous_batching:
+                    arrays["batch_index"][r, 0] = s.slot
         logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
+            if self.lockstep:
+                r = s.slot
             s.length += 1
             self.cache.wrote(s, s.length)
             s.tokens.append(t)
@@ -504,8 +526,9 @@ class Session:
         if new_count > len(self.cache.free_slots()):
             raise RuntimeInputError(
                 f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
-                f"{self.max_sequences} slots are free" + ("" if self.continuous_batching else
-                                                          " (graph without batch_index: one sequence)"))
+                f"{self.max_sequences} slots are free" + ("" if self.continuous_batching or self.lockstep else
+                                                          " (graph without batch_index: one sequence unless "
+                                                          "max_sequences is given)"))
         ids = [s.id for s, _ in plan if s is not None]
         if len(set(ids)) != len(ids):
             raise RuntimeInputError("a sequence appears twice in one request")
@@ -637,7 +660,8 @@ class Session:
         return {
             "onnx": str(self.files.onnx_path), "prefix": self.prefix, "num_layers": self.num_layers,
             "ctx_len": self.ctx_len, "prefill_seq_len": self.prefill_seq_len,
-            "continuous_batching": self.continuous_batching, "max_sequences": self.max_sequences,
+            "continuous_batching": self.continuous_batching, "lockstep": self.lockstep,
+            "max_sequences": self.max_sequences,
             "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
             "invalid_index_patch": self.invalid_index_patch,
             naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),

@@ -1,0 +1,66 @@
+"""Lock-step batching: several sequences in a graph without ``batch_index`` (the onnxruntime-fused target).
+
+Such a graph updates KV row ``b`` for input row ``b``: its KV batch axis must equal the input batch. The session
+allocates ``max_sequences`` rows and
+
+* **prefills** one sequence at a time through *row views*: ``OrtValue`` objects over row ``slot`` of each
+  buffer (``array[slot:slot + 1]``, contiguous, sharing memory), bound as the graph's batch-1 KV in place;
+* **decodes** every row in one step: rows with a token to decode get it at their next position; the other rows
+  (idle sequences, empty slots) get token 0 at their own next position, a write past their valid length that the
+  next real token overwrites before anything reads it. Each row keeps its last slot for that write, so the usable
+  capacity is ``ctx_len - 1``.
+
+Decoding ``N`` sequences together reads the weights once per step instead of ``N`` times: on a CPU, where a
+decode step is bound by memory bandwidth, aggregate tokens/s grows with ``N``. It needs an in-place safe graph
+(the row views are the buffers themselves) without ring buffers (an idle row's write would land in a slot a ring
+still holds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import RuntimeInputError
+
+
+def refusal(*, inplace: bool, rings, batch_dim) -> str | None:
+    """Why a graph without ``batch_index`` cannot run several sequences in lock step, or ``None``."""
+    if isinstance(batch_dim, int):
+        return f"the graph fixes its KV batch to {batch_dim}"
+    if not inplace:
+        return ("the buffers are not bound in place (inplace=False, or the graph is not in-place safe); lock-step "
+                "batching binds rows of the buffers in place")
+    if rings is not None:
+        return "the graph has sliding-window ring buffers (an idle row's write would land in a slot the ring holds)"
+    return None
+
+
+class RowViews:
+    """Batch-1 ``OrtValue`` views of each KV buffer's rows, made once per row."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+        self._rows: dict[int, dict[str, ort.OrtValue]] = {}
+
+    def row(self, slot: int) -> dict[str, ort.OrtValue]:
+        if slot not in self._rows:
+            views = {}
+            for name, arr in self.arrays.items():
+                view = arr[slot:slot + 1]
+                if not view.flags["C_CONTIGUOUS"]:  # pragma: no cover - rows of a C-ordered array are contiguous
+                    raise RuntimeInputError(f"KV buffer {name!r} row {slot} is not contiguous")
+                views[name] = ort.OrtValue.ortvalue_from_numpy(view)
+            self._rows[slot] = views
+        return self._rows[slot]
+
+
+def fill_rows(ids: np.ndarray, pos: np.ndarray, fed: dict[int, tuple[int, int]], lengths: dict[int, int]) -> None:
+    """Write one decode step for every row: ``fed[slot] = (token, position)``; any other row gets token 0 at
+    ``lengths.get(slot, 0)``, its next free position (never beyond the reserved last slot)."""
+    ids[:, :] = 0
+    pos[:, :] = -1
+    for slot in range(ids.shape[0]):
+        tok, p = fed.get(slot, (0, lengths.get(slot, 0)))
+        ids[slot, 0] = tok
+        pos[slot, 0] = p
