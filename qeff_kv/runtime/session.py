@@ -136,6 +136,8 @@ class Session:
                                          man.get("prefill_seq_len"), default=DEFAULT_PREFILL_SEQ_LEN)
         self.prefill_seq_len = ring_mod.cap_chunk(self.rings, self.fixed_seq_len, self.prefill_seq_len)
         self._pad_ring = not self.rings or ir_model.metadata_props.get(naming.SLIDING_CACHE_META) == "ring"
+        #: exported by qeff-kv (its target recorded in the graph): short chunks are not padded
+        self._own_graph = "qeff_kv.target" in ir_model.metadata_props
         batch_dim = first[0] if first else None
         if self.continuous_batching:
             self.max_sequences = self._dim("max_sequences", batch_dim, max_sequences, man.get("full_batch_size"),
@@ -346,10 +348,12 @@ class Session:
         out = []
         for off in range(0, n, S):
             cnt = min(S, n - off)
-            padded = cnt < S
+            # Our exports run a short last chunk at its own length where seq_len is symbolic: padding costs the
+            # compute of the padded rows (a 128-token prompt padded to a 512 chunk took 4x as long). The peer's
+            # graphs are padded as its own runner pads them.
+            padded = cnt < S and (self.fixed_seq_len is not None or not self._own_graph)
             if padded and (start + off + S > self.ctx_len or not self._pad_ring):
-                # Never pad past the capacity: padding rows of a fused (GroupQueryAttention) graph occupy the
-                # slots after the chunk's tokens, and those of peer graphs may write slot ctx_len-1, which must
+                # Never pad past the capacity: padding rows of peer graphs may write slot ctx_len-1, which must
                 # not happen while it receives a real token (nor, in the peer's rings, slot C-1 at all). A
                 # symbolic seq_len lets the chunk go unpadded.
                 if self.fixed_seq_len is None:
