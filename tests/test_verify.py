@@ -62,7 +62,7 @@ def test_decode_only_breakage_is_named_by_step():
         def __init__(self, *a):
             self.n = 0
 
-        def step(self, ids, pos, slot):
+        def step(self, ids, pos, slot, rope_rows=None):
             self.n += 1
             out = np.zeros(8)
             out[3] = 5.0
