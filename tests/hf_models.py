@@ -275,7 +275,8 @@ def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, 
     params = inspect.signature(model.forward).parameters
     if "token_type_ids" in params:   # Gemma3: bidirectional image blocks
         extra["token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
-    if grid is None and "image_sizes" in params:   # Mistral3 (Pixtral encoder): each image's size
+    sizes = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+    if grid is None and sizes is not None and sizes.default is inspect.Parameter.empty:   # Mistral3 (Pixtral)
         extra["image_sizes"] = torch.tensor([list(pixel_values.shape[-2:])], dtype=torch.int64)
     if grid is not None:             # Qwen2.5-VL: patch rows, their grid, and the modality of every token
         extra["image_grid_thw"] = torch.tensor([grid], dtype=torch.int64)

@@ -20,7 +20,6 @@ over the probe (a fraction of a second for tiny models, seconds for a 135M-param
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,6 +156,8 @@ def reference_run(model, probe: Probe) -> Reference:
     """Greedy logits of the untouched transformers model on the probe (its own cache and forward pass)."""
     import torch
 
+    from .vlm import needs_image_sizes
+
     t0 = time.perf_counter()
     with torch.no_grad():
         ids = torch.tensor([probe.prompt], dtype=torch.int64)
@@ -164,8 +165,7 @@ def reference_run(model, probe: Probe) -> Reference:
             "pixel_values": torch.from_numpy(probe.pixel_values).to(next(model.parameters()).dtype)}
         if probe.image_blocks:   # the model's own bidirectional image mask (Gemma3) is built from these
             image["token_type_ids"] = (ids == probe.image_token).to(torch.int64)
-        if probe.pixel_values is not None and probe.grid is None and \
-                "image_sizes" in inspect.signature(model.forward).parameters:   # Pixtral-style encoders (Mistral3)
+        if probe.pixel_values is not None and probe.grid is None and needs_image_sizes(model):   # Mistral3
             image["image_sizes"] = torch.tensor([list(probe.pixel_values.shape[-2:])], dtype=torch.int64)
         if probe.grid is not None:   # Qwen2.5-VL builds its multimodal RoPE rows from these
             image["image_grid_thw"] = torch.tensor([probe.grid], dtype=torch.int64)

@@ -32,6 +32,13 @@ import torch
 from .torch_graph import RetainedStateLM
 
 
+def needs_image_sizes(model: torch.nn.Module) -> bool:
+    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
+    encoders, Mistral3); Llava's optional one stays unused."""
+    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
 def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
                    image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """``[images, vision_size, hidden]``: the model's own ``get_image_features`` (projected into the language
@@ -39,7 +46,7 @@ def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
     grid of each image, for models that take images as patch rows (Qwen2.5-VL; the graph is traced for one
     grid, which the runtime must feed unchanged)."""
     extra = {} if image_grid_thw is None else {"image_grid_thw": image_grid_thw}
-    if image_grid_thw is None and "image_sizes" in inspect.signature(model.get_image_features).parameters:
+    if image_grid_thw is None and needs_image_sizes(model):
         # Pixtral-style encoders (Mistral3) take each image's size: the graph's images are all of its one size
         h, w = int(pixel_values.shape[-2]), int(pixel_values.shape[-1])
         extra["image_sizes"] = torch.tensor([[h, w]] * int(pixel_values.shape[0]), dtype=torch.int64)
