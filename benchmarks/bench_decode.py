@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bandwidth import bytes_per_token, graph_bytes, measure_bandwidth  # noqa: E402
+from workerproc import WorkerProcess, peak_rss  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODELS = {
@@ -269,44 +270,16 @@ def worker(engine: str, model_dir: str, work: str, threads: int) -> None:
             break
         toks, t_first, steps, extra = eng.run(req["prompt"], req["new"], req["capacity"])
         print(json.dumps({"tokens": toks, "t_first": t_first, "steps": steps, "extra": extra,
-                          "rss_peak": _peak_rss()}), flush=True)
+                          "rss_peak": peak_rss()}), flush=True)
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class Worker:
+class Worker(WorkerProcess):
     def __init__(self, engine, model_dir, work, threads):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        self.name = engine
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", engine, "--model-dir", str(model_dir),
-                                      "--work", str(work), "--threads", str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {engine} failed to start")
+        super().__init__(engine, [__file__, "--worker", engine, "--model-dir", str(model_dir), "--work", str(work),
+                                  "--threads", str(threads)], threads)
 
     def run(self, prompt, new, capacity):
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "new": new, "capacity": capacity}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} died")
-        return json.loads(line)
-
-    def close(self):
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
+        return self.request({"prompt": prompt, "new": new, "capacity": capacity})
 
 
 # =============================================================================================== driver

@@ -52,13 +52,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from workerproc import WorkerProcess, peak_rss  # noqa: E402
+
 TEXT = HERE.parent / "fixtures" / "text" / "gettysburg.txt"
 CTX = 2048
 NEW = 64
 PROMPTS = (128, 1024)
-# Our Session's prefill chunk (the export records 32). The Session pads a short last chunk to the full chunk length
-# even on a graph with a symbolic seq_len, so the chunk must divide both prompts: 128 (a 128-token prompt at chunk 512
-# cost 4x its unpadded time; 1024 tokens in chunks of 128 were 20-30% slower than one chunk of 1024).
+# Our Session's prefill chunk (the export records 32). When this race ran, the Session padded a short last chunk to
+# the full chunk length even on a graph with a symbolic seq_len (a 128-token prompt at chunk 512 cost 4x its unpadded
+# time; fixed since: our exports run a short chunk at its own length), so the chunk divided both prompts: 128
+# (1024 tokens in chunks of 128 were 20-30% slower than one chunk of 1024).
 PREFILL_CHUNK = 128
 ALL_ENGINES = ("qeff_fp32", "qeff_int4", "qeff_split", "genai_fp32", "genai_int4", "llamacpp")
 LABELS = {"qeff_fp32": "qeff-kv fp32", "qeff_int4": "qeff-kv int4", "qeff_split": "qeff-kv fp32 prefill + int4 decode",
@@ -312,55 +316,27 @@ def make_engine(name: str, work: Path, threads: int, chunk: int):
     raise ValueError(name)
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def serve(name: str, work: Path, threads: int, chunk: int) -> None:
     """Worker: JSON lines in (run requests), JSON lines out."""
     eng = make_engine(name, work, threads, chunk)
-    print(json.dumps({"ready": True, "rss_after_load": _peak_rss()}), flush=True)
+    print(json.dumps({"ready": True, "rss_after_load": peak_rss()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("cmd") == "quit":
             break
         toks, t_first, steps, extra = eng.run(req["prompt"], req["new"])
         print(json.dumps({"tokens": toks, "t_first": t_first, "steps": steps, "extra": extra,
-                          "rss_peak": _peak_rss()}), flush=True)
+                          "rss_peak": peak_rss()}), flush=True)
 
 
-class Worker:
+class Worker(WorkerProcess):
     def __init__(self, name: str, work: Path, threads: int, chunk: int):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--work", str(work),
-                                      "--threads", str(threads), "--prefill-chunk", str(chunk)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {name} failed to start")
-        self.rss_after_load = json.loads(line)["rss_after_load"]
+        super().__init__(name, [__file__, "--worker", name, "--work", str(work), "--threads", str(threads),
+                                "--prefill-chunk", str(chunk)], threads)
+        self.rss_after_load = self.ready["rss_after_load"]
 
     def run(self, prompt, new):
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "new": new}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} died")
-        return json.loads(line)
-
-    def close(self):
-        try:
-            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
+        return self.request({"prompt": prompt, "new": new})
 
 
 # =============================================================================================== NLL
