@@ -32,7 +32,8 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 @click.option("--sliding-window", type=SLIDING_WINDOW, default=None,
               help="Window of a graph with sliding-window ring buffers (axis sliding_window) that records none.")
 @click.option("--max-sequences", type=DIM, default=None,
-              help="Slots of a continuous-batching graph (default: the manifest's, or the number of prompts).")
+              help="Slots of a continuous-batching graph, or sequences run in lock step on a graph without "
+                   "batch_index (default: the manifest's, or the number of prompts).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
