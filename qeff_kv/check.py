@@ -280,7 +280,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
 
 
 #: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
-_POSITION_STEMS = ("past_key", "past_value", "compressed_kv", "k_pe")
+_POSITION_STEMS = naming.POSITION_STEMS
 
 
 def _axis2(t) -> object:

@@ -27,6 +27,8 @@ from .errors import PrefixError
 EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
 #: Every stem a prefix applies to: ours plus those of peer graphs (MLA, hybrid/linear attention).
 KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
+#: Stems whose axis 2 is a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none.
+POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
 #: The suffix that pairs an output with the input of the same base name.
 RETAINED_SUFFIX = "_RetainedState"
 #: Vision-language graphs (contract section 6): the dual layout's image rows (language-graph input, vision-graph
