@@ -25,6 +25,16 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 @click.option("--system", default=None, metavar="TEXT", help="With --chat: a system turn before each prompt.")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
               help="Prompt token ids, e.g. 5,17,42. Repeat for several sequences (after any --prompt).")
+@click.option("--image-inputs", "image_inputs", multiple=True, type=click.Path(dir_okay=False, path_type=str),
+              metavar="FILE.npz",
+              help="Vision-language exports: the image processor's arrays by name (pixel_values, and image_grid_thw "
+                   "where the model takes it), one file per prompt in order; the prompt ids already hold the image "
+                   "tokens (a file's own input_ids serve as the prompt when none is given).")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False, path_type=str), metavar="FILE",
+              help="An image for the one --prompt (repeatable), read with the image processor saved in the export "
+                   "folder (needs transformers and Pillow: pip install 'qeff-kv[image]').")
+@click.option("--image-token-id", type=ID, default=None,
+              help="Image token of another exporter's vision-language graph (qeff-kv's exports record it).")
 @click.option("--max-new-tokens", type=COUNT, default=64, show_default=True,
               help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
 @click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
@@ -52,7 +62,7 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
-def generate_cmd(model, prompts, chat, system, prompt_ids, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
+def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, as_json) -> None:
@@ -64,7 +74,8 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, max_new_tokens, ctx_l
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
-        chat=chat, system=system)
+        chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
+        image_token_id=image_token_id)
     result = run_generate(req)
     t = result["timings"]
     click.echo(f"prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.3f}s; decode {t['decode_tokens']} tokens "

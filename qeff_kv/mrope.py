@@ -43,7 +43,7 @@ def prompt_positions(tokens: Sequence[int], image_token: int, grids: Sequence[Se
         rows = vision_rows(pos, grid, merge)
         if rows.shape[1] != length:
             raise RuntimeInputError(f"an image of grid {list(grid)} takes {rows.shape[1]} tokens but the prompt has "
-                                    f"{length} image tokens there")
+                                    f"{length} image token(s) there")
         parts.append(rows)
         pos += max(int(grid[1]), int(grid[2])) // merge
         at = start + length
@@ -62,4 +62,16 @@ def graph_positions(text: Sequence[int], rows: np.ndarray) -> np.ndarray:
     out = np.zeros((4, 1, len(text)), dtype=np.int64)
     out[0, 0] = text
     out[1:, 0, :rows.shape[1]] = rows
+    return out
+
+
+def image_marks(tokens: Sequence[int], image_token: int, grids: Sequence[Sequence[int]],
+                merge: int) -> list[tuple[int, int, int]]:
+    """``(start, end, delta)`` of each image-token run of ``tokens`` (the images of ``grids``, in order): the text
+    token at index ``i >= end`` has RoPE position ``i + delta`` (until the next image)."""
+    out, pos, at = [], 0, 0
+    for (start, length), grid in zip(token_runs(tokens, image_token), grids):
+        pos += start - at + max(int(grid[1]), int(grid[2])) // merge
+        at = start + length
+        out.append((start, at, pos - at))
     return out

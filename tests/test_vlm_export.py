@@ -89,7 +89,10 @@ def test_dual_layout_names_and_manifest(llava_exports):
     man = res.manifest
     assert (man["layout"], man["onnx"], man["vision_onnx"]) == ("dual", "tiny-llava.onnx", "tiny-llava_vision.onnx")
     assert man["image_token_id"] == 120
-    assert man["vision"] == {"image_size": 32, "channels": 3, "vision_size": 16, "hidden_size": 64}
+    assert man["vision"] == {"image_size": 32, "channels": 3, "vision_size": 16, "hidden_size": 64,
+                             "image_token_id": 120}
+    meta = {p.key: p.value for p in onnx.load(str(res.onnx_path), load_external_data=False).metadata_props}
+    assert json.loads(meta["qeff_kv.vision"]) == man["vision"]   # a bare .onnx carries what the runtime needs
     vin, vout = _io(res.out_dir / man["vision_onnx"])
     assert (vin, vout) == (["pixel_values"], ["vision_embeds"])
     vm = onnx.load(str(res.out_dir / man["vision_onnx"]), load_external_data=False)
@@ -264,7 +267,7 @@ def test_qwen25vl_parity_with_multimodal_rope(target, single, qwen, tmp_path):
                        image_size=16)
     man = res.manifest
     assert man["verification"]["status"] == "passed"
-    assert man["vision"] == {"image_size": 16, "channels": 3, "grid": Q_GRID, "patch_dim": 96,
+    assert man["vision"] == {"image_size": 16, "channels": 3, "grid": Q_GRID, "patch_dim": 96, "image_token_id": 150,
                              "spatial_merge_size": 2, "vision_size": 4, "hidden_size": 64}
     ins, _ = _io(res.onnx_path)
     assert "image_grid_thw" not in ins   # the grid is fixed in the graph

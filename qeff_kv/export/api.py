@@ -295,6 +295,9 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
         from . import vlm as vlm_mod
 
         vision = vision_geometry(model, options.image_size)
+        vision["image_token_id"] = int(facts.image_token_id)
+        if facts.bidirectional_images:   # the runtime keeps each image in one prefill chunk
+            vision["bidirectional_images"] = True
         if facts.bidirectional_images and options.prefill_seq_len < vision["vision_size"]:
             raise ExportError(f"{facts.architecture}'s {vision['vision_size']} image tokens attend to each other both "
                               f"ways, so one prefill chunk must hold a whole image; use --prefill-seq-len "
@@ -477,6 +480,8 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
     if geometry.get("sliding_window"):
         model.metadata_props[naming.SLIDING_WINDOW_META] = str(geometry["sliding_window"])
         model.metadata_props[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
+    if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
+        model.metadata_props[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
     RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)
     if options.target == "onnxruntime-fused":
         PackGQAQKVPass()(model)

@@ -16,8 +16,10 @@ manifest's ``vision.grid``), and no ``image_grid_thw`` input; their language gra
 The merge rule (:func:`merge_image_rows`): the image-token positions of a chunk take consecutive rows of the
 flattened ``vision_embeds``, starting at row ``image_idx``; ``image_idx_output`` is one past the last row used
 (or ``image_idx`` when the chunk has no image token), so the runner feeds it back as the next chunk's
-``image_idx`` and an image split across prefill chunks continues where it stopped. A decode step has no image
-token and keeps its text embedding. ``vision_embeds`` / ``pixel_values`` are retained unchanged (the output
+``image_idx`` and an image split across prefill chunks continues where it stopped. A negative ``image_idx``
+(qeff-kv's runtime feeds -1 to decode steps and to prompts without an image; the peer's runners never do) merges
+nothing: every token keeps its text embedding, as transformers does for an image token generated after the
+prompt. ``vision_embeds`` / ``pixel_values`` are retained unchanged (the output
 is the input), so a runtime binds one buffer for both and the device keeps it.
 
 This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
@@ -81,9 +83,10 @@ class VisionEncoder(torch.nn.Module):
 def merge_image_rows(text_embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      vision_embeds: torch.Tensor, image_idx: torch.Tensor, image_token_id: int):
     """``(embeds [B, S, H], image_idx_output [1, 1])``: image-token rows replaced by consecutive rows of the
-    flattened ``vision_embeds`` from row ``image_idx`` on (padding, ``position_ids < 0``, never counts)."""
+    flattened ``vision_embeds`` from row ``image_idx`` on (padding, ``position_ids < 0``, never counts); none when
+    ``image_idx < 0``."""
     hidden = text_embeds.shape[-1]
-    selected = (input_ids == image_token_id) & (position_ids >= 0)                       # [B, S]
+    selected = (input_ids == image_token_id) & (position_ids >= 0) & (image_idx >= 0)    # [B, S]
     idx = selected.to(torch.int64).cumsum(1) - 1
     idx = torch.where(idx != -1, idx + image_idx, idx)                                   # -1: not an image row
     rows = vision_embeds.reshape(-1, hidden).to(text_embeds.dtype)

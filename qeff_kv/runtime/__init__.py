@@ -15,9 +15,11 @@ from .model_files import ModelFiles, resolve_model
 from .ring import RingSpec
 from .session import Generation, Session, TokenEvent, Timings, open_session
 from .state import KVState, export_state, import_state, load_state, read_state, save_state
+from .media import Images, Prompt
+from .vision import VisionLanguageModel, VisionStage
 
 __all__ = [
-    "GREEDY", "Generation", "KVCache", "KVState", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
+    "GREEDY", "Generation", "Images", "KVCache", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
     "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "read_state",
     "resolve_model", "sample", "save_state",
 ]

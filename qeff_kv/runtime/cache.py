@@ -30,6 +30,7 @@ import onnxruntime as ort
 from ..errors import RuntimeInputError
 from ..layout import KVPair
 from ..limits import positive_int, require_memory
+from . import positions as pos_mod
 from .ring import RingSpec, rewind_refusal
 
 
@@ -49,6 +50,8 @@ class Sequence:
         written: 1 + the highest position written since the last reset (``>= length``; ring bookkeeping).
         floor: the lowest position this sequence's buffers hold, 0 unless a ring state was loaded into
             full-length buffers (a rewind then stops where the window would need a lower position).
+        rope_marks: multimodal RoPE: the images it holds and the RoPE offset of the text after each
+            (:mod:`qeff_kv.runtime.positions`).
     """
 
     id: int
@@ -60,6 +63,7 @@ class Sequence:
     alive: bool = True
     written: int = 0
     floor: int = 0
+    rope_marks: list[pos_mod.RopeMark] = field(default_factory=list)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Sequence(id={self.id}, slot={self.slot}, length={self.length}, pending={self.pending})"
@@ -264,9 +268,10 @@ class KVCache:
         if n > s.length:
             raise RuntimeInputError(f"cannot truncate sequence {s.id} of length {s.length} to {n}")
         if 0 < n < s.length:
-            why = rewind_refusal(s, int(n), self.rings)
+            why = rewind_refusal(s, int(n), self.rings) or pos_mod.rewind_refusal(s.rope_marks, int(n))
             if why is not None:
                 raise RuntimeInputError(why)
+        s.rope_marks = pos_mod.rewind(s.rope_marks, int(n))
         if n == 0:
             s.written = s.floor = 0
         if n != s.length:

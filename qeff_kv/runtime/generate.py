@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from .. import fsutil
 from ..errors import MissingDependencyError, RuntimeInputError
 from .chat import chat_prompt_ids, load_chat_template
@@ -19,6 +21,7 @@ from ..limits import MAX_INT64
 from .sampling import SamplingParams
 from .model_files import resolve_model
 from .session import Session, TokenEvent
+from .vision import VisionLanguageModel
 
 
 def parse_ids(text: str) -> list[int]:
@@ -84,6 +87,45 @@ class GenerateRequest:
     #: Format each prompt as a user turn with the folder's chat template (optionally after a system turn).
     chat: bool = False
     system: str | None = None
+    #: vision-language exports: the image processor's arrays per prompt (``.npz`` files, in prompt order), or image
+    #: files for the one ``--prompt`` (read with the processor in the export folder: transformers and Pillow)
+    image_inputs: list[str] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    #: the image token of another exporter's vision-language graph (ours record it)
+    image_token_id: int | None = None
+
+
+def load_image_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file by name (no pickle); one-line error otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise RuntimeInputError(f"--image-inputs {p}: no such file")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            return {k: np.asarray(data[k]) for k in data.files}
+    except Exception as exc:
+        raise RuntimeInputError(f"--image-inputs {p}: not a readable .npz file ({' '.join(str(exc).split())[:200]})") \
+            from None
+
+
+def _image_requests(req: GenerateRequest, files, prompts: list[list[int]]) -> tuple[list[list[int]], list]:
+    """Prompts and their image inputs (``None`` for text-only) from ``--image-inputs`` / ``--image``."""
+    if req.images:
+        if req.image_inputs or req.prompt_ids or len(req.prompts) != 1:
+            raise RuntimeInputError("--image goes with exactly one --prompt (no --prompt-ids, no --image-inputs); "
+                                    "for several prompts give --prompt-ids with one --image-inputs each")
+        from .processor import image_prompt
+
+        ids, arrays = image_prompt(files.folder, req.prompts[0], req.images, chat=req.chat, system=req.system)
+        return [ids], [arrays]
+    loaded = [load_image_inputs(p) for p in req.image_inputs]
+    if not prompts and len(loaded) == 1 and "input_ids" in loaded[0]:   # the processor's own ids
+        ids = np.asarray(loaded[0]["input_ids"])
+        prompts = [[int(t) for t in ids.reshape(-1)]] if ids.ndim == 1 or ids.shape[0] == 1 else []
+    if len(loaded) != len(prompts):
+        raise RuntimeInputError(f"{len(loaded)} --image-inputs files for {len(prompts)} prompts; give one per prompt, "
+                                "in order")
+    return prompts, loaded
 
 
 def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | None = None) -> dict:
@@ -107,12 +149,20 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     if req.system is not None and not req.chat:
         raise RuntimeInputError("--system is a chat turn; use it with --chat")
     tok = load_tokenizer(files.folder, required=bool(req.prompts))
-    if req.chat:
+    vision = bool(req.images or req.image_inputs)
+    if req.images:
+        prompts: list[list[int]] = []
+    elif req.chat:
         template = load_chat_template(files.folder)
-        prompts: list[list[int]] = [chat_prompt_ids(tok, template, p, req.system) for p in req.prompts]
+        prompts = [chat_prompt_ids(tok, template, p, req.system) for p in req.prompts]
     else:
         prompts = [list(tok.encode(p).ids) for p in req.prompts] if req.prompts else []
     prompts += [list(p) for p in req.prompt_ids]
+    image_inputs: list = []
+    if vision:
+        if req.load_state is not None:
+            raise RuntimeInputError("--load-state continues a sequence; images go with a new prompt")
+        prompts, image_inputs = _image_requests(req, files, prompts)
     if req.load_state is None and not prompts:
         raise RuntimeInputError("give --prompt, --prompt-ids or --load-state")
     if req.load_state is not None and len(prompts) > 1:
@@ -125,9 +175,14 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         max_sequences = n_requests  # else the manifest's full_batch_size: the slots the graph was exported for
 
     t_open = time.perf_counter()
-    session = Session(req.model, ctx_len=req.ctx_len,
-                      prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
-                      inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window)
+    kwargs = dict(ctx_len=req.ctx_len, prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
+                  inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window,
+                  image_token_id=req.image_token_id)
+    if vision:
+        model = VisionLanguageModel(req.model, **kwargs)
+        session = model.session
+    else:
+        session = Session(req.model, **kwargs)
     open_s = time.perf_counter() - t_open
     if req.prefill_seq_len is not None and session.fixed_seq_len is None and req.prefill_seq_len > session.ctx_len:
         # The library runs such a chunk (never padded past the capacity); asked for on the command line, it
@@ -140,6 +195,8 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     if req.load_state is not None:
         seq = session.load_state(req.load_state)
         requests: list = [(seq, prompts[0]) if prompts else seq]
+    elif vision:
+        requests = [model.prompt(p, arrays) for p, arrays in zip(prompts, image_inputs)]
     else:
         requests = prompts
     t0 = time.perf_counter()

@@ -29,6 +29,9 @@ class Timings:
     prefill_tokens: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
+    #: vision-language models: time in the vision stage and images encoded (runtime/vision.py)
+    vision_s: float = 0.0
+    images: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -38,7 +41,8 @@ class Timings:
         return {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
                 "prefill_tokens": self.prefill_tokens, "decode_steps": self.decode_steps,
                 "decode_tokens": self.decode_tokens,
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3)}
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+                **({"vision_s": round(self.vision_s, 6), "images": self.images} if self.images else {})}
 
 
 @dataclass(frozen=True)

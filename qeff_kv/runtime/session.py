@@ -23,6 +23,11 @@ Prefill runs in chunks of the graph's prefill length; the last chunk is right-pa
 their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
 fill that slot: such a chunk runs unpadded, at its exact length. With ring buffers a chunk holds at most the
 smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks.
+
+The language graph of a vision-language model also takes its image buffer and ``image_idx``
+(:mod:`qeff_kv.runtime.media`, bound in place; the images come from :mod:`qeff_kv.runtime.vision`) and, with
+multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.positions`). Requests and the
+generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.generation`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence as Seq
+from typing import Iterable, Sequence as Seq
 
 import numpy as np
 import onnx_ir as ir
@@ -45,11 +50,13 @@ from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
+from . import media as media_mod
+from . import positions as pos_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
-from .results import Generation, Timings, TokenEvent
-from .sampling import GREEDY, SamplingParams, sample
+from .generation import GenerationMixin
+from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
 DEFAULT_PREFILL_SEQ_LEN = 32
@@ -67,7 +74,7 @@ def _quiet_onnxruntime() -> None:
 
 
 # ============================================================================================ session
-class Session:
+class Session(GenerationMixin):
     """Run a retained-state graph with a persistent KV cache.
 
     Args:
@@ -81,12 +88,15 @@ class Session:
         threads: onnxruntime intra-op threads (default: onnxruntime's choice).
         sliding_window: the window ``W`` of a graph with sliding-window ring buffers (axis ``sliding_window``)
             when neither its metadata nor its manifest records it.
+        image_token_id: the image token of a vision-language graph whose metadata and manifest do not record it
+            (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision.VisionLanguageModel`.
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
                  prefill_seq_len: int | None = None, max_sequences: int | None = None,
                  inplace: bool | None = None, threads: int | None = None,
-                 providers: Seq[str] | None = None, sliding_window: int | None = None):
+                 providers: Seq[str] | None = None, sliding_window: int | None = None,
+                 image_token_id: int | None = None):
         # ---- arguments first: nothing is read before they are valid
         for label, v in (("ctx_len", ctx_len), ("prefill_seq_len", prefill_seq_len),
                          ("max_sequences", max_sequences)):
@@ -107,9 +117,10 @@ class Session:
         self.layout = layout
         self.prefix = layout.prefix
         self.num_layers = layout.num_layers
-        if layout.non_kv_retained:
-            names = [i or o for i, o in layout.non_kv_retained]
-            raise ContractError(f"graph has non-KV retained buffers {names}; the runtime handles text decoders only")
+        if image_token_id is not None:
+            positive_int("image_token_id", image_token_id + 1)
+        #: a vision-language language graph's image inputs (runtime/media.py), or None
+        self.media = media_mod.LanguageMedia.resolve(layout, man, image_token_id)
         names_in = {t.name: t for t in layout.inputs}
         for req in ("input_ids", "position_ids"):
             if req not in names_in:
@@ -119,7 +130,8 @@ class Session:
         self.continuous_batching = "batch_index" in names_in
         kv_inputs = {p.input_name for p in layout.pairs}
         extra = [n for n in names_in if n not in kv_inputs
-                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT)]
+                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT)
+                 and (self.media is None or n not in self.media.input_names)]
         if extra:
             raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
 
@@ -130,6 +142,8 @@ class Session:
         first = full[0] if full else (layout.pairs[0].input.shape or ())
         self.ctx_len = self._dim("ctx_len", first[2] if full and len(first) == 4 else None, ctx_len,
                                  man.get("ctx_len"))
+        #: position_ids [4, batch, seq_len]: text positions, then multimodal RoPE rows (runtime/positions.py)
+        self.mrope = len(names_in["position_ids"].shape or ()) == 3
         seq_dim = (names_in["input_ids"].shape or (None, None))[1]
         self.fixed_seq_len = seq_dim if isinstance(seq_dim, int) else None
         self.prefill_seq_len = self._dim("prefill_seq_len", self.fixed_seq_len, prefill_seq_len,
@@ -175,7 +189,8 @@ class Session:
         #: several sequences in a graph without batch_index: prefill by rows, decode every row together
         self.lockstep = not self.continuous_batching and self.max_sequences > 1
         if self.lockstep:
-            why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim)
+            why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim,
+                                       images=self.media is not None)
             if why is not None:
                 raise RuntimeInputError(f"graph has no batch_index input: max_sequences={self.max_sequences} needs "
                                         f"lock-step batching, which is not possible: {why}")
@@ -227,6 +242,8 @@ class Session:
         self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
+        if self.media is not None:
+            self.media.bind(self._io, self._bind_out)
         if self.lockstep:   # each row keeps its last slot for idle rows' writes (see runtime/lockstep.py)
             self._rows = lockstep_mod.RowViews(self.cache.arrays)
             self.ctx_len -= 1
@@ -273,7 +290,7 @@ class Session:
         arrays = self._small.get(key)
         if arrays is None:
             arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
-                      "position_ids": np.zeros((rows, seq_len), np.int64)}
+                      "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64)}
             if self.continuous_batching:
                 arrays["batch_index"] = np.zeros((rows, 1), np.int64)
             self._small[key] = arrays
@@ -342,12 +359,12 @@ class Session:
         return self.cache.sequences
 
     # ------------------------------------------------------------------------------------ low level
-    def _chunks(self, start: int, n: int) -> list[tuple[int, int, bool]]:
-        """(offset, count, padded) for feeding ``n`` tokens from position ``start``."""
+    def _chunks(self, start: int, n: int, plan: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
+        """(offset, count, padded) for feeding ``n`` tokens from position ``start`` in chunks of the prefill length,
+        or in the chunks ``plan`` (offset, count)."""
         S = self.prefill_seq_len
         out = []
-        for off in range(0, n, S):
-            cnt = min(S, n - off)
+        for off, cnt in plan if plan is not None else [(o, min(S, n - o)) for o in range(0, n, S)]:
             # Our exports run a short last chunk at its own length where seq_len is symbolic: padding costs the
             # compute of the padded rows (a 128-token prompt padded to a 512 chunk took 4x as long). The peer's
             # graphs are padded as its own runner pads them.
@@ -365,10 +382,12 @@ class Session:
             out.append((off, cnt, padded))
         return out
 
-    def prefill(self, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
+    def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None) -> np.ndarray:
         """Append ``tokens`` to ``seq``'s cache (positions ``[length, length + len(tokens))``) in prefill chunks.
 
-        Returns the logits ``[vocab]`` after the last token. Clears any pending token.
+        ``images``: the prompt's images, for a vision-language graph (:mod:`qeff_kv.runtime.vision`); their count
+        of image rows must equal the prompt's image tokens. Returns the logits ``[vocab]`` after the last token.
+        Clears any pending token.
         """
         seq = self.cache.get(seq)
         toks = self._check_tokens(tokens)
@@ -378,7 +397,13 @@ class Session:
             raise RuntimeInputError(
                 f"sequence {seq.id} holds {seq.length} positions; {len(toks)} more tokens exceed the capacity "
                 f"ctx_len={self.ctx_len}")
-        plan = self._chunks(seq.length, len(toks))
+        if images is not None and self.media is None:
+            raise RuntimeInputError("images were given but the graph is a text decoder")
+        plan = (self._chunks(seq.length, len(toks)) if self.media is None
+                else self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len)))
+        rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
+        if self.media is not None:
+            self.media.begin(self._io, self._bind_out, images)
         t0 = time.perf_counter()
         logits = None
         if self.lockstep:   # the graph's batch-1 buffers are this sequence's row of ours
@@ -393,15 +418,21 @@ class Session:
             arrays = self._bind_small(1, width)
             ids, pos = arrays["input_ids"], arrays["position_ids"]
             ids.fill(0)
-            pos.fill(-1)
+            pos_mod.clear(pos)
             ids[0, :cnt] = toks[off:off + cnt]
-            pos[0, :cnt] = np.arange(seq.length + off, seq.length + off + cnt)
+            pos_mod.write(pos, 0, seq.length + off, cnt, None if rope is None else rope[:, off:off + cnt],
+                          pos_mod.delta(seq.rope_marks))
             if self.continuous_batching:
                 arrays["batch_index"][0, 0] = seq.slot
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.cache.wrote(seq, seq.length + off + cnt)
+            if self.media is not None:
+                self.media.chain()
         if self.lockstep:
             self._bind_kv()
+        if self.media is not None:
+            self.media.end()
+            seq.rope_marks.extend(self.media.marks(images, seq.length, pos_mod.delta(seq.rope_marks)))
         seq.length += len(toks)
         seq.tokens.extend(toks)
         seq.pending = None
@@ -443,14 +474,14 @@ class Session:
         ids, pos = arrays["input_ids"], arrays["position_ids"]
         if width != 1:
             ids.fill(0)
-            pos.fill(-1)
+            pos_mod.clear(pos)
         if self.lockstep:   # every row: the fed ones at their next position, the others write past theirs
             lockstep_mod.fill_rows(ids, pos, {s.slot: (t, s.length) for s, t in zip(seqs, toks)},
                                    {s.slot: s.length for s in self.cache.sequences})
         else:
             for r, (s, t) in enumerate(zip(seqs, toks)):
                 ids[r, 0] = t
-                pos[r, 0] = s.length
+                pos_mod.write(pos, r, s.length, 1, delta=pos_mod.delta(s.rope_marks))
                 if self.continuous_batching:
                     arrays["batch_index"][r, 0] = s.slot
         logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
@@ -472,165 +503,6 @@ class Session:
         """Rewind ``seq`` to positions ``[0, n)`` in O(1); with ring buffers only as far as they hold the
         window (else a one-line refusal); ``n = 0`` always."""
         self.cache.truncate(seq, n)
-
-    # ------------------------------------------------------------------------------------ generation
-    def _needed(self, seq: Sequence, prompt_len: int, max_new: int) -> int:
-        """Positions ``seq`` will hold after generating ``max_new`` tokens from ``prompt_len`` more tokens."""
-        if max_new == 0:
-            return seq.length + prompt_len
-        first_free = prompt_len > 0 or (seq.pending is not None and not seq.pending_emitted)
-        return seq.length + prompt_len + max_new - (1 if first_free else 0)
-
-    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
-               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
-               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
-        """Generate for several requests together, yielding each token as it is produced.
-
-        A request is a list of prompt token ids (a new sequence), an existing :class:`Sequence` (continue it
-        from its pending token, e.g. after :func:`load_state`), or ``(sequence, more_tokens)``. Every check
-        (capacity, slots, token ids) runs when ``stream`` is called, before anything runs; the returned iterator
-        does the work. ``on_capacity="stop"`` shortens a request that would exceed the capacity instead of
-        refusing it (``finish_reason == "capacity"``).
-        """
-        if on_capacity not in ("error", "stop"):
-            raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise RuntimeInputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise RuntimeInputError(
-                f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0.7)) or None, got {sampling!r}")
-        if isinstance(prompts, np.ndarray):
-            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
-        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
-            raise RuntimeInputError(f"prompts must be a list of requests (lists of token ids or sequences), got "
-                                    f"{type(prompts).__name__}")
-        prompts = list(prompts)
-        params = (sampling or GREEDY).resolved()
-        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
-
-        # ---- plan and validate everything first
-        plan: list[tuple[Sequence | None, list[int]]] = []
-        for req in prompts:
-            if isinstance(req, Sequence):
-                plan.append((self.cache.get(req), []))
-            elif isinstance(req, tuple) and len(req) == 2 and isinstance(req[0], Sequence):
-                s = self.cache.get(req[0])
-                more = self._check_tokens(req[1])
-                # A pending token the caller has seen is part of the text: it goes in first. One never
-                # shown (a prefill-only run) is replaced by the caller's tokens.
-                if more and s.pending is not None and s.pending_emitted:
-                    more = [s.pending] + more
-                plan.append((s, more))
-            else:
-                toks = self._check_tokens(req)
-                if not toks:
-                    raise RuntimeInputError("a prompt is empty; give at least one token")
-                plan.append((None, toks))
-        new_count = sum(1 for s, _ in plan if s is None)
-        if new_count > len(self.cache.free_slots()):
-            raise RuntimeInputError(
-                f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
-                f"{self.max_sequences} slots are free" + ("" if self.continuous_batching or self.lockstep else
-                                                          " (graph without batch_index: one sequence unless "
-                                                          "max_sequences is given)"))
-        ids = [s.id for s, _ in plan if s is not None]
-        if len(set(ids)) != len(ids):
-            raise RuntimeInputError("a sequence appears twice in one request")
-        budgets = []
-        for i, (s, toks) in enumerate(plan):
-            probe = s if s is not None else Sequence(-1, -1)
-            if s is not None and not toks and s.pending is None:
-                raise RuntimeInputError(
-                    f"sequence {s.id} has no pending token to continue from; give it more tokens")
-            need = self._needed(probe, len(toks), max_new_tokens)
-            budget = max_new_tokens
-            if need > self.ctx_len:
-                if on_capacity == "error":
-                    raise RuntimeInputError(
-                        f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_new_tokens} new tokens "
-                        f"need {need} positions; the capacity is ctx_len={self.ctx_len}")
-                budget = max(0, max_new_tokens - (need - self.ctx_len))
-                if self._needed(probe, len(toks), budget) > self.ctx_len:
-                    raise RuntimeInputError(
-                        f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
-                        f"ctx_len={self.ctx_len}")
-            budgets.append(budget)
-
-        return self._iterate(plan, budgets, params, stops, max_new_tokens,
-                             results if results is not None else [])
-
-    def _iterate(self, plan, budgets, params, stops, max_new_tokens, gens: list[Generation]) -> Iterator[TokenEvent]:
-        gens.clear()
-        for (s, toks), budget in zip(plan, budgets):
-            gens.append(Generation(s if s is not None else self.cache.create(), [], len(toks)))
-        active: list[int] = []
-        for i, ((_, toks), gen) in enumerate(zip(plan, gens)):
-            seq = gen.sequence
-            if toks:
-                logits = self.prefill(seq, toks)
-                seq.pending = sample(logits, params, seq.length)
-                seq.pending_emitted = False
-            if max_new_tokens == 0:
-                gen.finish_reason = "prefill"
-                continue
-            if budgets[i] == 0:
-                gen.finish_reason = "capacity"
-                continue
-            if not seq.pending_emitted:
-                tok = seq.pending
-                seq.pending_emitted = True
-                gen.tokens.append(tok)
-                yield TokenEvent(i, tok, seq)
-                if self._finished(gen, budgets[i], stops, max_new_tokens):
-                    continue
-            active.append(i)
-        while active:
-            step = [(gens[i].sequence, gens[i].sequence.pending) for i in active]
-            out = self.decode(step)
-            still = []
-            for i in active:
-                seq = gens[i].sequence
-                tok = sample(out[seq], params, seq.length)
-                seq.pending = tok
-                seq.pending_emitted = True
-                gens[i].tokens.append(tok)
-                self.timings.decode_tokens += 1
-                yield TokenEvent(i, tok, seq)
-                if not self._finished(gens[i], budgets[i], stops, max_new_tokens):
-                    still.append(i)
-            active = still
-
-    @staticmethod
-    def _finished(gen: Generation, budget: int, stops: set[int], max_new: int) -> bool:
-        if gen.tokens and gen.tokens[-1] in stops:
-            gen.finish_reason = "stop"
-            return True
-        if len(gen.tokens) >= budget:
-            gen.finish_reason = "length" if budget >= max_new else "capacity"
-            return True
-        return False
-
-    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                 stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
-                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
-        """Run :meth:`stream` to the end; one :class:`Generation` per request, in order.
-
-        ``prompts`` may also be a single list of token ids (one request).
-        """
-        if isinstance(prompts, np.ndarray):
-            if prompts.ndim not in (1, 2):
-                raise RuntimeInputError(f"prompts as an array must be 1-D (one prompt) or 2-D (one per row), got "
-                                        f"shape {prompts.shape}")
-            prompts = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
-        if isinstance(prompts, (list, tuple)) and prompts and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
-            prompts = [list(prompts)]
-        results: list[Generation] = []
-        for ev in self.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                              stop_tokens=stop_tokens, on_capacity=on_capacity, results=results):
-            if callback is not None:
-                callback(ev)
-        return results
 
     # ------------------------------------------------------------------------------------ state
     def export_state(self, seq: Sequence, select: str | None = None):
@@ -671,6 +543,7 @@ class Session:
             naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),
             "memory_capacity": self.cache.memory_capacity,
             "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
+            "vision_language": None if self.media is None else self.media.kind,
         }
 
 

@@ -10,7 +10,8 @@ File format (version 1, see ``docs/state-files.md``):
   ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (a sample of its
   weights), ``model_identity`` (``checkpoint`` or ``sampled``: which identity the model is checked by) and
   ``checkpoint`` (the checkpoint identity the export recorded, empty for none), ``selection`` (the regex that
-  chose the buffers), ``ring_written``, ``capacities`` (JSON: ring buffer -> slots) and ``sliding_window`` (the
+  chose the buffers), ``rope_marks`` (JSON, multimodal RoPE models: each image's positions and the RoPE offset of
+  the text after it; absent when there is none), ``ring_written``, ``capacities`` (JSON: ring buffer -> slots) and ``sliding_window`` (the
   ring bookkeeping; files without them are full-length states), ``created_by``, and ``checksum``: SHA-256 over
   every other metadata entry and every tensor's name, dtype, shape and bytes.
 
@@ -38,6 +39,7 @@ import numpy as np
 from .. import __version__, fsutil, naming
 from ..errors import RuntimeInputError, StateFileError
 from .cache import Sequence
+from . import positions as pos_mod
 from . import ring as ring_mod
 from .model_files import is_checkpoint_identity
 
@@ -125,6 +127,7 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
         "selection": regex,
         "saved_ctx_len": str(session.ctx_len),
         **ring_mod.state_metadata(rings, seq),
+        **pos_mod.state_metadata(seq.rope_marks),
         "created_by": f"qeff-kv {__version__}",
     }
     meta["checksum"] = _checksum(meta, tensors)
@@ -172,6 +175,7 @@ def _validate(session, state: KVState, where: str) -> str:
         raise StateFileError(f"{where}: negative valid length {n}")
     theirs = ring_mod.read_state_rings(meta, n, where)
     mode = ring_mod.check_state(session.rings, theirs, n, where)
+    pos_mod.read_state_marks(meta, n, where)
     _check_model(session, meta, where)
     if n > session.ctx_len:
         raise StateFileError(
@@ -239,6 +243,7 @@ def import_state(session, state: KVState, seq: Sequence | None = None, *, where:
     target.floor = ring_mod.floor_after(mode, theirs)
     target.tokens = [-1] * n  # token ids are not part of the state
     target.pending = state.pending_token
+    target.rope_marks = pos_mod.read_state_marks(state.metadata, n, where)
     target.pending_emitted = state.metadata["pending_emitted"] == "true"
     return target
 

@@ -1,0 +1,239 @@
+"""Vision-language models at run time: a vision stage feeding the language :class:`~.session.Session`.
+
+* :class:`VisionStage` runs the dual layout's vision graph (``pixel_values -> vision_embeds``) once per image,
+  each image's output written by onnxruntime straight into its row of one ``[images, vision_size, hidden]``
+  buffer (IOBinding onto a row view: no copy);
+* :class:`VisionLanguageModel` opens an export folder (or a language ``.onnx``), checks a prompt's image inputs
+  (the image processor's arrays by name: ``pixel_values``, and ``image_grid_thw`` for patch-row models) against
+  the export's vision geometry and the prompt's image tokens, runs the vision stage (single layout: none, the
+  pixels themselves are the language graph's retained input) and hands the language session an
+  :class:`~.media.Images`, which it binds in place as the retained ``vision_embeds`` / ``pixel_values`` buffer.
+  Multimodal RoPE rows (Qwen2.5-VL) are computed here from the image grids (:mod:`qeff_kv.mrope`).
+
+Everything else (sequences, continuous batching, rewinds, state files and hand-off) is the language session's:
+``model.session``. A state file carries the KV buffers and, for multimodal RoPE, the RoPE offsets; the images
+are not part of it (decode never reads them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Mapping, Sequence as Seq
+
+import numpy as np
+import onnxruntime as ort
+
+from .. import graphio, mrope, naming
+from ..errors import ContractError, GraphReadError, RuntimeInputError
+from .media import Images, Prompt
+from .results import Generation
+from .session import Session, _quiet_onnxruntime
+
+#: processor outputs that are not images: the prompt's own ids and masks (the runtime derives what it needs)
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+class VisionStage:
+    """The dual layout's vision graph: ``pixel_values`` (one image) -> ``vision_embeds [1, vision_size, hidden]``."""
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, providers: Seq[str] | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GraphReadError(f"{self.path}: no such vision graph")
+        layout = graphio.layout_of(graphio.load(self.path))
+        ins, outs = {t.name: t for t in layout.inputs}, {t.name: t for t in layout.outputs}
+        if naming.PIXEL_VALUES not in ins or naming.VISION_EMBEDS not in outs or len(ins) != 1:
+            raise ContractError(f"{self.path}: not a vision graph ({naming.PIXEL_VALUES} -> {naming.VISION_EMBEDS}); "
+                                f"it has inputs {sorted(ins)}")
+        self.input, self.output = ins[naming.PIXEL_VALUES], outs[naming.VISION_EMBEDS]
+        self.dtype = np.dtype(self.input.dtype)
+        self.out_dtype = np.dtype(self.output.dtype)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = int(threads)
+        _quiet_onnxruntime()
+        try:
+            self._sess = ort.InferenceSession(str(self.path), so, providers=list(providers or ["CPUExecutionProvider"]))
+        except Exception as exc:
+            raise GraphReadError(f"{self.path}: onnxruntime cannot load it ({' '.join(str(exc).split())[:300]})") \
+                from None
+        self._io = self._sess.io_binding()
+        self.runs = 0
+
+    def geometry(self) -> dict:
+        """What the graph's static dims say: ``vision_size`` and ``hidden_size`` of the output rows, ``channels`` and
+        ``image_size`` of a square image input."""
+        out, inp = self.output.shape or (), self.input.shape or ()
+        g = {}
+        if len(out) == 3 and isinstance(out[1], int) and isinstance(out[2], int):
+            g.update(vision_size=out[1], hidden_size=out[2])
+        if len(inp) == 4 and isinstance(inp[1], int):
+            g["channels"] = inp[1]
+        if len(inp) == 4 and isinstance(inp[2], int) and inp[2] == inp[3]:
+            g["image_size"] = inp[2]
+        return g
+
+    def encode(self, images: list[np.ndarray], rows: int, hidden: int) -> np.ndarray:
+        """Run each image once; returns ``[len(images), rows, hidden]``, each image's rows written in place."""
+        out = np.empty((len(images), rows, hidden), dtype=self.out_dtype)
+        for i, pixels in enumerate(images):
+            self._io.bind_cpu_input(naming.PIXEL_VALUES, np.ascontiguousarray(pixels, dtype=self.dtype))
+            self._io.bind_ortvalue_output(naming.VISION_EMBEDS, ort.OrtValue.ortvalue_from_numpy(out[i:i + 1]))
+            try:
+                self._sess.run_with_iobinding(self._io)
+            except Exception as exc:
+                raise RuntimeInputError(f"the vision graph failed on image {i}: "
+                                        f"{' '.join(str(exc).split())[:300]}") from None
+            self.runs += 1
+        return out
+
+
+class VisionLanguageModel:
+    """A vision-language export, run with images.
+
+    Args:
+        model: an export folder (``manifest.json`` naming the language graph and the vision graph), or the language
+            ``.onnx`` (its vision graph ``<name>_vision.onnx`` beside it, or ``vision``).
+        vision: the vision graph, where the manifest does not name it (dual layout).
+        **session_kwargs: for the language :class:`Session` (``ctx_len``, ``max_sequences``, ``threads``...).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, vision: str | os.PathLike | None = None, **session_kwargs):
+        self.session = Session(model, **session_kwargs)
+        media = self.session.media
+        if media is None:
+            raise ContractError(f"{self.session.files.onnx_path}: a text decoder graph (no {naming.VISION_EMBEDS} or "
+                                f"{naming.PIXEL_VALUES} input); open it with Session")
+        self.media = media
+        self.facts = media.facts
+        self.vision: VisionStage | None = None
+        if media.kind == "dual":
+            path = self._vision_path(vision)
+            if path is not None:
+                self.vision = VisionStage(path, threads=session_kwargs.get("threads"),
+                                          providers=session_kwargs.get("providers"))
+                if self.vision.out_dtype != np.dtype(media.input.dtype):
+                    raise ContractError(f"{path}: vision_embeds is {self.vision.out_dtype}; the language graph takes "
+                                        f"{media.input.dtype}")
+                self.facts = {**self.vision.geometry(), **self.facts}
+        elif vision is not None:
+            raise RuntimeInputError("a vision graph was given for a single-layout graph (it encodes images itself)")
+
+    def _vision_path(self, given) -> Path | None:
+        if given is not None:
+            return Path(given)
+        files = self.session.files
+        name = (files.manifest or {}).get("vision_onnx")
+        if name:
+            return files.folder / str(name)
+        beside = files.onnx_path.with_name(files.onnx_path.stem + "_vision.onnx")
+        return beside if beside.is_file() else None
+
+    # ------------------------------------------------------------------------------------------ images
+    def images(self, tokens: Seq[int], image_inputs: Mapping[str, np.ndarray]) -> Images:
+        """Check ``image_inputs`` (the image processor's arrays) against the export and ``tokens``, run the vision
+        stage, and return what the language session binds for this prompt."""
+        if not isinstance(image_inputs, Mapping):
+            raise RuntimeInputError(f"image inputs must be a mapping of array names to arrays, got "
+                                    f"{type(image_inputs).__name__}")
+        f = self.facts
+        known = {naming.PIXEL_VALUES, "image_grid_thw", "image_sizes", *TEXT_KEYS}
+        unknown = sorted(k for k in image_inputs if k not in known)
+        if unknown:
+            raise RuntimeInputError(f"image input {unknown[0]!r} is not used by this model (it takes "
+                                    f"{naming.PIXEL_VALUES}{', image_grid_thw' if 'grid' in f else ''})")
+        if naming.PIXEL_VALUES not in image_inputs:
+            raise RuntimeInputError(f"image inputs have no {naming.PIXEL_VALUES!r} array (they have "
+                                    f"{sorted(image_inputs)})")
+        pixels = np.asarray(image_inputs[naming.PIXEL_VALUES])
+        if not np.issubdtype(pixels.dtype, np.floating):
+            raise RuntimeInputError(f"{naming.PIXEL_VALUES} is {pixels.dtype}; expected floats")
+        per_image, grids = (self._patch_images(pixels, image_inputs) if "grid" in f
+                            else self._square_images(pixels, image_inputs))
+        token = self.media.image_token_id
+        rope, marks = None, []
+        if self.session.mrope:
+            merge = int(f.get("spatial_merge_size", 1))
+            rope, _ = mrope.prompt_positions(list(tokens), token, grids, merge)
+            marks = mrope.image_marks(list(tokens), token, grids, merge)
+        if f.get("vision_size") is None:
+            raise RuntimeInputError("the image rows per image (vision_size) of this graph are recorded nowhere (no "
+                                    "qeff-kv metadata or manifest, no static vision graph output)")
+        rows_per_image = int(f["vision_size"])
+        t0 = time.perf_counter()
+        dtype = np.dtype(self.media.input.dtype)
+        if self.media.kind == "single":
+            if "grid" in f and len(per_image) != 1:
+                raise RuntimeInputError(f"a single-layout graph of a patch-row model encodes one image of grid "
+                                        f"{f['grid']} per prompt; {len(per_image)} were given")
+            array = np.ascontiguousarray(np.concatenate(per_image), dtype=dtype)
+        else:
+            if self.vision is None:
+                raise RuntimeInputError(f"no vision graph for {self.session.files.onnx_path.name}: give vision=... "
+                                        "(the dual layout's <name>_vision.onnx)")
+            array = self.vision.encode(per_image, rows_per_image, int(f["hidden_size"]))
+        timings = self.session.timings
+        timings.vision_s += time.perf_counter() - t0
+        timings.images += len(per_image)
+        return Images(array, len(per_image), len(per_image) * rows_per_image, rope, marks)
+
+    def _square_images(self, pixels: np.ndarray, inputs) -> tuple[list[np.ndarray], list]:
+        f = self.facts
+        if pixels.ndim == 3:
+            pixels = pixels[None]
+        want = (f.get("channels", 3), f.get("image_size"), f.get("image_size"))
+        if pixels.ndim != 4 or pixels.shape[0] < 1 or any(w is not None and d != w for d, w in zip(pixels.shape[1:],
+                                                                                                 want)):
+            raise RuntimeInputError(f"{naming.PIXEL_VALUES} has shape {list(pixels.shape)}; this export takes "
+                                    f"[images, {want[0]}, {want[1]}, {want[2]}]")
+        sizes = inputs.get("image_sizes")
+        if sizes is not None:
+            sizes = np.asarray(sizes).reshape(-1, 2)
+            if sizes.shape[0] != pixels.shape[0] or not np.all(sizes == np.array(pixels.shape[2:])):
+                raise RuntimeInputError(f"image_sizes {sizes.tolist()}: this export takes {want[1]}x{want[2]} images "
+                                        f"(resize them to that size)")
+        return [pixels[i:i + 1] for i in range(pixels.shape[0])], []
+
+    def _patch_images(self, pixels: np.ndarray, inputs) -> tuple[list[np.ndarray], list]:
+        f = self.facts
+        grid = [int(x) for x in f["grid"]]
+        per = grid[0] * grid[1] * grid[2]
+        dim = int(f.get("patch_dim", pixels.shape[-1]))
+        if pixels.ndim != 2 or pixels.shape[1] != dim or pixels.shape[0] == 0 or pixels.shape[0] % per:
+            raise RuntimeInputError(f"{naming.PIXEL_VALUES} has shape {list(pixels.shape)}; this export takes patch "
+                                    f"rows [images x {per}, {dim}] (image grid {grid})")
+        n = pixels.shape[0] // per
+        thw = inputs.get("image_grid_thw")
+        if thw is not None:
+            thw = np.asarray(thw).reshape(-1, 3)
+            if thw.shape[0] != n:
+                raise RuntimeInputError(f"image_grid_thw lists {thw.shape[0]} images; {naming.PIXEL_VALUES} holds {n}")
+            bad = [row for row in thw.tolist() if row != grid]
+            if bad:
+                raise RuntimeInputError(f"image_grid_thw {bad[0]}: this export was traced for image grid {grid} "
+                                        f"({f.get('image_size')}x{f.get('image_size')} images; export again with "
+                                        "--image-size for another size)")
+        return [pixels[i * per:(i + 1) * per] for i in range(n)], [grid] * n
+
+    def prompt(self, tokens: Seq[int], image_inputs: Mapping[str, np.ndarray] | None = None) -> Prompt:
+        """A request for :meth:`generate` or ``session.stream``: ``tokens`` with their images (if any)."""
+        tokens = list(tokens)
+        return Prompt(tokens, None if image_inputs is None else self.images(tokens, image_inputs))
+
+    def generate(self, requests, **kwargs) -> list[Generation]:
+        """Like :meth:`Session.generate`; a request may also be ``(token ids, image inputs)`` or a :class:`Prompt`."""
+        if isinstance(requests, (list, tuple)) and requests and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in requests):
+            requests = [list(requests)]
+        if isinstance(requests, tuple) and len(requests) == 2 and isinstance(requests[1], Mapping):
+            requests = [requests]
+        prepared = []
+        for r in requests:
+            if isinstance(r, tuple) and len(r) == 2 and (r[1] is None or isinstance(r[1], Mapping)) \
+                    and not isinstance(r[0], (Prompt,)) and not hasattr(r[0], "slot"):
+                r = self.prompt(r[0], r[1])
+            prepared.append(r)
+        return self.session.generate(prepared, **kwargs)
