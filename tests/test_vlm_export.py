@@ -322,6 +322,14 @@ def test_more_architectures_parity(maker, target, single, tmp_path_factory):
     loop = PlainLoop(res.onnx_path, CTX).with_image(
         llava_image(), None if single else res.out_dir / res.manifest["vision_onnx"])
     assert loop.greedy(prompt, NEW, CHUNK) == want
+    # and in qeff-kv's runtime (Mistral3's processor also gives image_sizes: accepted when they are the export's)
+    from qeff_kv.runtime import VisionLanguageModel
+
+    inputs = {"pixel_values": llava_image()}
+    if maker == "make_mistral3_dir":
+        inputs["image_sizes"] = np.array([[32, 32]])
+    [g] = VisionLanguageModel(res.out_dir).generate([(prompt, inputs)], max_new_tokens=NEW)
+    assert g.tokens == want
     del hf_models
 
 
