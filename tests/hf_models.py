@@ -162,6 +162,57 @@ def make_llava_dir(root: Path, seed: int = 0) -> Path:
     return out
 
 
+#: The tiny Llava tokenizer's words (ids 4...; the rest up to 127 are w<id>, with ``<image>`` at 120).
+LLAVA_WORDS = ("user assistant system : ? . , ! a an the cat dog what What is in picture photo of be brief "
+               "describe Describe it").split()
+LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['content'] %}"
+                       "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+                       "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def add_llava_processor(model_dir: Path) -> None:
+    """Save a working ``LlavaProcessor`` into a tiny Llava folder of :func:`make_llava_dir`: a word-level
+    tokenizer over its 128 ids (``<pad>`` 0, ``<s>`` 1 prepended to every text, ``</s>`` 2, ``[UNK]`` 3, the
+    special ``<image>`` at :data:`LLAVA_IMAGE_TOKEN`), a CLIP image processor resizing and cropping to 32x32,
+    and a chat template placing ``<image>`` per image. One image expands to the model's 16 image tokens:
+    (32 / 8)^2 patches + 1 CLS, less the CLS that ``vision_feature_select_strategy="default"`` drops.
+
+    The image processor is saved twice, as hub Llava folders have it: ``preprocessor_config.json`` and nested in
+    ``processor_config.json`` (transformers 5's form)."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<image>": LLAVA_IMAGE_TOKEN}
+    vocab = dict(specials)
+    words = iter(LLAVA_WORDS)
+    for i in range(128):
+        if i not in specials.values():
+            vocab[next(words, f"w{i}")] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>", unk_token="[UNK]",
+                                                extra_special_tokens={"image_token": "<image>"})
+    image_processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                         crop_size={"height": 32, "width": 32})
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=8,
+                                            vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            chat_template=LLAVA_CHAT_TEMPLATE)
+    processor.save_pretrained(model_dir)
+    image_processor.save_pretrained(model_dir)
+
+
+def write_png(path: Path, seed: int = 0, size: tuple[int, int] = (48, 40)) -> Path:
+    """A seeded random RGB PNG of ``size`` (width, height); 48x40 so the image processor resizes and crops."""
+    from PIL import Image
+
+    w, h = size
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+    return path
+
+
 def make_gemma3_vlm_dir(root: Path, seed: int = 0) -> Path:
     """A tiny seeded Gemma3 vision-language model (SigLIP 32x32 in 4x4 patches pooled to 16 rows; Gemma3 text
     with a sliding window of 24 on layer 0). The projector weight, zero at init, is drawn at random so the image

@@ -5,7 +5,8 @@ the same way for every kind:
 
 * :meth:`~ModelSource.config` - the model config as a plain dict (what the exporter reads and hashes);
 * :meth:`~ModelSource.load_torch_model` - the transformers model, eager attention, in the export dtype;
-* :meth:`~ModelSource.copy_tokenizer` - the tokenizer files (with the chat template) into an export folder;
+* :meth:`~ModelSource.copy_tokenizer` - the tokenizer files (with the chat template, and a vision-language
+  model's processor files) into an export folder;
 * :meth:`~ModelSource.fingerprint` - a cheap content fingerprint of the weights for the export cache key.
 
 Bundled and folder sources read their config without torch; a GGUF source needs transformers (and the
@@ -31,6 +32,10 @@ BUNDLED_SEED = 0
 #: Tokenizer files copied from a model folder into the export folder when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
+#: Processor files of a vision-language model, copied the same way: the image processor
+#: (``preprocessor_config.json``; transformers 5 nests it in ``processor_config.json`` instead) and the
+#: processor's own settings (image token, patch size...). ``qeff_kv.runtime.processor`` reads them.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 GGUF_MAGIC = b"GGUF"
 GGUF_INSTALL = "pip install 'qeff-kv[gguf]'"
 #: Keys of a transformers config dict that name where it was read from, not what the model is.
@@ -129,10 +134,11 @@ class ModelSource:
         raise NotImplementedError
 
     def copy_tokenizer(self, dest: Path) -> list[Path]:
-        """Write the tokenizer files (tokenizer.json, tokenizer_config.json with any chat template...) into
-        ``dest``, each atomically; return the paths written (none when the source has no tokenizer)."""
+        """Write the tokenizer files (tokenizer.json, tokenizer_config.json with any chat template...) and a
+        vision-language model's processor files (:data:`PROCESSOR_FILES`) into ``dest``, each atomically; return
+        the paths written (none when the source has no tokenizer)."""
         written = []
-        for fname in TOKENIZER_FILES:
+        for fname in TOKENIZER_FILES + PROCESSOR_FILES:
             if (self.path / fname).is_file():
                 fsutil.clone_or_copy(self.path / fname, dest / fname)
                 written.append(dest / fname)

@@ -1,0 +1,196 @@
+"""Image files and a prompt -> the inputs of a vision-language export, with the export folder's own processor.
+
+:func:`image_prompt` loads the Hugging Face processor that the exporter copied into the export folder (the
+tokenizer files, ``preprocessor_config.json`` / ``processor_config.json`` and any chat template: see
+:data:`qeff_kv.export.sources.PROCESSOR_FILES`), writes the prompt text with one image placeholder per image
+(plain, or through the chat template), and lets the processor expand each placeholder into the model's image
+tokens and turn the images into arrays. The result feeds :meth:`qeff_kv.runtime.vision.VisionLanguageModel.images`
+and the session's prompt.
+
+It needs transformers and Pillow (the ``image`` extra), imported on first use: the image processor runs on
+transformers' PIL backend (numpy), so neither torch nor torchvision is needed. Without them, the arrays can be
+made elsewhere and given as a ``.npz`` file (``--image-inputs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import MissingDependencyError, RuntimeInputError
+
+#: The processor outputs a vision-language export takes as image inputs (the text ones are the token ids).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+#: Files that hold an image processor's settings (transformers 5 nests them in ``processor_config.json``).
+PREPROCESSOR_FILE, PROCESSOR_FILE = "preprocessor_config.json", "processor_config.json"
+MISSING_DEPENDENCY = ("--image needs transformers and Pillow (pip install 'qeff-kv[image]'); "
+                      "or give --image-inputs FILE.npz")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _import_dependencies():
+    # transformers advises at import that torch is missing: expected here (the PIL backend needs no torch)
+    quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ
+    if quiet:
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        import transformers
+        from PIL import Image
+    except ImportError:
+        raise MissingDependencyError(MISSING_DEPENDENCY) from None
+    finally:
+        if quiet:
+            os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    return transformers, Image
+
+
+def has_image_processor(folder: Path) -> bool:
+    """Whether ``folder`` holds an image processor's settings: ``preprocessor_config.json``, or an
+    ``image_processor`` entry in ``processor_config.json`` (how transformers 5 saves a processor)."""
+    if (folder / PREPROCESSOR_FILE).is_file():
+        return True
+    try:
+        data = json.loads((folder / PROCESSOR_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("image_processor"), dict)
+
+
+def _load_processor(transformers, folder: Path):
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # no backend/deprecation notices on the command line
+    try:
+        # backend="pil": the numpy/PIL image processor, never the torchvision one (a serving host has no torch)
+        return transformers.AutoProcessor.from_pretrained(folder, backend="pil")
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises on a folder it cannot read
+        raise RuntimeInputError(f"{folder}: cannot load the image processor ({_first_line(exc)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _open_images(Image, images: Sequence[str | os.PathLike]) -> list:
+    opened = []
+    for path in images:
+        try:
+            with Image.open(path) as im:
+                opened.append(im.convert("RGB"))
+        except FileNotFoundError:
+            raise RuntimeInputError(f"image {os.fspath(path)}: no such file") from None
+        except Exception as exc:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError, ValueError...
+            raise RuntimeInputError(f"image {os.fspath(path)}: cannot read it as an image "
+                                    f"({_first_line(exc)})") from None
+    return opened
+
+
+def _manifest_image_token_id(folder: Path) -> int | None:
+    for name in ("manifest.json", "config.json"):
+        try:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key in ("image_token_id", "image_token_index"):
+            if isinstance(data, dict) and isinstance(data.get(key), int):
+                return data[key]
+    return None
+
+
+def _image_placeholder(processor, folder: Path) -> str:
+    """The text the processor expands into one image's tokens (``<image>`` for Llava)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    token = getattr(processor, "image_token", None)
+    if not isinstance(token, str) or not token:
+        token_id = getattr(processor, "image_token_id", None)
+        if not isinstance(token_id, int):
+            token_id = _manifest_image_token_id(folder)
+        if isinstance(token_id, int) and tokenizer is not None:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(token, str) or not token:
+        raise RuntimeInputError(f"{folder}: the processor names no image token to place the image with "
+                                f"(use --chat, or give --image-inputs)")
+    # Qwen2-VL / Qwen2.5-VL: the chat template wraps the image pad in vision start/end tokens; so does a plain prompt
+    vocab = tokenizer.get_vocab() if tokenizer is not None and hasattr(tokenizer, "get_vocab") else {}
+    if token == "<|image_pad|>" and "<|vision_start|>" in vocab and "<|vision_end|>" in vocab:
+        return f"<|vision_start|>{token}<|vision_end|>"
+    return token
+
+
+def _chat_text(processor, folder: Path, text: str, n_images: int, system: str | None) -> str:
+    messages = []
+    if system is not None:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
+    content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": text}]
+    messages.append({"role": "user", "content": content})
+    template = None
+    if getattr(processor, "chat_template", None) is None:
+        template = getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+        if template is None:
+            raise RuntimeInputError(f"{folder}: the processor has no chat template (drop --chat)")
+    try:
+        return processor.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja2 errors and whatever the template raises
+        raise RuntimeInputError(f"{folder}: the chat template failed ({_first_line(exc)})") from None
+
+
+def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *, chat: bool = False,
+                 system: str | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
+    """The prompt token ids and image arrays for ``text`` about ``images``, made by the processor of the
+    export (or model) folder ``folder``.
+
+    Each image gets one placeholder before the text (``chat=False``: ``"<image>" * n + text`` for Llava), or
+    the chat template renders an optional ``system`` turn and one user turn of the images then the text, with
+    the generation prompt (``chat=True``). The processor expands every placeholder into the model's image
+    tokens (16 ``<image>`` tokens per image for a Llava of 16 image rows).
+
+    Returns ``(token ids, arrays)``: the arrays are the image processor's outputs the export takes, by name
+    (``pixel_values``, and ``image_grid_thw`` / ``image_sizes`` when the processor gives them).
+
+    Raises :class:`~qeff_kv.errors.MissingDependencyError` without transformers or Pillow, and
+    :class:`~qeff_kv.errors.RuntimeInputError` (one line) for a folder without an image processor, an image
+    file that is missing or unreadable, or a processor that fails on the input.
+    """
+    folder = Path(folder)
+    images = list(images)
+    if not isinstance(text, str):
+        raise RuntimeInputError(f"the prompt must be text, got {type(text).__name__}")
+    if not images:
+        raise RuntimeInputError("no image given")
+    transformers, Image = _import_dependencies()
+    if not has_image_processor(folder):
+        raise RuntimeInputError(f"{folder}: no image processor ({PREPROCESSOR_FILE} is missing); "
+                                f"give the image arrays with --image-inputs FILE.npz")
+    pil_images = _open_images(Image, images)
+    processor = _load_processor(transformers, folder)
+    if chat:
+        prompt = _chat_text(processor, folder, text, len(pil_images), system)
+    else:
+        if system is not None:
+            raise RuntimeInputError("a system prompt needs the chat template (--chat)")
+        prompt = _image_placeholder(processor, folder) * len(pil_images) + text
+    kwargs = {}
+    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    if chat and isinstance(bos, str) and bos and prompt.startswith(bos):
+        kwargs["add_special_tokens"] = False   # the template wrote it (as transformers' apply_chat_template does)
+    try:
+        out = processor(text=[prompt], images=pil_images, return_tensors="np", **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the processor's own refusals (image count, sizes...)
+        raise RuntimeInputError(f"{folder}: the processor failed on the prompt and images "
+                                f"({_first_line(exc)})") from None
+    ids = np.asarray(out["input_ids"])
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise RuntimeInputError(f"{folder}: the processor returned input_ids of shape {list(ids.shape)}; "
+                                f"expected one sequence")
+    arrays = {k: np.asarray(out[k]) for k in IMAGE_KEYS if k in out and out[k] is not None}
+    if "pixel_values" not in arrays:
+        raise RuntimeInputError(f"{folder}: the processor returned no pixel_values (it gave {sorted(out.keys())})")
+    return [int(t) for t in ids[0]], arrays

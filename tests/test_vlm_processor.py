@@ -1,0 +1,241 @@
+"""Image files + a prompt -> a vision-language export's inputs (``qeff_kv.runtime.processor.image_prompt``), with
+the processor the exporter copies into the export folder.
+
+The model is the tiny seeded Llava of tests/hf_models.py with a working ``LlavaProcessor`` (``add_llava_processor``):
+one 32x32 image is 16 ``<image>`` tokens (id 120). The reference is transformers' own processor read from the model
+folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+requires_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers (the [image] extra)")
+
+IMAGE_ROWS = 16
+PROMPT = "What is in the picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from hf_models import add_llava_processor, make_llava_dir
+
+    model_dir = make_llava_dir(tmp_path_factory.mktemp("llava"))
+    add_llava_processor(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def exported(llava, tmp_path_factory):
+    from qeff_kv.export import export_model
+
+    return export_model(llava, tmp_path_factory.mktemp("export") / "out", ctx_len=64, prefill_seq_len=8).out_dir
+
+
+@pytest.fixture(scope="module")
+def processor_only(tmp_path_factory):
+    """A folder with the processor files alone (no model): enough for ``image_prompt``, and needs no torch."""
+    from hf_models import add_llava_processor
+
+    folder = tmp_path_factory.mktemp("processor")
+    add_llava_processor(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory):
+    from hf_models import write_png
+
+    root = tmp_path_factory.mktemp("images")
+    return write_png(root / "photo.png", seed=0), write_png(root / "other.png", seed=1)
+
+
+def _reference(model_dir, text: str, images):
+    import transformers
+    from PIL import Image
+
+    # the PIL image processor, as image_prompt uses: with torchvision installed transformers would pick its
+    # torchvision backend, whose resampling differs from PIL's by a few levels
+    proc = transformers.AutoProcessor.from_pretrained(model_dir, backend="pil")
+    return proc, proc(text=[text], images=[Image.open(p).convert("RGB") for p in images], return_tensors="np")
+
+
+# ---------------------------------------------------------------------------------------------- export
+@requires_torch
+def test_export_copies_the_processor_files(llava, exported):
+    from qeff_kv.export.sources import PROCESSOR_FILES, TOKENIZER_FILES
+
+    assert set(PROCESSOR_FILES) == {"preprocessor_config.json", "processor_config.json"}
+    assert {"chat_template.jinja", "chat_template.json"} <= set(TOKENIZER_FILES)
+    for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (exported / name).is_file(), name
+        assert (exported / name).read_bytes() == (llava / name).read_bytes(), name
+
+
+@requires_torch
+def test_plain_prompt_expands_the_image_like_transformers(llava, exported, png):
+    from hf_models import LLAVA_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(exported, "a cat", [png[0]])
+    assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS
+    proc, want = _reference(llava, "<image>a cat", [png[0]])
+    assert ids == want["input_ids"][0].tolist()
+    assert ids == [1] + [LLAVA_IMAGE_TOKEN] * IMAGE_ROWS + proc.tokenizer.convert_tokens_to_ids(["a", "cat"])
+    assert set(arrays) == {"pixel_values"}
+    assert arrays["pixel_values"].shape == (1, 3, 32, 32) and arrays["pixel_values"].dtype == np.float32
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+
+
+@requires_torch
+def test_chat_prompt_renders_the_template(llava, exported, png):
+    from hf_models import LLAVA_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(exported, PROMPT, [png[0]], chat=True, system="be brief")
+    assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS
+    text = f"system: be brief\nuser: <image>{PROMPT}\nassistant:"
+    proc, want = _reference(llava, text, [png[0]])
+    assert ids == want["input_ids"][0].tolist()
+    decoded = proc.tokenizer.decode(ids)
+    assert decoded.startswith("<s> system : be brief user : <image>")
+    assert decoded.endswith("What is in the picture ? assistant :")
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+    # without a system turn
+    ids2, _ = image_prompt(exported, PROMPT, [png[0]], chat=True)
+    assert proc.tokenizer.decode(ids2).startswith("<s> user : <image>")
+
+
+@requires_transformers
+def test_several_images_in_order(processor_only, png):
+    from hf_models import LLAVA_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(processor_only, "a cat", list(png))
+    assert ids.count(LLAVA_IMAGE_TOKEN) == 2 * IMAGE_ROWS
+    _, want = _reference(processor_only, "<image><image>a cat", png)
+    assert arrays["pixel_values"].shape == (2, 3, 32, 32)
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+    assert not np.allclose(arrays["pixel_values"][0], arrays["pixel_values"][1])
+    ids_chat, arrays_chat = image_prompt(processor_only, "a cat", list(png), chat=True)
+    assert ids_chat.count(LLAVA_IMAGE_TOKEN) == 2 * IMAGE_ROWS
+    np.testing.assert_array_equal(arrays_chat["pixel_values"], arrays["pixel_values"])
+
+
+@requires_transformers
+def test_image_processor_nested_in_processor_config(processor_only, png, tmp_path):
+    """transformers 5 saves the image processor inside processor_config.json, without preprocessor_config.json."""
+    from qeff_kv.runtime.processor import image_prompt
+
+    folder = tmp_path / "nested"
+    shutil.copytree(processor_only, folder)
+    (folder / "preprocessor_config.json").unlink()
+    ids, arrays = image_prompt(folder, "a cat", [png[0]])
+    want_ids, want = image_prompt(processor_only, "a cat", [png[0]])
+    assert ids == want_ids and set(arrays) == set(want) == {"pixel_values"}
+    np.testing.assert_array_equal(arrays["pixel_values"], want["pixel_values"])
+
+
+# -------------------------------------------------------------------------------------------- refusals
+@requires_transformers
+def test_missing_or_unreadable_image_is_one_line(processor_only, tmp_path):
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.processor import image_prompt
+
+    missing = tmp_path / "nope.png"
+    with pytest.raises(RuntimeInputError) as exc:
+        image_prompt(processor_only, "a cat", [missing])
+    assert str(exc.value) == f"image {missing}: no such file"
+    bad = tmp_path / "bad.png"
+    bad.write_text("not an image\n")
+    with pytest.raises(RuntimeInputError) as exc:
+        image_prompt(processor_only, "a cat", [bad])
+    assert str(exc.value).startswith(f"image {bad}: cannot read it as an image (")
+    assert "\n" not in str(exc.value)
+
+
+@requires_transformers
+def test_folder_without_image_processor(processor_only, png, tmp_path):
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.processor import image_prompt
+
+    folder = tmp_path / "text-only"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(processor_only / name, folder / name)
+    with pytest.raises(RuntimeInputError) as exc:
+        image_prompt(folder, "a cat", [png[0]])
+    assert str(exc.value) == (f"{folder}: no image processor (preprocessor_config.json is missing); "
+                              f"give the image arrays with --image-inputs FILE.npz")
+
+
+@requires_transformers
+def test_other_refusals_are_one_line(processor_only, png):
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.processor import image_prompt
+
+    with pytest.raises(RuntimeInputError, match="^no image given$"):
+        image_prompt(processor_only, "a cat", [])
+    with pytest.raises(RuntimeInputError, match=r"^a system prompt needs the chat template \(--chat\)$"):
+        image_prompt(processor_only, "a cat", [png[0]], system="be brief")
+    # an extra placeholder in the text: the processor refuses (more image tokens than images)
+    with pytest.raises(RuntimeInputError) as exc:
+        image_prompt(processor_only, "<image> a cat", [png[0]])
+    assert str(exc.value).startswith(f"{processor_only}: the processor failed on the prompt and images (")
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("hidden", ["transformers", "PIL"])
+def test_missing_dependency(hidden, monkeypatch, tmp_path):
+    from qeff_kv.errors import MissingDependencyError
+    from qeff_kv.runtime.processor import image_prompt
+
+    monkeypatch.setitem(__import__("sys").modules, hidden, None)
+    with pytest.raises(MissingDependencyError) as exc:
+        image_prompt(tmp_path, "a cat", [tmp_path / "photo.png"])
+    assert str(exc.value) == ("--image needs transformers and Pillow (pip install 'qeff-kv[image]'); "
+                              "or give --image-inputs FILE.npz")
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+@requires_torch
+def test_cli_generate_with_an_image_file(llava, exported, png):
+    """``qeff-kv generate out/ --image photo.png --prompt ... --chat``: the export's processor, then the runtime;
+    the tokens equal transformers' generate on the processor's own inputs."""
+    import json
+
+    import torch
+    import transformers
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    r = CliRunner().invoke(main, ["generate", str(exported), "--image", str(png[0]), "--prompt", PROMPT, "--chat",
+                                  "--max-new-tokens", "8", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.splitlines()[-1])
+    _, inputs = _reference(llava, f"user: <image>{PROMPT}\nassistant:", [png[0]])
+    model = transformers.AutoModelForImageTextToText.from_pretrained(llava, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    ids = torch.from_numpy(inputs["input_ids"])
+    with torch.no_grad():
+        out = model.generate(ids, pixel_values=torch.from_numpy(inputs["pixel_values"]),
+                             attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, ids.shape[1]:].tolist()
+    assert len(set(want)) > 1
+    assert got["sequences"][0]["tokens"] == want
+    assert got["sequences"][0]["prompt_tokens"] == ids.shape[1]
+    assert got["timings"]["images"] == 1
+    # --image takes one --prompt and nothing else: one line, exit 2
+    r = CliRunner().invoke(main, ["generate", str(exported), "--image", str(png[0]), "--prompt-ids", "1,2"])
+    assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "error: --image goes with exactly one --prompt")
