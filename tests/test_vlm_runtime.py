@@ -228,6 +228,37 @@ def test_text_only_prompt_on_a_vision_language_graph(models, exports):
     assert g.tokens == hf_greedy(models["qwen"], prompt, None)
 
 
+def test_an_image_in_a_later_prefill_call_continues_the_rope_positions(models, exports, want):
+    """Text first, then the image in a second prefill call: the image's RoPE rows start where the text ended."""
+    from qeff_kv.runtime import VisionLanguageModel
+
+    model = VisionLanguageModel(exports("qwen"))
+    s = model.session
+    prompt = qwen_prompt()
+    seq = s.add_sequence()
+    s.prefill(seq, prompt[:2])
+    logits = s.prefill(seq, prompt[2:], model.images(prompt[2:], qwen_inputs()))
+    toks = [int(np.argmax(logits))]
+    while len(toks) < NEW:
+        toks.append(int(np.argmax(s.decode({seq: toks[-1]})[seq])))
+    assert toks == want["qwen"]
+    assert [(m.start, m.end, m.delta) for m in seq.rope_marks] == [(3, 7, -2)]
+
+
+def test_a_second_turn_with_an_image_after_generated_text(models, exports):
+    """A sequence continues with a new prompt holding an image; the token it generated last is fed first."""
+    from qeff_kv.runtime import Prompt, VisionLanguageModel
+
+    model = VisionLanguageModel(exports("qwen"))
+    first = [1, 5, 9, 30]
+    [g1] = model.generate([first], max_new_tokens=3)
+    turn = [148] + [QWEN_TOKEN] * 4 + [149, 7, 8]
+    [g2] = model.generate([(g1.sequence, Prompt(turn, model.images(turn, qwen_inputs())))], max_new_tokens=NEW)
+    full = first + g1.tokens + turn
+    assert g1.tokens + g2.tokens == hf_greedy(models["qwen"], first, None, 3) + hf_greedy(models["qwen"], full,
+                                                                                          qwen_inputs())
+
+
 # ------------------------------------------------------------------------------------------------ state
 @pytest.mark.parametrize("name", ["qwen", "llava"])
 def test_prefill_hands_off_to_the_other_layout_with_the_serving_regex(name, exports, want, tmp_path):
