@@ -13,6 +13,9 @@ Reported:
 
 * **vision stage**: milliseconds per image (the vision graph writing its rows in place into the image buffer);
 * **prefill** of one image (576 tokens) plus 16 text tokens, chunks of 256;
+* **single layout**: the decode step of the single graph as exported for onnxruntime (the vision encoder in an
+  ``If`` on ``image_idx >= 0``: decode steps skip it) against the same export with that pass off (the encoder runs
+  in every step), and their prefill;
 * **decode step** with ``N`` images held in the language graph's retained ``vision_embeds`` buffer (N = 1, 4, 16),
   at the same position: qeff-kv's binding (the buffer bound as input *and* output: nothing copied) against the
   same session with only that output rebound to memory onnxruntime allocates each step (what a runner that feeds
@@ -69,6 +72,41 @@ def export(model: Path, work: Path) -> Path:
     return export_model(model, out, ctx_len=1024, prefill_seq_len=256, target="onnxruntime").out_dir
 
 
+def export_single(model: Path, work: Path, gated: bool) -> Path:
+    """The single layout, onnxruntime target: as exported (the encoder gated on image_idx >= 0), or with the gate
+    pass switched off (the peer's plain single graph, which encodes the image in every call)."""
+    out = work / ("llava-geometry-ort-single" + ("" if gated else "-plain"))
+    if (out / "manifest.json").exists():
+        return out
+    import onnx_ir as ir
+
+    from qeff_kv.export import api, export_model
+
+    class NoGate:
+        def __call__(self, m):
+            return ir.passes.PassResult(m, modified=False)
+
+    saved = api.GateVisionEncoderPass
+    if not gated:
+        api.GateVisionEncoderPass = NoGate
+    try:
+        return export_model(model, out, ctx_len=1024, prefill_seq_len=256, target="onnxruntime",
+                            single_graph=True).out_dir
+    finally:
+        api.GateVisionEncoderPass = saved
+
+
+def decode_ms(session, seq) -> float:
+    """Median decode step (ms) at ``seq``'s position."""
+    times, pos = [], seq.length
+    for _ in range(STEPS // 3):
+        t0 = time.perf_counter()
+        session.decode({seq: 5})
+        times.append(time.perf_counter() - t0)
+        session.truncate(seq, pos)
+    return statistics.median(times) * 1e3
+
+
 def step_ms(session, seq, images, copy: bool) -> float:
     """Median decode step (ms) with ``images`` bound, in place or with the output copied each step."""
     media = session.media
@@ -99,7 +137,9 @@ def main(argv=None) -> int:
     from qeff_kv.runtime import VisionLanguageModel
     from qeff_kv.runtime.media import Images
 
-    folder = export(build_model(args.work), args.work)
+    source = build_model(args.work)
+    folder = export(source, args.work)
+    singles = {label: export_single(source, args.work, label == "gated") for label in ("gated", "plain")}
     vlm = VisionLanguageModel(folder, threads=args.threads)
     s = vlm.session
     rng = np.random.default_rng(0)
@@ -123,6 +163,18 @@ def main(argv=None) -> int:
         for n, imgs in held.items():
             for copy in (False, True):
                 steps.setdefault(f"{n}:{'copied' if copy else 'in place'}", []).append(step_ms(s, seq, imgs, copy))
+    single: dict[str, list[float]] = {}
+    single_prefill: dict[str, list[float]] = {}
+    opened = {label: VisionLanguageModel(path, threads=args.threads) for label, path in singles.items()}
+    seqs = {}
+    for label, m in opened.items():
+        seqs[label] = m.session.add_sequence()
+        t0 = time.perf_counter()
+        m.session.prefill(seqs[label], prompt, m.images(prompt, {"pixel_values": pixels}))
+        single_prefill[label] = [(time.perf_counter() - t0) * 1e3]
+    for _ in range(args.rounds):
+        for label, m in opened.items():
+            single.setdefault(label, []).append(decode_ms(m.session, seqs[label]))
     result = {
         "model": "Llava geometry (576 rows x 2048 per image), onnxruntime target, float32",
         "threads": args.threads, "rounds": args.rounds,
@@ -131,6 +183,9 @@ def main(argv=None) -> int:
         "decode_step_ms": {k: {"median": round(statistics.median(v), 2), "min": round(min(v), 2),
                                "max": round(max(v), 2)} for k, v in steps.items()},
         "image_buffer_mib": {str(n): round(i.array.nbytes / 2**20, 1) for n, i in held.items()},
+        "single_layout_decode_step_ms": {k: {"median": round(statistics.median(v), 2), "min": round(min(v), 2),
+                                             "max": round(max(v), 2)} for k, v in single.items()},
+        "single_layout_prefill_ms_592_tokens": {k: round(v[0], 1) for k, v in single_prefill.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -397,3 +397,41 @@ def test_cli_generate_with_image_inputs(exports, want, tmp_path):
                                   "--image-inputs", str(npz)])
     assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == (
         "error: 1 --image-inputs files for 2 prompts; give one per prompt, in order")
+
+
+# ------------------------------------------------------------------------------------------------ single layout
+@pytest.mark.parametrize("name", ["llava", "qwen", "gemma3"])
+def test_single_layout_decode_skips_the_vision_encoder(name, exports):
+    """On the onnxruntime targets the single graph's encoder sits in an If on image_idx >= 0: with -1 (decode, as
+    the runtime feeds it) it does not run, so even pixels it could not encode pass; the portable graph keeps the
+    peer's plain form and must encode them."""
+    import onnxruntime as ort
+
+    from qeff_kv import graphio
+
+    gated = exports(name, "onnxruntime", single=True)
+    plain = exports(name, "portable", single=True)
+    out = {}
+    for label, folder in (("gated", gated), ("plain", plain)):
+        man = json.loads((folder / "manifest.json").read_text())
+        model = graphio.load(folder / man["onnx"])
+        ops = [n.op_type for n in model.graph]
+        out[label] = (model.metadata_props.get("qeff_kv.vision_encoder"), ops.count("If"))
+        sess = ort.InferenceSession(str(folder / man["onnx"]), providers=["CPUExecutionProvider"])
+        feeds = {}
+        for i in sess.get_inputs():
+            shape = [1 if isinstance(d, str) else d for d in i.shape]
+            if i.name.startswith("past_"):
+                shape[2] = man["ctx_len"] if "sliding" not in str(i.shape[2]) else man["sliding_window"]
+            feeds[i.name] = np.zeros(shape, np.int64 if "int64" in i.type else np.float32)
+        feeds["pixel_values"] = np.zeros((1, 96) if name == "qwen" else (1, 3, 8, 8), np.float32)  # not encodable
+        feeds["image_idx"] = np.full((1, 1), -1, np.int64)
+        if name == "qwen":
+            feeds["position_ids"] = np.zeros((4, 1, 1), np.int64)
+        try:
+            logits = sess.run(["logits"], feeds)[0]
+            out[label] += (bool(np.isfinite(logits).all()),)
+        except Exception:   # onnxruntime's error: the encoder ran on pixels it cannot take
+            out[label] += (None,)
+    assert out["gated"] == ("gated", 1, True)
+    assert out["plain"] == (None, 0, None)

@@ -19,7 +19,8 @@ import onnx_ir as ir
 
 from .. import __version__, compile_config, fsutil, graphio, limits, naming
 from ..errors import ExportError
-from ..passes import FuseSkipRMSNormPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
+from ..passes import (FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass, RemovePassThroughPass,
+                      SetKVPrefixPass)
 from . import checkpoint as checkpoint_mod
 from . import family, sources
 from . import quantize as quant_mod
@@ -487,6 +488,11 @@ def _finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
         PackGQAQKVPass()(model)
         if options.dtype == "float32":
             FuseSkipRMSNormPass()(model)
+    if options.single_graph and options.target in ("onnxruntime", "onnxruntime-fused"):
+        # decode steps (image_idx -1 from qeff-kv's runtime) skip the vision encoder; the portable target keeps the
+        # peer's plain graph (accelerator compilers may not take an If)
+        if GateVisionEncoderPass()(model).modified:
+            model.metadata_props["qeff_kv.vision_encoder"] = "gated"   # runs only where image_idx >= 0
     if options.kv_cache_prefix is not None:
         SetKVPrefixPass(options.kv_cache_prefix)(model)
 

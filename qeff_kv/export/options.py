@@ -28,8 +28,9 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 5  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
-# 4: sliding layers as ring buffers; 5: a negative image_idx merges no image rows
+EXPORTER_VERSION = 6  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
+# 4: sliding layers as ring buffers; 5: a negative image_idx merges no image rows; 6: onnxruntime targets' single
+# vision-language graphs run the vision encoder only when they merge images
 
 
 @dataclass(frozen=True)

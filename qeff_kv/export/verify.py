@@ -245,7 +245,7 @@ class _Runner:
         out = dict(zip(self.out_names, self.sess.run(None, feeds)))
         for i, o in self.pairs:
             self.kv[i] = out[o]
-        if "image_idx" in self.extra:   # the next chunk continues the image where this one stopped
+        if "image_idx" in self.extra and self.extra["image_idx"][0, 0] >= 0:   # the next chunk continues the image
             self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
         return np.asarray(out["logits"])[0, -1].astype(np.float64)
 
@@ -294,6 +294,8 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
                                  rows)
         steps = [("the prompt", logits)]
         pos = len(prompt)
+        if probe.pixel_values is not None:   # decode merges nothing: -1, as qeff-kv's runtime feeds it
+            runner.extra["image_idx"] = np.full((1, 1), -1, dtype=np.int64)
         for k in range(probe.decode_steps):
             rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
             steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))

@@ -85,7 +85,7 @@ def merge_image_rows(text_embeds: torch.Tensor, input_ids: torch.Tensor, positio
     """``(embeds [B, S, H], image_idx_output [1, 1])``: image-token rows replaced by consecutive rows of the
     flattened ``vision_embeds`` from row ``image_idx`` on (padding, ``position_ids < 0``, never counts); none when
     ``image_idx < 0``."""
-    hidden = text_embeds.shape[-1]
+    hidden = int(text_embeds.shape[-1])   # a constant: the rows are flattened by Reshape(rows, [-1, hidden])
     selected = (input_ids == image_token_id) & (position_ids >= 0) & (image_idx >= 0)    # [B, S]
     idx = selected.to(torch.int64).cumsum(1) - 1
     idx = torch.where(idx != -1, idx + image_idx, idx)                                   # -1: not an image row
