@@ -32,7 +32,8 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
                    "tokens (a file's own input_ids serve as the prompt when none is given).")
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False, path_type=str), metavar="FILE",
               help="An image for the one --prompt (repeatable), read with the image processor saved in the export "
-                   "folder (needs transformers and Pillow: pip install 'qeff-kv[image]').")
+                   "folder (needs transformers and Pillow: pip install 'qeff-kv[image]'); resized to the export's "
+                   "image size where the export fixes one patch grid (Qwen2.5-VL).")
 @click.option("--image-token-id", type=ID, default=None,
               help="Image token of another exporter's vision-language graph (qeff-kv's exports record it).")
 @click.option("--max-new-tokens", type=COUNT, default=64, show_default=True,
@@ -77,6 +78,9 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
         image_token_id=image_token_id)
     result = run_generate(req)
+    for r in result["resized_images"]:
+        click.echo(f"resized {r['image']} {r['from'][0]}x{r['from'][1]} -> {r['to'][0]}x{r['to'][1]} (the export's "
+                   "fixed image size)", err=True)
     t = result["timings"]
     click.echo(f"prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.3f}s; decode {t['decode_tokens']} tokens "
                f"in {t['decode_s']:.3f}s ({t['decode_tokens_per_s']:.1f} tokens/s)"

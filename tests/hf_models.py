@@ -338,3 +338,42 @@ def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, 
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+QWEN_WORDS = ("user", "assistant", "system", ":")
+QWEN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                      "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %} "
+                      "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def add_qwen25vl_processor(model_dir: Path) -> None:
+    """Save into a tiny Qwen2.5-VL folder of :func:`make_qwen25vl_dir` what its hub folder holds for the processor:
+    a word-level tokenizer over its 160 ids (``<|vision_start|>`` 148, ``<|vision_end|>`` 149, ``<|image_pad|>``
+    :data:`QWEN_IMAGE_TOKEN`, ``<|video_pad|>`` 151; words ``w<i>`` at id ``i``), a Qwen2-VL image processor (PIL:
+    patch 4, merge 2, 2 frames; a 16x16 image is a 1x4x4 grid, 4 image tokens) whose config names
+    ``Qwen2_5_VLProcessor`` (which transformers cannot build without torchvision, as on a serving host), and a
+    chat template placing ``<|vision_start|><|image_pad|><|vision_end|>`` per image."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<|vision_start|>": 148, "<|vision_end|>": 149,
+                "<|image_pad|>": QWEN_IMAGE_TOKEN, "<|video_pad|>": 151}
+    vocab = dict(specials)
+    words = iter(QWEN_WORDS)
+    for i in range(160):
+        if i not in specials.values():
+            vocab[next(words, f"w{i}")] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="[UNK]").save_pretrained(model_dir)
+    transformers.Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                          size={"shortest_edge": 64, "longest_edge": 4096}).save_pretrained(model_dir)
+    cfg_path = model_dir / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["processor_class"] = "Qwen2_5_VLProcessor"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (model_dir / "chat_template.jinja").write_text(QWEN_CHAT_TEMPLATE)

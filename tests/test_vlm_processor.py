@@ -239,3 +239,60 @@ def test_cli_generate_with_an_image_file(llava, exported, png):
     r = CliRunner().invoke(main, ["generate", str(exported), "--image", str(png[0]), "--prompt-ids", "1,2"])
     assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1].startswith(
         "error: --image goes with exactly one --prompt")
+
+
+@requires_torch
+def test_cli_generate_resizes_to_the_patch_grid_of_the_export(tmp_path_factory, png):
+    """Qwen2.5-VL: the export is traced for one grid (16x16 images); a 48x40 photo is resized to it (and said so),
+    and its processor works without torchvision (image processor + tokenizer; the placeholder expanded here). The
+    tokens equal transformers' generate on the same resized image."""
+    import json
+
+    import torch
+    import transformers
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from hf_models import QWEN_IMAGE_TOKEN, add_qwen25vl_processor, make_qwen25vl_dir
+    from qeff_kv.export import export_model
+    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv_cli.main import main
+
+    model_dir = make_qwen25vl_dir(tmp_path_factory.mktemp("qwen"))
+    add_qwen25vl_processor(model_dir)
+    out = export_model(model_dir, tmp_path_factory.mktemp("qwen_export") / "out", ctx_len=48, prefill_seq_len=4,
+                       image_size=16).out_dir
+    vision = json.loads((out / "manifest.json").read_text())["vision"]
+    ids, arrays = image_prompt(out, "w9 w10", [png[0]], image_size=16, vision=vision)
+    assert ids == [148] + [QWEN_IMAGE_TOKEN] * 4 + [149, 9, 10]
+    assert arrays["image_grid_thw"].tolist() == [[1, 4, 4]] and arrays["pixel_values"].shape == (16, 96)
+    ip = transformers.AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    resized = Image.open(png[0]).convert("RGB").resize((16, 16), Image.BICUBIC)
+    want_arrays = ip(images=[resized], return_tensors="np")
+    np.testing.assert_allclose(arrays["pixel_values"], want_arrays["pixel_values"], rtol=0, atol=1e-6)
+    _, unresized = image_prompt(out, "w9 w10", [png[0]], vision=vision)
+    assert unresized["image_grid_thw"].tolist() != [[1, 4, 4]]   # why the resize: the photo's own grid
+
+    r = CliRunner().invoke(main, ["generate", str(out), "--image", str(png[0]), "--prompt", "w9 w10", "--chat",
+                                  "--max-new-tokens", "8", "--ignore-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    assert f"resized {png[0]} 48x40 -> 16x16 (the export's fixed image size)" in r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    chat_ids = [QWEN_WORDS_ID["user"], QWEN_WORDS_ID[":"], 148] + [QWEN_IMAGE_TOKEN] * 4 + [149, 9, 10,
+                                                                                              QWEN_WORDS_ID["assistant"],
+                                                                                              QWEN_WORDS_ID[":"]]
+    assert got["resized_images"] == [{"image": str(png[0]), "from": [48, 40], "to": [16, 16]}]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    t = torch.tensor([chat_ids])
+    with torch.no_grad():
+        gen = model.generate(t, pixel_values=torch.from_numpy(want_arrays["pixel_values"]),
+                             image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(t == QWEN_IMAGE_TOKEN).long(),
+                             attention_mask=torch.ones_like(t), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    assert got["sequences"][0]["prompt_tokens"] == len(chat_ids)
+    assert got["sequences"][0]["tokens"] == gen[0, len(chat_ids):].tolist()
+
+
+#: hf_models.add_qwen25vl_processor: its words take the free ids from 4 up
+QWEN_WORDS_ID = {"user": 4, "assistant": 5, "system": 6, ":": 7}

@@ -93,6 +93,8 @@ class GenerateRequest:
     images: list[str] = field(default_factory=list)
     #: the image token of another exporter's vision-language graph (ours record it)
     image_token_id: int | None = None
+    #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
+    resized: list = field(default_factory=list)
 
 
 def load_image_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -114,9 +116,18 @@ def _image_requests(req: GenerateRequest, files, prompts: list[list[int]]) -> tu
         if req.image_inputs or req.prompt_ids or len(req.prompts) != 1:
             raise RuntimeInputError("--image goes with exactly one --prompt (no --prompt-ids, no --image-inputs); "
                                     "for several prompts give --prompt-ids with one --image-inputs each")
-        from .processor import image_prompt
+        from .. import graphio
+        from .media import vision_facts
+        from .processor import image_prompt, image_sizes_of
 
-        ids, arrays = image_prompt(files.folder, req.prompts[0], req.images, chat=req.chat, system=req.system)
+        vision = vision_facts(graphio.layout_of(graphio.load(files.onnx_path)), files.manifest)
+        # an export traced for one patch grid takes images of one size: resized to it, and said so
+        size = int(vision["image_size"]) if "grid" in vision and vision.get("image_size") else None
+        if size is not None:
+            req.resized = [(p, list(wh), [size, size]) for p, wh in zip(req.images, image_sizes_of(req.images))
+                           if tuple(wh) != (size, size)]
+        ids, arrays = image_prompt(files.folder, req.prompts[0], req.images, chat=req.chat, system=req.system,
+                                   image_size=size, vision=vision)
         return [ids], [arrays]
     loaded = [load_image_inputs(p) for p in req.image_inputs]
     if not prompts and len(loaded) == 1 and "input_ids" in loaded[0]:   # the processor's own ids
@@ -224,5 +235,6 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         "sliding_window": session.sliding_window,
         "stop_tokens": stops,
         "saved_state": saved,
+        "resized_images": [{"image": str(p), "from": a, "to": b} for p, a, b in req.resized],
         "loaded_state": req.load_state,
     }

@@ -143,7 +143,8 @@ def _chat_text(processor, folder: Path, text: str, n_images: int, system: str | 
 
 
 def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *, chat: bool = False,
-                 system: str | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
+                 system: str | None = None, image_size: int | None = None,
+                 vision: dict | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """The prompt token ids and image arrays for ``text`` about ``images``, made by the processor of the
     export (or model) folder ``folder``.
 
@@ -154,6 +155,12 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
 
     Returns ``(token ids, arrays)``: the arrays are the image processor's outputs the export takes, by name
     (``pixel_values``, and ``image_grid_thw`` / ``image_sizes`` when the processor gives them).
+
+    ``image_size``: resize every image to ``image_size x image_size`` first (an export traced for one patch grid:
+    Qwen2.5-VL). ``vision``: the export's vision facts (``image_token_id``, ``vision_size``), used when the folder's
+    processor cannot be loaded as a whole (Qwen2.5-VL's needs torchvision for its video half): the image processor
+    and the tokenizer then do the work, and each image placeholder is expanded here into the image's tokens
+    (``prod(image_grid_thw) / merge_size^2``, or ``vision_size``), as the processor would.
 
     Raises :class:`~qeff_kv.errors.MissingDependencyError` without transformers or Pillow, and
     :class:`~qeff_kv.errors.RuntimeInputError` (one line) for a folder without an image processor, an image
@@ -170,7 +177,14 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
         raise RuntimeInputError(f"{folder}: no image processor ({PREPROCESSOR_FILE} is missing); "
                                 f"give the image arrays with --image-inputs FILE.npz")
     pil_images = _open_images(Image, images)
-    processor = _load_processor(transformers, folder)
+    if image_size is not None:
+        pil_images = [im.resize((int(image_size), int(image_size)), Image.BICUBIC) for im in pil_images]
+    try:
+        processor = _load_processor(transformers, folder)
+    except RuntimeInputError:
+        if vision is None:
+            raise
+        return _with_image_processor(transformers, folder, text, pil_images, chat, system, vision)
     if chat:
         prompt = _chat_text(processor, folder, text, len(pil_images), system)
     else:
@@ -194,3 +208,71 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
     if "pixel_values" not in arrays:
         raise RuntimeInputError(f"{folder}: the processor returned no pixel_values (it gave {sorted(out.keys())})")
     return [int(t) for t in ids[0]], arrays
+
+
+def image_sizes_of(images: Sequence[str | os.PathLike]) -> list[tuple[int, int]]:
+    """``(width, height)`` of each image file (one-line errors as :func:`image_prompt`'s)."""
+    _, Image = _import_dependencies()
+    return [im.size for im in _open_images(Image, images)]
+
+
+def _with_image_processor(transformers, folder: Path, text: str, pil_images: list, chat: bool, system: str | None,
+                          vision: dict) -> tuple[list[int], dict[str, np.ndarray]]:
+    """:func:`image_prompt` with the image processor and the tokenizer alone (the processor's own expansion of
+    each image placeholder into its tokens, done here)."""
+    from transformers.utils import logging as hf_logging
+
+    from .chat import load_chat_template
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+        out = image_processor(images=pil_images, return_tensors="np")
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises
+        raise RuntimeInputError(f"{folder}: cannot load the image processor ({_first_line(exc)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    arrays = {k: np.asarray(out[k]) for k in IMAGE_KEYS if k in out and out[k] is not None}
+    if "pixel_values" not in arrays:
+        raise RuntimeInputError(f"{folder}: the image processor returned no pixel_values")
+    if "image_grid_thw" in arrays:
+        merge = int(getattr(image_processor, "merge_size", 1) or 1)
+        counts = [int(np.prod(g)) // (merge * merge) for g in arrays["image_grid_thw"].reshape(-1, 3)]
+    elif vision.get("vision_size"):
+        counts = [int(vision["vision_size"])] * len(pil_images)
+    else:
+        raise RuntimeInputError(f"{folder}: cannot tell how many tokens an image takes (no vision_size)")
+    tok_path = folder / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # noqa: BLE001 - a missing or unreadable tokenizer.json
+        raise RuntimeInputError(f"{tok_path}: cannot read the tokenizer ({_first_line(exc)})") from None
+    token = tokenizer.id_to_token(int(vision.get("image_token_id", -1))) if vision.get("image_token_id") is not None \
+        else None
+    if not token:
+        raise RuntimeInputError(f"{folder}: the image token is not in the tokenizer")
+    add_special = True
+    if chat:
+        template = load_chat_template(folder)
+        messages = [] if system is None else [{"role": "system", "content": [{"type": "text", "text": system}]}]
+        messages.append({"role": "user", "content": [{"type": "image"} for _ in pil_images]
+                         + [{"type": "text", "text": text}]})
+        prompt = template.render(messages, add_generation_prompt=True)
+        bos = template.special_tokens.get("bos_token")
+        add_special = not (bos and prompt.startswith(bos))
+    else:
+        if system is not None:
+            raise RuntimeInputError("a system prompt needs the chat template (--chat)")
+        vocab = tokenizer.get_vocab()
+        placeholder = (f"<|vision_start|>{token}<|vision_end|>" if token == "<|image_pad|>"
+                       and "<|vision_start|>" in vocab and "<|vision_end|>" in vocab else token)
+        prompt = placeholder * len(pil_images) + text
+    parts = prompt.split(token)
+    if len(parts) - 1 != len(counts):
+        raise RuntimeInputError(f"the prompt places {len(parts) - 1} images (image token {token!r}) but "
+                                f"{len(counts)} were given")
+    prompt = parts[0] + "".join(token * n + rest for n, rest in zip(counts, parts[1:]))
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special).ids), arrays
