@@ -170,6 +170,22 @@ LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% for c in m['c
                        "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def word_level_tokenizer(specials: dict[str, int], size: int, words):
+    """A ``tokenizers`` word-level tokenizer of ``size`` ids: the special tokens at their ids, ``words`` on the free
+    ids from the lowest up, ``w<i>`` on the rest; split on whitespace, ``[UNK]`` for anything else."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = dict(specials)
+    names = iter(words)
+    for i in range(size):
+        if i not in specials.values():
+            vocab[next(names, f"w{i}")] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok
+
+
 def add_llava_processor(model_dir: Path) -> None:
     """Save a working ``LlavaProcessor`` into a tiny Llava folder of :func:`make_llava_dir`: a word-level
     tokenizer over its 128 ids (``<pad>`` 0, ``<s>`` 1 prepended to every text, ``</s>`` 2, ``[UNK]`` 3, the
@@ -180,17 +196,10 @@ def add_llava_processor(model_dir: Path) -> None:
     The image processor is saved twice, as hub Llava folders have it: ``preprocessor_config.json`` and nested in
     ``processor_config.json`` (transformers 5's form)."""
     import transformers
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import processors
 
-    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<image>": LLAVA_IMAGE_TOKEN}
-    vocab = dict(specials)
-    words = iter(LLAVA_WORDS)
-    for i in range(128):
-        if i not in specials.values():
-            vocab[next(words, f"w{i}")] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok = word_level_tokenizer({"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<image>": LLAVA_IMAGE_TOKEN}, 128,
+                               LLAVA_WORDS)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                                 pad_token="<pad>", unk_token="[UNK]",
@@ -356,18 +365,10 @@ def add_qwen25vl_processor(model_dir: Path) -> None:
     import json
 
     import transformers
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    specials = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<|vision_start|>": 148, "<|vision_end|>": 149,
-                "<|image_pad|>": QWEN_IMAGE_TOKEN, "<|video_pad|>": 151}
-    vocab = dict(specials)
-    words = iter(QWEN_WORDS)
-    for i in range(160):
-        if i not in specials.values():
-            vocab[next(words, f"w{i}")] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok = word_level_tokenizer({"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, "<|vision_start|>": 148,
+                                "<|vision_end|>": 149, "<|image_pad|>": QWEN_IMAGE_TOKEN, "<|video_pad|>": 151}, 160,
+                               QWEN_WORDS)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                         unk_token="[UNK]").save_pretrained(model_dir)
     transformers.Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
