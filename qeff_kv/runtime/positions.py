@@ -38,10 +38,13 @@ def write(pos: np.ndarray, row: int, start: int, count: int, rope: np.ndarray | 
           delta: int = 0) -> None:
     """Row ``row`` holds positions ``[start, start + count)``; with multimodal RoPE, RoPE rows ``rope``
     (``[3, count]``) or the text positions plus ``delta``."""
-    text = np.arange(start, start + count, dtype=np.int64)
-    if pos.ndim == 2:
-        pos[row, :count] = text
+    if pos.ndim == 2:   # the decode step's path: no array made for one position
+        if count == 1:
+            pos[row, 0] = start
+        else:
+            pos[row, :count] = np.arange(start, start + count, dtype=np.int64)
         return
+    text = np.arange(start, start + count, dtype=np.int64)
     pos[0, row, :count] = text
     pos[1:, row, :count] = rope if rope is not None else text + delta
 
