@@ -36,6 +36,10 @@ from ..layout import KVLayout
 from .positions import RopeMark
 
 
+#: The image processor's arrays a vision-language export takes, by name (the rest of its output is text: ids, masks)
+IMAGE_INPUTS = (naming.PIXEL_VALUES, "image_grid_thw", "image_sizes")
+
+
 @dataclass
 class Images:
     """One prompt's images, ready for the language graph (made by

@@ -22,9 +22,10 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import MissingDependencyError, RuntimeInputError
+from .media import IMAGE_INPUTS
 
 #: The processor outputs a vision-language export takes as image inputs (the text ones are the token ids).
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+IMAGE_KEYS = IMAGE_INPUTS
 #: Files that hold an image processor's settings (transformers 5 nests them in ``processor_config.json``).
 PREPROCESSOR_FILE, PROCESSOR_FILE = "preprocessor_config.json", "processor_config.json"
 MISSING_DEPENDENCY = ("--image needs transformers and Pillow (pip install 'qeff-kv[image]'); "

@@ -27,7 +27,7 @@ import onnxruntime as ort
 
 from .. import graphio, mrope, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
-from .media import Images, Prompt
+from .media import IMAGE_INPUTS, Images, Prompt
 from .results import Generation
 from .session import Session, _quiet_onnxruntime
 
@@ -140,7 +140,7 @@ class VisionLanguageModel:
             raise RuntimeInputError(f"image inputs must be a mapping of array names to arrays, got "
                                     f"{type(image_inputs).__name__}")
         f = self.facts
-        known = {naming.PIXEL_VALUES, "image_grid_thw", "image_sizes", *TEXT_KEYS}
+        known = {*IMAGE_INPUTS, *TEXT_KEYS}
         unknown = sorted(k for k in image_inputs if k not in known)
         if unknown:
             raise RuntimeInputError(f"image input {unknown[0]!r} is not used by this model (it takes "
