@@ -296,3 +296,135 @@ def test_cli_generate_resizes_to_the_patch_grid_of_the_export(tmp_path_factory, 
 
 #: hf_models.add_qwen25vl_processor: its words take the free ids from 4 up
 QWEN_WORDS_ID = {"user": 4, "assistant": 5, "system": 6, ":": 7}
+
+
+# ------------------------------------------------------------------- Qwen2.5-VL: one patch grid per export
+QWEN_VISION = {"image_token_id": 150}   # the export manifest's vision facts image_prompt falls back on
+
+
+@pytest.fixture(scope="module")
+def qwen_processor(tmp_path_factory):
+    """The processor files of a tiny Qwen2.5-VL alone (no model, no torch): patch 4, merge 2, 64..4096 pixels."""
+    from hf_models import add_qwen25vl_processor
+
+    folder = tmp_path_factory.mktemp("qwen_processor")
+    add_qwen25vl_processor(folder)
+    return folder
+
+
+def _qwen_reference(folder, image, side: int, **kwargs):
+    """transformers' Qwen2-VL image processor (PIL) on ``image`` resized to ``side x side`` (PIL, bicubic)."""
+    import transformers
+    from PIL import Image
+
+    ip = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+    resized = Image.open(image).convert("RGB").resize((side, side), Image.BICUBIC)
+    return ip(images=[resized], return_tensors="np", **kwargs)
+
+
+@requires_transformers
+def test_qwen_image_size_gives_the_traced_grid(qwen_processor, png):
+    """A 48x40 photo, resized to the export's 16x16: a 1x4x4 patch grid, 4 image tokens between vision start/end,
+    the same arrays as transformers' image processor on the photo resized alike."""
+    from hf_models import QWEN_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(qwen_processor, "w9 w10", [png[0]], image_size=16, vision=QWEN_VISION)
+    assert ids == [148] + [QWEN_IMAGE_TOKEN] * 4 + [149, 9, 10]
+    assert set(arrays) == {"pixel_values", "image_grid_thw"}
+    assert arrays["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert arrays["pixel_values"].shape == (16, 96) and arrays["pixel_values"].dtype == np.float32
+    want = _qwen_reference(qwen_processor, png[0], 16)
+    np.testing.assert_array_equal(arrays["image_grid_thw"], want["image_grid_thw"])
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+    # through the chat template: the same image tokens, inside the user turn
+    ids_chat, arrays_chat = image_prompt(qwen_processor, "w9 w10", [png[0]], chat=True, image_size=16,
+                                         vision=QWEN_VISION)
+    w = QWEN_WORDS_ID
+    assert ids_chat == [w["user"], w[":"], 148] + [QWEN_IMAGE_TOKEN] * 4 + [149, 9, 10, w["assistant"], w[":"]]
+    np.testing.assert_array_equal(arrays_chat["pixel_values"], arrays["pixel_values"])
+    # two photos: one grid each
+    ids2, arrays2 = image_prompt(qwen_processor, "w9", list(png), image_size=16, vision=QWEN_VISION)
+    assert ids2 == ([148] + [QWEN_IMAGE_TOKEN] * 4 + [149]) * 2 + [9]
+    assert arrays2["image_grid_thw"].tolist() == [[1, 4, 4]] * 2 and arrays2["pixel_values"].shape == (32, 96)
+
+
+@requires_transformers
+def test_qwen_without_image_size_the_photo_keeps_its_own_grid(qwen_processor, png):
+    """Why the resize: the Qwen2-VL image processor picks the grid from the photo's size (48x40 -> 1x10x12), not
+    the grid the export was traced for."""
+    from hf_models import QWEN_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(qwen_processor, "w9 w10", [png[0]], vision=QWEN_VISION)
+    assert arrays["image_grid_thw"].tolist() == [[1, 10, 12]] != [[1, 4, 4]]
+    assert arrays["pixel_values"].shape == (120, 96)
+    assert ids == [148] + [QWEN_IMAGE_TOKEN] * 30 + [149, 9, 10]
+
+
+@requires_transformers
+def test_image_size_overrides_the_processors_pixel_bounds(qwen_processor, png, tmp_path):
+    """A processor whose least pixel count exceeds image_size^2 would scale the 16x16 image up (to 32x32, a 1x8x8
+    grid): image_prompt asks it for exactly image_size^2 pixels."""
+    import json
+
+    import transformers
+
+    from qeff_kv.runtime.processor import exact_size_kwargs, image_prompt
+
+    folder = tmp_path / "min1024"
+    shutil.copytree(qwen_processor, folder)
+    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    cfg["size"]["shortest_edge"] = 1024
+    (folder / "preprocessor_config.json").write_text(json.dumps(cfg))
+    assert _qwen_reference(folder, png[0], 16)["image_grid_thw"].tolist() == [[1, 8, 8]]
+    ids, arrays = image_prompt(folder, "w9", [png[0]], image_size=16, vision=QWEN_VISION)
+    assert arrays["image_grid_thw"].tolist() == [[1, 4, 4]] and ids.count(150) == 4
+    exact = {"size": {"shortest_edge": 256, "longest_edge": 256}}
+    want = _qwen_reference(folder, png[0], 16, **exact)
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+    # the kwargs: pixel bounds for a Qwen2-VL image processor only; a real one at 448 (patch 14) keeps 1x32x32
+    ip = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
+    assert exact_size_kwargs(ip, 16) == exact and exact_size_kwargs(ip, None) == {}
+    assert exact_size_kwargs(transformers.CLIPImageProcessorPil(), 16) == {}
+    assert exact_size_kwargs(transformers.Qwen2VLImageProcessorPil(), 448) == {
+        "size": {"shortest_edge": 448 * 448, "longest_edge": 448 * 448}}
+
+
+@requires_transformers
+def test_image_size_on_a_fixed_size_processor(processor_only, png):
+    """Llava's CLIP processor has no pixel bounds: image_size only resizes the image first (to 32x32, the size it
+    crops to, so the arrays are the processor's on the resized image)."""
+    from hf_models import LLAVA_IMAGE_TOKEN
+    from qeff_kv.runtime.processor import image_prompt
+
+    ids, arrays = image_prompt(processor_only, "a cat", [png[0]], image_size=32)
+    assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS and arrays["pixel_values"].shape == (1, 3, 32, 32)
+    import transformers
+    from PIL import Image
+
+    proc = transformers.AutoProcessor.from_pretrained(processor_only, backend="pil")
+    resized = Image.open(png[0]).convert("RGB").resize((32, 32), Image.BICUBIC)
+    want = proc(text=["<image>a cat"], images=[resized], return_tensors="np")
+    assert ids == want["input_ids"][0].tolist()
+    np.testing.assert_allclose(arrays["pixel_values"], want["pixel_values"], rtol=0, atol=1e-6)
+
+
+@requires_transformers
+def test_image_sizes_of(png, tmp_path):
+    from hf_models import write_png
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.processor import image_sizes_of
+
+    small = write_png(tmp_path / "small.png", size=(16, 24))
+    assert image_sizes_of([png[0], small]) == [(48, 40), (16, 24)]
+    assert image_sizes_of([]) == []
+    missing = tmp_path / "nope.png"
+    with pytest.raises(RuntimeInputError) as exc:
+        image_sizes_of([png[0], missing])
+    assert str(exc.value) == f"image {missing}: no such file"
+    bad = tmp_path / "bad.png"
+    bad.write_text("not an image\n")
+    with pytest.raises(RuntimeInputError) as exc:
+        image_sizes_of([bad])
+    assert str(exc.value).startswith(f"image {bad}: cannot read it as an image (") and "\n" not in str(exc.value)

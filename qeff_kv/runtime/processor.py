@@ -125,6 +125,25 @@ def _image_placeholder(processor, folder: Path) -> str:
     return token
 
 
+def exact_size_kwargs(image_processor, image_size: int | None) -> dict:
+    """The image processor's call kwargs that make it keep an ``image_size x image_size`` image at that size, for
+    the processors that pick the size themselves: a Qwen2-VL image processor (Qwen2-VL, Qwen2.5-VL) rounds the
+    image to a multiple of ``patch_size * merge_size`` within its pixel bounds (``size["shortest_edge"]`` /
+    ``["longest_edge"]``: the least and most pixels, ``min_pixels`` / ``max_pixels`` of old), so both bounds become
+    ``image_size ** 2``. ``{}`` for the others (a Llava's CLIP processor resizes to its own fixed size) and without
+    ``image_size``."""
+    if image_size is None or image_processor is None:
+        return {}
+    valid = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    size = getattr(image_processor, "size", None)   # a SizeDict (or a dict) of the processor's settings
+    bounds = [size.get(k) if isinstance(size, dict) else getattr(size, k, None)
+              for k in ("shortest_edge", "longest_edge")]
+    if not ({"min_pixels", "max_pixels"} <= set(valid) and None not in bounds):
+        return {}
+    pixels = int(image_size) ** 2
+    return {"size": {"shortest_edge": pixels, "longest_edge": pixels}}
+
+
 def _chat_text(processor, folder: Path, text: str, n_images: int, system: str | None) -> str:
     messages = []
     if system is not None:
@@ -157,10 +176,12 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
     Returns ``(token ids, arrays)``: the arrays are the image processor's outputs the export takes, by name
     (``pixel_values``, and ``image_grid_thw`` / ``image_sizes`` when the processor gives them).
 
-    ``image_size``: resize every image to ``image_size x image_size`` first (an export traced for one patch grid:
-    Qwen2.5-VL). ``vision``: the export's vision facts (``image_token_id``, ``vision_size``), used when the folder's
-    processor cannot be loaded as a whole (Qwen2.5-VL's needs torchvision for its video half): the image processor
-    and the tokenizer then do the work, and each image placeholder is expanded here into the image's tokens
+    ``image_size``: resize every image to ``image_size x image_size`` first (PIL, bicubic: an export traced for one
+    patch grid, Qwen2.5-VL), and have the image processor keep that size (:func:`exact_size_kwargs`).
+
+    ``vision``: the export's vision facts (``image_token_id``, ``vision_size``), used when the folder's processor
+    cannot be loaded as a whole (Qwen2.5-VL's needs torchvision for its video half): the image processor and the
+    tokenizer then do the work, and each image placeholder is expanded here into the image's tokens
     (``prod(image_grid_thw) / merge_size^2``, or ``vision_size``), as the processor would.
 
     Raises :class:`~qeff_kv.errors.MissingDependencyError` without transformers or Pillow, and
@@ -185,7 +206,7 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
     except RuntimeInputError:
         if vision is None:
             raise
-        return _with_image_processor(transformers, folder, text, pil_images, chat, system, vision)
+        return _with_image_processor(transformers, folder, text, pil_images, chat, system, vision, image_size)
     if chat:
         prompt = _chat_text(processor, folder, text, len(pil_images), system)
     else:
@@ -196,6 +217,9 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     if chat and isinstance(bos, str) and bos and prompt.startswith(bos):
         kwargs["add_special_tokens"] = False   # the template wrote it (as transformers' apply_chat_template does)
+    image_kwargs = exact_size_kwargs(getattr(processor, "image_processor", None), image_size)
+    if image_kwargs:
+        kwargs["images_kwargs"] = image_kwargs
     try:
         out = processor(text=[prompt], images=pil_images, return_tensors="np", **kwargs)
     except Exception as exc:  # noqa: BLE001 - the processor's own refusals (image count, sizes...)
@@ -218,7 +242,7 @@ def image_sizes_of(images: Sequence[str | os.PathLike]) -> list[tuple[int, int]]
 
 
 def _with_image_processor(transformers, folder: Path, text: str, pil_images: list, chat: bool, system: str | None,
-                          vision: dict) -> tuple[list[int], dict[str, np.ndarray]]:
+                          vision: dict, image_size: int | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """:func:`image_prompt` with the image processor and the tokenizer alone (the processor's own expansion of
     each image placeholder into its tokens, done here)."""
     from transformers.utils import logging as hf_logging
@@ -229,7 +253,7 @@ def _with_image_processor(transformers, folder: Path, text: str, pil_images: lis
     hf_logging.set_verbosity_error()
     try:
         image_processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
-        out = image_processor(images=pil_images, return_tensors="np")
+        out = image_processor(images=pil_images, return_tensors="np", **exact_size_kwargs(image_processor, image_size))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises
         raise RuntimeInputError(f"{folder}: cannot load the image processor ({_first_line(exc)})") from None
     finally:
