@@ -41,14 +41,22 @@ def _io(path):
     return [i.name for i in m.graph.input if i.name not in inits], [o.name for o in m.graph.output]
 
 
-def _yaml(pairs_in, pairs_out) -> str:
-    lines = ["# Model Inputs", ""]
-    for n, p in pairs_in:
-        lines += [f" - IOName: {n}", f"   Precision: {p}", ""]
-    lines += ["# Model Outputs", ""]
-    for n, p in pairs_out:
-        lines += [f" - IOName: {n}", f"   Precision: {p}", ""]
-    return "\n".join(lines)
+def _pairs(text: str) -> tuple[list, list]:
+    """``(inputs, outputs)`` of a ``custom_io.yaml``: ``(IOName, Precision)`` pairs under each heading, in order
+    (every other line blank)."""
+    lists: dict[str, list] = {"# Model Inputs": [], "# Model Outputs": []}
+    current = None
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if line in lists:
+            current = lists[line]
+        elif line.startswith(" - IOName: "):
+            prec = lines[i + 1]
+            assert prec.startswith("   Precision: ") and lines[i + 2] == "", text
+            current.append((line[len(" - IOName: "):], prec[len("   Precision: "):]))
+        else:
+            assert line == "" or line.startswith("   Precision: "), line
+    return lists["# Model Inputs"], lists["# Model Outputs"]
 
 
 def _violations(report):
@@ -93,12 +101,12 @@ def test_export_writes_the_dual_layout_compile_files(exports):
     res = exports("llava", False)
     d = res.out_dir
     kv_in, kv_out = _kv("VLLM")
-    assert (d / "custom_io.yaml").read_text() == _yaml(
+    assert _pairs((d / "custom_io.yaml").read_text()) == (
         [("vision_embeds", "float32")] + [(n, "float16") for n in kv_in],
         [("vision_embeds_RetainedState", "float32")] + [(n, "float16") for n in kv_out])
     assert json.loads((d / "specializations.json").read_text()) == {"specializations": [
         LLAVA_LANG_SPEC, {**LLAVA_LANG_SPEC, "seq_len": "1"}]}
-    assert (d / "custom_io_vision.yaml").read_text() == _yaml([("pixel_values", "float32")],
+    assert _pairs((d / "custom_io_vision.yaml").read_text()) == ([("pixel_values", "float32")],
                                                               [("vision_embeds", "float32")])
     assert json.loads((d / "specializations_vision.json").read_text()) == {
         "specializations": [{"batch_size": "1", "img_size": "32"}]}
@@ -109,7 +117,7 @@ def test_export_writes_the_single_layout_compile_files(exports):
     res = exports("llava", True)
     d = res.out_dir
     kv_in, kv_out = _kv("VLLM")
-    assert (d / "custom_io.yaml").read_text() == _yaml(
+    assert _pairs((d / "custom_io.yaml").read_text()) == (
         [("pixel_values", "float32")] + [(n, "float16") for n in kv_in],
         [("pixel_values_RetainedState", "float32")] + [(n, "float16") for n in kv_out])
     entry = {"batch_size": "1", "seq_len": "4", "ctx_len": "48", "img_size": "32", "vision_batch_size": "1"}
@@ -136,10 +144,10 @@ def test_cli_compile_config_gemma3_named_with_a_vision_entry(exports, tmp_path):
     assert json.loads((out / "specializations_vision.json").read_text()) == {"specializations": [
         {"name": "Vision", "symbols": {"batch_size": "2", "max_num_images": "2", "img_size": "32"}}]}
     kv_in, kv_out = _kv("VLLM")
-    assert (out / "custom_io.yaml").read_text() == _yaml(
+    assert _pairs((out / "custom_io.yaml").read_text()) == (
         [("vision_embeds", "float16")] + [(n, "float16") for n in kv_in],
         [("vision_embeds_RetainedState", "float16")] + [(n, "float16") for n in kv_out])
-    assert (out / "custom_io_vision.yaml").read_text() == _yaml([("pixel_values", "float16")],
+    assert _pairs((out / "custom_io_vision.yaml").read_text()) == ([("pixel_values", "float16")],
                                                                 [("vision_embeds", "float16")])
 
 
@@ -401,7 +409,7 @@ def test_compile_config_peer_dual_graph(tmp_path):
     assert json.loads((out / "specializations.json").read_text()) == {"specializations": [
         entry, {**entry, "seq_len": "1"}]}
     kv_in, kv_out = _kv("vllmKvCache")
-    assert (out / "custom_io.yaml").read_text() == _yaml(
+    assert _pairs((out / "custom_io.yaml").read_text()) == (
         [("vision_embeds", "float32")] + [(n, "float16") for n in kv_in],
         [("vision_embeds_RetainedState", "float32")] + [(n, "float16") for n in kv_out])
     # without a vision graph: the language files only
