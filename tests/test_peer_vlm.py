@@ -50,6 +50,9 @@ def image(size: int, seed: int = 0) -> np.ndarray:
 ONE_TOKEN_PROMPT, ONE_TOKEN_CTX, ONE_TOKEN_CHUNK = [1, 5, 6] + [TOKEN] * 16, 22, 6
 
 
+TEXT_PROMPT = [1, 5, 6, 7, 8, 9]
+
+
 def _io(path):
     m = onnx.load(str(path), load_external_data=False)
     return [i.name for i in m.graph.input], [o.name for o in m.graph.output]
@@ -76,8 +79,9 @@ def want(fx):
         model = transformers.AutoModelForImageTextToText.from_pretrained(fx / "models" / name, dtype=torch.float32,
                                                                          attn_implementation="eager").eval()
         ids = torch.tensor([tokens])
+        extra = {} if pixels is None else {"pixel_values": torch.from_numpy(pixels)}
         with torch.no_grad():
-            out = model.generate(ids, pixel_values=torch.from_numpy(pixels), attention_mask=torch.ones_like(ids),
+            out = model.generate(ids, **extra, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
         return out[0, len(tokens):].tolist()
@@ -90,6 +94,7 @@ def want(fx):
                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
     return {"32": vlm("tiny_llava", prompt(16), image(32)),
             "one-token": vlm("tiny_llava", ONE_TOKEN_PROMPT, image(32)),
+            "text": vlm("tiny_llava", TEXT_PROMPT, None),
             "336": vlm("tiny_llava_img336", prompt(1764), image(336)),
             "ccl": text}
 
@@ -99,8 +104,11 @@ def want(fx):
 def test_every_graph_checks(fx, name):
     report = qcheck.check(fx / name)
     assert report.ok, report.failed
-    if name != DUAL_VISION:
-        assert report.rule("non-kv-unprefixed").violations == []
+    kind = {DUAL_VISION: "vision-encoder", DUAL_VLLM: "dual", DUAL_PLAIN: "dual", CCL: None}.get(name, "single")
+    assert report.vision_language == kind and report.ccl == (name == CCL)
+    if name != DUAL_VISION:   # every rule ran: the serving regexes select exactly the KV
+        assert {r.id: r.status for r in report.rules if r.status != "pass"} == {}
+        assert report.prefix == (None if name == DUAL_PLAIN else "VLLM")
 
 
 @pytest.mark.parametrize("name", KV_GRAPHS)
@@ -277,14 +285,21 @@ def test_dual_pair_in_the_library_writes_the_rows_in_place_once_learnt(fx, want)
     assert p.images.array.shape == (1, 1764, 96) and vlm.vision.runs == 1
     [g] = vlm.generate([p], max_new_tokens=NEW)
     assert g.tokens == want["336"]
-    # a second image of that size: written straight into its row
+    # a second image of that size: written straight into its row (the rows of that input shape are known now)
+    assert vlm.vision._out_dims == {(1, 3, 336, 336): (1764, 96)}
     again = vlm.images(prompt(1764), {"pixel_values": image(336)})
     np.testing.assert_array_equal(again.array, p.images.array)
+    assert vlm.vision.runs == 2
     # given, the rows must agree with the prompt
     fixed = VisionLanguageModel(fx / DUAL_VLLM, fx / DUAL_VISION, image_token_id=TOKEN, ctx_len=CTX336,
                                 prefill_seq_len=CHUNK336, image_size=336, vision_size=1764)
     [g] = fixed.generate([(prompt(1764), {"pixel_values": image(336)})], max_new_tokens=NEW)
     assert g.tokens == want["336"]
+    wrong = VisionLanguageModel(fx / DUAL_VLLM, fx / DUAL_VISION, image_token_id=TOKEN, ctx_len=CTX336,
+                                vision_size=10)
+    with pytest.raises(RuntimeInputError, match=r"^the vision graph made 1764 rows per image; this graph's "
+                                                r"vision_size is 10 \(metadata, manifest, --vision-size\)$"):
+        wrong.images(prompt(10), {"pixel_values": image(336)})
 
 
 @requires_torch
@@ -296,15 +311,16 @@ def test_single_336_graph_gives_transformers_tokens(fx, want):
     assert g.tokens == want["336"]
 
 
-def test_geometry_that_cannot_be_inferred_names_its_option(fx, tmp_path):
+@requires_torch
+def test_geometry_that_cannot_be_inferred_names_its_option(fx, want, tmp_path):
     from qeff_kv.runtime import VisionLanguageModel
 
     single = VisionLanguageModel(fx / SINGLE32, image_token_id=TOKEN, ctx_len=CTX32, prefill_seq_len=CHUNK32)
     with pytest.raises(RuntimeInputError, match=r"^pixel_values graph: a text-only prompt runs its vision encoder on "
                                                 r"a placeholder image, and the image size of this graph is recorded "
-                                                r"nowhere: give it \(image_size=\.\.\., --image-size\), or an image "
-                                                r"first$"):
-        single.generate([[1, 5, 6]], max_new_tokens=2)
+                                                r"nowhere: give it \(VisionLanguageModel\(image_size=\.\.\.\), "
+                                                r"--image-size\), or an image first$"):
+        single.generate([TEXT_PROMPT], max_new_tokens=2)
     assert single.session.sequences == []
     with pytest.raises(RuntimeInputError, match=r"^the image rows per image \(vision_size\) of this graph are "
                                                 r"recorded nowhere, and the prompt's image tokens "
@@ -314,8 +330,8 @@ def test_geometry_that_cannot_be_inferred_names_its_option(fx, tmp_path):
     # with --image-size the text-only prompt runs (its placeholder is an image the encoder takes)
     sized = VisionLanguageModel(fx / SINGLE32, image_token_id=TOKEN, ctx_len=CTX32, prefill_seq_len=CHUNK32,
                                 image_size=32)
-    [g] = sized.generate([[1, 5, 6]], max_new_tokens=2)
-    assert len(g.tokens) == 2 and sized.media.bound.array.shape == (1, 3, 32, 32)
+    [g] = sized.generate([TEXT_PROMPT], max_new_tokens=NEW)
+    assert g.tokens == want["text"] and sized.media.bound.array.shape == (1, 3, 32, 32)
     # the image must have that size; a vision graph does not go with the single layout
     with pytest.raises(RuntimeInputError, match=r"^pixel_values has shape \[1, 3, 16, 16\]; this export takes "
                                                 r"\[images, 3, 32, 32\]$"):

@@ -249,7 +249,7 @@ class LanguageMedia:
         elif self.bound is self.placeholder and not self.placeholder_known:
             raise RuntimeInputError(f"{self.name} graph: a text-only prompt runs its vision encoder on a placeholder "
                                     "image, and the image size of this graph is recorded nowhere: give it "
-                                    "(image_size=..., --image-size), or an image first")
+                                    "(VisionLanguageModel(image_size=...), --image-size), or an image first")
         return plan_prompt(tokens, chunk, self.image_token_id, keep_runs_whole=self.whole_images)
 
     def begin(self, io: ort.IOBinding, bind_out, images: Images | None) -> None:

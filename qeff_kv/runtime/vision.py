@@ -217,10 +217,12 @@ class VisionLanguageModel:
             if self.vision is None:
                 raise RuntimeInputError(f"no vision graph for {self.session.files.onnx_path.name}: give it "
                                         "(vision=..., --vision-graph; the dual layout's <name>_vision.onnx)")
-            array = self.vision.encode(per_image, rows_per_image, f.get("hidden_size"))
-            if rows_per_image is not None and array.shape[1] != int(rows_per_image):   # pragma: no cover - ort refuses
-                raise RuntimeInputError(f"the vision graph made {array.shape[1]} rows per image; the language graph "
-                                        f"takes {rows_per_image}")
+            # rows the vision graph's static output fixes are written in place; else its output says them
+            static = self.vision.geometry()
+            array = self.vision.encode(per_image, static.get("vision_size"), static.get("hidden_size"))
+            if rows_per_image is not None and array.shape[1] != int(rows_per_image):
+                raise RuntimeInputError(f"the vision graph made {array.shape[1]} rows per image; this graph's "
+                                        f"vision_size is {rows_per_image} (metadata, manifest, --vision-size)")
             rows_per_image = array.shape[1]
         rows_per_image = int(rows_per_image)
         timings = self.session.timings
