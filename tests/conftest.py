@@ -7,7 +7,8 @@ Two sets of retained-state graphs:
   its runtime without anything else;
 * **peer graphs**, read from ../shared/fixtures/qeff-peer (or ``QEFF_KV_PEER_FIXTURES``): the tests that are
   about interoperating with the peer's exporter (QEfficient); they skip with a reason where that folder is
-  absent.
+  absent. Its vision-language and CCL graphs, with their tiny models, are in ../shared/fixtures/qeff-peer-vlm (or
+  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir``, tests/test_peer_vlm.py).
 
 ``graphs`` is parametrized over both (``own``, ``peer``): a test of our own behaviour written against it runs
 on our exports and on the peer's files of the same names, and compares with each set's own reference tokens.
