@@ -332,6 +332,18 @@ def test_geometry_that_cannot_be_inferred_names_its_option(fx, want, tmp_path):
                                 image_size=32)
     [g] = sized.generate([TEXT_PROMPT], max_new_tokens=NEW)
     assert g.tokens == want["text"] and sized.media.bound.array.shape == (1, 3, 32, 32)
+    # a graph whose pixel_values dims are static says its image size itself (a plain Session runs text)
+    from qeff_kv.runtime import Session
+
+    m = onnx.load(str(fx / SINGLE32))
+    for v in list(m.graph.input) + list(m.graph.output):
+        if v.name.startswith("pixel_values"):
+            for axis in (2, 3):
+                v.type.tensor_type.shape.dim[axis].dim_value = 32
+    onnx.save(m, str(tmp_path / "static.onnx"))
+    [g] = Session(tmp_path / "static.onnx", image_token_id=TOKEN, ctx_len=CTX32,
+                  prefill_seq_len=CHUNK32).generate([TEXT_PROMPT], max_new_tokens=NEW)
+    assert g.tokens == want["text"]
     # the image must have that size; a vision graph does not go with the single layout
     with pytest.raises(RuntimeInputError, match=r"^pixel_values has shape \[1, 3, 16, 16\]; this export takes "
                                                 r"\[images, 3, 32, 32\]$"):

@@ -140,7 +140,7 @@ class LanguageMedia:
         self.name = naming.VISION_EMBEDS if kind == multimodal.DUAL else naming.PIXEL_VALUES
         self.input = layout.input(self.name)
         self.output_name = naming.retained_name(self.name)
-        self.facts = facts
+        self.facts = {**graph_geometry(self.input), **facts}   # metadata / manifest first, then static dims
         token = image_token_id if image_token_id is not None else facts.get("image_token_id")
         if token is None:
             raise RuntimeInputError(f"{self.name} graph without qeff-kv's vision metadata or manifest: give its image "

@@ -28,7 +28,7 @@ import onnxruntime as ort
 from .. import graphio, mrope, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..limits import positive_int
-from .media import IMAGE_INPUTS, Images, Prompt, graph_geometry
+from .media import IMAGE_INPUTS, Images, Prompt
 from .results import Generation
 from .session import Session, _quiet_onnxruntime
 
@@ -142,8 +142,7 @@ class VisionLanguageModel:
             raise ContractError(f"{self.session.files.onnx_path}: a text decoder graph (no {naming.VISION_EMBEDS} or "
                                 f"{naming.PIXEL_VALUES} input); open it with Session")
         self.media = media
-        # metadata / manifest first, then the graphs' static dims
-        facts = {**graph_geometry(media.input), **media.facts}
+        facts = dict(media.facts)   # metadata / manifest, then the language graph's static dims
         self.vision: VisionStage | None = None
         if media.kind == "dual":
             path = self._vision_path(vision)
