@@ -36,6 +36,15 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
                    "image size where the export fixes one patch grid (Qwen2.5-VL).")
 @click.option("--image-token-id", type=ID, default=None,
               help="Image token of another exporter's vision-language graph (qeff-kv's exports record it).")
+@click.option("--vision-graph", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="VISION.onnx",
+              help="The vision graph of a dual-layout language graph MODEL (pixel_values -> vision_embeds), where no "
+                   "manifest names it and it is not <name>_vision.onnx beside MODEL (the peer's dual pair).")
+@click.option("--image-size", type=DIM, default=None,
+              help="Image side of a vision-language graph that records none and does not fix it (the peer's single "
+                   "graph needs it for a text-only prompt before any image).")
+@click.option("--vision-size", type=DIM, default=None,
+              help="Image rows per image of a vision-language graph that records none (default: the vision graph's "
+                   "output, or one run of image tokens per image in the prompt).")
 @click.option("--max-new-tokens", type=COUNT, default=64, show_default=True,
               help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
 @click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
@@ -63,7 +72,8 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
-def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
+def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
+                 image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, as_json) -> None:
@@ -76,7 +86,7 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
-        image_token_id=image_token_id)
+        image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size)
     result = run_generate(req)
     for r in result["resized_images"]:
         click.echo(f"resized {r['image']} {r['from'][0]}x{r['from'][1]} -> {r['to'][0]}x{r['to'][1]} (the export's "

@@ -123,7 +123,7 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_wind
                    "beside MODEL, else a static pixel_values axis.")
 @click.option("--vision-size", type=DIM, default=None, metavar="N",
               help="Dual-layout language graph: image rows per image (symbol vision_size); default: the manifest, "
-                   "else a static vision_embeds axis.")
+                   "else a static vision_embeds axis, else the vision graph's shapes at --img-size.")
 @click.option("--vision-batch-size", type=DIM, default=1, show_default=True, metavar="N",
               help="Vision-language graph: images per vision run / rows of vision_embeds (symbol "
                    "vision_batch_size; the vision program's batch_size).")

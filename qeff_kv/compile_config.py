@@ -16,8 +16,10 @@ Vision-language graphs (contract section 6; :mod:`qeff_kv.multimodal`):
   ``pixel_values_RetainedState`` in the single layout) at the model dtype (the buffer's own dtype in the graph,
   or ``vision_precision``), before the KV buffers at the KV precision. ``image_idx`` (int64) is not listed.
 * every specialization carries ``img_size``, ``vision_size`` (dual layout only: the single layout has no such
-  axis, and the peer drops it there too) and ``vision_batch_size`` after ``ctx_len`` (and ``sliding_window``),
-  plus ``max_num_images`` when given or when a graph axis has that name.
+  axis, and the peer drops it there too; where neither the manifest nor a static axis gives it, ONNX shape
+  inference of the vision graph at ``img_size`` does, as the peer computes ``(img_size / patch)^2`` for Llava)
+  and ``vision_batch_size`` after ``ctx_len`` (and ``sliding_window``), plus ``max_num_images`` when given or
+  when a graph axis has that name.
 * the dual layout's vision graph gets ``custom_io_vision.yaml`` (``pixel_values`` in, ``vision_embeds`` out, at the
   model dtype) and ``specializations_vision.json``: one entry (``batch_size`` = ``vision_batch_size``,
   [``max_num_images``], ``img_size``), named ``Vision`` in the named format, as the peer names its vision program.
@@ -256,7 +258,8 @@ def _axis_named(layouts, name: str) -> bool:
 
 
 def _resolve_vision(layout: KVLayout, vision: dict | None, single_graph: bool | None,
-                    vision_layout: KVLayout | None, vision_batch_size: int, max_num_images: int | None):
+                    vision_layout: KVLayout | None, vision_batch_size: int, max_num_images: int | None,
+                    vision_path: Path | None = None):
     """(kind, language-graph symbols, vision-program settings or None) of ``layout``; refusals in one line."""
     kind = multimodal.graph_kind(layout)
     if kind == multimodal.VISION_ENCODER:
@@ -283,7 +286,10 @@ def _resolve_vision(layout: KVLayout, vision: dict | None, single_graph: bool | 
                                f"{multimodal.PIXEL_VALUES} dim 2", "--img-size")
     vision_size = None
     if kind == multimodal.DUAL:
-        vision_size = _given_or_graph(VISION_SIZE, vision.get(VISION_SIZE), multimodal.static_dim(emb, 1),
+        rows = multimodal.static_dim(emb, 1)
+        if rows is None and vision.get(VISION_SIZE) is None and vision_path is not None:
+            rows = multimodal.vision_rows(vision_path, img_size)   # the vision graph's shapes at img_size
+        vision_size = _given_or_graph(VISION_SIZE, vision.get(VISION_SIZE), rows,
                                       f"{multimodal.VISION_EMBEDS} dim 1", "--vision-size")
     layouts = [layout] + ([vision_layout] if vision_layout is not None else [])
     if max_num_images is None and _axis_named(layouts, MAX_NUM_IMAGES):
@@ -320,17 +326,21 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     A vision-language graph (told by its inputs: :func:`qeff_kv.multimodal.graph_kind`): ``vision`` holds its
     ``image_size`` and ``vision_size`` (the manifest's ``vision`` dict; a static graph axis is used when it is
     absent, and must agree when both are there); ``single_graph``, when given, must match the graph's layout;
-    ``vision_graph`` (a layout or a path) is the dual layout's vision graph, which adds
+    ``vision_graph`` (a layout or a path) is the dual layout's vision graph (given as a path, its shapes at
+    ``img_size`` give ``vision_size`` where nothing else does: the peer's graphs), which adds
     ``custom_io_vision.yaml`` and ``specializations_vision.json`` (returned after the other two).
     ``vision_precision``: the vision buffers' precision (default: the model dtype, their own dtype in the graph).
     """
     out_dir = Path(out_dir)
     check_precision(precision)
     check_vision_precision(vision_precision)
+    vision_path = None
     if vision_graph is not None and not isinstance(vision_graph, KVLayout):
+        vision_path = Path(vision_graph)
         vision_graph = graphio.layout_of(graphio.load(vision_graph))
     window = resolve_sliding_window(layout, sliding_window, required=True)
-    kind, syms, vis = _resolve_vision(layout, vision, single_graph, vision_graph, vision_batch_size, max_num_images)
+    kind, syms, vis = _resolve_vision(layout, vision, single_graph, vision_graph, vision_batch_size, max_num_images,
+                                      vision_path)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
                            full_batch_size=full_batch_size, fmt=fmt, ccl=ccl,
                            sliding_window=window if layout.has_sliding else None, vision_symbols=syms)

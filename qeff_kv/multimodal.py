@@ -185,6 +185,38 @@ def static_dim(t: TensorInfo | None, axis: int) -> int | None:
     return d if isinstance(d, int) and not isinstance(d, bool) else None
 
 
+def vision_rows(path: str | Path, img_size: int) -> int | None:
+    """The rows per image (``vision_embeds`` dim 1) the dual layout's vision graph at ``path`` makes for one
+    ``img_size`` x ``img_size`` image: ONNX shape inference (with data propagation) after fixing its
+    ``pixel_values`` dims; ``None`` when the graph is not such a graph or inference cannot tell. Weights are not
+    read."""
+    import onnx
+    from onnx import shape_inference
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return None
+    ins = [i for i in model.graph.input if i.name == PIXEL_VALUES]
+    outs = [o for o in model.graph.output if o.name == VISION_EMBEDS]
+    if len(ins) != 1 or len(outs) != 1 or len(ins[0].type.tensor_type.shape.dim) != 4:
+        return None
+    for d, v in zip(ins[0].type.tensor_type.shape.dim, (1, None, img_size, img_size)):
+        if v is not None:
+            d.Clear()
+            d.dim_value = v
+    outs[0].type.tensor_type.ClearField("shape")
+    try:
+        inferred = shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:
+        return None
+    out = [o for o in inferred.graph.output if o.name == VISION_EMBEDS][0].type.tensor_type
+    dims = out.shape.dim if out.HasField("shape") else []
+    if len(dims) != 3 or not dims[1].HasField("dim_value") or dims[1].dim_value < 1:
+        return None
+    return int(dims[1].dim_value)
+
+
 def manifest_beside(path: str | Path) -> dict | None:
     """The ``manifest.json`` of the export folder holding ``path`` when it names ``path`` as its ``onnx``
     (the graph holding the KV); else ``None``. An unreadable manifest counts as none."""

@@ -7,7 +7,8 @@ Two sets of retained-state graphs:
   its runtime without anything else;
 * **peer graphs**, read from ../shared/fixtures/qeff-peer (or ``QEFF_KV_PEER_FIXTURES``): the tests that are
   about interoperating with the peer's exporter (QEfficient); they skip with a reason where that folder is
-  absent.
+  absent. Its vision-language and CCL graphs, with their tiny models, are in ../shared/fixtures/qeff-peer-vlm (or
+  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir``, tests/test_peer_vlm.py).
 
 ``graphs`` is parametrized over both (``own``, ``peer``): a test of our own behaviour written against it runs
 on our exports and on the peer's files of the same names, and compares with each set's own reference tokens.
@@ -31,6 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 PEER_DIR = Path(os.environ.get("QEFF_KV_PEER_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer"))
 HAS_PEER = (PEER_DIR / "README.md").is_file()
 PEER_MISSING = f"peer fixtures not found at {PEER_DIR} (set QEFF_KV_PEER_FIXTURES to their folder)"
+#: The peer's vision-language and CCL graphs, with the tiny models they were made from (tests/test_peer_vlm.py).
+PEER_VLM_DIR = Path(os.environ.get("QEFF_KV_PEER_VLM_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer-vlm"))
+HAS_PEER_VLM = (PEER_VLM_DIR / "README.md").is_file()
+PEER_VLM_MISSING = (f"peer vision-language fixtures not found at {PEER_VLM_DIR} (set QEFF_KV_PEER_VLM_FIXTURES to "
+                    "their folder)")
 PEER_GRAPHS = [
     "qeff_llama_default.onnx",
     "qeff_llama_vllm.onnx",
@@ -182,6 +188,13 @@ def peer_dir() -> Path:
     if not HAS_PEER:
         pytest.skip(PEER_MISSING)
     return PEER_DIR
+
+
+@pytest.fixture(scope="session")
+def peer_vlm_dir() -> Path:
+    if not HAS_PEER_VLM:
+        pytest.skip(PEER_VLM_MISSING)
+    return PEER_VLM_DIR
 
 
 @pytest.fixture(params=PEER_GRAPHS)

@@ -93,6 +93,10 @@ class GenerateRequest:
     images: list[str] = field(default_factory=list)
     #: the image token of another exporter's vision-language graph (ours record it)
     image_token_id: int | None = None
+    #: a dual-layout language graph's vision graph, and the geometry, where nothing records them (the peer's graphs)
+    vision_graph: str | None = None
+    image_size: int | None = None
+    vision_size: int | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
 
@@ -189,8 +193,9 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     kwargs = dict(ctx_len=req.ctx_len, prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
                   inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window,
                   image_token_id=req.image_token_id)
-    if vision:
-        model = VisionLanguageModel(req.model, **kwargs)
+    if vision or req.vision_graph is not None or req.image_size is not None or req.vision_size is not None:
+        model = VisionLanguageModel(req.model, req.vision_graph, image_size=req.image_size,
+                                    vision_size=req.vision_size, **kwargs)
         session = model.session
     else:
         session = Session(req.model, **kwargs)

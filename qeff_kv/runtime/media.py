@@ -15,8 +15,11 @@ A language graph of either layout takes, besides the text decoder's inputs,
   embedding, as in transformers).
 
 What the graph does not say (the image token, rows per image, whether an image must stay in one chunk) comes
-from the graph's ``qeff_kv.vision`` metadata or the export manifest; for another exporter's graph the caller
-gives the image token id. Several sequences of a continuous-batching graph each bind their own images for
+from the graph's ``qeff_kv.vision`` metadata or the export manifest; for another exporter's graph (the peer's:
+no metadata) from the graph's static dims, the caller (the image token id, ``image_size``, ``vision_size``) or
+the prompt (:class:`~.vision.VisionLanguageModel` resolves them). The peer's graphs take a chunk of one token for
+a decode step and merge no image there, so no chunk of one token holds an image token (:func:`plan_prompt`).
+Several sequences of a continuous-batching graph each bind their own images for
 their own prefill (one prefill runs at a time): ``image_idx`` restarts at 0 for every prompt.
 """
 
@@ -80,6 +83,37 @@ class Prompt:
     images: Images | None = None
 
 
+def graph_geometry(t) -> dict:
+    """What the static dims of a language graph's image input say: ``vision_embeds [images, vision_size, hidden]``
+    gives ``vision_size`` and ``hidden_size``; ``pixel_values [images, C, S, S]`` gives ``channels`` and
+    ``image_size``. Symbolic dims say nothing (the peer's graphs)."""
+    shape = tuple(t.shape or ())
+    static = [d if isinstance(d, int) and not isinstance(d, bool) else None for d in shape]
+    out = {}
+    if t.name == naming.VISION_EMBEDS and len(static) == 3:
+        out.update(vision_size=static[1], hidden_size=static[2])
+    elif t.name == naming.PIXEL_VALUES and len(static) == 4:
+        out.update(channels=static[1], image_size=static[2] if static[2] == static[3] else None)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def plan_prompt(tokens: Sequence[int], chunk: int, image_token: int, *, keep_runs_whole: bool = False
+                ) -> list[tuple[int, int]]:
+    """The chunks of a prompt: :func:`qeff_kv.chunking.plan_chunks`, then no chunk of one token that holds an image
+    token (the peer's merge takes ``seq_len == 1`` for a decode step and keeps the text embedding): such a chunk
+    takes the token before it from the previous chunk. (Images kept whole start their chunk: not moved.)"""
+    plan = plan_chunks(tokens, chunk, run_token=image_token, keep_runs_whole=keep_runs_whole)
+    for i, (off, cnt) in enumerate([] if keep_runs_whole else plan):
+        if cnt == 1 and tokens[off] == image_token:
+            if i == 0 or plan[i - 1][1] < 2:
+                raise RuntimeInputError(f"image token at prompt position {off} would be fed in a chunk of one token, "
+                                        "which a vision-language graph takes for a decode step (no image merged); "
+                                        "use a prefill length of 2 or more (--prefill-seq-len)")
+            poff, pcnt = plan[i - 1]
+            plan[i - 1], plan[i] = (poff, pcnt - 1), (off - 1, 2)
+    return plan
+
+
 def vision_facts(layout: KVLayout, manifest: dict | None) -> dict:
     """The vision geometry: graph metadata ``qeff_kv.vision``, else the manifest's ``vision`` (plus its
     ``image_token_id``), else ``{}`` (another exporter's graph)."""
@@ -106,7 +140,7 @@ class LanguageMedia:
         self.name = naming.VISION_EMBEDS if kind == multimodal.DUAL else naming.PIXEL_VALUES
         self.input = layout.input(self.name)
         self.output_name = naming.retained_name(self.name)
-        self.facts = facts
+        self.facts = {**graph_geometry(self.input), **facts}   # metadata / manifest first, then static dims
         token = image_token_id if image_token_id is not None else facts.get("image_token_id")
         if token is None:
             raise RuntimeInputError(f"{self.name} graph without qeff-kv's vision metadata or manifest: give its image "
@@ -121,6 +155,26 @@ class LanguageMedia:
                             ort.OrtValue.ortvalue_from_numpy(self._idx_out))
         self.placeholder = Images(np.zeros(self._placeholder_shape(), np.dtype(self.input.dtype)), 1, 0)
         self.bound: Images = self.placeholder
+        self._rebind = False
+
+    def set_facts(self, facts: dict) -> None:
+        """The vision geometry resolved after the session opened (a peer graph's, from its vision graph, options or
+        a prompt): rows per image, and a placeholder image of the right size (rebound before the next prompt)."""
+        self.facts = facts
+        self.vision_size = facts.get("vision_size")
+        placeholder = Images(np.zeros(self._placeholder_shape(), np.dtype(self.input.dtype)), 1, 0)
+        if placeholder.array.shape != self.placeholder.array.shape:
+            if self.bound is self.placeholder:
+                self.bound = placeholder
+                self._rebind = True
+            self.placeholder = placeholder
+
+    @property
+    def placeholder_known(self) -> bool:
+        """Whether a text-only prompt can run: a single-layout graph encodes its bound image in every call, so its
+        placeholder must be an image the encoder takes (its size known); the dual layout's rows are never read."""
+        f = self.facts
+        return self.kind != multimodal.SINGLE or "grid" in f or f.get("image_size") is not None
 
     # ------------------------------------------------------------------------------------------ set-up
     @classmethod
@@ -192,13 +246,20 @@ class LanguageMedia:
                                         f"{images.count} image(s) fill {images.rows} (one token per image row)")
             if images.rope is not None and images.rope.shape[1] != len(tokens):
                 raise RuntimeInputError("the images' RoPE rows were made for another prompt")
-        return plan_chunks(tokens, chunk, run_token=self.image_token_id, keep_runs_whole=self.whole_images)
+        elif self.bound is self.placeholder and not self.placeholder_known:
+            raise RuntimeInputError(f"{self.name} graph: a text-only prompt runs its vision encoder on a placeholder "
+                                    "image, and the image size of this graph is recorded nowhere: give it "
+                                    "(VisionLanguageModel(image_size=...), --image-size), or an image first")
+        return plan_prompt(tokens, chunk, self.image_token_id, keep_runs_whole=self.whole_images)
 
     def begin(self, io: ort.IOBinding, bind_out, images: Images | None) -> None:
         """Before a prompt's first chunk: its images bound (if any), ``image_idx`` 0, else -1 (no merge)."""
         if images is not None and images is not self.bound:
             self.bound = images
+            self._rebind = True
+        if self._rebind:
             self.bind(io, bind_out)
+            self._rebind = False
         self._idx_in[0, 0] = 0 if images is not None else -1
 
     def chain(self) -> None:

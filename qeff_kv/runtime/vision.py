@@ -27,6 +27,7 @@ import onnxruntime as ort
 
 from .. import graphio, mrope, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
+from ..limits import positive_int
 from .media import IMAGE_INPUTS, Images, Prompt
 from .results import Generation
 from .session import Session, _quiet_onnxruntime
@@ -62,6 +63,8 @@ class VisionStage:
                 from None
         self._io = self._sess.io_binding()
         self.runs = 0
+        #: rows and hidden size of the output for an input shape, where the graph's output dims are symbolic
+        self._out_dims: dict[tuple, tuple[int, int]] = {}
 
     def geometry(self) -> dict:
         """What the graph's static dims say: ``vision_size`` and ``hidden_size`` of the output rows, ``channels`` and
@@ -76,19 +79,40 @@ class VisionStage:
             g["image_size"] = inp[2]
         return g
 
-    def encode(self, images: list[np.ndarray], rows: int, hidden: int) -> np.ndarray:
-        """Run each image once; returns ``[len(images), rows, hidden]``, each image's rows written in place."""
+    def encode(self, images: list[np.ndarray], rows: int | None, hidden: int | None) -> np.ndarray:
+        """Run each image once; returns ``[len(images), rows, hidden]``, each image's rows written in place. With
+        ``rows`` or ``hidden`` unknown (a graph whose output dims are symbolic), the first image's output says them
+        (that one image is copied into place; later calls with images of that shape write in place)."""
+        first = None
+        if rows is None or hidden is None:
+            rows, hidden = self._out_dims.get(tuple(images[0].shape), (rows, hidden))
+        if rows is None or hidden is None:
+            self._io.bind_cpu_input(naming.PIXEL_VALUES, np.ascontiguousarray(images[0], dtype=self.dtype))
+            self._io.bind_output(naming.VISION_EMBEDS, "cpu")
+            self._run(0)
+            first = self._io.get_outputs()[0].numpy()
+            if first.ndim != 3 or first.shape[0] != 1:
+                raise RuntimeInputError(f"the vision graph made {naming.VISION_EMBEDS} of shape {list(first.shape)} "
+                                        "for one image; expected [1, rows, hidden]")
+            rows, hidden = int(first.shape[1]), int(first.shape[2])
+            self._out_dims[tuple(images[0].shape)] = (rows, hidden)
         out = np.empty((len(images), rows, hidden), dtype=self.out_dtype)
         for i, pixels in enumerate(images):
+            if i == 0 and first is not None:
+                out[0] = first[0]
+                continue
             self._io.bind_cpu_input(naming.PIXEL_VALUES, np.ascontiguousarray(pixels, dtype=self.dtype))
             self._io.bind_ortvalue_output(naming.VISION_EMBEDS, ort.OrtValue.ortvalue_from_numpy(out[i:i + 1]))
-            try:
-                self._sess.run_with_iobinding(self._io)
-            except Exception as exc:
-                raise RuntimeInputError(f"the vision graph failed on image {i}: "
-                                        f"{' '.join(str(exc).split())[:300]}") from None
-            self.runs += 1
+            self._run(i)
         return out
+
+    def _run(self, i: int) -> None:
+        try:
+            self._sess.run_with_iobinding(self._io)
+        except Exception as exc:
+            raise RuntimeInputError(f"the vision graph failed on image {i}: "
+                                    f"{' '.join(str(exc).split())[:300]}") from None
+        self.runs += 1
 
 
 class VisionLanguageModel:
@@ -97,18 +121,28 @@ class VisionLanguageModel:
     Args:
         model: an export folder (``manifest.json`` naming the language graph and the vision graph), or the language
             ``.onnx`` (its vision graph ``<name>_vision.onnx`` beside it, or ``vision``).
-        vision: the vision graph, where the manifest does not name it (dual layout).
-        **session_kwargs: for the language :class:`Session` (``ctx_len``, ``max_sequences``, ``threads``...).
+        vision: the vision graph (dual layout), where the manifest does not name it: a peer dual pair is
+            ``VisionLanguageModel("lang.onnx", "vision.onnx", image_token_id=...)``.
+        image_size, vision_size: the image side and the image rows per image, where neither the graphs' metadata,
+            the manifest nor their static dims say them (the peer's graphs); else taken from the image given (its
+            side), the vision graph's output (its rows) or, in the single layout, the prompt (one run of image
+            tokens per image). Given where the graph fixes them, they must agree.
+        **session_kwargs: for the language :class:`Session` (``ctx_len``, ``max_sequences``, ``threads``,
+            ``image_token_id``...).
     """
 
-    def __init__(self, model: str | os.PathLike, *, vision: str | os.PathLike | None = None, **session_kwargs):
+    def __init__(self, model: str | os.PathLike, vision: str | os.PathLike | None = None, *,
+                 image_size: int | None = None, vision_size: int | None = None, **session_kwargs):
+        for label, v in (("image_size", image_size), ("vision_size", vision_size)):
+            if v is not None:
+                positive_int(label, v)
         self.session = Session(model, **session_kwargs)
         media = self.session.media
         if media is None:
             raise ContractError(f"{self.session.files.onnx_path}: a text decoder graph (no {naming.VISION_EMBEDS} or "
                                 f"{naming.PIXEL_VALUES} input); open it with Session")
         self.media = media
-        self.facts = media.facts
+        facts = dict(media.facts)   # metadata / manifest, then the language graph's static dims
         self.vision: VisionStage | None = None
         if media.kind == "dual":
             path = self._vision_path(vision)
@@ -118,9 +152,18 @@ class VisionLanguageModel:
                 if self.vision.out_dtype != np.dtype(media.input.dtype):
                     raise ContractError(f"{path}: vision_embeds is {self.vision.out_dtype}; the language graph takes "
                                         f"{media.input.dtype}")
-                self.facts = {**self.vision.geometry(), **self.facts}
+                facts = {**self.vision.geometry(), **facts}
         elif vision is not None:
             raise RuntimeInputError("a vision graph was given for a single-layout graph (it encodes images itself)")
+        for key, option, given in (("image_size", "--image-size", image_size),
+                                   ("vision_size", "--vision-size", vision_size)):
+            if given is None:
+                continue
+            if facts.get(key) is not None and int(facts[key]) != int(given):
+                raise RuntimeInputError(f"{key}={given} ({option}) was given, but this graph's {key} is {facts[key]}")
+            facts[key] = int(given)
+        self.facts = facts
+        media.set_facts(facts)
 
     def _vision_path(self, given) -> Path | None:
         if given is not None:
@@ -159,26 +202,42 @@ class VisionLanguageModel:
             merge = int(f.get("spatial_merge_size", 1))
             rope, _ = mrope.prompt_positions(list(tokens), token, grids, merge)
             marks = mrope.image_marks(list(tokens), token, grids, merge)
-        if f.get("vision_size") is None:
-            raise RuntimeInputError("the image rows per image (vision_size) of this graph are recorded nowhere (no "
-                                    "qeff-kv metadata or manifest, no static vision graph output)")
-        rows_per_image = int(f["vision_size"])
+        rows_per_image = f.get("vision_size")
         t0 = time.perf_counter()
         dtype = np.dtype(self.media.input.dtype)
         if self.media.kind == "single":
             if "grid" in f and len(per_image) != 1:
                 raise RuntimeInputError(f"a single-layout graph of a patch-row model encodes one image of grid "
                                         f"{f['grid']} per prompt; {len(per_image)} were given")
+            if rows_per_image is None:
+                rows_per_image = self._rows_from_prompt(tokens, len(per_image))
             array = np.ascontiguousarray(np.concatenate(per_image), dtype=dtype)
         else:
             if self.vision is None:
-                raise RuntimeInputError(f"no vision graph for {self.session.files.onnx_path.name}: give vision=... "
-                                        "(the dual layout's <name>_vision.onnx)")
-            array = self.vision.encode(per_image, rows_per_image, int(f["hidden_size"]))
+                raise RuntimeInputError(f"no vision graph for {self.session.files.onnx_path.name}: give it "
+                                        "(vision=..., --vision-graph; the dual layout's <name>_vision.onnx)")
+            # rows the vision graph's static output fixes are written in place; else its output says them
+            static = self.vision.geometry()
+            array = self.vision.encode(per_image, static.get("vision_size"), static.get("hidden_size"))
+            if rows_per_image is not None and array.shape[1] != int(rows_per_image):
+                raise RuntimeInputError(f"the vision graph made {array.shape[1]} rows per image; this graph's "
+                                        f"vision_size is {rows_per_image} (metadata, manifest, --vision-size)")
+            rows_per_image = array.shape[1]
+        rows_per_image = int(rows_per_image)
         timings = self.session.timings
         timings.vision_s += time.perf_counter() - t0
         timings.images += len(per_image)
         return Images(array, len(per_image), len(per_image) * rows_per_image, rope, marks)
+
+    def _rows_from_prompt(self, tokens: Seq[int], images: int) -> int:
+        """A single-layout graph whose rows per image are recorded nowhere: one run of image tokens per image, all
+        of one length."""
+        runs = [n for _, n in self.media.image_runs(tokens)]
+        if len(runs) == images and len(set(runs)) == 1:
+            return runs[0]
+        raise RuntimeInputError(f"the image rows per image (vision_size) of this graph are recorded nowhere, and the "
+                                f"prompt's image tokens (runs of {runs}) are not one run of one length per image for "
+                                f"its {images} image(s): give vision_size=... (--vision-size)")
 
     def _square_images(self, pixels: np.ndarray, inputs) -> tuple[list[np.ndarray], list]:
         f = self.facts
