@@ -73,14 +73,14 @@ def test_decode_only_breakage_is_named_by_step():
     ref_logits = [np.eye(8)[3] * 5.0 for _ in range(4)]
     ref = Reference(logits=ref_logits, tokens=[3, 3, 3, 3])
     probe = Probe(prompt=[1, 2], chunk=2, decode_steps=3)
-    orig = verify._Runner
-    verify._Runner = FakeRunner
+    orig = verify.ProbeRunner
+    verify.ProbeRunner = FakeRunner
     try:
         with pytest.raises(VerificationError, match=r"after decode step 2: logits differ from PyTorch by up to 9 "
                                                      r"\(tolerance 0.005\); greedy token 4, PyTorch 3"):
             verify.verify_graph("unused.onnx", probe, ref, ctx_len=8, dtype="float32")
     finally:
-        verify._Runner = orig
+        verify.ProbeRunner = orig
 
 
 def test_no_verify_and_memory_rule(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ or a cache hit never needs them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import tempfile
@@ -251,14 +250,16 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
     """Trace the wrapped model with the TorchScript exporter (opset 17) into ``path``."""
     import torch
 
-    from . import moe, torch_graph
+    from . import caches, moe, rope, targets
+    from .caches import SlidingPlan
+    from .wrapper import RetainedStateLM
 
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     num_layers = int(text_cfg.num_hidden_layers)
     tdtype = next(model.parameters()).dtype
     try:
-        kv_shapes = torch_graph.probe_kv_shapes(model, num_layers)
+        kv_shapes = caches.probe_kv_shapes(model, num_layers)
     except Exception as exc:  # a model that does not run through our cache cannot be exported
         raise ExportError(f"{type(model).__name__} does not run with a retained-state cache: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
@@ -331,33 +332,30 @@ def _trace(model, options: opt.ExportOptions, path: Path, facts: family.ModelFac
         args.append(torch.zeros((1, 1), dtype=torch.int64))
         in_names.append("batch_index")
         dyn["batch_index"] = {0: "batch_size"}
-    compact = options.target in ("onnxruntime", "onnxruntime-fused")
-    fused = options.target == "onnxruntime-fused"
     # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
-    common = dict(valid_length_attention=compact, fused=fused, max_positions=max_positions, facts=facts,
-                  ccl=options.ccl is not None, ring_layers=ring_layers, windowed_layers=facts.windowed_layers(options))
+    fused = options.target == "onnxruntime-fused"
+    sliding = SlidingPlan(num_layers, facts.sliding_window, ring_layers,
+                          () if fused else facts.windowed_layers(options))
+    target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
+                                         continuous_batching=options.continuous_batching,
+                                         ccl=options.ccl is not None)
+    common = dict(target=target, facts=facts, ccl=options.ccl is not None)
     if vision is not None:
         wrapper = vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
                                            image_token_id=facts.image_token_id, single_graph=options.single_graph,
                                            image_blocks=facts.bidirectional_images, mrope=facts.mrope,
                                            grid=vision.get("grid"), **common).eval()
     else:
-        wrapper = torch_graph.RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval()
-    if fused and wrapper.rotary is not None:
-        rotary = torch_graph.skip_model_rotary(model)
-    elif compact:
-        rotary = torch_graph.compact_rotary(model)
-    else:
-        rotary = contextlib.nullcontext()
-    with warnings.catch_warnings(), torch.no_grad(), rotary, torch_graph.export_patches(model), \
+        wrapper = RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval()
+    with warnings.catch_warnings(), torch.no_grad(), target.rotary(model), rope.export_patches(model), \
             moe.static_routing(model, path):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(args), str(path), dynamo=False, opset_version=opt.OPSET,
                               input_names=in_names, output_names=out_names, dynamic_axes=dyn,
                               do_constant_folding=True,
-                              custom_opsets={"com.microsoft": 1} if options.target == "onnxruntime-fused" else None)
+                              custom_opsets=target.custom_opsets)
         except Exception as exc:  # tracing failures are model-specific; report them in one line
             raise ExportError(f"tracing failed for {type(model).__name__}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

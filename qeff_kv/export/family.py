@@ -8,6 +8,7 @@ the config alone, before anything is loaded or traced.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from ..errors import ExportError
@@ -351,3 +352,10 @@ def _latent_attention(text: dict) -> bool:
     if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
         return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
     return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
+
+
+def needs_image_sizes(model) -> bool:
+    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
+    encoders, Mistral3); Llava's optional one stays unused."""
+    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+    return param is not None and param.default is inspect.Parameter.empty

@@ -14,12 +14,14 @@ import numpy as np
 from .. import compile_config, naming
 from ..errors import ExportError
 from ..limits import positive_int
+from . import targets
+from .schemes import check_scheme
 
 DTYPES = ("float32", "float16")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
 #: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
 #: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
-TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
+TARGETS = targets.NAMES  # ("portable", "onnxruntime", "onnxruntime-fused"): one module each
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
@@ -100,8 +102,6 @@ class ExportOptions:
             raise ExportError("--target onnxruntime-fused keeps full-length buffers on sliding layers "
                               "(GroupQueryAttention appends in order and windows attention itself); "
                               "use --sliding-cache full, or --target portable or onnxruntime for ring buffers")
-        from .quantize import check_scheme  # no torch, no onnxruntime import here
-
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         return self
 

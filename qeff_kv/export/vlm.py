@@ -27,18 +27,10 @@ This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from .torch_graph import RetainedStateLM
-
-
-def needs_image_sizes(model: torch.nn.Module) -> bool:
-    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
-    encoders, Mistral3); Llava's optional one stays unused."""
-    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
-    return param is not None and param.default is inspect.Parameter.empty
+from .family import needs_image_sizes
+from .wrapper import RetainedStateLM
 
 
 def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
