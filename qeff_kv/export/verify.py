@@ -28,7 +28,8 @@ import numpy as np
 
 from .. import limits
 from ..chunking import plan_chunks
-from ..errors import VerificationError
+from ..errors import ExportError, VerificationError
+from . import family
 from .probe_runner import ProbeRunner, first_line
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -253,3 +254,49 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
                               max_abs_diff=float(f"{worst:.3g}"),
                               tolerance=float(f"{(worst_tol or rtol):.3g}"),
                               seconds=round(time.perf_counter() - t0 + ref.seconds, 3))
+
+
+# ------------------------------------------------------------------------------------- the export's stages
+def reference_for_export(model, options, verify: bool | None, say, vision: dict | None = None):
+    """``(probe, reference, why_skipped)``: the probe and the PyTorch reference on it, computed before tracing
+    touches the model; or why not. ``vision``: a vision-language model's geometry (the probe then holds an image)."""
+    if verify is False:
+        return None, None, "turned off (--no-verify)"
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if verify is None:
+        ok, note = memory_allows(param_bytes)
+        if not ok:
+            say(note)
+            return None, None, note
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
+    facts = family.ModelFacts.from_config(model.config.to_dict())
+    probe = make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
+                       window=facts.sliding_window if facts.sliding_layers else None)
+    if facts.vision_language:
+        try:
+            probe = add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,
+                              image_blocks=facts.bidirectional_images)
+        except VerificationError as exc:
+            raise ExportError(str(exc)) from None
+    try:
+        reference = reference_run(model, probe)
+    except Exception as exc:
+        raise ExportError(f"{type(model).__name__}: the PyTorch reference run for verification failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                          f"--no-verify skips it") from None
+    return probe, reference, None
+
+
+def verify_export(onnx_path: Path, vision_path: Path | None, options, probe, reference, skipped: str | None,
+                  say) -> VerificationResult:
+    """The verify stage: :func:`verify_graph` on the staged graph, or the record of why it was skipped."""
+    if probe is None:
+        return VerificationResult(status="skipped", reason=skipped)
+    say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
+        f"{probe.decode_steps} decode steps)")
+    result = verify_graph(onnx_path, probe, reference, ctx_len=options.ctx_len, dtype=options.dtype,
+                          kv_batch=options.full_batch_size if options.continuous_batching else 1,
+                          ccl=options.ccl, vision_path=vision_path)
+    say(f"verified: max |logit difference| {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g})")
+    return result
