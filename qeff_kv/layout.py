@@ -236,12 +236,15 @@ class KVLayout:
         """What each layer retains (:mod:`qeff_kv.statespec`): the graph metadata's spec, else derived from the
         buffers' names and shapes (a KV axis 2 named ``sliding_window`` is a ring). A recorded spec that is
         malformed or does not describe the buffers is ignored here (``check`` reports it)."""
-        pairs = [(p.stem, p.layer, p.input.shape, p.output.shape) for p in self.pairs]
-        try:
-            spec = statespec.read(self.metadata, pairs, self.sliding_window)
-        except ContractError:
+        pairs = self.state_pairs
+        if statespec.problem(self.metadata, pairs) is not None:
             return statespec.derive(pairs, self.sliding_window)
-        return spec if statespec.mismatch(spec, pairs) is None else statespec.derive(pairs, self.sliding_window)
+        return statespec.read(self.metadata, pairs, self.sliding_window)
+
+    @property
+    def state_pairs(self) -> list[tuple]:
+        """``(stem, layer, input shape, output shape)`` of every KV pair: what :mod:`qeff_kv.statespec` reads."""
+        return [(p.stem, p.layer, p.input.shape, p.output.shape) for p in self.pairs]
 
     @property
     def has_sliding(self) -> bool:

@@ -155,17 +155,18 @@ class StateSpec:
         return cls(tuple(sorted((LayerState.from_json(d) for d in raw), key=lambda s: s.layer)))
 
 
-def for_export(kv_shapes, *, ctx_len: int, window: int | None, ring_layers: Iterable[int],
+def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
                sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS) -> StateSpec:
     """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
-    stem; ring layers keep ``window`` slots, the others ``ctx_len``; sliding layers record their window."""
+    stem; ring layers keep ``window`` slots (fixed by the model), the others ``ctx_len`` (a symbolic axis: bound at
+    run time, ``capacity`` ``None``); sliding layers record their window."""
     rings, sliding = set(ring_layers), set(sliding_layers)
     layers = []
     for i, shapes in enumerate(kv_shapes):
         kind = KINDS["ring" if i in rings else "full"]
         layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(stems),
                                  shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
-                                 capacity=int(window) if i in rings else int(ctx_len),
+                                 capacity=int(window) if i in rings else None,
                                  window=int(window) if window and (i in sliding or i in rings) else None))
     return StateSpec(tuple(layers))
 
@@ -216,3 +217,17 @@ def mismatch(spec: StateSpec, pairs: Iterable[tuple[str, int, tuple | None, tupl
         if want.kind != got.kind:
             return f"graph metadata {META_KEY}: layer {want.layer} is {want.kind}, its buffers are {got.kind}"
     return None
+
+
+def problem(metadata: dict, pairs) -> str | None:
+    """What is wrong with a graph's recorded spec (not JSON, malformed, not describing its KV buffers), or
+    ``None`` (valid, or none recorded)."""
+    text = metadata.get(META_KEY)
+    if text is None:
+        return None
+    pairs = list(pairs)
+    try:
+        spec = StateSpec.loads(text)
+    except ContractError as exc:
+        return str(exc)
+    return mismatch(spec, pairs)

@@ -33,17 +33,17 @@ class ProbeRunner:
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
         self.extra: dict[str, np.ndarray] = {}
         self.kv: dict[str, np.ndarray] = {}
+        spec = layout.state_spec   # each layer's kind and capacity (ring layers: the window)
         for p in layout.pairs:
             shape = []
+            state = spec.layer(p.layer)
             for i, d in enumerate(p.input.shape or ()):
                 if isinstance(d, int):
                     shape.append(d)
                 elif i == 0:
                     shape.append(kv_batch)
-                elif i == 2 and d == naming.SLIDING_DIM and window is not None:
-                    shape.append(int(window))
-                elif i == 2:
-                    shape.append(ctx_len)
+                elif state is not None and i == state.position_axis:
+                    shape.append(state.capacity_at(ctx_len, int(window) if window is not None else None) or ctx_len)
                 else:
                     raise VerificationError(f"cannot size KV input {p.input_name!r}: symbolic dim {d!r} at axis {i}")
             self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))

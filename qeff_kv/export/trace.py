@@ -39,7 +39,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
     kv_shapes = _kv_shapes(model, options, num_layers)
-    spec = statespec.for_export(kv_shapes, ctx_len=options.ctx_len, window=facts.sliding_window,
+    spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
                                 ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers)
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
@@ -98,7 +98,7 @@ def _kv_inputs(spec: statespec.StateSpec, options: opt.ExportOptions, dtype, io:
     past = []
     for layer in spec.layers:
         for stem, (heads, dim_name, dim) in zip(layer.stems, layer.shapes):
-            past.append(torch.zeros((kv_batch, heads, layer.capacity, dim), dtype=dtype))
+            past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim), dtype=dtype))
             in_name = naming.kv_input_name(stem, layer.layer)
             out_name = naming.retained_name(in_name)
             io.in_names.append(in_name)
@@ -123,9 +123,8 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
     """The target of ``options`` and the wrapper that traces the model through it."""
     # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
-    fused = options.target == "onnxruntime-fused"
-    sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers,
-                          () if fused else facts.windowed_layers(options))
+    # the fused target windows GroupQueryAttention itself and never reads the windowed mask
+    sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers, facts.windowed_layers(options))
     target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
                                          continuous_batching=options.continuous_batching,
                                          ccl=options.ccl is not None)
