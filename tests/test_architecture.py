@@ -92,15 +92,30 @@ def test_no_import_circle_in_the_exporter():
     assert cycles(export) == []
 
 
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert cycles({m: {t for t in ts if not _is_package_reexport(m, t)} for m, ts in graph.items()}) == []
+
+
 def test_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("folder", ["export"])
+@pytest.mark.parametrize("folder", ["export", "passes", "."])
 def test_no_module_over_the_limit(folder):
-    long = {str(p.relative_to(PKG)): n for p in (PKG / folder).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    files = (PKG / folder).rglob("*.py") if folder != "." else PKG.glob("*.py")
+    long = {str(p.relative_to(PKG)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_every_target_is_one_module_behind_the_registry():
+    from qeff_kv.export import options, targets
+
+    assert options.TARGETS == targets.NAMES == ("portable", "onnxruntime", "onnxruntime-fused")
+    for name, module in targets.REGISTRY.items():
+        assert (PKG / "export" / "targets" / f"{module}.py").is_file()
+        source = (PKG / "export" / "targets" / f"{module}.py").read_text()
+        assert "TARGET = " in source and f'name = "{name}"' in source
 
 
 def test_the_exporter_does_not_reach_into_private_names_of_other_modules():
