@@ -7,7 +7,8 @@ Each export goes to ``DIR/<case>/``; a refusal is recorded as ``DIR/<case>/REFUS
 
 ``compare BEFORE AFTER``: every ``.onnx`` file of each case compared exactly: nodes (op, domain, inputs,
 outputs, attributes), initializers (name, dtype, dims, bytes), inputs/outputs (name, type, shape), local
-functions, opset imports. Metadata (``metadata_props``, producer, doc strings) is ignored. Refusals must match.
+functions, opset imports. Metadata (``metadata_props``, producer, doc strings) is ignored. Refusals must match, and
+the manifests too (but for ``source``, a temporary folder, and the new ``state_spec``).
 Exit code 1 on any difference.
 
 Exports run with ``PYTHONHASHSEED=0`` (set by the script): transformers iterates over a set of layer types
@@ -157,6 +158,24 @@ def _digest(model) -> dict:
                 ir_version=model.ir_version)
 
 
+#: manifest entries that may differ between two exports of the same graphs: where the model was read from (a
+#: temporary folder) and the state spec (new); durations (``seconds``) and file sizes (``graph_bytes``: they count
+#: the metadata) are dropped everywhere
+MANIFEST_IGNORED = ("source", "state_spec")
+
+
+def _manifest(folder: Path) -> dict:
+    import json
+
+    def timeless(v):   # durations differ run to run; file sizes include the graph's metadata
+        if isinstance(v, dict):
+            return {k: timeless(x) for k, x in v.items() if k not in ("seconds", "graph_bytes", "float_graph_bytes")}
+        return [timeless(x) for x in v] if isinstance(v, list) else v
+
+    m = json.loads((folder / "manifest.json").read_text())
+    return timeless({k: v for k, v in m.items() if k not in MANIFEST_IGNORED})
+
+
 def compare(before: Path, after: Path, only: str | None) -> int:
     import onnx
 
@@ -181,6 +200,11 @@ def compare(before: Path, after: Path, only: str | None) -> int:
             print(f"DIFFERENT FILES {name}: {fa} vs {fb}")
             bad += 1
             continue
+        ma, mb = _manifest(a), _manifest(b)
+        if ma != mb:
+            bad += 1
+            keys = sorted(k for k in set(ma) | set(mb) if ma.get(k) != mb.get(k))
+            print(f"DIFFERENT MANIFEST {name}: {', '.join(keys)}")
         for f in fa:
             da, db = _digest(onnx.load(a / f)), _digest(onnx.load(b / f))
             compared += 1

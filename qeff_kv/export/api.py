@@ -161,7 +161,9 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
             onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
             save=lambda m, p: publish.save_graph(m, p, say),
             kv_batch=options.full_batch_size if options.continuous_batching else 1)
-    records = {"checkpoint": ckpt, "verification": verification.to_json(), "weights": weights_record}
+    records = {"checkpoint": ckpt, "verification": verification.to_json()}
+    if weights_record is not None:
+        records["weights"] = weights_record
     if "vision" in geometry:
         records.update(layout="single" if options.single_graph else "dual", image_token_id=facts.image_token_id,
                        vision=geometry["vision"], vision_onnx=None if vision_path is None else vision_path.name)

@@ -12,6 +12,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from ..errors import ExportError
+from . import targets
 
 
 def text_config(config: dict) -> dict:
@@ -143,7 +144,7 @@ class ModelFacts:
                     f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
-        if options.target == "onnxruntime-fused":
+        if targets.info(options.target).group_query_attention:
             return self.fused_refusal()
         return None
 
@@ -184,7 +185,7 @@ class ModelFacts:
         full-length buffers and windows attention in GroupQueryAttention (``local_window_size``)."""
         if not self.sliding_layers or options.ctx_len <= int(self.sliding_window):
             return ()
-        if options.target == "onnxruntime-fused" or getattr(options, "sliding_cache", None) == "full":
+        if not targets.info(options.target).ring_buffers or getattr(options, "sliding_cache", None) == "full":
             return ()
         return self.sliding_layers
 

@@ -11,6 +11,13 @@ import onnx_ir as ir
 from .. import __version__, naming
 from ..passes import FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
 from . import options as opt
+from . import targets
+
+#: passes a target may ask for (``TargetInfo.passes``) -> (the pass, the dtypes it applies to)
+TARGET_PASSES = {
+    "PackGQAQKVPass": (PackGQAQKVPass, ("float32", "float16")),
+    "FuseSkipRMSNormPass": (FuseSkipRMSNormPass, ("float32",)),
+}
 
 
 def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> None:
@@ -33,11 +40,11 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         model.metadata_props[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
     RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)
-    if options.target == "onnxruntime-fused":
-        PackGQAQKVPass()(model)
-        if options.dtype == "float32":
-            FuseSkipRMSNormPass()(model)
-    if options.single_graph and options.target in ("onnxruntime", "onnxruntime-fused"):
+    target = targets.info(options.target)
+    for name in target.passes:   # the target's own passes (see qeff_kv.export.targets.REGISTRY)
+        if options.dtype in TARGET_PASSES[name][1]:
+            TARGET_PASSES[name][0]()(model)
+    if options.single_graph and target.gates_vision_encoder:
         # decode steps (image_idx -1 from qeff-kv's runtime) skip the vision encoder; the portable target keeps the
         # peer's plain graph (accelerator compilers may not take an If)
         if GateVisionEncoderPass()(model).modified:

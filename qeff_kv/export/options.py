@@ -80,9 +80,9 @@ class ExportOptions:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.target not in TARGETS:
             raise ExportError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
-        if self.target == "onnxruntime-fused" and self.continuous_batching:
-            raise ExportError("--target onnxruntime-fused does not support --continuous-batching "
-                              "(GroupQueryAttention has no batch_index); use --target onnxruntime")
+        refuses = targets.info(self.target).refuses   # what the target cannot honour, in one line each
+        if self.continuous_batching and "continuous_batching" in refuses:
+            raise ExportError(refuses["continuous_batching"])
         if self.continuous_batching:
             if self.full_batch_size is None:
                 raise ExportError("--continuous-batching needs --full-batch-size N")
@@ -90,18 +90,15 @@ class ExportOptions:
         elif self.full_batch_size is not None:
             raise ExportError("--full-batch-size is only meaningful with --continuous-batching")
         if self.ccl is not None:
-            if self.target == "onnxruntime-fused":
-                raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
-                                  "reads exactly the filled slots); use --target portable or onnxruntime")
+            if "ccl" in refuses:
+                raise ExportError(refuses["ccl"])
             check_ccl(self.ccl, self.ctx_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
         if self.sliding_cache not in (None, "ring", "full"):
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
-        if self.sliding_cache == "ring" and self.target == "onnxruntime-fused":
-            raise ExportError("--target onnxruntime-fused keeps full-length buffers on sliding layers "
-                              "(GroupQueryAttention appends in order and windows attention itself); "
-                              "use --sliding-cache full, or --target portable or onnxruntime for ring buffers")
+        if self.sliding_cache == "ring" and "ring" in refuses:
+            raise ExportError(refuses["ring"])
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         return self
 

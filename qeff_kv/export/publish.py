@@ -66,7 +66,7 @@ def write_files(stage: Path, onnx_path: Path, vision_path: Path | None, *, sourc
     source.copy_tokenizer(stage)
     fsutil.write_json(stage / PARAMS_FILE, params)
     man = manifest(onnx_path.name, layout, config, options, geometry, digest, source=source.describe(), fmt=fmt)
-    man.update({k: v for k, v in records.items() if v is not None})
+    man.update(records)
     fsutil.write_json(stage / MANIFEST_FILE, man)
     return man
 
