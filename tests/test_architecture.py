@@ -125,3 +125,15 @@ def test_the_exporter_does_not_reach_into_private_names_of_other_modules():
                 offenders += [f"{p.name}: {node.module}.{a.name}" for a in node.names
                               if a.name.startswith("_") and a.name != "__version__"]
     assert offenders == []
+
+
+def test_registry_gives_each_target_its_class():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from qeff_kv.export import targets
+    from qeff_kv.export.targets.base import Target
+
+    classes = [targets.get(name) for name in targets.NAMES]
+    assert [c.name for c in classes] == list(targets.NAMES)
+    assert all(issubclass(c, Target) and c is not Target for c in classes)
+    assert [c.fills_padding for c in classes] == [True, True, False]   # GQA overwrites padded slots itself
