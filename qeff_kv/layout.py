@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import naming
+from . import naming, statespec
 from .errors import ContractError
 
 Dim = int | str | None
@@ -232,14 +232,29 @@ class KVLayout:
         return sorted({p.stem for p in self.pairs}, key=naming.KV_STEMS.index)
 
     @property
+    def state_spec(self) -> statespec.StateSpec:
+        """What each layer retains (:mod:`qeff_kv.statespec`): the graph metadata's spec, else derived from the
+        buffers' names and shapes (a KV axis 2 named ``sliding_window`` is a ring). A recorded spec that is
+        malformed or does not describe the buffers is ignored here (``check`` reports it)."""
+        pairs = self.state_pairs
+        if statespec.problem(self.metadata, pairs) is not None:
+            return statespec.derive(pairs, self.sliding_window)
+        return statespec.read(self.metadata, pairs, self.sliding_window)
+
+    @property
+    def state_pairs(self) -> list[tuple]:
+        """``(stem, layer, input shape, output shape)`` of every KV pair: what :mod:`qeff_kv.statespec` reads."""
+        return [(p.stem, p.layer, p.input.shape, p.output.shape) for p in self.pairs]
+
+    @property
     def has_sliding(self) -> bool:
-        """Whether some KV pair is a sliding-window ring buffer (axis 2 named ``sliding_window``)."""
-        return any(p.is_sliding for p in self.pairs)
+        """Whether some layer keeps a sliding-window ring buffer (its state spec's kind is ``ring``)."""
+        return self.state_spec.has_ring
 
     @property
     def sliding_layers(self) -> list[int]:
         """Layers with a sliding-window ring buffer, ascending."""
-        return sorted({p.layer for p in self.pairs if p.is_sliding})
+        return list(self.state_spec.ring_layers)
 
     @property
     def sliding_window_meta(self) -> str | None:

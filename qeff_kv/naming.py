@@ -66,6 +66,8 @@ SLIDING_DIM = "sliding_window"
 #: window applied in attention).
 SLIDING_WINDOW_META = "qeff_kv.sliding_window"
 SLIDING_CACHE_META = "qeff_kv.sliding_cache"
+#: Graph metadata key of the per-layer state spec (JSON, :mod:`qeff_kv.statespec`): what each layer retains.
+STATE_SPEC_META = "qeff_kv.state_spec"
 
 MAX_PREFIX_LEN = 64
 

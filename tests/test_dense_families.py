@@ -170,13 +170,13 @@ def test_rotate_half_kind_is_measured_from_the_modeling_code():
     from transformers.models.glm import modeling_glm
     from transformers.models.llama import modeling_llama
 
-    from qeff_kv.export import torch_graph
+    from qeff_kv.export import rope
 
-    assert torch_graph.rotate_half_kind(modeling_llama.rotate_half) == "split-half"
-    assert torch_graph.rotate_half_kind(modeling_cohere.rotate_half) == "interleaved"
-    assert torch_graph.rotate_half_kind(modeling_glm.rotate_half) == "interleaved"
-    assert torch_graph.rotate_half_kind(lambda x: x) is None
-    assert torch_graph.rotate_half_kind(lambda x, y: x) is None
+    assert rope.rotate_half_kind(modeling_llama.rotate_half) == "split-half"
+    assert rope.rotate_half_kind(modeling_cohere.rotate_half) == "interleaved"
+    assert rope.rotate_half_kind(modeling_glm.rotate_half) == "interleaved"
+    assert rope.rotate_half_kind(lambda x: x) is None
+    assert rope.rotate_half_kind(lambda x, y: x) is None
 
 
 def test_repeat_interleave_keeps_later_negative_dims(tmp_path):
@@ -185,7 +185,7 @@ def test_repeat_interleave_keeps_later_negative_dims(tmp_path):
     import onnxruntime as ort
     import torch
 
-    from qeff_kv.export import torch_graph
+    from qeff_kv.export import graph_ops
 
     class M(torch.nn.Module):
         def forward(self, x, f):
@@ -195,7 +195,7 @@ def test_repeat_interleave_keeps_later_negative_dims(tmp_path):
 
     x, f = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 4)
     path = tmp_path / "m.onnx"
-    with torch_graph.export_symbolics(), torch.no_grad(), warnings.catch_warnings():
+    with graph_ops.export_symbolics(), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(M(), (x, f), str(path), dynamo=False, opset_version=17, input_names=["x", "f"],
                           dynamic_axes={"x": {2: "s"}, "f": {2: "s"}})

@@ -221,12 +221,12 @@ def test_export_cache_reuse_force_and_hash_separation(tmp_path, monkeypatch):
 
 
 def test_killed_export_leaves_no_half_files(tmp_path, monkeypatch):
-    from qeff_kv.export import api, export_model
+    from qeff_kv.export import export_model, publish
 
     def boom(*a, **k):
         raise ExportError("simulated failure while writing the graph")
 
-    monkeypatch.setattr(api, "_save_graph", boom)
+    monkeypatch.setattr(publish, "save_graph", boom)
     out = tmp_path / "out"
     with pytest.raises(ExportError, match="simulated failure"):
         export_model(None, out, ctx_len=32, prefill_seq_len=4)

@@ -36,15 +36,15 @@ def test_default_export_is_verified_and_recorded(tmp_path):
 
 
 def test_graph_broken_on_purpose_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
-    from qeff_kv.export import api, export_model
+    from qeff_kv.export import export_model, graph_passes
 
-    real = api._finalize
+    real = graph_passes.finalize
 
     def broken(model, options, geometry):
         real(model, options, geometry)
         _break_lm_head(model)
 
-    monkeypatch.setattr(api, "_finalize", broken)
+    monkeypatch.setattr(graph_passes, "finalize", broken)
     out = tmp_path / "out"
     with pytest.raises(VerificationError, match=r"^verification failed after the prompt: logits differ from "
                                                  r"PyTorch by up to [0-9.e-]+ \(tolerance [0-9.e-]+\)"):
@@ -73,14 +73,14 @@ def test_decode_only_breakage_is_named_by_step():
     ref_logits = [np.eye(8)[3] * 5.0 for _ in range(4)]
     ref = Reference(logits=ref_logits, tokens=[3, 3, 3, 3])
     probe = Probe(prompt=[1, 2], chunk=2, decode_steps=3)
-    orig = verify._Runner
-    verify._Runner = FakeRunner
+    orig = verify.ProbeRunner
+    verify.ProbeRunner = FakeRunner
     try:
         with pytest.raises(VerificationError, match=r"after decode step 2: logits differ from PyTorch by up to 9 "
                                                      r"\(tolerance 0.005\); greedy token 4, PyTorch 3"):
             verify.verify_graph("unused.onnx", probe, ref, ctx_len=8, dtype="float32")
     finally:
-        verify._Runner = orig
+        verify.ProbeRunner = orig
 
 
 def test_no_verify_and_memory_rule(tmp_path, monkeypatch):
@@ -100,7 +100,7 @@ def test_no_verify_and_memory_rule(tmp_path, monkeypatch):
 
 
 def test_cli_verify_flags_and_one_line_failure(tmp_path, monkeypatch):
-    from qeff_kv.export import api
+    from qeff_kv.export import graph_passes
     from qeff_kv_cli.main import main
 
     runner = CliRunner()
@@ -110,8 +110,8 @@ def test_cli_verify_flags_and_one_line_failure(tmp_path, monkeypatch):
     res = runner.invoke(main, ["export", "-q", "-o", str(tmp_path / "nv"), "--ctx-len", "16", "--prefill-seq-len", "4",
                                 "--no-verify"])
     assert res.exit_code == 0 and "(not verified)" in res.output
-    real = api._finalize
-    monkeypatch.setattr(api, "_finalize", lambda m, o, g: (real(m, o, g), _break_lm_head(m)))
+    real = graph_passes.finalize
+    monkeypatch.setattr(graph_passes, "finalize", lambda m, o, g: (real(m, o, g), _break_lm_head(m)))
     res = runner.invoke(main, ["export", "-q", "-o", str(tmp_path / "bad"), "--ctx-len", "16", "--prefill-seq-len", "4"])
     assert res.exit_code == 2
     lines = res.output.strip().splitlines()

@@ -8,9 +8,11 @@ the config alone, before anything is loaded or traced.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from ..errors import ExportError
+from . import targets
 
 
 def text_config(config: dict) -> dict:
@@ -142,7 +144,7 @@ class ModelFacts:
                     f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
-        if options.target == "onnxruntime-fused":
+        if targets.info(options.target).group_query_attention:
             return self.fused_refusal()
         return None
 
@@ -183,7 +185,7 @@ class ModelFacts:
         full-length buffers and windows attention in GroupQueryAttention (``local_window_size``)."""
         if not self.sliding_layers or options.ctx_len <= int(self.sliding_window):
             return ()
-        if options.target == "onnxruntime-fused" or getattr(options, "sliding_cache", None) == "full":
+        if not targets.info(options.target).ring_buffers or getattr(options, "sliding_cache", None) == "full":
             return ()
         return self.sliding_layers
 
@@ -351,3 +353,10 @@ def _latent_attention(text: dict) -> bool:
     if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
         return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
     return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
+
+
+def needs_image_sizes(model) -> bool:
+    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
+    encoders, Mistral3); Llava's optional one stays unused."""
+    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+    return param is not None and param.default is inspect.Parameter.empty

@@ -14,12 +14,14 @@ import numpy as np
 from .. import compile_config, naming
 from ..errors import ExportError
 from ..limits import positive_int
+from . import targets
+from .schemes import check_scheme
 
 DTYPES = ("float32", "float16")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
 #: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
 #: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
-TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
+TARGETS = targets.NAMES  # ("portable", "onnxruntime", "onnxruntime-fused"): one module each
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
@@ -78,9 +80,9 @@ class ExportOptions:
             raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.target not in TARGETS:
             raise ExportError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
-        if self.target == "onnxruntime-fused" and self.continuous_batching:
-            raise ExportError("--target onnxruntime-fused does not support --continuous-batching "
-                              "(GroupQueryAttention has no batch_index); use --target onnxruntime")
+        refuses = targets.info(self.target).refuses   # what the target cannot honour, in one line each
+        if self.continuous_batching and "continuous_batching" in refuses:
+            raise ExportError(refuses["continuous_batching"])
         if self.continuous_batching:
             if self.full_batch_size is None:
                 raise ExportError("--continuous-batching needs --full-batch-size N")
@@ -88,20 +90,15 @@ class ExportOptions:
         elif self.full_batch_size is not None:
             raise ExportError("--full-batch-size is only meaningful with --continuous-batching")
         if self.ccl is not None:
-            if self.target == "onnxruntime-fused":
-                raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
-                                  "reads exactly the filled slots); use --target portable or onnxruntime")
+            if "ccl" in refuses:
+                raise ExportError(refuses["ccl"])
             check_ccl(self.ccl, self.ctx_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
         if self.sliding_cache not in (None, "ring", "full"):
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
-        if self.sliding_cache == "ring" and self.target == "onnxruntime-fused":
-            raise ExportError("--target onnxruntime-fused keeps full-length buffers on sliding layers "
-                              "(GroupQueryAttention appends in order and windows attention itself); "
-                              "use --sliding-cache full, or --target portable or onnxruntime for ring buffers")
-        from .quantize import check_scheme  # no torch, no onnxruntime import here
-
+        if self.sliding_cache == "ring" and "ring" in refuses:
+            raise ExportError(refuses["ring"])
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         return self
 

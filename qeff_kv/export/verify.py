@@ -26,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import graphio, limits, naming
+from .. import limits
 from ..chunking import plan_chunks
-from ..errors import VerificationError
+from ..errors import ExportError, VerificationError
+from . import family
+from .probe_runner import ProbeRunner, first_line
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
 DECODE_STEPS = 4
@@ -156,7 +158,7 @@ def reference_run(model, probe: Probe) -> Reference:
     """Greedy logits of the untouched transformers model on the probe (its own cache and forward pass)."""
     import torch
 
-    from .vlm import needs_image_sizes
+    from .family import needs_image_sizes
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -194,90 +196,20 @@ def reference_run(model, probe: Probe) -> Reference:
 
 
 # --------------------------------------------------------------------------------------- onnxruntime side
-class _Runner:
-    """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
-
-    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None):
-        import onnxruntime as ort
-
-        graph = graphio.load(onnx_path)
-        layout = graphio.layout_of(graph).require_valid()
-        window = graph.metadata_props.get(naming.SLIDING_WINDOW_META)
-        del graph
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-        self.out_names = [o.name for o in self.sess.get_outputs()]
-        in_names = {i.name for i in self.sess.get_inputs()}
-        self.has_batch_index = "batch_index" in in_names
-        # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
-        self.ccl = (sorted(ccl or ()) + [ctx_len]) if naming.CCL_INPUT in in_names else None
-        self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
-        self.extra: dict[str, np.ndarray] = {}
-        self.kv: dict[str, np.ndarray] = {}
-        for p in layout.pairs:
-            shape = []
-            for i, d in enumerate(p.input.shape or ()):
-                if isinstance(d, int):
-                    shape.append(d)
-                elif i == 0:
-                    shape.append(kv_batch)
-                elif i == 2 and d == naming.SLIDING_DIM and window is not None:
-                    shape.append(int(window))
-                elif i == 2:
-                    shape.append(ctx_len)
-                else:
-                    raise VerificationError(f"cannot size KV input {p.input_name!r}: symbolic dim {d!r} at axis {i}")
-            self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
-
-    def step(self, ids: list[int], pos: list[int], slot: int, rope_rows: np.ndarray | None = None) -> np.ndarray:
-        positions = np.array([pos], dtype=np.int64)
-        if rope_rows is not None:   # [4, 1, S]: text positions over the multimodal RoPE rows
-            from ..mrope import graph_positions
-
-            positions = graph_positions(pos, rope_rows)
-        feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": positions, **self.kv, **self.extra}
-        if self.has_batch_index:
-            feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
-        if self.ccl is not None:
-            need = max(pos) + 1
-            feeds[naming.CCL_INPUT] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
-        out = dict(zip(self.out_names, self.sess.run(None, feeds)))
-        for i, o in self.pairs:
-            self.kv[i] = out[o]
-        if "image_idx" in self.extra and self.extra["image_idx"][0, 0] >= 0:   # the next chunk continues the image
-            self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
-        return np.asarray(out["logits"])[0, -1].astype(np.float64)
-
-    def add_image(self, pixel_values: np.ndarray, vision_path: Path | None) -> None:
-        """Feed a vision-language graph its image: ``vision_embeds`` from the vision graph (dual layout) or
-        ``pixel_values`` (single), and ``image_idx`` from 0."""
-        import onnxruntime as ort
-
-        if vision_path is not None:
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
-            self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
-        else:
-            self.extra["pixel_values"] = pixel_values
-        self.extra["image_idx"] = np.zeros((1, 1), dtype=np.int64)
-
-
 def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
                  kv_batch: int = 1, ccl=None, vision_path: Path | None = None) -> VerificationResult:
     """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
     A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first."""
     t0 = time.perf_counter()
     try:
-        runner = _Runner(onnx_path, ctx_len, kv_batch, ccl)
+        runner = ProbeRunner(onnx_path, ctx_len, kv_batch, ccl)
         if probe.pixel_values is not None:
             runner.add_image(probe.pixel_values, vision_path)
     except VerificationError:
         raise
     except Exception as exc:  # onnxruntime refuses the graph: that is a failed verification too
         raise VerificationError(f"verification failed: onnxruntime cannot load the exported graph "
-                                f"({_first_line(exc)})") from None
+                                f"({first_line(exc)})") from None
     rtol = RTOL.get(dtype, RTOL["float16"])
     worst, worst_tol = 0.0, 0.0
     prompt, chunk = probe.prompt, probe.chunk
@@ -302,7 +234,7 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
             pos += 1
     except Exception as exc:
         raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "
-                                f"({_first_line(exc)})") from None
+                                f"({first_line(exc)})") from None
     for (label, got), want in zip(steps, ref.logits):
         tol = rtol * max(1.0, float(np.max(np.abs(want))))
         if not np.all(np.isfinite(got)):
@@ -324,6 +256,47 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
                               seconds=round(time.perf_counter() - t0 + ref.seconds, 3))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+# ------------------------------------------------------------------------------------- the export's stages
+def reference_for_export(model, options, verify: bool | None, say, vision: dict | None = None):
+    """``(probe, reference, why_skipped)``: the probe and the PyTorch reference on it, computed before tracing
+    touches the model; or why not. ``vision``: a vision-language model's geometry (the probe then holds an image)."""
+    if verify is False:
+        return None, None, "turned off (--no-verify)"
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if verify is None:
+        ok, note = memory_allows(param_bytes)
+        if not ok:
+            say(note)
+            return None, None, note
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
+    facts = family.ModelFacts.from_config(model.config.to_dict())
+    probe = make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
+                       window=facts.sliding_window if facts.sliding_layers else None)
+    if facts.vision_language:
+        try:
+            probe = add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,
+                              image_blocks=facts.bidirectional_images)
+        except VerificationError as exc:
+            raise ExportError(str(exc)) from None
+    try:
+        reference = reference_run(model, probe)
+    except Exception as exc:
+        raise ExportError(f"{type(model).__name__}: the PyTorch reference run for verification failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                          f"--no-verify skips it") from None
+    return probe, reference, None
+
+
+def verify_export(onnx_path: Path, vision_path: Path | None, options, probe, reference, skipped: str | None,
+                  say) -> VerificationResult:
+    """The verify stage: :func:`verify_graph` on the staged graph, or the record of why it was skipped."""
+    if probe is None:
+        return VerificationResult(status="skipped", reason=skipped)
+    say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
+        f"{probe.decode_steps} decode steps)")
+    result = verify_graph(onnx_path, probe, reference, ctx_len=options.ctx_len, dtype=options.dtype,
+                          kv_batch=options.full_batch_size if options.continuous_batching else 1,
+                          ccl=options.ccl, vision_path=vision_path)
+    say(f"verified: max |logit difference| {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g})")
+    return result

@@ -27,18 +27,17 @@ This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 
 from __future__ import annotations
 
-import inspect
+import warnings
+from pathlib import Path
 
+import onnx_ir as ir
 import torch
 
-from .torch_graph import RetainedStateLM
-
-
-def needs_image_sizes(model: torch.nn.Module) -> bool:
-    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
-    encoders, Mistral3); Llava's optional one stays unused."""
-    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
-    return param is not None and param.default is inspect.Parameter.empty
+from .. import __version__, naming
+from ..errors import ExportError
+from . import options as opt
+from .family import needs_image_sizes
+from .wrapper import RetainedStateLM
 
 
 def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
@@ -146,3 +145,120 @@ class VisionLanguageLM(RetainedStateLM):
         logits, *kv = self.run(input_ids, position_ids, rest, inputs_embeds=merged, blocks=blocks,
                                rope_rows=rope_rows)
         return (logits, retained_input, image_idx_out, *kv)
+
+
+# ------------------------------------------------------------------------------- geometry and tracing
+#: the image side a vision graph is traced for when the vision config fixes none (Qwen2.5-VL), unless
+#: ``--image-size`` says otherwise
+DEFAULT_IMAGE_SIZE = 448
+
+
+def vision_geometry(model, image_size: int | None = None) -> dict:
+    """What a vision-language model's image input and vision rows look like, from its config and one run of its
+    own image encoder on a blank image: ``image_size``, ``channels``, ``vision_size`` (rows per image) and
+    ``hidden_size`` (of a row: the language model's). Models that take patch rows (``temporal_patch_size`` in
+    the vision config: Qwen2.5-VL) add ``grid`` ``[t, h, w]`` (patches), ``patch_dim`` (values per patch row)
+    and ``spatial_merge_size``; their vision graph is traced for that one grid."""
+    vcfg = model.config.vision_config
+    own = getattr(vcfg, "image_size", None)
+    own = own[0] if isinstance(own, (list, tuple)) else own
+    size = int(image_size or own or DEFAULT_IMAGE_SIZE)
+    channels = int(getattr(vcfg, "num_channels", None) or getattr(vcfg, "in_channels", None) or 3)
+    geometry = {"image_size": size, "channels": channels}
+    temporal = getattr(vcfg, "temporal_patch_size", None)
+    if temporal:
+        patch, merge = int(vcfg.patch_size), int(getattr(vcfg, "spatial_merge_size", 1) or 1)
+        if size % (patch * merge):
+            raise ExportError(f"--image-size {size} is not a multiple of patch_size x spatial_merge_size "
+                              f"({patch} x {merge}) of {type(model).__name__}'s vision encoder")
+        geometry.update(grid=[1, size // patch, size // patch], patch_dim=channels * int(temporal) * patch * patch,
+                        spatial_merge_size=merge)
+    elif image_size is not None and own is not None and int(image_size) != int(own):
+        raise ExportError(f"--image-size {image_size}: {type(model).__name__}'s vision encoder takes {own}x{own} "
+                          f"images")
+    dtype = next(model.parameters()).dtype
+    grid = torch.tensor([geometry["grid"]], dtype=torch.int64) if "grid" in geometry else None
+    with torch.no_grad():
+        rows = image_features(model, vision_pixels(geometry, dtype), grid)
+    geometry.update(vision_size=int(rows.shape[1]), hidden_size=int(rows.shape[2]))
+    return geometry
+
+
+def vision_pixels(vision: dict, dtype):
+    """A blank input for the vision encoder: one image ``[1, C, H, W]``, or its patch rows ``[t*h*w, patch_dim]``."""
+    if "grid" in vision:
+        t, h, w = vision["grid"]
+        return torch.zeros((t * h * w, vision["patch_dim"]), dtype=dtype)
+    return torch.zeros((1, vision["channels"], vision["image_size"], vision["image_size"]), dtype=dtype)
+
+
+def language_inputs(io, vision: dict, facts, options, dtype) -> dict:
+    """The language graph's vision inputs in the peer's order (contract section 6), put into the trace's
+    :class:`~qeff_kv.export.trace.GraphIO` before its KV buffers; returns the geometry the graph records
+    (``vision`` plus ``image_token_id`` and ``bidirectional_images``). Dual: ``(input_ids, vision_embeds,
+    position_ids, image_idx, ...)``; single: ``(input_ids, position_ids, pixel_values, image_idx, ...)``; outputs
+    ``(logits, vision_embeds | pixel_values retained, image_idx_output, ...)``."""
+    vision = dict(vision)
+    vision["image_token_id"] = int(facts.image_token_id)
+    if facts.bidirectional_images:   # the runtime keeps each image in one prefill chunk
+        vision["bidirectional_images"] = True
+    if facts.bidirectional_images and options.prefill_seq_len < vision["vision_size"]:
+        raise ExportError(f"{facts.architecture}'s {vision['vision_size']} image tokens attend to each other both "
+                          f"ways, so one prefill chunk must hold a whole image; use --prefill-seq-len "
+                          f"{vision['vision_size']} or more")
+    input_ids, position_ids = io.args
+    dyn = io.dyn
+    seq = int(input_ids.shape[1])
+    image_idx = torch.zeros((1, 1), dtype=torch.int64)
+    if facts.mrope:   # [4, batch, seq_len]: text positions, then the (t, h, w) RoPE rows
+        position_ids = position_ids.unsqueeze(0).expand(4, 1, seq).contiguous()
+        dyn["position_ids"] = {1: "batch_size", 2: "seq_len"}
+    if options.single_graph:
+        pixels = vision_pixels(vision, dtype)
+        lead, names = [input_ids, position_ids, pixels, image_idx], ["position_ids", naming.PIXEL_VALUES]
+        dyn[naming.PIXEL_VALUES] = ({0: "grid_height"} if "grid" in vision
+                                    else {0: "vision_batch_size", 2: "img_size", 3: "img_size"})
+    else:
+        rows = torch.zeros((1, vision["vision_size"], vision["hidden_size"]), dtype=dtype)
+        lead, names = [input_ids, rows, position_ids, image_idx], [naming.VISION_EMBEDS, "position_ids"]
+        dyn[naming.VISION_EMBEDS] = {0: "vision_batch_size", 1: "vision_size"}
+    retained_name = naming.retained_name(names[1] if options.single_graph else names[0])
+    dyn[retained_name] = dyn[names[1] if options.single_graph else names[0]]
+    io.in_names[1:2] = names + [naming.IMAGE_IDX]
+    io.out_names[1:1] = [retained_name, naming.IMAGE_IDX_OUTPUT]
+    io.args = lead
+    return vision
+
+
+def trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -> None:
+    """The dual layout's vision graph: ``pixel_values [batch_size, channels, img_size, img_size] ->
+    vision_embeds [batch_size, vision_size, hidden]``."""
+    dtype = next(model.parameters()).dtype
+    args, names = (vision_pixels(vision, dtype),), [naming.PIXEL_VALUES]
+    dyn = {naming.PIXEL_VALUES: {0: "batch_size", 2: "img_size", 3: "img_size"},
+           naming.VISION_EMBEDS: {0: "batch_size"}}
+    if "grid" in vision:   # patch rows of one grid, fixed in the graph
+        dyn = {naming.PIXEL_VALUES: {0: "grid_height"}}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(VisionEncoder(model, vision.get("grid")).eval(), args, str(path), dynamo=False,
+                              opset_version=opt.OPSET, input_names=names, output_names=[naming.VISION_EMBEDS],
+                              dynamic_axes=dyn, do_constant_folding=True)
+        except Exception as exc:
+            raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def finalize_vision(model: ir.Model, options: opt.ExportOptions, vision: dict) -> None:
+    """Deterministic metadata, and the output's exact shape: ``[batch_size, vision_size, hidden]`` (one image
+    per row; patch-row models: one row per image of the fixed grid)."""
+    out = model.graph.outputs[0]
+    out.shape = ir.Shape([1 if "grid" in vision else "batch_size", vision["vision_size"], vision["hidden_size"]])
+    model.ir_version = opt.IR_VERSION
+    model.producer_name = "qeff-kv"
+    model.producer_version = __version__
+    model.doc_string = None
+    model.graph.name = "qeff_kv_vision"
+    model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
+    model.metadata_props["qeff_kv.target"] = options.target

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import naming
+from .. import naming, statespec
 from ..errors import RuntimeInputError, StateFileError
 from ..layout import KVLayout, parse_sliding_window
 from ..limits import positive_int
@@ -70,7 +70,8 @@ def resolve(layout: KVLayout, manifest: dict | None, given: int | None) -> RingS
     if given is not None and recorded is not None and given != recorded:
         raise RuntimeInputError(f"the graph records sliding window {recorded}; {given} was requested")
     window = recorded if recorded is not None else given
-    rings = [p for p in layout.pairs if p.is_sliding]
+    kinds = {state.layer: state.kind for state in layout.state_spec.layers}   # what each layer retains
+    rings = [p for p in layout.pairs if kinds.get(p.layer) == "ring"]
     if not rings:
         if given is not None and recorded is None:
             raise RuntimeInputError(f"sliding window {given} was given, but the graph has no sliding-window KV "
@@ -103,7 +104,7 @@ def cap_chunk(spec: RingSpec, fixed_seq_len: int | None, prefill_seq_len: int) -
 
 def held(written: int, capacity: int) -> tuple[int, int]:
     """``[lo, hi)``: the positions a ring of ``capacity`` slots holds after positions ``[0, written)``."""
-    return max(0, written - capacity), written
+    return statespec.KINDS["ring"].held(written, capacity)
 
 
 def lowest_held(seq, spec: RingSpec) -> int:

@@ -1,0 +1,62 @@
+"""``check``'s rules on what each layer retains (part of the ``pair-match`` rule): the recorded state spec
+(``qeff_kv.state_spec``) describes the graph's buffers, the sliding window is a positive int, and a ring layer's
+buffers agree with each other and with the window. Rules report through the ``RuleResult`` they are given."""
+
+from __future__ import annotations
+
+from . import naming, statespec
+from .layout import KVLayout
+
+
+def _fmt_dim(d) -> str:
+    return "?" if d is None else (repr(d) if isinstance(d, str) else str(d))
+
+
+#: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
+POSITION_STEMS = naming.POSITION_STEMS
+
+
+def _axis2(t) -> object:
+    return t.shape[2] if t.shape is not None and len(t.shape) > 2 else None
+
+
+def sliding_dims(layout: KVLayout, r) -> None:
+    """Sliding-window facts: the metadata window is a positive int; a layer's key and value do not mix a
+    ``ctx_len`` and a ``sliding_window`` axis; static axis-2 sizes on a sliding layer equal the window."""
+    raw = layout.sliding_window_meta
+    window = layout.sliding_window
+    spec_problem = statespec.problem(layout.metadata, layout.state_pairs)
+    if spec_problem is not None:
+        r.fail(None, spec_problem)
+    spec = layout.state_spec
+    if raw is not None and window is None:
+        r.fail(None, f"graph metadata {naming.SLIDING_WINDOW_META} is {raw!r}; it must be a positive integer "
+                     "(the sliding window)")
+    by_layer: dict[int, list] = {}
+    for p in layout.pairs:
+        if p.stem in POSITION_STEMS:
+            by_layer.setdefault(p.layer, []).append(p)
+    for layer in sorted(by_layer):
+        pairs = sorted(by_layer[layer], key=lambda p: naming.KV_STEMS.index(p.stem))
+        state = spec.layer(layer)
+        if state is None or state.kind != "ring":
+            continue
+        ctx_named = [p.input_name for p in pairs if isinstance(p.axis2, str) and p.axis2 != naming.SLIDING_DIM]
+        sliding_named = [p.input_name for p in pairs if p.axis2 == naming.SLIDING_DIM]
+        if ctx_named and sliding_named:
+            r.fail(ctx_named[0], f"layer {layer} mixes KV axis 2 {_fmt_dim(_axis2_of(pairs, ctx_named[0]))} "
+                                 f"({', '.join(ctx_named)}) and {naming.SLIDING_DIM!r} ({', '.join(sliding_named)}); "
+                                 "a layer's buffers hold the same positions")
+        if window is None:
+            continue
+        for p in pairs:  # one violation per pair: its input's size, else its output's
+            bad = [(t.name, _axis2(t)) for t in (p.input, p.output)
+                   if isinstance(_axis2(t), int) and _axis2(t) != window]
+            if bad:
+                name, d = bad[0]
+                r.fail(p.input_name, f"{name} dim 2 is {d} in sliding-window layer {layer}, but the graph's "
+                                     f"sliding window ({naming.SLIDING_WINDOW_META}) is {window}")
+
+
+def _axis2_of(pairs, name: str):
+    return next(p.axis2 for p in pairs if p.input_name == name)

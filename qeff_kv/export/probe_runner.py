@@ -1,0 +1,87 @@
+"""The plainest correct runner of a retained-state graph in onnxruntime, shared by verification
+(:mod:`qeff_kv.export.verify`) and the quantizer's check (:mod:`qeff_kv.export.quantize`): numpy buffers fed back
+after every step, sized from the graph's own layout. No torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .. import graphio, naming
+from ..errors import VerificationError
+
+
+class ProbeRunner:
+    """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
+
+    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None):
+        import onnxruntime as ort
+
+        graph = graphio.load(onnx_path)
+        layout = graphio.layout_of(graph).require_valid()
+        window = graph.metadata_props.get(naming.SLIDING_WINDOW_META)
+        del graph
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+        self.out_names = [o.name for o in self.sess.get_outputs()]
+        in_names = {i.name for i in self.sess.get_inputs()}
+        self.has_batch_index = "batch_index" in in_names
+        # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
+        self.ccl = (sorted(ccl or ()) + [ctx_len]) if naming.CCL_INPUT in in_names else None
+        self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
+        self.extra: dict[str, np.ndarray] = {}
+        self.kv: dict[str, np.ndarray] = {}
+        spec = layout.state_spec   # each layer's kind and capacity (ring layers: the window)
+        for p in layout.pairs:
+            shape = []
+            state = spec.layer(p.layer)
+            for i, d in enumerate(p.input.shape or ()):
+                if isinstance(d, int):
+                    shape.append(d)
+                elif i == 0:
+                    shape.append(kv_batch)
+                elif state is not None and i == state.position_axis:
+                    shape.append(state.capacity_at(ctx_len, int(window) if window is not None else None) or ctx_len)
+                else:
+                    raise VerificationError(f"cannot size KV input {p.input_name!r}: symbolic dim {d!r} at axis {i}")
+            self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
+
+    def step(self, ids: list[int], pos: list[int], slot: int, rope_rows: np.ndarray | None = None) -> np.ndarray:
+        positions = np.array([pos], dtype=np.int64)
+        if rope_rows is not None:   # [4, 1, S]: text positions over the multimodal RoPE rows
+            from ..mrope import graph_positions
+
+            positions = graph_positions(pos, rope_rows)
+        feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": positions, **self.kv, **self.extra}
+        if self.has_batch_index:
+            feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
+        if self.ccl is not None:
+            need = max(pos) + 1
+            feeds[naming.CCL_INPUT] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
+        out = dict(zip(self.out_names, self.sess.run(None, feeds)))
+        for i, o in self.pairs:
+            self.kv[i] = out[o]
+        if "image_idx" in self.extra and self.extra["image_idx"][0, 0] >= 0:   # the next chunk continues the image
+            self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
+        return np.asarray(out["logits"])[0, -1].astype(np.float64)
+
+    def add_image(self, pixel_values: np.ndarray, vision_path: Path | None) -> None:
+        """Feed a vision-language graph its image: ``vision_embeds`` from the vision graph (dual layout) or
+        ``pixel_values`` (single), and ``image_idx`` from 0."""
+        import onnxruntime as ort
+
+        if vision_path is not None:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
+            self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
+        else:
+            self.extra["pixel_values"] = pixel_values
+        self.extra["image_idx"] = np.zeros((1, 1), dtype=np.int64)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__

@@ -1,0 +1,154 @@
+"""The trace stage: the loaded model, wrapped for its target, through the TorchScript exporter into one raw graph.
+
+:func:`trace_language` reads as its steps: what each layer writes (:func:`~qeff_kv.export.caches.probe_kv_shapes`)
+and so retains (:func:`~qeff_kv.statespec.for_export`), the graph's inputs in the peer's order
+(:class:`GraphIO`: token inputs, the vision inputs of :func:`~qeff_kv.export.vlm.language_inputs`, the KV buffers,
+``comp_ctx_lengths``, ``batch_index``), the target (:mod:`qeff_kv.export.targets`) and the wrapper, then
+:func:`run_exporter`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import limits, naming, statespec
+from ..errors import ExportError
+from . import caches, moe, rope, targets
+from . import options as opt
+from .caches import SlidingPlan
+from .wrapper import RetainedStateLM
+
+
+@dataclass
+class GraphIO:
+    """The example inputs of the trace, their names, the output names and the dynamic axes."""
+
+    args: list
+    in_names: list[str]
+    out_names: list[str] = field(default_factory=lambda: ["logits"])
+    dyn: dict[str, dict[int, str]] = field(default_factory=dict)
+
+
+def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision: dict | None = None) -> dict:
+    """Trace the wrapped model into ``path``; return the export's geometry (``state_spec`` included).
+    ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`)."""
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = int(text_cfg.num_hidden_layers)
+    kv_shapes = _kv_shapes(model, options, num_layers)
+    spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
+                                ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers)
+    io = _token_inputs(options)
+    kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
+    if vision is not None:   # contract section 6: the peer's input and output order
+        from . import vlm as vlm_mod
+
+        vision = vlm_mod.language_inputs(io, vision, facts, options, next(model.parameters()).dtype)
+    io.args += kv
+    _trailing_inputs(options, io)
+    wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
+    run_exporter(model, wrapper, target, io, path)
+    (n_kv, head_dim), (v_heads, v_dim) = kv_shapes[0]
+    geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
+                "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
+    if (v_heads, v_dim) != (n_kv, head_dim):
+        geometry.update(value_heads=v_heads, value_head_dim=v_dim)
+    if vision is not None:
+        geometry["vision"] = vision
+    geometry.update(sliding_window=facts.sliding_window if facts.sliding_layers else None,
+                    sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options),
+                    state_spec=spec)
+    return geometry
+
+
+def _kv_shapes(model, options: opt.ExportOptions, num_layers: int) -> list:
+    """Per layer, ``((key_heads, key_dim), (value_heads, value_dim))`` as the model writes them; refuses (one line)
+    a model that does not run through the cache, or probe buffers that cannot fit in memory."""
+    try:
+        kv_shapes = caches.probe_kv_shapes(model, num_layers)
+    except Exception as exc:  # a model that does not run through our cache cannot be exported
+        raise ExportError(f"{type(model).__name__} does not run with a retained-state cache: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    kv_batch = options.full_batch_size if options.continuous_batching else 1
+    # The probe KV tensors are allocated at ctx_len: refuse, in one line with their size, what cannot fit.
+    limits.require_memory(
+        limits.kv_buffer_bytes([s for layer in kv_shapes[:num_layers] for s in layer], ctx_len=options.ctx_len,
+                               batch=kv_batch, itemsize=next(model.parameters()).dtype.itemsize),
+        f"the probe KV tensors for tracing ({num_layers} layers x ctx_len {options.ctx_len})", error=ExportError)
+    return kv_shapes
+
+
+def _token_inputs(options: opt.ExportOptions) -> GraphIO:
+    seq = max(options.prefill_seq_len, 2)
+    input_ids = torch.zeros((1, seq), dtype=torch.int64)
+    position_ids = torch.arange(seq, dtype=torch.int64).unsqueeze(0)
+    return GraphIO(args=[input_ids, position_ids], in_names=["input_ids", "position_ids"],
+                   dyn={"input_ids": {0: "batch_size", 1: "seq_len"}, "position_ids": {0: "batch_size", 1: "seq_len"},
+                        "logits": {0: "batch_size"}})
+
+
+def _kv_inputs(spec: statespec.StateSpec, options: opt.ExportOptions, dtype, io: GraphIO) -> list:
+    """One zero buffer per retained state of each layer, at its capacity, named and paired with its retained
+    output; axis 2 is the layer kind's position dim (``ctx_len`` or ``sliding_window``)."""
+    kv_batch = options.full_batch_size if options.continuous_batching else 1
+    kv_axis = "full_batch_size" if options.continuous_batching else "batch_size"
+    past = []
+    for layer in spec.layers:
+        for stem, (heads, dim_name, dim) in zip(layer.stems, layer.shapes):
+            past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim), dtype=dtype))
+            in_name = naming.kv_input_name(stem, layer.layer)
+            out_name = naming.retained_name(in_name)
+            io.in_names.append(in_name)
+            io.out_names.append(out_name)
+            io.dyn[in_name] = io.dyn[out_name] = {0: kv_axis, layer.position_axis: dim_name}
+    return past
+
+
+def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:
+    if options.ccl is not None:  # contract section 9: after the KV inputs, before batch_index
+        io.args.append(torch.ones(options.ctx_len, dtype=torch.int64))
+        io.in_names.append(naming.CCL_INPUT)
+        io.dyn[naming.CCL_INPUT] = {0: naming.CCL_INPUT}
+    if options.continuous_batching:
+        io.args.append(torch.zeros((1, 1), dtype=torch.int64))
+        io.in_names.append("batch_index")
+        io.dyn["batch_index"] = {0: "batch_size"}
+
+
+def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec, num_layers: int,
+             vision: dict | None, text_cfg):
+    """The target of ``options`` and the wrapper that traces the model through it."""
+    # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
+    max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
+    # the fused target windows GroupQueryAttention itself and never reads the windowed mask
+    sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers, facts.windowed_layers(options))
+    target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
+                                         continuous_batching=options.continuous_batching,
+                                         ccl=options.ccl is not None)
+    common = dict(target=target, facts=facts, ccl=options.ccl is not None)
+    if vision is None:
+        return RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval(), target
+    from . import vlm as vlm_mod
+
+    return vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
+                                    image_token_id=facts.image_token_id, single_graph=options.single_graph,
+                                    image_blocks=facts.bidirectional_images, mrope=facts.mrope,
+                                    grid=vision.get("grid"), **common).eval(), target
+
+
+def run_exporter(model, wrapper, target, io: GraphIO, path: Path) -> None:
+    """``torch.onnx.export`` (TorchScript, opset 17) with the target's RoPE, the export symbolics and static MoE
+    routing patched in; a failure is one line naming the model."""
+    with warnings.catch_warnings(), torch.no_grad(), target.rotary(model), rope.export_patches(model), \
+            moe.static_routing(model, path):
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(wrapper, tuple(io.args), str(path), dynamo=False, opset_version=opt.OPSET,
+                              input_names=io.in_names, output_names=io.out_names, dynamic_axes=io.dyn,
+                              do_constant_folding=True, custom_opsets=target.custom_opsets)
+        except Exception as exc:  # tracing failures are model-specific; report them in one line
+            raise ExportError(f"tracing failed for {type(model).__name__}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -1,0 +1,107 @@
+"""The traced wrapper: a transformers causal LM as ``(input_ids, position_ids, *past, [comp_ctx_lengths],
+[batch_index]) -> (logits, *retained)``.
+
+One generic mechanism for every architecture, through transformers' own interfaces: the export target
+(:mod:`qeff_kv.export.targets`) gives the ``past_key_values`` object (whose ``update()`` writes each layer's new
+keys/values into its retained buffer) and the ready 4D attention mask; the wrapper splits the graph inputs, calls
+the decoder, and takes the logits only at the last valid position of each row (``[batch, 1, vocab]``), through the
+model's own output head and its logit scaling/soft-capping.
+
+This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .caches import SlidingPlan
+from .graph_ops import HeadGemm, LengthOf
+from .masks import fill_padding_rows
+from .targets.base import StepInputs, Target
+
+
+def output_head(head: torch.nn.Module, hidden_last: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, H] -> [B, 1, V]`` through the model's output head; a plain ``nn.Linear`` head becomes one
+    ``Gemm(transB=1)`` on ``[B, H]`` (see :class:`~qeff_kv.export.graph_ops.HeadGemm`), any other head module is
+    called as is."""
+    if type(head) is torch.nn.Linear:
+        return HeadGemm.apply(hidden_last[:, 0], head.weight, head.bias).unsqueeze(1)   # no If: static index
+    return head(hidden_last)
+
+
+class RetainedStateLM(torch.nn.Module):
+    """``(input_ids, position_ids, *past, [comp_ctx_lengths], [batch_index]) -> (logits, *retained)`` around a
+    causal LM, for one :class:`~qeff_kv.export.targets.base.Target`."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, target: Target,
+                 facts, ccl: bool = False):
+        super().__init__()
+        self.lm = model
+        self.num_layers = num_layers
+        self.continuous_batching = continuous_batching
+        #: the graph takes ``comp_ctx_lengths`` (after the KV inputs, before ``batch_index``) and attends over
+        #: its length only (onnxruntime target: the smaller of that and the valid length)
+        self.ccl = ccl
+        self.target = target
+        # What the model's own forward does to the head's output (see ModelFacts): Cohere multiplies by
+        # logit_scale, Granite divides by logits_scaling, Gemma2 soft-caps.
+        self.logit_scale = facts.logit_scale
+        self.logits_scaling = facts.logits_scaling
+        self.softcap = facts.final_logit_softcapping
+
+    @property
+    def sliding(self) -> SlidingPlan:
+        return self.target.sliding
+
+    def forward(self, input_ids, position_ids, *rest):
+        return self.run(input_ids, position_ids, rest)
+
+    def run(self, input_ids, position_ids, rest, inputs_embeds=None, blocks=None, rope_rows=None):
+        """The traced step: ``rest`` is the KV inputs (then ``comp_ctx_lengths``, then ``batch_index``).
+        ``inputs_embeds`` ``[B, S, H]`` (vision-language graphs: text embeddings with image rows merged in)
+        replaces the embedding of ``input_ids``; a padded row takes its sequence's last valid row's, as its id
+        and position do (:func:`~qeff_kv.export.masks.fill_padding`). ``blocks [B, S]``: bidirectional image
+        blocks for every mask (:func:`~qeff_kv.export.masks.build_attention_mask`). ``rope_rows [3, B, S]``:
+        multimodal RoPE positions; the decoder then gets ``position_ids [4, B, S]`` (the text positions first, as
+        transformers' Qwen2.5-VL takes them), padded rows repeating their sequence's last valid row."""
+        pad_rows = self.target.fills_padding
+        if rope_rows is not None and pad_rows:
+            rope_rows = fill_padding_rows(rope_rows.permute(1, 2, 0), position_ids).permute(2, 0, 1)
+        if self.continuous_batching:
+            *flat, batch_index = rest
+        else:
+            flat, batch_index = list(rest), None
+        ccl_length = LengthOf.apply(flat.pop()) if self.ccl else None    # [L] = Shape(comp_ctx_lengths)
+        past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
+        last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
+        dtype = flat[0].dtype
+        is_pad = position_ids < 0
+        if inputs_embeds is not None and pad_rows:
+            inputs_embeds = fill_padding_rows(inputs_embeds, position_ids)
+        step = self.target.begin(StepInputs(input_ids, position_ids, past, flat, batch_index, ccl_length, is_pad,
+                                            dtype, blocks))
+        cache = step.cache
+        base = self.lm.get_decoder()
+        with self.target.tracing(cache):
+            tokens = dict(input_ids=step.input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+            model_pos = step.position_ids if rope_rows is None else torch.cat([step.position_ids.unsqueeze(0),
+                                                                               rope_rows])
+            out = base(**tokens, position_ids=model_pos, attention_mask=step.mask, past_key_values=cache,
+                       use_cache=True)
+        self.target.finish(cache)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
+        hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1, H]
+        logits = output_head(self.lm.get_output_embeddings(), hidden_last)     # [B, 1, V]
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        retained = []
+        for i, kv in enumerate(cache.retained):
+            if kv is None:
+                raise RuntimeError(f"layer {i} did not update its cache")
+            retained.extend(kv)
+        return (logits, *retained)

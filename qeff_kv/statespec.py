@@ -1,0 +1,233 @@
+"""What each layer of a retained-state graph keeps between steps: one small description per layer.
+
+A :class:`LayerState` says which buffers a layer retains (``stems``), their shapes after the batch axis (the
+position axis written as its dim name), which axis holds positions, how many positions it holds (``capacity``) and
+its *kind*, which says how a position maps to a slot and which positions the buffer still holds:
+
+* ``full``: ``ctx_len`` slots, position ``p`` in slot ``p``;
+* ``ring``: a sliding-window layer's ring of ``window`` slots, position ``p`` in slot ``p % capacity``
+  (contract section 7).
+
+The kinds are a registry (:data:`KINDS`): a latent pair (MLA's ``compressed_kv``/``k_pe``) or a recurrent state
+(no position axis) is one more :class:`StateKind`, not a branch in every file that reads graphs.
+
+The exporter writes the spec of every graph into its metadata (``qeff_kv.state_spec``, :meth:`StateSpec.dumps`);
+:func:`read` returns it, or derives it from the buffer names and shapes for graphs that carry none (peer
+graphs, older exports). :class:`~qeff_kv.layout.KVLayout` exposes it as ``layout.state_spec``, which ``check``,
+``buffers``, ``compile-config`` and the runtime's ring bookkeeping read. No torch, no onnx here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+from . import naming
+from .errors import ContractError
+
+#: graph metadata key of the spec (JSON, :meth:`StateSpec.dumps`)
+META_KEY = naming.STATE_SPEC_META
+Dim = "int | str | None"
+
+
+class StateKind:
+    """How a kind of retained state maps positions to slots. One instance per kind in :data:`KINDS`."""
+
+    name: str = ""
+    #: the symbolic name of the position axis in exported graphs (``None``: no position axis)
+    dim: str | None = None
+
+    def slot(self, position: int, capacity: int) -> int:
+        raise NotImplementedError
+
+    def held(self, written: int, capacity: int) -> tuple[int, int]:
+        """``[lo, hi)``: the positions a buffer of ``capacity`` slots holds after positions ``[0, written)``."""
+        raise NotImplementedError
+
+
+class FullKind(StateKind):
+    name = "full"
+    dim = naming.CTX_DIM
+
+    def slot(self, position: int, capacity: int) -> int:
+        return position
+
+    def held(self, written: int, capacity: int) -> tuple[int, int]:
+        return 0, written
+
+
+class RingKind(StateKind):
+    name = "ring"
+    dim = naming.SLIDING_DIM
+
+    def slot(self, position: int, capacity: int) -> int:
+        return position % capacity
+
+    def held(self, written: int, capacity: int) -> tuple[int, int]:
+        return max(0, written - capacity), written
+
+
+#: kind name -> its :class:`StateKind` (next: ``latent``, ``recurrent``)
+KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind())}
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's retained state."""
+
+    layer: int
+    kind: str
+    #: the layer's buffers, in graph order (``past_key``, ``past_value``)
+    stems: tuple[str, ...]
+    #: each buffer's shape after the batch axis, the position axis as its dim name (``(2, "ctx_len", 16)``)
+    shapes: tuple[tuple, ...]
+    #: the axis of the full buffer shape (batch axis included) that holds positions; ``None``: none
+    position_axis: int | None = 2
+    #: positions held per sequence when fixed at export (``ctx_len`` or the window); ``None``: bound at run time
+    capacity: int | None = None
+    #: the attention window of a sliding layer (``None``: attends to every position)
+    window: int | None = None
+
+    @property
+    def state_kind(self) -> StateKind:
+        return KINDS[self.kind]
+
+    def capacity_at(self, ctx_len: int | None = None, window: int | None = None) -> int | None:
+        """Positions held per sequence: the recorded capacity, else the run's ``ctx_len`` / ``window``."""
+        if self.capacity is not None:
+            return self.capacity
+        return window if self.kind == "ring" else ctx_len
+
+    def to_json(self) -> dict:
+        d = {"layer": self.layer, "kind": self.kind, "stems": list(self.stems),
+             "shapes": [list(s) for s in self.shapes], "position_axis": self.position_axis,
+             "capacity": self.capacity}
+        if self.window is not None:
+            d["window"] = self.window
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LayerState":
+        try:
+            state = cls(layer=int(d["layer"]), kind=str(d["kind"]), stems=tuple(str(s) for s in d["stems"]),
+                        shapes=tuple(tuple(s) for s in d["shapes"]), position_axis=d.get("position_axis"),
+                        capacity=d.get("capacity"), window=d.get("window"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ContractError(f"graph metadata {META_KEY}: malformed layer entry ({exc})") from None
+        if state.kind not in KINDS:
+            raise ContractError(f"graph metadata {META_KEY}: layer {state.layer} has unknown kind {state.kind!r} "
+                                f"(known: {', '.join(KINDS)})")
+        return state
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Every layer's :class:`LayerState`, in layer order."""
+
+    layers: tuple[LayerState, ...]
+
+    def layer(self, i: int) -> LayerState | None:
+        return next((s for s in self.layers if s.layer == i), None)
+
+    @property
+    def ring_layers(self) -> tuple[int, ...]:
+        return tuple(s.layer for s in self.layers if s.kind == "ring")
+
+    @property
+    def has_ring(self) -> bool:
+        return any(s.kind == "ring" for s in self.layers)
+
+    def to_json(self) -> list[dict]:
+        return [s.to_json() for s in self.layers]
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> "StateSpec":
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raise ContractError(f"graph metadata {META_KEY} is not JSON") from None
+        if not isinstance(raw, list):
+            raise ContractError(f"graph metadata {META_KEY} must be a list of layers")
+        return cls(tuple(sorted((LayerState.from_json(d) for d in raw), key=lambda s: s.layer)))
+
+
+def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
+               sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS) -> StateSpec:
+    """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
+    stem; ring layers keep ``window`` slots (fixed by the model), the others ``ctx_len`` (a symbolic axis: bound at
+    run time, ``capacity`` ``None``); sliding layers record their window."""
+    rings, sliding = set(ring_layers), set(sliding_layers)
+    layers = []
+    for i, shapes in enumerate(kv_shapes):
+        kind = KINDS["ring" if i in rings else "full"]
+        layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(stems),
+                                 shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
+                                 capacity=int(window) if i in rings else None,
+                                 window=int(window) if window and (i in sliding or i in rings) else None))
+    return StateSpec(tuple(layers))
+
+
+def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window: int | None = None) -> StateSpec:
+    """The spec of a graph without one, from its KV buffers ``(stem, layer, input shape, output shape)``: a layer
+    whose axis 2 is named ``sliding_window`` (input or output) is a ring of ``window`` slots (its static size when
+    it has one), any other layer is full-length (capacity: a static axis 2, else bound at run time)."""
+    by_layer: dict[int, list] = {}
+    for stem, layer, shape, out_shape in pairs:
+        by_layer.setdefault(layer, []).append((stem, shape, out_shape))
+    layers = []
+    for layer in sorted(by_layer):
+        entries = sorted(by_layer[layer], key=lambda e: naming.KV_STEMS.index(e[0]))
+        ring = any(s is not None and len(s) > 2 and s[2] == naming.SLIDING_DIM
+                   for _, shape, out in entries for s in (shape, out))
+        positional = all(stem in naming.POSITION_STEMS for stem, _, _ in entries)
+        axis2 = [shape[2] for _, shape, _ in entries if shape is not None and len(shape) > 2]
+        static = [d for d in axis2 if isinstance(d, int) and not isinstance(d, bool)]
+        capacity = min(static) if static else None
+        layers.append(LayerState(layer=layer, kind="ring" if ring else "full",
+                                 stems=tuple(e[0] for e in entries),
+                                 shapes=tuple(tuple(shape[1:]) if shape is not None else () for _, shape, _ in entries),
+                                 position_axis=2 if positional else None, capacity=capacity,
+                                 window=window if ring else None))
+    return StateSpec(tuple(layers))
+
+
+def read(metadata: dict, pairs: Iterable[tuple[str, int, tuple | None, tuple | None]],
+         window: int | None = None) -> StateSpec:
+    """The graph's recorded spec (metadata ``qeff_kv.state_spec``), else :func:`derive`."""
+    text = metadata.get(META_KEY)
+    if text is None:
+        return derive(pairs, window)
+    return StateSpec.loads(text)
+
+
+def mismatch(spec: StateSpec, pairs: Iterable[tuple[str, int, tuple | None, tuple | None]]) -> str | None:
+    """Why a recorded spec does not describe the graph's KV buffers (layers, stems, kinds), or ``None``."""
+    found = derive(pairs)
+    if [s.layer for s in spec.layers] != [s.layer for s in found.layers]:
+        return (f"graph metadata {META_KEY} describes layers {[s.layer for s in spec.layers]}, the graph's KV "
+                f"buffers are of layers {[s.layer for s in found.layers]}")
+    for want, got in zip(spec.layers, found.layers):
+        if sorted(want.stems) != sorted(got.stems):
+            return (f"graph metadata {META_KEY}: layer {want.layer} retains {list(want.stems)}, the graph "
+                    f"{list(got.stems)}")
+        if want.kind != got.kind:
+            return f"graph metadata {META_KEY}: layer {want.layer} is {want.kind}, its buffers are {got.kind}"
+    return None
+
+
+def problem(metadata: dict, pairs) -> str | None:
+    """What is wrong with a graph's recorded spec (not JSON, malformed, not describing its KV buffers), or
+    ``None`` (valid, or none recorded)."""
+    text = metadata.get(META_KEY)
+    if text is None:
+        return None
+    pairs = list(pairs)
+    try:
+        spec = StateSpec.loads(text)
+    except ContractError as exc:
+        return str(exc)
+    return mismatch(spec, pairs)

@@ -1,0 +1,139 @@
+"""The house rules that a reader of the code relies on (docs/architecture.md): no import circle inside
+``qeff_kv`` (counting imports inside functions too), no module over ~500 lines, targets behind one registry."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "qeff_kv"
+#: "~500 lines": a module may run a little over while it is being split, never far
+MAX_LINES = 550
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> the qeff_kv modules it imports`` (any import statement anywhere in the file)."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - (node.level - 1)]
+                    stem = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    stem = node.module or ""
+                targets = [stem] + [f"{stem}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _is_package_reexport(a: str, b: str) -> bool:
+    """A package's ``__init__`` re-exporting its own submodule is not a circle of meaning."""
+    return b.startswith(a + ".") or a.startswith(b + ".")
+
+
+def test_no_import_circle_in_the_exporter():
+    graph = import_graph()
+    export = {m: {t for t in ts if t.startswith("qeff_kv.export") and not _is_package_reexport(m, t)}
+              for m, ts in graph.items() if m.startswith("qeff_kv.export")}
+    assert cycles(export) == []
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert cycles({m: {t for t in ts if not _is_package_reexport(m, t)} for m, ts in graph.items()}) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("folder", ["export", "passes", "."])
+def test_no_module_over_the_limit(folder):
+    files = (PKG / folder).rglob("*.py") if folder != "." else PKG.glob("*.py")
+    long = {str(p.relative_to(PKG)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_target_is_one_module_behind_the_registry():
+    from qeff_kv.export import options, targets
+
+    assert options.TARGETS == targets.NAMES == ("portable", "onnxruntime", "onnxruntime-fused")
+    for name, info in targets.REGISTRY.items():
+        source = (PKG / "export" / "targets" / f"{info.module}.py").read_text()
+        assert "TARGET = " in source and f'name = "{name}"' in source
+
+
+def test_the_exporter_does_not_reach_into_private_names_of_other_modules():
+    offenders = []
+    for p in (PKG / "export").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                offenders += [f"{p.name}: {node.module}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and a.name != "__version__"]
+    assert offenders == []
+
+
+def test_registry_gives_each_target_its_class():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from qeff_kv.export import targets
+    from qeff_kv.export.targets.base import Target
+
+    classes = [targets.get(name) for name in targets.NAMES]
+    assert [c.name for c in classes] == list(targets.NAMES)
+    assert all(issubclass(c, Target) and c is not Target for c in classes)
+    assert [c.fills_padding for c in classes] == [True, True, False]   # GQA overwrites padded slots itself
