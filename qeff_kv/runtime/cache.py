@@ -197,7 +197,9 @@ class KVCache:
         """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name`` (its first ``length``
         slots: ring order for a ring buffer)."""
         n = seq.length if length is None else length
-        return np.ascontiguousarray(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :])
+        # always a copy: a slice that spans the whole buffer (one slot, a full ring) is already contiguous, and
+        # ascontiguousarray would hand out a view that the next run overwrites
+        return np.array(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :], order="C", copy=True)
 
     def write(self, seq: Sequence, name: str, data: np.ndarray) -> None:
         """Copy ``data`` (``[1, heads, n, head_dim]``) into slots ``[0, n)`` of ``seq``'s slot."""

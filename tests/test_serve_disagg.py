@@ -1,0 +1,161 @@
+"""Disaggregated prefill/decode (issue 18, part 5): the KV transfer (``qeff_kv/serve/transfer.py``) and the Ray
+engine (``qeff_kv/serve/disagg.py``).
+
+The transfer moves exactly the valid positions of the selected buffers and the decode side continues with the
+tokens of one uninterrupted run (a single-host :class:`~qeff_kv.serve.scheduler.Scheduler`). The Ray tests share
+ONE local Ray instance (2 CPUs) for the whole test session (``ray_local``) and skip with a reason where ray does
+not import.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch
+
+pytestmark = [requires_torch]
+
+PROMPTS = [(5, 17, 42, 99, 130, 7, 201, 64, 3, 8, 11), (250, 3, 88, 19, 160), (1, 2, 3, 4, 5, 6, 7, 8, 9)]
+NEW = 6
+
+
+def _request(rid, prompt, sampling=None, state=None, max_tokens=NEW):
+    from qeff_kv.runtime import GREEDY
+    from qeff_kv.serve.engine import GenerationRequest
+
+    return GenerationRequest(rid, tuple(prompt), max_tokens, sampling or GREEDY, frozenset(), state)
+
+
+def _collect(handle, timeout=120):
+    from qeff_kv.serve.engine import Finished, TokenOut
+
+    toks, fin = [], None
+    for ev in handle.iter_sync(timeout=timeout):
+        if isinstance(ev, TokenOut):
+            toks.append(ev.token)
+        else:
+            assert isinstance(ev, Finished)
+            fin = ev
+    return toks, fin
+
+
+@pytest.fixture(scope="module")
+def reference(own_cb_graph):
+    """Tokens of a single-host Scheduler on the decode export: prompt -> (greedy tokens, seeded tokens)."""
+    from qeff_kv.runtime import SamplingParams, Session
+    from qeff_kv.serve.scheduler import Scheduler
+
+    sched = Scheduler(Session(own_cb_graph), reuse_prompts=False)
+    try:
+        out = {}
+        for i, p in enumerate(PROMPTS):
+            greedy = _collect(sched.submit(_request(f"g{i}", p)))[0]
+            seeded = _collect(sched.submit(_request(f"s{i}", p, SamplingParams(temperature=0.9, seed=7 + i))))[0]
+            out[p] = (greedy, seeded)
+        return out
+    finally:
+        sched.close()
+
+
+# ============================================================================================ transfer
+def test_transfer_moves_only_the_valid_positions_and_continues_exactly(own_vllm_graph, own_cb_graph, reference):
+    """Prefill on the portable export, decode on the continuous-batching one: bytes moved are the valid
+    positions' bytes; the decode Scheduler continues with the tokens of a single-host run."""
+    from qeff_kv.runtime import SamplingParams, Session
+    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.transfer import Prefiller, valid_bytes
+
+    pre = Session(own_vllm_graph)
+    prefiller = Prefiller(pre)
+    sched = Scheduler(Session(own_cb_graph), reuse_prompts=False)
+    try:
+        for i, p in enumerate(PROMPTS):
+            for k, sampling in enumerate([None, SamplingParams(temperature=0.9, seed=7 + i)]):
+                t = prefiller.run(f"r{i}", p, (sampling or SamplingParams()).resolved())
+                assert sorted(t.state.tensors) == sorted(x.input_name for x in pre.layout.pairs)
+                assert all(name.endswith("_VLLM") for name in t.state.tensors)
+                assert {a.shape[2] for a in t.state.tensors.values()} == {len(p)}
+                assert t.nbytes == sum(a.nbytes for a in t.state.tensors.values())
+                assert t.nbytes == len(p) * pre.cache.bytes_per_position
+                assert t.slicing == {"Name": ".*VLLM.*", "DimSpecs": ["batch_index", 0, "ctx_start", 0],
+                                     "ctx_start": 0, "positions": len(p)}
+                assert json.loads(t.state.metadata["tokens"]) == list(p)
+                toks, fin = _collect(sched.submit(_request(f"d{i}{k}", p, sampling, state=t.state)))
+                assert toks == reference[p][k]
+                assert (fin.finish_reason, fin.completion_tokens) == ("length", NEW)
+        assert pre.sequences == []
+    finally:
+        sched.close()
+    seq = pre.add_sequence()
+    pre.prefill(seq, PROMPTS[0])
+    assert valid_bytes(pre, seq) == len(PROMPTS[0]) * pre.cache.bytes_per_position
+
+
+def test_in_memory_state_is_checked_by_identity_and_never_read_as_a_file(own_vllm_graph, tmp_path):
+    from safetensors.numpy import save
+
+    from qeff_kv.errors import StateFileError
+    from qeff_kv.runtime import GREEDY, Session, read_state
+    from qeff_kv.runtime.state import KVState
+    from qeff_kv.serve.transfer import Prefiller, install
+
+    sess = Session(own_vllm_graph)
+    t = Prefiller(sess).run("r", PROMPTS[0], GREEDY)
+    assert t.state.metadata["checksum"].startswith("identity:")
+    seq = install(sess, t)
+    assert (seq.length, seq.tokens, seq.pending) == (len(PROMPTS[0]), list(PROMPTS[0]), t.first_token)
+    sess.remove_sequence(seq)
+    edited = KVState(dict(t.state.tensors), dict(t.state.metadata, pending_token="3"))
+    with pytest.raises(StateFileError) as exc:
+        sess.import_state(edited)
+    assert str(exc.value) == ("state: identity check failed; the in-memory state's tensors or metadata were "
+                              "changed")
+    name = sorted(t.state.tensors)[0]
+    other = KVState(dict(t.state.tensors, **{name: t.state.tensors[name][:, :, :-1]}), dict(t.state.metadata))
+    with pytest.raises(StateFileError, match="identity check failed"):
+        sess.import_state(other)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(save(t.state.tensors, metadata=t.state.metadata))
+    with pytest.raises(StateFileError) as exc:
+        read_state(path)
+    assert str(exc.value) == (f"{path}: holds an in-memory state's identity check, not a checksum; state files "
+                              "are written by save_state")
+    assert sess.sequences == []
+
+
+def test_ring_transfer_moves_the_slots_the_rings_hold(family_exports):
+    """A prompt longer than the window: each ring buffer ships its C slots, each full-length buffer n positions."""
+    from families import SW
+    from qeff_kv.runtime import GREEDY, Session
+    from qeff_kv.serve.transfer import Prefiller, install, valid_bytes
+
+    sess = Session(family_exports("gemma2_sw", "onnxruntime").out_dir)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 120, size=3 * SW)]
+    t = Prefiller(sess).run("r", prompt, GREEDY)
+    rings = sess.rings.capacities
+    assert rings and all(t.state.tensors[n].shape[2] == SW for n in rings)
+    assert all(a.shape[2] == len(prompt) for n, a in t.state.tensors.items() if n not in rings)
+    seq = sess.add_sequence()
+    sess.prefill(seq, prompt)
+    assert t.nbytes == valid_bytes(sess, seq) < len(prompt) * sess.cache.bytes_per_position
+    sess.remove_sequence(seq)
+    alone = sess.generate([prompt], max_new_tokens=NEW, stop_tokens=[])[0]
+    sess.remove_sequence(alone.sequence)
+    [cont] = sess.generate([install(sess, t)], max_new_tokens=NEW, stop_tokens=[])
+    assert cont.tokens == alone.tokens
+
+
+def test_pair_of_different_checkpoints_refused(own_vllm_graph, own_graphs):
+    from qeff_kv.runtime import Session
+    from qeff_kv.serve.transfer import facts, pair_refusal
+
+    llama = facts(Session(own_vllm_graph))
+    qwen = facts(Session(own_graphs.export("qeff_qwen2_vllm.onnx").out_dir))
+    assert pair_refusal(llama, llama) is None
+    why = pair_refusal(qwen, llama)
+    assert why.startswith(f"prefill export {qwen['onnx']} and decode export {llama['onnx']} come from different "
+                          "checkpoints (")
+    assert why.endswith("); a KV state moves only between exports of one checkpoint")
