@@ -285,6 +285,7 @@ class _Run:
 
     async def deltas(self):
         last = None
+        checked = time.monotonic()
         try:
             while True:
                 ev = await self._next()
@@ -293,6 +294,14 @@ class _Run:
                     return
                 if isinstance(ev, TokenOut):
                     now = time.monotonic()
+                    if not self.params.stream and now - checked > DISCONNECT_POLL_S:
+                        # a non-streamed request: nothing is sent until the end, so look for a gone client now
+                        # and then (a streamed one is watched by the response itself)
+                        checked = now
+                        if await self.request.is_disconnected():
+                            self.handle.cancel()
+                            self.finish_reason = "cancelled"
+                            return
                     if last is None:
                         self.metrics.ttft.observe(now - self.arrival)
                     else:
