@@ -58,6 +58,8 @@ def text_facts(config: ServeConfig):
     from .app import TextFacts
 
     files = resolve_model(config.export_dir)
+    if not (files.folder / "tokenizer.json").is_file():
+        raise RuntimeInputError(f"qeff-kv serve needs a tokenizer: {files.folder} has no tokenizer.json")
     tok = load_tokenizer(files.folder, required=True)
     try:
         template = load_chat_template(files.folder)
