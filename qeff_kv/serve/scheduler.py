@@ -90,6 +90,7 @@ class Scheduler(Engine):
         self._running: list[_Active] = []
         self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
         self._closed = False
+        self._published = 0.0
         self._stats = {"queue_depth": 0, "sequences_active": 0, "sequences_cached": 0, "kv_bytes_used": 0,
                        "prompt_tokens_reused": 0, "decode_steps": 0, "prefill_chunks": 0,
                        "kv_bytes_capacity": session.cache.memory_capacity, "max_sequences": self.max_sequences}
@@ -189,6 +190,10 @@ class Scheduler(Engine):
         return bool(self.session.cache.free_slots()) or bool(self._kept)
 
     def _publish(self) -> None:
+        now = time.monotonic()
+        if now - self._published < 0.02 and (self._prefilling or self._running):
+            return   # while busy, at most 50 times a second (the slot table walks every sequence)
+        self._published = now
         cache = self.session.cache
         slots = [{"id": i, "state": "free", "n_tokens": 0} for i in range(self.max_sequences)]
         for a in self._prefilling + self._running:
