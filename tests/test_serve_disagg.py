@@ -159,3 +159,125 @@ def test_pair_of_different_checkpoints_refused(own_vllm_graph, own_graphs):
     assert why.startswith(f"prefill export {qwen['onnx']} and decode export {llama['onnx']} come from different "
                           "checkpoints (")
     assert why.endswith("); a KV state moves only between exports of one checkpoint")
+
+
+# ============================================================================================ on Ray
+@pytest.fixture(scope="session")
+def ray_local():
+    """ONE local Ray instance (2 CPUs) for the whole test session."""
+    ray = pytest.importorskip("ray", reason="disaggregated serving needs the [ray] extra (ray)")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(ray_local, own_vllm_graph, own_cb_graph):
+    """``get(decode_export, prefill_export)``: a DisaggregatedEngine (1 prefill + 1 decode replica), at most one
+    alive at a time (its two actors take the instance's 2 CPUs)."""
+    from qeff_kv.serve.config import ServeConfig
+    from qeff_kv.serve.disagg import start_disaggregated
+
+    live: dict = {}
+
+    def get(decode=None, prefill=None, **kw):
+        key = (str(decode or own_cb_graph), str(prefill or own_vllm_graph), tuple(sorted(kw.items())))
+        if key not in live:
+            for old in live.values():
+                old.close()
+            live.clear()
+            live[key] = start_disaggregated(ServeConfig(key[0], prefill_export=key[1], disaggregate=True, **kw))
+        return live[key]
+
+    yield get
+    for eng in live.values():
+        eng.close()
+
+
+def test_disaggregated_tokens_equal_a_single_host_run(engines, reference, own_vllm_graph):
+    """Greedy and seeded requests, all in flight together: each gets the single-host Scheduler's tokens; the
+    hand-offs moved exactly the prompts' valid positions."""
+    from qeff_kv.runtime import SamplingParams, Session
+    from qeff_kv.serve.disagg import DisaggregatedEngine
+
+    eng = engines()
+    assert isinstance(eng, DisaggregatedEngine) and eng.ctx_len == 64
+    before = eng.stats().get("handoff_bytes", 0)
+    handles = {}
+    for i, p in enumerate(PROMPTS):
+        handles[(p, 0)] = eng.submit(_request(f"g{i}", p))
+        handles[(p, 1)] = eng.submit(_request(f"s{i}", p, SamplingParams(temperature=0.9, seed=7 + i)))
+    for (p, k), h in handles.items():
+        toks, fin = _collect(h)
+        assert toks == reference[p][k], (p, k)
+        assert (fin.finish_reason, fin.prompt_tokens, fin.completion_tokens, fin.error) == ("length", len(p), NEW,
+                                                                                            None)
+    stats = eng.stats()
+    bpp = Session(own_vllm_graph).cache.bytes_per_position
+    assert stats["handoff_bytes"] - before == 2 * sum(len(p) for p in PROMPTS) * bpp
+    assert stats["queue_depth"] == stats["sequences_active"] == 0
+
+
+def test_bad_requests_refused_at_submit(engines):
+    from qeff_kv.errors import RuntimeInputError
+
+    eng = engines()
+    for prompt, msg in [((), "the prompt is empty"), (tuple(range(3, 70)), "the prompt has 67 tokens; the context "
+                                                                           "holds 64"),
+                        ((5, 256), "token id 256 is outside the vocabulary [0, 256)")]:
+        with pytest.raises(RuntimeInputError) as exc:
+            eng.submit(_request("x", prompt))
+        assert str(exc.value) == msg
+
+
+def test_killed_decode_replica_fails_its_request_and_the_next_succeeds(engines, reference):
+    """ray.kill on the decode replica mid-stream: that request ends with an error (no hang), Ray restarts the
+    replica, and the next request gets the single-host tokens."""
+    from qeff_kv.serve.engine import Finished, TokenOut
+
+    eng = engines(ctx_len=256)   # room for a long stream, so the kill lands while it runs
+    ray = pytest.importorskip("ray")
+    h = eng.submit(_request("long", PROMPTS[1], max_tokens=240))
+    events = h.iter_sync(timeout=60)
+    first = next(events)
+    assert isinstance(first, TokenOut)
+    ray.kill(eng.decode_actors[0], no_restart=False)
+    rest = list(events)
+    fin = rest[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "error", rest[-1]
+    assert fin.error.startswith("decode replica failed: ") and fin.completion_tokens < 240
+    toks, fin = _collect(eng.submit(_request("after", PROMPTS[0])))
+    assert toks == reference[PROMPTS[0]][0] and fin.finish_reason == "length", fin
+    assert eng.stats()["replica_errors"] >= 1
+
+
+def test_fp32_prefill_int4_decode_pair(engines, own_vllm_graph, own_graphs, tmp_path_factory):
+    """An fp32 portable prefill handing off to the int4 fused decode export of the same checkpoint."""
+    from qeff_kv.export import export_model
+    from qeff_kv.runtime import Session
+
+    int4 = export_model(None, tmp_path_factory.mktemp("int4") / "int4", ctx_len=64, prefill_seq_len=8,
+                        kv_cache_prefix="VLLM", target="onnxruntime-fused", weights="int4", verify=False)
+    eng = engines(decode=int4.out_dir)
+    alone = Session(int4.out_dir)
+    same = 0
+    for i, p in enumerate(PROMPTS):
+        toks, fin = _collect(eng.submit(_request(f"q{i}", p)))
+        assert fin.finish_reason == "length" and len(toks) == NEW
+        [g] = alone.generate([list(p)], max_new_tokens=NEW, stop_tokens=[])
+        alone.remove_sequence(g.sequence)
+        same += toks == g.tokens
+        # the first token comes from the fp32 prefill: that of the fp32 export alone
+        assert toks[0] == Session(own_vllm_graph).generate([list(p)], max_new_tokens=1, stop_tokens=[])[0].tokens[0]
+    print(f"fp32 prefill + int4 decode: {same}/{len(PROMPTS)} prompts give the int4 export's own tokens")
+
+
+def test_pair_of_different_checkpoints_refused_at_start_up(ray_local, engines, own_graphs, own_cb_graph):
+    from qeff_kv.errors import RuntimeInputError
+
+    qwen = own_graphs.export("qeff_qwen2_vllm.onnx").out_dir
+    with pytest.raises(RuntimeInputError) as exc:
+        engines(prefill=qwen)
+    assert str(exc.value).startswith(f"prefill export {qwen}") and f" and decode export {own_cb_graph}" in str(exc.value)
+    assert "come from different checkpoints" in str(exc.value) and "\n" not in str(exc.value)
+    assert ray_local.is_initialized()   # a joined instance is left running
