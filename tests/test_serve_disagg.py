@@ -281,3 +281,45 @@ def test_pair_of_different_checkpoints_refused_at_start_up(ray_local, engines, o
     assert str(exc.value).startswith(f"prefill export {qwen}") and f" and decode export {own_cb_graph}" in str(exc.value)
     assert "come from different checkpoints" in str(exc.value) and "\n" not in str(exc.value)
     assert ray_local.is_initialized()   # a joined instance is left running
+
+
+def test_through_the_http_app(engines, own_cb_graph):
+    """The OpenAI routes over the disaggregated engine answer exactly as over the single-host Scheduler, streamed
+    or not; cancelling a request (the client goes away) frees it on the replica."""
+    TestClient = pytest.importorskip("fastapi.testclient", reason="needs the [serve] extra").TestClient
+    from qeff_kv.runtime import Session
+    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.config import ServeConfig
+    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.server import text_facts
+
+    eng = engines()
+    text = text_facts(ServeConfig(str(own_cb_graph)))
+    local = Scheduler(Session(own_cb_graph), reuse_prompts=False, model_name=eng.model_name)
+    answers = []
+    try:
+        for engine in (eng, local):
+            with TestClient(create_app(engine, text=text)) as tc:
+                got = []
+                for p in PROMPTS:
+                    body = {"model": eng.model_name, "prompt": list(p), "max_tokens": NEW, "temperature": 0}
+                    r = tc.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    got.append((r.json()["choices"][0]["text"], r.json()["usage"]))
+                    with tc.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                                  if line.startswith("data: ") and line != "data: [DONE]"]
+                    got.append("".join(c["choices"][0]["text"] for c in chunks if c.get("choices")))
+                assert tc.get("/health").status_code == 200
+            answers.append(got)
+    finally:
+        local.close()
+    assert answers[0] == answers[1]
+    assert answers[0][0][1]["completion_tokens"] == NEW
+
+    h = eng.submit(_request("gone", PROMPTS[0], max_tokens=40))
+    h.cancel()                                  # at once: the prefill alone takes longer than the cancel
+    toks, fin = _collect(h)
+    assert fin.finish_reason == "cancelled" and fin.completion_tokens == len(toks) < 40
+    stats = eng.stats()
+    assert stats["queue_depth"] == stats["sequences_active"] == 0
