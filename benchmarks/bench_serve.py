@@ -182,6 +182,8 @@ def qeff_server(export: str, clients: int, args, log: Path) -> Server:
             "--max-sequences", str(clients), "--max-queue", "1024", "--no-prompt-reuse"]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.prefill_chunk:
+        argv += ["--prefill-chunk", str(args.prefill_chunk)]
     if not Path(argv[0]).is_file():
         argv[0:1] = [sys.executable, "-m", "qeff_kv_cli.main"]
     return Server(argv, port, log)
@@ -208,6 +210,8 @@ def main() -> None:
     ap.add_argument("--arrival-short", type=int, default=64, help="prompt tokens of the measured stream")
     ap.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="qeff-kv serve --prefill-chunk")
+    ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
     ap.add_argument("--quick", action="store_true",
                     help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare against")
@@ -232,7 +236,7 @@ def main() -> None:
             "vocab_size", 49152)
         model = None
         runs = []
-        for c in clients:
+        for c in ([] if args.only_arrivals else clients):
             say(f"{name}: {c} clients")
             srv = (qeff_server(export, c, args, logs / f"{name}-{c}.log") if kind == "qeff"
                    else llama_server(c, args, logs / f"{name}-{c}.log"))

@@ -30,6 +30,9 @@ from .params import COUNT, DIM, THREADS
 @click.option("--prefill-seq-len", type=DIM, default=None,
               help="Prefill chunk length, where the graph leaves it symbolic (also the most prefill work done "
                    "between two decode steps).")
+@click.option("--prefill-chunk", type=DIM, default=None,
+              help="Prompt tokens fed between two decode steps (default: the prefill length); smaller keeps running "
+                   "streams smoother while long prompts arrive.")
 @click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
 @click.option("--disaggregate", is_flag=True,
@@ -40,8 +43,8 @@ from .params import COUNT, DIM, THREADS
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
-              prefill_seq_len, no_prompt_reuse, model_name, disaggregate, prefill_replicas, decode_replicas,
-              prefill_export, ray_address) -> None:
+              prefill_seq_len, prefill_chunk, no_prompt_reuse, model_name, disaggregate, prefill_replicas,
+              decode_replicas, prefill_export, ray_address) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -56,7 +59,8 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                "--disaggregate")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
-                         prefill_seq_len=prefill_seq_len, reuse_prompts=not no_prompt_reuse, model_name=model_name,
+                         prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
+                         reuse_prompts=not no_prompt_reuse, model_name=model_name,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
 

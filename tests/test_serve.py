@@ -364,8 +364,8 @@ def test_prompt_reuse_reports_cached_tokens_and_same_output(client, served, refe
     shared = len(_chat_ids(served, [{"role": "system", "content": system}, {"role": "user", "content": "Why is "}])) - 1
     assert outs[1] >= shared > 0
     after = _metrics(served)
-    assert _metric(after, "qeff_kv_prompt_tokens_reused_total") - _metric(before, "qeff_kv_prompt_tokens_reused_total") \
-        == sum(outs)
+    reused = "qeff_kv_prompt_tokens_reused_total"
+    assert _metric(after, reused) - _metric(before, reused) == sum(outs)
     # the same prompt again: everything but its last token is reused, the output is unchanged
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Why is the sea wet?"}]
     ids = _chat_ids(served, messages)

@@ -77,6 +77,21 @@ def test_running_streams_advance_between_prefill_chunks(own_cb_graph):
         assert any(c[0] == "decode" for c in spy.calls[i + 1:j]), spy.calls
 
 
+def test_prefill_chunk_smaller_than_the_prefill_length(own_cb_graph):
+    session = Session(own_cb_graph)
+    spy = Spy(session)
+    sched = Scheduler(session, prefill_chunk=3)
+    prompt = [random.Random(2).randrange(3, 256) for _ in range(17)]
+    try:
+        toks, _ = _run(sched.submit(_req(0, prompt, 5)))
+    finally:
+        sched.close()
+    assert [c[1] for c in spy.calls if c[0] == "prefill"] == [3, 3, 3, 3, 3, 2]
+    assert toks == _alone(own_cb_graph, prompt, 5)
+    with pytest.raises(RuntimeInputError, match="prefill_chunk must be a positive int"):
+        Scheduler(session, prefill_chunk=0)
+
+
 def test_queue_bound_and_bad_requests(own_cb_graph):
     sched = Scheduler(Session(own_cb_graph), max_queue=0)
     try:

@@ -6,7 +6,8 @@ Each turn of the engine thread:
    a cached sequence, its slot free for the next request) and slot actions (``/slots``);
 2. admits waiting requests in FIFO order while a slot is free or held by a cached sequence (evicted least
    recently used first), starting each from the longest common prefix of a kept sequence (prompt reuse);
-3. feeds **one** prefill chunk (``prefill_seq_len`` tokens) to the oldest request still prefilling;
+3. feeds **one** prefill chunk (``prefill_chunk`` tokens, by default the session's ``prefill_seq_len``) to the
+   oldest request still prefilling;
 4. runs **one** decode step for every running sequence together (``batch_index`` rows, or lock step on a graph
    without it: the session does both).
 
@@ -71,11 +72,19 @@ class Scheduler(Engine):
         max_queue: requests waiting for a slot beyond which :meth:`submit` raises ``QueueFullError``.
         reuse_prompts: keep finished sequences for prompt reuse.
         model_name: what ``/v1/models`` lists (default: the export folder's name).
+        prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``).
     """
 
-    def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None):
+    def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
+                 prefill_chunk: int | None = None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise RuntimeInputError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        #: prompt tokens fed per engine turn (between two decode steps): the session's prefill length by default;
+        #: smaller keeps running streams smoother while long prompts arrive, at some prefill throughput
+        self.prefill_chunk = prefill_chunk or session.prefill_seq_len
         self.session = session
         self.model_name = model_name or session.files.folder.name
         self.ctx_len = session.ctx_len
@@ -340,7 +349,7 @@ class Scheduler(Engine):
 
     # ---- prefill and decode
     def _prefill_one_chunk(self, a: _Active) -> None:
-        chunk = a.todo[:self.session.prefill_seq_len]
+        chunk = a.todo[:self.prefill_chunk]
         try:
             logits = self.session.prefill(a.seq, chunk)
         except Exception as exc:   # noqa: BLE001

@@ -42,7 +42,8 @@ def build_engine(config: ServeConfig) -> Engine:
     from .scheduler import Scheduler
 
     return Scheduler(open_session(config), max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
-                     model_name=config.model_name or model_name_of(config.export_dir))
+                     model_name=config.model_name or model_name_of(config.export_dir),
+                     prefill_chunk=config.prefill_chunk)
 
 
 def model_name_of(export_dir: str) -> str:
