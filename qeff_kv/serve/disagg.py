@@ -32,7 +32,7 @@ import os
 import threading
 import time
 
-from ..errors import QeffKvError, QueueFullError, RuntimeInputError
+from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 from .transfer import Prefiller, facts, pair_refusal
@@ -51,7 +51,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise RuntimeInputError("--disaggregate needs Ray: pip install 'qeff-kv[ray]'") from None
+        raise MissingDependencyError("--disaggregate needs Ray: pip install 'qeff-kv[ray]'") from None
     return ray
 
 
