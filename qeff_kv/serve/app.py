@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import QeffKvError, QueueFullError
@@ -180,8 +181,10 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         handle = _submit(p, ids, rid, "messages" if chat else "prompt")
         run = _Run(request, handle, p, len(ids), text.tokenizer, metrics, arrival, background)
         if p.stream:
+            # the background task also runs when the client left before the stream started: the request is cancelled
             return StreamingResponse(_sse(run, rid, chat, created_at=int(time.time()), model=engine.model_name),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(run.abandon))
         pieces = [d async for d in run.deltas()]
         if run.error is not None:
             raise APIError(f"generation failed: {run.error}", status=500, type="server_error")
@@ -267,6 +270,11 @@ class _Run:
         if fin is not None:   # metrics: what the client saw (a stop string is a "stop", not a cancellation)
             self.metrics.finished(Finished("stop", fin.prompt_tokens, fin.cached_tokens, self.tokens, fin.error)
                                   if self._stop_hit else fin)
+
+    def abandon(self) -> None:
+        """The response is over: a request still running has lost its client."""
+        if not self.handle.finished:
+            self.handle.cancel()
 
     def usage(self) -> dict:
         cached = self.final.cached_tokens if self.final is not None else 0
