@@ -69,12 +69,13 @@ def test_transfer_moves_only_the_valid_positions_and_continues_exactly(own_vllm_
     from qeff_kv.serve.transfer import Prefiller, valid_bytes
 
     pre = Session(own_vllm_graph)
-    prefiller = Prefiller(pre)
+    prefiller = Prefiller(pre)     # one slot: a prompt run again continues the kept sequence (truncated)
     sched = Scheduler(Session(own_cb_graph), reuse_prompts=False)
     try:
         for i, p in enumerate(PROMPTS):
             for k, sampling in enumerate([None, SamplingParams(temperature=0.9, seed=7 + i)]):
                 t = prefiller.run(f"r{i}", p, (sampling or SamplingParams()).resolved())
+                assert t.cached_tokens == (len(p) - 1 if k else 0)
                 assert sorted(t.state.tensors) == sorted(x.input_name for x in pre.layout.pairs)
                 assert all(name.endswith("_VLLM") for name in t.state.tensors)
                 assert {a.shape[2] for a in t.state.tensors.values()} == {len(p)}
@@ -86,9 +87,10 @@ def test_transfer_moves_only_the_valid_positions_and_continues_exactly(own_vllm_
                 toks, fin = _collect(sched.submit(_request(f"d{i}{k}", p, sampling, state=t.state)))
                 assert toks == reference[p][k]
                 assert (fin.finish_reason, fin.completion_tokens) == ("length", NEW)
-        assert pre.sequences == []
+        assert [s.tokens for s in pre.sequences] == [list(PROMPTS[-1])]   # kept for reuse
     finally:
         sched.close()
+    pre.remove_sequence(pre.sequences[0])
     seq = pre.add_sequence()
     pre.prefill(seq, PROMPTS[0])
     assert valid_bytes(pre, seq) == len(PROMPTS[0]) * pre.cache.bytes_per_position
@@ -103,7 +105,7 @@ def test_in_memory_state_is_checked_by_identity_and_never_read_as_a_file(own_vll
     from qeff_kv.serve.transfer import Prefiller, install
 
     sess = Session(own_vllm_graph)
-    t = Prefiller(sess).run("r", PROMPTS[0], GREEDY)
+    t = Prefiller(sess, reuse=False).run("r", PROMPTS[0], GREEDY)
     assert t.state.metadata["checksum"].startswith("identity:")
     seq = install(sess, t)
     assert (seq.length, seq.tokens, seq.pending) == (len(PROMPTS[0]), list(PROMPTS[0]), t.first_token)
@@ -134,7 +136,7 @@ def test_ring_transfer_moves_the_slots_the_rings_hold(family_exports):
 
     sess = Session(family_exports("gemma2_sw", "onnxruntime").out_dir)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 120, size=3 * SW)]
-    t = Prefiller(sess).run("r", prompt, GREEDY)
+    t = Prefiller(sess, reuse=False).run("r", prompt, GREEDY)
     rings = sess.rings.capacities
     assert rings and all(t.state.tensors[n].shape[2] == SW for n in rings)
     assert all(a.shape[2] == len(prompt) for n, a in t.state.tensors.items() if n not in rings)
@@ -146,6 +148,32 @@ def test_ring_transfer_moves_the_slots_the_rings_hold(family_exports):
     sess.remove_sequence(alone.sequence)
     [cont] = sess.generate([install(sess, t)], max_new_tokens=NEW, stop_tokens=[])
     assert cont.tokens == alone.tokens
+
+
+def test_prefill_worker_reuses_kept_prefixes(own_cb_graph):
+    """Prompts sharing prefixes: the prefill worker starts each from a kept sequence (truncated, or its prefix
+    copied into a free slot) and the decode side continues with the tokens of each prompt run alone."""
+    from qeff_kv.runtime import GREEDY, Session
+    from qeff_kv.serve.transfer import Prefiller, install
+
+    pre, dec = Session(own_cb_graph), Session(own_cb_graph)
+    prefiller = Prefiller(pre)
+    base = list(PROMPTS[0])
+    prompts = [base, base + [7, 8, 9], base[:5] + [60, 61], base + [7, 8, 9], [200, 201]]
+    cached = []
+    for i, p in enumerate(prompts):
+        t = prefiller.run(f"r{i}", p, GREEDY)
+        cached.append(t.cached_tokens)
+        assert t.nbytes == len(p) * pre.cache.bytes_per_position
+        [alone] = dec.generate([p], max_new_tokens=NEW, stop_tokens=[])
+        dec.remove_sequence(alone.sequence)
+        [cont] = dec.generate([install(dec, t)], max_new_tokens=NEW, stop_tokens=[])
+        dec.remove_sequence(cont.sequence)
+        assert cont.tokens == alone.tokens, p
+    # truncate in place (extends it), copy 5 into a free slot, copy 13 into the last slot, then evict the LRU
+    assert cached == [0, len(base), 5, len(base) + 2, 0]
+    assert prefiller.reused_tokens == sum(cached)
+    assert len(pre.sequences) == pre.max_sequences == 3
 
 
 def test_pair_of_different_checkpoints_refused(own_vllm_graph, own_graphs):

@@ -68,17 +68,21 @@ def _one_line(exc: BaseException) -> str:
 class PrefillWorker:
     """The prefill replica (a Ray actor): one request at a time."""
 
-    def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None):
+    def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
+                 reuse_prompts: bool = True):
         from ..runtime import Session
 
         self.prefiller = Prefiller(Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-                                           threads=threads))
+                                           threads=threads), reuse=reuse_prompts)
 
     def facts(self) -> dict:
         return facts(self.prefiller.session)
 
     def prefill(self, request_id: str, prompt, sampling):
         return self.prefiller.run(request_id, prompt, sampling)
+
+    def stats(self) -> dict:
+        return {"prompt_tokens_reused": self.prefiller.reused_tokens}
 
     def pid(self) -> int:
         return os.getpid()
@@ -113,6 +117,8 @@ class DecodeWorker:
         handle = self.scheduler.submit(dataclasses.replace(req, state=transfer.state))
         try:
             async for ev in handle:
+                if isinstance(ev, Finished):   # the prompt tokens the prefill replica did not have to prefill
+                    ev = dataclasses.replace(ev, cached_tokens=transfer.cached_tokens)
                 yield ev
         finally:   # the caller went away (cancelled): free the sequence
             if not handle.finished:
@@ -283,11 +289,11 @@ class DisaggregatedEngine(Engine):
                    "kv_bytes_used": 0, "prompt_tokens_reused": 0, "max_sequences": self.max_sequences,
                    "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts}
         try:
-            replicas = self._ray.get([a.stats.remote() for a in self._decode], timeout=5)
+            replicas = self._ray.get([a.stats.remote() for a in self._decode + self._prefill], timeout=5)
         except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
             replicas = []
         for key in ("kv_bytes_used", "kv_bytes_capacity", "handoffs", "handoff_bytes", "handoff_prefill_s",
-                    "handoff_extract_s", "decode_steps"):
+                    "handoff_extract_s", "decode_steps", "prompt_tokens_reused"):
             vals = [r.get(key, 0) for r in replicas]
             if vals:
                 out[key] = sum(vals)
@@ -367,7 +373,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     opts = dict(num_cpus=share, max_restarts=MAX_RESTARTS, max_task_retries=0)
     Pre = ray.remote(PrefillWorker).options(**opts)
     Dec = ray.remote(DecodeWorker).options(**opts)
-    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads)
+    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts)
            for _ in range(config.prefill_replicas)]
     dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
 

@@ -37,13 +37,15 @@ DIM_SPECS = ("batch_index", 0, "ctx_start", 0)
 class KVTransfer:
     """One prefilled sequence in flight. ``state``: the selected buffers' valid positions and the metadata;
     ``slicing``: the peer-style spec of what was cut (``Name`` regex, ``DimSpecs``, ``ctx_start``, ``positions``);
-    ``prefill_s`` / ``extract_s``: the prefill worker's time in the prefill and in cutting the buffers."""
+    ``prefill_s`` / ``extract_s``: the prefill worker's time in the prefill and in cutting the buffers;
+    ``cached_tokens``: prompt tokens the prefill worker took from a kept sequence instead of prefilling them."""
 
     request_id: str
     state: KVState
     slicing: dict
     prefill_s: float = 0.0
     extract_s: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def valid_length(self) -> int:
@@ -121,29 +123,90 @@ def pair_refusal(prefill: dict, decode: dict) -> str | None:
 
 # ============================================================================================ prefill worker
 class Prefiller:
-    """The prefill worker's logic over one :class:`~qeff_kv.runtime.Session`: one request at a time."""
+    """The prefill worker's logic over one :class:`~qeff_kv.runtime.Session`: one request at a time.
 
-    def __init__(self, session):
+    Prompt reuse (``reuse=True``): a prefilled sequence stays in its slot after its transfer left (least recently
+    used first out when a slot is needed); a later prompt sharing at least :data:`MIN_REUSE` leading tokens with
+    one starts from it: its prefix is copied into a free slot (``Session.copy``, the source stays), else the kept
+    sequence is truncated to the common prefix and continued. At most ``len(prompt) - 1`` tokens are reused (the
+    last one is fed: its logits give the first token). Where the rings of a sliding-window graph cannot serve
+    the prefix, the prompt is prefilled whole.
+    """
+
+    #: shortest common prefix worth reusing
+    MIN_REUSE = 2
+
+    def __init__(self, session, reuse: bool = True):
         self.session = session
+        self.reuse = reuse
+        self._kept: dict[int, object] = {}   # sequence id -> Sequence, least recently used first
+        self.reused_tokens = 0
+
+    def _fresh(self):
+        sess = self.session
+        if not sess.cache.free_slots():
+            victim = self._kept.pop(next(iter(self._kept)))
+            sess.remove_sequence(victim)
+        return sess.add_sequence()
+
+    def _start(self, prompt: list[int]):
+        """A sequence to prefill ``prompt`` into and how many of its leading tokens it already holds."""
+        from ..errors import QeffKvError
+
+        limit = len(prompt) - 1
+        best, best_n = None, 0
+        for s in self._kept.values():
+            n = 0
+            m = min(len(s.tokens), limit)
+            while n < m and s.tokens[n] == prompt[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = s, n
+        if best is None or best_n < self.MIN_REUSE:
+            return self._fresh(), 0
+        sess = self.session
+        if best_n < best.length and sess.cache.free_slots():
+            self._kept[best.id] = self._kept.pop(best.id)   # most recently used
+            dst = sess.add_sequence()
+            try:
+                sess.copy(best, dst, best_n)
+                return dst, best_n
+            except QeffKvError:
+                return dst, 0
+        del self._kept[best.id]
+        try:
+            sess.truncate(best, best_n)
+            return best, best_n
+        except QeffKvError:
+            sess.truncate(best, 0)
+            return best, 0
 
     def run(self, request_id: str, prompt, sampling) -> KVTransfer:
-        """Prefill ``prompt`` in a fresh sequence, sample the first token with ``sampling`` (resolved: a seed
-        the decode side shares), and return the transfer; the sequence is freed."""
+        """Prefill ``prompt`` (from a kept sequence's common prefix where there is one), sample the first token
+        with ``sampling`` (resolved: a seed the decode side shares), and return the transfer."""
         sess = self.session
+        prompt = list(prompt)
         if not prompt or len(prompt) > sess.ctx_len:
             raise RuntimeInputError(f"the prompt has {len(prompt)} tokens; the prefill export holds 1 to "
                                     f"{sess.ctx_len}")
         for stale in sess.sequences:   # a request that failed half-way left its sequence
-            sess.remove_sequence(stale)
-        seq = sess.add_sequence()
+            if stale.id not in self._kept:
+                sess.remove_sequence(stale)
+        seq, cached = self._start(prompt) if self.reuse else (self._fresh(), 0)
         try:
             t0 = time.perf_counter()
-            logits = sess.prefill(seq, list(prompt))
+            logits = sess.prefill(seq, prompt[cached:])
             seq.pending = sample(logits, sampling, seq.length)
             seq.pending_emitted = False
             prefill_s = time.perf_counter() - t0
             out = extract(sess, seq, request_id)
-        finally:
+        except BaseException:
             sess.remove_sequence(seq)
-        out.prefill_s = prefill_s
+            raise
+        if self.reuse:
+            self._kept[seq.id] = seq
+        else:
+            sess.remove_sequence(seq)
+        self.reused_tokens += cached
+        out.prefill_s, out.cached_tokens = prefill_s, cached
         return out
