@@ -258,6 +258,31 @@ def test_bad_requests_refused_at_submit(engines):
         assert str(exc.value) == msg
 
 
+def test_cancel_mid_stream_stops_the_decode_replica(engines):
+    """A request cancelled while it streams ends "cancelled", and its replica stops decoding it and frees it."""
+    import time
+
+    from qeff_kv.serve.engine import Finished, TokenOut
+
+    eng = engines(ctx_len=256)
+    ray = pytest.importorskip("ray")
+    replica = eng.decode_actors[0]
+    steps0 = ray.get(replica.stats.remote())["decode_steps"]
+    h = eng.submit(_request("stop-me", PROMPTS[1], max_tokens=240))
+    events = h.iter_sync(timeout=60)
+    assert isinstance(next(events), TokenOut)
+    h.cancel()
+    rest = list(events)
+    assert isinstance(rest[-1], Finished) and rest[-1].finish_reason == "cancelled"
+    for _ in range(100):
+        st = ray.get(replica.stats.remote())
+        if st["sequences_active"] == 0:
+            break
+        time.sleep(0.05)
+    assert st["sequences_active"] == 0
+    assert st["decode_steps"] - steps0 < 200          # it did not run to its 240 tokens
+
+
 def test_killed_decode_replica_fails_its_request_and_the_next_succeeds(engines, reference):
     """ray.kill on the decode replica mid-stream: that request ends with an error (no hang), Ray restarts the
     replica, and the next request gets the single-host tokens."""
