@@ -199,7 +199,7 @@ def llama_server(clients: int, args, log: Path) -> Server:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--export", action="append", default=[], help="export folder (repeatable)")
-    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--clients", default=None, help="client counts (default 1,4,8,16; --quick: 1,4,8)")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=1024)
@@ -212,6 +212,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=None, help="qeff-kv serve --prefill-chunk")
     ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
+    ap.add_argument("--no-arrivals", action="store_true", help="skip the arrivals run")
     ap.add_argument("--quick", action="store_true",
                     help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare against")
@@ -219,18 +220,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     args = ap.parse_args()
     if args.quick:
-        args.clients, args.requests = "1,4,8", 1
+        args.clients, args.requests = args.clients or "1,4,8", 1
         args.prompt_max, args.new_max, args.arrival_prompt = 512, 128, 512
     if not args.export and not args.llama_server:
         ap.error("give --export DIR (repeatable) and/or --llama-server PATH --gguf FILE")
-    clients = [int(c) for c in args.clients.split(",")]
+    clients = [int(c) for c in (args.clients or "1,4,8,16").split(",")]
     logs = HERE / "work" / "serve"
     logs.mkdir(parents=True, exist_ok=True)
     targets = [(Path(e).name, "qeff", e) for e in args.export]
     if args.llama_server:
         targets.append(("llama-server", "llama", None))
     results = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "threads": args.threads,
-               "cpus": os.cpu_count(), "runs": {}}
+               "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()], "runs": {}}
     for name, kind, export in targets:
         vocab = 49152 if kind == "llama" else json.loads((Path(export) / "manifest.json").read_text()).get(
             "vocab_size", 49152)
@@ -245,15 +246,18 @@ def main() -> None:
                 say(f"  {runs[-1]}")
             finally:
                 srv.stop()
-        say(f"{name}: arrivals")
-        srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
-               else llama_server(2, args, logs / f"{name}-arrivals.log"))
-        try:
-            arr = arrivals_run(srv.url, args, vocab, model)
-            say(f"  {arr}")
-        finally:
-            srv.stop()
+        arr = None
+        if not args.no_arrivals:
+            say(f"{name}: arrivals")
+            srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
+                   else llama_server(2, args, logs / f"{name}-arrivals.log"))
+            try:
+                arr = arrivals_run(srv.url, args, vocab, model)
+                say(f"  {arr}")
+            finally:
+                srv.stop()
         results["runs"][name] = {"concurrency": runs, "arrivals": arr}
+    results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=1))
@@ -272,6 +276,8 @@ def table(results: dict) -> str:
               "|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         a = r["arrivals"]
+        if a is None:
+            continue
         lines.append(f"| {name} | {a['idle_itl_p50_ms']} / {a['idle_itl_p99_ms']} | {a['loaded_itl_p50_ms']} / "
                      f"{a['loaded_itl_p99_ms']} | {a['ratio_p99']} | {a['prompts_arrived']} x "
                      f"{a['arrival_prompt_tokens']} |")
