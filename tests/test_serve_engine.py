@@ -134,6 +134,24 @@ def test_reuse_truncate_and_copy(own_cb_graph):
         sched.close()
 
 
+def test_reuse_copies_from_a_running_sequence(own_cb_graph):
+    session = Session(own_cb_graph)
+    spy = Spy(session)   # 2 ms per decode step: the first request is still running when the second arrives
+    sched = Scheduler(session)
+    shared = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22]
+    try:
+        first = sched.submit(_req(0, shared + [30], 40))
+        deadline = time.monotonic() + 30
+        while not any(c[0] == "decode" for c in spy.calls) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        t2, f2 = _run(sched.submit(_req(1, shared + [31, 32], 6)))
+        t1, f1 = _run(first)
+    finally:
+        sched.close()
+    assert f2.cached_tokens == len(shared) and t2 == _alone(own_cb_graph, shared + [31, 32], 6)
+    assert f1.completion_tokens == 40 and t1 == _alone(own_cb_graph, shared + [30], 40)
+
+
 def test_reuse_without_copy_truncates_in_place(own_cb_graph, monkeypatch):
     session = Session(own_cb_graph)
     monkeypatch.delattr(type(session), "copy", raising=False)
