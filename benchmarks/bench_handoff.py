@@ -40,7 +40,7 @@ def in_process(args) -> dict:
     dec = Session(args.decode_export or args.export, ctx_len=args.ctx_len, threads=args.threads)
     vocab = pre.vocab_size or 1000
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, vocab, size=args.prompt_len)]
-    Prefiller(pre).run("warm", prompt[:64], GREEDY)
+    Prefiller(pre, reuse=False).run("warm", prompt[:64], GREEDY)
     rows = {"prefill_s": [], "extract_s": [], "install_s": [], "export_checksum_s": [], "import_checksum_s": []}
     nbytes = 0
     for _ in range(args.repeats):
@@ -105,8 +105,9 @@ def on_ray(args) -> dict:
         nbytes = 0
         for i in range(args.repeats):
             t0 = time.perf_counter()
+            p = (i + 3,) + prompt[1:]   # another first token each time: the replica's prompt reuse finds nothing
             install_s, prefill_s, extract_s, nbytes = ray.get(rec.install.remote(
-                pre.prefill.remote(f"r{i}", prompt, GREEDY)))
+                pre.prefill.remote(f"r{i}", p, GREEDY)))
             wall = time.perf_counter() - t0
             for k, v in (("wall_s", wall), ("prefill_s", prefill_s), ("extract_s", extract_s),
                          ("install_s", install_s), ("handoff_s", wall - prefill_s)):
@@ -116,6 +117,52 @@ def on_ray(args) -> dict:
         return out
     finally:
         ray.shutdown()
+
+
+def ttft(args) -> dict:
+    """Time to first token of ``--prompt-len``-token prompts (distinct: no prompt reuse), through the engines: the
+    single-host Scheduler vs the disaggregated engine (1 prefill + 1 decode replica), one thread per session."""
+    import ray
+
+    from qeff_kv.runtime import GREEDY, Session
+    from qeff_kv.serve.config import ServeConfig
+    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.engine import GenerationRequest
+    from qeff_kv.serve.scheduler import Scheduler
+
+    def measure(engine, vocab) -> list[float]:
+        out = []
+        for i in range(args.repeats + 1):
+            prompt = tuple(int(t) for t in np.random.default_rng(100 + i).integers(3, vocab, size=args.prompt_len))
+            t0 = time.perf_counter()
+            h = engine.submit(GenerationRequest(f"t{i}", prompt, 2, GREEDY, frozenset()))
+            events = h.iter_sync(timeout=600)
+            next(events)
+            took = time.perf_counter() - t0
+            list(events)
+            if i:   # the first is a warm-up
+                out.append(took)
+        return out
+
+    sess = Session(args.decode_export or args.export, ctx_len=args.ctx_len, threads=args.threads)
+    vocab = sess.vocab_size or 1000
+    sched = Scheduler(sess, reuse_prompts=False)
+    try:
+        local = measure(sched, vocab)
+    finally:
+        sched.close()
+    del sess, sched
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    try:
+        eng = start_disaggregated(ServeConfig(args.decode_export or args.export, prefill_export=args.export,
+                                              disaggregate=True, ctx_len=args.ctx_len, threads=args.threads))
+        try:
+            disagg = measure(eng, vocab)
+        finally:
+            eng.close()
+    finally:
+        ray.shutdown()
+    return {"scheduler_ttft_s": _median(local), "disaggregated_ttft_s": _median(disagg)}
 
 
 def main() -> None:
@@ -128,12 +175,15 @@ def main() -> None:
                                                            "actors on two cores)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--ttft", action="store_true", help="also time to first token through both engines")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = {"export": args.export, "decode_export": args.decode_export, "prompt_len": args.prompt_len,
            "threads": args.threads, "repeats": args.repeats, "in_process": in_process(args)}
     if not args.no_ray:
         res["ray"] = on_ray(args)
+        if args.ttft:
+            res["ttft"] = ttft(args)
     ip = res["in_process"]
     mb = ip["bytes"] / 1e6
     print(f"prompt {args.prompt_len} tokens, KV moved {mb:.1f} MB (valid positions: {ip['bytes_expected'] / 1e6:.1f} MB)")
@@ -146,6 +196,10 @@ def main() -> None:
         print(f"on Ray: prefill {r['prefill_s'] * 1e3:.0f} ms | hand-off {r['handoff_s'] * 1e3:.1f} ms "
               f"({r['handoff_s'] / r['prefill_s']:.1%} of the prefill; extract {r['extract_s'] * 1e3:.1f} ms, install "
               f"{r['install_s'] * 1e3:.1f} ms, the rest transport and call overheads)")
+    if "ttft" in res:
+        t = res["ttft"]
+        print(f"time to first token: single-host Scheduler {t['scheduler_ttft_s'] * 1e3:.0f} ms | disaggregated "
+              f"{t['disaggregated_ttft_s'] * 1e3:.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
