@@ -296,8 +296,6 @@ class KVCache:
         n = int(n)
         if n > s.length:
             raise RuntimeInputError(f"cannot copy {n} positions of sequence {s.id}: it holds {s.length}")
-        if n > self.ctx_len:  # pragma: no cover - a sequence never holds more than the capacity
-            raise RuntimeInputError(f"cannot copy {n} positions: the capacity is ctx_len={self.ctx_len}")
         if 0 < n:
             why = copy_refusal(s, n, self.rings) or pos_mod.rewind_refusal(s.rope_marks, n)
             if why is not None:
