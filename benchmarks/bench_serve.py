@@ -116,9 +116,30 @@ def stream_one(url: str, prompt: list[int], new: int, model: str | None) -> dict
             "tokens": tokens, "start": t0, "end": time.perf_counter()}
 
 
-def concurrency_run(url: str, clients: int, requests: int, args, vocab: int, model: str | None, seed: int) -> dict:
+class Corpus:
+    """Prompts cut from a public-domain English text (fixtures/text/gettysburg.txt, repeated as needed) at random
+    offsets: the model continues English, so nearly every token is a text chunk of its own (random token ids
+    make it emit multi-byte characters split over several tokens, and per-chunk latencies then span tokens)."""
+
+    def __init__(self, export: str | None):
+        from tokenizers import Tokenizer
+
+        text = (REPO / "fixtures" / "text" / "gettysburg.txt").read_text(encoding="utf-8")
+        folder = Path(export) if export else None
+        tok_path = folder / "tokenizer.json" if folder else None
+        if tok_path is None or not tok_path.is_file():
+            raise SystemExit(f"no tokenizer.json in {folder}: the prompts are cut from tokenized text")
+        self.ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
+
+    def prompt(self, rng: random.Random, n: int) -> list[int]:
+        off = rng.randrange(len(self.ids))
+        return [self.ids[(off + i) % len(self.ids)] for i in range(n)]
+
+
+def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus, model: str | None,
+                    seed: int) -> dict:
     rng = random.Random(seed)
-    jobs = [[([rng.randrange(100, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))],
+    jobs = [[(corpus.prompt(rng, rng.randint(args.prompt_min, args.prompt_max)),
               rng.randint(args.new_min, args.new_max)) for _ in range(requests)] for _ in range(clients)]
     results: list[dict] = []
     errors: list[str] = []
@@ -142,26 +163,27 @@ def concurrency_run(url: str, clients: int, requests: int, args, vocab: int, mod
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "errors": errors[:3], "wall_s": round(wall, 3),
             "tokens": tokens, "tok_per_s": round(tokens / wall, 2),
+            "tokens_per_chunk": round(tokens / max(1, sum(len(r["itl"]) + 1 for r in results)), 3),
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
             "itl_p50_ms": _ms(pct(itl, 50)), "itl_p99_ms": _ms(pct(itl, 99))}
 
 
-def arrivals_run(url: str, args, vocab: int, model: str | None) -> dict:
+def arrivals_run(url: str, args, corpus: Corpus, model: str | None) -> dict:
     rng = random.Random(7)
-    short = [rng.randrange(100, vocab) for _ in range(args.arrival_short)]
+    short = corpus.prompt(rng, args.arrival_short)
     idle = stream_one(url, short, args.arrival_new, model)
     stop = threading.Event()
     arrived = []
 
     def arrivals() -> None:
         while not stop.is_set():
-            p = [rng.randrange(100, vocab) for _ in range(args.arrival_prompt)]
+            p = corpus.prompt(rng, args.arrival_prompt)
             arrived.append(stream_one(url, p, 1, model))
 
     t = threading.Thread(target=arrivals)
     t.start()
     time.sleep(0.2)
-    loaded = stream_one(url, short[::-1], args.arrival_new, model)
+    loaded = stream_one(url, corpus.prompt(rng, args.arrival_short), args.arrival_new, model)
     stop.set()
     t.join()
     out = {"idle_itl_p50_ms": _ms(pct(idle["itl"], 50)), "idle_itl_p99_ms": _ms(pct(idle["itl"], 99)),
@@ -217,6 +239,8 @@ def main() -> None:
                     help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare against")
     ap.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="an export folder whose tokenizer.json cuts the prompts (default: the first --export)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     args = ap.parse_args()
     if args.quick:
@@ -233,8 +257,7 @@ def main() -> None:
     results = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "threads": args.threads,
                "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()], "runs": {}}
     for name, kind, export in targets:
-        vocab = 49152 if kind == "llama" else json.loads((Path(export) / "manifest.json").read_text()).get(
-            "vocab_size", 49152)
+        corpus = Corpus(export or args.export[0] if args.export else args.tokenizer_from)
         model = None
         runs = []
         for c in ([] if args.only_arrivals else clients):
@@ -242,7 +265,7 @@ def main() -> None:
             srv = (qeff_server(export, c, args, logs / f"{name}-{c}.log") if kind == "qeff"
                    else llama_server(c, args, logs / f"{name}-{c}.log"))
             try:
-                runs.append(concurrency_run(srv.url, c, args.requests, args, vocab, model, seed=c))
+                runs.append(concurrency_run(srv.url, c, args.requests, args, corpus, model, seed=c))
                 say(f"  {runs[-1]}")
             finally:
                 srv.stop()
@@ -252,7 +275,7 @@ def main() -> None:
             srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
                    else llama_server(2, args, logs / f"{name}-arrivals.log"))
             try:
-                arr = arrivals_run(srv.url, args, vocab, model)
+                arr = arrivals_run(srv.url, args, corpus, model)
                 say(f"  {arr}")
             finally:
                 srv.stop()
