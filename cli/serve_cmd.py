@@ -12,6 +12,21 @@ from qeff_kv.errors import MissingDependencyError
 from .params import COUNT, DIM, THREADS
 
 
+class ChunkType(click.ParamType):
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is neither a positive integer nor 'auto'", param, ctx)
+        return n
+
+
 @click.command("serve")
 @click.argument("export_dir", type=click.Path(path_type=str))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -30,9 +45,9 @@ from .params import COUNT, DIM, THREADS
 @click.option("--prefill-seq-len", type=DIM, default=None,
               help="Prefill chunk length, where the graph leaves it symbolic (also the most prefill work done "
                    "between two decode steps).")
-@click.option("--prefill-chunk", type=DIM, default=None,
+@click.option("--prefill-chunk", type=ChunkType(), default=None, metavar="N|auto",
               help="Prompt tokens fed between two decode steps (default: the prefill length); smaller keeps running "
-                   "streams smoother while long prompts arrive.")
+                   "streams smoother while long prompts arrive; auto: what costs about one decode step (measured).")
 @click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
 @click.option("--disaggregate", is_flag=True,

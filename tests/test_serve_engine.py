@@ -88,8 +88,42 @@ def test_prefill_chunk_smaller_than_the_prefill_length(own_cb_graph):
         sched.close()
     assert [c[1] for c in spy.calls if c[0] == "prefill"] == [3, 3, 3, 3, 3, 2]
     assert toks == _alone(own_cb_graph, prompt, 5)
-    with pytest.raises(RuntimeInputError, match="prefill_chunk must be a positive int"):
+    with pytest.raises(RuntimeInputError, match="prefill_chunk must be a positive int or 'auto'"):
         Scheduler(session, prefill_chunk=0)
+
+
+def test_auto_prefill_chunk_follows_the_decode_step(own_cb_graph):
+    """``prefill_chunk="auto"``: while a stream runs, a turn's chunk costs about one decode step (here prefill is made
+    at least 5 ms a token and decode 2 ms more a step, so chunks well below the prefill length of 8); nothing changes
+    in the tokens."""
+    session = Session(own_cb_graph)
+    spy = Spy(session)   # decode: +2 ms
+    real_prefill = spy._prefill
+
+    def slow_prefill(seq, tokens, *a, **kw):
+        time.sleep(0.005 * len(tokens))
+        return real_prefill(seq, tokens, *a, **kw)
+
+    spy._prefill = slow_prefill
+    sched = Scheduler(session, prefill_chunk="auto", reuse_prompts=False)
+    long_prompt = [random.Random(4).randrange(3, 256) for _ in range(30)]
+    try:
+        short = sched.submit(_req(0, [5, 6, 7], 50))
+        deadline = time.monotonic() + 30
+        while sum(c[0] == "decode" for c in spy.calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        long = sched.submit(_req(1, long_prompt, 4))
+        a, _ = _run(short)
+        b, _ = _run(long)
+    finally:
+        sched.close()
+    short_id = spy.calls[0][2]
+    sizes = [c[1] for c in spy.calls if c[0] == "prefill" and c[2] != short_id]
+    assert sum(sizes) == 30 and max(sizes) <= session.prefill_seq_len
+    assert max(sizes[:4]) < session.prefill_seq_len, sizes    # while the short stream runs
+    assert a == _alone(own_cb_graph, [5, 6, 7], 50) and b == _alone(own_cb_graph, long_prompt, 4)
+    with pytest.raises(RuntimeInputError, match="positive int or 'auto'"):
+        Scheduler(session, prefill_chunk="fast")
 
 
 def test_queue_bound_and_bad_requests(own_cb_graph):

@@ -25,8 +25,8 @@ class ServeConfig:
     state_dir: str | None = None
     ctx_len: int | None = None
     prefill_seq_len: int | None = None
-    #: prompt tokens fed per engine turn, between two decode steps (default: the prefill length)
-    prefill_chunk: int | None = None
+    #: prompt tokens fed per engine turn, between two decode steps (default: the prefill length), or "auto"
+    prefill_chunk: int | str | None = None
     #: keep finished sequences and start new prompts from their longest common prefix
     reuse_prompts: bool = True
     #: the name /v1/models lists and requests give as "model" (default: the export folder's name)

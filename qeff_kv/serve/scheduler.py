@@ -38,6 +38,8 @@ from ..runtime.cache import Sequence
 from ..runtime.sampling import sample
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
+#: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
+AUTO_SHARE = 0.9
 #: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
 MIN_REUSE = 2
 
@@ -72,19 +74,24 @@ class Scheduler(Engine):
         max_queue: requests waiting for a slot beyond which :meth:`submit` raises ``QueueFullError``.
         reuse_prompts: keep finished sequences for prompt reuse.
         model_name: what ``/v1/models`` lists (default: the export folder's name).
-        prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``).
+        prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``), or ``"auto"``.
     """
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | str | None = None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 1):
-            raise RuntimeInputError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+        if prefill_chunk is not None and prefill_chunk != "auto" and (
+                isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
         #: prompt tokens fed per engine turn (between two decode steps): the session's prefill length by default;
-        #: smaller keeps running streams smoother while long prompts arrive, at some prefill throughput
-        self.prefill_chunk = prefill_chunk or session.prefill_seq_len
+        #: smaller keeps running streams smoother while long prompts arrive, at some prefill throughput. "auto":
+        #: while sequences are running, as many tokens as cost AUTO_SHARE of a decode step (measured), so a running
+        #: stream's step at most about doubles; the full prefill length when nothing runs
+        self.auto_chunk = prefill_chunk == "auto"
+        self.prefill_chunk = session.prefill_seq_len if prefill_chunk in (None, "auto") else prefill_chunk
+        self._decode_s: float | None = None       # moving averages: one decode step, one prefill token
+        self._prefill_tok_s: float | None = None
         self.session = session
         self.model_name = model_name or session.files.folder.name
         self.ctx_len = session.ctx_len
@@ -348,13 +355,25 @@ class Scheduler(Engine):
         self._prefilling.append(a)
 
     # ---- prefill and decode
+    def _chunk_size(self) -> int:
+        if not (self.auto_chunk and self._running and self._decode_s and self._prefill_tok_s):
+            return self.prefill_chunk
+        n = int(AUTO_SHARE * self._decode_s / self._prefill_tok_s)
+        return max(1, min(self.session.prefill_seq_len, n))
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
+
     def _prefill_one_chunk(self, a: _Active) -> None:
-        chunk = a.todo[:self.prefill_chunk]
+        chunk = a.todo[:self._chunk_size()]
+        t0 = time.perf_counter()
         try:
             logits = self.session.prefill(a.seq, chunk)
         except Exception as exc:   # noqa: BLE001
             self._finish(a, "error", f"prefill failed: {exc}", keep=False)
             return
+        self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
         del a.todo[:len(chunk)]
         with self._lock:
             self._stats["prefill_chunks"] += 1
@@ -385,12 +404,14 @@ class Scheduler(Engine):
 
     def _decode_step(self) -> None:
         batch = list(self._running)
+        t0 = time.perf_counter()
         try:
             out = self.session.decode([(a.seq, a.last) for a in batch])
         except Exception as exc:   # noqa: BLE001 - the step failed for all of them
             for a in batch:
                 self._finish(a, "error", f"decode failed: {exc}", keep=False)
             return
+        self._decode_s = self._average(self._decode_s, time.perf_counter() - t0)
         with self._lock:
             self._stats["decode_steps"] += 1
         for a in batch:
