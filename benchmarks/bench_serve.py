@@ -227,16 +227,17 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=1024)
     ap.add_argument("--new-min", type=int, default=64)
     ap.add_argument("--new-max", type=int, default=256)
-    ap.add_argument("--arrival-prompt", type=int, default=1024)
+    ap.add_argument("--arrival-prompt", type=int, default=None, help="default 1024 (--quick: 512)")
     ap.add_argument("--arrival-new", type=int, default=128)
     ap.add_argument("--arrival-short", type=int, default=64, help="prompt tokens of the measured stream")
     ap.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="qeff-kv serve --prefill-chunk")
+    ap.add_argument("--prefill-chunk", default=None, help="qeff-kv serve --prefill-chunk (N or auto)")
     ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
     ap.add_argument("--no-arrivals", action="store_true", help="skip the arrivals run")
     ap.add_argument("--quick", action="store_true",
-                    help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512")
+                    help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512 "
+                         "(unless given)")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare against")
     ap.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
     ap.add_argument("--tokenizer-from", default=None,
@@ -245,7 +246,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.clients, args.requests = args.clients or "1,4,8", 1
-        args.prompt_max, args.new_max, args.arrival_prompt = 512, 128, 512
+        args.prompt_max, args.new_max = 512, 128
+        args.arrival_prompt = args.arrival_prompt or 512
+    args.arrival_prompt = args.arrival_prompt or 1024
     if not args.export and not args.llama_server:
         ap.error("give --export DIR (repeatable) and/or --llama-server PATH --gguf FILE")
     clients = [int(c) for c in (args.clients or "1,4,8,16").split(",")]
