@@ -71,9 +71,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import export_cmd, generate_cmd, graph_cmds
+    from . import export_cmd, generate_cmd, graph_cmds, serve_cmd
 
-    for mod in (export_cmd, graph_cmds, generate_cmd):
+    for mod in (export_cmd, graph_cmds, generate_cmd, serve_cmd):
         for cmd in mod.COMMANDS:
             main.add_command(cmd)
 

@@ -63,3 +63,7 @@ class MemoryLimitError(QeffKvError):
 
 class VerificationError(ExportError):
     """An exported graph does not reproduce the model it came from (verification at export)."""
+
+
+class QueueFullError(QeffKvError):
+    """The server's admission queue is full (HTTP 429): the request was not accepted; retry later."""

@@ -31,7 +31,7 @@ from ..errors import RuntimeInputError
 from ..layout import KVPair
 from ..limits import positive_int, require_memory
 from . import positions as pos_mod
-from .ring import RingSpec, rewind_refusal
+from .ring import RingSpec, copy_refusal, copy_slots, lowest_held, rewind_refusal
 
 
 @dataclass(eq=False)
@@ -197,7 +197,9 @@ class KVCache:
         """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name`` (its first ``length``
         slots: ring order for a ring buffer)."""
         n = seq.length if length is None else length
-        return np.ascontiguousarray(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :])
+        # always a copy: a slice that spans the whole buffer (one slot, a full ring) is already contiguous, and
+        # ascontiguousarray would hand out a view that the next run overwrites
+        return np.array(self.arrays[name][seq.slot:seq.slot + 1, :, :n, :], order="C", copy=True)
 
     def write(self, seq: Sequence, name: str, data: np.ndarray) -> None:
         """Copy ``data`` (``[1, heads, n, head_dim]``) into slots ``[0, n)`` of ``seq``'s slot."""
@@ -279,6 +281,36 @@ class KVCache:
             s.pending_emitted = False
         s.length = int(n)
         del s.tokens[n:]
+
+    def copy(self, src: Sequence | int, dst: Sequence | int, n: int) -> None:
+        """Copy the first ``n`` positions of ``src`` into ``dst`` in place (llama.cpp's ``seq_cp``: fork a shared
+        prompt): every buffer's slots holding positions ``[0, n)`` of ``src``'s slot written into ``dst``'s;
+        ``dst`` then holds ``n`` positions (its own are dropped) and no pending token. With ring buffers only
+        while ``src``'s rings hold the window of position ``n`` (the rule of :meth:`truncate`), else a one-line
+        refusal naming what can be copied; nothing changes on a refusal."""
+        s, d = self.get(src), self.get(dst)
+        if s is d:
+            raise RuntimeInputError(f"cannot copy sequence {s.id} into itself; give another sequence")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise RuntimeInputError(f"copy length must be a non-negative int, got {n!r}")
+        n = int(n)
+        if n > s.length:
+            raise RuntimeInputError(f"cannot copy {n} positions of sequence {s.id}: it holds {s.length}")
+        if 0 < n:
+            why = copy_refusal(s, n, self.rings) or pos_mod.rewind_refusal(s.rope_marks, n)
+            if why is not None:
+                raise RuntimeInputError(why)
+        lowest = lowest_held(s, self.rings) if n else 0
+        for name, arr in self.arrays.items():
+            slots = copy_slots(self.rings.capacities.get(name), n, lowest)
+            arr[d.slot, :, slots, :] = arr[s.slot, :, slots, :]
+        d.length = n
+        d.tokens = list(s.tokens[:n])
+        d.written = n
+        d.floor = lowest if n else 0
+        d.rope_marks = pos_mod.rewind(s.rope_marks, n)
+        d.pending = None
+        d.pending_emitted = False
 
     def check_room(self, seqs: Iterable[Sequence], extra: int = 1) -> None:
         for s in seqs:

@@ -126,6 +126,28 @@ def rewind_refusal(seq, n: int, spec: RingSpec) -> str | None:
             f"positions {lo}..{hi - 1} only; {tail}")
 
 
+def copy_refusal(seq, n: int, spec: RingSpec) -> str | None:
+    """Why the first ``n`` positions of ``seq`` cannot be copied into another sequence (``0 < n <= length``),
+    or ``None``: the copy needs what a rewind to ``n`` needs (:func:`rewind_refusal`), the window of position
+    ``n``."""
+    lo, window = lowest_held(seq, spec), spec.window
+    if lo == 0 or window is None or lo <= max(0, n - window + 1):
+        return None
+    hi = max(seq.written, seq.length)
+    least = min(lo + window - 1, seq.length)
+    return (f"cannot copy the first {n} positions of sequence {seq.id}: its sliding-window layers (window "
+            f"{window}) hold positions {lo}..{hi - 1} only; copy {least} or more positions (up to {seq.length}), "
+            "or prefill the tokens into the new sequence")
+
+
+def copy_slots(capacity: int | None, n: int, lowest: int) -> np.ndarray | slice:
+    """The slots of one buffer that hold positions ``[lowest, n)`` after positions ``[0, n)``: ``slice(0, n)``
+    for a full-length buffer (slot = position), else slots ``p % C`` for ``p`` in ``[max(lowest, n - C), n)``."""
+    if capacity is None:
+        return slice(0, n)
+    return np.arange(max(lowest, n - capacity, 0), n) % capacity
+
+
 # ============================================================================================ state files
 def state_metadata(spec: RingSpec, seq) -> dict[str, str]:
     """The ring bookkeeping a state carries: ``ring_written``, ``capacities`` (JSON), ``sliding_window``, and

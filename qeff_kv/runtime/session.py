@@ -504,11 +504,16 @@ class Session(GenerationMixin):
         window (else a one-line refusal); ``n = 0`` always."""
         self.cache.truncate(seq, n)
 
+    def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
+        """Copy ``src``'s first ``n`` positions into ``dst`` in place (fork a shared prompt); see
+        :meth:`KVCache.copy`."""
+        self.cache.copy(src, dst, n)
+
     # ------------------------------------------------------------------------------------ state
-    def export_state(self, seq: Sequence, select: str | None = None):
+    def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
         """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state`."""
         from .state import export_state
-        return export_state(self, seq, select=select)
+        return export_state(self, seq, select=select, checksum=checksum)
 
     def import_state(self, state, seq: Sequence | None = None) -> Sequence:
         from .state import import_state

@@ -77,6 +77,24 @@ def _checksum(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+#: the ``checksum`` of an in-memory state (:func:`export_state` with ``checksum=False``): a cheap identity check
+IDENTITY = "identity:"
+
+
+def _identity(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
+    """SHA-256 over the metadata and every tensor's name, dtype, shape and 64 sampled elements: binds the
+    metadata to these tensors without reading every byte (an in-memory hand-off; files carry the full checksum)."""
+    h = hashlib.sha256()
+    meta = {k: v for k, v in metadata.items() if k != "checksum"}
+    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(tensors):
+        arr = tensors[name]
+        h.update(f"|{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
+        flat = arr.reshape(-1)
+        h.update(np.ascontiguousarray(flat[::max(1, flat.size // 64)]).tobytes())
+    return IDENTITY + h.hexdigest()
+
+
 def default_selection(session) -> str:
     """The serving regex for this graph: ``.*P.*`` with a prefix, else the exact unprefixed regex."""
     if session.prefix is not None:
@@ -84,11 +102,13 @@ def default_selection(session) -> str:
     return naming.exact_regex(None, session.layout.stems)
 
 
-def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
+def export_state(session, seq: Sequence, select: str | None = None, *, checksum: bool = True) -> KVState:
     """The state of ``seq``: the KV buffers ``select`` chooses (default :func:`default_selection`).
 
     The selection must cover every KV input of the graph (a partial state cannot continue exactly) and may
-    match nothing else that the runtime would have to carry.
+    match nothing else that the runtime would have to carry. ``checksum=False``: an in-memory hand-off, checked
+    on import by a cheap identity (:func:`_identity`) instead of a checksum over every byte; such a state is
+    never written to a file (:func:`read_state` refuses one).
     """
     seq = session.cache.get(seq)
     regex = select if select is not None else default_selection(session)
@@ -130,7 +150,9 @@ def export_state(session, seq: Sequence, select: str | None = None) -> KVState:
         **pos_mod.state_metadata(seq.rope_marks),
         "created_by": f"qeff-kv {__version__}",
     }
-    meta["checksum"] = _checksum(meta, tensors)
+    if not checksum and all(t >= 0 for t in seq.tokens):   # an in-memory hand-off carries the token ids too
+        meta["tokens"] = json.dumps(seq.tokens, separators=(",", ":"))
+    meta["checksum"] = _checksum(meta, tensors) if checksum else _identity(meta, tensors)
     return KVState(tensors, meta)
 
 
@@ -154,7 +176,11 @@ def _validate(session, state: KVState, where: str) -> str:
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
         raise StateFileError(f"{where}: state metadata lacks {missing[0]!r}")
-    if _checksum(meta, state.tensors) != meta["checksum"]:
+    if str(meta["checksum"]).startswith(IDENTITY):
+        if _identity(meta, state.tensors) != meta["checksum"]:
+            raise StateFileError(f"{where}: identity check failed; the in-memory state's tensors or metadata "
+                                 "were changed")
+    elif _checksum(meta, state.tensors) != meta["checksum"]:
         raise StateFileError(f"{where}: checksum mismatch; the file was edited or corrupted")
     if meta["kv_fingerprint"] != session.kv_fingerprint:
         theirs = sorted(state.tensors)[:2]
@@ -241,11 +267,25 @@ def import_state(session, state: KVState, seq: Sequence | None = None, *, where:
     target.length = n
     target.written = theirs.written if mode == "same" else n
     target.floor = ring_mod.floor_after(mode, theirs)
-    target.tokens = [-1] * n  # token ids are not part of the state
+    target.tokens = _tokens(state.metadata, n, where)  # a file holds none: -1 each
     target.pending = state.pending_token
     target.rope_marks = pos_mod.read_state_marks(state.metadata, n, where)
     target.pending_emitted = state.metadata["pending_emitted"] == "true"
     return target
+
+
+def _tokens(meta: dict[str, str], n: int, where: str) -> list[int]:
+    raw = meta.get("tokens")
+    if raw is None:
+        return [-1] * n
+    try:
+        toks = json.loads(raw)
+    except ValueError:
+        toks = None
+    if (not isinstance(toks, list) or len(toks) != n
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks)):
+        raise StateFileError(f"{where}: malformed state metadata (tokens: expected {n} token ids)")
+    return toks
 
 
 def save_state(session, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
@@ -288,6 +328,9 @@ def read_state(path: str | os.PathLike) -> KVState:
         tensors = load(data)
     except (SafetensorError, Exception) as exc:
         raise StateFileError(f"{path}: truncated or corrupted safetensors data ({' '.join(str(exc).split())})") from None
+    if str(meta.get("checksum", "")).startswith(IDENTITY):
+        raise StateFileError(f"{path}: holds an in-memory state's identity check, not a checksum; state files "
+                             "are written by save_state")
     return KVState(dict(tensors), dict(meta))
 
 

@@ -1,0 +1,314 @@
+"""Load generator for ``qeff-kv serve`` (and optionally llama.cpp's ``llama-server``): streaming clients over HTTP.
+
+Two measurements per export (each against a fresh server process on 127.0.0.1):
+
+* **concurrency**: ``C`` clients (1, 4, 8, 16) each send ``--requests`` streamed ``/v1/completions`` back to back,
+  prompts of ``--prompt-min..--prompt-max`` random token ids, ``--new-min..--new-max`` new tokens each
+  (``ignore_eos``: exact counts); the server runs ``--max-sequences C``. Reported: time to first token and
+  inter-token latency (p50/p99, from SSE chunk arrival times at the client) and aggregate generated tokens/s
+  (all tokens over the wall time of the run).
+* **arrivals**: one stream of ``--arrival-new`` tokens alone (idle ITL), then the same stream while another client
+  keeps sending ``--arrival-prompt``-token prompts (1 new token each, back to back): its p99 ITL against idle.
+  Chunked prefill bounds what one arriving prompt costs a running stream to one prefill chunk per token.
+
+Usage (SmolLM2-135M exported as in README "A real checkpoint", ctx 2048):
+
+    python benchmarks/bench_serve.py --export smollm2-fp32/ --export smollm2-int4/ --threads 2 \\
+        [--quick] [--llama-server ~/llama.cpp/build/bin/llama-server --gguf SmolLM2.gguf] --out results/serve.json
+
+``--llama-server`` runs the same load against ``llama-server -m GGUF -np C -c CTX*C --threads T`` (build
+llama.cpp with ``cmake -B build && cmake --build build --target llama-server -j``; not built here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, int(round(q / 100 * (len(v) - 1)))))]
+
+
+class Server:
+    """A server subprocess (``qeff-kv serve`` or ``llama-server``) on a free port, stopped by its pid."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, health: str = "/health"):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {log}")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server did not come up; see {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+        self.log.close()
+
+
+def stream_one(url: str, prompt: list[int], new: int, model: str | None) -> dict:
+    """One streamed completion; chunk arrival times at the client."""
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage = None
+    with httpx.Client(timeout=600) as c:
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                j = json.loads(line[6:])
+                if j.get("usage"):
+                    usage = j["usage"]
+                if j.get("choices") and j["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+    tokens = usage["completion_tokens"] if usage else len(stamps)
+    return {"ttft": stamps[0] - t0 if stamps else None, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tokens": tokens, "start": t0, "end": time.perf_counter()}
+
+
+class Corpus:
+    """Prompts cut from a public-domain English text (fixtures/text/gettysburg.txt, repeated as needed) at random
+    offsets: the model continues English, so nearly every token is a text chunk of its own (random token ids
+    make it emit multi-byte characters split over several tokens, and per-chunk latencies then span tokens)."""
+
+    def __init__(self, export: str | None):
+        from tokenizers import Tokenizer
+
+        text = (REPO / "fixtures" / "text" / "gettysburg.txt").read_text(encoding="utf-8")
+        folder = Path(export) if export else None
+        tok_path = folder / "tokenizer.json" if folder else None
+        if tok_path is None or not tok_path.is_file():
+            raise SystemExit(f"no tokenizer.json in {folder}: the prompts are cut from tokenized text")
+        self.ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
+
+    def prompt(self, rng: random.Random, n: int) -> list[int]:
+        off = rng.randrange(len(self.ids))
+        return [self.ids[(off + i) % len(self.ids)] for i in range(n)]
+
+
+def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus, model: str | None,
+                    seed: int) -> dict:
+    rng = random.Random(seed)
+    jobs = [[(corpus.prompt(rng, rng.randint(args.prompt_min, args.prompt_max)),
+              rng.randint(args.new_min, args.new_max)) for _ in range(requests)] for _ in range(clients)]
+    results: list[dict] = []
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        for prompt, new in jobs[i]:
+            try:
+                results.append(stream_one(url, prompt, new, model))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    itl = [x for r in results for x in r["itl"]]
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": errors[:3], "wall_s": round(wall, 3),
+            "tokens": tokens, "tok_per_s": round(tokens / wall, 2),
+            "tokens_per_chunk": round(tokens / max(1, sum(len(r["itl"]) + 1 for r in results)), 3),
+            "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
+            "itl_p50_ms": _ms(pct(itl, 50)), "itl_p99_ms": _ms(pct(itl, 99))}
+
+
+def arrivals_run(url: str, args, corpus: Corpus, model: str | None) -> dict:
+    rng = random.Random(7)
+    short = corpus.prompt(rng, args.arrival_short)
+    idle = stream_one(url, short, args.arrival_new, model)
+    stop = threading.Event()
+    arrived = []
+
+    def arrivals() -> None:
+        while not stop.is_set():
+            p = corpus.prompt(rng, args.arrival_prompt)
+            arrived.append(stream_one(url, p, 1, model))
+
+    t = threading.Thread(target=arrivals)
+    t.start()
+    time.sleep(0.2)
+    loaded = stream_one(url, corpus.prompt(rng, args.arrival_short), args.arrival_new, model)
+    stop.set()
+    t.join()
+    out = {"idle_itl_p50_ms": _ms(pct(idle["itl"], 50)), "idle_itl_p99_ms": _ms(pct(idle["itl"], 99)),
+           "loaded_itl_p50_ms": _ms(pct(loaded["itl"], 50)), "loaded_itl_p99_ms": _ms(pct(loaded["itl"], 99)),
+           "prompts_arrived": len(arrived), "arrival_prompt_tokens": args.arrival_prompt,
+           "arrival_ttft_p50_ms": _ms(pct([a["ttft"] for a in arrived if a["ttft"]], 50))}
+    out["ratio_p99"] = round(out["loaded_itl_p99_ms"] / out["idle_itl_p99_ms"], 2)
+    return out
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 2)
+
+
+def qeff_server(export: str, clients: int, args, log: Path) -> Server:
+    port = free_port()
+    argv = [str(REPO / ".venv" / "bin" / "qeff-kv"), "serve", export, "--port", str(port),
+            "--max-sequences", str(clients), "--max-queue", "1024", "--no-prompt-reuse"]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.prefill_chunk:
+        argv += ["--prefill-chunk", str(args.prefill_chunk)]
+    if not Path(argv[0]).is_file():
+        argv[0:1] = [sys.executable, "-m", "qeff_kv_cli.main"]
+    return Server(argv, port, log)
+
+
+def llama_server(clients: int, args, log: Path) -> Server:
+    port = free_port()
+    argv = [args.llama_server, "-m", args.gguf, "--port", str(port), "-np", str(clients),
+            "-c", str(args.ctx * clients), "--threads", str(args.threads or os.cpu_count())]
+    return Server(argv, port, log)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--export", action="append", default=[], help="export folder (repeatable)")
+    ap.add_argument("--clients", default=None, help="client counts (default 1,4,8,16; --quick: 1,4,8)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=1024)
+    ap.add_argument("--new-min", type=int, default=64)
+    ap.add_argument("--new-max", type=int, default=256)
+    ap.add_argument("--arrival-prompt", type=int, default=None, help="default 1024 (--quick: 512)")
+    ap.add_argument("--arrival-new", type=int, default=128)
+    ap.add_argument("--arrival-short", type=int, default=64, help="prompt tokens of the measured stream")
+    ap.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill-chunk", default=None, help="qeff-kv serve --prefill-chunk (N or auto)")
+    ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
+    ap.add_argument("--no-arrivals", action="store_true", help="skip the arrivals run")
+    ap.add_argument("--quick", action="store_true",
+                    help="clients 1,4,8; one request each; prompts 64-512, 64-128 new tokens; arrivals of 512 "
+                         "(unless given)")
+    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary to compare against")
+    ap.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="an export folder whose tokenizer.json cuts the prompts (default: the first --export)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.clients, args.requests = args.clients or "1,4,8", 1
+        args.prompt_max, args.new_max = 512, 128
+        args.arrival_prompt = args.arrival_prompt or 512
+    args.arrival_prompt = args.arrival_prompt or 1024
+    if not args.export and not args.llama_server:
+        ap.error("give --export DIR (repeatable) and/or --llama-server PATH --gguf FILE")
+    clients = [int(c) for c in (args.clients or "1,4,8,16").split(",")]
+    logs = HERE / "work" / "serve"
+    logs.mkdir(parents=True, exist_ok=True)
+    targets = [(Path(e).name, "qeff", e) for e in args.export]
+    if args.llama_server:
+        targets.append(("llama-server", "llama", None))
+    results = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "threads": args.threads,
+               "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()], "runs": {}}
+    for name, kind, export in targets:
+        corpus = Corpus(export or args.export[0] if args.export else args.tokenizer_from)
+        model = None
+        runs = []
+        for c in ([] if args.only_arrivals else clients):
+            say(f"{name}: {c} clients")
+            srv = (qeff_server(export, c, args, logs / f"{name}-{c}.log") if kind == "qeff"
+                   else llama_server(c, args, logs / f"{name}-{c}.log"))
+            try:
+                runs.append(concurrency_run(srv.url, c, args.requests, args, corpus, model, seed=c))
+                say(f"  {runs[-1]}")
+            finally:
+                srv.stop()
+        arr = None
+        if not args.no_arrivals:
+            say(f"{name}: arrivals")
+            srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
+                   else llama_server(2, args, logs / f"{name}-arrivals.log"))
+            try:
+                arr = arrivals_run(srv.url, args, corpus, model)
+                say(f"  {arr}")
+            finally:
+                srv.stop()
+        results["runs"][name] = {"concurrency": runs, "arrivals": arr}
+    results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(args.out)
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    lines = ["| target | clients | requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results["runs"].items():
+        for x in r["concurrency"]:
+            lines.append(f"| {name} | {x['clients']} | {x['requests']} | {x['tok_per_s']} | "
+                         f"{x['ttft_p50_ms']} / {x['ttft_p99_ms']} | {x['itl_p50_ms']} / {x['itl_p99_ms']} |")
+    lines += ["", "| target | idle ITL p50 / p99 ms | ITL with arriving prompts p50 / p99 ms | p99 ratio | prompts |",
+              "|---|---|---|---|---|"]
+    for name, r in results["runs"].items():
+        a = r["arrivals"]
+        if a is None:
+            continue
+        lines.append(f"| {name} | {a['idle_itl_p50_ms']} / {a['idle_itl_p99_ms']} | {a['loaded_itl_p50_ms']} / "
+                     f"{a['loaded_itl_p99_ms']} | {a['ratio_p99']} | {a['prompts_arrived']} x "
+                     f"{a['arrival_prompt_tokens']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""``qeff-kv serve``: an OpenAI-compatible HTTP server over an export (needs the ``[serve]`` extra).
+
+Thin: parse options into a :class:`qeff_kv.serve.config.ServeConfig`, call :func:`qeff_kv.serve.server.serve`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from qeff_kv.errors import MissingDependencyError
+
+from .params import COUNT, DIM, THREADS
+
+
+class ChunkType(click.ParamType):
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is neither a positive integer nor 'auto'", param, ctx)
+        return n
+
+
+@click.command("serve")
+@click.argument("export_dir", type=click.Path(path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
+@click.option("--max-sequences", type=DIM, default=None,
+              help="Sequences generated at once (slots of a continuous-batching graph, or rows in lock step on a "
+                   "graph without batch_index; default: the export's full_batch_size, else 4).")
+@click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
+@click.option("--api-key", default=None, envvar="QEFF_KV_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 and /slots (or set QEFF_KV_API_KEY).")
+@click.option("--max-queue", type=COUNT, default=64, show_default=True,
+              help="Requests that may wait for a sequence slot; more get HTTP 429.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=str), default=None,
+              help="Folder of slot state files (POST /slots/{id}?action=save|restore).")
+@click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
+@click.option("--prefill-seq-len", type=DIM, default=None,
+              help="Prefill chunk length, where the graph leaves it symbolic (also the most prefill work done "
+                   "between two decode steps).")
+@click.option("--prefill-chunk", type=ChunkType(), default=None, metavar="N|auto",
+              help="Prompt tokens fed between two decode steps (default: the prefill length); smaller keeps running "
+                   "streams smoother while long prompts arrive; auto: what costs about one decode step (measured).")
+@click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
+@click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
+@click.option("--disaggregate", is_flag=True,
+              help="Prefill and decode in separate Ray actors handing KV states over (needs ray).")
+@click.option("--prefill-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
+@click.option("--decode-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
+@click.option("--prefill-export", type=click.Path(path_type=str), default=None,
+              help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
+@click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
+def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
+              prefill_seq_len, prefill_chunk, no_prompt_reuse, model_name, disaggregate, prefill_replicas,
+              decode_replicas, prefill_export, ray_address) -> None:
+    """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
+    /metrics, /slots and a chat page at /."""
+    try:
+        from qeff_kv.serve.server import serve
+    except ImportError as exc:
+        raise MissingDependencyError(f"qeff-kv serve needs the [serve] extra (pip install 'qeff-kv[serve]'): "
+                                     f"{exc}") from None
+    from qeff_kv.serve.config import ServeConfig
+
+    if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1):
+        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export and --ray-address go with "
+                               "--disaggregate")
+    config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
+                         api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
+                         prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
+                         reuse_prompts=not no_prompt_reuse, model_name=model_name,
+                         disaggregate=disaggregate, prefill_replicas=prefill_replicas,
+                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
+
+    def ready(engine) -> None:
+        click.echo(f"serving {engine.model_name} on http://{host}:{port} (context {engine.ctx_len}, "
+                   f"{engine.max_sequences} sequences at once)", err=True)
+
+    serve(config, on_ready=ready)
+
+
+COMMANDS = [serve_cmd]

@@ -1,0 +1,41 @@
+"""The options of ``qeff-kv serve`` as one dataclass: the CLI fills it, :func:`qeff_kv.serve.server.build_engine`
+and :func:`qeff_kv.serve.disagg.start_disaggregated` read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServeConfig:
+    #: the export folder (or .onnx file) to serve; the decode engine's model when disaggregated
+    export_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: sequences generated at once (slots of a continuous-batching graph, or rows run in lock step); default:
+    #: the export's full_batch_size, else 4
+    max_sequences: int | None = None
+    #: onnxruntime intra-op threads (default: onnxruntime's choice)
+    threads: int | None = None
+    #: a bearer token every /v1 and /slots request must carry (``Authorization: Bearer KEY``); None: open
+    api_key: str | None = None
+    #: requests waiting for a sequence slot beyond which new ones get 429
+    max_queue: int = 64
+    #: folder of slot state files (POST /slots/{id}?action=save|restore); None: slot actions are refused
+    state_dir: str | None = None
+    ctx_len: int | None = None
+    prefill_seq_len: int | None = None
+    #: prompt tokens fed per engine turn, between two decode steps (default: the prefill length), or "auto"
+    prefill_chunk: int | str | None = None
+    #: keep finished sequences and start new prompts from their longest common prefix
+    reuse_prompts: bool = True
+    #: the name /v1/models lists and requests give as "model" (default: the export folder's name)
+    model_name: str | None = None
+    # ---- disaggregated serving (Ray): prefill replicas hand KV states to decode replicas
+    disaggregate: bool = False
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    #: the prefill replicas' export (default: export_dir); must share the decode export's KV contract/checkpoint
+    prefill_export: str | None = None
+    #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
+    ray_address: str | None = None

@@ -1,0 +1,396 @@
+"""Disaggregated prefill/decode on Ray (``qeff-kv serve --disaggregate``; needs the ``[ray]`` extra).
+
+Two kinds of Ray actors (plain actors, restarted by Ray when they die: ``max_restarts``; a call in flight when
+one dies fails instead of running again: ``max_task_retries=0``):
+
+* :class:`PrefillWorker`: a :class:`~qeff_kv.runtime.Session` on the prefill export. ``prefill`` prefills a
+  prompt, samples the first token with the request's sampling and returns a
+  :class:`~qeff_kv.serve.transfer.KVTransfer` (the valid positions of the selected KV buffers) through Ray's
+  object store (numpy arrays travel without pickling their data);
+* :class:`DecodeWorker` (an async actor): a :class:`~qeff_kv.serve.scheduler.Scheduler` over the decode
+  export's session (continuous batching across requests). ``generate`` is a streaming generator: it admits the
+  handed-off sequence (``GenerationRequest(state=...)``: imported, not prefilled) and yields its
+  :class:`~qeff_kv.serve.engine.TokenOut` / :class:`~qeff_kv.serve.engine.Finished` events.
+
+:class:`DisaggregatedEngine` is the frontend's :class:`~qeff_kv.serve.engine.Engine`: per request it picks the
+least-loaded prefill and decode replicas (ties: round-robin), passes the prefill's result *by reference* to
+the decode call (the KV goes from the prefill worker to the decode worker, not through the frontend), and turns
+the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
+flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving.
+
+The prefill and decode exports may differ (e.g. an fp32 portable prefill and an int4 fused decode) when they
+are exports of one checkpoint with one KV contract; a pair that is not is refused at start-up in one line
+(:func:`qeff_kv.serve.transfer.pair_refusal`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import threading
+import time
+
+from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError
+from .config import ServeConfig
+from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
+from .transfer import Prefiller, facts, pair_refusal
+
+#: seconds to wait for the replicas to load their exports at start-up
+START_TIMEOUT = 300.0
+#: Ray restarts a dead replica this many times
+MAX_RESTARTS = 10
+#: seconds start-up waits for the CPUs its replicas need to be free
+RESOURCE_WAIT = 20.0
+#: seconds a request not yet started waits for a restarting replica before it fails
+RESTART_WAIT = 60.0
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise MissingDependencyError("--disaggregate needs Ray: pip install 'qeff-kv[ray]'") from None
+    return ray
+
+
+def _one_line(exc: BaseException) -> str:
+    """A failure of a remote call as one line: the remote exception's own message where Ray carries it."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+# ============================================================================================ actors
+class PrefillWorker:
+    """The prefill replica (a Ray actor): one request at a time."""
+
+    def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
+                 reuse_prompts: bool = True):
+        from ..runtime import Session
+
+        self.prefiller = Prefiller(Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+                                           threads=threads), reuse=reuse_prompts)
+
+    def facts(self) -> dict:
+        return facts(self.prefiller.session)
+
+    def prefill(self, request_id: str, prompt, sampling):
+        return self.prefiller.run(request_id, prompt, sampling)
+
+    def stats(self) -> dict:
+        return {"prompt_tokens_reused": self.prefiller.reused_tokens}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class DecodeWorker:
+    """The decode replica (an async Ray actor): a Scheduler admitting handed-off sequences."""
+
+    def __init__(self, config: ServeConfig, threads: int | None):
+        from .scheduler import Scheduler
+        from .server import open_session
+
+        cfg = dataclasses.replace(config, threads=threads)
+        self.scheduler = Scheduler(open_session(cfg), max_queue=config.max_queue, reuse_prompts=False)
+        self.handoffs = {"handoffs": 0, "handoff_bytes": 0, "handoff_prefill_s": 0.0, "handoff_extract_s": 0.0}
+
+    async def facts(self) -> dict:
+        return facts(self.scheduler.session)
+
+    async def stats(self) -> dict:
+        return {**self.scheduler.stats(), **self.handoffs}
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def generate(self, req: GenerationRequest, transfer):
+        """Admit ``transfer`` (a :class:`~qeff_kv.serve.transfer.KVTransfer`) for ``req``; yield its events."""
+        self.handoffs["handoffs"] += 1
+        self.handoffs["handoff_bytes"] += transfer.nbytes
+        self.handoffs["handoff_prefill_s"] += transfer.prefill_s
+        self.handoffs["handoff_extract_s"] += transfer.extract_s
+        handle = self.scheduler.submit(dataclasses.replace(req, state=transfer.state))
+        try:
+            async for ev in handle:
+                if isinstance(ev, Finished):   # the prompt tokens the prefill replica did not have to prefill
+                    ev = dataclasses.replace(ev, cached_tokens=transfer.cached_tokens)
+                yield ev
+        finally:   # the caller went away (cancelled): free the sequence
+            if not handle.finished:
+                handle.cancel()
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+# ============================================================================================ frontend
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    handle: RequestHandle
+    req: GenerationRequest
+    prefill: int
+    decode: int
+    tokens: int = 0
+    started: bool = False            # the decode replica has admitted it (first event seen)
+    task: object = None              # the asyncio future running it
+
+
+class DisaggregatedEngine(Engine):
+    """The :class:`Engine` over Ray replicas (see the module docstring). Made by :func:`start_disaggregated`."""
+
+    def __init__(self, prefill_actors: list, decode_actors: list, *, model_name: str, decode_facts: dict,
+                 max_queue: int = 64, owns_ray: bool = False):
+        self._ray = _ray()
+        self._prefill, self._decode = list(prefill_actors), list(decode_actors)
+        self.model_name = model_name
+        self.ctx_len = int(decode_facts["ctx_len"])
+        self.max_sequences = int(decode_facts["max_sequences"]) * len(self._decode)
+        self.vocab_size = decode_facts["vocab_size"]
+        self.bytes_per_position = int(decode_facts["bytes_per_position"])
+        self.max_queue = max_queue
+        self._owns_ray = owns_ray
+        self._lock = threading.Lock()
+        self._flights: dict[int, _Flight] = {}
+        self._ids = itertools.count()
+        self._rr = itertools.count()
+        self._closed = False
+        self._counts = {"requests": 0, "replica_errors": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="qeff-kv-disagg", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ Engine API
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        if not isinstance(req, GenerationRequest):
+            raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+        if req.state is not None:
+            raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")
+        if not req.prompt:
+            raise RuntimeInputError("the prompt is empty")
+        if len(req.prompt) > self.ctx_len:
+            raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.ctx_len}")
+        vocab = self.vocab_size
+        bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
+               or (vocab is not None and t >= vocab)]
+        if bad:
+            raise RuntimeInputError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        # one seed for both sides: the prefill samples the first token, the decode the rest
+        req = dataclasses.replace(req, sampling=req.sampling.resolved())
+        with self._lock:
+            if self._closed:
+                raise RuntimeInputError("the engine is closed")
+            waiting = sum(1 for f in self._flights.values() if not f.started)
+            if waiting >= self.max_queue + len(self._prefill):
+                raise QueueFullError(f"the queue is full ({waiting} requests waiting); retry later")
+            key = next(self._ids)
+            flight = _Flight(RequestHandle(req.request_id, on_cancel=lambda h: self._cancel(key)), req,
+                             self._pick(lambda f: f.prefill, len(self._prefill), started=False),
+                             self._pick(lambda f: f.decode, len(self._decode)))
+            self._flights[key] = flight
+            self._counts["requests"] += 1
+        flight.task = asyncio.run_coroutine_threadsafe(self._run(key, flight), self._loop)
+        return flight.handle
+
+    def _pick(self, which, n: int, started: bool | None = None, avoid: int | None = None) -> int:
+        """The replica with the fewest requests (``started=False``: not yet past the prefill); ties round-robin;
+        ``avoid``: a replica that just refused a call, taken only when it is the only one."""
+        load = [0] * n
+        for f in self._flights.values():
+            if started is None or f.started == started:
+                load[which(f)] += 1
+        if avoid is not None and n > 1:
+            load[avoid] = 1 << 30
+        start = next(self._rr) % n
+        return min(((i + start) % n for i in range(n)), key=lambda i: load[i])
+
+    def _cancel(self, key: int) -> None:
+        with self._lock:
+            flight = self._flights.get(key)
+        if flight is not None and flight.task is not None:
+            self._loop.call_soon_threadsafe(flight.task.cancel)
+
+    def _end(self, key: int, f: _Flight, ev: Finished) -> None:
+        """The request's last event, once it no longer counts in :meth:`stats`."""
+        with self._lock:
+            self._flights.pop(key, None)
+        f.handle.emit(ev)
+
+    async def _attempt(self, key: int, f: _Flight, streams: list) -> bool:
+        """One try: prefill on ``f.prefill``, stream from ``f.decode``; True once the request finished."""
+        req = f.req
+        transfer = self._prefill[f.prefill].prefill.remote(req.request_id, req.prompt, req.sampling)
+        stream = self._decode[f.decode].generate.options(num_returns="streaming").remote(req, transfer)
+        streams[:] = [stream]
+        async for ref in stream:
+            ev = await ref
+            f.started = True
+            if isinstance(ev, Finished):
+                self._end(key, f, ev)
+                return True
+            f.tokens += 1
+            f.handle.emit(ev)
+        return False
+
+    async def _run(self, key: int, f: _Flight) -> None:
+        ray, req = self._ray, f.req
+        streams: list = []
+        deadline = time.monotonic() + RESTART_WAIT
+        try:
+            while True:
+                try:
+                    if not await self._attempt(key, f, streams):
+                        self._end(key, f, Finished("error", len(req.prompt), 0, f.tokens, "the decode replica ended "
+                                                   "the stream without finishing the request"))
+                    return
+                except ray.exceptions.ActorUnavailableError:
+                    # a replica restarting refused the call before running it: nothing was generated, try again
+                    # (another replica where there is one) until it is back, for at most RESTART_WAIT seconds
+                    if f.started or time.monotonic() > deadline:
+                        raise
+                    with self._lock:
+                        f.prefill = self._pick(lambda g: g.prefill, len(self._prefill), started=False,
+                                               avoid=f.prefill)
+                        f.decode = self._pick(lambda g: g.decode, len(self._decode), avoid=f.decode)
+                    await asyncio.sleep(0.25)
+        except asyncio.CancelledError:
+            stream = streams[0] if streams else None
+            if stream is not None:
+                try:
+                    ray.cancel(stream)
+                except Exception:   # noqa: BLE001 - already finished or the replica is gone
+                    pass
+            self._end(key, f, Finished("cancelled", len(req.prompt), 0, f.tokens))
+        except Exception as exc:   # noqa: BLE001 - a failed or dead replica: this request ends, the rest go on
+            where = "decode" if f.started else "prefill or decode"
+            with self._lock:
+                self._counts["replica_errors"] += 1
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, QeffKvError):   # the replica refused the request (one line of ours)
+                msg = str(cause)
+            else:
+                msg = f"{where} replica failed: {_one_line(exc)}"
+            self._end(key, f, Finished("error", len(req.prompt), 0, f.tokens, msg))
+        finally:
+            with self._lock:
+                self._flights.pop(key, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            flights = list(self._flights.values())
+            out = {"queue_depth": sum(1 for f in flights if not f.started),
+                   "sequences_active": sum(1 for f in flights if f.started),
+                   "kv_bytes_used": 0, "prompt_tokens_reused": 0, "max_sequences": self.max_sequences,
+                   "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts}
+        try:
+            replicas = self._ray.get([a.stats.remote() for a in self._decode + self._prefill], timeout=5)
+        except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
+            replicas = []
+        for key in ("kv_bytes_used", "kv_bytes_capacity", "handoffs", "handoff_bytes", "handoff_prefill_s",
+                    "handoff_extract_s", "decode_steps", "prompt_tokens_reused"):
+            vals = [r.get(key, 0) for r in replicas]
+            if vals:
+                out[key] = sum(vals)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            tasks = [f.task for f in self._flights.values() if f.task is not None]
+        for t in tasks:
+            self._loop.call_soon_threadsafe(t.cancel)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._flights:
+                    break
+            time.sleep(0.02)
+        for a in self._prefill + self._decode:
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:   # noqa: BLE001
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+
+    # ---- for tests and the benchmark
+    @property
+    def prefill_actors(self) -> list:
+        return list(self._prefill)
+
+    @property
+    def decode_actors(self) -> list:
+        return list(self._decode)
+
+
+# ============================================================================================ start-up
+def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
+    """Start (or join, ``config.ray_address``) Ray, the prefill and decode replicas, check the pair, and return
+    the engine. Without an address a local Ray instance is started and stopped by the engine's ``close()``."""
+    from ..limits import positive_int
+    from ..runtime.model_files import resolve_model
+    from .server import model_name_of
+
+    ray = _ray()
+    for label, n in (("--prefill-replicas", config.prefill_replicas), ("--decode-replicas", config.decode_replicas)):
+        positive_int(label, n)
+    pre_export = config.prefill_export or config.export_dir
+    resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
+    resolve_model(pre_export)
+    owns = False
+    if not ray.is_initialized():
+        kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
+        if config.ray_address:
+            ray.init(address=config.ray_address, **kw)
+        else:
+            ray.init(num_cpus=os.cpu_count() or 2, **kw)
+            owns = True
+    n_actors = config.prefill_replicas + config.decode_replicas
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    share = min(1.0, cpus / n_actors)
+    # onnxruntime threads: the cores split between the replicas, so that they do not oversubscribe them
+    threads = config.threads or max(1, int(cpus // n_actors))
+    need = share * n_actors
+    deadline = time.monotonic() + RESOURCE_WAIT   # CPUs of replicas just killed come back within moments
+    while ray.available_resources().get("CPU", 0.0) + 1e-6 < need:
+        if time.monotonic() > deadline:
+            free = ray.available_resources().get("CPU", 0.0)
+            if owns:
+                ray.shutdown()
+            raise RuntimeInputError(f"the Ray cluster has {free:g} of {cpus:g} CPUs free; {n_actors} replicas "
+                                    f"need {need:g}")
+        time.sleep(0.1)
+    opts = dict(num_cpus=share, max_restarts=MAX_RESTARTS, max_task_retries=0)
+    Pre = ray.remote(PrefillWorker).options(**opts)
+    Dec = ray.remote(DecodeWorker).options(**opts)
+    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts)
+           for _ in range(config.prefill_replicas)]
+    dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
+
+    def give_up(message: str):
+        for a in pre + dec:
+            ray.kill(a, no_restart=True)
+        if owns:
+            ray.shutdown()
+        raise RuntimeInputError(message)
+
+    try:
+        got = ray.get([a.facts.remote() for a in pre + dec], timeout=START_TIMEOUT)
+    except Exception as exc:   # noqa: BLE001 - a replica could not load its export
+        give_up(f"a replica failed to start: {_one_line(exc)}")
+    pre_facts, dec_facts = got[0], got[len(pre)]
+    why = pair_refusal(pre_facts, dec_facts)
+    if why is not None:
+        give_up(why)
+    return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
+                               decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns)

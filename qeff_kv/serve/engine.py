@@ -1,0 +1,192 @@
+"""What the HTTP frontend talks to: an :class:`Engine` takes token-level requests and streams tokens back.
+
+The frontend (:mod:`qeff_kv.serve.app`) tokenizes, applies the chat template, detokenizes and matches stop
+strings; an engine sees token ids only. Two engines implement this interface: the local
+:class:`qeff_kv.serve.scheduler.Scheduler` (one engine thread owning a :class:`~qeff_kv.runtime.Session`) and
+the Ray-based disaggregated engine (:mod:`qeff_kv.serve.disagg`). The frontend must not care which one runs.
+
+Events of a request, in order: zero or more :class:`TokenOut`, then exactly one :class:`Finished`. A stop
+token (``stop_token_ids``) ends the request with ``finish_reason == "stop"``; it is counted in
+``completion_tokens`` but not emitted as a :class:`TokenOut` (it has no text).
+
+Engine threads hand events over with :meth:`RequestHandle.emit`, which is thread-safe: a consumer iterates
+either from an asyncio loop (``async for ev in handle``; the events cross threads with
+``loop.call_soon_threadsafe``) or from a plain thread (:meth:`RequestHandle.iter_sync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Union
+
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError  # noqa: F401  (re-exported for engines)
+from ..runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..runtime.state import KVState
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as an engine sees it (token ids; the frontend did the text).
+
+    ``max_tokens``: at most this many generated tokens (>= 1; an engine may end earlier at its capacity, with
+    ``finish_reason == "length"``). ``state``: disaggregated serving: a sequence already prefilled by a prefill
+    worker, admitted by ``session.import_state`` (its pending token is the first generated token), not by
+    prefill; ``prompt`` then still holds the prompt's ids (for accounting).
+    """
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    state: "KVState | None" = None
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One generated token."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a request."""
+
+    finish_reason: str          # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    cached_tokens: int          # prompt tokens taken from a kept sequence instead of being prefilled
+    completion_tokens: int
+    error: str | None = None
+
+
+Event = Union[TokenOut, Finished]
+
+
+class RequestHandle:
+    """A submitted request: its events, and :meth:`cancel`.
+
+    Thread-safe. The engine calls :meth:`emit`; exactly one consumer reads the events, either with
+    ``async for`` (from any asyncio loop) or with :meth:`iter_sync`. Events emitted before the consumer starts
+    are kept and delivered first.
+    """
+
+    def __init__(self, request_id: str, on_cancel=None):
+        self.request_id = request_id
+        self.submitted_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._backlog: collections.deque[Event] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aqueue: asyncio.Queue | None = None
+        self._cancelled = False
+        self._finished = False
+        self._on_cancel = on_cancel
+
+    # ---- engine side
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def emit(self, event: Event) -> None:
+        """Hand one event to the consumer (any thread). Events after the :class:`Finished` are dropped."""
+        with self._lock:
+            if self._finished:
+                return
+            if isinstance(event, Finished):
+                self._finished = True
+            if self._aqueue is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._aqueue.put_nowait, event)
+                except RuntimeError:   # the consumer's loop is closed: nobody is listening any more
+                    pass
+            else:
+                self._backlog.append(event)
+                self._cond.notify_all()
+
+    # ---- consumer side
+    def cancel(self) -> None:
+        """Ask the engine to stop this request and free its sequence (at its next turn). Thread-safe; idempotent."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+
+    def __aiter__(self):
+        return self._aiter()
+
+    async def _aiter(self):
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._aqueue is not None:
+                raise RuntimeError("a request's events have one consumer")
+            self._loop = loop
+            self._aqueue = asyncio.Queue()
+            while self._backlog:
+                self._aqueue.put_nowait(self._backlog.popleft())
+        while True:
+            ev = await self._aqueue.get()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def iter_sync(self, timeout: float | None = None) -> Iterator[Event]:
+        """The events, for a plain thread. ``timeout``: seconds to wait for each event (``TimeoutError``)."""
+        while True:
+            with self._cond:
+                if not self._backlog:
+                    if not self._cond.wait_for(lambda: bool(self._backlog), timeout):
+                        raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
+                ev = self._backlog.popleft()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+
+class Engine(ABC):
+    """Token-level generation for the HTTP frontend.
+
+    Attributes: ``model_name`` (what ``/v1/models`` lists), ``ctx_len`` (positions a sequence may hold),
+    ``max_sequences`` (sequences generated at once).
+    """
+
+    model_name: str
+    ctx_len: int
+    max_sequences: int
+
+    @abstractmethod
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue ``req``. Raises :class:`~qeff_kv.errors.QueueFullError` when the queue is full and
+        :class:`~qeff_kv.errors.RuntimeInputError` for a request that cannot run (a prompt longer than the
+        context, bad token ids, ``max_tokens < 1``)."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """At least ``queue_depth``, ``sequences_active``, ``kv_bytes_used``, ``prompt_tokens_reused``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop: every request not finished ends with ``finish_reason == "cancelled"``."""
+
+    # ---- optional: slot state files (POST /slots/{id}); an engine without them answers 501
+    def slot_action(self, slot: int, action: str, path=None) -> dict:
+        """``action`` ``save`` | ``restore`` | ``erase`` on sequence slot ``slot`` (``path``: the state file)."""
+        raise NotImplementedError(f"this engine ({type(self).__name__}) has no slot actions")
+
+    def slots(self) -> list[dict]:
+        """``[{"id", "state", "n_tokens"}]`` per sequence slot (empty where the engine has no such notion)."""
+        return []

@@ -1,0 +1,65 @@
+"""Prometheus metrics of one app, in its own ``CollectorRegistry`` (two apps in one process never collide).
+
+Counters and histograms are updated by the frontend as requests run (so they mean the same for every engine);
+the gauges read :meth:`Engine.stats` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+#: seconds; TTFT spans queueing and prefill, ITL one decode step
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+OUTCOMES = ("stop", "length", "cancelled", "error", "rejected")
+
+#: gauge name -> (Engine.stats() key, help)
+GAUGES = {
+    "qeff_kv_queue_depth": ("queue_depth", "Requests waiting for a sequence slot."),
+    "qeff_kv_sequences_active": ("sequences_active", "Sequences prefilling or decoding."),
+    "qeff_kv_sequences_cached": ("sequences_cached", "Finished sequences kept for prompt reuse."),
+    "qeff_kv_kv_bytes_used": ("kv_bytes_used", "KV cache bytes holding valid positions (active and cached sequences)."),
+    "qeff_kv_kv_bytes_capacity": ("kv_bytes_capacity", "KV cache bytes allocated."),
+}
+
+
+class _EngineGauges:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, (key, doc) in GAUGES.items():
+            if key in stats:
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], float(stats[key]))
+                yield g
+
+
+class Metrics:
+    def __init__(self, engine, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("qeff_kv_requests", "Requests by outcome (finish reason, or rejected before running).",
+                                ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self.prompt_tokens = Counter("qeff_kv_prompt_tokens", "Prompt tokens of requests that ran.", registry=r)
+        self.generated_tokens = Counter("qeff_kv_generation_tokens", "Tokens generated.", registry=r)
+        self.reused_tokens = Counter("qeff_kv_prompt_tokens_reused",
+                                     "Prompt tokens taken from kept sequences instead of being prefilled.", registry=r)
+        self.ttft = Histogram("qeff_kv_time_to_first_token_seconds", "From request arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("qeff_kv_inter_token_latency_seconds", "Between two tokens of one request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        r.register(_EngineGauges(engine))
+
+    def finished(self, fin) -> None:
+        self.requests.labels(fin.finish_reason).inc()
+        self.prompt_tokens.inc(fin.prompt_tokens)
+        self.generated_tokens.inc(fin.completion_tokens)
+        self.reused_tokens.inc(fin.cached_tokens)
+
+    def rejected(self) -> None:
+        self.requests.labels("rejected").inc()

@@ -1,0 +1,430 @@
+"""The local engine: one thread owns the :class:`~qeff_kv.runtime.Session` and runs every request.
+
+Each turn of the engine thread:
+
+1. applies cancellations (a waiting request leaves the queue; a running one stops and its sequence is kept as
+   a cached sequence, its slot free for the next request) and slot actions (``/slots``);
+2. admits waiting requests in FIFO order while a slot is free or held by a cached sequence (evicted least
+   recently used first), starting each from the longest common prefix of a kept sequence (prompt reuse);
+3. feeds **one** prefill chunk (``prefill_chunk`` tokens, by default the session's ``prefill_seq_len``) to the
+   oldest request still prefilling;
+4. runs **one** decode step for every running sequence together (``batch_index`` rows, or lock step on a graph
+   without it: the session does both).
+
+So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
+spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
+
+Prompt reuse: a finished (or cancelled) sequence is not destroyed; it stays in its slot, with its tokens, until
+the slot is needed (LRU). A new prompt sharing a prefix with a kept sequence starts from it: the kept sequence is
+truncated to the common prefix and continued in its slot, or, when the session has ``copy`` and a slot is free,
+the prefix is copied into the free slot so that the longer kept sequence stays (also from a *running*
+sequence's prompt). At most ``len(prompt) - 1`` tokens are reused: the last prompt token is always fed (its
+logits give the first token). Ring-buffer graphs reuse only where ``truncate`` allows it (else the prompt is
+prefilled from scratch).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError
+from ..runtime.cache import Sequence
+from ..runtime.sampling import sample
+from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
+
+#: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
+AUTO_SHARE = 0.9
+#: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
+MIN_REUSE = 2
+
+
+@dataclass(eq=False)
+class _Active:
+    handle: RequestHandle
+    req: GenerationRequest
+    seq: Sequence
+    todo: list[int]                     # prompt tokens still to prefill
+    budget: int                         # tokens it may generate
+    params: object                      # resolved SamplingParams
+    cached: int = 0
+    generated: int = 0
+    last: int | None = None             # the last sampled token, fed by the next decode step
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+def _common_prefix(a: list[int], b: tuple[int, ...] | list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler(Engine):
+    """Continuous batching over one :class:`~qeff_kv.runtime.Session` (see the module docstring).
+
+    Args:
+        session: the session; the scheduler's thread is its only user from now on.
+        max_queue: requests waiting for a slot beyond which :meth:`submit` raises ``QueueFullError``.
+        reuse_prompts: keep finished sequences for prompt reuse.
+        model_name: what ``/v1/models`` lists (default: the export folder's name).
+        prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``), or ``"auto"``.
+    """
+
+    def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
+                 prefill_chunk: int | str | None = None):
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
+        if prefill_chunk is not None and prefill_chunk != "auto" and (
+                isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
+        #: prompt tokens fed per engine turn (between two decode steps): the session's prefill length by default;
+        #: smaller keeps running streams smoother while long prompts arrive, at some prefill throughput. "auto":
+        #: while sequences are running, as many tokens as cost AUTO_SHARE of a decode step (measured), so a running
+        #: stream's step at most about doubles; the full prefill length when nothing runs
+        self.auto_chunk = prefill_chunk == "auto"
+        self.prefill_chunk = session.prefill_seq_len if prefill_chunk in (None, "auto") else prefill_chunk
+        self._decode_s: float | None = None       # moving averages: one decode step, one prefill token
+        self._prefill_tok_s: float | None = None
+        self.session = session
+        self.model_name = model_name or session.files.folder.name
+        self.ctx_len = session.ctx_len
+        self.max_sequences = session.max_sequences
+        self.max_queue = max_queue
+        self.reuse_prompts = reuse_prompts
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._waiting: collections.deque[tuple[RequestHandle, GenerationRequest]] = collections.deque()
+        self._control: collections.deque[tuple[Future, object]] = collections.deque()
+        self._prefilling: list[_Active] = []
+        self._running: list[_Active] = []
+        self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
+        self._closed = False
+        self._published = 0.0
+        self._stats = {"queue_depth": 0, "sequences_active": 0, "sequences_cached": 0, "kv_bytes_used": 0,
+                       "prompt_tokens_reused": 0, "decode_steps": 0, "prefill_chunks": 0,
+                       "kv_bytes_capacity": session.cache.memory_capacity, "max_sequences": self.max_sequences}
+        self._slots: list[dict] = [{"id": i, "state": "free", "n_tokens": 0} for i in range(self.max_sequences)]
+        self._thread = threading.Thread(target=self._loop, name="qeff-kv-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ Engine API
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        if not isinstance(req, GenerationRequest):
+            raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+        if req.state is None:
+            if not req.prompt:
+                raise RuntimeInputError("the prompt is empty")
+            if len(req.prompt) > self.ctx_len:
+                raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.ctx_len}")
+            vocab = self.session.vocab_size
+            bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   or (vocab is not None and t >= vocab)]
+            if bad:
+                raise RuntimeInputError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        handle = RequestHandle(req.request_id, on_cancel=lambda h: self._wake.set())
+        with self._lock:
+            if self._closed:
+                raise RuntimeInputError("the engine is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self._waiting.append((handle, req))
+            self._stats["queue_depth"] = len(self._waiting)
+        self._wake.set()
+        return handle
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def slots(self) -> list[dict]:
+        with self._lock:
+            return [dict(s) for s in self._slots]
+
+    def slot_action(self, slot: int, action: str, path=None) -> dict:
+        """Run a slot action on the engine thread and wait for it (see :meth:`_slot_action`)."""
+        fut = self.run_on_engine(("slot", slot, action, path))
+        return fut.result(timeout=120)
+
+    def run_on_engine(self, what) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeInputError("the engine is closed")
+            self._control.append((fut, what))
+        self._wake.set()
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                closed = self._closed
+            if closed:
+                self._shutdown()
+                return
+            try:
+                self._turn()
+            except Exception as exc:   # noqa: BLE001 - the engine thread must survive anything
+                self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            self._publish()
+            if not (self._prefilling or self._running or self._admissible() or self._control):
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _turn(self) -> None:
+        self._apply_cancellations()
+        self._apply_control()
+        self._admit()
+        if self._prefilling:
+            self._prefill_one_chunk(self._prefilling[0])
+        if self._running:
+            self._decode_step()
+
+    def _admissible(self) -> bool:
+        with self._lock:
+            return bool(self._waiting) and self._slot_available()
+
+    def _slot_available(self) -> bool:
+        return bool(self.session.cache.free_slots()) or bool(self._kept)
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        if now - self._published < 0.02 and (self._prefilling or self._running):
+            return   # while busy, at most 50 times a second (the slot table walks every sequence)
+        self._published = now
+        cache = self.session.cache
+        slots = [{"id": i, "state": "free", "n_tokens": 0} for i in range(self.max_sequences)]
+        for a in self._prefilling + self._running:
+            slots[a.seq.slot] = {"id": a.seq.slot, "state": "busy", "n_tokens": a.seq.length}
+        for s in self._kept.values():
+            slots[s.slot] = {"id": s.slot, "state": "cached", "n_tokens": s.length}
+        with self._lock:
+            self._stats.update(queue_depth=len(self._waiting),
+                               sequences_active=len(self._prefilling) + len(self._running),
+                               sequences_cached=len(self._kept), kv_bytes_used=cache.memory_used)
+            self._slots = slots
+
+    # ---- finishing
+    def _finish(self, a: _Active, reason: str, error: str | None = None, keep: bool = True) -> None:
+        for group in (self._prefilling, self._running):
+            if a in group:
+                group.remove(a)
+        seq = a.seq
+        if keep and self.reuse_prompts and seq.alive and seq.length > 0 and all(t >= 0 for t in seq.tokens):
+            self._kept[seq.id] = seq
+            self._kept.move_to_end(seq.id)
+        elif seq.alive:
+            self.session.remove_sequence(seq)
+        a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
+
+    def _fail_all(self, message: str) -> None:
+        for a in list(self._prefilling) + list(self._running):
+            self._finish(a, "error", message, keep=False)
+
+    def _shutdown(self) -> None:
+        for a in list(self._prefilling) + list(self._running):
+            self._finish(a, "cancelled", keep=False)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            control, self._control = list(self._control), collections.deque()
+        for h, req in waiting:
+            h.emit(Finished("cancelled", len(req.prompt), 0, 0))
+        for fut, _ in control:
+            fut.set_exception(RuntimeInputError("the engine is closed"))
+
+    def _apply_cancellations(self) -> None:
+        for a in [a for a in self._prefilling + self._running if a.handle.cancelled]:
+            self._finish(a, "cancelled")
+        with self._lock:
+            gone = [(h, r) for h, r in self._waiting if h.cancelled]
+            if gone:
+                self._waiting = collections.deque((h, r) for h, r in self._waiting if not h.cancelled)
+        for h, r in gone:
+            h.emit(Finished("cancelled", len(r.prompt), 0, 0))
+
+    def _apply_control(self) -> None:
+        while True:
+            with self._lock:
+                if not self._control:
+                    return
+                fut, what = self._control.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if what[0] == "slot":
+                    fut.set_result(self._slot_action(*what[1:]))
+                else:
+                    raise RuntimeInputError(f"unknown engine action {what[0]!r}")
+            except Exception as exc:   # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    # ---- admission and prompt reuse
+    def _take_slot(self) -> Sequence:
+        """A new empty sequence: in a free slot, else in the slot of the least recently used kept sequence."""
+        if not self.session.cache.free_slots():
+            _, victim = self._kept.popitem(last=False)
+            self.session.remove_sequence(victim)
+        return self.session.add_sequence()
+
+    def _reuse(self, prompt: tuple[int, ...]) -> tuple[Sequence, int]:
+        """A sequence to continue for ``prompt`` and how many of its positions are reused."""
+        limit = len(prompt) - 1
+        best, best_n = None, 0
+        if self.reuse_prompts and limit >= MIN_REUSE:
+            sources = list(self._kept.values()) + [a.seq for a in self._running]
+            for s in sources:
+                n = _common_prefix(s.tokens, prompt, limit)
+                if n > best_n:
+                    best, best_n = s, n
+        if best is None or best_n < MIN_REUSE:
+            return self._take_slot(), 0
+        copy = getattr(self.session, "copy", None)
+        kept = best.id in self._kept
+        must_copy = not kept or best_n < best.length
+        if copy is not None and must_copy and (self.session.cache.free_slots() or len(self._kept) > kept):
+            # keep the source (running, or a longer kept sequence): copy its prefix into another slot
+            if kept:
+                self._kept.move_to_end(best.id)   # the source is the most recently used: not the one evicted
+            dst = self._take_slot()
+            try:
+                copy(best, dst, best_n)
+                return dst, best_n
+            except QeffKvError:
+                return dst, 0                      # e.g. ring buffers that cannot serve the prefix
+        if not kept:
+            return self._take_slot(), 0
+        del self._kept[best.id]
+        try:
+            self.session.truncate(best, best_n)
+            return best, best_n
+        except QeffKvError:   # ring buffers: the rewind is refused; prefill from scratch in this slot
+            self.session.truncate(best, 0)
+            return best, 0
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or not self._slot_available():
+                    return
+                handle, req = self._waiting.popleft()
+            if handle.cancelled:
+                handle.emit(Finished("cancelled", len(req.prompt), 0, 0))
+                continue
+            try:
+                self._start(handle, req)
+            except Exception as exc:   # noqa: BLE001 - this request fails, the others go on
+                handle.emit(Finished("error", len(req.prompt), 0, 0, f"{type(exc).__name__}: {exc}"))
+
+    def _start(self, handle: RequestHandle, req: GenerationRequest) -> None:
+        params = req.sampling.resolved()
+        if req.state is not None:
+            if not self.session.cache.free_slots():
+                _, victim = self._kept.popitem(last=False)
+                self.session.remove_sequence(victim)
+            seq = self.session.import_state(req.state)
+            budget = max(1, min(req.max_tokens, self.ctx_len - seq.length + 1))
+            a = _Active(handle, req, seq, [], budget, params)
+            if seq.pending is None:
+                self.session.remove_sequence(seq)
+                raise RuntimeInputError("the handed-off state has no pending token")
+            self._emit_token(a, seq.pending)
+            return
+        seq, cached = self._reuse(req.prompt)
+        budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
+        a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached)
+        with self._lock:
+            self._stats["prompt_tokens_reused"] += cached
+        self._prefilling.append(a)
+
+    # ---- prefill and decode
+    def _chunk_size(self) -> int:
+        if not (self.auto_chunk and self._running and self._decode_s and self._prefill_tok_s):
+            return self.prefill_chunk
+        n = int(AUTO_SHARE * self._decode_s / self._prefill_tok_s)
+        return max(1, min(self.session.prefill_seq_len, n))
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
+
+    def _prefill_one_chunk(self, a: _Active) -> None:
+        chunk = a.todo[:self._chunk_size()]
+        t0 = time.perf_counter()
+        try:
+            logits = self.session.prefill(a.seq, chunk)
+        except Exception as exc:   # noqa: BLE001
+            self._finish(a, "error", f"prefill failed: {exc}", keep=False)
+            return
+        self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
+        del a.todo[:len(chunk)]
+        with self._lock:
+            self._stats["prefill_chunks"] += 1
+        if a.todo:
+            return
+        self._prefilling.remove(a)
+        try:
+            tok = sample(logits, a.params, a.seq.length)
+        except Exception as exc:   # noqa: BLE001
+            self._finish(a, "error", f"sampling failed: {exc}", keep=False)
+            return
+        a.seq.pending, a.seq.pending_emitted = tok, True
+        self._emit_token(a, tok)
+
+    def _emit_token(self, a: _Active, tok: int) -> None:
+        """Account one generated token; finish the request or (re)enter it into the running set."""
+        a.generated += 1
+        a.last = tok
+        if tok in a.req.stop_token_ids:
+            self._finish(a, "stop")
+            return
+        a.handle.emit(TokenOut(tok))
+        if a.generated >= a.budget:
+            self._finish(a, "length")
+            return
+        if a not in self._running:
+            self._running.append(a)
+
+    def _decode_step(self) -> None:
+        batch = list(self._running)
+        t0 = time.perf_counter()
+        try:
+            out = self.session.decode([(a.seq, a.last) for a in batch])
+        except Exception as exc:   # noqa: BLE001 - the step failed for all of them
+            for a in batch:
+                self._finish(a, "error", f"decode failed: {exc}", keep=False)
+            return
+        self._decode_s = self._average(self._decode_s, time.perf_counter() - t0)
+        with self._lock:
+            self._stats["decode_steps"] += 1
+        for a in batch:
+            try:
+                tok = sample(out[a.seq], a.params, a.seq.length)
+            except Exception as exc:   # noqa: BLE001
+                self._finish(a, "error", f"sampling failed: {exc}", keep=False)
+                continue
+            a.seq.pending, a.seq.pending_emitted = tok, True
+            self._emit_token(a, tok)
+
+    # ---- slots
+    def _slot_action(self, slot: int, action: str, path) -> dict:
+        from . import slots as slots_mod
+
+        return slots_mod.run(self, slot, action, Path(path) if path is not None else None)

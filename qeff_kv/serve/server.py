@@ -1,0 +1,102 @@
+"""Build the engine and the app from a :class:`~.config.ServeConfig`, and run them under uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import RuntimeInputError
+from .config import ServeConfig
+from .engine import Engine
+
+#: sequences served at once on a graph without batch_index (lock step) when --max-sequences is not given
+DEFAULT_LOCKSTEP_SEQUENCES = 4
+
+
+def open_session(config: ServeConfig, export: str | None = None):
+    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas')."""
+    from ..runtime import Session
+
+    model = export or config.export_dir
+    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads)
+    if config.max_sequences is not None:
+        return Session(model, max_sequences=config.max_sequences, **kw)
+    # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible
+    session = Session(model, **kw)
+    if session.continuous_batching or session.max_sequences > 1:
+        return session
+    del session
+    try:
+        return Session(model, max_sequences=DEFAULT_LOCKSTEP_SEQUENCES, **kw)
+    except RuntimeInputError as exc:
+        if "lock-step" not in str(exc):
+            raise
+        return Session(model, **kw)
+
+
+def build_engine(config: ServeConfig) -> Engine:
+    """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregate``."""
+    if config.disaggregate:
+        from .disagg import start_disaggregated
+
+        return start_disaggregated(config)
+    from .scheduler import Scheduler
+
+    return Scheduler(open_session(config), max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
+                     model_name=config.model_name or model_name_of(config.export_dir),
+                     prefill_chunk=config.prefill_chunk)
+
+
+def model_name_of(export_dir: str) -> str:
+    p = Path(export_dir).resolve()
+    return p.name if p.is_dir() else p.stem
+
+
+def text_facts(config: ServeConfig):
+    """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids."""
+    from ..runtime.chat import load_chat_template
+    from ..runtime.generate import load_tokenizer
+    from ..runtime.model_files import resolve_model
+    from .app import TextFacts
+
+    files = resolve_model(config.export_dir)
+    if not (files.folder / "tokenizer.json").is_file():
+        raise RuntimeInputError(f"qeff-kv serve needs a tokenizer: {files.folder} has no tokenizer.json")
+    tok = load_tokenizer(files.folder, required=True)
+    try:
+        template = load_chat_template(files.folder)
+    except RuntimeInputError:
+        template = None
+    eos = (files.manifest or {}).get("eos_token_id")
+    eos_ids = tuple([eos] if isinstance(eos, int) else list(eos or []))
+    return TextFacts(tokenizer=tok, chat_template=template, eos_token_ids=eos_ids)
+
+
+def check_config(config: ServeConfig) -> None:
+    """Refuse bad options before anything is loaded (one line each)."""
+    if config.state_dir is not None:
+        d = Path(config.state_dir)
+        if d.exists() and not d.is_dir():
+            raise RuntimeInputError(f"--state-dir {d}: not a folder")
+        d.mkdir(parents=True, exist_ok=True)
+    if config.api_key is not None and not config.api_key.strip():
+        raise RuntimeInputError("--api-key is empty")
+    if not 0 <= config.port <= 65535:
+        raise RuntimeInputError(f"--port must be in [0, 65535], got {config.port}")
+
+
+def serve(config: ServeConfig, *, on_ready=None) -> None:
+    """Run the server until interrupted (uvicorn), then close the engine."""
+    import uvicorn
+
+    from .app import create_app
+
+    check_config(config)
+    text = text_facts(config)
+    engine = build_engine(config)
+    try:
+        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir)
+        if on_ready is not None:
+            on_ready(engine)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.close()

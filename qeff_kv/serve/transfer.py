@@ -1,0 +1,212 @@
+"""The KV transfer (connector) of disaggregated serving: a prefilled sequence from a prefill worker to a decode
+worker, without torch, without files.
+
+What moves (:class:`KVTransfer`): the KV buffers the graph's serving regex selects (``.*P.*`` with a prefix,
+:func:`qeff_kv.runtime.state.default_selection`), each cut to the sequence's **valid positions** ``[0, n)``
+along axis 2 and nothing else (the peer's slicing spec ``[batch_index, 0, ctx_start, 0]``: the sequence's row,
+every head, positions from ``ctx_start = 0``, every head_dim; no other axis is ever sliced), a sliding-window
+ring as the slots it holds (``min(C, written)``, ring order, as state files carry it); and the metadata the
+decode side needs: valid length, pending token (the first generated token, sampled by the prefill worker),
+token ids, checkpoint identity, KV contract fingerprint, ring facts.
+
+It is a :class:`~qeff_kv.runtime.state.KVState` made by ``export_state(..., checksum=False)``: the decode side
+imports it with every check a state file gets (KV contract, model, shapes, ring capacities, capacity), except
+the SHA-256 over every byte, replaced by a cheap identity check that binds the metadata to the tensors (the
+checksum costs ~100 ms for a 47 MB state; the object store does not flip bits). Numpy arrays travel through
+Ray's object store without pickling their data.
+
+:class:`Prefiller` is the prefill worker's logic (the Ray actor of :mod:`qeff_kv.serve.disagg` wraps it):
+prefill a prompt in a fresh sequence, sample the first token with the request's sampling, extract, free.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..errors import RuntimeInputError
+from ..runtime import ring as ring_mod
+from ..runtime.sampling import sample
+from ..runtime.state import KVState, default_selection, export_state
+
+#: the peer's dims of a KV slice: the sequence's row, every head, positions from ctx_start, every head_dim
+DIM_SPECS = ("batch_index", 0, "ctx_start", 0)
+
+
+@dataclass
+class KVTransfer:
+    """One prefilled sequence in flight. ``state``: the selected buffers' valid positions and the metadata;
+    ``slicing``: the peer-style spec of what was cut (``Name`` regex, ``DimSpecs``, ``ctx_start``, ``positions``);
+    ``prefill_s`` / ``extract_s``: the prefill worker's time in the prefill and in cutting the buffers;
+    ``cached_tokens``: prompt tokens the prefill worker took from a kept sequence instead of prefilling them."""
+
+    request_id: str
+    state: KVState
+    slicing: dict
+    prefill_s: float = 0.0
+    extract_s: float = 0.0
+    cached_tokens: int = 0
+
+    @property
+    def valid_length(self) -> int:
+        return self.state.valid_length
+
+    @property
+    def first_token(self) -> int | None:
+        return self.state.pending_token
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV moved: the tensors' bytes (metadata aside)."""
+        return sum(int(a.nbytes) for a in self.state.tensors.values())
+
+
+def valid_bytes(session, seq) -> int:
+    """Bytes of ``seq``'s valid positions across the selected buffers: ``n`` positions of each full-length
+    buffer, ``min(C, written)`` slots of a ring: what a transfer of ``seq`` moves."""
+    cache = session.cache
+    total = 0
+    for name, (_, heads, _, head_dim) in cache.shapes.items():
+        slots = ring_mod.saved_slots(session.rings, name, seq.length, seq.written)
+        total += heads * head_dim * cache.dtypes[name].itemsize * slots
+    return total
+
+
+def extract(session, seq, request_id: str = "", select: str | None = None) -> KVTransfer:
+    """``seq``'s valid positions and metadata, for a decode worker (see the module docstring)."""
+    regex = select if select is not None else default_selection(session)
+    t0 = time.perf_counter()
+    state = export_state(session, seq, select=regex, checksum=False)
+    spec = {"Name": regex, "DimSpecs": list(DIM_SPECS), "ctx_start": 0, "positions": seq.length}
+    return KVTransfer(request_id, state, spec, extract_s=time.perf_counter() - t0)
+
+
+def install(session, transfer: KVTransfer, seq=None):
+    """Write ``transfer`` into ``seq`` (default: a new sequence) of ``session``, validated; returns the sequence,
+    with its pending token to continue from."""
+    if not isinstance(transfer, KVTransfer):
+        raise RuntimeInputError(f"expected a KVTransfer, got {type(transfer).__name__}")
+    return session.import_state(transfer.state, seq)
+
+
+# ============================================================================================ the pair
+def facts(session) -> dict:
+    """What a prefill/decode pair must agree on, as plain data (crosses processes)."""
+    return {"onnx": str(session.files.onnx_path), "kv_fingerprint": session.kv_fingerprint,
+            "checkpoint": session.checkpoint or "", "model_fingerprint": session.model_fingerprint,
+            "prefix": session.prefix or "", "sliding_window": session.sliding_window,
+            "capacities": dict(session.rings.capacities), "ctx_len": session.ctx_len,
+            "vocab_size": session.vocab_size, "max_sequences": session.max_sequences,
+            "eos_token_ids": list(session.eos_token_ids), "bytes_per_position": session.cache.bytes_per_position}
+
+
+def pair_refusal(prefill: dict, decode: dict) -> str | None:
+    """Why a prefill export cannot hand its sequences to a decode export (one line), or ``None``: another KV
+    contract, another checkpoint (checkpoint identities when both record one, else sampled weights), another
+    sliding window, or a vocabulary mismatch. Ring capacities may differ (states convert by position)."""
+    pre, dec = prefill["onnx"], decode["onnx"]
+    if prefill["kv_fingerprint"] != decode["kv_fingerprint"]:
+        return (f"prefill export {pre} and decode export {dec} have different KV contracts (prefix "
+                f"{prefill['prefix'] or '(none)'!r} vs {decode['prefix'] or '(none)'!r}, or other buffers)")
+    a, b = prefill["checkpoint"], decode["checkpoint"]
+    if (a and b and a != b) or (not (a and b) and prefill["model_fingerprint"] != decode["model_fingerprint"]):
+        return (f"prefill export {pre} and decode export {dec} come from different checkpoints "
+                f"({a[:12] or 'sampled'} vs {b[:12] or 'sampled'}); a KV state moves only between exports of one "
+                "checkpoint")
+    if prefill["sliding_window"] != decode["sliding_window"]:
+        return (f"prefill export {pre} has sliding window {prefill['sliding_window']}, decode export {dec} "
+                f"{decode['sliding_window']}")
+    if prefill["vocab_size"] != decode["vocab_size"]:
+        return f"prefill export {pre} has vocabulary {prefill['vocab_size']}, decode export {dec} {decode['vocab_size']}"
+    return None
+
+
+# ============================================================================================ prefill worker
+class Prefiller:
+    """The prefill worker's logic over one :class:`~qeff_kv.runtime.Session`: one request at a time.
+
+    Prompt reuse (``reuse=True``): a prefilled sequence stays in its slot after its transfer left (least recently
+    used first out when a slot is needed); a later prompt sharing at least :data:`MIN_REUSE` leading tokens with
+    one starts from it: its prefix is copied into a free slot (``Session.copy``, the source stays), else the kept
+    sequence is truncated to the common prefix and continued. At most ``len(prompt) - 1`` tokens are reused (the
+    last one is fed: its logits give the first token). Where the rings of a sliding-window graph cannot serve
+    the prefix, the prompt is prefilled whole.
+    """
+
+    #: shortest common prefix worth reusing
+    MIN_REUSE = 2
+
+    def __init__(self, session, reuse: bool = True):
+        self.session = session
+        self.reuse = reuse
+        self._kept: dict[int, object] = {}   # sequence id -> Sequence, least recently used first
+        self.reused_tokens = 0
+
+    def _fresh(self):
+        sess = self.session
+        if not sess.cache.free_slots():
+            victim = self._kept.pop(next(iter(self._kept)))
+            sess.remove_sequence(victim)
+        return sess.add_sequence()
+
+    def _start(self, prompt: list[int]):
+        """A sequence to prefill ``prompt`` into and how many of its leading tokens it already holds."""
+        from ..errors import QeffKvError
+
+        limit = len(prompt) - 1
+        best, best_n = None, 0
+        for s in self._kept.values():
+            n = 0
+            m = min(len(s.tokens), limit)
+            while n < m and s.tokens[n] == prompt[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = s, n
+        if best is None or best_n < self.MIN_REUSE:
+            return self._fresh(), 0
+        sess = self.session
+        if best_n < best.length and sess.cache.free_slots():
+            self._kept[best.id] = self._kept.pop(best.id)   # most recently used
+            dst = sess.add_sequence()
+            try:
+                sess.copy(best, dst, best_n)
+                return dst, best_n
+            except QeffKvError:
+                return dst, 0
+        del self._kept[best.id]
+        try:
+            sess.truncate(best, best_n)
+            return best, best_n
+        except QeffKvError:
+            sess.truncate(best, 0)
+            return best, 0
+
+    def run(self, request_id: str, prompt, sampling) -> KVTransfer:
+        """Prefill ``prompt`` (from a kept sequence's common prefix where there is one), sample the first token
+        with ``sampling`` (resolved: a seed the decode side shares), and return the transfer."""
+        sess = self.session
+        prompt = list(prompt)
+        if not prompt or len(prompt) > sess.ctx_len:
+            raise RuntimeInputError(f"the prompt has {len(prompt)} tokens; the prefill export holds 1 to "
+                                    f"{sess.ctx_len}")
+        for stale in sess.sequences:   # a request that failed half-way left its sequence
+            if stale.id not in self._kept:
+                sess.remove_sequence(stale)
+        seq, cached = self._start(prompt) if self.reuse else (self._fresh(), 0)
+        try:
+            t0 = time.perf_counter()
+            logits = sess.prefill(seq, prompt[cached:])
+            seq.pending = sample(logits, sampling, seq.length)
+            seq.pending_emitted = False
+            prefill_s = time.perf_counter() - t0
+            out = extract(sess, seq, request_id)
+        except BaseException:
+            sess.remove_sequence(seq)
+            raise
+        if self.reuse:
+            self._kept[seq.id] = seq
+        else:
+            sess.remove_sequence(seq)
+        self.reused_tokens += cached
+        out.prefill_s, out.cached_tokens = prefill_s, cached
+        return out
