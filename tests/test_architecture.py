@@ -137,3 +137,13 @@ def test_registry_gives_each_target_its_class():
     assert [c.name for c in classes] == list(targets.NAMES)
     assert all(issubclass(c, Target) and c is not Target for c in classes)
     assert [c.fills_padding for c in classes] == [True, True, False]   # GQA overwrites padded slots itself
+
+
+def test_every_package_is_installed():
+    """A package folder missing from pyproject's explicit list works in a checkout and is absent from a wheel."""
+    import tomllib
+
+    project = tomllib.loads((PKG.parent / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    folders = {_module_name(p) for p in PKG.rglob("__init__.py")}
+    assert folders - listed == set()

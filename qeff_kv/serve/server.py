@@ -7,31 +7,7 @@ from pathlib import Path
 from ..errors import RuntimeInputError
 from .config import ServeConfig
 from .engine import Engine
-
-#: sequences served at once on a graph without batch_index (lock step) when --max-sequences is not given
-DEFAULT_LOCKSTEP_SEQUENCES = 4
-
-
-def open_session(config: ServeConfig, export: str | None = None):
-    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas')."""
-    from ..runtime import Session
-
-    model = export or config.export_dir
-    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads)
-    if config.max_sequences is not None:
-        return Session(model, max_sequences=config.max_sequences, **kw)
-    # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible
-    session = Session(model, **kw)
-    if session.continuous_batching or session.max_sequences > 1:
-        return session
-    del session
-    try:
-        return Session(model, max_sequences=DEFAULT_LOCKSTEP_SEQUENCES, **kw)
-    except RuntimeInputError as exc:
-        if "lock-step" not in str(exc):
-            raise
-        return Session(model, **kw)
-
+from .sessions import model_name_of, open_session
 
 def build_engine(config: ServeConfig) -> Engine:
     """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregate``."""
@@ -44,11 +20,6 @@ def build_engine(config: ServeConfig) -> Engine:
     return Scheduler(open_session(config), max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
                      model_name=config.model_name or model_name_of(config.export_dir),
                      prefill_chunk=config.prefill_chunk)
-
-
-def model_name_of(export_dir: str) -> str:
-    p = Path(export_dir).resolve()
-    return p.name if p.is_dir() else p.stem
 
 
 def text_facts(config: ServeConfig):

@@ -1,0 +1,38 @@
+"""The session a serving engine drives, opened from a :class:`~.config.ServeConfig` (shared by the local
+scheduler and the disaggregated replicas, below both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import RuntimeInputError
+from .config import ServeConfig
+
+#: sequences served at once on a graph without batch_index (lock step) when --max-sequences is not given
+DEFAULT_LOCKSTEP_SEQUENCES = 4
+
+
+def open_session(config: ServeConfig, export: str | None = None):
+    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas')."""
+    from ..runtime import Session
+
+    model = export or config.export_dir
+    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads)
+    if config.max_sequences is not None:
+        return Session(model, max_sequences=config.max_sequences, **kw)
+    # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible
+    session = Session(model, **kw)
+    if session.continuous_batching or session.max_sequences > 1:
+        return session
+    del session
+    try:
+        return Session(model, max_sequences=DEFAULT_LOCKSTEP_SEQUENCES, **kw)
+    except RuntimeInputError as exc:
+        if "lock-step" not in str(exc):
+            raise
+        return Session(model, **kw)
+
+
+def model_name_of(export_dir: str) -> str:
+    p = Path(export_dir).resolve()
+    return p.name if p.is_dir() else p.stem
