@@ -327,7 +327,7 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                      ("max_num_images", max_num_images)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
-    ccl = parse_ccl(ccl, ctx_len)
+    ccl = parse_ccl(ccl, ctx_len, prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
     check_sliding_window(sliding_window)
     specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
                     ccl=ccl, sliding_window=sliding_window)
