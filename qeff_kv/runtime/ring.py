@@ -26,7 +26,7 @@ import numpy as np
 from .. import naming
 from ..errors import RuntimeInputError, StateFileError
 from ..layout import KVLayout, parse_sliding_window
-from ..limits import positive_int
+from ..limits import MAX_DIM, positive_int
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,17 @@ def read_state_rings(meta: dict[str, str], n: int, where: str) -> StateRings:
             or written < n or (window is not None and window < 1) or (caps and window is None)
             or not 0 <= floor <= n or (floor and window is None)):
         raise StateFileError(f"{where}: malformed state metadata (ring_written, capacities, sliding_window)")
+    # A valid checksum proves the bytes, not that the bookkeeping is consistent: the ring must still hold every
+    # position the next step attends to (the rule a rewind follows), and nothing is written beyond any capacity.
+    if written > MAX_DIM:
+        raise StateFileError(f"{where}: inconsistent state metadata: ring_written {written} is beyond any capacity")
+    if caps and window is not None:
+        cap = min(caps.values())
+        lo, need = max(floor, held(written, cap)[0]), max(0, n - window + 1)
+        if lo > need:
+            raise StateFileError(
+                f"{where}: inconsistent state metadata: ring_written {written} with valid length {n}: its ring buffers "
+                f"({cap} slots) hold positions {lo}..{written - 1}, the next step needs {need}..{n - 1}")
     return StateRings(written, {str(k): v for k, v in caps.items()}, window, floor)
 
 
