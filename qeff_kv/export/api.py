@@ -123,9 +123,9 @@ def export_model(
     onnx_name = f"{opt.safe_name(source.name)}.onnx"
     parent = target.parent
     fsutil.make_dirs(parent)
-    # Staging folders of exports killed more than a day ago: nothing else ever removes them.
+    # Staging folders of exports whose process is gone (their name carries its pid), or older than a day.
     fsutil.remove_stale(parent, ".*.export-*", max_age_s=STALE_STAGING_S)
-    with tempfile.TemporaryDirectory(prefix=f".{target.name}.export-", dir=parent) as tmp_s:
+    with tempfile.TemporaryDirectory(prefix=fsutil.staging_prefix(target.name, "export"), dir=parent) as tmp_s:
         tmp = Path(tmp_s)
         stage = tmp / "stage"
         stage.mkdir()
