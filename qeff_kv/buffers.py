@@ -261,6 +261,9 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
     path = resolve_graph(path)
     layout = graphio.layout_of(graphio.load(path))
+    if sliding_window is not None and not layout.has_sliding:   # a setting that would do nothing
+        raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
+                                "--sliding-window does not apply")
     window = resolve_sliding_window(layout, sliding_window)
     sel = regex_selection(layout, regex) if regex is not None else None
     return BuffersReport(str(path), layout, ctx_len, sel, window)
@@ -362,7 +365,17 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     if sliding_window is not None and not layout.has_sliding:
         raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
                                 "--sliding-window does not apply")
-    resolve_sliding_window(layout, sliding_window, required=True)
+    window = resolve_sliding_window(layout, sliding_window, required=True)
+    if window is not None and layout.has_sliding:
+        # the ring holds `window` slots: a longer prefill chunk cannot be written to it, and a capacity below the
+        # window would make the ring larger than the whole context
+        if prefill_seq_len > window:
+            raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than the sliding window {window} of "
+                                    f"{path}'s ring buffers: a prefill chunk must fit in the ring; give "
+                                    f"--prefill-seq-len {window} or less")
+        if ctx_len < window:
+            raise RuntimeInputError(f"ctx_len {ctx_len} is smaller than the sliding window {window} of {path}'s ring "
+                                    f"buffers; give --ctx-len {window} or more")
     kind = multimodal.graph_kind(layout)
     vision = None
     if kind is not None:

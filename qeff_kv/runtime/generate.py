@@ -18,6 +18,7 @@ from .. import fsutil
 from ..errors import MissingDependencyError, RuntimeInputError
 from .chat import chat_prompt_ids, load_chat_template
 from ..limits import MAX_INT64
+from .. import validate
 from ..validate import integer_array
 from .sampling import SamplingParams
 from .model_files import resolve_model
@@ -155,6 +156,10 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
             re.compile(req.select)
         except (re.error, TypeError) as exc:
             raise RuntimeInputError(f"--select {req.select!r} is not a valid regex ({exc})") from None
+        if req.save_state is None:   # a setting that would do nothing
+            raise RuntimeInputError("--select chooses the buffers --save-state writes; give --save-state FILE too")
+    for label, v in (("chat", req.chat), ("ignore_eos", req.ignore_eos)):
+        validate.flag(label, v)
     if not isinstance(req.sampling, SamplingParams):
         raise RuntimeInputError(f"sampling must be a SamplingParams, got {req.sampling!r}")
     if req.save_state is not None:
