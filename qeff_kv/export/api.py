@@ -101,7 +101,7 @@ def export_model(
     options = opt.ExportOptions(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, kv_cache_prefix=kv_cache_prefix,
                                 dtype=dtype, continuous_batching=continuous_batching,
                                 full_batch_size=full_batch_size, target=target,
-                                ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl,
+                                ccl=opt.parse_ccl(ccl, ctx_len, prefill_seq_len) if isinstance(ctx_len, int) else ccl,
                                 sliding_cache=sliding_cache, single_graph=bool(single_graph), image_size=image_size,
                                 **quant_mod.resolve_options(weights, block_size, accuracy_level)).validate()
     ctx_len, prefill_seq_len, full_batch_size = options.ctx_len, options.prefill_seq_len, options.full_batch_size

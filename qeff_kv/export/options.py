@@ -91,7 +91,7 @@ class ExportOptions:
             if self.target == "onnxruntime-fused":
                 raise ExportError("--target onnxruntime-fused does not support --ccl (GroupQueryAttention already "
                                   "reads exactly the filled slots); use --target portable or onnxruntime")
-            check_ccl(self.ccl, self.ctx_len)
+            check_ccl(self.ccl, self.ctx_len, self.prefill_seq_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
         if self.sliding_cache not in (None, "ring", "full"):
@@ -121,14 +121,17 @@ class ExportOptions:
         return d
 
 
-def check_ccl(values, ctx_len: int) -> tuple[int, ...]:
-    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError`."""
-    return compile_config.check_ccl(values, ctx_len, error=ExportError)
+def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
+    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
+    are refused: their prefill specialization could not hold a chunk)."""
+    return compile_config.check_ccl(values, ctx_len, error=ExportError, prefill_seq_len=prefill_seq_len)
 
 
-def parse_ccl(value, ctx_len: int) -> tuple[int, ...] | None:
-    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError`."""
-    return compile_config.parse_ccl(value, ctx_len, error=ExportError)
+def parse_ccl(value, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
+    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
+    ``prefill_seq_len``)."""
+    return compile_config.parse_ccl(value, ctx_len, error=ExportError,
+                                    prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
 
 
 def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:
