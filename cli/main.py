@@ -8,7 +8,7 @@ import threading
 
 import click
 
-from qeff_kv import __version__
+from qeff_kv import __version__, capture
 from qeff_kv.errors import QeffKvError
 
 
@@ -94,12 +94,14 @@ _LEFT_ALONE = object()
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QEFF_KV"})
 @click.version_option(__version__, prog_name="qeff-kv")
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True,
+              help="Show full tracebacks, and what torch and onnxruntime print, instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
     """Export, rewrite, check and run retained-state KV-cache ONNX graphs."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    capture.set_passthrough(debug)   # --debug: what libraries print is shown, not captured
 
 
 def _register() -> None:

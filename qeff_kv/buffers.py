@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import graphio, multimodal, naming
+from . import graphio, multimodal, naming, validate
 from .compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
 from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout, KVPair
@@ -254,6 +254,8 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
     if ctx_len is not None and (not isinstance(ctx_len, int) or isinstance(ctx_len, bool) or ctx_len < 1):
         raise RuntimeInputError(f"ctx_len must be a positive integer, got {ctx_len!r}")
     check_sliding_window(sliding_window)
+    validate.path_like("path", path)
+    validate.text("regex", regex)
     if regex is not None:
         try:
             re.compile(regex)
@@ -324,6 +326,9 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
 
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
     # passes every check rule.
+    validate.path_like("path", path)
+    validate.path_like("out_dir", out_dir)
+    validate.path_like("vision_model", vision_model, optional=True)
     check_precision(precision)
     check_vision_precision(vision_precision)
     for label, v in (("img_size", img_size), ("vision_size", vision_size), ("vision_batch_size", vision_batch_size),

@@ -160,6 +160,9 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
             raise RuntimeInputError("--select chooses the buffers --save-state writes; give --save-state FILE too")
     for label, v in (("chat", req.chat), ("ignore_eos", req.ignore_eos)):
         validate.flag(label, v)
+    for label, items in (("prompts", req.prompts), ("image_inputs", req.image_inputs), ("images", req.images)):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(x, (str, os.PathLike)) for x in items):
+            raise RuntimeInputError(f"{label} must be a list of strings, got {items!r}"[:200])
     if not isinstance(req.sampling, SamplingParams):
         raise RuntimeInputError(f"sampling must be a SamplingParams, got {req.sampling!r}")
     if req.save_state is not None:

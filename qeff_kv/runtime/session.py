@@ -43,7 +43,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from .. import graphio, naming
+from .. import capture, graphio, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..inplace import inplace_issues
 from ..limits import positive_int
@@ -225,7 +225,8 @@ class Session(GenerationMixin):
             source = str(self.files.onnx_path)
         gc.collect()
         try:
-            self._sess = ort.InferenceSession(source, so, providers=providers)
+            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
+                self._sess = ort.InferenceSession(source, so, providers=providers)
         except Exception as exc:  # onnxruntime raises several pybind exception types
             msg = " ".join(str(exc).split())[:400]
             raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None

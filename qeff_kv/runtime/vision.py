@@ -25,7 +25,7 @@ from typing import Mapping, Sequence as Seq
 import numpy as np
 import onnxruntime as ort
 
-from .. import graphio, mrope, naming
+from .. import capture, graphio, mrope, naming
 from ..validate import integer_array
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from .media import IMAGE_INPUTS, Images, Prompt
@@ -57,7 +57,9 @@ class VisionStage:
             so.intra_op_num_threads = int(threads)
         _quiet_onnxruntime()
         try:
-            self._sess = ort.InferenceSession(str(self.path), so, providers=list(providers or ["CPUExecutionProvider"]))
+            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
+                self._sess = ort.InferenceSession(str(self.path), so,
+                                                  providers=list(providers or ["CPUExecutionProvider"]))
         except Exception as exc:
             raise GraphReadError(f"{self.path}: onnxruntime cannot load it ({' '.join(str(exc).split())[:300]})") \
                 from None
