@@ -90,6 +90,9 @@ def export_model(
     takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
     value. Not with ``target="onnxruntime-fused"``.
     """
+    opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
+                   continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
+                   accuracy_level=accuracy_level, full_batch_size=full_batch_size, image_size=image_size)
     say = progress or (lambda _msg: None)
     if kv_cache_prefix is not None:
         naming.validate_prefix(kv_cache_prefix)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import compile_config, naming
+from .. import compile_config, naming, validate
 from ..errors import ExportError
 from ..limits import positive_int
 
@@ -119,6 +119,22 @@ class ExportOptions:
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
         return d
+
+
+def check_call(*, model, out_dir, progress, verify, force, continuous_batching, single_graph, block_size,
+               accuracy_level, full_batch_size, image_size) -> None:
+    """The argument kinds of :func:`~qeff_kv.export.export_model`, before anything is read: paths are paths,
+    flags are real booleans (``verify="no"`` is refused, not taken as true), ``progress`` is callable, integers are
+    integers. Values (ranges, combinations) are :meth:`ExportOptions.validate`'s."""
+    validate.path_like("model", model, optional=True, error=ExportError)
+    validate.path_like("out_dir", out_dir, optional=True, error=ExportError)
+    validate.callable_or_none("progress", progress, error=ExportError)
+    validate.flag("verify", verify, optional=True, error=ExportError)
+    for label, v in (("force", force), ("continuous_batching", continuous_batching), ("single_graph", single_graph)):
+        validate.flag(label, v, error=ExportError)
+    for label, v, lo in (("block_size", block_size, 1), ("accuracy_level", accuracy_level, 0),
+                         ("full_batch_size", full_batch_size, 1), ("image_size", image_size, 1)):
+        validate.optional_int(label, v, minimum=lo, error=ExportError)
 
 
 def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
