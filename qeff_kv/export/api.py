@@ -17,7 +17,7 @@ from typing import Callable
 
 import onnx_ir as ir
 
-from .. import __version__, compile_config, fsutil, graphio, limits, naming
+from .. import __version__, capture, compile_config, fsutil, graphio, limits, naming
 from ..errors import ExportError
 from ..passes import (FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass, RemovePassThroughPass,
                       SetKVPrefixPass)
@@ -144,7 +144,8 @@ def export_model(
         # the wrapper reads its facts from it; refusals above came from config.json before loading.
         loaded = family.ModelFacts.from_config(torch_model.config.to_dict())
         loaded.require_exportable(options)
-        geometry = _trace(torch_model, options, raw, loaded)
+        with capture.library_output():   # torch prints the whole traced graph when an operator has no ONNX form
+            geometry = _trace(torch_model, options, raw, loaded)
         say("post-processing graph")
         ir_model = graphio.load(raw)
         _finalize(ir_model, options, geometry)
@@ -156,7 +157,8 @@ def export_model(
         if "vision" in geometry and not options.single_graph:
             say("tracing the vision encoder")
             vision_path = stage / vision_onnx_name(onnx_name)
-            _trace_vision(torch_model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
+            with capture.library_output():
+                _trace_vision(torch_model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
             vis_model = graphio.load(tmp / "raw" / "vision.onnx")
             _finalize_vision(vis_model, options, geometry["vision"])
             vis_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
