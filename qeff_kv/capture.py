@@ -7,8 +7,9 @@ descriptors 1 and 2 sent to a temporary file: on success the text is dropped, on
 as ``exc.library_output`` (the one-line message stays as it is).
 
 ``qeff-kv --debug`` (or ``QEFF_KV_DEBUG=1``) turns capturing off (:func:`set_passthrough`): the libraries' full text
-is then printed where it happens, with the traceback. Capturing redirects process-wide file descriptors: it is
-meant for the command line and single-threaded use, where nothing else prints meanwhile.
+is then printed where it happens, with the traceback. Capturing redirects process-wide file descriptors, so it only
+happens while the process runs one Python thread (the command line); a multi-threaded host (a server) keeps the
+libraries' output in its own logs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import io
 import os
 import sys
 import tempfile
+import threading
 from typing import Iterator
 
 _PASSTHROUGH = False
@@ -46,8 +48,10 @@ def _flush() -> None:
 
 @contextlib.contextmanager
 def library_output() -> Iterator[None]:
-    """Capture everything printed inside (Python streams and file descriptors 1 and 2)."""
-    if passthrough():
+    """Capture everything printed inside (Python streams and file descriptors 1 and 2).
+
+    Only while this is the process's one Python thread: a server's other threads keep their output."""
+    if passthrough() or threading.active_count() > 1:
         yield
         return
     _flush()
