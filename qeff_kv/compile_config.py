@@ -401,7 +401,9 @@ def ccl_below_prefill(value: int, prefill_seq_len: int) -> str:
 
 def parse_ccl(value, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputError,
               prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
-    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``)."""
+    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``). ``"auto"`` leaves
+    out values below ``prefill_seq_len``; a given list is checked against it later (:func:`check_ccl` with
+    ``prefill_seq_len``, :func:`specializations`), after the options that refuse CCL altogether."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -414,7 +416,7 @@ def parse_ccl(value, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputErr
             if not _ASCII_DIGITS.fullmatch(p):  # int() also takes '١٦', '1_0', '+5': refused
                 raise error(f"--ccl values must be positive integers, got {p!r}")
             vals.append(int(p))
-        return check_ccl(vals, ctx_len, error=error, prefill_seq_len=prefill_seq_len)
+        return check_ccl(vals, ctx_len, error=error)
     if isinstance(value, (list, tuple)):
-        return check_ccl(value, ctx_len, error=error, prefill_seq_len=prefill_seq_len)
+        return check_ccl(value, ctx_len, error=error)
     raise error(f"--ccl must be 'auto' or a list of integers, got {value!r}")
