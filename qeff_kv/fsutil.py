@@ -65,14 +65,23 @@ def check_output_file(target: str | os.PathLike) -> Path:
     return target
 
 
-#: ``.<name>.<kind>-<pid>-<random>``: a staging entry named by :func:`staging_prefix` carries its owner's pid
-_OWNER_PID = re.compile(r"\.[A-Za-z]+-([0-9]{1,10})-[^/]*$")
+#: ``.<name>.<kind>-<pid>@<host>-<random>``: a staging entry named by :func:`staging_prefix` carries its owner
+_OWNER = re.compile(r"\.[A-Za-z]+-([0-9]{1,10})@([0-9a-f]{8})-[^/]*$")
+
+
+def host_id() -> str:
+    """8 hex digits naming this machine (its host name): a pid means something on its own host only."""
+    import hashlib
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def staging_prefix(name: str, kind: str) -> str:
-    """``.<name>.<kind>-<pid>-``: the prefix of a staging entry beside ``name`` that :func:`remove_stale` removes
-    as soon as the process that made it is gone (killed by SIGKILL, a power cut...), not a day later."""
-    return f".{name}.{kind}-{os.getpid()}-"
+    """``.<name>.<kind>-<pid>@<host>-``: the prefix of a staging entry beside ``name`` that :func:`remove_stale`
+    removes as soon as the process that made it is gone (killed by SIGKILL, a power cut...), not a day later.
+    Entries of another host (a shared folder) are left to the age limit."""
+    return f".{name}.{kind}-{os.getpid()}@{host_id()}-"
 
 
 def owner_alive(pid: int) -> bool:
@@ -102,8 +111,8 @@ def remove_stale(folder: str | os.PathLike, pattern: str, max_age_s: float = 864
         return removed
     for p in entries:
         try:
-            owner = _OWNER_PID.search(p.name)
-            orphan = owner is not None and not owner_alive(int(owner.group(1)))
+            owner = _OWNER.search(p.name)
+            orphan = owner is not None and owner.group(2) == host_id() and not owner_alive(int(owner.group(1)))
             if p.is_symlink() or (not orphan and now - p.lstat().st_mtime < max_age_s):
                 continue
             if p.is_dir():

@@ -51,7 +51,7 @@ def test_sigterm_during_export_removes_the_staging_folder_and_prints_one_line(tm
     parent = tmp_path / "out"
     proc = _start_export(parent / "D", tmp_path)
     staging = _wait_for_staging(parent, proc)
-    assert staging.name.startswith(f".D.export-{proc.pid}-")   # the owner's pid is in the name
+    assert staging.name.startswith(f".D.export-{proc.pid}@{fsutil.host_id()}-")   # the owner's pid is in the name
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err)
@@ -82,23 +82,25 @@ def test_a_staging_folder_left_by_sigkill_is_swept_by_the_next_export(tmp_path):
 
 
 def test_sweep_removes_entries_of_dead_pids_only(tmp_path):
-    dead = _dead_pid()
-    orphan = tmp_path / f".D.export-{dead}-abcd1234"
-    mine = tmp_path / f".D.export-{os.getpid()}-abcd1234"
-    alive = tmp_path / f".E.export-1-abcd1234"          # pid 1 is always alive
+    dead, host = _dead_pid(), fsutil.host_id()
+    orphan = tmp_path / f".D.export-{dead}@{host}-abcd1234"
+    mine = tmp_path / f".D.export-{os.getpid()}@{host}-abcd1234"
+    alive = tmp_path / f".E.export-1@{host}-abcd1234"   # pid 1 is always alive
+    other_host = tmp_path / f".F.export-{dead}@{'0' * 8 if host != '0' * 8 else '1' * 8}-abcd1234"   # age only
     legacy = tmp_path / ".D.export-q1w2e3r4"            # no pid: removed by age only
     unrelated = tmp_path / "D"
-    for p in (orphan, mine, alive, legacy, unrelated):
+    for p in (orphan, mine, alive, other_host, legacy, unrelated):
         p.mkdir()
         (p / "model.onnx").write_bytes(b"x")
     removed = fsutil.remove_stale(tmp_path, ".*.export-*", max_age_s=3600)
     assert removed == [orphan]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (mine, alive, legacy, unrelated))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (mine, alive, other_host, legacy,
+                                                                                   unrelated))
     old = time.time() - 7200
     os.utime(legacy, (old, old))
     assert fsutil.remove_stale(tmp_path, ".*.export-*", max_age_s=3600) == [legacy]
 
 
 def test_staging_prefix_names_the_owner():
-    assert fsutil.staging_prefix("D", "export") == f".D.export-{os.getpid()}-"
+    assert fsutil.staging_prefix("D", "export") == f".D.export-{os.getpid()}@{fsutil.host_id()}-"
     assert fsutil.owner_alive(os.getpid()) and not fsutil.owner_alive(_dead_pid()) and not fsutil.owner_alive(0)
