@@ -93,3 +93,12 @@ def test_tensors_of_another_dtype_with_matching_metadata_are_still_refused(ring)
     fresh = Session(path, ctx_len=32)
     with pytest.raises(StateFileError, match=r"^state: tensor 'past_key.0' is float16, the graph's buffer is float32$"):
         import_state(fresh, type(state)(tensors, md))
+
+
+@pytest.mark.parametrize("key,value", [("valid_length", "١٤"), ("valid_length", "1_4"), ("valid_length", " 14"),
+                                       ("ring_written", "١٤"), ("pending_token", "+3")])
+def test_metadata_integers_are_ascii_digits(ring, tmp_path, key, value):
+    path, state = ring
+    message = ("state: malformed state metadata (ring_written, capacities, sliding_window)" if key == "ring_written"
+               else "state: malformed state metadata")
+    _refused(path, _resealed(state, **{key: value}), message, tmp_path)

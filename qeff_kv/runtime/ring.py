@@ -19,6 +19,7 @@ same rule applies with ``floor`` as the lowest position held.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,13 +154,21 @@ class StateRings:
     floor: int = 0
 
 
+def meta_int(text) -> int:
+    """An integer of a state file's metadata: ASCII digits (``int()`` also reads ``'١٤'``, ``'1_4'``, ``' 14'``);
+    ``ValueError`` otherwise."""
+    if not isinstance(text, str) or not re.fullmatch(r"-?[0-9]+", text):
+        raise ValueError(f"{text!r} is not an integer")
+    return int(text)
+
+
 def read_state_rings(meta: dict[str, str], n: int, where: str) -> StateRings:
     try:
-        written = int(meta.get("ring_written", str(n)))
+        written = meta_int(meta.get("ring_written", str(n)))
         caps = json.loads(meta.get("capacities", "{}"))
         w_raw = meta.get("sliding_window", "")
-        window = int(w_raw) if w_raw != "" else None
-        floor = int(meta.get("ring_floor", "0"))
+        window = meta_int(w_raw) if w_raw != "" else None
+        floor = meta_int(meta.get("ring_floor", "0"))
     except (ValueError, TypeError):
         raise StateFileError(f"{where}: malformed state metadata (ring_written, capacities, sliding_window)") from None
     if (not isinstance(caps, dict) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0

@@ -42,6 +42,7 @@ from .cache import Sequence
 from . import positions as pos_mod
 from . import ring as ring_mod
 from .model_files import is_checkpoint_identity
+from .ring import meta_int
 
 FORMAT = "qeff-kv-state"
 FORMAT_VERSION = "1"
@@ -163,10 +164,10 @@ def _validate(session, state: KVState, where: str) -> str:
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
     try:
-        n = int(meta["valid_length"])
+        n = meta_int(meta["valid_length"])
         shapes = json.loads(meta["shapes"])
         pending = meta["pending_token"]
-        pending_tok = int(pending) if pending != "" else None
+        pending_tok = meta_int(pending) if pending != "" else None
     except (ValueError, TypeError):
         raise StateFileError(f"{where}: malformed state metadata") from None
     if meta["pending_emitted"] not in ("true", "false"):
