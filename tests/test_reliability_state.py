@@ -48,7 +48,7 @@ def _refused(path, state, message: str, tmp_path=None):
         assert f.read_bytes() == before
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(extra=st.integers(min_value=2, max_value=2**31 - 1 - 14))
 def test_ring_written_beyond_what_the_ring_can_hold_is_refused(ring, extra):
     path, state = ring
