@@ -10,7 +10,7 @@ from qeff_kv import graphio
 from qeff_kv.buffers import format_buffer_table
 from qeff_kv.export import export_model
 
-from .params import DIM
+from .params import ACCURACY_LEVEL, DIM
 
 
 def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept across calls
@@ -56,7 +56,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "MatMulNBits, the (tied) embedding and output head quantized once. Float graph verified first.")
 @click.option("--block-size", type=DIM, metavar="N",
               help="Quantization block size along K (power of two >= 16; default 32). Needs --weights.")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), metavar="L",
+@click.option("--accuracy-level", type=ACCURACY_LEVEL, metavar="L",
               help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
                    "Needs --weights.")
 @click.option("--sliding-cache", type=click.Choice(["ring", "full"]),

@@ -12,7 +12,7 @@ import click
 from qeff_kv.runtime.generate import GenerateRequest, parse_ids, run_generate
 from qeff_kv.runtime.sampling import SamplingParams
 
-from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
+from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 
 
 @click.command("generate")
@@ -54,9 +54,9 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS
 @click.option("--max-sequences", type=DIM, default=None,
               help="Slots of a continuous-batching graph, or sequences run in lock step on a graph without "
                    "batch_index (default: the manifest's, or the number of prompts).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FLOAT, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass.")
+@click.option("--top-p", type=FLOAT, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--seed", type=ID, default=None, help="Sampling seed (same seed, same tokens).")
 @click.option("--stop-token", "stop_tokens", type=ID, multiple=True, metavar="ID",
               help="Stop a sequence after this token (repeatable; the manifest's eos ids are included).")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import click
 
-from qeff_kv import __version__
+from qeff_kv import __version__, capture
 from qeff_kv.errors import QeffKvError
 
 
@@ -46,6 +48,7 @@ class _Group(click.Group):
             raise _one_line(exc, info_name) from None
 
     def invoke(self, ctx: click.Context):
+        previous = _handle_sigterm()
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
@@ -55,19 +58,50 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except Terminated:
+            click.echo("error: terminated (SIGTERM); nothing was left half-written", err=True)
+            sys.exit(128 + signal.SIGTERM)
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        finally:
+            if previous is not _LEFT_ALONE:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, like SIGINT's KeyboardInterrupt: every ``finally`` and ``with`` on
+    the way out runs (staging folders and temporary files are removed)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _handle_sigterm():
+    """Route SIGTERM to :class:`Terminated` while a command runs (main thread only); returns the handler to
+    restore, or :data:`_LEFT_ALONE`."""
+    if threading.current_thread() is not threading.main_thread():
+        return _LEFT_ALONE
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except (ValueError, OSError):
+        return _LEFT_ALONE
+
+
+_LEFT_ALONE = object()
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "QEFF_KV"})
 @click.version_option(__version__, prog_name="qeff-kv")
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.option("--debug", is_flag=True,
+              help="Show full tracebacks, and what torch and onnxruntime print, instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
     """Export, rewrite, check and run retained-state KV-cache ONNX graphs."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    capture.set_passthrough(debug)   # --debug: what libraries print is shown, not captured
 
 
 def _register() -> None:

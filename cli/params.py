@@ -1,21 +1,62 @@
 """Option types shared by the commands: integers are range-checked while the command line is parsed, so an
-absurd value (negative, zero, beyond 64 bits, beyond what any buffer can hold) is a one-line usage error."""
+absurd value (negative, zero, beyond 64 bits, beyond what any buffer can hold) is a one-line usage error.
+
+Numbers are ASCII: click's own INT and FLOAT types take whatever Python's ``int()``/``float()`` take (Arabic-Indic
+digits such as ``١٦``, ``1_000``, ``+5``, ``nan``); these refuse them in one line.
+"""
 
 from __future__ import annotations
+
+import math
+import re
 
 import click
 
 from qeff_kv.compile_config import PRECISIONS
 from qeff_kv.limits import MAX_DIM, MAX_INT64
 
+_INT = re.compile(r"-?[0-9]+")
+_FLOAT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+class AsciiIntRange(click.IntRange):
+    """An integer range whose command-line text must be ASCII digits (an optional leading ``-``)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not _INT.fullmatch(value):
+            self.fail(f"{value!r} is not an integer (ASCII digits 0-9)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class AsciiFloat(click.ParamType):
+    """A finite decimal number in ASCII (``0.7``, ``1e-3``); ``nan``, ``inf`` and non-ASCII digits are refused."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) and math.isfinite(value):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, str) or not _FLOAT.fullmatch(value):
+            self.fail(f"{value!r} is not a decimal number (ASCII digits, e.g. 0.7)", param, ctx)
+        out = float(value)
+        if not math.isfinite(out):
+            self.fail(f"{value!r} is out of range", param, ctx)
+        return out
+
+
 #: ctx_len, prefill_seq_len, batch sizes, slots: 1 .. 2**31-1.
-DIM = click.IntRange(min=1, max=MAX_DIM)
+DIM = AsciiIntRange(min=1, max=MAX_DIM)
 #: --sliding-window: the window W of a graph's ring buffers (axis 'sliding_window'): 1 .. 2**31-1.
 SLIDING_WINDOW = DIM
 #: counts that may be zero (max_new_tokens, top_k): 0 .. 2**31-1.
-COUNT = click.IntRange(min=0, max=MAX_DIM)
+COUNT = AsciiIntRange(min=0, max=MAX_DIM)
 #: token ids and seeds: 0 .. 2**63-1.
-ID = click.IntRange(min=0, max=MAX_INT64)
+ID = AsciiIntRange(min=0, max=MAX_INT64)
 #: onnxruntime intra-op threads.
-THREADS = click.IntRange(min=1, max=4096)
+THREADS = AsciiIntRange(min=1, max=4096)
+#: MatMulNBits accuracy level.
+ACCURACY_LEVEL = AsciiIntRange(min=0, max=4)
+FLOAT = AsciiFloat()
 PRECISION = click.Choice(list(PRECISIONS))

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import graphio, multimodal, naming
+from . import graphio, multimodal, naming, validate
 from .compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
 from .errors import ContractError, QeffKvError, RuntimeInputError
 from .layout import KVLayout, KVPair
@@ -254,6 +254,8 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
     if ctx_len is not None and (not isinstance(ctx_len, int) or isinstance(ctx_len, bool) or ctx_len < 1):
         raise RuntimeInputError(f"ctx_len must be a positive integer, got {ctx_len!r}")
     check_sliding_window(sliding_window)
+    validate.path_like("path", path)
+    validate.text("regex", regex)
     if regex is not None:
         try:
             re.compile(regex)
@@ -261,6 +263,9 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
     path = resolve_graph(path)
     layout = graphio.layout_of(graphio.load(path))
+    if sliding_window is not None and not layout.has_sliding:   # a setting that would do nothing
+        raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
+                                "--sliding-window does not apply")
     window = resolve_sliding_window(layout, sliding_window)
     sel = regex_selection(layout, regex) if regex is not None else None
     return BuffersReport(str(path), layout, ctx_len, sel, window)
@@ -321,13 +326,16 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
 
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
     # passes every check rule.
+    validate.path_like("path", path)
+    validate.path_like("out_dir", out_dir)
+    validate.path_like("vision_model", vision_model, optional=True)
     check_precision(precision)
     check_vision_precision(vision_precision)
     for label, v in (("img_size", img_size), ("vision_size", vision_size), ("vision_batch_size", vision_batch_size),
                      ("max_num_images", max_num_images)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
-    ccl = parse_ccl(ccl, ctx_len)
+    ccl = parse_ccl(ccl, ctx_len, prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
     check_sliding_window(sliding_window)
     specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
                     ccl=ccl, sliding_window=sliding_window)
@@ -362,7 +370,17 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     if sliding_window is not None and not layout.has_sliding:
         raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
                                 "--sliding-window does not apply")
-    resolve_sliding_window(layout, sliding_window, required=True)
+    window = resolve_sliding_window(layout, sliding_window, required=True)
+    if window is not None and layout.has_sliding:
+        # the ring holds `window` slots: a longer prefill chunk cannot be written to it, and a capacity below the
+        # window would make the ring larger than the whole context
+        if prefill_seq_len > window:
+            raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than the sliding window {window} of "
+                                    f"{path}'s ring buffers: a prefill chunk must fit in the ring; give "
+                                    f"--prefill-seq-len {window} or less")
+        if ctx_len < window:
+            raise RuntimeInputError(f"ctx_len {ctx_len} is smaller than the sliding window {window} of {path}'s ring "
+                                    f"buffers; give --ctx-len {window} or more")
     kind = multimodal.graph_kind(layout)
     vision = None
     if kind is not None:

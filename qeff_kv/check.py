@@ -61,8 +61,9 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from . import graphio, multimodal, naming
+from . import graphio, multimodal, naming, validate
 from . import check_state as state_rules
+from .errors import GraphReadError
 from .inplace import inplace_issues
 from .layout import KVLayout
 
@@ -438,6 +439,8 @@ def check(path: str | os.PathLike, *, expected_prefix: object = ANY,
     """
     if expected_prefix is not ANY and expected_prefix is not None:
         naming.validate_prefix(expected_prefix)
+    validate.path_like("path", path, error=GraphReadError)
+    validate.flag("skip_checker", skip_checker)
     path = Path(path)
     model = graphio.load(path)
     report = check_model(model, expected_prefix=expected_prefix, name=str(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -64,9 +65,44 @@ def check_output_file(target: str | os.PathLike) -> Path:
     return target
 
 
+#: ``.<name>.<kind>-<pid>@<host>-<random>``: a staging entry named by :func:`staging_prefix` carries its owner
+_OWNER = re.compile(r"\.[A-Za-z]+-([0-9]{1,10})@([0-9a-f]{8})-[^/]*$")
+
+
+def host_id() -> str:
+    """8 hex digits naming this machine (its host name): a pid means something on its own host only."""
+    import hashlib
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def staging_prefix(name: str, kind: str) -> str:
+    """``.<name>.<kind>-<pid>@<host>-``: the prefix of a staging entry beside ``name`` that :func:`remove_stale`
+    removes as soon as the process that made it is gone (killed by SIGKILL, a power cut...), not a day later.
+    Entries of another host (a shared folder) are left to the age limit."""
+    return f".{name}.{kind}-{os.getpid()}@{host_id()}-"
+
+
+def owner_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine; one of another user counts as alive)."""
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
+
+
 def remove_stale(folder: str | os.PathLike, pattern: str, max_age_s: float = 86400.0) -> list[Path]:
-    """Remove the entries of ``folder`` matching ``pattern`` (staging folders of killed runs) last modified
-    more than ``max_age_s`` ago; errors are ignored (another process may be removing them too)."""
+    """Remove the entries of ``folder`` matching ``pattern`` (staging folders of killed runs) whose owner process
+    (the pid in a :func:`staging_prefix` name) is gone, or that were last modified more than ``max_age_s`` ago;
+    errors are ignored (another process may be removing them too)."""
     removed = []
     now = time.time()
     try:
@@ -75,7 +111,9 @@ def remove_stale(folder: str | os.PathLike, pattern: str, max_age_s: float = 864
         return removed
     for p in entries:
         try:
-            if p.is_symlink() or now - p.lstat().st_mtime < max_age_s:
+            owner = _OWNER.search(p.name)
+            orphan = owner is not None and owner.group(2) == host_id() and not owner_alive(int(owner.group(1)))
+            if p.is_symlink() or (not orphan and now - p.lstat().st_mtime < max_age_s):
                 continue
             if p.is_dir():
                 shutil.rmtree(p)
@@ -154,7 +192,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     if (target.exists() or target.is_symlink()) and not target.is_dir():
         raise OutputError(f"{target} exists and is not a folder")
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=staging_prefix(target.name, "tmp"), dir=target.parent))
     except OSError as exc:
         raise OutputError(f"cannot write in {target.parent}: {_reason(exc)}") from None
     try:

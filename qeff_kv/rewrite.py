@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fsutil, graphio, naming
+from . import fsutil, graphio, naming, validate
 from .errors import ExternalDataError, RewriteError
 from .passes import SetKVPrefixPass
 
@@ -87,6 +87,10 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes them uniform.
     """
     # ------------------------------------------------------------------ arguments (nothing read yet)
+    validate.path_like("src", src, error=RewriteError)
+    validate.path_like("dst", dst, optional=True, error=RewriteError)
+    for label, v in (("strip", strip), ("in_place", in_place), ("allow_mixed", allow_mixed)):
+        validate.flag(label, v, error=RewriteError)
     if strip and prefix is not None:
         raise RewriteError("give either a prefix or strip, not both")
     if not strip and prefix is None:

@@ -317,6 +317,11 @@ def test_prompt_and_image_refusals_are_one_line(exports):
          r"^pixel_values has shape \[1, 3, 16, 16\]; this export takes \[images, 3, 32, 32\]$"),
         (lambda: model.images(llava_prompt(), {"pixel_values": np.zeros((1, 3, 32, 32), np.int64)}),
          r"^pixel_values is int64; expected floats$"),
+        # issue 22, class 6: the images axis is not implied, image sizes are integers (never cut from floats)
+        (lambda: model.images(llava_prompt(), {"pixel_values": np.zeros((3, 32, 32), np.float32)}),
+         r"^pixel_values has shape \[3, 32, 32\]; this export takes \[images, 3, 32, 32\]$"),
+        (lambda: model.images(llava_prompt(), {**llava_inputs(), "image_sizes": np.array([[32.0, 32.0]])}),
+         r"^image_sizes must be an integer array, got dtype float64$"),
         (lambda: model.images(llava_prompt(), {**llava_inputs(), "pixel_attention_mask": np.ones(3)}),
          r"^image input 'pixel_attention_mask' is not used by this model \(it takes pixel_values\)$"),
         (lambda: model.images(llava_prompt(), {"image_sizes": np.array([[32, 32]])}),
@@ -332,6 +337,8 @@ def test_prompt_and_image_refusals_are_one_line(exports):
     with pytest.raises(RuntimeInputError, match=r"^image_grid_thw \[1, 8, 8\]: this export was traced for image grid "
                                                 r"\[1, 4, 4\] \(16x16 images; export again with --image-size"):
         qwen.images(qwen_prompt(), {"pixel_values": qwen_inputs()["pixel_values"], "image_grid_thw": [[1, 8, 8]]})
+    with pytest.raises(RuntimeInputError, match=r"^image_grid_thw must be an integer array, got dtype float64$"):
+        qwen.images(qwen_prompt(), {"pixel_values": qwen_inputs()["pixel_values"], "image_grid_thw": [[1.0, 4.0, 4.0]]})
     single = VisionLanguageModel(exports("qwen", single=True))
     with pytest.raises(RuntimeInputError, match=r"^a single-layout graph of a patch-row model encodes one image"):
         single.images(qwen_prompt(images=2), qwen_inputs(images=2))

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import compile_config, graphio, naming  # noqa: F401 (compile_config: SpecFormat)
+from .. import capture, compile_config, graphio, naming  # noqa: F401 (compile_config: SpecFormat)
 from ..errors import ExportError
 from . import checkpoint as checkpoint_mod
 from . import family, graph_passes, publish, schemes, sources
@@ -80,6 +80,9 @@ def export_model(
     takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
     value. Not with ``target="onnxruntime-fused"``.
     """
+    opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
+                   continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
+                   accuracy_level=accuracy_level, full_batch_size=full_batch_size, image_size=image_size)
     say = progress or (lambda _msg: None)
     source, config, options = resolve(model, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len,
                                       prefill_seq_len=prefill_seq_len, dtype=dtype,
@@ -121,7 +124,7 @@ def resolve(model, *, kv_cache_prefix, ctx_len, weights, block_size, accuracy_le
     if ctx_len is None:
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
     options = opt.ExportOptions(ctx_len=ctx_len, kv_cache_prefix=kv_cache_prefix, single_graph=bool(single_graph),
-                                ccl=opt.parse_ccl(ccl, ctx_len) if isinstance(ctx_len, int) else ccl, **kw,
+                                ccl=opt.parse_ccl(ccl, ctx_len, kw.get("prefill_seq_len")) if isinstance(ctx_len, int) else ccl, **kw,
                                 **schemes.resolve_options(weights, block_size, accuracy_level)).validate()
     return source, config, options
 
@@ -188,7 +191,8 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
         f"prefill_seq_len {options.prefill_seq_len})")
     raw = tmp / "raw" / "model.onnx"
     raw.parent.mkdir()
-    geometry = trace.trace_language(model, options, raw, facts, vision)
+    with capture.library_output():   # torch prints the whole traced graph when an operator has no ONNX form
+        geometry = trace.trace_language(model, options, raw, facts, vision)
     say("post-processing graph")
     ir_model = graphio.load(raw)
     graph_passes.finalize(ir_model, options, geometry)
@@ -201,7 +205,8 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
 
     say("tracing the vision encoder")
     vision_path = onnx_path.with_name(vision_onnx_name(onnx_path.name))
-    vlm.trace_vision(model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
+    with capture.library_output():
+        vlm.trace_vision(model, options, tmp / "raw" / "vision.onnx", geometry["vision"])
     vis_model = graphio.load(tmp / "raw" / "vision.onnx")
     vlm.finalize_vision(vis_model, options, geometry["vision"])
     vis_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]

@@ -123,6 +123,10 @@ class ModelFacts:
                     return f"{flag} is not supported for vision-language exports yet"
         elif getattr(options, "single_graph", False):
             return "--single-graph is for vision-language models; this is a text decoder"
+        elif getattr(options, "image_size", None) is not None:   # settings that would do nothing are refused
+            return "--image-size is for vision-language models; this is a text decoder"
+        if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
+            return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
         if self.ring_layers(options) and options.prefill_seq_len > int(self.sliding_window):
             # A chunk longer than the ring would write two of its positions into one slot in one ScatterND.
             return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "

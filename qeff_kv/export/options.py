@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import compile_config, naming
+from .. import compile_config, naming, validate
 from ..errors import ExportError
 from ..limits import positive_int
 from . import targets
@@ -92,7 +92,7 @@ class ExportOptions:
         if self.ccl is not None:
             if "ccl" in refuses:
                 raise ExportError(refuses["ccl"])
-            check_ccl(self.ccl, self.ctx_len)
+            check_ccl(self.ccl, self.ctx_len, self.prefill_seq_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
         if self.sliding_cache not in (None, "ring", "full"):
@@ -118,14 +118,33 @@ class ExportOptions:
         return d
 
 
-def check_ccl(values, ctx_len: int) -> tuple[int, ...]:
-    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError`."""
-    return compile_config.check_ccl(values, ctx_len, error=ExportError)
+def check_call(*, model, out_dir, progress, verify, force, continuous_batching, single_graph, block_size,
+               accuracy_level, full_batch_size, image_size) -> None:
+    """The argument kinds of :func:`~qeff_kv.export.export_model`, before anything is read: paths are paths,
+    flags are real booleans (``verify="no"`` is refused, not taken as true), ``progress`` is callable, integers are
+    integers. Values (ranges, combinations) are :meth:`ExportOptions.validate`'s."""
+    validate.path_like("model", model, optional=True, error=ExportError)
+    validate.path_like("out_dir", out_dir, optional=True, error=ExportError)
+    validate.callable_or_none("progress", progress, error=ExportError)
+    validate.flag("verify", verify, optional=True, error=ExportError)
+    for label, v in (("force", force), ("continuous_batching", continuous_batching), ("single_graph", single_graph)):
+        validate.flag(label, v, error=ExportError)
+    for label, v, lo in (("block_size", block_size, 1), ("accuracy_level", accuracy_level, 0),
+                         ("full_batch_size", full_batch_size, 1), ("image_size", image_size, 1)):
+        validate.optional_int(label, v, minimum=lo, error=ExportError)
 
 
-def parse_ccl(value, ctx_len: int) -> tuple[int, ...] | None:
-    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError`."""
-    return compile_config.parse_ccl(value, ctx_len, error=ExportError)
+def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
+    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
+    are refused: their prefill specialization could not hold a chunk)."""
+    return compile_config.check_ccl(values, ctx_len, error=ExportError, prefill_seq_len=prefill_seq_len)
+
+
+def parse_ccl(value, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
+    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
+    ``prefill_seq_len``)."""
+    return compile_config.parse_ccl(value, ctx_len, error=ExportError,
+                                    prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
 
 
 def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:

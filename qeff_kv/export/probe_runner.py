@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import graphio, naming
+from .. import capture, graphio, naming
 from ..errors import VerificationError
 
 
@@ -24,7 +24,8 @@ class ProbeRunner:
         del graph
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+        with capture.library_output():   # onnxruntime's own log lines stay behind --debug
+            self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
         self.out_names = [o.name for o in self.sess.get_outputs()]
         in_names = {i.name for i in self.sess.get_inputs()}
         self.has_batch_index = "batch_index" in in_names
@@ -75,7 +76,8 @@ class ProbeRunner:
         if vision_path is not None:
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
-            vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
+            with capture.library_output():
+                vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
             self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
         else:
             self.extra["pixel_values"] = pixel_values

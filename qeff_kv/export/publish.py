@@ -34,9 +34,9 @@ def staging(dest: Path):
     export's files are written before :func:`move_into_place`."""
     parent = dest.parent
     fsutil.make_dirs(parent)
-    # Staging folders of exports killed more than a day ago: nothing else ever removes them.
+    # Staging folders of exports whose process is gone (their name carries its pid), or older than a day.
     fsutil.remove_stale(parent, ".*.export-*", max_age_s=STALE_STAGING_S)
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.export-", dir=parent) as tmp_s:
+    with tempfile.TemporaryDirectory(prefix=fsutil.staging_prefix(dest.name, "export"), dir=parent) as tmp_s:
         tmp = Path(tmp_s)
         (tmp / "stage").mkdir()
         yield tmp, tmp / "stage"

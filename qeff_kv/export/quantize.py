@@ -116,6 +116,12 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
                                             accuracy_level=scheme.accuracy_level or None,
                                             op_types_to_quantize=("MatMul",), bits=scheme.bits)
     n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg))
+    if n_matmul + n_vocab == 0:   # a setting that does nothing is refused, not recorded as done
+        ks = [int(inits[n.input[1]].dims[0]) for n in graph.node if n.op_type == "MatMul" and len(n.input) > 1
+              and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
+        raise ExportError(f"--weights {scheme.scheme} --block-size {scheme.block_size} quantizes no weight matrix: "
+                          f"the largest has {max(ks, default=0)} input features, fewer than one block; use a "
+                          f"smaller --block-size")
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "

@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from .. import fsutil
+from .. import fsutil, gguf_header
 from ..errors import ExportError, MissingDependencyError
 from . import options as opt
 
@@ -235,7 +235,7 @@ class GgufSource(ModelSource):
             _torch, transformers = self._require()
             try:
                 self._config_obj = transformers.AutoConfig.from_pretrained(self.path.parent, gguf_file=self.path.name)
-            except (ValueError, KeyError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # a corrupt GGUF raises struct.error, UnicodeDecodeError, IndexError...
                 raise ExportError(f"{self.path}: cannot read the model config from the GGUF metadata "
                                   f"({_first_line(exc)})") from None
         return self._config_obj
@@ -268,7 +268,7 @@ class GgufSource(ModelSource):
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 self.path.parent, gguf_file=self.path.name, config=cfg, dtype=_torch_dtype(torch, options),
                 attn_implementation="eager", quantization_config=transformers.GgufConfig(dequantize=True))
-        except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as exc:
+        except Exception as exc:  # a corrupt GGUF raises struct.error, UnicodeDecodeError, IndexError...
             raise ExportError(f"{self.path}: cannot load as a causal LM ({_first_line(exc)})") from None
         return model.eval()
 
@@ -278,7 +278,7 @@ class GgufSource(ModelSource):
         _torch, transformers = self._require()
         try:
             tok = transformers.AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
-        except (ValueError, KeyError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # a corrupt GGUF raises struct.error, UnicodeDecodeError, IndexError...
             raise ExportError(f"{self.path}: cannot read the tokenizer from the GGUF metadata "
                               f"({_first_line(exc)})") from None
         written = []
@@ -321,6 +321,7 @@ def resolve_source(model: str | Path | None) -> ModelSource:
             raise ExportError(f"{path}: unreadable ({exc.strerror})") from None
         if magic != GGUF_MAGIC:
             raise ExportError(f"{path}: not a GGUF file (no GGUF magic at its start)")
+        gguf_header.check(path, error=ExportError)   # a truncated or corrupt file: one line, before transformers
         return GgufSource(path)
     if not path.is_dir():
         raise ExportError(f"{path}: neither a folder nor a file")

@@ -6,7 +6,8 @@ string, or a list of ``{"name", "template"}`` of which ``default`` is used). Ren
 controls extension, the globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
 escape HTML, ``{% generation %}`` blocks rendered as their body; the variables ``messages``,
 ``add_generation_prompt`` and the special tokens (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``...)
-of tokenizer_config.json / special_tokens_map.json. The rendered text is tokenized without adding special
+of tokenizer_config.json / special_tokens_map.json. Rendering runs within a time and size budget
+(:mod:`qeff_kv.runtime.template_budget`): a template that loops or builds a gigantic string is stopped with one line. The rendered text is tokenized without adding special
 tokens (the template writes them), as transformers does.
 """
 
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..errors import MissingDependencyError, RuntimeInputError
+from . import template_budget
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -49,8 +51,11 @@ class ChatTemplate:
         env = _environment()
         try:
             compiled = env.from_string(self.template)
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   tools=None, documents=None, **self.special_tokens)
+            return template_budget.render(compiled, dict(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                **self.special_tokens))
+        except template_budget.BudgetExceeded as exc:
+            raise RuntimeInputError(f"{self.source}: the chat template was stopped: {exc}") from None
         except Exception as exc:  # jinja2.TemplateError and whatever the template raises
             text = str(exc).splitlines()[0] if str(exc) else ""
             raise RuntimeInputError(f"{self.source}: the chat template failed ({type(exc).__name__}: {text})") from None
@@ -93,7 +98,6 @@ def _environment():
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise MissingDependencyError("--chat needs the 'jinja2' package (pip install jinja2)") from None
 
@@ -119,9 +123,11 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env = template_budget.sandbox_class()(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    # every filter size-checked (``'x'|center(10**10)`` would allocate before any time budget could stop it)
+    env.filters = {name: template_budget.guard_filter(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     _ENV = env

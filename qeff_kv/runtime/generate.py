@@ -18,6 +18,8 @@ from .. import fsutil
 from ..errors import MissingDependencyError, RuntimeInputError
 from .chat import chat_prompt_ids, load_chat_template
 from ..limits import MAX_INT64
+from .. import validate
+from ..validate import integer_array
 from .sampling import SamplingParams
 from .model_files import resolve_model
 from .session import Session, TokenEvent
@@ -31,10 +33,9 @@ def parse_ids(text: str) -> list[int]:
         raise RuntimeInputError(f"--prompt-ids {text!r}: no token ids")
     out = []
     for p in parts:
-        try:
-            v = int(p)
-        except ValueError:
-            raise RuntimeInputError(f"--prompt-ids {text!r}: {p!r} is not an integer") from None
+        if not re.fullmatch(r"-?[0-9]+", p):  # int() also takes '١٦', '1_0', '+5'
+            raise RuntimeInputError(f"--prompt-ids {text!r}: {p!r} is not an integer (ASCII digits 0-9)")
+        v = int(p)
         if v < 0:
             raise RuntimeInputError(f"--prompt-ids {text!r}: token id {v} is negative")
         if v > MAX_INT64:
@@ -134,6 +135,11 @@ def _image_requests(req: GenerateRequest, files, prompts: list[list[int]]) -> tu
                                    image_size=size, vision=vision)
         return [ids], [arrays]
     loaded = [load_image_inputs(p) for p in req.image_inputs]
+    for path, arrays in zip(req.image_inputs, loaded):
+        if "input_ids" in arrays:   # token ids are integers: a float or string array is refused, never cut
+            ids = integer_array(f"--image-inputs {path}: input_ids", arrays["input_ids"])
+            if ids.size and int(ids.min()) < 0:
+                raise RuntimeInputError(f"--image-inputs {path}: input_ids holds negative token id {int(ids.min())}")
     if not prompts and len(loaded) == 1 and "input_ids" in loaded[0]:   # the processor's own ids
         ids = np.asarray(loaded[0]["input_ids"])
         prompts = [[int(t) for t in ids.reshape(-1)]] if ids.ndim == 1 or ids.shape[0] == 1 else []
@@ -154,6 +160,13 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
             re.compile(req.select)
         except (re.error, TypeError) as exc:
             raise RuntimeInputError(f"--select {req.select!r} is not a valid regex ({exc})") from None
+        if req.save_state is None:   # a setting that would do nothing
+            raise RuntimeInputError("--select chooses the buffers --save-state writes; give --save-state FILE too")
+    for label, v in (("chat", req.chat), ("ignore_eos", req.ignore_eos)):
+        validate.flag(label, v)
+    for label, items in (("prompts", req.prompts), ("image_inputs", req.image_inputs), ("images", req.images)):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(x, (str, os.PathLike)) for x in items):
+            raise RuntimeInputError(f"{label} must be a list of strings, got {items!r}"[:200])
     if not isinstance(req.sampling, SamplingParams):
         raise RuntimeInputError(f"sampling must be a SamplingParams, got {req.sampling!r}")
     if req.save_state is not None:

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import numpy as np
 
+from .. import validate
 from ..errors import RuntimeInputError
 from . import media as media_mod
 from .cache import Sequence
@@ -185,6 +186,7 @@ class GenerationMixin:
 
         ``prompts`` may also be a single list of token ids (one request).
         """
+        validate.callable_or_none("callback", callback)
         if isinstance(prompts, np.ndarray):
             if prompts.ndim not in (1, 2):
                 raise RuntimeInputError(f"prompts as an array must be 1-D (one prompt) or 2-D (one per row), got "

@@ -19,6 +19,7 @@ same rule applies with ``floor`` as the lowest position held.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from .. import naming, statespec
 from ..errors import RuntimeInputError, StateFileError
 from ..layout import KVLayout, parse_sliding_window
-from ..limits import positive_int
+from ..limits import MAX_DIM, positive_int
 
 
 @dataclass(frozen=True)
@@ -176,13 +177,21 @@ class StateRings:
     floor: int = 0
 
 
+def meta_int(text) -> int:
+    """An integer of a state file's metadata: ASCII digits (``int()`` also reads ``'١٤'``, ``'1_4'``, ``' 14'``);
+    ``ValueError`` otherwise."""
+    if not isinstance(text, str) or not re.fullmatch(r"-?[0-9]+", text):
+        raise ValueError(f"{text!r} is not an integer")
+    return int(text)
+
+
 def read_state_rings(meta: dict[str, str], n: int, where: str) -> StateRings:
     try:
-        written = int(meta.get("ring_written", str(n)))
+        written = meta_int(meta.get("ring_written", str(n)))
         caps = json.loads(meta.get("capacities", "{}"))
         w_raw = meta.get("sliding_window", "")
-        window = int(w_raw) if w_raw != "" else None
-        floor = int(meta.get("ring_floor", "0"))
+        window = meta_int(w_raw) if w_raw != "" else None
+        floor = meta_int(meta.get("ring_floor", "0"))
     except (ValueError, TypeError):
         raise StateFileError(f"{where}: malformed state metadata (ring_written, capacities, sliding_window)") from None
     if (not isinstance(caps, dict) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
@@ -190,6 +199,17 @@ def read_state_rings(meta: dict[str, str], n: int, where: str) -> StateRings:
             or written < n or (window is not None and window < 1) or (caps and window is None)
             or not 0 <= floor <= n or (floor and window is None)):
         raise StateFileError(f"{where}: malformed state metadata (ring_written, capacities, sliding_window)")
+    # A valid checksum proves the bytes, not that the bookkeeping is consistent: the ring must still hold every
+    # position the next step attends to (the rule a rewind follows), and nothing is written beyond any capacity.
+    if written > MAX_DIM:
+        raise StateFileError(f"{where}: inconsistent state metadata: ring_written {written} is beyond any capacity")
+    if caps and window is not None:
+        cap = min(caps.values())
+        lo, need = max(floor, held(written, cap)[0]), max(0, n - window + 1)
+        if lo > need:
+            raise StateFileError(
+                f"{where}: inconsistent state metadata: ring_written {written} with valid length {n}: its ring buffers "
+                f"({cap} slots) hold positions {lo}..{written - 1}, the next step needs {need}..{n - 1}")
     return StateRings(written, {str(k): v for k, v in caps.items()}, window, floor)
 
 

@@ -43,11 +43,12 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from .. import graphio, naming
+from .. import capture, graphio, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..inplace import inplace_issues
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
+from .arguments import check_session_args
 from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
@@ -98,17 +99,9 @@ class Session(GenerationMixin):
                  providers: Seq[str] | None = None, sliding_window: int | None = None,
                  image_token_id: int | None = None):
         # ---- arguments first: nothing is read before they are valid
-        for label, v in (("ctx_len", ctx_len), ("prefill_seq_len", prefill_seq_len),
-                         ("max_sequences", max_sequences)):
-            if v is not None:
-                positive_int(label, v)
-        if threads is not None:
-            positive_int("threads", threads, maximum=4096)
-        if inplace not in (None, True, False):
-            raise RuntimeInputError(f"inplace must be None, True or False, got {inplace!r}")
-        if providers is not None and (isinstance(providers, str)
-                                      or not all(isinstance(p, str) for p in providers)):
-            raise RuntimeInputError(f"providers must be a list of onnxruntime provider names, got {providers!r}")
+        check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+                           max_sequences=max_sequences, inplace=inplace, threads=threads, providers=providers,
+                           sliding_window=sliding_window, image_token_id=image_token_id)
         self.files = resolve_model(model)
         man = self.files.manifest or {}
         ir_model = graphio.load(self.files.onnx_path)
@@ -117,10 +110,11 @@ class Session(GenerationMixin):
         self.layout = layout
         self.prefix = layout.prefix
         self.num_layers = layout.num_layers
-        if image_token_id is not None:
-            positive_int("image_token_id", image_token_id + 1)
         #: a vision-language language graph's image inputs (runtime/media.py), or None
         self.media = media_mod.LanguageMedia.resolve(layout, man, image_token_id)
+        if image_token_id is not None and self.media is None:   # a setting that would do nothing
+            raise RuntimeInputError(f"image_token_id applies to vision-language graphs; {self.files.onnx_path.name} is "
+                                    "a text decoder")
         names_in = {t.name: t for t in layout.inputs}
         for req in ("input_ids", "position_ids"):
             if req not in names_in:
@@ -231,7 +225,8 @@ class Session(GenerationMixin):
             source = str(self.files.onnx_path)
         gc.collect()
         try:
-            self._sess = ort.InferenceSession(source, so, providers=providers)
+            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
+                self._sess = ort.InferenceSession(source, so, providers=providers)
         except Exception as exc:  # onnxruntime raises several pybind exception types
             msg = " ".join(str(exc).split())[:400]
             raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None

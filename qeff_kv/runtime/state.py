@@ -42,6 +42,7 @@ from .cache import Sequence
 from . import positions as pos_mod
 from . import ring as ring_mod
 from .model_files import is_checkpoint_identity
+from .ring import meta_int
 
 FORMAT = "qeff-kv-state"
 FORMAT_VERSION = "1"
@@ -189,16 +190,17 @@ def _validate(session, state: KVState, where: str) -> str:
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
     try:
-        n = int(meta["valid_length"])
+        n = meta_int(meta["valid_length"])
         shapes = json.loads(meta["shapes"])
         pending = meta["pending_token"]
-        pending_tok = int(pending) if pending != "" else None
+        pending_tok = meta_int(pending) if pending != "" else None
     except (ValueError, TypeError):
         raise StateFileError(f"{where}: malformed state metadata") from None
     if meta["pending_emitted"] not in ("true", "false"):
         raise StateFileError(f"{where}: malformed state metadata (pending_emitted)")
     if n < 0:
         raise StateFileError(f"{where}: negative valid length {n}")
+    _check_consistent(session, meta, state.tensors, where)
     theirs = ring_mod.read_state_rings(meta, n, where)
     mode = ring_mod.check_state(session.rings, theirs, n, where)
     pos_mod.read_state_marks(meta, n, where)
@@ -221,6 +223,20 @@ def _validate(session, state: KVState, where: str) -> str:
     if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
         raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
     return mode
+
+
+def _check_consistent(session, meta: dict[str, str], tensors: dict, where: str) -> None:
+    """The metadata agrees with the tensors it describes and with itself (a checksum proves the bytes only)."""
+    dtypes = sorted({str(np.asarray(t).dtype) for t in tensors.values()})
+    if dtypes and dtypes != [meta["dtype"]]:
+        raise StateFileError(f"{where}: inconsistent state metadata: dtype {meta['dtype']!r}, its tensors are "
+                             f"{', '.join(dtypes)}")
+    if meta["num_layers"] != str(session.num_layers):
+        raise StateFileError(f"{where}: inconsistent state metadata: num_layers {meta['num_layers']!r} for a graph "
+                             f"of {session.num_layers} layers")
+    if meta["prefix"] != (session.prefix or ""):
+        raise StateFileError(f"{where}: inconsistent state metadata: prefix {meta['prefix']!r}, its buffers carry "
+                             f"{session.prefix or ''!r}")
 
 
 def _short(identity: str) -> str:

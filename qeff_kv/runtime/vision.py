@@ -25,7 +25,8 @@ from typing import Mapping, Sequence as Seq
 import numpy as np
 import onnxruntime as ort
 
-from .. import graphio, mrope, naming
+from .. import capture, graphio, mrope, naming
+from ..validate import integer_array
 from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..limits import positive_int
 from .media import IMAGE_INPUTS, Images, Prompt
@@ -57,7 +58,9 @@ class VisionStage:
             so.intra_op_num_threads = int(threads)
         _quiet_onnxruntime()
         try:
-            self._sess = ort.InferenceSession(str(self.path), so, providers=list(providers or ["CPUExecutionProvider"]))
+            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
+                self._sess = ort.InferenceSession(str(self.path), so,
+                                                  providers=list(providers or ["CPUExecutionProvider"]))
         except Exception as exc:
             raise GraphReadError(f"{self.path}: onnxruntime cannot load it ({' '.join(str(exc).split())[:300]})") \
                 from None
@@ -241,8 +244,6 @@ class VisionLanguageModel:
 
     def _square_images(self, pixels: np.ndarray, inputs) -> tuple[list[np.ndarray], list]:
         f = self.facts
-        if pixels.ndim == 3:
-            pixels = pixels[None]
         want = (f.get("channels", 3), f.get("image_size"), f.get("image_size"))
         if pixels.ndim != 4 or pixels.shape[0] < 1 or any(w is not None and d != w for d, w in zip(pixels.shape[1:],
                                                                                                  want)):
@@ -250,7 +251,7 @@ class VisionLanguageModel:
                                     f"[images, {want[0]}, {want[1]}, {want[2]}]")
         sizes = inputs.get("image_sizes")
         if sizes is not None:
-            sizes = np.asarray(sizes).reshape(-1, 2)
+            sizes = integer_array("image_sizes", sizes).reshape(-1, 2)
             if sizes.shape[0] != pixels.shape[0] or not np.all(sizes == np.array(pixels.shape[2:])):
                 raise RuntimeInputError(f"image_sizes {sizes.tolist()}: this export takes {want[1]}x{want[2]} images "
                                         f"(resize them to that size)")
@@ -267,7 +268,7 @@ class VisionLanguageModel:
         n = pixels.shape[0] // per
         thw = inputs.get("image_grid_thw")
         if thw is not None:
-            thw = np.asarray(thw).reshape(-1, 3)
+            thw = integer_array("image_grid_thw", thw).reshape(-1, 3)
             if thw.shape[0] != n:
                 raise RuntimeInputError(f"image_grid_thw lists {thw.shape[0]} images; {naming.PIXEL_VALUES} holds {n}")
             bad = [row for row in thw.tolist() if row != grid]

@@ -1,0 +1,84 @@
+"""Keep what libraries print out of the user's terminal: one refusal is one line.
+
+torch's ONNX exporter prints the whole traced graph (hundreds of lines) to stdout before raising on an operator it
+cannot express; onnxruntime logs its own error line (from C++, to file descriptor 2) before raising on a graph it
+cannot load. :func:`library_output` runs such a call with Python's ``sys.stdout``/``sys.stderr`` *and* file
+descriptors 1 and 2 sent to a temporary file: on success the text is dropped, on an exception it is attached to it
+as ``exc.library_output`` (the one-line message stays as it is).
+
+``qeff-kv --debug`` (or ``QEFF_KV_DEBUG=1``) turns capturing off (:func:`set_passthrough`): the libraries' full text
+is then printed where it happens, with the traceback. Capturing redirects process-wide file descriptors, so it only
+happens while the process runs one Python thread (the command line); a multi-threaded host (a server) keeps the
+libraries' output in its own logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import tempfile
+import threading
+from typing import Iterator
+
+_PASSTHROUGH = False
+
+
+def set_passthrough(on: bool) -> None:
+    """``True``: :func:`library_output` captures nothing (``--debug``)."""
+    global _PASSTHROUGH
+    _PASSTHROUGH = bool(on)
+
+
+def passthrough() -> bool:
+    return _PASSTHROUGH or os.environ.get("QEFF_KV_DEBUG", "") not in ("", "0")
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    with contextlib.suppress(Exception):   # C stdio buffers (std::cout, printf) of the libraries
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
+@contextlib.contextmanager
+def library_output() -> Iterator[None]:
+    """Capture everything printed inside (Python streams and file descriptors 1 and 2).
+
+    Only while this is the process's one Python thread: a server's other threads keep their output."""
+    if passthrough() or threading.active_count() > 1:
+        yield
+        return
+    _flush()
+    py_text = io.StringIO()
+    with tempfile.TemporaryFile() as fd_text:
+        saved = []
+        try:
+            for fd in (1, 2):
+                saved.append((fd, os.dup(fd)))
+                os.dup2(fd_text.fileno(), fd)
+        except OSError:   # no such descriptors (an embedding host): capture the Python streams only
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
+            saved = []
+        try:
+            with contextlib.redirect_stdout(py_text), contextlib.redirect_stderr(py_text):
+                yield
+        except BaseException as exc:
+            _flush()
+            fd_text.seek(0)
+            text = fd_text.read().decode("utf-8", "replace") + py_text.getvalue()
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.library_output = text
+            raise
+        finally:
+            _flush()
+            for fd, copy in saved:
+                os.dup2(copy, fd)
+                os.close(copy)
