@@ -89,20 +89,20 @@ def test_an_operator_without_onnx_form_is_one_line_not_the_traced_graph(tmp_path
     """The exporter's failure on an operator it cannot express (torch prints the whole traced graph first)."""
     import torch
 
-    from qeff_kv.export import api
+    from qeff_kv.export import trace as trace_mod
 
     class NoOnnxForm(torch.nn.Module):
         def forward(self, x):
             return torch.linalg.svd(x)[0]
 
-    def trace(model, options, path, facts=None):
-        try:   # what api._trace does with torch.onnx.export's failures
+    def trace(model, options, path, facts=None, vision=None):
+        try:   # what trace.run_exporter does with torch.onnx.export's failures
             torch.onnx.export(NoOnnxForm(), (torch.zeros(4, 4),), str(path), dynamo=False, opset_version=17)
         except Exception as exc:
             raise ExportError(f"tracing failed for {type(model).__name__}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0]}") from None
 
-    monkeypatch.setattr(api, "_trace", trace)
+    monkeypatch.setattr(trace_mod, "trace_language", trace)
     capfd.readouterr()
     before = tree(tmp_path)
     res = cli("export", "-o", tmp_path / "out", "--ctx-len", 64, "--prefill-seq-len", 8, "--no-verify", "-q")
