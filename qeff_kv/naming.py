@@ -69,6 +69,9 @@ SLIDING_DIM = "sliding_window"
 #: window applied in attention).
 SLIDING_WINDOW_META = "qeff_kv.sliding_window"
 SLIDING_CACHE_META = "qeff_kv.sliding_cache"
+#: Graph metadata key of an MLA export with a latent cache (JSON: ``heads``, ``qk_nope_head_dim``,
+#: ``qk_rope_head_dim``, ``v_head_dim``, ``kv_lora_rank``): what the expanded per-head cache would hold.
+MLA_META = "qeff_kv.mla"
 #: Graph metadata key of the per-layer state spec (JSON, :mod:`qeff_kv.statespec`): what each layer retains.
 STATE_SPEC_META = "qeff_kv.state_spec"
 

@@ -61,8 +61,10 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
         geometry.update(value_heads=v_heads, value_head_dim=v_dim)
     if vision is not None:
         geometry["vision"] = vision
-    if latent:
-        geometry["mla_cache"] = "latent"
+    if latent:   # the geometry of the expanded cache it replaces (``buffers`` reports both)
+        geometry["mla"] = {k: int(getattr(text_cfg, k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                 "v_head_dim", "kv_lora_rank")}
+        geometry["mla"]["heads"] = int(text_cfg.num_attention_heads)
     geometry.update(sliding_window=facts.sliding_window if facts.sliding_layers else None,
                     sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options),
                     state_spec=spec)
