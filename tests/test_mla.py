@@ -236,6 +236,19 @@ def test_refusals(mla_dir, tmp_path, kw, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_supported_models_row_is_what_this_file_proves(exports):
+    """The generated page's MLA row: exact on the targets exported here, the fused target's refusal as tested."""
+    from gen_supported_models import MLA_ROWS
+    from families import TARGETS
+
+    [(name, cls, _, cells)] = MLA_ROWS
+    assert (name, cls) == ("deepseek_v3", FAMILIES["deepseek_v3"].model_class)
+    proved = {"portable": "exact", "onnxruntime": "exact", "onnxruntime-fused": "refused: " + FUSED}
+    assert {exports["portable"].manifest["target"], exports["cb"].manifest["target"]} == {"portable", "onnxruntime"}
+    for target, cell in zip(TARGETS, cells):
+        assert proved[target].startswith(cell), (target, cell)
+
+
 def test_refuses_a_model_without_mla(family_models, tmp_path):
     from qeff_kv_cli.main import main as cli
 
