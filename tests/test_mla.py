@@ -258,3 +258,25 @@ def test_refuses_a_model_without_mla(family_models, tmp_path):
     assert r.stderr == ("error: --mla-cache latent is for models with multi-head latent attention (kv_lora_rank); "
                         "LlamaForCausalLM has none\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_refuses_deepseek_v2_latent(tmp_path):
+    """DeepSeek-V2's attention rotates through complex numbers (``apply_rotary_emb``), not absorbed: one line."""
+    import torch
+    import transformers
+
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    cfg = transformers.DeepseekV2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                        first_k_dense_replace=2, max_position_embeddings=128)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    torch.manual_seed(0)
+    transformers.DeepseekV2ForCausalLM(cfg).eval().save_pretrained(tmp_path / "v2")
+    with pytest.raises(ExportError) as err:
+        export_model(tmp_path / "v2", tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK, mla_cache="latent")
+    assert str(err.value) == ("--mla-cache latent: DeepseekV2ForCausalLM's attention is not DeepSeek-V3's MLA "
+                              "(rotary through apply_rotary_pos_emb) in every layer (0 of 2); it cannot be absorbed")
+    assert not (tmp_path / "out").exists()

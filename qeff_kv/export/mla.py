@@ -95,8 +95,9 @@ def latent_attention(model: torch.nn.Module, num_layers: int):
     found = [m for m in mla_modules(model)
              if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")]
     if len(found) != num_layers:
-        raise ExportError(f"--mla-cache latent: {type(model).__name__} has {len(found)} MLA attention modules this "
-                          f"exporter can absorb, not one per layer ({num_layers}); export with --mla-cache full")
+        raise ExportError(f"--mla-cache latent: {type(model).__name__}'s attention is not DeepSeek-V3's MLA (rotary "
+                          f"through apply_rotary_pos_emb) in every layer ({len(found)} of {num_layers}); it cannot "
+                          f"be absorbed")
     try:
         for m in found:
             m.forward = types.MethodType(latent_forward, m)
