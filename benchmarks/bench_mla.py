@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,11 +59,14 @@ def build(work: Path) -> Path:
     return out
 
 
-def export(src: Path, work: Path, mode: str, ctx: int):
+def export(src: Path, work: Path, mode: str, ctx: int) -> Path:
     from qeff_kv.export import export_model
 
-    return export_model(src, work / f"export-{mode}", ctx_len=ctx, prefill_seq_len=32, target="onnxruntime",
-                        mla_cache=mode, verify=False)
+    out = work / f"export-{mode}"
+    if (out / "manifest.json").is_file():
+        return out / json.loads((out / "manifest.json").read_text())["onnx"]
+    return export_model(src, out, ctx_len=ctx, prefill_seq_len=32, target="onnxruntime", mla_cache=mode,
+                        verify=False).onnx_path
 
 
 def bytes_per_token(onnx_path: Path) -> dict:
@@ -106,6 +110,21 @@ def step_times(onnx_path: Path, ctx: int, steps: int, threads: int) -> list[floa
     return times
 
 
+def one_run(onnx_path: Path, ctx: int, steps: int, threads: int) -> dict:
+    """:func:`step_times` in a child process (its own peak RSS; an out-of-memory kill is a result, not a crash)."""
+    code = ("import json, resource, statistics, sys; sys.path.insert(0, %r); import bench_mla as b; "
+            "t = b.step_times(%r, %d, %d, %d); "
+            "print(json.dumps({'median_ms': 1000 * statistics.median(t), 'min_ms': 1000 * min(t), "
+            "'max_ms': 1000 * max(t), 'steps': len(t), "
+            "'peak_rss_gb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))"
+            % (str(HERE), str(onnx_path), ctx, steps, threads))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = "killed (out of memory)" if proc.returncode == -9 else proc.stderr.strip().splitlines()[-1:]
+        return {"error": f"exit {proc.returncode}: {why}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=HERE / "work")
@@ -113,10 +132,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--full-long-steps", type=int, default=1,
+                    help="timed steps of the full cache above ctx 4096 (each takes minutes)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     src = build(args.work)
-    graphs = {m: export(src, args.work, m, max(args.ctx)).onnx_path for m in ("latent", "full")}
+    graphs = {m: export(src, args.work, m, max(args.ctx)) for m in ("latent", "full")}
     heads, nope, rope, v, rank = (V3["num_attention_heads"], V3["qk_nope_head_dim"], V3["qk_rope_head_dim"],
                                   V3["v_head_dim"], V3["kv_lora_rank"])
     expanded = heads * (nope + rope + v) * 4
@@ -129,18 +150,22 @@ def main(argv=None) -> int:
     print(f"bytes/token/layer: latent {latent_bytes}, full (graph) "
           f"{result['bytes_per_token_per_layer']['full']['graph']}, expanded per-head cache {expanded} "
           f"({expanded / latent_bytes:.1f}x)")
+    args.out.mkdir(parents=True, exist_ok=True)
     for ctx in args.ctx:
         for mode in ("latent", "full"):
-            times = step_times(graphs[mode], ctx, args.steps, args.threads)
-            run = {"ctx": ctx, "mode": mode, "median_ms": 1000 * statistics.median(times),
-                   "min_ms": 1000 * min(times), "max_ms": 1000 * max(times), "steps": len(times),
-                   "kv_bytes_per_sequence_1_layer": latent_bytes * ctx,
+            steps = args.steps if mode == "latent" or ctx <= 4096 else args.full_long_steps
+            run = {"ctx": ctx, "mode": mode, "kv_bytes_per_sequence_1_layer": latent_bytes * ctx,
                    "kv_bytes_per_sequence_61_layers": latent_bytes * ctx * V3_LAYERS,
-                   "expanded_bytes_per_sequence_61_layers": expanded * ctx * V3_LAYERS}
+                   "expanded_bytes_per_sequence_61_layers": expanded * ctx * V3_LAYERS,
+                   **one_run(graphs[mode], ctx, steps, args.threads)}
             result["runs"].append(run)
-            print(f"ctx {ctx:6d} {mode:6s}: decode step {run['median_ms']:9.1f} ms (min {run['min_ms']:.1f}, "
-                  f"max {run['max_ms']:.1f}, {len(times)} steps)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+            if "median_ms" in run:
+                print(f"ctx {ctx:6d} {mode:6s}: decode step {run['median_ms']:9.1f} ms (min {run['min_ms']:.1f}, "
+                      f"max {run['max_ms']:.1f}, {run['steps']} steps), peak RSS {run['peak_rss_gb']:.1f} GB",
+                      flush=True)
+            else:
+                print(f"ctx {ctx:6d} {mode:6s}: {run['error']}", flush=True)
+            (args.out / "bench_mla.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "bench_mla.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out / 'bench_mla.json'}")
     return 0
