@@ -161,6 +161,21 @@ def test_handoff_with_serving_regex(exports, refs):
     assert rest.tokens == refs[0]
 
 
+def test_rewrite_prefix_of_a_latent_graph(exports, refs, tmp_path):
+    """``rewrite`` renames the latent pair like any KV pair; the state spec and the tokens stay."""
+    from hf_models import PlainLoop
+    from qeff_kv.check import check
+    from qeff_kv.rewrite import rewrite
+
+    out = tmp_path / "kvc.onnx"
+    rewrite(exports["portable"].onnx_path, out, prefix="kvCache")
+    ins, outs, model = _io(out)
+    assert [n for n in ins if n not in ("input_ids", "position_ids")] == [n.replace("VLLM", "kvCache") for n in LAT_IN]
+    assert "k_pe.1_kvCache_RetainedState" in outs
+    assert check(out, expected_prefix="kvCache").ok
+    assert PlainLoop(out, CTX).greedy(PROMPTS[1], NEW, CHUNK) == refs[1]
+
+
 def test_check_buffers_compile_config(exports, tmp_path):
     from qeff_kv.buffers import buffers_report
     from qeff_kv.check import check
