@@ -64,6 +64,11 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "
                    "(ctx_len slots, the window in the attention mask: more memory, rewinds of any depth; "
                    "always on onnxruntime-fused).")
+@click.option("--mla-cache", type=click.Choice(["full", "latent"]),
+              help="Multi-head latent attention models (DeepSeek-V3): latent retains the compressed pair "
+                   "compressed_kv.{i} [batch, 1, ctx_len, kv_lora_rank] and k_pe.{i} [batch, 1, ctx_len, "
+                   "qk_rope_head_dim] and attends over it with absorbed projections; full (default): the model's "
+                   "own attention over past_key/past_value. latent: portable and onnxruntime targets.")
 @click.option("--single-graph", is_flag=True,
               help="Vision-language models: one graph with the vision encoder inside (pixel_values retained) "
                    "instead of a vision graph beside the language graph.")
@@ -78,7 +83,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
            full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, sliding_cache,
-           single_graph, image_size, verify, force, quiet):
+           mla_cache, single_graph, image_size, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
@@ -86,7 +91,7 @@ def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, con
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
         ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
-        single_graph=single_graph, image_size=image_size)
+        single_graph=single_graph, image_size=image_size, mla_cache=mla_cache)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -21,7 +21,7 @@ from pathlib import Path
 from . import graphio, multimodal, naming, validate
 from .compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
 from .errors import ContractError, QeffKvError, RuntimeInputError
-from .layout import KVLayout, KVPair
+from .layout import KVLayout, KVPair, itemsize
 
 SCHEMA = "qeff-kv.buffers/1"
 
@@ -75,6 +75,52 @@ def total_bytes_per_sequence(layout: KVLayout, ctx_len: int | None,
     return total
 
 
+def bytes_per_token(layout: KVLayout) -> int | None:
+    """Bytes one position of one sequence takes over every KV buffer with a position axis (all dims but the batch
+    and position axes), ``None`` if a dim is unknown or no buffer has a position axis."""
+    total, seen = 0, False
+    for p in layout.pairs:
+        shape = p.input.shape
+        if p.stem not in naming.POSITION_STEMS or shape is None or len(shape) < 3:
+            continue
+        n = itemsize(p.input.dtype)
+        for i, d in enumerate(shape):
+            if i in (0, 2):
+                continue
+            if not isinstance(d, int) or isinstance(d, bool):
+                return None
+            n *= d
+        total, seen = total + n, True
+    return total if seen else None
+
+
+def mla_full_equivalent(layout: KVLayout) -> int | None:
+    """For a graph with MLA's latent cache and its ``qeff_kv.mla`` metadata: the bytes per token of the expanded
+    per-head cache it replaces, ``heads * (qk_nope + qk_rope + v_head)`` values per layer (contract section 11)."""
+    raw = layout.metadata.get(naming.MLA_META)
+    latent = [p for p in layout.pairs if p.stem == naming.LATENT_STEMS[0]]
+    if raw is None or not latent:
+        return None
+    try:
+        g = json.loads(raw)
+        per_layer = int(g["heads"]) * (int(g["qk_nope_head_dim"]) + int(g["qk_rope_head_dim"]) + int(g["v_head_dim"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return per_layer * itemsize(latent[0].input.dtype) * len(latent)
+
+
+def _per_token_line(layout: KVLayout) -> str | None:
+    per_token = bytes_per_token(layout)
+    if per_token is None:
+        return None
+    line = f"KV bytes per token (one sequence, all layers): {per_token}"
+    full = mla_full_equivalent(layout)
+    if full is not None:
+        line += (f"; MLA latent cache (compressed_kv + k_pe), the expanded per-head cache would take {full} "
+                 f"({full / per_token:.1f}x)")
+    return line
+
+
 def _fmt_capacity(n: int | None) -> str:
     return "?" if n is None else str(n)
 
@@ -114,6 +160,9 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         if need:
             summary += f"; pass {' and '.join(need)} for bytes per sequence"
     lines.append(summary)
+    per_token = _per_token_line(layout)
+    if per_token is not None:
+        lines.append(per_token)
     if sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
@@ -220,6 +269,8 @@ class BuffersReport:
             "sliding_layers": lay.sliding_layers,
             "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
+            "bytes_per_token": bytes_per_token(lay),
+            **({"mla_full_bytes_per_token": full} if (full := mla_full_equivalent(lay)) is not None else {}),
             "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
             "non_kv_retained": [{"input": i, "retained": o} for i, o in _non_kv_rows(lay)],
             "regexes": self.regexes,

@@ -75,8 +75,8 @@ RULES: dict[str, str] = {
     "pairing": "every X_RetainedState output has input X and every KV input X has output X_RetainedState "
                "(non-KV retained inputs too; image_idx -> image_idx_output chained in a vision-language graph)",
     "pair-match": "a KV input and its retained output have the same dtype, rank, dims and dim names "
-                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window); "
-                  "non-KV retained pairs too (image_idx: int64 [1, 1])",
+                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window; MLA's compressed_kv "
+                  "and k_pe share batch, head and ctx axes); non-KV retained pairs too (image_idx: int64 [1, 1])",
     "layers": "layers 0..N-1 are contiguous and every layer has key and value (each stem group complete)",
     "prefix": "one valid prefix on every KV buffer, equal to the expected prefix when given",
     "regex-exact": "the exact selection regex selects exactly the KV buffers",
@@ -278,6 +278,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
             if da != db:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
     state_rules.sliding_dims(layout, r)
+    state_rules.latent_dims(layout, r)
     _non_kv(layout, r)
 
 

@@ -1,6 +1,7 @@
 """``check``'s rules on what each layer retains (part of the ``pair-match`` rule): the recorded state spec
-(``qeff_kv.state_spec``) describes the graph's buffers, the sliding window is a positive int, and a ring layer's
-buffers agree with each other and with the window. Rules report through the ``RuleResult`` they are given."""
+(``qeff_kv.state_spec``) describes the graph's buffers, the sliding window is a positive int, a ring layer's
+buffers agree with each other and with the window, and an MLA layer's latent pair (``compressed_kv.{i}``,
+``k_pe.{i}``) shares its batch, head and ctx axes. Rules report through the ``RuleResult`` they are given."""
 
 from __future__ import annotations
 
@@ -60,3 +61,30 @@ def sliding_dims(layout: KVLayout, r) -> None:
 
 def _axis2_of(pairs, name: str):
     return next(p.axis2 for p in pairs if p.input_name == name)
+
+
+def latent_dims(layout: KVLayout, r) -> None:
+    """MLA's latent pair (contract section 11): ``compressed_kv.{i}`` and ``k_pe.{i}`` hold the same sequences and
+    positions, so their axes 0-2 (batch, heads, ``ctx_len``) are equal (names or sizes), and they are rank 4.
+    That both are present is the ``layers`` rule's (stem groups complete)."""
+    latent: dict[int, dict] = {}
+    for p in layout.pairs:
+        if p.stem in naming.LATENT_STEMS:
+            latent.setdefault(p.layer, {})[p.stem] = p
+    for layer in sorted(latent):
+        pair = latent[layer]
+        for p in pair.values():
+            if p.input.shape is not None and len(p.input.shape) != 4:
+                r.fail(p.input_name, f"{p.input_name} has rank {len(p.input.shape)}; MLA's latent buffers are "
+                                     "[batch, heads, ctx_len, dim]")
+        if len(pair) != 2:
+            continue
+        ckv, kpe = (pair[s] for s in naming.LATENT_STEMS)
+        if ckv.input.shape is None or kpe.input.shape is None or len(ckv.input.shape) != 4 \
+                or len(kpe.input.shape) != 4:
+            continue
+        for axis, what in ((0, "batch"), (1, "head"), (2, "ctx")):
+            da, db = ckv.input.shape[axis], kpe.input.shape[axis]
+            if da != db:
+                r.fail(kpe.input_name, f"{kpe.input_name} dim {axis} is {_fmt_dim(db)} but {ckv.input_name} dim "
+                                       f"{axis} is {_fmt_dim(da)}; a layer's latent pair shares its {what} axis")

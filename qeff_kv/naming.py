@@ -27,6 +27,9 @@ from .errors import PrefixError
 EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
 #: Every stem a prefix applies to: ours plus those of peer graphs (MLA, hybrid/linear attention).
 KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
+#: MLA's compressed (latent) cache, contract section 11: ``compressed_kv [batch, 1, ctx_len, kv_lora_rank]`` and
+#: ``k_pe [batch, 1, ctx_len, qk_rope_head_dim]`` per layer, exported with ``--mla-cache latent``.
+LATENT_STEMS: tuple[str, ...] = ("compressed_kv", "k_pe")
 #: Stems whose axis 2 is a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none.
 POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
 #: The suffix that pairs an output with the input of the same base name.
@@ -66,6 +69,9 @@ SLIDING_DIM = "sliding_window"
 #: window applied in attention).
 SLIDING_WINDOW_META = "qeff_kv.sliding_window"
 SLIDING_CACHE_META = "qeff_kv.sliding_cache"
+#: Graph metadata key of an MLA export with a latent cache (JSON: ``heads``, ``qk_nope_head_dim``,
+#: ``qk_rope_head_dim``, ``v_head_dim``, ``kv_lora_rank``): what the expanded per-head cache would hold.
+MLA_META = "qeff_kv.mla"
 #: Graph metadata key of the per-layer state spec (JSON, :mod:`qeff_kv.statespec`): what each layer retains.
 STATE_SPEC_META = "qeff_kv.state_spec"
 

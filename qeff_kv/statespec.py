@@ -6,7 +6,9 @@ its *kind*, which says how a position maps to a slot and which positions the buf
 
 * ``full``: ``ctx_len`` slots, position ``p`` in slot ``p``;
 * ``ring``: a sliding-window layer's ring of ``window`` slots, position ``p`` in slot ``p % capacity``
-  (contract section 7).
+  (contract section 7);
+* ``latent``: an MLA layer's compressed pair (``compressed_kv`` ``[batch, 1, ctx_len, kv_lora_rank]`` and ``k_pe``
+  ``[batch, 1, ctx_len, qk_rope_head_dim]``, contract section 11): ``ctx_len`` slots, position ``p`` in slot ``p``.
 
 The kinds are a registry (:data:`KINDS`): a latent pair (MLA's ``compressed_kv``/``k_pe``) or a recurrent state
 (no position axis) is one more :class:`StateKind`, not a branch in every file that reads graphs.
@@ -68,8 +70,16 @@ class RingKind(StateKind):
         return max(0, written - capacity), written
 
 
-#: kind name -> its :class:`StateKind` (next: ``latent``, ``recurrent``)
-KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind())}
+class LatentKind(FullKind):
+    """MLA's compressed cache: a full-length pair of latent stems (contract section 11); slots as ``full``."""
+
+    name = "latent"
+    #: the stems of a latent layer, in graph order
+    stems: tuple[str, ...] = naming.LATENT_STEMS
+
+
+#: kind name -> its :class:`StateKind` (next: ``recurrent``)
+KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind(), LatentKind())}
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,10 @@ class StateSpec:
     def has_ring(self) -> bool:
         return any(s.kind == "ring" for s in self.layers)
 
+    @property
+    def latent_layers(self) -> tuple[int, ...]:
+        return tuple(s.layer for s in self.layers if s.kind == "latent")
+
     def to_json(self) -> list[dict]:
         return [s.to_json() for s in self.layers]
 
@@ -156,15 +170,17 @@ class StateSpec:
 
 
 def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
-               sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS) -> StateSpec:
+               sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS,
+               latent_layers: Iterable[int] = ()) -> StateSpec:
     """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
     stem; ring layers keep ``window`` slots (fixed by the model), the others ``ctx_len`` (a symbolic axis: bound at
-    run time, ``capacity`` ``None``); sliding layers record their window."""
-    rings, sliding = set(ring_layers), set(sliding_layers)
+    run time, ``capacity`` ``None``); sliding layers record their window; latent layers (MLA's compressed cache)
+    retain ``compressed_kv`` and ``k_pe``."""
+    rings, sliding, latent = set(ring_layers), set(sliding_layers), set(latent_layers)
     layers = []
     for i, shapes in enumerate(kv_shapes):
-        kind = KINDS["ring" if i in rings else "full"]
-        layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(stems),
+        kind = KINDS["ring" if i in rings else "latent" if i in latent else "full"]
+        layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(kind.stems if i in latent else stems),
                                  shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
                                  capacity=int(window) if i in rings else None,
                                  window=int(window) if window and (i in sliding or i in rings) else None))
@@ -174,7 +190,8 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
 def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window: int | None = None) -> StateSpec:
     """The spec of a graph without one, from its KV buffers ``(stem, layer, input shape, output shape)``: a layer
     whose axis 2 is named ``sliding_window`` (input or output) is a ring of ``window`` slots (its static size when
-    it has one), any other layer is full-length (capacity: a static axis 2, else bound at run time)."""
+    it has one), a layer of MLA's latent stems is ``latent``, any other layer is full-length (capacity: a static
+    axis 2, else bound at run time)."""
     by_layer: dict[int, list] = {}
     for stem, layer, shape, out_shape in pairs:
         by_layer.setdefault(layer, []).append((stem, shape, out_shape))
@@ -183,11 +200,12 @@ def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window:
         entries = sorted(by_layer[layer], key=lambda e: naming.KV_STEMS.index(e[0]))
         ring = any(s is not None and len(s) > 2 and s[2] == naming.SLIDING_DIM
                    for _, shape, out in entries for s in (shape, out))
+        latent = not ring and any(stem in naming.LATENT_STEMS for stem, _, _ in entries)
         positional = all(stem in naming.POSITION_STEMS for stem, _, _ in entries)
         axis2 = [shape[2] for _, shape, _ in entries if shape is not None and len(shape) > 2]
         static = [d for d in axis2 if isinstance(d, int) and not isinstance(d, bool)]
         capacity = min(static) if static else None
-        layers.append(LayerState(layer=layer, kind="ring" if ring else "full",
+        layers.append(LayerState(layer=layer, kind="ring" if ring else "latent" if latent else "full",
                                  stems=tuple(e[0] for e in entries),
                                  shapes=tuple(tuple(shape[1:]) if shape is not None else () for _, shape, _ in entries),
                                  position_axis=2 if positional else None, capacity=capacity,

@@ -41,8 +41,8 @@ def test_export_spec_round_trips_through_json():
 def test_malformed_spec_is_one_line():
     with pytest.raises(ContractError, match=r"^graph metadata qeff_kv.state_spec is not JSON$"):
         statespec.StateSpec.loads("{")
-    with pytest.raises(ContractError, match=r"layer 0 has unknown kind 'latent' \(known: full, ring\)$"):
-        statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "latent", "stems": [], "shapes": []}]))
+    with pytest.raises(ContractError, match=r"layer 0 has unknown kind 'recurrent' \(known: full, ring, latent\)$"):
+        statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "recurrent", "stems": [], "shapes": []}]))
 
 
 def test_derived_spec_of_a_graph_without_one(tmp_path):
@@ -80,3 +80,19 @@ def test_every_export_records_its_spec_and_it_matches_the_buffers(own_graphs):
         assert [s.kind for s in recorded.layers] == ["full"] * lay.num_layers
         assert all(s.stems == naming.EXPORT_STEMS and s.position_axis == 2 for s in recorded.layers)
         assert check(own_graphs / name).ok
+
+
+def test_latent_kind_derived_and_checked(tmp_path):
+    """MLA's latent pair: derived as ``latent`` from a graph without a spec; a recorded spec that calls it ``full``
+    does not describe the graph."""
+    path = _kv_graphs.save(_kv_graphs.build(2, stems=("compressed_kv", "k_pe")), tmp_path / "g.onnx")
+    lay = _layout(path)
+    assert [(s.layer, s.kind, s.stems) for s in lay.state_spec.layers] == [
+        (0, "latent", ("compressed_kv", "k_pe")), (1, "latent", ("compressed_kv", "k_pe"))]
+    assert lay.state_spec.latent_layers == (0, 1)
+    kind = statespec.KINDS["latent"]
+    assert (kind.slot(7, 32), kind.held(9, 32), kind.dim) == (7, (0, 9), "ctx_len")
+    wrong = statespec.StateSpec(tuple(statespec.LayerState(i, "full", ("compressed_kv", "k_pe"),
+                                                           ((1, "ctx_len", 4), (1, "ctx_len", 4))) for i in range(2)))
+    assert statespec.mismatch(wrong, lay.state_pairs) == (
+        "graph metadata qeff_kv.state_spec: layer 0 is full, its buffers are latent")

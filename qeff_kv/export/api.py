@@ -60,6 +60,7 @@ def export_model(
     sliding_cache: str | None = None,
     single_graph: bool = False,
     image_size: int | None = None,
+    mla_cache: str | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -79,6 +80,10 @@ def export_model(
     ``ccl``: compute-context lengths (``"auto"``, ``"512,1024"`` or a list of ints; contract section 9): the graph
     takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
     value. Not with ``target="onnxruntime-fused"``.
+
+    ``mla_cache``: for multi-head latent attention models (DeepSeek-V3), ``"latent"`` retains the compressed pair
+    ``compressed_kv.{i}``/``k_pe.{i}`` and attends over it with absorbed projections (contract section 11);
+    ``"full"`` or ``None`` (default): the model's own attention over ``past_key``/``past_value``.
     """
     opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
                    continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
@@ -89,7 +94,7 @@ def export_model(
                                       continuous_batching=continuous_batching, full_batch_size=full_batch_size,
                                       target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
                                       image_size=image_size, weights=weights, block_size=block_size,
-                                      accuracy_level=accuracy_level)
+                                      accuracy_level=accuracy_level, mla_cache=mla_cache)
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format

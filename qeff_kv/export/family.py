@@ -59,6 +59,9 @@ class ModelFacts:
     alibi: bool = False
     #: multi-head latent attention: keys and values of different head sizes (``kv_lora_rank``, ``v_head_dim``)
     latent_attention: bool = False
+    #: MLA's compressed cache width (``kv_lora_rank``, DeepSeek-V2/V3), ``None`` without MLA: what
+    #: ``--mla-cache latent`` needs
+    kv_lora_rank: int | None = None
     #: attention adds learned per-head sink logits to the softmax (GPT-OSS; see :data:`ATTENTION_SINK_MODEL_TYPES`)
     attention_sinks: bool = False
     #: RoPE variants the config selects (``rope_parameters``, or the older ``rope_scaling``; one per layer type
@@ -101,6 +104,7 @@ class ModelFacts:
             attention_code=ATTENTION_CODE.get(model_type, "interface"),
             alibi=bool(text.get("alibi")) or model_type in _ALWAYS_ALIBI,
             latent_attention=_latent_attention(text),
+            kv_lora_rank=_int_or_none(text.get("kv_lora_rank")) or None,
             attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
             rope_types=_rope_types(text),
             max_position_embeddings=_int_or_none(_first(text, "max_position_embeddings", "n_positions")),
@@ -127,6 +131,9 @@ class ModelFacts:
             return "--image-size is for vision-language models; this is a text decoder"
         if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
             return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
+        if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:
+            return (f"--mla-cache latent is for models with multi-head latent attention (kv_lora_rank); "
+                    f"{self.architecture} has none")
         if self.ring_layers(options) and options.prefill_seq_len > int(self.sliding_window):
             # A chunk longer than the ring would write two of its positions into one slot in one ScatterND.
             return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "

@@ -37,6 +37,8 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
         model.metadata_props[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
     if geometry.get("state_spec") is not None:   # what each layer retains (qeff_kv.statespec)
         model.metadata_props[naming.STATE_SPEC_META] = geometry["state_spec"].dumps()
+    if geometry.get("mla"):   # MLA's latent cache: the expanded cache's geometry (qeff_kv.buffers)
+        model.metadata_props[naming.MLA_META] = json.dumps(geometry["mla"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         model.metadata_props[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
     RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)

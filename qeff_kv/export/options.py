@@ -63,6 +63,10 @@ class ExportOptions:
     #: vision-language models whose vision config fixes no image size (Qwen2.5-VL): the side of the square image
     #: the vision graph is traced for (``None``: the config's ``image_size``, else 448)
     image_size: int | None = None
+    #: multi-head latent attention models (DeepSeek-V2/V3; contract section 11): ``"latent"`` retains the
+    #: compressed pair ``compressed_kv``/``k_pe`` and attends over it with absorbed projections; ``None`` or
+    #: ``"full"``: the model's own attention over ``past_key``/``past_value`` (the default)
+    mla_cache: str | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -100,6 +104,7 @@ class ExportOptions:
         if self.sliding_cache == "ring" and "ring" in refuses:
             raise ExportError(refuses["ring"])
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
+        check_mla_cache(self)
         return self
 
     def to_json(self) -> dict:
@@ -112,6 +117,8 @@ class ExportOptions:
             del d["single_graph"]
         if d["image_size"] is None:
             del d["image_size"]
+        if d["mla_cache"] in (None, "full"):
+            del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
         for key in ("weights", "block_size", "accuracy_level", "sliding_cache"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
@@ -132,6 +139,25 @@ def check_call(*, model, out_dir, progress, verify, force, continuous_batching, 
     for label, v, lo in (("block_size", block_size, 1), ("accuracy_level", accuracy_level, 0),
                          ("full_batch_size", full_batch_size, 1), ("image_size", image_size, 1)):
         validate.optional_int(label, v, minimum=lo, error=ExportError)
+
+
+MLA_CACHES = ("full", "latent")
+
+
+def check_mla_cache(options: "ExportOptions") -> None:
+    """``--mla-cache``: one of :data:`MLA_CACHES`; ``latent`` only where the target and the other options allow
+    it (one line each). Whether the model has MLA is a family fact (:meth:`~qeff_kv.export.family.ModelFacts.refusal`)."""
+    if options.mla_cache not in (None, *MLA_CACHES):
+        raise ExportError(f"mla_cache must be one of {', '.join(MLA_CACHES)}, got {options.mla_cache!r}")
+    if options.mla_cache != "latent":
+        return
+    refuses = targets.info(options.target).refuses
+    if "mla_latent" in refuses:
+        raise ExportError(refuses["mla_latent"])
+    for flag, value in (("--ccl", options.ccl), ("--weights", options.weights)):
+        if value is not None:
+            raise ExportError(f"--mla-cache latent does not support {flag} yet; export without it or with "
+                              f"--mla-cache full")
 
 
 def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:

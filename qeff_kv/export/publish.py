@@ -123,7 +123,7 @@ def manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, g
         "sliding_layers": geometry.get("sliding_layers", []),
         "sliding_cache": geometry.get("sliding_cache"),
         "buffers": layout.to_json(options.ctx_len)["pairs"],
-        "regexes": naming.canonical_regexes(options.kv_cache_prefix),
+        "regexes": naming.canonical_regexes(options.kv_cache_prefix, layout.stems or naming.EXPORT_STEMS),
         "specializations_format": fmt,
         "ccl": list(options.ccl) if options.ccl is not None else None,
         "state_spec": geometry["state_spec"].to_json() if geometry.get("state_spec") is not None else None,

@@ -9,6 +9,7 @@ and so retains (:func:`~qeff_kv.statespec.for_export`), the graph's inputs in th
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from .. import limits, naming, statespec
 from ..errors import ExportError
-from . import caches, moe, rope, targets
+from . import caches, mla, moe, rope, targets
 from . import options as opt
 from .caches import SlidingPlan
 from .wrapper import RetainedStateLM
@@ -39,8 +40,10 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
     kv_shapes = _kv_shapes(model, options, num_layers)
+    latent = options.mla_cache == "latent"
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
-                                ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers)
+                                ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers,
+                                latent_layers=range(num_layers) if latent else ())
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
     if vision is not None:   # contract section 6: the peer's input and output order
@@ -50,7 +53,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     io.args += kv
     _trailing_inputs(options, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
-    run_exporter(model, wrapper, target, io, path)
+    run_exporter(model, wrapper, target, io, path, num_layers if latent else None)
     (n_kv, head_dim), (v_heads, v_dim) = kv_shapes[0]
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
                 "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
@@ -58,6 +61,10 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
         geometry.update(value_heads=v_heads, value_head_dim=v_dim)
     if vision is not None:
         geometry["vision"] = vision
+    if latent:   # the geometry of the expanded cache it replaces (``buffers`` reports both)
+        geometry["mla"] = {k: int(getattr(text_cfg, k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                 "v_head_dim", "kv_lora_rank")}
+        geometry["mla"]["heads"] = int(text_cfg.num_attention_heads)
     geometry.update(sliding_window=facts.sliding_window if facts.sliding_layers else None,
                     sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options),
                     state_spec=spec)
@@ -139,11 +146,13 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                                     grid=vision.get("grid"), **common).eval(), target
 
 
-def run_exporter(model, wrapper, target, io: GraphIO, path: Path) -> None:
+def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None) -> None:
     """``torch.onnx.export`` (TorchScript, opset 17) with the target's RoPE, the export symbolics and static MoE
-    routing patched in; a failure is one line naming the model."""
+    routing patched in (and, with ``latent_layers``, the absorbed MLA attention of :mod:`.mla`); a failure is one
+    line naming the model."""
+    latent = contextlib.nullcontext() if latent_layers is None else mla.latent_attention(model, latent_layers)
     with warnings.catch_warnings(), torch.no_grad(), target.rotary(model), rope.export_patches(model), \
-            moe.static_routing(model, path):
+            moe.static_routing(model, path), latent:
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(io.args), str(path), dynamo=False, opset_version=opt.OPSET,

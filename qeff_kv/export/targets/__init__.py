@@ -22,7 +22,8 @@ class TargetInfo:
 
     #: the module of this package that defines the target as ``TARGET``
     module: str
-    #: options the target cannot honour (``continuous_batching``, ``ccl``, ``ring``) -> the one-line refusal
+    #: options the target cannot honour (``continuous_batching``, ``ccl``, ``ring``, ``mla_latent``) -> the one-line
+    #: refusal
     refuses: dict[str, str] = field(default_factory=dict)
     #: sliding layers can keep ring buffers (the cache is written with ScatterND); else full-length buffers,
     #: the window applied by the attention op
@@ -51,6 +52,8 @@ REGISTRY: dict[str, TargetInfo] = {
             "ring": "--target onnxruntime-fused keeps full-length buffers on sliding layers (GroupQueryAttention "
                     "appends in order and windows attention itself); use --sliding-cache full, or --target "
                     "portable or onnxruntime for ring buffers",
+            "mla_latent": "--target onnxruntime-fused does not support --mla-cache latent (GroupQueryAttention "
+                          "cannot attend over a compressed cache); use --target portable or onnxruntime",
         }),
 }
 NAMES: tuple[str, ...] = tuple(REGISTRY)
