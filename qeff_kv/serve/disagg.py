@@ -34,7 +34,7 @@ import time
 
 from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError
 from .config import ServeConfig
-from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
+from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
 from .transfer import Prefiller, facts, pair_refusal
 
 #: seconds to wait for the replicas to load their exports at start-up
@@ -166,21 +166,7 @@ class DisaggregatedEngine(Engine):
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        if not isinstance(req, GenerationRequest):
-            raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
-        if req.state is not None:
-            raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")
-        if not req.prompt:
-            raise RuntimeInputError("the prompt is empty")
-        if len(req.prompt) > self.ctx_len:
-            raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.ctx_len}")
-        vocab = self.vocab_size
-        bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
-               or (vocab is not None and t >= vocab)]
-        if bad:
-            raise RuntimeInputError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        check_request(req, ctx_len=self.ctx_len, vocab_size=self.vocab_size, state_allowed=False)
         # one seed for both sides: the prefill samples the first token, the decode the rest
         req = dataclasses.replace(req, sampling=req.sampling.resolved())
         with self._lock:

@@ -157,6 +157,28 @@ class RequestHandle:
                 return
 
 
+def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: bool = True) -> None:
+    """What every engine refuses at :meth:`Engine.submit`, before anything is queued (one line each): not a
+    :class:`GenerationRequest`, ``max_tokens`` below 1, and for a prompt (no handed-off ``state``) an empty one,
+    one longer than the context, or a token id outside the vocabulary."""
+    if not isinstance(req, GenerationRequest):
+        raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
+    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+        raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+    if req.state is not None:
+        if not state_allowed:
+            raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")
+        return
+    if not req.prompt:
+        raise RuntimeInputError("the prompt is empty")
+    if len(req.prompt) > ctx_len:
+        raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {ctx_len}")
+    bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
+           or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise RuntimeInputError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+
+
 class Engine(ABC):
     """Token-level generation for the HTTP frontend.
 

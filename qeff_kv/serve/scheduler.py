@@ -36,7 +36,7 @@ from pathlib import Path
 from ..errors import QeffKvError, QueueFullError, RuntimeInputError
 from ..runtime.cache import Sequence
 from ..runtime.sampling import sample
-from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
+from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
 AUTO_SHARE = 0.9
@@ -116,20 +116,7 @@ class Scheduler(Engine):
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        if not isinstance(req, GenerationRequest):
-            raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-            raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
-        if req.state is None:
-            if not req.prompt:
-                raise RuntimeInputError("the prompt is empty")
-            if len(req.prompt) > self.ctx_len:
-                raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.ctx_len}")
-            vocab = self.session.vocab_size
-            bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
-                   or (vocab is not None and t >= vocab)]
-            if bad:
-                raise RuntimeInputError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        check_request(req, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size)
         handle = RequestHandle(req.request_id, on_cancel=lambda h: self._wake.set())
         with self._lock:
             if self._closed:
