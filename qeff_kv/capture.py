@@ -7,9 +7,9 @@ descriptors 1 and 2 sent to a temporary file: on success the text is dropped, on
 as ``exc.library_output`` (the one-line message stays as it is).
 
 ``qeff-kv --debug`` (or ``QEFF_KV_DEBUG=1``) turns capturing off (:func:`set_passthrough`): the libraries' full text
-is then printed where it happens, with the traceback. Capturing redirects process-wide file descriptors, so it only
-happens while the process runs one Python thread (the command line); a multi-threaded host (a server) keeps the
-libraries' output in its own logs.
+is then printed where it happens, with the traceback. Capturing redirects process-wide file descriptors, so it
+stands aside while a non-daemon thread other than the main one runs (a multi-threaded host keeps the libraries'
+output in its own logs); daemon threads (tqdm's monitor, Ray's, a server's) do not stop it.
 """
 
 from __future__ import annotations
@@ -46,12 +46,20 @@ def _flush() -> None:
         ctypes.CDLL(None).fflush(None)
 
 
+def _other_threads() -> bool:
+    """Whether a thread other than the main one is working for the host: a non-daemon thread (a host's own
+    workers). Daemon threads (tqdm's monitor that a transformers progress bar leaves running, Ray's and a
+    server's background threads) do not stop capturing: a command line that loaded a model keeps its one line."""
+    main = threading.main_thread()
+    return any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate())
+
+
 @contextlib.contextmanager
 def library_output() -> Iterator[None]:
     """Capture everything printed inside (Python streams and file descriptors 1 and 2).
 
-    Only while this is the process's one Python thread: a server's other threads keep their output."""
-    if passthrough() or threading.active_count() > 1:
+    Not while a non-daemon thread other than the main one runs (see the module docstring)."""
+    if passthrough() or _other_threads():
         yield
         return
     _flush()

@@ -112,3 +112,25 @@ def test_an_operator_without_onnx_form_is_one_line_not_the_traced_graph(tmp_path
     assert "Torch IR graph" not in out + err and "graph(" not in out + err
     assert tree(tmp_path) == before
     assert line.count("\n") == 0
+
+
+def test_a_daemon_thread_does_not_stop_capturing_a_worker_thread_does(capfd):
+    """tqdm's monitor (left running by a transformers progress bar) is a daemon thread: the command line's one line
+    must survive it. A host's own (non-daemon) worker thread makes capturing stand aside."""
+    import threading
+
+    stop = threading.Event()
+    for daemon, leaks in ((True, False), (False, True)):
+        t = threading.Thread(target=stop.wait, daemon=daemon)
+        t.start()
+        try:
+            with pytest.raises(ExportError):
+                with capture.library_output():
+                    os.write(1, b"graph(%0)\n")
+                    raise ExportError("tracing failed")
+        finally:
+            stop.set()
+            t.join()
+            stop.clear()
+        out, _ = capfd.readouterr()
+        assert ("graph(%0)" in out) == leaks
