@@ -60,6 +60,7 @@ def export_model(
     sliding_cache: str | None = None,
     single_graph: bool = False,
     image_size: int | None = None,
+    speculative_tokens: int | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -79,6 +80,11 @@ def export_model(
     ``ccl``: compute-context lengths (``"auto"``, ``"512,1024"`` or a list of ints; contract section 9): the graph
     takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
     value. Not with ``target="onnxruntime-fused"``.
+
+    ``speculative_tokens``: ``K`` for speculative decoding (QEfficient's "target language model"): the graph
+    takes ``num_logits_to_keep`` ``[n, 1]`` last and returns the logits of its last ``n`` rows, ``[batch, n,
+    vocab]`` (``n = 1`` for prefill, ``K+1`` to verify ``K`` drafted tokens in one decode step); names, prefix and
+    pairing are unchanged; the decode specialization has ``seq_len = K+1``.
     """
     say = progress or (lambda _msg: None)
     source, config, options = resolve(model, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len,
@@ -86,7 +92,7 @@ def export_model(
                                       continuous_batching=continuous_batching, full_batch_size=full_batch_size,
                                       target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
                                       image_size=image_size, weights=weights, block_size=block_size,
-                                      accuracy_level=accuracy_level)
+                                      accuracy_level=accuracy_level, speculative_tokens=speculative_tokens)
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format

@@ -63,6 +63,9 @@ class ExportOptions:
     #: vision-language models whose vision config fixes no image size (Qwen2.5-VL): the side of the square image
     #: the vision graph is traced for (``None``: the config's ``image_size``, else 448)
     image_size: int | None = None
+    #: speculative decoding (a "target language model" graph): the graph takes ``num_logits_to_keep`` and returns
+    #: the logits of that many last rows, so a decode step verifies up to ``K`` drafted tokens (``K+1`` rows)
+    speculative_tokens: int | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -99,6 +102,13 @@ class ExportOptions:
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
         if self.sliding_cache == "ring" and "ring" in refuses:
             raise ExportError(refuses["ring"])
+        if self.speculative_tokens is not None:
+            positive_int("speculative_tokens", self.speculative_tokens, error=ExportError)
+            if "speculative" in refuses:
+                raise ExportError(refuses["speculative"])
+            if self.speculative_tokens + 1 > self.ctx_len:
+                raise ExportError(f"--speculative-tokens {self.speculative_tokens}: a verification step of "
+                                  f"{self.speculative_tokens + 1} tokens does not fit in ctx_len {self.ctx_len}")
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         return self
 
@@ -112,7 +122,7 @@ class ExportOptions:
             del d["single_graph"]
         if d["image_size"] is None:
             del d["image_size"]
-        for key in ("weights", "block_size", "accuracy_level", "sliding_cache"):
+        for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
         return d
