@@ -287,3 +287,18 @@ class SpeculativeDecoder:
         seq.pending, seq.pending_emitted = tok, True
         gen.finish_reason = "stop" if tok in stops else "length"
         return gen
+
+
+def make_drafter(spec: str, **session_kwargs) -> Drafter:
+    """``"lookup"``: :class:`PromptLookup`; else the path of a draft export (an export folder or ``.onnx``), opened
+    as its own :class:`Session` (``session_kwargs``: e.g. ``threads``) for :class:`DraftModel`."""
+    if spec == "lookup":
+        return PromptLookup()
+    from pathlib import Path
+
+    from .session import Session
+
+    if not Path(spec).exists():
+        raise RuntimeInputError(f"--speculative {spec!r}: neither 'lookup' nor an existing draft export "
+                                "(folder or .onnx)")
+    return DraftModel(Session(spec, **session_kwargs))
