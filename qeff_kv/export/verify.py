@@ -230,11 +230,12 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
         pos = len(prompt)
         if probe.pixel_values is not None:   # decode merges nothing: -1, as qeff-kv's runtime feeds it
             runner.extra["image_idx"] = np.full((1, 1), -1, dtype=np.int64)
-        if runner.keeps_logits:   # speculative decoding: the decode tokens in one step, every row's logits
+        every_row = getattr(runner, "keeps_logits", False)
+        if every_row:   # speculative decoding: the decode tokens in one step, every row's logits
             fed = ref.tokens[:probe.decode_steps]
             every = runner.step_rows(fed, list(range(pos, pos + len(fed))), probe.slot, None, keep=len(fed))
             steps += [(f"verification row {k + 1} of {len(fed)}", row) for k, row in enumerate(every)]
-        for k in range(0 if runner.keeps_logits else probe.decode_steps):
+        for k in range(0 if every_row else probe.decode_steps):
             rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
             steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))
             pos += 1
