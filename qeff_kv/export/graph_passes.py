@@ -9,7 +9,8 @@ import json
 import onnx_ir as ir
 
 from .. import __version__, naming
-from ..passes import FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
+from ..passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
+                      RemovePassThroughPass, SetKVPrefixPass)
 from . import options as opt
 from . import targets
 
@@ -17,6 +18,7 @@ from . import targets
 TARGET_PASSES = {
     "PackGQAQKVPass": (PackGQAQKVPass, ("float32", "float16")),
     "FuseSkipRMSNormPass": (FuseSkipRMSNormPass, ("float32",)),
+    "FoldLayoutPairsPass": (FoldLayoutPairsPass, ("float32", "float16")),
 }
 
 
