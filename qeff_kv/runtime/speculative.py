@@ -199,11 +199,14 @@ class SpeculativeStats:
 @dataclass
 class SpeculativeDecoder:
     """Generate with ``session`` (a speculative-decoding graph) and ``drafter``; ``k``: drafts per step (default
-    and maximum: the graph's ``K``)."""
+    and maximum: the graph's ``K``). ``adaptive``: the draft length follows the hits (up by 2 after a step whose
+    drafts were all accepted, down by 1 after one with a rejection, between 1 and ``k``), so the verification steps
+    of text where drafts miss stay short."""
 
     session: object
     drafter: Drafter
     k: int | None = None
+    adaptive: bool = True
     stats: SpeculativeStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,8 +258,9 @@ class SpeculativeDecoder:
         tok = sample(s.prefill(seq, toks), params, seq.length)
         gen.tokens.append(tok)
         t0 = time.perf_counter()
+        width = self.k                             # the draft length now (adaptive)
         while tok not in stops and len(gen.tokens) < max_new_tokens:
-            k = min(self.k, max_new_tokens - len(gen.tokens) - 1)
+            k = min(width, max_new_tokens - len(gen.tokens) - 1)
             t_draft = time.perf_counter()
             draft = self.drafter.draft(seq.tokens + [tok], k)[:k] if k > 0 else []
             stats.draft_s += time.perf_counter() - t_draft
@@ -276,6 +280,8 @@ class SpeculativeDecoder:
             accepted = len(emitted) - 1            # drafts kept (they equal emitted[:-1])
             s.truncate(seq, base + accepted)       # O(1): drop the rejected drafts' positions
             self.drafter.feedback(len(draft), accepted)
+            if self.adaptive:
+                width = min(self.k, width + 2) if accepted == len(draft) else max(1, width - 1)
             stats.verifications += 1
             stats.drafted += len(draft)
             stats.accepted += accepted
