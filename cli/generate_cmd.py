@@ -71,12 +71,17 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
               help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
+@click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
+              help="Speculative decoding on a graph exported with --speculative-tokens K (one prompt): drafts by "
+                   "prompt lookup ('lookup': n-gram match against the prompt and the text so far) or by a draft "
+                   "export (a smaller model of the same tokenizer), verified K at a time; the same tokens as plain "
+                   "decoding. --json reports the acceptance rate under timings.speculative.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
 def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
                  image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
-                 no_inplace, as_json) -> None:
+                 no_inplace, speculative, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
         model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
@@ -86,7 +91,8 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
-        image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size)
+        image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size,
+        speculative=speculative)
     result = run_generate(req)
     for r in result["resized_images"]:
         click.echo(f"resized {r['image']} {r['from'][0]}x{r['from'][1]} -> {r['to'][0]}x{r['to'][1]} (the export's "
@@ -95,6 +101,10 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
     click.echo(f"prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.3f}s; decode {t['decode_tokens']} tokens "
                f"in {t['decode_s']:.3f}s ({t['decode_tokens_per_s']:.1f} tokens/s)"
                + ("" if result["inplace"] else "; separate output buffers (not in place)"), err=True)
+    if "speculative" in t:
+        sp = t["speculative"]
+        click.echo(f"speculative ({sp['drafter']}): {sp['accepted']} of {sp['drafted']} drafted tokens accepted "
+                   f"({100 * sp['acceptance_rate']:.0f}%) in {sp['verifications']} verification steps", err=True)
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -166,6 +166,10 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
     if sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
+    if layout.speculative:
+        k = layout.speculative_tokens
+        lines.append(f"speculative decoding: {naming.LOGITS_TO_KEEP_INPUT} input, decode steps of up to "
+                     + (f"{k + 1} tokens (K={k})" if k is not None else "K+1 tokens (K not recorded)"))
     if layout.unpaired_inputs or layout.unpaired_outputs:
         lines.append("unpaired KV buffers: " + ", ".join(layout.unpaired_inputs + layout.unpaired_outputs))
     kind = multimodal.graph_kind(layout)
@@ -275,7 +279,8 @@ class BuffersReport:
             "non_kv_retained": [{"input": i, "retained": o} for i, o in _non_kv_rows(lay)],
             "regexes": self.regexes,
             "selection": None if self.selection is None else self.selection.to_json(),
-            # only on vision-language graphs: other graphs' key set stays as it was
+            # only on speculative-decoding / vision-language graphs: other graphs' key set stays as it was
+            **({"speculative_tokens": lay.speculative_tokens} if lay.speculative else {}),
             **({"vision_language": kind} if (kind := multimodal.graph_kind(lay)) else {}),
         }
 
@@ -355,7 +360,8 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                                    sliding_window: int | None = None, img_size: int | None = None,
                                    vision_size: int | None = None, vision_batch_size: int = 1,
                                    max_num_images: int | None = None, vision_precision: str | None = None,
-                                   vision_model: str | os.PathLike | None = None) -> list[Path]:
+                                   vision_model: str | os.PathLike | None = None,
+                                   speculative_tokens: int | None = None) -> list[Path]:
     """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
 
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
@@ -370,7 +376,9 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     in one line when unknown), ``vision_batch_size`` (default 1) and ``max_num_images``; ``vision_model`` is the
     dual layout's vision graph (default: the manifest's ``vision_onnx``), which adds ``custom_io_vision.yaml``
     and ``specializations_vision.json``. A vision encoder graph given as ``path`` is refused (give the language
-    graph, and this one as ``vision_model``); a text graph refuses the vision settings.
+    graph, and this one as ``vision_model``); a text graph refuses the vision settings. A speculative-decoding
+    graph (a ``num_logits_to_keep`` input) takes ``speculative_tokens`` ``K`` (default: its metadata): its decode
+    specialization runs ``K+1`` tokens.
     """
     from . import check as _check
     from .compile_config import check_precision, check_vision_precision, parse_ccl, specializations
@@ -458,4 +466,5 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                                 batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
                                 precision=precision, ccl=ccl, sliding_window=sliding_window, vision=vision,
                                 vision_graph=vision_model, vision_batch_size=vision_batch_size,
-                                max_num_images=max_num_images, vision_precision=vision_precision)
+                                max_num_images=max_num_images, vision_precision=vision_precision,
+                                speculative_tokens=speculative_tokens)

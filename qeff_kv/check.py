@@ -47,6 +47,10 @@ KV buffer, no rule is about it, and the report says the graph has it (``"comp_ct
 of the JSON, present only then).
 A rule that attention is really limited by its length may come later.
 
+So is ``num_logits_to_keep`` (a speculative-decoding graph, QEfficient's "target language model"): the report
+says so (``"num_logits_to_keep": {"speculative_tokens": K}`` at the end of the JSON, ``K`` from the graph
+metadata or ``null``; present only then).
+
 Reading the file can fail (missing, not ONNX, truncated, unsafe external data): that raises a typed error
 (exit 2), it is not a rule failure (exit 1).
 """
@@ -142,6 +146,9 @@ class CheckReport:
     rules: list[RuleResult]
     #: the graph takes ``comp_ctx_lengths`` (CCL, contract section 9)
     ccl: bool = False
+    #: a speculative-decoding graph (a ``num_logits_to_keep`` input) and its ``K`` (metadata, else ``None``)
+    speculative: bool = False
+    speculative_tokens: int | None = None
     #: layers with sliding-window ring buffers (axis 2 ``sliding_window``)
     sliding_layers: list[int] = field(default_factory=list)
     #: ``W`` from graph metadata ``qeff_kv.sliding_window`` (``None``: absent or not a positive integer)
@@ -192,6 +199,8 @@ class CheckReport:
             "rules": [r.to_json() for r in self.rules],
             # only on graphs that have the input: the key set of schema /1 stays as it was for the others
             **({naming.CCL_INPUT: True} if self.ccl else {}),
+            **({naming.LOGITS_TO_KEEP_INPUT: {"speculative_tokens": self.speculative_tokens}}
+               if self.speculative else {}),
             **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
                if self.sliding else {}),
             **({"vision_language": self.vision_language} if self.vision_language else {}),
@@ -204,6 +213,9 @@ class CheckReport:
         width = max(len(r) for r in RULES)
         lines = [f"{self.model}: prefix {_fmt_prefix(self.prefix) if len(self.prefixes) <= 1 else 'mixed'}, "
                  f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
+                 + (f", {naming.LOGITS_TO_KEEP_INPUT} input (speculative decoding, "
+                    f"K={self.speculative_tokens if self.speculative_tokens is not None else 'unknown'})"
+                    if self.speculative else "")
                  + (f", sliding-window layers {_fmt_ints(self.sliding_layers) or 'none'} "
                     f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
                     if self.sliding else "")
@@ -476,6 +488,7 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     return CheckReport(
         model=name, prefix=prefixes[0] if len(prefixes) == 1 else None, prefixes=prefixes,
         expected_prefix=expected_prefix, num_layers=layout.num_layers, rules=list(results.values()),
-        ccl=layout.input(naming.CCL_INPUT) is not None, sliding_layers=layout.sliding_layers,
+        ccl=layout.input(naming.CCL_INPUT) is not None, speculative=layout.speculative,
+        speculative_tokens=layout.speculative_tokens, sliding_layers=layout.sliding_layers,
         sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
         vision_language=multimodal.graph_kind(layout))

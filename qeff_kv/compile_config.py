@@ -141,10 +141,29 @@ def resolve_sliding_window(layout: KVLayout, sliding_window=None, *, required: b
     return window
 
 
+def resolve_speculative(layout: KVLayout, speculative_tokens=None) -> int | None:
+    """``K`` of a speculative-decoding graph (a ``num_logits_to_keep`` input): the given value, else the graph
+    metadata ``qeff_kv.speculative_tokens``; refused in one line when neither is there, or when given for a graph
+    without that input. ``None`` for other graphs."""
+    if speculative_tokens is not None:
+        positive_int("speculative_tokens", speculative_tokens)
+    if not layout.speculative:
+        if speculative_tokens is not None:
+            raise RuntimeInputError(f"the graph has no {naming.LOGITS_TO_KEEP_INPUT} input (not a speculative-"
+                                    "decoding graph); --speculative-tokens does not apply")
+        return None
+    if speculative_tokens is None:
+        speculative_tokens = layout.speculative_tokens
+    if speculative_tokens is None:
+        raise RuntimeInputError(f"the graph takes {naming.LOGITS_TO_KEEP_INPUT} (speculative decoding) and records "
+                                "no K; give --speculative-tokens K")
+    return int(speculative_tokens)
+
+
 def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                     full_batch_size: int | None = None, fmt: SpecFormat = "flat",
                     ccl: "Seq[int] | None" = None, sliding_window: int | None = None,
-                    vision_symbols: "dict[str, int] | None" = None) -> dict:
+                    vision_symbols: "dict[str, int] | None" = None, speculative_tokens: int | None = None) -> dict:
     """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
 
     ``flat`` is the format every compiler release reads; ``named`` is the newer
@@ -161,6 +180,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     With ``vision_symbols`` (a vision-language graph's ``max_num_images``, ``img_size``, ``vision_size``,
     ``vision_batch_size``, from :func:`vision_symbols`): every entry carries them after ``ctx_len`` (and
     ``sliding_window``).
+
+    With ``speculative_tokens`` ``K`` (a speculative-decoding graph, QEfficient's TLM): every entry carries
+    ``num_logits_to_keep`` (1 for prefill) and decode runs ``seq_len = K+1`` with ``num_logits_to_keep = K+1``.
     """
     for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
         positive_int(label, v)
@@ -185,6 +207,10 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
         after = naming.SLIDING_DIM if sliding_window is not None else "ctx_len"
         vis = {k: str(positive_int(k, v)) for k, v in vision_symbols.items()}
         prefill, decode = (_insert_after(d, after, vis) for d in (prefill, decode))
+    if speculative_tokens is not None:
+        width = str(positive_int("speculative_tokens", speculative_tokens) + 1)
+        prefill = {**prefill, naming.LOGITS_TO_KEEP_INPUT: "1"}
+        decode = {**decode, "seq_len": width, naming.LOGITS_TO_KEEP_INPUT: width}
     if ccl:
         for v in ccl:
             positive_int(naming.CCL_INPUT, v)
@@ -321,7 +347,7 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
                          sliding_window: int | None = None, vision: dict | None = None,
                          single_graph: bool | None = None, vision_graph: "KVLayout | str | Path | None" = None,
                          vision_batch_size: int = 1, max_num_images: int | None = None,
-                         vision_precision: str | None = None) -> list[Path]:
+                         vision_precision: str | None = None, speculative_tokens: int | None = None) -> list[Path]:
     """Write both files into ``out_dir`` atomically; return their paths.
 
     ``sliding_window``: the model's window ``W`` (default: the graph metadata ``qeff_kv.sliding_window``). It
@@ -335,6 +361,7 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     ``img_size`` give ``vision_size`` where nothing else does: the peer's graphs), which adds
     ``custom_io_vision.yaml`` and ``specializations_vision.json`` (returned after the other two).
     ``vision_precision``: the vision buffers' precision (default: the model dtype, their own dtype in the graph).
+    ``speculative_tokens``: ``K`` of a speculative-decoding graph (default: its metadata; :func:`resolve_speculative`).
     """
     out_dir = Path(out_dir)
     check_precision(precision)
@@ -348,7 +375,8 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
                                       vision_path)
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
                            full_batch_size=full_batch_size, fmt=fmt, ccl=ccl,
-                           sliding_window=window if layout.has_sliding else None, vision_symbols=syms)
+                           sliding_window=window if layout.has_sliding else None, vision_symbols=syms,
+                           speculative_tokens=resolve_speculative(layout, speculative_tokens))
     text = custom_io_yaml(layout, precision, vision_precision=vision_precision)
     files = [(out_dir / CUSTOM_IO_FILE, text), (out_dir / SPECIALIZATIONS_FILE, json.dumps(spec, indent=2) + "\n")]
     if vis is not None:

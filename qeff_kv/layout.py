@@ -266,6 +266,19 @@ class KVLayout:
         """``W`` from graph metadata ``qeff_kv.sliding_window`` when it is a positive int, else ``None``."""
         return parse_sliding_window(self.sliding_window_meta)
 
+    @property
+    def speculative(self) -> bool:
+        """The graph takes ``num_logits_to_keep``: a speculative-decoding ("target language model") graph whose
+        steps return the logits of that many last rows."""
+        return self.input(naming.LOGITS_TO_KEEP_INPUT) is not None
+
+    @property
+    def speculative_tokens(self) -> int | None:
+        """``K`` from graph metadata ``qeff_kv.speculative_tokens`` (decode steps of up to ``K+1`` tokens) when it
+        is a positive int on a speculative graph, else ``None``."""
+        meta = self.metadata.get(naming.SPECULATIVE_META)
+        return int(meta) if self.speculative and meta is not None and meta.isdigit() and int(meta) > 0 else None
+
     def pair(self, stem: str, layer: int) -> KVPair:
         for p in self.pairs:
             if p.stem == stem and p.layer == layer:

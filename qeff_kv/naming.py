@@ -59,6 +59,11 @@ VISION_META = "qeff_kv.vision"
 #: The optional compute-context-length input (contract section 9): int64, 1-D, its length limits attention.
 #: Not a buffer: never prefixed, never retained; its one dynamic axis has the same name.
 CCL_INPUT = "comp_ctx_lengths"
+#: a speculative-decoding ("target language model") graph's input: its length ``n`` (``[n, 1]``) is how many
+#: logits the step returns, those of the ``n`` rows ending at the last valid one (QEfficient's TLM contract)
+LOGITS_TO_KEEP_INPUT = "num_logits_to_keep"
+#: graph metadata: the ``K`` of a graph exported with ``--speculative-tokens K`` (decode steps of up to K+1 tokens)
+SPECULATIVE_META = "qeff_kv.speculative_tokens"
 
 #: Axis 2 of a KV buffer: ``ctx_len`` for a full-length cache, ``sliding_window`` for a sliding-window layer's
 #: ring buffer (contract section 7; position ``p`` lives in slot ``p % capacity``). The peer uses both names.

@@ -61,6 +61,7 @@ def export_model(
     single_graph: bool = False,
     image_size: int | None = None,
     mla_cache: str | None = None,
+    speculative_tokens: int | None = None,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -84,6 +85,11 @@ def export_model(
     ``mla_cache``: for multi-head latent attention models (DeepSeek-V3), ``"latent"`` retains the compressed pair
     ``compressed_kv.{i}``/``k_pe.{i}`` and attends over it with absorbed projections (contract section 11);
     ``"full"`` or ``None`` (default): the model's own attention over ``past_key``/``past_value``.
+
+    ``speculative_tokens``: ``K`` for speculative decoding (QEfficient's "target language model"): the graph
+    takes ``num_logits_to_keep`` ``[n, 1]`` last and returns the logits of its last ``n`` rows, ``[batch, n,
+    vocab]`` (``n = 1`` for prefill, ``K+1`` to verify ``K`` drafted tokens in one decode step); names, prefix and
+    pairing are unchanged; the decode specialization has ``seq_len = K+1``.
     """
     opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
                    continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
@@ -94,7 +100,8 @@ def export_model(
                                       continuous_batching=continuous_batching, full_batch_size=full_batch_size,
                                       target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
                                       image_size=image_size, weights=weights, block_size=block_size,
-                                      accuracy_level=accuracy_level, mla_cache=mla_cache)
+                                      accuracy_level=accuracy_level, mla_cache=mla_cache,
+                                      speculative_tokens=speculative_tokens)
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format

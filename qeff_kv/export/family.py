@@ -122,7 +122,8 @@ class ModelFacts:
             reason = self.vision_refusal()
             if reason is not None:
                 return reason
-            for flag, value in (("--weights", options.weights), ("--ccl", options.ccl)):
+            for flag, value in (("--weights", options.weights), ("--ccl", options.ccl),
+                                ("--speculative-tokens", getattr(options, "speculative_tokens", None))):
                 if value is not None:
                     return f"{flag} is not supported for vision-language exports yet"
         elif getattr(options, "single_graph", False):
@@ -139,6 +140,9 @@ class ModelFacts:
             return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "
                     f"{self.sliding_window}: a prefill chunk must fit in the sliding layers' ring buffers; "
                     f"export with --prefill-seq-len {self.sliding_window} or less")
+        if self.ring_layers(options) and getattr(options, "speculative_tokens", None) is not None:
+            return ("--speculative-tokens with ring buffers: rewinding rejected drafts needs slots a ring has "
+                    "overwritten; export with --sliding-cache full")
         if ("dynamic" in self.rope_types and self.max_position_embeddings
                 and options.ctx_len > self.max_position_embeddings):
             # transformers recomputes dynamic-NTK frequencies in a Python branch once a forward pass reaches

@@ -9,7 +9,8 @@ import json
 import onnx_ir as ir
 
 from .. import __version__, naming
-from ..passes import FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass, RemovePassThroughPass, SetKVPrefixPass
+from ..passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
+                      RemovePassThroughPass, SetKVPrefixPass)
 from . import options as opt
 from . import targets
 
@@ -17,6 +18,7 @@ from . import targets
 TARGET_PASSES = {
     "PackGQAQKVPass": (PackGQAQKVPass, ("float32", "float16")),
     "FuseSkipRMSNormPass": (FuseSkipRMSNormPass, ("float32",)),
+    "FoldLayoutPairsPass": (FoldLayoutPairsPass, ("float32", "float16")),
 }
 
 
@@ -28,7 +30,10 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     model.doc_string = None
     model.graph.name = "qeff_kv_decoder"
     logits = model.graph.outputs[0]
-    logits.shape = ir.Shape(["batch_size", 1, geometry["vocab_size"]])
+    rows = 1 if options.speculative_tokens is None else naming.LOGITS_TO_KEEP_INPUT
+    logits.shape = ir.Shape(["batch_size", rows, geometry["vocab_size"]])
+    if options.speculative_tokens is not None:   # decode steps verify up to K drafted tokens (K+1 rows)
+        model.metadata_props[naming.SPECULATIVE_META] = str(options.speculative_tokens)
     model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
     model.metadata_props["qeff_kv.continuous_batching"] = str(bool(options.continuous_batching)).lower()
     model.metadata_props["qeff_kv.target"] = options.target

@@ -30,9 +30,10 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 6  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
+EXPORTER_VERSION = 7  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
 # 4: sliding layers as ring buffers; 5: a negative image_idx merges no image rows; 6: onnxruntime targets' single
-# vision-language graphs run the vision encoder only when they merge images
+# vision-language graphs run the vision encoder only when they merge images; 7: onnxruntime-fused folds its
+# attention output's Reshape pair (FoldLayoutPairsPass)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class ExportOptions:
     #: compressed pair ``compressed_kv``/``k_pe`` and attends over it with absorbed projections; ``None`` or
     #: ``"full"``: the model's own attention over ``past_key``/``past_value`` (the default)
     mla_cache: str | None = None
+    #: speculative decoding (a "target language model" graph): the graph takes ``num_logits_to_keep`` and returns
+    #: the logits of that many last rows, so a decode step verifies up to ``K`` drafted tokens (``K+1`` rows)
+    speculative_tokens: int | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -103,6 +107,13 @@ class ExportOptions:
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
         if self.sliding_cache == "ring" and "ring" in refuses:
             raise ExportError(refuses["ring"])
+        if self.speculative_tokens is not None:
+            positive_int("speculative_tokens", self.speculative_tokens, error=ExportError)
+            if "speculative" in refuses:
+                raise ExportError(refuses["speculative"])
+            if self.speculative_tokens + 1 > self.ctx_len:
+                raise ExportError(f"--speculative-tokens {self.speculative_tokens}: a verification step of "
+                                  f"{self.speculative_tokens + 1} tokens does not fit in ctx_len {self.ctx_len}")
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
         check_mla_cache(self)
         return self
@@ -119,7 +130,7 @@ class ExportOptions:
             del d["image_size"]
         if d["mla_cache"] in (None, "full"):
             del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
-        for key in ("weights", "block_size", "accuracy_level", "sliding_cache"):
+        for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
         return d

@@ -31,6 +31,8 @@ class ProbeRunner:
         self.has_batch_index = "batch_index" in in_names
         # comp_ctx_lengths: the smallest listed length that holds the step's positions (exercises the Slice)
         self.ccl = (sorted(ccl or ()) + [ctx_len]) if naming.CCL_INPUT in in_names else None
+        #: a speculative-decoding graph: ``num_logits_to_keep`` ``[n, 1]`` says how many last rows' logits to return
+        self.keeps_logits = naming.LOGITS_TO_KEEP_INPUT in in_names
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
         self.extra: dict[str, np.ndarray] = {}
         self.kv: dict[str, np.ndarray] = {}
@@ -50,6 +52,13 @@ class ProbeRunner:
             self.kv[p.input_name] = np.zeros(shape, dtype=np.dtype(p.input.dtype))
 
     def step(self, ids: list[int], pos: list[int], slot: int, rope_rows: np.ndarray | None = None) -> np.ndarray:
+        """The logits ``[vocab]`` (float64) at the step's last valid row."""
+        return self.step_rows(ids, pos, slot, rope_rows)[-1]
+
+    def step_rows(self, ids: list[int], pos: list[int], slot: int, rope_rows: np.ndarray | None = None,
+                  keep: int = 1) -> np.ndarray:
+        """The logits ``[n, vocab]`` (float64) of the step's last ``keep`` rows (a speculative-decoding graph;
+        other graphs give their one row)."""
         positions = np.array([pos], dtype=np.int64)
         if rope_rows is not None:   # [4, 1, S]: text positions over the multimodal RoPE rows
             from ..mrope import graph_positions
@@ -58,6 +67,8 @@ class ProbeRunner:
         feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": positions, **self.kv, **self.extra}
         if self.has_batch_index:
             feeds["batch_index"] = np.array([[slot]], dtype=np.int64)
+        if self.keeps_logits:
+            feeds[naming.LOGITS_TO_KEEP_INPUT] = np.zeros((keep, 1), dtype=np.int64)
         if self.ccl is not None:
             need = max(pos) + 1
             feeds[naming.CCL_INPUT] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
@@ -66,7 +77,7 @@ class ProbeRunner:
             self.kv[i] = out[o]
         if "image_idx" in self.extra and self.extra["image_idx"][0, 0] >= 0:   # the next chunk continues the image
             self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
-        return np.asarray(out["logits"])[0, -1].astype(np.float64)
+        return np.asarray(out["logits"])[0].astype(np.float64)
 
     def add_image(self, pixel_values: np.ndarray, vision_path: Path | None) -> None:
         """Feed a vision-language graph its image: ``vision_embeds`` from the vision graph (dual layout) or

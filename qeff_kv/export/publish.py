@@ -62,7 +62,7 @@ def write_files(stage: Path, onnx_path: Path, vision_path: Path | None, *, sourc
         full_batch_size=options.full_batch_size if options.continuous_batching else None, fmt=fmt,
         ccl=options.ccl, sliding_window=geometry["sliding_window"] if layout.has_sliding else None,
         vision=geometry.get("vision"), single_graph=options.single_graph if "vision" in geometry else None,
-        vision_graph=vision_path)
+        vision_graph=vision_path, speculative_tokens=options.speculative_tokens)
     source.copy_tokenizer(stage)
     fsutil.write_json(stage / PARAMS_FILE, params)
     man = manifest(onnx_path.name, layout, config, options, geometry, digest, source=source.describe(), fmt=fmt)
@@ -126,6 +126,7 @@ def manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, g
         "regexes": naming.canonical_regexes(options.kv_cache_prefix, layout.stems or naming.EXPORT_STEMS),
         "specializations_format": fmt,
         "ccl": list(options.ccl) if options.ccl is not None else None,
+        "speculative_tokens": options.speculative_tokens,
         "state_spec": geometry["state_spec"].to_json() if geometry.get("state_spec") is not None else None,
         "exporter": {"name": "qeff-kv", "version": __version__, "opset": opt.OPSET, "ir_version": opt.IR_VERSION},
     }

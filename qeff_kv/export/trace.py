@@ -89,7 +89,7 @@ def _kv_shapes(model, options: opt.ExportOptions, num_layers: int) -> list:
 
 
 def _token_inputs(options: opt.ExportOptions) -> GraphIO:
-    seq = max(options.prefill_seq_len, 2)
+    seq = max(options.prefill_seq_len, 2, (options.speculative_tokens or 0) + 1)
     input_ids = torch.zeros((1, seq), dtype=torch.int64)
     position_ids = torch.arange(seq, dtype=torch.int64).unsqueeze(0)
     return GraphIO(args=[input_ids, position_ids], in_names=["input_ids", "position_ids"],
@@ -123,6 +123,12 @@ def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:
         io.args.append(torch.zeros((1, 1), dtype=torch.int64))
         io.in_names.append("batch_index")
         io.dyn["batch_index"] = {0: "batch_size"}
+    if options.speculative_tokens is not None:   # last, as QEfficient's TLM; only its length is read
+        keep = options.speculative_tokens + 1
+        io.args.append(torch.zeros((keep, 1), dtype=torch.int64))
+        io.in_names.append(naming.LOGITS_TO_KEEP_INPUT)
+        io.dyn[naming.LOGITS_TO_KEEP_INPUT] = {0: naming.LOGITS_TO_KEEP_INPUT}
+        io.dyn["logits"] = {0: "batch_size", 1: naming.LOGITS_TO_KEEP_INPUT}
 
 
 def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec, num_layers: int,
@@ -135,7 +141,8 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
     target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
                                          continuous_batching=options.continuous_batching,
                                          ccl=options.ccl is not None)
-    common = dict(target=target, facts=facts, ccl=options.ccl is not None)
+    common = dict(target=target, facts=facts, ccl=options.ccl is not None,
+                  speculative=options.speculative_tokens is not None)
     if vision is None:
         return RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval(), target
     from . import vlm as vlm_mod

@@ -5,6 +5,8 @@ The probe is a prompt of seeded random token ids (nothing like the all-zero trac
 The reference is the untouched transformers model's own forward pass (its own cache, its own attention,
 logit scaling and soft-capping), computed *before* tracing, so nothing the exporter patches can hide in it.
 Decode is teacher-forced with the reference's greedy tokens, so both sides see the same inputs at every step.
+A speculative-decoding graph (``--speculative-tokens K``) gets its ``K+1`` (at least 4) decode tokens in one step
+and every row of its logits is compared with the reference's logits after that token.
 
 At every compared step (the last prefill chunk and each decode step) the graph must give
 
@@ -228,7 +230,12 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
         pos = len(prompt)
         if probe.pixel_values is not None:   # decode merges nothing: -1, as qeff-kv's runtime feeds it
             runner.extra["image_idx"] = np.full((1, 1), -1, dtype=np.int64)
-        for k in range(probe.decode_steps):
+        every_row = getattr(runner, "keeps_logits", False)
+        if every_row:   # speculative decoding: the decode tokens in one step, every row's logits
+            fed = ref.tokens[:probe.decode_steps]
+            every = runner.step_rows(fed, list(range(pos, pos + len(fed))), probe.slot, None, keep=len(fed))
+            steps += [(f"verification row {k + 1} of {len(fed)}", row) for k, row in enumerate(every)]
+        for k in range(0 if every_row else probe.decode_steps):
             rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
             steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))
             pos += 1
@@ -271,8 +278,9 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
     facts = family.ModelFacts.from_config(model.config.to_dict())
+    steps = max(DECODE_STEPS, (options.speculative_tokens or 0) + 1)   # a speculative graph verifies K+1 rows at once
     probe = make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
-                       window=facts.sliding_window if facts.sliding_layers else None)
+                       window=facts.sliding_window if facts.sliding_layers else None, decode_steps=steps)
     if facts.vision_language:
         try:
             probe = add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,

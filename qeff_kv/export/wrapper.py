@@ -5,7 +5,10 @@ One generic mechanism for every architecture, through transformers' own interfac
 (:mod:`qeff_kv.export.targets`) gives the ``past_key_values`` object (whose ``update()`` writes each layer's new
 keys/values into its retained buffer) and the ready 4D attention mask; the wrapper splits the graph inputs, calls
 the decoder, and takes the logits only at the last valid position of each row (``[batch, 1, vocab]``), through the
-model's own output head and its logit scaling/soft-capping.
+model's own output head and its logit scaling/soft-capping. A speculative-decoding graph
+(``speculative=True``, the "target language model" of QEfficient) takes a last input ``num_logits_to_keep``
+``[n, 1]`` and returns the logits of the ``n`` rows ending at each row's last valid one (``[batch, n, vocab]``;
+the first row clamped at 0): ``n = 1`` for prefill, ``n = K+1`` to verify ``K`` drafted tokens in one step.
 
 This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 """
@@ -20,13 +23,25 @@ from .masks import fill_padding_rows
 from .targets.base import StepInputs, Target
 
 
-def output_head(head: torch.nn.Module, hidden_last: torch.Tensor) -> torch.Tensor:
+def output_head(head: torch.nn.Module, hidden_last: torch.Tensor, rows: bool = False) -> torch.Tensor:
     """``[B, 1, H] -> [B, 1, V]`` through the model's output head; a plain ``nn.Linear`` head becomes one
     ``Gemm(transB=1)`` on ``[B, H]`` (see :class:`~qeff_kv.export.graph_ops.HeadGemm`), any other head module is
-    called as is."""
+    called as is. ``rows``: ``[B, n, H] -> [B, n, V]`` (the Gemm on ``[B*n, H]``)."""
     if type(head) is torch.nn.Linear:
+        if rows:
+            flat = HeadGemm.apply(hidden_last.reshape(-1, hidden_last.shape[-1]), head.weight, head.bias)
+            return flat.reshape(hidden_last.shape[0], -1, flat.shape[-1])
         return HeadGemm.apply(hidden_last[:, 0], head.weight, head.bias).unsqueeze(1)   # no If: static index
     return head(hidden_last)
+
+
+def kept_rows(last: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[B, n]``: the ``n = len(keep)`` row indices ending at each row's last valid one ``last [B, 1]``, the first
+    clamped at 0 (``keep``: the ``num_logits_to_keep`` input, ``[n, 1]``; only its length is read)."""
+    steps = torch.cumsum(torch.ones_like(keep[:, 0]), 0) - 1                    # [n] = 0..n-1, from Shape(keep)
+    count = steps.shape[0]
+    first = torch.clamp(last + 1 - count, min=0)                              # [B, 1]
+    return first + steps.unsqueeze(0)
 
 
 class RetainedStateLM(torch.nn.Module):
@@ -34,7 +49,7 @@ class RetainedStateLM(torch.nn.Module):
     causal LM, for one :class:`~qeff_kv.export.targets.base.Target`."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, target: Target,
-                 facts, ccl: bool = False):
+                 facts, ccl: bool = False, speculative: bool = False):
         super().__init__()
         self.lm = model
         self.num_layers = num_layers
@@ -43,6 +58,8 @@ class RetainedStateLM(torch.nn.Module):
         #: its length only (onnxruntime target: the smaller of that and the valid length)
         self.ccl = ccl
         self.target = target
+        #: the graph takes ``num_logits_to_keep`` last and returns that many rows of logits
+        self.speculative = speculative
         # What the model's own forward does to the head's output (see ModelFacts): Cohere multiplies by
         # logit_scale, Granite divides by logits_scaling, Gemma2 soft-caps.
         self.logit_scale = facts.logit_scale
@@ -67,6 +84,8 @@ class RetainedStateLM(torch.nn.Module):
         pad_rows = self.target.fills_padding
         if rope_rows is not None and pad_rows:
             rope_rows = fill_padding_rows(rope_rows.permute(1, 2, 0), position_ids).permute(2, 0, 1)
+        rest = list(rest)
+        keep = rest.pop() if self.speculative else None
         if self.continuous_batching:
             *flat, batch_index = rest
         else:
@@ -90,9 +109,12 @@ class RetainedStateLM(torch.nn.Module):
                        use_cache=True)
         self.target.finish(cache)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
-        hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1, H]
-        logits = output_head(self.lm.get_output_embeddings(), hidden_last)     # [B, 1, V]
+        if keep is None:
+            idx = last.unsqueeze(-1).expand(hidden.shape[0], 1, hidden.shape[-1])
+        else:
+            idx = kept_rows(last, keep).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        hidden_last = torch.gather(hidden, 1, idx)                              # [B, 1 or n, H]
+        logits = output_head(self.lm.get_output_embeddings(), hidden_last, rows=keep is not None)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.logits_scaling is not None:

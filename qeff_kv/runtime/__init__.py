@@ -17,9 +17,10 @@ from .session import Generation, Session, TokenEvent, Timings, open_session
 from .state import KVState, export_state, import_state, load_state, read_state, save_state
 from .media import Images, Prompt
 from .vision import VisionLanguageModel, VisionStage
+from .speculative import DraftModel, PromptLookup, SpeculativeDecoder
 
 __all__ = [
-    "GREEDY", "Generation", "Images", "KVCache", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
-    "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "read_state",
-    "resolve_model", "sample", "save_state",
+    "DraftModel", "GREEDY", "Generation", "Images", "KVCache", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
+    "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "PromptLookup", "read_state",
+    "resolve_model", "SpeculativeDecoder", "sample", "save_state",
 ]

@@ -98,6 +98,9 @@ class GenerateRequest:
     vision_graph: str | None = None
     image_size: int | None = None
     vision_size: int | None = None
+    #: speculative decoding (a graph exported with --speculative-tokens K): ``"lookup"`` (prompt lookup) or the
+    #: path of a draft export (a smaller model of the same tokenizer); see :mod:`qeff_kv.runtime.speculative`
+    speculative: str | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
 
@@ -171,6 +174,8 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         raise RuntimeInputError(f"sampling must be a SamplingParams, got {req.sampling!r}")
     if req.save_state is not None:
         fsutil.check_output_file(req.save_state)
+    if req.speculative is not None:
+        _check_speculative(req)
     files = resolve_model(req.model)
     if (req.chat or req.system is not None) and not req.prompts:
         raise RuntimeInputError("--chat formats --prompt text with the chat template; give --prompt TEXT")
@@ -229,8 +234,12 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     else:
         requests = prompts
     t0 = time.perf_counter()
-    results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                               stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
+    spec_stats = None
+    if req.speculative is not None:
+        results, spec_stats = _speculative(req, session, requests, stops, on_token)
+    else:
+        results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
     wall = time.perf_counter() - t0
     saved = None
     if req.save_state is not None:
@@ -243,6 +252,9 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     timings = session.timings.to_json()
     timings["open_s"] = round(open_s, 6)
     timings["wall_s"] = round(wall, 6)
+    if spec_stats is not None:   # decode time is the loop's wall time, drafting included
+        timings.update(decode_s=spec_stats["decode_s"], decode_tokens_per_s=spec_stats["decode_tokens_per_s"],
+                       decode_steps=spec_stats["steps"], speculative=spec_stats)
     return {
         "model": str(files.onnx_path),
         "sequences": seqs,
@@ -256,3 +268,28 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         "resized_images": [{"image": str(p), "from": a, "to": b} for p, a, b in req.resized],
         "loaded_state": req.load_state,
     }
+
+
+def _check_speculative(req: GenerateRequest) -> None:
+    """What ``--speculative`` cannot go with, refused in one line before anything is opened."""
+    for flag, given in (("--image/--image-inputs", req.images or req.image_inputs), ("--load-state", req.load_state),
+                        ("--save-state", req.save_state), ("--on-capacity stop", req.on_capacity == "stop")):
+        if given:
+            raise RuntimeInputError(f"--speculative does not go with {flag}")
+    if len(req.prompts) + len(req.prompt_ids) != 1:
+        raise RuntimeInputError("--speculative decodes one sequence: give exactly one --prompt or --prompt-ids")
+    if req.max_new_tokens < 1:
+        raise RuntimeInputError("--speculative needs --max-new-tokens of at least 1")
+
+
+def _speculative(req: GenerateRequest, session: Session, requests: list, stops: list[int], on_token):
+    """One request decoded speculatively: ``([Generation], stats as JSON)``."""
+    from .speculative import SpeculativeDecoder, make_drafter
+
+    decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads))
+    gen = decoder.generate(requests[0], max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                           stop_tokens=stops)
+    if on_token is not None:
+        for t in gen.tokens:
+            on_token(TokenEvent(0, t, gen.sequence))
+    return [gen], decoder.stats.to_json()

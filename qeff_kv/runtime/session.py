@@ -122,9 +122,14 @@ class Session(GenerationMixin):
         if layout.output("logits") is None:
             raise ContractError("graph has no 'logits' output")
         self.continuous_batching = "batch_index" in names_in
+        #: a speculative-decoding graph (``num_logits_to_keep``): :func:`qeff_kv.runtime.speculative.score` verifies
+        #: drafted tokens in one step; ``speculative_tokens`` is its ``K`` (graph metadata or manifest, else None)
+        self.speculative = layout.speculative
+        self.speculative_tokens = layout.speculative_tokens or (man.get("speculative_tokens") if self.speculative
+                                                                else None)
         kv_inputs = {p.input_name for p in layout.pairs}
         extra = [n for n in names_in if n not in kv_inputs
-                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT)
+                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT, naming.LOGITS_TO_KEEP_INPUT)
                  and (self.media is None or n not in self.media.input_names)]
         if extra:
             raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
@@ -243,10 +248,10 @@ class Session(GenerationMixin):
             self._rows = lockstep_mod.RowViews(self.cache.arrays)
             self.ctx_len -= 1
             self.cache.ctx_len -= 1
-        self._small: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._small_values: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
-        self._logits: dict[tuple[int, int], tuple[np.ndarray, ort.OrtValue]] = {}
-        self._bound: tuple[int, int] | None = None
+        self._small: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        self._small_values: dict[tuple[int, int, int], dict[str, ort.OrtValue]] = {}
+        self._logits: dict[tuple[int, int, int], tuple[np.ndarray, ort.OrtValue]] = {}
+        self._bound: tuple[int, int, int] | None = None
         self._logits_prebound = self.vocab_size is not None
         self.timings = Timings()
         # comp_ctx_lengths (contract section 9), ours or the peer's: fed at the smallest allowed length
@@ -280,18 +285,22 @@ class Session(GenerationMixin):
         if name not in self._out_order:
             self._out_order.append(name)
 
-    def _bind_small(self, rows: int, seq_len: int) -> dict[str, np.ndarray]:
-        key = (rows, seq_len)
+    def _bind_small(self, rows: int, seq_len: int, keep: int = 1) -> dict[str, np.ndarray]:
+        """Bind the small inputs (and logits) of a ``[rows, seq_len]`` step; ``keep``: the logits rows a
+        speculative-decoding graph returns (``num_logits_to_keep``)."""
+        key = (rows, seq_len, keep)
         arrays = self._small.get(key)
         if arrays is None:
             arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
                       "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64)}
             if self.continuous_batching:
                 arrays["batch_index"] = np.zeros((rows, 1), np.int64)
+            if self.speculative:
+                arrays[naming.LOGITS_TO_KEEP_INPUT] = np.zeros((keep, 1), np.int64)
             self._small[key] = arrays
             self._small_values[key] = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
             if self._logits_prebound:
-                buf = np.zeros((rows, 1, self.vocab_size), self.logits_dtype)
+                buf = np.zeros((rows, keep, self.vocab_size), self.logits_dtype)
                 self._logits[key] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
         if self._bound != key:
             for k, v in self._small_values[key].items():
@@ -300,8 +309,10 @@ class Session(GenerationMixin):
             self._bound = key
         return arrays
 
-    def _run(self, rows: int, seq_len: int, last_index: np.ndarray, needed: int | None = None) -> np.ndarray:
-        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token.
+    def _run(self, rows: int, seq_len: int, last_index: np.ndarray, needed: int | None = None,
+             keep: int = 1) -> np.ndarray:
+        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token, or with
+        ``keep > 1`` (a speculative-decoding graph) the kept rows ``[rows, keep, vocab]``.
         ``needed``: 1 + the largest position the step writes (picks ``comp_ctx_lengths`` on a CCL graph)."""
         if self.ccl is not None:
             length = self.ccl.length_for(self.ctx_len if needed is None else needed)
@@ -316,9 +327,13 @@ class Session(GenerationMixin):
             raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
         self.cache.swap()
         if self._logits_prebound:
-            out = self._logits[(rows, seq_len)][0]
+            out = self._logits[(rows, seq_len, keep)][0]
         else:
             out = self._io.get_outputs()[self._out_order.index("logits")].numpy()
+        if keep > 1:
+            if out.shape[:2] != (rows, keep):
+                raise ContractError(f"logits have shape {out.shape}; expected [{rows}, {keep}, vocab]")
+            return out.copy()
         if out.ndim == 3 and out.shape[1] == 1:
             return out[:, 0, :].copy()
         if out.ndim == 3:  # full logits [rows, seq_len, vocab]
