@@ -188,7 +188,7 @@ def test_reuse_copies_from_a_running_sequence(own_cb_graph):
 
 def test_reuse_without_copy_truncates_in_place(own_cb_graph, monkeypatch):
     session = Session(own_cb_graph)
-    monkeypatch.delattr(type(session), "copy", raising=False)
+    monkeypatch.setattr(session, "copy", None, raising=False)   # a session without the copy verb
     sched = Scheduler(session)
     base = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22]
     try:
@@ -205,7 +205,7 @@ def test_refused_rewind_prefills_from_scratch(own_cb_graph, monkeypatch):
     """A session that refuses the rewind (as ring-buffer graphs do past their window) loses the reuse, not the
     request."""
     session = Session(own_cb_graph)
-    monkeypatch.delattr(type(session), "copy", raising=False)
+    monkeypatch.setattr(session, "copy", None, raising=False)   # a session without the copy verb
     real = session.truncate
 
     def refusing(seq, n):
