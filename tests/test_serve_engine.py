@@ -186,19 +186,26 @@ def test_reuse_copies_from_a_running_sequence(own_cb_graph):
     assert f1.completion_tokens == 40 and t1 == _alone(own_cb_graph, shared + [30], 40)
 
 
+def _reuse_after_a_kept_prompt(graph, session):
+    """A 10-token request, then one sharing its first 6 tokens, on a scheduler over ``session``; returns
+    ``(tokens, Finished, stats)`` of the second and the 6-token-prefix prompt it ran."""
+    sched = Scheduler(session)
+    base = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22]
+    other = base[:6] + [60, 61]
+    try:
+        _run(sched.submit(_req(0, base, 4)))
+        t, f = _run(sched.submit(_req(1, other, 5)))
+        return t, f, sched.stats(), other
+    finally:
+        sched.close()
+
+
 def test_reuse_without_copy_truncates_in_place(own_cb_graph, monkeypatch):
     session = Session(own_cb_graph)
     monkeypatch.setattr(session, "copy", None, raising=False)   # a session without the copy verb
-    sched = Scheduler(session)
-    base = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22]
-    try:
-        _run(sched.submit(_req(0, base, 4)))
-        other = base[:6] + [60, 61]
-        t, f = _run(sched.submit(_req(1, other, 5)))
-        assert f.cached_tokens == 6 and t == _alone(own_cb_graph, other, 5)
-        assert sched.stats()["sequences_cached"] == 1   # the same slot, continued
-    finally:
-        sched.close()
+    t, f, stats, other = _reuse_after_a_kept_prompt(own_cb_graph, session)
+    assert f.cached_tokens == 6 and t == _alone(own_cb_graph, other, 5)
+    assert stats["sequences_cached"] == 1   # the same slot, continued
 
 
 def test_refused_rewind_prefills_from_scratch(own_cb_graph, monkeypatch):
@@ -214,15 +221,8 @@ def test_refused_rewind_prefills_from_scratch(own_cb_graph, monkeypatch):
         real(seq, n)
 
     session.truncate = refusing
-    sched = Scheduler(session)
-    base = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22]
-    try:
-        _run(sched.submit(_req(0, base, 4)))
-        other = base[:6] + [60, 61]
-        t, f = _run(sched.submit(_req(1, other, 5)))
-        assert f.cached_tokens == 0 and t == _alone(own_cb_graph, other, 5)
-    finally:
-        sched.close()
+    t, f, _, other = _reuse_after_a_kept_prompt(own_cb_graph, session)
+    assert f.cached_tokens == 0 and t == _alone(own_cb_graph, other, 5)
 
 
 def test_state_admission_continues_a_handed_off_sequence(own_cb_graph):
