@@ -32,6 +32,10 @@ KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", 
 LATENT_STEMS: tuple[str, ...] = ("compressed_kv", "k_pe")
 #: Stems whose axis 2 is a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none.
 POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
+#: A recurrent (Mamba2 / gated-delta-net / short-conv) layer's state, contract section 12: ``conv_state.{i}``
+#: ``[batch, conv_dim, conv_kernel]`` and ``recurrent_state.{i}`` ``[batch, heads, head_dim, state_dim]``; only axis 0
+#: is dynamic, no position axis: every token overwrites it, so it cannot be cut by position.
+RECURRENT_STEMS: tuple[str, ...] = ("conv_state", "recurrent_state")
 #: The suffix that pairs an output with the input of the same base name.
 RETAINED_SUFFIX = "_RetainedState"
 #: Vision-language graphs (contract section 6): the dual layout's image rows (language-graph input, vision-graph

@@ -8,7 +8,14 @@ its *kind*, which says how a position maps to a slot and which positions the buf
 * ``ring``: a sliding-window layer's ring of ``window`` slots, position ``p`` in slot ``p % capacity``
   (contract section 7);
 * ``latent``: an MLA layer's compressed pair (``compressed_kv`` ``[batch, 1, ctx_len, kv_lora_rank]`` and ``k_pe``
-  ``[batch, 1, ctx_len, qk_rope_head_dim]``, contract section 11): ``ctx_len`` slots, position ``p`` in slot ``p``.
+  ``[batch, 1, ctx_len, qk_rope_head_dim]``, contract section 11): ``ctx_len`` slots, position ``p`` in slot ``p``;
+* ``recurrent``: a recurrent layer's state (``conv_state``, ``recurrent_state``, contract section 12): no position
+  axis, no slots; every token overwrites it, so it is never sliced by position (``sliceable`` is false) and a
+  rewind needs a checkpoint of it.
+
+A hybrid model may keep two entries for one layer (Falcon-H1 runs attention and a Mamba2 mixer side by side): one
+positional (``full``/``ring``/``latent``) and one ``recurrent``. :meth:`StateSpec.layer` returns the positional one,
+:meth:`StateSpec.recurrent` the recurrent one.
 
 The kinds are a registry (:data:`KINDS`): a latent pair (MLA's ``compressed_kv``/``k_pe``) or a recurrent state
 (no position axis) is one more :class:`StateKind`, not a branch in every file that reads graphs.
@@ -39,6 +46,8 @@ class StateKind:
     name: str = ""
     #: the symbolic name of the position axis in exported graphs (``None``: no position axis)
     dim: str | None = None
+    #: whether the state can be cut by position (truncate, transfer of ``[0, n)``); recurrent state cannot
+    sliceable: bool = True
 
     def slot(self, position: int, capacity: int) -> int:
         raise NotImplementedError
@@ -78,8 +87,25 @@ class LatentKind(FullKind):
     stems: tuple[str, ...] = naming.LATENT_STEMS
 
 
-#: kind name -> its :class:`StateKind` (next: ``recurrent``)
-KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind(), LatentKind())}
+class RecurrentKind(StateKind):
+    """A recurrent layer's state (contract section 12): one state per sequence that every token overwrites. It has
+    no slots: :meth:`slot` refuses, and :meth:`held` says the state summarises every position written."""
+
+    name = "recurrent"
+    dim = None
+    sliceable = False
+    #: the stems of a recurrent layer, in graph order (a short-conv layer keeps only ``conv_state``)
+    stems: tuple[str, ...] = naming.RECURRENT_STEMS
+
+    def slot(self, position: int, capacity: int) -> int:
+        raise ContractError("a recurrent state has no position slots")
+
+    def held(self, written: int, capacity: int) -> tuple[int, int]:
+        return 0, written
+
+
+#: kind name -> its :class:`StateKind`
+KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind(), LatentKind(), RecurrentKind())}
 
 
 @dataclass(frozen=True)
@@ -138,7 +164,20 @@ class StateSpec:
     layers: tuple[LayerState, ...]
 
     def layer(self, i: int) -> LayerState | None:
-        return next((s for s in self.layers if s.layer == i), None)
+        """Layer ``i``'s positional state (``full``/``ring``/``latent``); ``None`` if it keeps none."""
+        return next((s for s in self.layers if s.layer == i and s.kind != "recurrent"), None)
+
+    def recurrent(self, i: int) -> LayerState | None:
+        """Layer ``i``'s recurrent state; ``None`` if it keeps none."""
+        return next((s for s in self.layers if s.layer == i and s.kind == "recurrent"), None)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(s.layer for s in self.layers if s.kind == "recurrent")
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(s.kind == "recurrent" for s in self.layers)
 
     @property
     def ring_layers(self) -> tuple[int, ...]:
@@ -166,7 +205,12 @@ class StateSpec:
             raise ContractError(f"graph metadata {META_KEY} is not JSON") from None
         if not isinstance(raw, list):
             raise ContractError(f"graph metadata {META_KEY} must be a list of layers")
-        return cls(tuple(sorted((LayerState.from_json(d) for d in raw), key=lambda s: s.layer)))
+        return cls(tuple(sorted((LayerState.from_json(d) for d in raw), key=_order)))
+
+
+def _order(state: LayerState) -> tuple[int, int]:
+    """Layer order; within a layer the positional entry before the recurrent one."""
+    return state.layer, int(state.kind == "recurrent")
 
 
 def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
@@ -190,25 +234,28 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
 def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window: int | None = None) -> StateSpec:
     """The spec of a graph without one, from its KV buffers ``(stem, layer, input shape, output shape)``: a layer
     whose axis 2 is named ``sliding_window`` (input or output) is a ring of ``window`` slots (its static size when
-    it has one), a layer of MLA's latent stems is ``latent``, any other layer is full-length (capacity: a static
-    axis 2, else bound at run time)."""
-    by_layer: dict[int, list] = {}
+    it has one), a layer of MLA's latent stems is ``latent``, any other attention layer is full-length (capacity: a
+    static axis 2, else bound at run time); a layer's recurrent stems (``conv_state``, ``recurrent_state``) are one
+    more entry of kind ``recurrent`` (no position axis)."""
+    by_layer: dict[tuple[int, bool], list] = {}
     for stem, layer, shape, out_shape in pairs:
-        by_layer.setdefault(layer, []).append((stem, shape, out_shape))
+        by_layer.setdefault((layer, stem in naming.RECURRENT_STEMS), []).append((stem, shape, out_shape))
     layers = []
-    for layer in sorted(by_layer):
-        entries = sorted(by_layer[layer], key=lambda e: naming.KV_STEMS.index(e[0]))
+    for layer, recurrent in sorted(by_layer):
+        entries = sorted(by_layer[(layer, recurrent)], key=lambda e: naming.KV_STEMS.index(e[0]))
+        stems = tuple(e[0] for e in entries)
+        shapes = tuple(tuple(shape[1:]) if shape is not None else () for _, shape, _ in entries)
+        if recurrent:
+            layers.append(LayerState(layer=layer, kind="recurrent", stems=stems, shapes=shapes, position_axis=None))
+            continue
         ring = any(s is not None and len(s) > 2 and s[2] == naming.SLIDING_DIM
                    for _, shape, out in entries for s in (shape, out))
         latent = not ring and any(stem in naming.LATENT_STEMS for stem, _, _ in entries)
-        positional = all(stem in naming.POSITION_STEMS for stem, _, _ in entries)
         axis2 = [shape[2] for _, shape, _ in entries if shape is not None and len(shape) > 2]
         static = [d for d in axis2 if isinstance(d, int) and not isinstance(d, bool)]
         capacity = min(static) if static else None
         layers.append(LayerState(layer=layer, kind="ring" if ring else "latent" if latent else "full",
-                                 stems=tuple(e[0] for e in entries),
-                                 shapes=tuple(tuple(shape[1:]) if shape is not None else () for _, shape, _ in entries),
-                                 position_axis=2 if positional else None, capacity=capacity,
+                                 stems=stems, shapes=shapes, position_axis=2, capacity=capacity,
                                  window=window if ring else None))
     return StateSpec(tuple(layers))
 
@@ -225,16 +272,23 @@ def read(metadata: dict, pairs: Iterable[tuple[str, int, tuple | None, tuple | N
 def mismatch(spec: StateSpec, pairs: Iterable[tuple[str, int, tuple | None, tuple | None]]) -> str | None:
     """Why a recorded spec does not describe the graph's KV buffers (layers, stems, kinds), or ``None``."""
     found = derive(pairs)
-    if [s.layer for s in spec.layers] != [s.layer for s in found.layers]:
-        return (f"graph metadata {META_KEY} describes layers {[s.layer for s in spec.layers]}, the graph's KV "
-                f"buffers are of layers {[s.layer for s in found.layers]}")
-    for want, got in zip(spec.layers, found.layers):
+    want_keys = [(s.layer, s.kind == "recurrent") for s in spec.layers]
+    got_keys = [(s.layer, s.kind == "recurrent") for s in found.layers]
+    if sorted(want_keys) != sorted(got_keys):
+        return (f"graph metadata {META_KEY} describes layers {_describe(spec)}, the graph's KV buffers are of "
+                f"layers {_describe(found)}")
+    for want, got in zip(sorted(spec.layers, key=_order), found.layers):
         if sorted(want.stems) != sorted(got.stems):
             return (f"graph metadata {META_KEY}: layer {want.layer} retains {list(want.stems)}, the graph "
                     f"{list(got.stems)}")
         if want.kind != got.kind:
             return f"graph metadata {META_KEY}: layer {want.layer} is {want.kind}, its buffers are {got.kind}"
     return None
+
+
+def _describe(spec: StateSpec) -> list:
+    """Layer numbers, a recurrent entry written ``"i (recurrent)"`` (as ``mismatch`` reports them)."""
+    return [s.layer if s.kind != "recurrent" else f"{s.layer} (recurrent)" for s in spec.layers]
 
 
 def problem(metadata: dict, pairs) -> str | None:

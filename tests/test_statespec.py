@@ -41,8 +41,32 @@ def test_export_spec_round_trips_through_json():
 def test_malformed_spec_is_one_line():
     with pytest.raises(ContractError, match=r"^graph metadata qeff_kv.state_spec is not JSON$"):
         statespec.StateSpec.loads("{")
-    with pytest.raises(ContractError, match=r"layer 0 has unknown kind 'recurrent' \(known: full, ring, latent\)$"):
-        statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "recurrent", "stems": [], "shapes": []}]))
+    with pytest.raises(ContractError,
+                       match=r"layer 0 has unknown kind 'paged' \(known: full, ring, latent, recurrent\)$"):
+        statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "paged", "stems": [], "shapes": []}]))
+
+
+def test_derived_spec_of_a_hybrid_graph_keeps_recurrent_state_apart():
+    """A parallel-hybrid layer (attention and a Mamba2 mixer side by side, Falcon-H1) has two entries; a recurrent
+    entry has no position axis and cannot be sliced; a recorded spec missing it is a mismatch."""
+    pairs = [("past_key", 0, ("batch", 2, "ctx_len", 8), None), ("past_value", 0, ("batch", 2, "ctx_len", 8), None),
+             ("conv_state", 0, ("batch", 48, 4), None), ("recurrent_state", 0, ("batch", 4, 8, 16), None),
+             ("conv_state", 1, ("batch", 48, 4), None), ("recurrent_state", 1, ("batch", 4, 8, 16), None)]
+    spec = statespec.derive(pairs)
+    assert [(s.layer, s.kind) for s in spec.layers] == [(0, "full"), (0, "recurrent"), (1, "recurrent")]
+    assert spec.layer(0).stems == ("past_key", "past_value") and spec.layer(1) is None
+    rec = spec.recurrent(1)
+    assert rec.stems == ("conv_state", "recurrent_state") and rec.position_axis is None
+    assert rec.shapes == ((48, 4), (4, 8, 16)) and not rec.state_kind.sliceable
+    assert spec.recurrent_layers == (0, 1) and spec.has_recurrent and not spec.has_ring
+    assert statespec.StateSpec.loads(spec.dumps()) == spec
+    assert statespec.mismatch(spec, pairs) is None
+    partial = statespec.StateSpec(spec.layers[:2])
+    assert statespec.mismatch(partial, pairs) == (
+        "graph metadata qeff_kv.state_spec describes layers [0, '0 (recurrent)'], the graph's KV buffers are of "
+        "layers [0, '0 (recurrent)', '1 (recurrent)']")
+    with pytest.raises(ContractError, match="^a recurrent state has no position slots$"):
+        rec.state_kind.slot(3, 8)
 
 
 def test_derived_spec_of_a_graph_without_one(tmp_path):

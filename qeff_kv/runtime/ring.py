@@ -71,8 +71,9 @@ def resolve(layout: KVLayout, manifest: dict | None, given: int | None) -> RingS
     if given is not None and recorded is not None and given != recorded:
         raise RuntimeInputError(f"the graph records sliding window {recorded}; {given} was requested")
     window = recorded if recorded is not None else given
-    kinds = {state.layer: state.kind for state in layout.state_spec.layers}   # what each layer retains
-    rings = [p for p in layout.pairs if kinds.get(p.layer) == "ring"]
+    kinds = {state.layer: state.kind for state in layout.state_spec.layers   # what each layer's KV retains
+             if state.kind != "recurrent"}
+    rings = [p for p in layout.pairs if kinds.get(p.layer) == "ring" and p.stem in naming.POSITION_STEMS]
     if not rings:
         if given is not None and recorded is None:
             raise RuntimeInputError(f"sliding window {given} was given, but the graph has no sliding-window KV "
