@@ -50,6 +50,12 @@ class ChunkType(click.ParamType):
                    "streams smoother while long prompts arrive; auto: what costs about one decode step (measured).")
 @click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
+@click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
+              help="Speculative decoding on a graph exported with --speculative-tokens K: each decode step verifies "
+                   "every running sequence's drafts (prompt lookup, or a draft export of the same tokenizer); the "
+                   "same tokens as plain decoding. Acceptance in /metrics.")
+@click.option("--speculative-k", type=DIM, default=None,
+              help="With --speculative: drafts per sequence and step (default and maximum: the graph's K).")
 @click.option("--disaggregate", is_flag=True,
               help="Prefill and decode in separate Ray actors handing KV states over (needs ray).")
 @click.option("--prefill-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
@@ -58,8 +64,8 @@ class ChunkType(click.ParamType):
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
-              prefill_seq_len, prefill_chunk, no_prompt_reuse, model_name, disaggregate, prefill_replicas,
-              decode_replicas, prefill_export, ray_address) -> None:
+              prefill_seq_len, prefill_chunk, no_prompt_reuse, model_name, speculative, speculative_k, disaggregate,
+              prefill_replicas, decode_replicas, prefill_export, ray_address) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -75,13 +81,16 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
-                         reuse_prompts=not no_prompt_reuse, model_name=model_name,
+                         reuse_prompts=not no_prompt_reuse, model_name=model_name, speculative=speculative,
+                         speculative_k=speculative_k,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
 
     def ready(engine) -> None:
+        spec = getattr(engine, "speculation", None)
+        extra = f", speculative {spec.drafting.name} k={spec.k}" if spec is not None else ""
         click.echo(f"serving {engine.model_name} on http://{host}:{port} (context {engine.ctx_len}, "
-                   f"{engine.max_sequences} sequences at once)", err=True)
+                   f"{engine.max_sequences} sequences at once{extra})", err=True)
 
     serve(config, on_ready=ready)
 

@@ -38,36 +38,80 @@ def score(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
     """Feed ``tokens`` to ``seq`` in one step (positions ``[length, length + n)``) and return the logits after
     each of them, ``[n, vocab]``: the verification step of speculative decoding. Needs a speculative-decoding
     graph (``num_logits_to_keep``) for ``n > 1``."""
-    seq = session.cache.get(seq)
-    toks = session._check_tokens(tokens)
-    n = len(toks)
-    if n == 0:
+    return score_rows(session, [(seq, tokens)])[0]
+
+
+def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarray]:
+    """:func:`score` for several sequences in one step (a graph with ``batch_index``: one row each).
+
+    Row ``i`` feeds its ``n_i`` tokens at positions ``[length_i, length_i + n_i)``; rows shorter than the widest
+    ``W`` are padded (their last token again, at the following positions, up to ``length_i + W``: writes past the
+    valid length that nothing reads, since the mask is causal, and the next real token overwrites). Returns each
+    row's logits ``[n_i, vocab]``; each sequence's length grows by its ``n_i``."""
+    if not feeds:
+        return []
+    seqs = [session.cache.get(s) for s, _ in feeds]
+    toks = [session._check_tokens(t) for _, t in feeds]
+    if len({s.id for s in seqs}) != len(seqs):
+        raise RuntimeInputError("a sequence appears twice in one verification step")
+    width = max(len(t) for t in toks)
+    if min(len(t) for t in toks) == 0:
         raise RuntimeInputError("score needs at least one token")
-    if seq.length == 0:
-        raise RuntimeInputError(f"sequence {seq.id} is empty: prefill it first")
-    if n > 1 and not session.speculative:
+    for seq in seqs:
+        if seq.length == 0:
+            raise RuntimeInputError(f"sequence {seq.id} is empty: prefill it first")
+    if width > 1 and not session.speculative:
         raise RuntimeInputError("the graph returns one row of logits per step (no num_logits_to_keep input); "
                                 "export it with --speculative-tokens K to verify drafted tokens")
     if session.lockstep or session.fixed_seq_len is not None:
         raise RuntimeInputError("speculative decoding needs a graph with a symbolic seq_len run one sequence "
                                 "per step (not lock step)")
-    session.cache.check_room([seq], n)
+    if len(seqs) > 1 and not session.continuous_batching:
+        raise RuntimeInputError("a graph without batch_index verifies one sequence per step")
+    session.cache.check_room(seqs, width)    # padding included: every row writes W positions
     t0 = time.perf_counter()
-    arrays = session._bind_small(1, n, n)
-    arrays["input_ids"][0, :] = toks
-    pos_mod.write(arrays["position_ids"], 0, seq.length, n, delta=pos_mod.delta(seq.rope_marks))
-    if session.continuous_batching:
-        arrays["batch_index"][0, 0] = seq.slot
-    out = session._run(1, n, np.array([n - 1]), needed=seq.length + n, keep=n)
-    rows = out[0] if n > 1 else out[:1]
-    seq.length += n
-    session.cache.wrote(seq, seq.length)
-    seq.tokens.extend(toks)
-    seq.pending = None
-    seq.pending_emitted = False
+    rows = len(seqs)
+    arrays = session._bind_small(rows, width, width)
+    ids = arrays["input_ids"]
+    for r, (seq, t) in enumerate(zip(seqs, toks)):
+        ids[r, :len(t)] = t
+        ids[r, len(t):] = t[-1]
+        pos_mod.write(arrays["position_ids"], r, seq.length, width, delta=pos_mod.delta(seq.rope_marks))
+        if session.continuous_batching:
+            arrays["batch_index"][r, 0] = seq.slot
+    needed = max(s.length for s in seqs) + width
+    if width > 1:
+        out = session._run(rows, width, np.full(rows, width - 1), needed=needed, keep=width)
+    else:
+        out = session._run(rows, 1, np.zeros(rows, np.int64), needed=needed)[:, None, :]
+    result = []
+    for r, (seq, t) in enumerate(zip(seqs, toks)):
+        n = len(t)
+        seq.length += n
+        session.cache.wrote(seq, seq.length)
+        seq.tokens.extend(t)
+        seq.pending = None
+        seq.pending_emitted = False
+        result.append(out[r, :n])
     session.timings.decode_s += time.perf_counter() - t0
     session.timings.decode_steps += 1
-    return rows
+    return result
+
+
+def accept(rows: np.ndarray, draft: Seq[int], params: SamplingParams, base: int,
+           stops: Iterable[int] = ()) -> list[int]:
+    """The tokens a verification step gives: ``rows[i]`` are the logits after the pending token and ``draft[:i]``
+    (position ``base + i``); drafts are taken while each equals the pick of :func:`sample` there, and the first
+    differing pick (or the pick after the last draft) ends the run; so does a stop token. Every returned token
+    is what plain decoding would have picked; ``len(result) - 1`` drafts were accepted."""
+    stops = set(stops)
+    emitted: list[int] = []
+    for i in range(len(draft) + 1):
+        y = sample(rows[i], params, base + i)
+        emitted.append(y)
+        if i == len(draft) or y != draft[i] or y in stops:
+            break
+    return emitted
 
 
 # ============================================================================================ drafters
@@ -270,13 +314,7 @@ class SpeculativeDecoder:
                 gen.tokens.append(tok)
                 continue
             base = seq.length + 1                  # where the first token after ``tok`` goes
-            rows = score(s, seq, [tok] + draft)
-            emitted = []
-            for i in range(len(draft) + 1):
-                y = sample(rows[i], params, base + i)
-                emitted.append(y)
-                if i == len(draft) or y != draft[i] or y in stops:
-                    break
+            emitted = accept(score(s, seq, [tok] + draft), draft, params, base, stops)
             accepted = len(emitted) - 1            # drafts kept (they equal emitted[:-1])
             s.truncate(seq, base + accepted)       # O(1): drop the rejected drafts' positions
             self.drafter.feedback(len(draft), accepted)

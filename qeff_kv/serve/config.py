@@ -31,6 +31,11 @@ class ServeConfig:
     reuse_prompts: bool = True
     #: the name /v1/models lists and requests give as "model" (default: the export folder's name)
     model_name: str | None = None
+    #: speculative decoding on a graph exported with --speculative-tokens K: "lookup" (prompt lookup) or the
+    #: folder of a draft export of the same tokenizer; None: plain decoding
+    speculative: str | None = None
+    #: drafts per sequence and step with ``speculative`` (default and maximum: the graph's K)
+    speculative_k: int | None = None
     # ---- disaggregated serving (Ray): prefill replicas hand KV states to decode replicas
     disaggregate: bool = False
     prefill_replicas: int = 1

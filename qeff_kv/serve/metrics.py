@@ -7,7 +7,7 @@ the gauges read :meth:`Engine.stats` at scrape time.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: seconds; TTFT spans queueing and prefill, ITL one decode step
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,6 +24,15 @@ GAUGES = {
 }
 
 
+#: counter name -> (Engine.stats() key, help): speculative decoding (``--speculative``), when the engine does it
+COUNTERS = {
+    "qeff_kv_speculative_draft_tokens": ("speculative_drafted", "Drafted tokens verified (speculative decoding)."),
+    "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
+                                            "Drafted tokens accepted (equal to plain decoding's pick)."),
+    "qeff_kv_speculative_verifications": ("speculative_verifications", "Decode steps that verified drafts."),
+}
+
+
 class _EngineGauges:
     def __init__(self, engine):
         self.engine = engine
@@ -35,6 +44,9 @@ class _EngineGauges:
                 g = GaugeMetricFamily(name, doc)
                 g.add_metric([], float(stats[key]))
                 yield g
+        for name, (key, doc) in COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
 
 
 class Metrics:

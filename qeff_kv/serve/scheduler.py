@@ -9,7 +9,8 @@ Each turn of the engine thread:
 3. feeds **one** prefill chunk (``prefill_chunk`` tokens, by default the session's ``prefill_seq_len``) to the
    oldest request still prefilling;
 4. runs **one** decode step for every running sequence together (``batch_index`` rows, or lock step on a graph
-   without it: the session does both).
+   without it: the session does both); with a :class:`~.speculation.Speculation` (``--speculative``), that step
+   verifies each sequence's drafts and may give each several tokens, emitted one event each.
 
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
 spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
@@ -75,10 +76,11 @@ class Scheduler(Engine):
         reuse_prompts: keep finished sequences for prompt reuse.
         model_name: what ``/v1/models`` lists (default: the export folder's name).
         prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``), or ``"auto"``.
+        speculation: a :class:`~.speculation.Speculation` over ``session`` (speculative decoding), or None.
     """
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
-                 prefill_chunk: int | str | None = None):
+                 prefill_chunk: int | str | None = None, speculation=None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
         if prefill_chunk is not None and prefill_chunk != "auto" and (
@@ -93,6 +95,9 @@ class Scheduler(Engine):
         self._decode_s: float | None = None       # moving averages: one decode step, one prefill token
         self._prefill_tok_s: float | None = None
         self.session = session
+        if speculation is not None and speculation.session is not session:
+            raise RuntimeInputError("the speculation drives another session than the scheduler's")
+        self.speculation = speculation
         self.model_name = model_name or session.files.folder.name
         self.ctx_len = session.ctx_len
         self.max_sequences = session.max_sequences
@@ -130,7 +135,10 @@ class Scheduler(Engine):
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        if self.speculation is not None:
+            out.update(self.speculation.stats())
+        return out
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -214,6 +222,8 @@ class Scheduler(Engine):
         for group in (self._prefilling, self._running):
             if a in group:
                 group.remove(a)
+        if self.speculation is not None:
+            self.speculation.release(a)
         seq = a.seq
         if keep and self.reuse_prompts and seq.alive and seq.length > 0 and all(t >= 0 for t in seq.tokens):
             self._kept[seq.id] = seq
@@ -236,6 +246,8 @@ class Scheduler(Engine):
             h.emit(Finished("cancelled", len(req.prompt), 0, 0))
         for fut, _ in control:
             fut.set_exception(RuntimeInputError("the engine is closed"))
+        if self.speculation is not None:
+            self.speculation.close()
 
     def _apply_cancellations(self) -> None:
         for a in [a for a in self._prefilling + self._running if a.handle.cancelled]:
@@ -390,6 +402,9 @@ class Scheduler(Engine):
             self._running.append(a)
 
     def _decode_step(self) -> None:
+        if self.speculation is not None:
+            self._speculative_step()
+            return
         batch = list(self._running)
         t0 = time.perf_counter()
         try:
@@ -409,6 +424,30 @@ class Scheduler(Engine):
                 continue
             a.seq.pending, a.seq.pending_emitted = tok, True
             self._emit_token(a, tok)
+
+    def _speculative_step(self) -> None:
+        """The decode step through :attr:`speculation`: each sequence gets one or more tokens, each emitted as
+        its own event (a stop token or the budget ends the run where plain decoding would have ended)."""
+        from .speculation import Row
+
+        batch = list(self._running)
+        rows = [Row(a, a.seq, a.last, a.params, a.budget - a.generated, a.req.stop_token_ids) for a in batch]
+        t0 = time.perf_counter()
+        try:
+            runs = self.speculation.step(rows)
+        except Exception as exc:   # noqa: BLE001 - the step failed for all of them
+            for a in batch:
+                self._finish(a, "error", f"decode failed: {exc}", keep=False)
+            return
+        self._decode_s = self._average(self._decode_s, time.perf_counter() - t0)
+        with self._lock:
+            self._stats["decode_steps"] += 1
+        for a, run in zip(batch, runs):
+            a.seq.pending, a.seq.pending_emitted = run[-1], True
+            for tok in run:
+                self._emit_token(a, tok)
+                if a.handle.finished:
+                    break
 
     # ---- slots
     def _slot_action(self, slot: int, action: str, path) -> dict:

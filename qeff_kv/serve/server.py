@@ -17,9 +17,19 @@ def build_engine(config: ServeConfig) -> Engine:
         return start_disaggregated(config)
     from .scheduler import Scheduler
 
-    return Scheduler(open_session(config), max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
+    session = open_session(config)
+    speculation = None
+    if config.speculative is not None:
+        from .speculation import Speculation, open_drafting, refusal
+
+        why = refusal(session)   # before a draft export is opened
+        if why is not None:
+            raise RuntimeInputError(why)
+        speculation = Speculation(session, open_drafting(config.speculative, session, threads=config.threads),
+                                  k=config.speculative_k)
+    return Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
                      model_name=config.model_name or model_name_of(config.export_dir),
-                     prefill_chunk=config.prefill_chunk)
+                     prefill_chunk=config.prefill_chunk, speculation=speculation)
 
 
 def text_facts(config: ServeConfig):
@@ -53,6 +63,10 @@ def check_config(config: ServeConfig) -> None:
         raise RuntimeInputError("--api-key is empty")
     if not 0 <= config.port <= 65535:
         raise RuntimeInputError(f"--port must be in [0, 65535], got {config.port}")
+    if config.speculative is not None and config.disaggregate:
+        raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode plainly)")
+    if config.speculative_k is not None and config.speculative is None:
+        raise RuntimeInputError("--speculative-k goes with --speculative")
 
 
 def serve(config: ServeConfig, *, on_ready=None) -> None:

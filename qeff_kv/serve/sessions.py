@@ -21,8 +21,9 @@ def open_session(config: ServeConfig, export: str | None = None):
     if config.max_sequences is not None:
         return Session(model, max_sequences=config.max_sequences, **kw)
     # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible
+    # (not with speculative decoding: lock-step rows cannot verify drafts, so one sequence)
     session = Session(model, **kw)
-    if session.continuous_batching or session.max_sequences > 1:
+    if session.continuous_batching or session.max_sequences > 1 or config.speculative is not None:
         return session
     del session
     try:
