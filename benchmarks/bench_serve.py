@@ -16,6 +16,17 @@ Usage (SmolLM2-135M exported as in README "A real checkpoint", ctx 2048):
     python benchmarks/bench_serve.py --export smollm2-fp32/ --export smollm2-int4/ --threads 2 \\
         [--quick] [--llama-server ~/llama.cpp/build/bin/llama-server --gguf SmolLM2.gguf] --out results/serve.json
 
+Speculative decoding (``--speculative lookup|DRAFT_DIR``): every ``--export`` whose graph was exported with
+``--speculative-tokens K`` is served with ``qeff-kv serve --speculative ...`` (the others plainly), so an ordinary
+export and a speculative one of the same model compare side by side; ``--workload quote`` makes every request the
+quoting chat request of ``benchmarks/bench_speculative.py`` (repeat the public-domain passage, ``--new-max`` new
+tokens, the model's eos stops it, greedy) instead of random cuts of the text; ``--rounds N`` repeats every target
+N times, interleaved (target A, B, A, B, ...), and reports medians; each run records the server's speculative
+counters (drafted / accepted, from ``/metrics``) and whether every target gave the same text for each request:
+
+    python benchmarks/bench_serve.py --export plain/ --export spec8/ --speculative lookup --workload quote \\
+        --clients 1 --new-max 256 --rounds 3 --threads 2 --no-arrivals --out results/serve_speculative.json
+
 ``--llama-server`` runs the same load against ``llama-server -m GGUF -np C -c CTX*C --threads T`` (build
 llama.cpp with ``cmake -B build && cmake --build build --target llama-server -j``; not built here).
 """
@@ -89,17 +100,23 @@ class Server:
         self.log.close()
 
 
-def stream_one(url: str, prompt: list[int], new: int, model: str | None) -> dict:
-    """One streamed completion; chunk arrival times at the client."""
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+def stream_one(url: str, prompt: list[int] | str, new: int, model: str | None) -> dict:
+    """One streamed completion (a chat request when ``prompt`` is text: the quote workload, eos stops it);
+    chunk arrival times at the client."""
+    chat = isinstance(prompt, str)
+    body = {"max_tokens": new, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body.update(prompt=prompt, ignore_eos=True)
     if model:
         body["model"] = model
     t0 = time.perf_counter()
     stamps: list[float] = []
+    pieces: list[str] = []
     usage = None
     with httpx.Client(timeout=600) as c:
-        with c.stream("POST", url + "/v1/completions", json=body) as r:
+        with c.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
@@ -108,11 +125,14 @@ def stream_one(url: str, prompt: list[int], new: int, model: str | None) -> dict
                 j = json.loads(line[6:])
                 if j.get("usage"):
                     usage = j["usage"]
-                if j.get("choices") and j["choices"][0].get("text"):
+                ch = j.get("choices") or []
+                piece = (ch[0].get("delta", {}).get("content") if chat else ch[0].get("text")) if ch else None
+                if piece:
                     stamps.append(time.perf_counter())
+                    pieces.append(piece)
     tokens = usage["completion_tokens"] if usage else len(stamps)
     return {"ttft": stamps[0] - t0 if stamps else None, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": tokens, "start": t0, "end": time.perf_counter()}
+            "tokens": tokens, "start": t0, "end": time.perf_counter(), "text": "".join(pieces)}
 
 
 class Corpus:
@@ -129,10 +149,19 @@ class Corpus:
         if tok_path is None or not tok_path.is_file():
             raise SystemExit(f"no tokenizer.json in {folder}: the prompts are cut from tokenized text")
         self.ids = Tokenizer.from_file(str(tok_path)).encode(text, add_special_tokens=False).ids
+        self.quote: str | None = None
 
-    def prompt(self, rng: random.Random, n: int) -> list[int]:
+    def prompt(self, rng: random.Random, n: int) -> list[int] | str:
         off = rng.randrange(len(self.ids))
+        if self.quote is not None:
+            return self.quote
         return [self.ids[(off + i) % len(self.ids)] for i in range(n)]
+
+
+def quote_prompt() -> str:
+    """The quoting request of benchmarks/bench_speculative.py (its ``quote`` workload)."""
+    text = (REPO / "fixtures" / "text" / "gettysburg.txt").read_text().strip()
+    return f"Repeat the following passage exactly, word for word:\n\n{text}"
 
 
 def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus, model: str | None,
@@ -144,9 +173,9 @@ def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus,
     errors: list[str] = []
 
     def worker(i: int) -> None:
-        for prompt, new in jobs[i]:
+        for j, (prompt, new) in enumerate(jobs[i]):
             try:
-                results.append(stream_one(url, prompt, new, model))
+                results.append(stream_one(url, prompt, new, model) | {"order": (i, j)})
             except Exception as exc:  # noqa: BLE001
                 errors.append(repr(exc))
 
@@ -157,10 +186,12 @@ def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus,
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    results.sort(key=lambda r: r["order"])
     itl = [x for r in results for x in r["itl"]]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "errors": errors[:3], "wall_s": round(wall, 3),
+            "texts": [r["text"] for r in results],
             "tokens": tokens, "tok_per_s": round(tokens / wall, 2),
             "tokens_per_chunk": round(tokens / max(1, sum(len(r["itl"]) + 1 for r in results)), 3),
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
@@ -197,10 +228,31 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1e3, 2)
 
 
+def is_speculative(export: str) -> bool:
+    man = Path(export) / "manifest.json"
+    return man.is_file() and bool(json.loads(man.read_text()).get("speculative_tokens"))
+
+
+def speculative_counts(url: str) -> dict:
+    """The server's speculative counters (``/metrics``), or {} when it decodes plainly."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for key, name in (("drafted", "qeff_kv_speculative_draft_tokens_total"),
+                      ("accepted", "qeff_kv_speculative_accepted_tokens_total")):
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                out[key] = float(line.split()[1])
+    if out.get("drafted"):
+        out["acceptance"] = round(out["accepted"] / out["drafted"], 4)
+    return out
+
+
 def qeff_server(export: str, clients: int, args, log: Path) -> Server:
     port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "qeff-kv"), "serve", export, "--port", str(port),
             "--max-sequences", str(clients), "--max-queue", "1024", "--no-prompt-reuse"]
+    if args.speculative and is_speculative(export):
+        argv += ["--speculative", args.speculative]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.prefill_chunk:
@@ -241,6 +293,11 @@ def main() -> None:
     ap.add_argument("--gguf", default=None, help="the GGUF llama-server loads")
     ap.add_argument("--tokenizer-from", default=None,
                     help="an export folder whose tokenizer.json cuts the prompts (default: the first --export)")
+    ap.add_argument("--speculative", default=None, metavar="lookup|DRAFT_DIR",
+                    help="serve every --export exported with --speculative-tokens K with --speculative this")
+    ap.add_argument("--workload", choices=("random", "quote"), default="random",
+                    help="random: cuts of the text (ignore_eos); quote: bench_speculative's quoting chat request")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every target, interleaved; medians reported")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     args = ap.parse_args()
     if args.quick:
@@ -258,30 +315,46 @@ def main() -> None:
         targets.append(("llama-server", "llama", None))
     results = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "threads": args.threads,
                "cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()], "runs": {}}
+    corpora = {}
     for name, kind, export in targets:
-        corpus = Corpus(export or args.export[0] if args.export else args.tokenizer_from)
-        model = None
-        runs = []
-        for c in ([] if args.only_arrivals else clients):
-            say(f"{name}: {c} clients")
-            srv = (qeff_server(export, c, args, logs / f"{name}-{c}.log") if kind == "qeff"
-                   else llama_server(c, args, logs / f"{name}-{c}.log"))
-            try:
-                runs.append(concurrency_run(srv.url, c, args.requests, args, corpus, model, seed=c))
-                say(f"  {runs[-1]}")
-            finally:
-                srv.stop()
-        arr = None
-        if not args.no_arrivals:
-            say(f"{name}: arrivals")
-            srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
-                   else llama_server(2, args, logs / f"{name}-arrivals.log"))
-            try:
-                arr = arrivals_run(srv.url, args, corpus, model)
-                say(f"  {arr}")
-            finally:
-                srv.stop()
-        results["runs"][name] = {"concurrency": runs, "arrivals": arr}
+        corpora[name] = Corpus(export or args.export[0] if args.export else args.tokenizer_from)
+        if args.workload == "quote":
+            corpora[name].quote = quote_prompt()
+        results["runs"][name] = {"concurrency": [], "arrivals": None, "rounds": []}
+    for rnd in range(args.rounds):
+        for name, kind, export in targets:
+            corpus, model = corpora[name], None
+            runs = []
+            for c in ([] if args.only_arrivals else clients):
+                say(f"{name}: {c} clients (round {rnd + 1})")
+                srv = (qeff_server(export, c, args, logs / f"{name}-{c}.log") if kind == "qeff"
+                       else llama_server(c, args, logs / f"{name}-{c}.log"))
+                try:
+                    runs.append(concurrency_run(srv.url, c, args.requests, args, corpus, model, seed=c))
+                    runs[-1]["speculative"] = speculative_counts(srv.url) if kind == "qeff" else {}
+                    runs[-1]["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+                    say(f"  { {k: v for k, v in runs[-1].items() if k != 'texts'} }")
+                finally:
+                    srv.stop()
+            results["runs"][name]["rounds"].append(runs)
+            if not args.no_arrivals and rnd == 0:
+                say(f"{name}: arrivals")
+                srv = (qeff_server(export, 2, args, logs / f"{name}-arrivals.log") if kind == "qeff"
+                       else llama_server(2, args, logs / f"{name}-arrivals.log"))
+                try:
+                    results["runs"][name]["arrivals"] = arrivals_run(srv.url, args, corpus, model)
+                    say(f"  {results['runs'][name]['arrivals']}")
+                finally:
+                    srv.stop()
+    for name, r in results["runs"].items():
+        r["concurrency"] = [median_run([rounds[i] for rounds in r["rounds"]]) for i in range(len(r["rounds"][0]))]
+    # the same text from every target and round, request by request (greedy: speculation must not change it)
+    texts = [x["texts"] for r in results["runs"].values() for rounds in r["rounds"] for x in rounds]
+    results["identical_texts"] = all(t == texts[0] for t in texts) if args.workload == "quote" else None
+    for r in results["runs"].values():
+        for rounds in r["rounds"]:
+            for x in rounds:
+                x.pop("texts", None)
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
@@ -290,13 +363,28 @@ def main() -> None:
     print(table(results))
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One concurrency row from several rounds: the median of each figure, the rounds' tok/s listed."""
+    import statistics
+
+    out = dict(runs[0])
+    for key in ("wall_s", "tok_per_s", "tokens_per_chunk", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = round(statistics.median(vals), 2) if vals else None
+    out["tok_per_s_rounds"] = [r["tok_per_s"] for r in runs]
+    out.pop("texts", None)
+    return out
+
+
 def table(results: dict) -> str:
-    lines = ["| target | clients | requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| target | clients | requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         for x in r["concurrency"]:
+            acc = x.get("speculative", {}).get("acceptance")
             lines.append(f"| {name} | {x['clients']} | {x['requests']} | {x['tok_per_s']} | "
-                         f"{x['ttft_p50_ms']} / {x['ttft_p99_ms']} | {x['itl_p50_ms']} / {x['itl_p99_ms']} |")
+                         f"{x['ttft_p50_ms']} / {x['ttft_p99_ms']} | {x['itl_p50_ms']} / {x['itl_p99_ms']} | "
+                         f"{'-' if acc is None else acc} |")
     lines += ["", "| target | idle ITL p50 / p99 ms | ITL with arriving prompts p50 / p99 ms | p99 ratio | prompts |",
               "|---|---|---|---|---|"]
     for name, r in results["runs"].items():
