@@ -59,6 +59,10 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--accuracy-level", type=ACCURACY_LEVEL, metavar="L",
               help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
                    "Needs --weights.")
+@click.option("--gguf-grid", is_flag=True,
+              help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
+                   "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "
+                   "requantized and listed with the reason.")
 @click.option("--sliding-cache", type=click.Choice(["ring", "full"]),
               help="Sliding-window layers when ctx_len exceeds the window: ring (window slots written at "
                    "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "
@@ -86,8 +90,8 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, sliding_cache,
-           mla_cache, single_graph, image_size, speculative_tokens, verify, force, quiet):
+           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, gguf_grid,
+           sliding_cache, mla_cache, single_graph, image_size, speculative_tokens, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
@@ -95,7 +99,8 @@ def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, con
         dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
         ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
-        single_graph=single_graph, image_size=image_size, mla_cache=mla_cache, speculative_tokens=speculative_tokens)
+        single_graph=single_graph, image_size=image_size, mla_cache=mla_cache, speculative_tokens=speculative_tokens,
+        gguf_grid=gguf_grid)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -62,6 +62,7 @@ def export_model(
     image_size: int | None = None,
     mla_cache: str | None = None,
     speculative_tokens: int | None = None,
+    gguf_grid: bool = False,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -90,6 +91,10 @@ def export_model(
     takes ``num_logits_to_keep`` ``[n, 1]`` last and returns the logits of its last ``n`` rows, ``[batch, n,
     vocab]`` (``n = 1`` for prefill, ``K+1`` to verify ``K`` drafted tokens in one decode step); names, prefix and
     pairing are unchanged; the decode specialization has ``seq_len = K+1``.
+
+    ``gguf_grid``: with ``weights="int4"`` and a ``.gguf`` model, MatMul weights whose GGUF type maps onto
+    MatMulNBits exactly (Q4_0) take the GGUF's own blocks; the rest are requantized and reported
+    (:mod:`qeff_kv.export.gguf_grid`; the manifest's ``weights.gguf_grid``).
     """
     opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
                    continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
@@ -101,7 +106,7 @@ def export_model(
                                       target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
                                       image_size=image_size, weights=weights, block_size=block_size,
                                       accuracy_level=accuracy_level, mla_cache=mla_cache,
-                                      speculative_tokens=speculative_tokens)
+                                      speculative_tokens=speculative_tokens, gguf_grid=bool(gguf_grid))
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format
@@ -138,6 +143,8 @@ def resolve(model, *, kv_cache_prefix, ctx_len, weights, block_size, accuracy_le
     options = opt.ExportOptions(ctx_len=ctx_len, kv_cache_prefix=kv_cache_prefix, single_graph=bool(single_graph),
                                 ccl=opt.parse_ccl(ccl, ctx_len, kw.get("prefill_seq_len")) if isinstance(ctx_len, int) else ccl, **kw,
                                 **schemes.resolve_options(weights, block_size, accuracy_level)).validate()
+    if options.gguf_grid and source.kind != "gguf":
+        raise ExportError(f"--gguf-grid takes the blocks of a GGUF file; {source.name} is a {source.kind} model")
     return source, config, options
 
 
@@ -175,7 +182,8 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
         weights_record = quant_mod.quantize_export(
             onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
             save=lambda m, p: publish.save_graph(m, p, say),
-            kv_batch=options.full_batch_size if options.continuous_batching else 1)
+            kv_batch=options.full_batch_size if options.continuous_batching else 1,
+            gguf=source.path if options.gguf_grid else None)
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
     if weights_record is not None:
         records["weights"] = weights_record

@@ -71,6 +71,9 @@ class ExportOptions:
     #: speculative decoding (a "target language model" graph): the graph takes ``num_logits_to_keep`` and returns
     #: the logits of that many last rows, so a decode step verifies up to ``K`` drafted tokens (``K+1`` rows)
     speculative_tokens: int | None = None
+    #: ``--weights int4`` from a GGUF file: MatMul weights whose GGUF type fits MatMulNBits exactly take the
+    #: GGUF's own blocks (:mod:`qeff_kv.export.gguf_grid`)
+    gguf_grid: bool = False
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -115,6 +118,11 @@ class ExportOptions:
                 raise ExportError(f"--speculative-tokens {self.speculative_tokens}: a verification step of "
                                   f"{self.speculative_tokens + 1} tokens does not fit in ctx_len {self.ctx_len}")
         check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
+        if self.gguf_grid and self.weights != "int4":
+            raise ExportError("--gguf-grid needs --weights int4 (the GGUF's 4-bit blocks become MatMulNBits)")
+        if self.gguf_grid and self.block_size != 32:
+            raise ExportError(f"--gguf-grid takes the GGUF's blocks of 32 values; --block-size {self.block_size} "
+                              "cannot be used with it")
         check_mla_cache(self)
         return self
 
@@ -128,6 +136,8 @@ class ExportOptions:
             del d["single_graph"]
         if d["image_size"] is None:
             del d["image_size"]
+        if not d["gguf_grid"]:
+            del d["gguf_grid"]   # exports without it keep their options hash
         if d["mla_cache"] in (None, "full"):
             del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
         for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens"):

@@ -34,18 +34,20 @@ from .schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZ
                       WeightScheme, check_scheme, resolve_options)
 
 def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
-                    kv_batch: int = 1) -> dict:
+                    kv_batch: int = 1, gguf: Path | None = None) -> dict:
     """Replace the verified float graph at ``onnx_path`` (in the staging folder) by its quantized version.
 
     The quantized graph is written by ``save(model, path)`` into ``work``, checked against the float graph on the
     probe (:func:`compare_graphs`; the verification probe, or a fresh one when verification was skipped), then
-    renamed over the float files. Returns the manifest's ``weights`` record."""
+    renamed over the float files. Returns the manifest's ``weights`` record. ``gguf``: with ``--gguf-grid``, the
+    GGUF whose own 4-bit blocks become the MatMulNBits weights where they fit (:mod:`.gguf_grid`)."""
     from .verify import make_probe
 
     scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
     work.mkdir(parents=True, exist_ok=True)
     qpath = work / onnx_path.name
-    model = quantize_graph(onnx_path, scheme, say)
+    grid: dict = {}
+    model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
     save(model, qpath)
     del model
     if probe is None:
@@ -64,6 +66,8 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     record["float_graph_bytes"] = float_bytes
     record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
     record["check"] = agreement.to_json()
+    if gguf is not None:
+        record["gguf_grid"] = grid
     return record
 
 
@@ -73,8 +77,11 @@ def min_k(block_size: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ quantization
-def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
-    """The float graph at ``float_path`` with quantized weights, as an ``onnx_ir`` model (not yet written)."""
+def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, *, gguf: Path | None = None,
+                   grid_report: dict | None = None):
+    """The float graph at ``float_path`` with quantized weights, as an ``onnx_ir`` model (not yet written).
+    ``gguf``: take the MatMulNBits blocks of the weights whose GGUF type fits from that file (``grid_report``
+    receives what fitted and what did not, :func:`.gguf_grid.plan`)."""
     import logging
 
     import onnx
@@ -96,6 +103,25 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
             if w is None or len(w.dims) != 2 or w.dims[0] < min_k(scheme.block_size) \
                     or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
                 exclude.append(node.name)
+    grid = None
+    if gguf is not None:
+        from onnx import numpy_helper
+
+        from . import gguf_grid
+
+        weights = {}
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.name not in exclude and node.input[1] in inits:
+                w = inits[node.input[1]]
+                if w.data_type == onnx.TensorProto.FLOAT:
+                    weights[node.input[1]] = numpy_helper.to_array(w)
+        grid = gguf_grid.plan(weights, gguf)
+        del weights
+        for line in gguf_grid.summary_lines(grid.report):
+            say(line)
+        if grid_report is not None:
+            grid_report.update(grid.report)
+        exclude += [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] in grid.fitted]
     if scheme.algorithm == "hqq":
         cfg = mnq.HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=scheme.bits,
                                            op_types_to_quantize=("MatMul",))
@@ -106,6 +132,8 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
     quantizer = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=cfg)
     quantizer.process()
     proto = quantizer.model.model
+    if grid is not None and grid.fitted:
+        _apply_grid(proto, grid, scheme)
     n_matmul = 0
     for node in proto.graph.node:
         if node.op_type == "MatMulNBits":
@@ -127,6 +155,29 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None):
     say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "
         f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s")
     return ir.serde.deserialize_model(proto)
+
+
+def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
+    """Replace the MatMuls whose weights fit the GGUF grid by MatMulNBits built from the GGUF's blocks."""
+    from . import gguf_grid
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = list(proto.graph.node)
+    used: set[str] = set()
+    for i, node in enumerate(nodes):
+        if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in grid.fitted:
+            k, n = (int(d) for d in inits[node.input[1]].dims)
+            new, new_inits = gguf_grid.matmulnbits_node(node, node.input[1], grid.fitted[node.input[1]], grid.rows,
+                                                       k, n, scheme.accuracy_level)
+            nodes[i] = new
+            used.add(node.input[1])
+            proto.graph.initializer.extend(new_inits)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    still = {x for nd in nodes for x in nd.input}
+    keep = [t for t in proto.graph.initializer if t.name not in used or t.name in still]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
 
 
 def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer) -> int:
