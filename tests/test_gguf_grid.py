@@ -114,7 +114,7 @@ def test_the_report_says_what_fits_and_why_not(files):
     assert report["fitted"]["how"] == {"Q4_0": FITS["Q4_0"]}
     assert report["requantized"] == [{"type": "Q4_1", "gguf_tensors": 1, "why": WHY_NOT["Q4_1"],
                                       "examples": ["blk.0.ffn_up.weight"]}]
-    assert report["not_from_gguf"] == ["W_free"]
+    assert report["not_from_gguf"] == ["W_free"] and report["not_taken"] == []
 
 
 def test_q4_1_zero_points_are_not_integers(files):

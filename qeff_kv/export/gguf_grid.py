@@ -58,6 +58,7 @@ class GGUFRows:
     path: Path
     names: list[str] = field(default_factory=list)
     types: list[str] = field(default_factory=list)
+    ndims: list[int] = field(default_factory=list)
     index: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     _reader: object = None
 
@@ -73,6 +74,7 @@ class GGUFRows:
         for ti, t in enumerate(out._reader.tensors):
             out.names.append(t.name)
             out.types.append(t.tensor_type.name)
+            out.ndims.append(len(t.shape))
             if len(t.shape) != 2:
                 continue
             rows = dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
@@ -129,7 +131,9 @@ def plan(matmul_weights: dict[str, np.ndarray], gguf_path: Path) -> GridPlan:
             for ti, _ in cols:
                 if rows.types[ti] not in FITS:
                     not_fitting[rows.types[ti]].add(rows.names[ti])
-    types_count = Counter(t for t, n in zip(rows.types, rows.names))
+    matched = {rows.names[ti] for name, w in matmul_weights.items() if name not in unmatched
+               for ti in {rows.index[_hash(w[:, n])][0] for n in range(w.shape[1])}}
+    types_count = Counter(rows.types)
     out.report = {
         "gguf": rows.path.name,
         "gguf_types": dict(sorted(types_count.items())),
@@ -138,6 +142,10 @@ def plan(matmul_weights: dict[str, np.ndarray], gguf_path: Path) -> GridPlan:
         "requantized": [{"type": t, "gguf_tensors": len(ns), "why": WHY_NOT.get(t, MORE_BITS),
                          "examples": sorted(ns)[:3]} for t, ns in sorted(not_fitting.items())],
         "not_from_gguf": sorted(unmatched),
+        # matrices of the GGUF behind no MatMul weight: the vocabulary table (embedding / tied head), which the
+        # ordinary int4 path quantizes for GatherBlockQuantized and the head's MatMulNBits
+        "not_taken": [{"gguf_tensor": n, "type": t} for n, t, nd in zip(rows.names, rows.types, rows.ndims)
+                      if nd == 2 and n not in matched],
     }
     return out
 
@@ -151,6 +159,9 @@ def summary_lines(report: dict) -> list[str]:
     for r in report["requantized"]:
         lines.append(f"--gguf-grid: {r['gguf_tensors']} {r['type']} tensors do not fit MatMulNBits' integer zero "
                      f"points and are requantized (RTN int4): {r['why']}; e.g. {', '.join(r['examples'])}")
+    for t in report["not_taken"]:
+        lines.append(f"--gguf-grid: {t['gguf_tensor']} ({t['type']}) is not a MatMul weight of the graph (the "
+                     "vocabulary table): quantized by the ordinary int4 path")
     if report["not_from_gguf"]:
         lines.append(f"--gguf-grid: {len(report['not_from_gguf'])} MatMul weights match no GGUF row and are "
                      f"quantized as usual: {', '.join(report['not_from_gguf'][:3])}")
