@@ -165,6 +165,10 @@ FAMILIES: dict[str, Family] = {
                            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                                 beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
                       note="experts with biases and clamped SwiGLU, attention sinks, sliding layers, yarn RoPE"),
+    # --- families users bring (issue 20): exported exactly or refused from the config ---------------------
+    "apertus": Family("ApertusConfig", "ApertusForCausalLM", dict(), note="xIELU activation (expm1)"),
+    "diffllama": Family("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(head_dim=16),
+                        note="differential attention (two maps subtracted), RMSNorm of the heads (aten::rms_norm)"),
     # --- multi-head latent attention --------------------------------------------------------------------
     "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
                           dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
@@ -199,3 +203,5 @@ EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FA
 EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
 EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "DeepseekV3ForCausalLM's multi-head latent attention")
+EXPECT["diffllama"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                            "DiffLlamaForCausalLM's differential attention")

@@ -185,6 +185,9 @@ class ModelFacts:
                     f"interface or SDPA); use --target onnxruntime")
         if self.alibi:
             return f"{cannot} ALiBi position biases (GroupQueryAttention has no ALiBi); use --target onnxruntime"
+        limit = FUSED_ATTENTION_LIMITS.get(self.model_type)
+        if limit is not None:
+            return f"{cannot} {limit}; use --target onnxruntime"
         if self.latent_attention:
             return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
                     f"use --target onnxruntime")
@@ -329,6 +332,14 @@ ATTENTION_CODE: dict[str, str] = {
 #: parameter in transformers 5.23); their configs carry no field that says so, so the type is the fact
 ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4",
                                         "flint", "deepseek_v4", "openai_privacy_filter"})
+#: attention GroupQueryAttention cannot compute, by ``model_type`` (transformers 5.23's modeling code): what
+#: the layer does instead, for the fused target's refusal
+FUSED_ATTENTION_LIMITS: dict[str, str] = {
+    # DiffLlamaAttention calls attention twice per layer, each time over one half of the values repeated, and
+    # subtracts the two (lambda-weighted): GQA appends the values it is given to the cache, so cannot do either
+    "diffllama": ("differential attention (two attention maps over the two halves of the values, subtracted; "
+                  "GroupQueryAttention attends over the cached values once)"),
+}
 #: families that always use ALiBi (no config switch)
 _ALWAYS_ALIBI = frozenset({"bloom", "mpt"})
 #: families that rotate only their sliding-window layers when a window is configured, by ``model_type``, and
