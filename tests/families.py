@@ -169,6 +169,13 @@ FAMILIES: dict[str, Family] = {
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", dict(), note="xIELU activation (expm1)"),
     "diffllama": Family("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(head_dim=16),
                         note="differential attention (two maps subtracted), RMSNorm of the heads (aten::rms_norm)"),
+    "ministral3": Family("Ministral3Config", "Ministral3ForCausalLM",
+                         dict(head_dim=16, sliding_window=None,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                                                   original_max_position_embeddings=8, beta_fast=32.0,
+                                                   beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0,
+                                                   llama_4_scaling_beta=0.1)),
+                         note="query scaled by 1 + beta log(1 + floor(p / 8)) (grows within the prompt), yarn RoPE"),
     # --- multi-head latent attention --------------------------------------------------------------------
     "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
                           dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
