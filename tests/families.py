@@ -183,6 +183,12 @@ FAMILIES: dict[str, Family] = {
                                num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
                                first_k_dense_replace=1, n_shared_experts=1),
                           note="MLA (compressed KV), MoE"),
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                          dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                               n_shared_experts=1),
+                          note="MLA, RoPE through complex numbers (torch.polar) as cos/sin pairs, MoE"),
 }
 
 
@@ -212,3 +218,5 @@ EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fus
                                               "DeepseekV3ForCausalLM's multi-head latent attention")
 EXPECT["diffllama"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                             "DiffLlamaForCausalLM's differential attention")
+EXPECT["deepseek_v2"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "DeepseekV2ForCausalLM's multi-head latent attention")
