@@ -189,6 +189,14 @@ FAMILIES: dict[str, Family] = {
                                num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
                                n_shared_experts=1),
                           note="MLA, RoPE through complex numbers (torch.polar) as cos/sin pairs, MoE"),
+    "minicpm3": Family("MiniCPM3Config", "MiniCPM3ForCausalLM",
+                       dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+                            qk_nope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=16,
+                            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                 original_max_position_embeddings=32, mscale=1.0,
+                                                 mscale_all_dim=1.0)),
+                       note="MLA; scale_emb, scale_depth residuals, logits divided by hidden_size / dim_model_base, "
+                            "yarn softmax scale"),
 }
 
 
@@ -220,3 +228,5 @@ EXPECT["diffllama"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused
                                             "DiffLlamaForCausalLM's differential attention")
 EXPECT["deepseek_v2"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "DeepseekV2ForCausalLM's multi-head latent attention")
+EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                           "MiniCPM3ForCausalLM's multi-head latent attention")

@@ -41,7 +41,7 @@ class ModelFacts:
     sliding_layers: tuple[int, ...] = ()
     #: logits multiplied by this (Cohere's ``logit_scale``)
     logit_scale: float | None = None
-    #: logits divided by this (Granite's ``logits_scaling``)
+    #: logits divided by this (Granite's ``logits_scaling``; MiniCPM3's ``hidden_size / dim_model_base``)
     logits_scaling: float | None = None
     #: final logits soft-capped: ``tanh(x / c) * c`` (Gemma2's ``final_logit_softcapping``)
     final_logit_softcapping: float | None = None
@@ -96,7 +96,7 @@ class ModelFacts:
             sliding_window=window,
             sliding_layers=sliding,
             logit_scale=_float_or_none(text.get("logit_scale")),
-            logits_scaling=_float_or_none(text.get("logits_scaling")),
+            logits_scaling=_logits_scaling(text),
             final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
             attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
             model_type=model_type,
@@ -291,6 +291,18 @@ def _longrope_threshold(text: dict, model_type: str) -> int | None:
     values = [v if v is not None else max_pos for v in values]
     values = [v for v in values if v is not None]
     return min(values) if values else None
+
+
+def _logits_scaling(text: dict) -> float | None:
+    """What the logits are divided by: ``logits_scaling`` (Granite), else ``hidden_size / dim_model_base``
+    (MiniCPM3 divides the hidden states by it before its bias-free output head, a property of its config class
+    that ``config.json`` does not carry)."""
+    value = _float_or_none(text.get("logits_scaling"))
+    base = _float_or_none(text.get("dim_model_base"))
+    hidden = _float_or_none(text.get("hidden_size"))
+    if value is None and base and hidden:
+        value = hidden / base
+    return value
 
 
 def _float_or_none(v) -> float | None:
