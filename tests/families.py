@@ -197,6 +197,13 @@ FAMILIES: dict[str, Family] = {
                                                  mscale_all_dim=1.0)),
                        note="MLA; scale_emb, scale_depth residuals, logits divided by hidden_size / dim_model_base, "
                             "yarn softmax scale"),
+    "longcat_flash": Family("LongcatFlashConfig", "LongcatFlashForCausalLM",
+                            dict(num_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+                                 n_routed_experts=4, zero_expert_num=2, moe_topk=2, ffn_hidden_size=128,
+                                 expert_ffn_hidden_size=64),
+                            note="MLA, two attention sublayers per layer, zero-compute (identity) experts routed "
+                                 "by data, shortcut MoE"),
 }
 
 
@@ -230,3 +237,5 @@ EXPECT["deepseek_v2"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fus
                                               "DeepseekV2ForCausalLM's multi-head latent attention")
 EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                            "MiniCPM3ForCausalLM's multi-head latent attention")
+EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                                "LongcatFlashForCausalLM's multi-head latent attention")

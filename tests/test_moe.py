@@ -174,3 +174,32 @@ def test_static_routing_restores_the_models_choice(moe_models):
         assert {m.config._experts_implementation for m in modules} == {moe.GATHERED_EXPERTS}
     assert [m.config._experts_implementation for m in modules] == before
     assert moe.is_moe(model)
+
+
+def test_zero_compute_experts_are_routed_by_data(family_exports):
+    """LongcatFlash's experts module loops over the experts hit, its zero-compute experts returning the token: the
+    gathered forward computes what it computes (every expert, identity ones included), and the family's graph
+    routes by data (the matrix proves its tokens)."""
+    import torch
+    import transformers
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    from qeff_kv import graphio
+    from qeff_kv.export import moe
+
+    cfg = transformers.LongcatFlashConfig(**FAMILIES["longcat_flash"].config_kwargs())
+    torch.manual_seed(0)
+    experts = LongcatFlashExperts(cfg)
+    for p in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(p, std=0.2)
+    assert moe.zero_experts_modules(experts) == [experts]
+    x = torch.randn(9, cfg.hidden_size)
+    index = torch.tensor([[0, 4], [5, 1], [4, 5], [2, 3], [3, 0], [1, 2], [5, 4], [0, 1], [2, 5]])
+    weights = torch.rand(9, 2)
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        got = moe.gathered_zero_experts_forward(experts)(x, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[2], x[2] * weights[2].sum())            # two identity experts: the token, weighted
+    ops = {n.op_type for n in graphio.load(family_exports("longcat_flash", "portable").onnx_path).graph}
+    assert not ops & moe.ROUTING_CONTROL_OPS
