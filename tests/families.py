@@ -169,6 +169,12 @@ FAMILIES: dict[str, Family] = {
     "apertus": Family("ApertusConfig", "ApertusForCausalLM", dict(), note="xIELU activation (expm1)"),
     "diffllama": Family("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(head_dim=16),
                         note="differential attention (two maps subtracted), RMSNorm of the heads (aten::rms_norm)"),
+    "llama4_text": Family("Llama4TextConfig", "Llama4ForCausalLM",
+                          dict(num_hidden_layers=4, head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
+                               num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=SW,
+                               no_rope_layer_interval=4, use_qk_norm=True),
+                          note=f"chunked attention (chunks of {SW}: 3 chunked layers, 1 global NoPE layer), "
+                               "complex RoPE as cos/sin pairs, L2 q/k norm, dense MoE with a shared expert"),
     "ministral3": Family("Ministral3Config", "Ministral3ForCausalLM",
                          dict(head_dim=16, sliding_window=None,
                               rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
@@ -239,3 +245,5 @@ EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused 
                                            "MiniCPM3ForCausalLM's multi-head latent attention")
 EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                                 "LongcatFlashForCausalLM's multi-head latent attention")
+EXPECT["llama4_text"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "Llama4ForCausalLM's chunked attention")

@@ -81,6 +81,13 @@ class ModelFacts:
     #: vision-language: image tokens attend to each other bidirectionally (Gemma3, PaliGemma: the model's
     #: forward builds its mask from ``token_type_ids``; see :data:`BIDIRECTIONAL_IMAGE_MODEL_TYPES`)
     bidirectional_images: bool = False
+    #: chunked attention (Llama4's ``attention_chunk_size``): these layers (``layer_types`` ``"chunked_attention"``)
+    #: attend only within their query's chunk of ``attention_chunk`` positions
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    #: attention temperature tuning on NoPE layers (Llama4's ``attn_temperature_tuning``): queries scaled from
+    #: position ``floor_scale - 1`` on, counted by transformers from its cache's length (see :meth:`refusal`)
+    temperature_floor: int | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -113,6 +120,7 @@ class ModelFacts:
             mrope=_has_mrope(text),
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
+            **_chunked(text, num_layers),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
@@ -157,6 +165,18 @@ class ModelFacts:
             return (f"this model uses longrope RoPE scaling, whose factors switch once a sequence is longer than "
                     f"original_max_position_embeddings {self.longrope_threshold} (transformers then recomputes "
                     f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
+        if self.temperature_floor is not None and options.ctx_len >= self.temperature_floor:
+            # Llama4 scales NoPE layers' queries by log1p(floor((p + 1) / floor_scale)): transformers counts p from
+            # its cache's length, which a retained cache's graph does not have (it would stay at scale 1).
+            return (f"{self.architecture} scales the queries of its NoPE layers from position "
+                    f"{self.temperature_floor - 1} on (attn_temperature_tuning, floor_scale "
+                    f"{self.temperature_floor}), counting positions from the cache length, which a retained-state "
+                    f"graph does not have; export with --ctx-len {self.temperature_floor - 1} or less")
+        if (self.chunked_layers and options.ctx_len > self.attention_chunk
+                and targets.info(options.target).group_query_attention):
+            return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
+                    f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
+                    f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
         if targets.info(options.target).group_query_attention:
@@ -239,6 +259,24 @@ def _has_mrope(text: dict) -> bool:
                                        or rope.get("rope_type") == "mrope"):
             return True
     return False
+
+
+def _chunked(text: dict, num_layers: int) -> dict:
+    """Chunked attention layers (``layer_types`` ``"chunked_attention"`` with ``attention_chunk_size``) and the
+    NoPE attention temperature threshold (``attn_temperature_tuning`` with ``floor_scale``, where a layer has no
+    RoPE: ``no_rope_layers`` 0), as :class:`ModelFacts` fields."""
+    out: dict = {}
+    chunk = _int_or_none(text.get("attention_chunk_size"))
+    layer_types = text.get("layer_types")
+    if chunk and isinstance(layer_types, list):
+        layers = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "chunked_attention")
+        if layers:
+            out.update(attention_chunk=chunk, chunked_layers=layers)
+    flags = text.get("no_rope_layers")
+    floor = _int_or_none(text.get("floor_scale"))
+    if text.get("attn_temperature_tuning") and floor and isinstance(flags, list) and not all(flags[:num_layers]):
+        out["temperature_floor"] = floor
+    return out
 
 
 def _int_or_none(v) -> int | None:

@@ -155,23 +155,26 @@ def complex_rope_kind(module: torch.nn.Module, apply_fn) -> int | None:
     try:
         with torch.no_grad():
             want = module(x, pos)
-            if not torch.is_complex(want):
-                return None
             real = _real_rotary_forward(module)(x, pos)
-            if not torch.allclose(torch.view_as_real(want), real, rtol=1e-6, atol=1e-6):
-                return None
-            dim = int(want.shape[-1]) * 2
-            for axis in (1, 2):
-                shape = [1, 3, 3, dim]
-                shape[axis] = 2                     # heads: 2, positions: 3
-                xq = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-                xk = xq.flip(-1)
+    except Exception:  # noqa: BLE001 - a module called some other way is not this kind
+        return None
+    if not (isinstance(want, torch.Tensor) and torch.is_complex(want)) or \
+            not torch.allclose(torch.view_as_real(want), real, rtol=1e-6, atol=1e-6):
+        return None
+    dim = int(want.shape[-1]) * 2
+    for axis in (1, 2):
+        shape = [1, 3, 3, dim]
+        shape[axis] = 2                     # heads: 2, positions: 3
+        xq = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        xk = xq.flip(-1)
+        try:
+            with torch.no_grad():
                 got = _real_apply_rotary_emb(axis)(xq, xk, real)
                 ref = apply_fn(xq, xk, want)
-                if all(torch.allclose(g, r, rtol=1e-5, atol=1e-5) for g, r in zip(got, ref)):
-                    return axis
-    except Exception:  # noqa: BLE001 - a module or helper called some other way is not this kind
-        return None
+        except Exception:  # noqa: BLE001 - the helper broadcasts over the other axis
+            continue
+        if all(torch.allclose(g, r, rtol=1e-5, atol=1e-5) for g, r in zip(got, ref)):
+            return axis
     return None
 
 
