@@ -175,6 +175,10 @@ FAMILIES: dict[str, Family] = {
                                no_rope_layer_interval=4, use_qk_norm=True),
                           note=f"chunked attention (chunks of {SW}: 3 chunked layers, 1 global NoPE layer), "
                                "complex RoPE as cos/sin pairs, L2 q/k norm, dense MoE with a shared expert"),
+    "jetmoe": Family("JetMoeConfig", "JetMoeForCausalLM",
+                     dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2),
+                     note="mixture of attention heads (routed query/output projections) and routed experts, "
+                          "both grouped by Python counts in transformers: gathered by expert id"),
     "ministral3": Family("Ministral3Config", "Ministral3ForCausalLM",
                          dict(head_dim=16, sliding_window=None,
                               rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
@@ -247,3 +251,5 @@ EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-f
                                                 "LongcatFlashForCausalLM's multi-head latent attention")
 EXPECT["llama4_text"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "Llama4ForCausalLM's chunked attention")
+EXPECT["jetmoe"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express JetMoeForCausalLM's "
+                                         "mixture of attention heads")

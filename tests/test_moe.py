@@ -203,3 +203,31 @@ def test_zero_compute_experts_are_routed_by_data(family_exports):
     assert torch.allclose(got[2], x[2] * weights[2].sum())            # two identity experts: the token, weighted
     ops = {n.op_type for n in graphio.load(family_exports("longcat_flash", "portable").onnx_path).graph}
     assert not ops & moe.ROUTING_CONTROL_OPS
+
+
+def test_experts_split_by_python_counts_are_routed_by_data(family_models):
+    """JetMoe groups tokens per expert with ``expert_size.tolist()`` in its feed-forward experts and its mixture of
+    attention heads: each layer's two modules are found, their gathered methods compute what theirs do on tokens
+    routed anew (not the probe's), and the model's own methods are back after tracing."""
+    import torch
+    import transformers
+
+    from qeff_kv.export import moe_split
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(family_models("jetmoe"), dtype=torch.float32).eval()
+    found = moe_split.split_experts_modules(model)
+    assert len(found) == 2 * model.config.num_hidden_layers
+    assert {tuple(sorted(methods)) for _, methods in found} == {("forward",), ("map", "reduce")}
+    x = torch.randn(1, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for m, methods in found:
+            if "forward" in methods:
+                torch.testing.assert_close(methods["forward"](x), m(x), rtol=1e-5, atol=1e-5)
+            else:
+                q, _, topo = m.map(x)
+                q2, _, topo2 = methods["map"](x)
+                torch.testing.assert_close(q2, q, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(methods["reduce"](q, topo2), m.reduce(q, topo), rtol=1e-5, atol=1e-5)
+    with moe_split.routed_by_data(model):
+        assert all("forward" in m.__dict__ or "map" in m.__dict__ for m, _ in found)
+    assert not any({"forward", "map", "reduce"} & set(m.__dict__) for m, _ in found)

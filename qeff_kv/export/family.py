@@ -389,6 +389,11 @@ FUSED_ATTENTION_LIMITS: dict[str, str] = {
     # subtracts the two (lambda-weighted): GQA appends the values it is given to the cache, so cannot do either
     "diffllama": ("differential attention (two attention maps over the two halves of the values, subtracted; "
                   "GroupQueryAttention attends over the cached values once)"),
+    # JetMoeAttention repeats its key/value heads in tiled order (head h reads kv head h % Hkv) for the query heads
+    # of its top-k routed attention experts, after the cache update: GQA groups heads the other way and appends
+    # the keys it is given
+    "jetmoe": ("mixture of attention heads (routed query experts over key/value heads repeated in tiled order "
+               "after the cache update)"),
 }
 #: families that always use ALiBi (no config switch)
 _ALWAYS_ALIBI = frozenset({"bloom", "mpt"})

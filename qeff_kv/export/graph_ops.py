@@ -108,7 +108,7 @@ class GroupedAttentionOp(torch.autograd.Function):
             probs = probs * torch.sigmoid(lse - sinks.float().reshape(1, hkv, hq // hkv, 1, 1))
         probs = probs.to(q.dtype)
         out = torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, s, dv)   # values may be narrower (MLA)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2).contiguous()     # as eager attention returns it (JetMoe then views it)
 
     @staticmethod
     def symbolic(g, q, k, v, mask, scaling, hq, hkv, d, dv, softcap=0.0, sinks=None):

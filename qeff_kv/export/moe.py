@@ -139,11 +139,14 @@ def zero_experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def static_routing(model: torch.nn.Module, graph_path: Path | str | None = None):
-    """While tracing, every experts module runs :data:`GATHERED_EXPERTS` and every experts module with
-    zero-compute experts its gathered forward (:func:`gathered_zero_experts_forward`); on exit the model's own
+    """While tracing, every experts module runs :data:`GATHERED_EXPERTS`, every experts module with
+    zero-compute experts its gathered forward (:func:`gathered_zero_experts_forward`) and every module whose
+    experts split tokens by Python counts its gathered methods (:mod:`.moe_split`: JetMoe); on exit the model's own
     choice is restored. When the block exits normally and ``graph_path`` names the traced graph of a MoE model,
     the graph is checked for routing by control flow (:func:`require_data_routing`)."""
-    with _zero_experts_routed(model):
+    from .moe_split import routed_by_data
+
+    with _zero_experts_routed(model), routed_by_data(model):
         with _static_experts(model, graph_path) as modules:
             yield modules
 
