@@ -165,6 +165,27 @@ FAMILIES: dict[str, Family] = {
                            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                                 beta_slow=1.0, truncate=False, original_max_position_embeddings=32)),
                       note="experts with biases and clamped SwiGLU, attention sinks, sliding layers, yarn RoPE"),
+    # --- families users bring (issue 20): exported exactly or refused from the config ---------------------
+    "apertus": Family("ApertusConfig", "ApertusForCausalLM", dict(), note="xIELU activation (expm1)"),
+    "diffllama": Family("DiffLlamaConfig", "DiffLlamaForCausalLM", dict(head_dim=16),
+                        note="differential attention (two maps subtracted), RMSNorm of the heads (aten::rms_norm)"),
+    "llama4_text": Family("Llama4TextConfig", "Llama4ForCausalLM",
+                          dict(num_hidden_layers=4, head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
+                               num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=SW,
+                               no_rope_layer_interval=4, use_qk_norm=True),
+                          note=f"chunked attention (chunks of {SW}: 3 chunked layers, 1 global NoPE layer), "
+                               "complex RoPE as cos/sin pairs, L2 q/k norm, dense MoE with a shared expert"),
+    "jetmoe": Family("JetMoeConfig", "JetMoeForCausalLM",
+                     dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2),
+                     note="mixture of attention heads (routed query/output projections) and routed experts, "
+                          "both grouped by Python counts in transformers: gathered by expert id"),
+    "ministral3": Family("Ministral3Config", "Ministral3ForCausalLM",
+                         dict(head_dim=16, sliding_window=None,
+                              rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                                                   original_max_position_embeddings=8, beta_fast=32.0,
+                                                   beta_slow=1.0, mscale_all_dim=1.0, mscale=1.0,
+                                                   llama_4_scaling_beta=0.1)),
+                         note="query scaled by 1 + beta log(1 + floor(p / 8)) (grows within the prompt), yarn RoPE"),
     # --- multi-head latent attention --------------------------------------------------------------------
     "deepseek_v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM",
                           dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
@@ -172,6 +193,27 @@ FAMILIES: dict[str, Family] = {
                                num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
                                first_k_dense_replace=1, n_shared_experts=1),
                           note="MLA (compressed KV), MoE"),
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                          dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                               n_shared_experts=1),
+                          note="MLA, RoPE through complex numbers (torch.polar) as cos/sin pairs, MoE"),
+    "minicpm3": Family("MiniCPM3Config", "MiniCPM3ForCausalLM",
+                       dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+                            qk_nope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=16,
+                            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                 original_max_position_embeddings=32, mscale=1.0,
+                                                 mscale_all_dim=1.0)),
+                       note="MLA; scale_emb, scale_depth residuals, logits divided by hidden_size / dim_model_base, "
+                            "yarn softmax scale"),
+    "longcat_flash": Family("LongcatFlashConfig", "LongcatFlashForCausalLM",
+                            dict(num_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+                                 n_routed_experts=4, zero_expert_num=2, moe_topk=2, ffn_hidden_size=128,
+                                 expert_ffn_hidden_size=64),
+                            note="MLA, two attention sublayers per layer, zero-compute (identity) experts routed "
+                                 "by data, shortcut MoE"),
 }
 
 
@@ -199,3 +241,15 @@ EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FA
 EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
 EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "DeepseekV3ForCausalLM's multi-head latent attention")
+EXPECT["diffllama"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                            "DiffLlamaForCausalLM's differential attention")
+EXPECT["deepseek_v2"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "DeepseekV2ForCausalLM's multi-head latent attention")
+EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                           "MiniCPM3ForCausalLM's multi-head latent attention")
+EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                                "LongcatFlashForCausalLM's multi-head latent attention")
+EXPECT["llama4_text"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "Llama4ForCausalLM's chunked attention")
+EXPECT["jetmoe"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express JetMoeForCausalLM's "
+                                         "mixture of attention heads")

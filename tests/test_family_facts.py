@@ -55,6 +55,13 @@ def test_cohere2_rotates_only_sliding_layers():
     assert facts(**{**cfg, "sliding_window": None}).rope_layers == ()
 
 
+def test_logits_scaling_from_logits_scaling_or_dim_model_base():
+    assert facts(model_type="granite", logits_scaling=4.0).logits_scaling == 4.0
+    # MiniCPM3: a config-class property (hidden states divided before the head), not in config.json
+    assert facts(model_type="minicpm3", hidden_size=2560, dim_model_base=256).logits_scaling == 10.0
+    assert facts(model_type="llama", hidden_size=64).logits_scaling is None
+
+
 # --- how attention is computed, and what GroupQueryAttention cannot express --------------------------------
 
 @pytest.mark.parametrize("model_type, code", [

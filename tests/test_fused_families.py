@@ -46,6 +46,9 @@ REFUSED = {
             "through transformers' attention interface or SDPA); use --target onnxruntime",
     "deepseek_v3": "--target onnxruntime-fused cannot express DeepseekV3ForCausalLM's multi-head latent attention "
                    "(keys and values of different head sizes); use --target onnxruntime",
+    "diffllama": "--target onnxruntime-fused cannot express DiffLlamaForCausalLM's differential attention (two "
+                 "attention maps over the two halves of the values, subtracted; GroupQueryAttention attends over "
+                 "the cached values once); use --target onnxruntime",
 }
 #: the onnxruntime target's grouped attention: soft-capping (Gemma2) and sinks (GraniteSWA)
 ORT_TARGET = ("gemma2", "granite_swa")

@@ -174,3 +174,60 @@ def test_static_routing_restores_the_models_choice(moe_models):
         assert {m.config._experts_implementation for m in modules} == {moe.GATHERED_EXPERTS}
     assert [m.config._experts_implementation for m in modules] == before
     assert moe.is_moe(model)
+
+
+def test_zero_compute_experts_are_routed_by_data(family_exports):
+    """LongcatFlash's experts module loops over the experts hit, its zero-compute experts returning the token: the
+    gathered forward computes what it computes (every expert, identity ones included), and the family's graph
+    routes by data (the matrix proves its tokens)."""
+    import torch
+    import transformers
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    from qeff_kv import graphio
+    from qeff_kv.export import moe
+
+    cfg = transformers.LongcatFlashConfig(**FAMILIES["longcat_flash"].config_kwargs())
+    torch.manual_seed(0)
+    experts = LongcatFlashExperts(cfg)
+    for p in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(p, std=0.2)
+    assert moe.zero_experts_modules(experts) == [experts]
+    x = torch.randn(9, cfg.hidden_size)
+    index = torch.tensor([[0, 4], [5, 1], [4, 5], [2, 3], [3, 0], [1, 2], [5, 4], [0, 1], [2, 5]])
+    weights = torch.rand(9, 2)
+    with torch.no_grad():
+        want = experts(x, index, weights)
+        got = moe.gathered_zero_experts_forward(experts)(x, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[2], x[2] * weights[2].sum())            # two identity experts: the token, weighted
+    ops = {n.op_type for n in graphio.load(family_exports("longcat_flash", "portable").onnx_path).graph}
+    assert not ops & moe.ROUTING_CONTROL_OPS
+
+
+def test_experts_split_by_python_counts_are_routed_by_data(family_models):
+    """JetMoe groups tokens per expert with ``expert_size.tolist()`` in its feed-forward experts and its mixture of
+    attention heads: each layer's two modules are found, their gathered methods compute what theirs do on tokens
+    routed anew (not the probe's), and the model's own methods are back after tracing."""
+    import torch
+    import transformers
+
+    from qeff_kv.export import moe_split
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(family_models("jetmoe"), dtype=torch.float32).eval()
+    found = moe_split.split_experts_modules(model)
+    assert len(found) == 2 * model.config.num_hidden_layers
+    assert {tuple(sorted(methods)) for _, methods in found} == {("forward",), ("map", "reduce")}
+    x = torch.randn(1, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for m, methods in found:
+            if "forward" in methods:
+                torch.testing.assert_close(methods["forward"](x), m(x), rtol=1e-5, atol=1e-5)
+            else:
+                q, _, topo = m.map(x)
+                q2, _, topo2 = methods["map"](x)
+                torch.testing.assert_close(q2, q, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(methods["reduce"](q, topo2), m.reduce(q, topo), rtol=1e-5, atol=1e-5)
+    with moe_split.routed_by_data(model):
+        assert all("forward" in m.__dict__ or "map" in m.__dict__ for m, _ in found)
+    assert not any({"forward", "map", "reduce"} & set(m.__dict__) for m, _ in found)

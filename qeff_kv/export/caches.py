@@ -201,8 +201,11 @@ class SlidingPlan:
     (``--sliding-cache full``); ``window``: the config's sliding window (``None`` without one)."""
 
     def __init__(self, num_layers: int, window: int | None, ring_layers: tuple[int, ...] = (),
-                 windowed_layers: tuple[int, ...] = ()):
+                 windowed_layers: tuple[int, ...] = (), chunk: int | None = None):
         self.num_layers = num_layers
+        #: chunked attention (Llama4): the chunk size, when the model has chunked layers (full-length buffers; their
+        #: mask keeps each query within its chunk)
+        self.chunk = int(chunk) if chunk else None
         self.window = int(window) if window else None
         self.ring_layers = tuple(ring_layers)
         #: every layer is a ring layer: the model takes one mask (Mistral, Phi-3); else one per layer type
@@ -224,10 +227,19 @@ class SlidingPlan:
             n = torch.clamp(torch.clamp(position_ids[:, 0].max(), max=self.window), min=1).reshape(1)
         return RingStep(self.window, position_ids, is_pad, n, dtype, blocks)
 
-    def masks(self, full, ring: RingStep | None, windowed=None):
+    def masks(self, full, ring: RingStep | None, windowed=None, chunked=None):
         """What the decoder gets as ``attention_mask``: the full-length mask; the ring mask (or, with full-length
         sliding layers whose window binds, the ``windowed()`` mask) when every layer is sliding; else
-        ``{layer_type: mask}`` (transformers then gives each layer the mask of its type)."""
+        ``{layer_type: mask}`` (transformers then gives each layer the mask of its type), with the ``chunked()``
+        mask of the chunked layers when the model has them."""
+        masks = self._masks(full, ring, windowed)
+        if self.chunk is None:
+            return masks
+        if not isinstance(masks, dict):
+            masks = {"full_attention": masks}
+        return {**masks, "chunked_attention": chunked()}
+
+    def _masks(self, full, ring: RingStep | None, windowed=None):
         if ring is None and self.windowed_layers:
             sliding = windowed()
             if len(self.windowed_layers) == self.num_layers:

@@ -41,7 +41,7 @@ class ModelFacts:
     sliding_layers: tuple[int, ...] = ()
     #: logits multiplied by this (Cohere's ``logit_scale``)
     logit_scale: float | None = None
-    #: logits divided by this (Granite's ``logits_scaling``)
+    #: logits divided by this (Granite's ``logits_scaling``; MiniCPM3's ``hidden_size / dim_model_base``)
     logits_scaling: float | None = None
     #: final logits soft-capped: ``tanh(x / c) * c`` (Gemma2's ``final_logit_softcapping``)
     final_logit_softcapping: float | None = None
@@ -81,6 +81,13 @@ class ModelFacts:
     #: vision-language: image tokens attend to each other bidirectionally (Gemma3, PaliGemma: the model's
     #: forward builds its mask from ``token_type_ids``; see :data:`BIDIRECTIONAL_IMAGE_MODEL_TYPES`)
     bidirectional_images: bool = False
+    #: chunked attention (Llama4's ``attention_chunk_size``): these layers (``layer_types`` ``"chunked_attention"``)
+    #: attend only within their query's chunk of ``attention_chunk`` positions
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    #: attention temperature tuning on NoPE layers (Llama4's ``attn_temperature_tuning``): queries scaled from
+    #: position ``floor_scale - 1`` on, counted by transformers from its cache's length (see :meth:`refusal`)
+    temperature_floor: int | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -96,7 +103,7 @@ class ModelFacts:
             sliding_window=window,
             sliding_layers=sliding,
             logit_scale=_float_or_none(text.get("logit_scale")),
-            logits_scaling=_float_or_none(text.get("logits_scaling")),
+            logits_scaling=_logits_scaling(text),
             final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
             attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
             model_type=model_type,
@@ -113,6 +120,7 @@ class ModelFacts:
             mrope=_has_mrope(text),
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
+            **_chunked(text, num_layers),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
@@ -157,6 +165,18 @@ class ModelFacts:
             return (f"this model uses longrope RoPE scaling, whose factors switch once a sequence is longer than "
                     f"original_max_position_embeddings {self.longrope_threshold} (transformers then recomputes "
                     f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
+        if self.temperature_floor is not None and options.ctx_len >= self.temperature_floor:
+            # Llama4 scales NoPE layers' queries by log1p(floor((p + 1) / floor_scale)): transformers counts p from
+            # its cache's length, which a retained cache's graph does not have (it would stay at scale 1).
+            return (f"{self.architecture} scales the queries of its NoPE layers from position "
+                    f"{self.temperature_floor - 1} on (attn_temperature_tuning, floor_scale "
+                    f"{self.temperature_floor}), counting positions from the cache length, which a retained-state "
+                    f"graph does not have; export with --ctx-len {self.temperature_floor - 1} or less")
+        if (self.chunked_layers and options.ctx_len > self.attention_chunk
+                and targets.info(options.target).group_query_attention):
+            return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
+                    f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
+                    f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
         if targets.info(options.target).group_query_attention:
@@ -185,6 +205,9 @@ class ModelFacts:
                     f"interface or SDPA); use --target onnxruntime")
         if self.alibi:
             return f"{cannot} ALiBi position biases (GroupQueryAttention has no ALiBi); use --target onnxruntime"
+        limit = FUSED_ATTENTION_LIMITS.get(self.model_type)
+        if limit is not None:
+            return f"{cannot} {limit}; use --target onnxruntime"
         if self.latent_attention:
             return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
                     f"use --target onnxruntime")
@@ -236,6 +259,24 @@ def _has_mrope(text: dict) -> bool:
                                        or rope.get("rope_type") == "mrope"):
             return True
     return False
+
+
+def _chunked(text: dict, num_layers: int) -> dict:
+    """Chunked attention layers (``layer_types`` ``"chunked_attention"`` with ``attention_chunk_size``) and the
+    NoPE attention temperature threshold (``attn_temperature_tuning`` with ``floor_scale``, where a layer has no
+    RoPE: ``no_rope_layers`` 0), as :class:`ModelFacts` fields."""
+    out: dict = {}
+    chunk = _int_or_none(text.get("attention_chunk_size"))
+    layer_types = text.get("layer_types")
+    if chunk and isinstance(layer_types, list):
+        layers = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "chunked_attention")
+        if layers:
+            out.update(attention_chunk=chunk, chunked_layers=layers)
+    flags = text.get("no_rope_layers")
+    floor = _int_or_none(text.get("floor_scale"))
+    if text.get("attn_temperature_tuning") and floor and isinstance(flags, list) and not all(flags[:num_layers]):
+        out["temperature_floor"] = floor
+    return out
 
 
 def _int_or_none(v) -> int | None:
@@ -290,6 +331,18 @@ def _longrope_threshold(text: dict, model_type: str) -> int | None:
     return min(values) if values else None
 
 
+def _logits_scaling(text: dict) -> float | None:
+    """What the logits are divided by: ``logits_scaling`` (Granite), else ``hidden_size / dim_model_base``
+    (MiniCPM3 divides the hidden states by it before its bias-free output head, a property of its config class
+    that ``config.json`` does not carry)."""
+    value = _float_or_none(text.get("logits_scaling"))
+    base = _float_or_none(text.get("dim_model_base"))
+    hidden = _float_or_none(text.get("hidden_size"))
+    if value is None and base and hidden:
+        value = hidden / base
+    return value
+
+
 def _float_or_none(v) -> float | None:
     if v is None or isinstance(v, bool):
         return None
@@ -329,6 +382,19 @@ ATTENTION_CODE: dict[str, str] = {
 #: parameter in transformers 5.23); their configs carry no field that says so, so the type is the fact
 ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4",
                                         "flint", "deepseek_v4", "openai_privacy_filter"})
+#: attention GroupQueryAttention cannot compute, by ``model_type`` (transformers 5.23's modeling code): what
+#: the layer does instead, for the fused target's refusal
+FUSED_ATTENTION_LIMITS: dict[str, str] = {
+    # DiffLlamaAttention calls attention twice per layer, each time over one half of the values repeated, and
+    # subtracts the two (lambda-weighted): GQA appends the values it is given to the cache, so cannot do either
+    "diffllama": ("differential attention (two attention maps over the two halves of the values, subtracted; "
+                  "GroupQueryAttention attends over the cached values once)"),
+    # JetMoeAttention repeats its key/value heads in tiled order (head h reads kv head h % Hkv) for the query heads
+    # of its top-k routed attention experts, after the cache update: GQA groups heads the other way and appends
+    # the keys it is given
+    "jetmoe": ("mixture of attention heads (routed query experts over key/value heads repeated in tiled order "
+               "after the cache update)"),
+}
 #: families that always use ALiBi (no config switch)
 _ALWAYS_ALIBI = frozenset({"bloom", "mpt"})
 #: families that rotate only their sliding-window layers when a window is configured, by ``model_type``, and

@@ -108,7 +108,7 @@ class GroupedAttentionOp(torch.autograd.Function):
             probs = probs * torch.sigmoid(lse - sinks.float().reshape(1, hkv, hq // hkv, 1, 1))
         probs = probs.to(q.dtype)
         out = torch.matmul(probs, v.unsqueeze(2)).reshape(b, hq, s, dv)   # values may be narrower (MLA)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2).contiguous()     # as eager attention returns it (JetMoe then views it)
 
     @staticmethod
     def symbolic(g, q, k, v, mask, scaling, hq, hkv, d, dv, softcap=0.0, sinks=None):
@@ -228,17 +228,56 @@ def _repeat_interleave_symbolic(g, x, repeats, dim=None, output_size=None):
     return symbolic_opset13.repeat_interleave(g, x, repeats, dim, output_size)
 
 
+def _expm1_symbolic(g, x):
+    """``expm1(x)`` as ``Exp(x) - 1`` (ONNX has no expm1; the float32 difference is at most one ulp of 1, far
+    inside the verification tolerance: Apertus' xIELU)."""
+    one = g.op("Constant", value_t=torch.tensor(1.0, dtype=_dtype_of(x)))
+    return g.op("Sub", g.op("Exp", x), one)
+
+
+def _dtype_of(x) -> torch.dtype:
+    t = x.type()
+    scalar = t.scalarType() if t is not None and hasattr(t, "scalarType") else None
+    return getattr(torch, {"Float": "float32", "Half": "float16", "BFloat16": "bfloat16",
+                           "Double": "float64"}.get(scalar, "float32"))
+
+
+def _rms_norm_symbolic(g, x, normalized_shape, weight, eps):
+    """``aten::rms_norm`` (``torch.nn.RMSNorm``, DiffLlama's head norm) in standard ops, as torch computes it:
+    ``x * 1/sqrt(mean(x^2 over the normalized dims) + eps) * weight``; ``eps`` defaults to the dtype's
+    machine epsilon, as in torch."""
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper as sh
+
+    dims = sh._get_const(normalized_shape, "is", "normalized_shape")
+    dtype = _dtype_of(x)
+    value = None if sh._is_none(eps) else sh._maybe_get_const(eps, "f")
+    value = torch.finfo(dtype).eps if value is None else float(value)
+    axes = list(range(-len(dims), 0))
+    mean = g.op("ReduceMean", g.op("Mul", x, x), axes_i=axes, keepdims_i=1)
+    denom = g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(value, dtype=dtype))))
+    out = g.op("Div", x, denom)
+    return out if sh._is_none(weight) else g.op("Mul", out, weight)
+
+
+#: torch symbolics replaced or added while exporting: name -> symbolic
+_SYMBOLICS = {"aten::repeat_interleave": _repeat_interleave_symbolic, "aten::expm1": _expm1_symbolic,
+              "aten::rms_norm": _rms_norm_symbolic}
+
+
 @contextlib.contextmanager
 def export_symbolics():
     """While exporting: torch symbolics replaced where torch's own corrupt the graph (see
-    :func:`_repeat_interleave_symbolic`); torch's are restored on exit."""
+    :func:`_repeat_interleave_symbolic`) or added where torch has none for opset 17 (``aten::expm1``,
+    ``aten::rms_norm``); torch's are restored on exit."""
     from . import options as opt
 
-    torch.onnx.register_custom_op_symbolic("aten::repeat_interleave", _repeat_interleave_symbolic, opt.OPSET)
+    for name, fn in _SYMBOLICS.items():
+        torch.onnx.register_custom_op_symbolic(name, fn, opt.OPSET)
     try:
         yield
     finally:
-        torch.onnx.unregister_custom_op_symbolic("aten::repeat_interleave", opt.OPSET)
+        for name in _SYMBOLICS:
+            torch.onnx.unregister_custom_op_symbolic(name, opt.OPSET)
 
 
 def absent(v) -> bool:

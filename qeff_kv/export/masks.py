@@ -41,9 +41,11 @@ def fill_padding_rows(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tens
 
 
 def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int, dtype: torch.dtype,
-                         window: int | None = None, blocks: torch.Tensor | None = None) -> torch.Tensor:
+                         window: int | None = None, blocks: torch.Tensor | None = None,
+                         chunk: int | None = None) -> torch.Tensor:
     """Additive mask ``[B, 1, S, ctx_len]``: 0 where ``0 <= slot <= position`` (and ``slot > position - window``
-    with a sliding ``window``), a large finite negative else.
+    with a sliding ``window``; ``slot >= (position // chunk) * chunk``, the query's own chunk, with chunked
+    attention), a large finite negative else.
 
     ``blocks [B, S]`` (bidirectional image blocks, see :func:`qeff_kv.export.vlm.image_blocks`): a query of
     block ``b >= 0`` also sees every slot of the chunk whose row is in block ``b``, later ones included (the
@@ -61,6 +63,8 @@ def build_attention_mask(position_ids: torch.Tensor, ctx_len: torch.Tensor | int
     visible = causal & (pos >= 0)
     if window is not None:
         visible = visible & (slots > pos - window)
+    if chunk is not None:
+        visible = visible & (slots >= torch.div(pos, chunk, rounding_mode="floor") * chunk)
     neg = torch.tensor(torch.finfo(dtype).min / 2, dtype=dtype)
     zero = torch.tensor(0, dtype=dtype)
     return torch.where(visible, zero, neg)

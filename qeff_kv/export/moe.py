@@ -22,6 +22,12 @@ Qwen3-30B-A3B 8x; estimates from the shapes, not measurements). The price is on 
 materialises T*k expert matrices per MoE layer while that layer runs (T*k*3*I*H values), where dense would
 compute E/k times the FLOPs but read each weight once in place; ``--prefill-seq-len`` bounds that transient.
 
+Experts modules outside that interface whose extra experts compute nothing (LongcatFlash's zero-compute experts:
+the token itself, weighted) loop over the experts hit (``nonzero``); their forward is replaced while tracing by
+the same gather over the routed experts, an identity expert's slot taking the token instead
+(:func:`gathered_zero_experts_forward`), after checking on a probe that hits every expert that it computes what
+theirs does.
+
 Routers (top-k, softmax before/after it, ``norm_topk_prob``, shared experts and their sigmoid gates) are the
 model's own code and trace as they are.
 
@@ -80,11 +86,85 @@ def _available(implementation: str) -> bool:
     return implementation == "eager" or implementation in ALL_EXPERTS_FUNCTIONS
 
 
+#: attributes of an experts module with zero-compute (identity) experts after its routed ones (LongcatFlash's
+#: ``LongcatFlashExperts``: ids ``>= num_routed_experts`` return the token itself, weighted), whose own forward
+#: loops over the experts the tokens hit
+_ZERO_EXPERT_ATTRS = ("zero_expert_num", "num_routed_experts", "gate_up_proj", "down_proj", "act_fn")
+
+
+def gathered_zero_experts_forward(module: torch.nn.Module):
+    """The forward of an experts module with zero-compute experts, routed by data: for every (token, top-k slot)
+    pair, the routed expert's weights are gathered by its id (an identity expert's id is clamped to a real one
+    and its output replaced by the token), each slot weighted by its routing weight, the k slots summed."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        routed = int(module.num_routed_experts)
+        is_zero = (top_k_index >= routed).unsqueeze(-1)                            # [T, K, 1]
+        idx = top_k_index.clamp(max=routed - 1)                                      # [T, K]
+        x = hidden_states.unsqueeze(1).unsqueeze(-1)                                 # [T, 1, H, 1]
+        gate_up = torch.matmul(module.gate_up_proj[idx], x).squeeze(-1)             # [T, K, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = (module.act_fn(gate) * up).unsqueeze(-1)                                # [T, K, I, 1]
+        out = torch.matmul(module.down_proj[idx], h).squeeze(-1)                     # [T, K, H]
+        out = torch.where(is_zero, hidden_states.unsqueeze(1).to(out.dtype), out)
+        out = out * top_k_weights.unsqueeze(-1)
+        return out.sum(dim=1).to(hidden_states.dtype)
+
+    return forward
+
+
+def zero_experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Experts modules with zero-compute experts (:data:`_ZERO_EXPERT_ATTRS`) outside transformers' experts
+    interface, whose gathered forward computes what their own does on a probe (measured, not assumed)."""
+    interface = {id(m) for m in experts_modules(model)}
+    found = []
+    for m in model.modules():
+        if id(m) in interface or not all(getattr(m, a, None) is not None for a in _ZERO_EXPERT_ATTRS):
+            continue
+        routed, zero = int(m.num_routed_experts), int(m.zero_expert_num)
+        if routed < 1 or zero < 1:
+            continue
+        total = routed + zero
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(total, int(m.down_proj.shape[1]), generator=gen, dtype=m.down_proj.dtype)
+        first = torch.arange(total)
+        index = torch.stack((first, (first + 1) % total), dim=1)                    # every expert in both slots
+        weights = torch.rand(total, 2, generator=gen, dtype=x.dtype)
+        with torch.no_grad():
+            want = m(x, index, weights)
+            got = gathered_zero_experts_forward(m)(x, index, weights)
+        if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            found.append(m)
+    return found
+
+
 @contextlib.contextmanager
 def static_routing(model: torch.nn.Module, graph_path: Path | str | None = None):
-    """While tracing, every experts module runs :data:`GATHERED_EXPERTS`; on exit the model's own choice is
-    restored. When the block exits normally and ``graph_path`` names the traced graph of a MoE model, the
-    graph is checked for routing by control flow (:func:`require_data_routing`)."""
+    """While tracing, every experts module runs :data:`GATHERED_EXPERTS`, every experts module with
+    zero-compute experts its gathered forward (:func:`gathered_zero_experts_forward`) and every module whose
+    experts split tokens by Python counts its gathered methods (:mod:`.moe_split`: JetMoe); on exit the model's own
+    choice is restored. When the block exits normally and ``graph_path`` names the traced graph of a MoE model,
+    the graph is checked for routing by control flow (:func:`require_data_routing`)."""
+    from .moe_split import routed_by_data
+
+    with _zero_experts_routed(model), routed_by_data(model):
+        with _static_experts(model, graph_path) as modules:
+            yield modules
+
+
+@contextlib.contextmanager
+def _zero_experts_routed(model: torch.nn.Module):
+    patched = zero_experts_modules(model)
+    for m in patched:
+        m.forward = gathered_zero_experts_forward(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@contextlib.contextmanager
+def _static_experts(model: torch.nn.Module, graph_path: Path | str | None):
     implementation = GATHERED_EXPERTS
     modules = experts_modules(model)
     if modules and not _available(implementation):

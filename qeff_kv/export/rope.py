@@ -118,11 +118,101 @@ def exact_longrope(model: torch.nn.Module):
             del m.forward
 
 
+def _real_rotary_forward(module: torch.nn.Module):
+    """A complex rotary module's forward in real arithmetic: ``[..., D/2, 2]`` (cos, sin) pairs times its
+    ``attention_scaling``, what ``view_as_real(polar(1, p * inv_freq) * attention_scaling)`` holds."""
+    def forward(x, position_ids):
+        freqs = position_ids[..., None].float() * module.inv_freq.to(device=x.device, dtype=torch.float)
+        return torch.stack((freqs.cos(), freqs.sin()), dim=-1) * module.attention_scaling
+
+    return forward
+
+
+def _real_apply_rotary_emb(head_axis: int):
+    """``apply_rotary_emb(xq, xk, freqs)`` over interleaved pairs ``(x0, x1)`` as complex numbers, in real
+    arithmetic: ``freqs`` ``[B, S, D/2, 2]`` (cos, sin) broadcast over the heads axis ``head_axis`` of ``x``
+    (1: ``[B, H, S, D]``, DeepSeek-V2; 2: ``[B, S, H, D]``, Llama4)."""
+    def rotate(x, freqs):
+        f = freqs.unsqueeze(head_axis)
+        cos, sin = f[..., 0], f[..., 1]
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        re, im = pairs[..., 0], pairs[..., 1]
+        out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+        return out.type_as(x)
+
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        return rotate(xq, freqs_cis), rotate(xk, freqs_cis)
+
+    return apply_rotary_emb
+
+
+def complex_rope_kind(module: torch.nn.Module, apply_fn) -> int | None:
+    """For a rotary module returning complex ``freqs_cis`` (``torch.polar``, which has no ONNX form) and its
+    modeling module's ``apply_rotary_emb``: the heads axis (1 or 2) for which :func:`_real_rotary_forward` and
+    :func:`_real_apply_rotary_emb` compute exactly what they do, measured on a probe; ``None`` if neither does."""
+    pos = torch.arange(3, dtype=torch.int64).unsqueeze(0) + 5
+    x = torch.zeros(1)
+    try:
+        with torch.no_grad():
+            want = module(x, pos)
+            real = _real_rotary_forward(module)(x, pos)
+    except Exception:  # noqa: BLE001 - a module called some other way is not this kind
+        return None
+    if not (isinstance(want, torch.Tensor) and torch.is_complex(want)) or \
+            not torch.allclose(torch.view_as_real(want), real, rtol=1e-6, atol=1e-6):
+        return None
+    dim = int(want.shape[-1]) * 2
+    for axis in (1, 2):
+        shape = [1, 3, 3, dim]
+        shape[axis] = 2                     # heads: 2, positions: 3
+        xq = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        xk = xq.flip(-1)
+        try:
+            with torch.no_grad():
+                got = _real_apply_rotary_emb(axis)(xq, xk, real)
+                ref = apply_fn(xq, xk, want)
+        except Exception:  # noqa: BLE001 - the helper broadcasts over the other axis
+            continue
+        if all(torch.allclose(g, r, rtol=1e-5, atol=1e-5) for g, r in zip(got, ref)):
+            return axis
+    return None
+
+
+@contextlib.contextmanager
+def real_complex_rope(model: torch.nn.Module):
+    """While tracing, RoPE computed through complex numbers (``torch.polar`` in the rotary module, ``view_as_complex``
+    in ``apply_rotary_emb``: DeepSeek-V2, Llama4) is computed as cos/sin pairs in real arithmetic, where
+    :func:`complex_rope_kind` measured that the replacement computes the same values. Restored on exit."""
+    patched_modules, patched_fns = [], []
+    for m in model.modules():
+        if not (hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")):
+            continue
+        modeling = sys.modules.get(type(m).__module__)
+        apply_fn = getattr(modeling, "apply_rotary_emb", None)
+        if not callable(apply_fn):
+            continue
+        axis = complex_rope_kind(m, apply_fn)
+        if axis is None:
+            continue
+        m.forward = _real_rotary_forward(m)
+        patched_modules.append(m)
+        if all(mod is not modeling for mod, _ in patched_fns):
+            patched_fns.append((modeling, apply_fn))
+            modeling.apply_rotary_emb = _real_apply_rotary_emb(axis)
+    try:
+        yield
+    finally:
+        for m in patched_modules:
+            del m.forward
+        for modeling, fn in patched_fns:
+            modeling.apply_rotary_emb = fn
+
+
 @contextlib.contextmanager
 def export_patches(model: torch.nn.Module):
     """Everything changed in torch and in the model while exporting, for every target: the symbolics of
-    :func:`export_symbolics` and :func:`exact_longrope`; all restored on exit."""
-    with export_symbolics(), exact_longrope(model):
+    :func:`export_symbolics`, :func:`exact_longrope` and :func:`real_complex_rope`; all restored on exit."""
+    with export_symbolics(), exact_longrope(model), real_complex_rope(model):
         yield
 
 

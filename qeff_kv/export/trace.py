@@ -39,6 +39,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`)."""
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
+    _find_decoder(model)
     kv_shapes = _kv_shapes(model, options, num_layers)
     latent = options.mla_cache == "latent"
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
@@ -69,6 +70,16 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
                     sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options),
                     state_spec=spec)
     return geometry
+
+
+def _find_decoder(model) -> None:
+    """Give the loaded model its decoder where transformers' ``get_decoder`` returns the causal LM itself: it looks
+    the decoder up by ``base_model_prefix``, which for Llama4ForCausalLM names ``language_model`` while the decoder
+    is ``model`` (the exporter calls the decoder and applies the output head itself)."""
+    inner = getattr(model, "model", None)
+    if model.get_decoder() is model and isinstance(inner, torch.nn.Module) and inner is not model and \
+            model.get_output_embeddings() is not None:
+        model.get_decoder = lambda: inner
 
 
 def _kv_shapes(model, options: opt.ExportOptions, num_layers: int) -> list:
@@ -137,7 +148,8 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
     # GroupQueryAttention's RoPE caches must cover every position the graph may be run at.
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
     # the fused target windows GroupQueryAttention itself and never reads the windowed mask
-    sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers, facts.windowed_layers(options))
+    sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers, facts.windowed_layers(options),
+                          chunk=facts.attention_chunk if facts.chunked_layers else None)
     target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
                                          continuous_batching=options.continuous_batching,
                                          ccl=options.ccl is not None)

@@ -150,6 +150,15 @@ class FusedKVCache:
         return SplitHeads.apply(out, d)
 
 
+def slot_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """The positions the model computes with: a padded row (``-1``) takes the position of the slot GQA writes
+    it to (``p0 + row``, after the chunk's valid rows), so code that reads ``position_ids`` itself stays finite
+    there (Ministral3's ``1 + beta * log(1 + floor(p / n))`` query scale is ``-inf`` at ``p = -1``, and a
+    non-finite padded query poisons the valid rows through ``0 * inf`` in GQA). Valid rows keep theirs."""
+    rows = torch.arange(position_ids.shape[1], dtype=position_ids.dtype).unsqueeze(0)
+    return torch.where(position_ids < 0, position_ids[:, :1] + rows, position_ids)
+
+
 class FusedTarget(Target):
     name = "onnxruntime-fused"
     fills_padding = False
@@ -191,7 +200,7 @@ class FusedTarget(Target):
         cache = FusedKVCache(x.past, x.position_ids, self.rotary_caches, window=self.window,
                              window_layers=self.window_layers)
         mask = torch.zeros((1, 1, 1, 1), dtype=x.dtype)  # GroupQueryAttention masks causally itself
-        return Step(x.input_ids, x.position_ids, cache, mask)
+        return Step(x.input_ids, slot_positions(x.position_ids), cache, mask)
 
     @contextlib.contextmanager
     def tracing(self, cache):

@@ -62,7 +62,9 @@ class OnnxruntimeTarget(Target):
         ring = plan.ring_step(position_ids, x.is_pad, x.dtype, x.blocks, read=True)
         cache = RetainedStateCache(x.past, position_ids, x.batch_index, length, ring, plan.ring_layers)
         mask = plan.masks(build_attention_mask(position_ids, length[0], x.dtype, blocks=x.blocks), ring,
-                          lambda: build_attention_mask(position_ids, length[0], x.dtype, plan.window, x.blocks))
+                          lambda: build_attention_mask(position_ids, length[0], x.dtype, plan.window, x.blocks),
+                          lambda: build_attention_mask(position_ids, length[0], x.dtype, blocks=x.blocks,
+                                                       chunk=plan.chunk))
         return Step(input_ids, position_ids, cache, mask)
 
 

@@ -24,13 +24,17 @@ class PortableTarget(Target):
             cache = RetainedStateCache(x.past, position_ids, x.batch_index, x.ccl_length, ring, plan.ring_layers)
             full = build_attention_mask(position_ids, x.ccl_length[0], x.dtype, blocks=x.blocks)
             mask = plan.masks(full, ring, lambda: build_attention_mask(position_ids, x.ccl_length[0], x.dtype,
-                                                                       plan.window, x.blocks))
+                                                                       plan.window, x.blocks),
+                              lambda: build_attention_mask(position_ids, x.ccl_length[0], x.dtype, blocks=x.blocks,
+                                                           chunk=plan.chunk))
         else:
             cache = RetainedStateCache(x.past, position_ids, x.batch_index, ring=ring, ring_layers=plan.ring_layers)
             columns = None if plan.all_ring else plan.full_capacity(x.flat)
             full = None if columns is None else build_attention_mask(position_ids, columns, x.dtype, blocks=x.blocks)
             mask = plan.masks(full, ring, lambda: build_attention_mask(position_ids, columns, x.dtype, plan.window,
-                                                                       x.blocks))
+                                                                       x.blocks),
+                              lambda: build_attention_mask(position_ids, columns, x.dtype, blocks=x.blocks,
+                                                           chunk=plan.chunk))
         return Step(input_ids, position_ids, cache, mask)
 
 
