@@ -311,3 +311,71 @@ def test_double_buffered_session_and_short_conv_layer(hybrid_graph, short_conv_g
     r = ref.add_sequence()
     ref.prefill(r, prompt)
     assert _state(c, gc.sequence) == _state(ref, r)
+
+
+# ------------------------------------------------------------------------------------------------- prompt reuse
+def test_scheduler_reuses_the_longest_prefix_that_ends_at_a_checkpoint(hybrid_graph):
+    """The server's prompt reuse on a hybrid graph: the longest common prefix that ends at a checkpoint of the kept
+    sequence (or at its whole length); with none, the prompt is prefilled from scratch. Tokens equal a fresh
+    session's."""
+    from qeff_kv.runtime import SamplingParams
+    from qeff_kv.serve.engine import Finished, GenerationRequest, TokenOut
+    from qeff_kv.serve.scheduler import Scheduler
+
+    def run(sched, i, prompt, n):
+        h = sched.submit(GenerationRequest(str(i), tuple(prompt), n, SamplingParams(), frozenset()))
+        evs = list(h.iter_sync(timeout=60))
+        assert isinstance(evs[-1], Finished) and all(isinstance(e, TokenOut) for e in evs[:-1])
+        return [e.token for e in evs[:-1]], evs[-1]
+
+    def alone(prompt, n):
+        return _generate(_session(hybrid_graph, max_sequences=1), prompt, n).tokens
+
+    base = [9, 8, 7, 6, 5, 4, 3, 20, 21, 22, 23, 24, 25]   # 13 tokens, fed in chunks of 4
+    session = _session(hybrid_graph)
+    sched = Scheduler(session)
+    try:
+        t0, f0 = run(sched, 0, base, 6)       # kept: 18 positions, checkpoints 8, 12, 13, 16
+        assert f0.cached_tokens == 0 and t0 == alone(base, 6)
+        [kept] = session.sequences
+        assert session.rewind_points(kept) == [0, 8, 12, 13, 16, 18]
+        # shares 11 tokens: the checkpoint at 8 is the longest reusable prefix (copied into a free slot)
+        other = base[:11] + [40, 41]
+        t1, f1 = run(sched, 1, other, 5)
+        assert f1.cached_tokens == 8 and t1 == alone(other, 5)
+        # the same prompt again: all but its last token, from the checkpoint one before the prompt's end
+        t2, f2 = run(sched, 2, base, 6)
+        assert f2.cached_tokens == len(base) - 1 and t2 == t0
+        # the whole conversation so far plus a new turn: the kept sequence's whole length
+        convo = base + t0[:-1] + [30, 31]
+        t3, f3 = run(sched, 3, convo, 4)
+        assert f3.cached_tokens == len(base) + 5 and t3 == alone(convo, 4)
+        # 6 shared tokens and no checkpoint at or below them but 0: from scratch
+        fresh = base[:6] + [1, 2, 3]
+        t4, f4 = run(sched, 4, fresh, 4)
+        assert f4.cached_tokens == 0 and t4 == alone(fresh, 4)
+    finally:
+        sched.close()
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def test_generate_cli_checkpoint_options(hybrid_graph, tmp_path):
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    def run(*args):
+        return CliRunner().invoke(main, ["generate", str(hybrid_graph), "--prompt-ids", "5,6,7,8,9,10,11",
+                                         "--ctx-len", CTX, "--prefill-seq-len", CHUNK, "--max-new-tokens", 12,
+                                         "--json", *map(str, args)])
+
+    r = run("--checkpoint-every", 4, "--max-checkpoints", 3)
+    assert r.exit_code == 0, r.output
+    out = json.loads([line for line in r.stdout.splitlines() if line.strip()][-1])
+    mem = out["memory"]
+    assert (mem["checkpoint_every"], mem["max_checkpoints"]) == (4, 3)
+    assert mem["per_sequence"]["0"] == {"positions": [8, 12, 16], "bytes": 3 * CKPT_BYTES}
+    assert out["sequences"][0]["tokens"] == _generate(_session(hybrid_graph, max_sequences=1), [5, 6, 7, 8, 9, 10, 11],
+                                                      12).tokens
+    r = run("--max-checkpoints", -1)
+    assert r.exit_code == 2 and "--max-checkpoints" in r.output

@@ -391,14 +391,15 @@ class Session(GenerationMixin, CacheVerbsMixin):
         return out
 
     def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None, *,
-                checkpoint: bool = True) -> np.ndarray:
+                checkpoint: bool | Seq[int] = True) -> np.ndarray:
         """Append ``tokens`` to ``seq``'s cache (positions ``[length, length + len(tokens))``) in prefill chunks.
 
         ``images``: the prompt's images, for a vision-language graph (:mod:`qeff_kv.runtime.vision`); their count
         of image rows must equal the prompt's image tokens. Returns the logits ``[vocab]`` after the last token.
         Clears any pending token. With recurrent state, chunks end at multiples of ``checkpoint_every`` (each takes
-        a checkpoint) and the end of the prefill takes one unless ``checkpoint=False`` (a caller feeding one
-        prompt in several calls).
+        a checkpoint) and at the prompt boundary: ``checkpoint=True`` takes one at the end of this call and one
+        token before it; ``False`` none; positions (a caller feeding one prompt in several calls gives the prompt's
+        ``(end - 1, end)``) take one at each position inside this call.
         """
         seq = self.cache.get(seq)
         toks = self._check_tokens(tokens)
@@ -411,7 +412,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if images is not None and self.media is None:
             raise RuntimeInputError("images were given but the graph is a text decoder")
         rec, S, end = self.cache.recurrent, self.prefill_seq_len, seq.length + len(toks)
-        marks = (end - 1, end) if checkpoint and rec.policy.at_prompts else ()   # prompt-boundary checkpoints
+        marks = (((end - 1, end) if checkpoint is True else tuple(int(m) for m in checkpoint or ()))
+                 if rec.policy.at_prompts else ())   # prompt-boundary checkpoints
         plan = (self._chunks(seq.length, len(toks), rec.boundaries(
                     seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks) if rec else None)
                 if self.media is None

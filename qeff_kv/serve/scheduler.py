@@ -23,7 +23,8 @@ logits give the first token). Ring-buffer graphs reuse only where ``truncate`` a
 prefilled from scratch). A recurrent or hybrid graph reuses the longest common prefix that ends where the kept
 sequence can return to (a checkpoint of its recurrent state, or its whole length: ``Session.reusable``); with none,
 the prompt is prefilled from scratch (llama.cpp's server rule). A prompt fed in several chunks takes its
-prompt-boundary checkpoint at its end only.
+prompt-boundary checkpoints at its end and one token before (the point a repeated prompt returns to), not at each
+chunk's.
 """
 
 from __future__ import annotations
@@ -360,8 +361,9 @@ class Scheduler(Engine):
 
     def _prefill_one_chunk(self, a: _Active) -> None:
         chunk = a.todo[:self._chunk_size()]
-        # recurrent state: the prompt-boundary checkpoint at the prompt's end, not at every chunk's
-        kw = {"checkpoint": len(chunk) == len(a.todo)} if getattr(self.session, "recurrent", False) else {}
+        # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
+        end = a.seq.length + len(a.todo)
+        kw = {"checkpoint": (end - 1, end)} if getattr(self.session, "recurrent", False) else {}
         t0 = time.perf_counter()
         try:
             logits = self.session.prefill(a.seq, chunk, **kw)
