@@ -181,9 +181,15 @@ class RecurrentMemory:
         if not self.pairs or self.policy.keep <= 0 or position <= 0:
             return
         book = self._checkpoints.setdefault(seq.id, {})
-        book[int(position)] = {n: a[seq.slot:seq.slot + 1].copy() for n, a in self.arrays.items()}
-        while len(book) > self.policy.keep:
-            del book[min(book)]
+        position = int(position)
+        old = book.pop(position, None)
+        if old is None and len(book) >= self.policy.keep:
+            old = book.pop(min(book))   # the lowest goes; its arrays take the new copy (no fresh pages to fault in)
+        if old is None:
+            old = {n: np.empty_like(a[seq.slot:seq.slot + 1]) for n, a in self.arrays.items()}
+        for n, a in self.arrays.items():
+            np.copyto(old[n], a[seq.slot:seq.slot + 1])
+        book[position] = old
 
     def due(self, position: int) -> bool:
         """Whether a run ending at ``position`` takes a checkpoint by count."""
