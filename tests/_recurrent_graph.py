@@ -30,9 +30,12 @@ from onnx import TensorProto, helper, numpy_helper
 VOCAB, D, C, K, H, DH, S = 48, 8, 6, 3, 2, 4, 3
 
 
-def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_conv: bool = False) -> onnx.ModelProto:
+def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_conv: bool = False,
+          attention: bool = True, cb: bool = True) -> onnx.ModelProto:
     """The hybrid graph (continuous batching: ``batch_index [batch_size, 1]``). ``short_conv``: layer 1 keeps
-    ``conv_state`` alone (an LFM2-style short-conv layer)."""
+    ``conv_state`` alone (an LFM2-style short-conv layer); ``attention=False``: no layer 0 (a pure recurrent model,
+    Mamba2-style: no position axis anywhere); ``cb=False``: no ``batch_index`` (row ``b`` of the buffers is input row
+    ``b``, the KV batch axis ``batch_size``)."""
     rng = np.random.default_rng(seed)
     w = lambda *shape: (rng.standard_normal(shape) * 1.0).astype(np.float32)  # noqa: E731
     inits = {
@@ -50,6 +53,11 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
     }
     n = []
     N = helper.make_node
+    bi = "batch_index" if cb else "row_index"
+    if not cb:   # row b of every buffer for input row b
+        n += [N("Shape", ["input_ids"], ["rows"], start=0, end=1), N("Squeeze", ["rows", "ax0"], ["rows_s"]),
+              N("Range", ["zero_i", "rows_s", "one_i"], ["row_range"]),
+              N("Unsqueeze", ["row_range", "ax1"], ["row_index"])]
     # ---- masks and positions
     n += [N("GreaterOrEqual", ["position_ids", "zero_i"], ["valid"]),               # [b, s]
           N("Cast", ["valid"], ["valid_f"], to=TensorProto.FLOAT),
@@ -59,8 +67,8 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
           N("ReduceMax", ["position_ids"], ["p_last"], axes=[1], keepdims=1),          # [b, 1]
           N("GatherElements", ["input_ids", "last_idx"], ["last_tok"], axis=1)]     # [b, 1]
     # ---- layer 0: attention KV (peer-style scatter at [batch_index, 0, position])
-    n += [N("Shape", ["position_ids"], ["pshape"]),
-          N("Expand", ["batch_index", "pshape"], ["bi_s"]),                          # [b, s]
+    attn = [N("Shape", ["position_ids"], ["pshape"]),
+          N("Expand", [bi, "pshape"], ["bi_s"]),                          # [b, s]
           N("Mul", ["bi_s", "zero_i"], ["zeros_s"]),
           N("Unsqueeze", ["bi_s", "ax_1"], ["bi_u"]), N("Unsqueeze", ["zeros_s", "ax_1"], ["z_u"]),
           N("Unsqueeze", ["position_ids", "ax_1"], ["p_u"]),
@@ -70,8 +78,8 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
           N("Unsqueeze", ["k_new", "ax1"], ["k_upd"]), N("Unsqueeze", ["v_new", "ax1"], ["v_upd"]),
           N("ScatterND", ["past_key.0", "kv_idx", "k_upd"], ["past_key.0_RetainedState"]),
           N("ScatterND", ["past_value.0", "kv_idx", "v_upd"], ["past_value.0_RetainedState"]),
-          N("GatherND", ["past_key.0_RetainedState", "batch_index"], ["k_all4"]),    # [b, 1, ctx, D]
-          N("GatherND", ["past_value.0_RetainedState", "batch_index"], ["v_all4"]),
+          N("GatherND", ["past_key.0_RetainedState", bi], ["k_all4"]),    # [b, 1, ctx, D]
+          N("GatherND", ["past_value.0_RetainedState", bi], ["v_all4"]),
           N("Squeeze", ["k_all4", "ax1"], ["k_all"]), N("Squeeze", ["v_all4", "ax1"], ["v_all"]),
           N("Gather", ["Eq", "last_tok"], ["q"]),                                    # [b, 1, D]
           N("Transpose", ["k_all"], ["k_t"], perm=[0, 2, 1]),
@@ -84,8 +92,9 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
           N("Where", ["allowed_u", "scores", "neg_big"], ["masked"]),
           N("Softmax", ["masked"], ["attn"], axis=-1),
           N("MatMul", ["attn", "v_all"], ["attn_out"])]                              # [b, 1, D]
+    n += attn if attention else []
     # ---- layer 1: conv shift register
-    n += [N("GatherND", ["conv_state.1", "batch_index"], ["conv_old"]),              # [b, C, K]
+    n += [N("GatherND", ["conv_state.1", bi], ["conv_old"]),              # [b, C, K]
           N("Gather", ["Ec", "input_ids"], ["xc"]),                                  # [b, s, C]
           N("Transpose", ["xc"], ["xc_t"], perm=[0, 2, 1]),                          # [b, C, s]
           N("Concat", ["conv_old", "xc_t"], ["conv_cat"], axis=2),                   # [b, C, K + s]
@@ -94,13 +103,13 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
           N("Shape", ["conv_old"], ["conv_shape"]),
           N("Expand", ["cidx1", "conv_shape"], ["cidx"]),                            # [b, C, K]
           N("GatherElements", ["conv_cat", "cidx"], ["conv_new"], axis=2),
-          N("ScatterND", ["conv_state.1", "batch_index", "conv_new"], ["conv_state.1_RetainedState"]),
+          N("ScatterND", ["conv_state.1", bi, "conv_new"], ["conv_state.1_RetainedState"]),
           N("Reshape", ["conv_new", "flat_c"], ["conv_flat"]),
           N("MatMul", ["conv_flat", "Wc"], ["conv_read"])]                           # [b, D]
     readout = ["conv_read"]
     if not short_conv:
         # ---- layer 1: recurrent state, closed form over the chunk
-        n += [N("GatherND", ["recurrent_state.1", "batch_index"], ["rec_old"]),      # [b, H, Dh, S]
+        n += [N("GatherND", ["recurrent_state.1", bi], ["rec_old"]),      # [b, H, Dh, S]
               N("Unsqueeze", ["valid_f", "ax_1"], ["valid_u"]),                      # [b, s, 1]
               N("Mul", ["valid_u", "log_decay"], ["loga"]),                          # [b, s, H]
               N("CumSum", ["loga", "one_i"], ["L"]),                                 # inclusive
@@ -118,14 +127,16 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
         n += [N("Unsqueeze", ["dec_t", "s3"], ["dec4"]),                             # [b, H, 1, 1]
               N("Mul", ["rec_old", "dec4"], ["rec_decayed"]),
               N("Add", ["rec_decayed", "usum"], ["rec_new"]),
-              N("ScatterND", ["recurrent_state.1", "batch_index", "rec_new"], ["recurrent_state.1_RetainedState"]),
+              N("ScatterND", ["recurrent_state.1", bi, "rec_new"], ["recurrent_state.1_RetainedState"]),
               N("Reshape", ["rec_new", "flat_r"], ["rec_flat"]),
               N("MatMul", ["rec_flat", "Wr"], ["rec_read"])]
         readout.append("rec_read")
     # ---- logits
-    n += [N("Squeeze", ["attn_out", "ax1"], ["attn_flat"])]
-    acc = "attn_flat"
-    for i, r in enumerate(readout):
+    if attention:
+        n += [N("Squeeze", ["attn_out", "ax1"], ["attn_flat"])]
+        readout.insert(0, "attn_flat")
+    acc = readout[0]
+    for i, r in enumerate(readout[1:]):
         n.append(N("Add", [acc, r], [f"h{i}"]))
         acc = f"h{i}"
     n += [N("Tanh", [acc], ["h"]), N("MatMul", ["h", "Wout"], ["logits2"]),
@@ -133,19 +144,18 @@ def build(seed: int = 0, *, decay=(0.9, 0.6), ctx_dim: str = "ctx_len", short_co
 
     T = helper.make_tensor_value_info
     f = TensorProto.FLOAT
+    fb = "full_batch_size" if cb else "batch_size"
     inputs = [T("input_ids", TensorProto.INT64, ["batch_size", "seq_len"]),
-              T("position_ids", TensorProto.INT64, ["batch_size", "seq_len"]),
-              T("past_key.0", f, ["full_batch_size", 1, ctx_dim, D]),
-              T("past_value.0", f, ["full_batch_size", 1, ctx_dim, D]),
-              T("conv_state.1", f, ["full_batch_size", C, K])]
-    outputs = [T("logits", f, ["batch_size", 1, VOCAB]),
-               T("past_key.0_RetainedState", f, ["full_batch_size", 1, ctx_dim, D]),
-               T("past_value.0_RetainedState", f, ["full_batch_size", 1, ctx_dim, D]),
-               T("conv_state.1_RetainedState", f, ["full_batch_size", C, K])]
-    if not short_conv:
-        inputs.append(T("recurrent_state.1", f, ["full_batch_size", H, DH, S]))
-        outputs.append(T("recurrent_state.1_RetainedState", f, ["full_batch_size", H, DH, S]))
-    inputs.append(T("batch_index", TensorProto.INT64, ["batch_size", 1]))
+              T("position_ids", TensorProto.INT64, ["batch_size", "seq_len"])]
+    outputs = [T("logits", f, ["batch_size", 1, VOCAB])]
+    buffers = [("conv_state.1", [fb, C, K])] + ([] if short_conv else [("recurrent_state.1", [fb, H, DH, S])])
+    if attention:
+        buffers = [("past_key.0", [fb, 1, ctx_dim, D]), ("past_value.0", [fb, 1, ctx_dim, D])] + buffers
+    for name, dims in buffers:
+        inputs.append(T(name, f, dims))
+        outputs.append(T(name + "_RetainedState", f, dims))
+    if cb:
+        inputs.append(T("batch_index", TensorProto.INT64, ["batch_size", 1]))
     graph = helper.make_graph(n, "hybrid_test", inputs, outputs,
                               initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="qeff-kv-tests")

@@ -379,3 +379,38 @@ def test_generate_cli_checkpoint_options(hybrid_graph, tmp_path):
                                                       12).tokens
     r = run("--max-checkpoints", -1)
     assert r.exit_code == 2 and "--max-checkpoints" in r.output
+
+
+# ------------------------------------------------------------------------------------------------- other layouts
+@pytest.mark.parametrize("variant", [{"attention": False}, {"cb": False}, {"cb": False, "attention": False}],
+                         ids=["recurrent-only", "no-batch-index", "recurrent-only-no-batch-index"])
+def test_other_layouts_rewind_and_round_trip(variant, tmp_path):
+    """A recurrent-only graph (Mamba2-style: no position axis anywhere, ctx_len from the caller) and graphs without
+    ``batch_index``: a rewind to a checkpoint equals a fresh run, a state file round trip continues exactly."""
+    graph = rg.save(tmp_path / "g.onnx", **variant)
+    s = _session(graph, max_sequences=1)
+    assert s.recurrent and s.continuous_batching == variant.get("cb", True)
+    assert (list(s.cache.arrays) == []) == (variant.get("attention") is False)
+    prompt = [7, 3, 40, 12, 5, 30, 2, 11, 9, 21, 14]
+    g = _generate(s, prompt, 9)                 # 11 + 8 = 19 positions: checkpoints 8, 10, 11, 16
+    assert s.rewind_points(g.sequence) == [0, 8, 10, 11, 16, 19]
+    path = s.save_state(g.sequence, tmp_path / "s.safetensors")
+    generated = g.sequence.tokens[len(prompt):]
+    s.truncate(g.sequence, 16)
+    snap = _state(s, g.sequence)
+    s.remove_sequence(g.sequence)
+    ref = _fresh_to(s, prompt, generated, 16)
+    assert _state(s, ref) == snap
+    s.remove_sequence(ref)
+    other = _session(graph, max_sequences=1)
+    seq = other.load_state(path)
+    [a] = other.generate([seq], max_new_tokens=4, stop_tokens=[])
+    assert g.tokens + a.tokens == _generate(s, prompt, 13).tokens
+
+
+def test_lock_step_is_refused_with_recurrent_state(tmp_path):
+    graph = rg.save(tmp_path / "g.onnx", cb=False)
+    with pytest.raises(RuntimeInputError, match=r"max_sequences=2 needs lock-step batching, which is not possible: "
+                                                r"the graph keeps recurrent state \(an idle row's token would change "
+                                                r"its state\)"):
+        _session(graph, max_sequences=2)
