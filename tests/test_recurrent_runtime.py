@@ -426,3 +426,24 @@ def test_serve_config_sets_the_checkpoints(hybrid_graph):
     g = _generate(s, [1, 2, 3, 4, 5, 6, 7], 5)
     assert s.rewind_points(g.sequence) == [0, 7, 10, 11]
     assert s.describe()["checkpoint_every"] == 5
+
+
+def test_a_pair_with_another_recurrent_geometry_is_refused(hybrid_graph, tmp_path):
+    """The KV contract of a recurrent graph includes each state's shape: a disaggregated pair of exports whose
+    states differ (here another conv kernel) is refused at start-up, and so is a state file between them."""
+    import onnx
+
+    from qeff_kv.serve.transfer import facts, pair_refusal
+
+    m = rg.build()
+    for vi in list(m.graph.input) + list(m.graph.output):
+        if vi.name.startswith("conv_state.1"):
+            vi.type.tensor_type.shape.dim[2].dim_value = rg.K + 1
+    other_path = tmp_path / "k4.onnx"
+    onnx.save(m, str(other_path))
+    a, b = _session(hybrid_graph, max_sequences=1), _session(other_path, max_sequences=1)
+    assert a.kv_fingerprint != b.kv_fingerprint
+    assert "different KV contracts" in pair_refusal(facts(a), facts(b))
+    g = _generate(a, [1, 2, 3], 1)
+    with pytest.raises(StateFileError, match="saved from a graph with another KV contract"):
+        b.import_state(a.export_state(g.sequence))

@@ -414,10 +414,13 @@ class Session(GenerationMixin, CacheVerbsMixin):
         rec, S, end = self.cache.recurrent, self.prefill_seq_len, seq.length + len(toks)
         marks = (((end - 1, end) if checkpoint is True else tuple(int(m) for m in checkpoint or ()))
                  if rec.policy.at_prompts else ())   # prompt-boundary checkpoints
-        plan = (self._chunks(seq.length, len(toks), rec.boundaries(
-                    seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks) if rec else None)
-                if self.media is None
-                else self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len)))
+        if self.media is not None:
+            plan = self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len))
+        elif rec:   # chunks end at checkpoint positions
+            plan = self._chunks(seq.length, len(toks), rec.boundaries(
+                seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks))
+        else:
+            plan = self._chunks(seq.length, len(toks))
         rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
         if self.media is not None:
             self.media.begin(self._io, self._bind_out, images)
