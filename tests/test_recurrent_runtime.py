@@ -447,3 +447,12 @@ def test_a_pair_with_another_recurrent_geometry_is_refused(hybrid_graph, tmp_pat
     g = _generate(a, [1, 2, 3], 1)
     with pytest.raises(StateFileError, match="saved from a graph with another KV contract"):
         b.import_state(a.export_state(g.sequence))
+
+
+def test_speculative_decoding_is_refused_on_recurrent_state(hybrid_graph):
+    from qeff_kv.runtime.speculative import PromptLookup, SpeculativeDecoder
+
+    s = _session(hybrid_graph, max_sequences=1)
+    s.speculative, s.speculative_tokens = True, 4   # as a recurrent graph with num_logits_to_keep would be
+    with pytest.raises(RuntimeInputError, match="a recurrent state can do only to a checkpoint"):
+        SpeculativeDecoder(s, PromptLookup())
