@@ -139,7 +139,9 @@ def _mamba2(text: dict, architecture: str, model_type: str) -> RecurrentFacts | 
     d_state = _int(_first(text, "mamba_d_state", "ssm_state_size", "state_size"))
     if d_state is None:
         return None
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    types = _first(text, "layers_block_type", "layer_types")
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0) or \
+        (len(types) if isinstance(types, list) else 0)   # NemotronH: one entry per layer, no count
     hidden = int(text.get("hidden_size") or 0)
     heads = _int(_first(text, "mamba_n_heads", "mamba_num_heads", "num_heads")) or 0
     head_dim = _int(_first(text, "mamba_d_head", "mamba_head_dim", "head_dim")) or 0
