@@ -199,18 +199,21 @@ def test_cb_names_check_buffers_compile_config(bamba_cb, long_refs, tmp_path):
 
 @requires_torch
 def test_rewinds_of_recurrent_sequences(family_exports, long_refs):
-    """Truncate to 0 restarts from a zero state (tokens exact again); a rewind into the middle or a partial copy is
-    refused in one line (checkpoints are not kept yet)."""
-    from qeff_kv.errors import RuntimeInputError
+    """Truncate to 0 restarts from a zero state (tokens exact again); a rewind into the middle where no checkpoint
+    of the recurrent state is kept is refused in one line naming where it can return to (checkpoints: the runtime's
+    tests/test_recurrent_runtime.py and tests/test_recurrent_export_runtime.py)."""
+    from qeff_kv.errors import RewindError
     from qeff_kv.runtime import Session
 
     s = Session(family_exports("bamba", "onnxruntime").out_dir)
     [g] = s.generate([LONG[0]], max_new_tokens=NEW)
     seq = g.sequence
-    with pytest.raises(RuntimeInputError) as exc:
+    points = s.rewind_points(seq)   # 0, the prompt's end and one before it, the length
+    assert points == [0, len(LONG[0]) - 1, len(LONG[0]), seq.length]
+    with pytest.raises(RewindError) as exc:
         s.truncate(seq, 5)
-    assert str(exc.value) == (f"cannot truncate sequence {seq.id} of length {seq.length} to 5: its recurrent state "
-                              f"can return only to 0 or {seq.length}")
+    assert str(exc.value) == (f"cannot rewind sequence {seq.id} to 5 positions: its recurrent state has no checkpoint "
+                              f"there; it can return to 0, {points[1]}, {points[2]} or {seq.length}")
     s.truncate(seq, 0)
     [again] = s.generate([(seq, LONG[0])], max_new_tokens=NEW)
     assert again.tokens == long_refs("bamba")[0]
