@@ -51,6 +51,11 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 @click.option("--prefill-seq-len", type=DIM, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
 @click.option("--sliding-window", type=SLIDING_WINDOW, default=None,
               help="Window of a graph with sliding-window ring buffers (axis sliding_window) that records none.")
+@click.option("--checkpoint-every", type=COUNT, default=None, metavar="N",
+              help="Recurrent/hybrid graphs: checkpoint the recurrent state every N positions (0: only at prompt "
+                   "boundaries; default 256), the points a sequence can be rewound or copied to.")
+@click.option("--max-checkpoints", type=COUNT, default=None, metavar="N",
+              help="Recurrent/hybrid graphs: checkpoints kept per sequence, oldest dropped (0: none; default 8).")
 @click.option("--max-sequences", type=DIM, default=None,
               help="Slots of a continuous-batching graph, or sequences run in lock step on a graph without "
                    "batch_index (default: the manifest's, or the number of prompts).")
@@ -79,15 +84,15 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
 def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
                  image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
-                 max_sequences, temperature,
+                 checkpoint_every, max_checkpoints, max_sequences, temperature,
                  top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, speculative, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
         model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
         max_new_tokens=max_new_tokens, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-        max_sequences=max_sequences, sliding_window=sliding_window,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        max_sequences=max_sequences, sliding_window=sliding_window, checkpoint_every=checkpoint_every,
+        max_checkpoints=max_checkpoints, sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),

@@ -48,6 +48,11 @@ class ChunkType(click.ParamType):
 @click.option("--prefill-chunk", type=ChunkType(), default=None, metavar="N|auto",
               help="Prompt tokens fed between two decode steps (default: the prefill length); smaller keeps running "
                    "streams smoother while long prompts arrive; auto: what costs about one decode step (measured).")
+@click.option("--checkpoint-every", type=COUNT, default=None, metavar="N",
+              help="Recurrent/hybrid graphs: checkpoint the recurrent state every N positions (0: only at prompt "
+                   "boundaries; default 256); prompt reuse returns to checkpoints.")
+@click.option("--max-checkpoints", type=COUNT, default=None, metavar="N",
+              help="Recurrent/hybrid graphs: checkpoints kept per sequence, oldest dropped (default 8).")
 @click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
@@ -64,8 +69,9 @@ class ChunkType(click.ParamType):
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
-              prefill_seq_len, prefill_chunk, no_prompt_reuse, model_name, speculative, speculative_k, disaggregate,
-              prefill_replicas, decode_replicas, prefill_export, ray_address) -> None:
+              prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
+              speculative, speculative_k, disaggregate, prefill_replicas, decode_replicas, prefill_export,
+              ray_address) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -82,7 +88,8 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
                          reuse_prompts=not no_prompt_reuse, model_name=model_name, speculative=speculative,
-                         speculative_k=speculative_k,
+                         speculative_k=speculative_k, checkpoint_every=checkpoint_every,
+                         max_checkpoints=max_checkpoints,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
 

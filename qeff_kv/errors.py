@@ -49,6 +49,11 @@ class RuntimeInputError(QeffKvError):
     """Bad input to the runtime: capacity exceeded, unknown sequence, bad token ids, bad options."""
 
 
+class RewindError(RuntimeInputError):
+    """A rewind or copy that a sequence's memory cannot serve exactly (a recurrent state with no checkpoint at that
+    position, a sliding-window ring that no longer holds the window): nothing was changed."""
+
+
 class StateFileError(QeffKvError):
     """A KV state file is unreadable, truncated, edited, or belongs to another graph."""
 

@@ -17,6 +17,11 @@ every run.
 With ring buffers, a truncate is exact only while the ring still holds the window of the new last position;
 otherwise it is refused in one line (:func:`qeff_kv.runtime.ring.rewind_refusal`). Each sequence records
 ``written`` (1 + the highest position written since its last reset) for that rule.
+
+A recurrent or hybrid graph's state that cannot be sliced by position (``conv_state``/``recurrent_state``) is the
+cache's second memory, ``cache.recurrent`` (:class:`~qeff_kv.runtime.recurrent.RecurrentMemory`, with its
+checkpoints). Every verb applies to both (llama.cpp's hybrid memory): each kind is asked for its refusal first,
+and only when neither refuses is anything changed.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import RuntimeInputError
+from ..errors import RewindError, RuntimeInputError
 from ..layout import KVPair
 from ..limits import positive_int, require_memory
 from . import positions as pos_mod
+from . import recurrent as rec_mod
 from .ring import RingSpec, copy_refusal, copy_slots, lowest_held, rewind_refusal
 
 
@@ -78,15 +84,23 @@ class KVCache:
         ctx_len: capacity in positions of every sequence (of each full-length buffer).
         double_buffer: allocate a second set of buffers (graphs that are not in-place safe).
         rings: the sliding-window ring buffers and their capacities (:func:`qeff_kv.runtime.ring.resolve`).
+        recurrent: the recurrent layers' buffer pairs (:func:`qeff_kv.runtime.recurrent.split_pairs`): the second
+            memory, ``cache.recurrent``.
+        checkpoints: when the recurrent state is checkpointed (:class:`~qeff_kv.runtime.recurrent.CheckpointPolicy`).
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
-                 rings: RingSpec | None = None):
+                 rings: RingSpec | None = None, recurrent: list[KVPair] | None = None,
+                 checkpoints: rec_mod.CheckpointPolicy | None = None):
         positive_int("max_sequences", max_sequences)
         positive_int("ctx_len", ctx_len)
         self.rings = rings if rings is not None else RingSpec()
+        policy = checkpoints or rec_mod.CheckpointPolicy()
         self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
-                            rings=self.rings)
+                            rings=self.rings, recurrent=recurrent, keep=policy.keep)
+        #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
+        self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
+                                                 double_buffer=double_buffer, policy=policy)
         self.pairs = list(pairs)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
@@ -149,14 +163,19 @@ class KVCache:
 
     @classmethod
     def require_memory(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int,
-                       double_buffer: bool = False, rings: RingSpec | None = None) -> int:
+                       double_buffer: bool = False, rings: RingSpec | None = None,
+                       recurrent: list[KVPair] | None = None, keep: int = 0) -> int:
         """Refuse (:class:`~qeff_kv.errors.MemoryLimitError`, one line with the size) KV buffers that do not fit
-        in the memory available now; return their size in bytes."""
+        in the memory available now (recurrent buffers and their ``keep`` checkpoints per sequence included);
+        return their size in bytes."""
         n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
                              rings=rings)
+        rec = list(recurrent or [])
+        n += rec_mod.buffer_bytes(rec, max_sequences, double_buffer, keep)
         ring = f", sliding-window rings of {rings.capacity}" if rings else ""
+        states = f", {len(rec)} recurrent states with up to {keep} checkpoints each" if rec else ""
         require_memory(n, f"the KV buffers ({len(list(pairs))} buffers x {max_sequences} sequences x ctx_len "
-                          f"{ctx_len}{ring}{', two sets' if double_buffer else ''})")
+                          f"{ctx_len}{ring}{states}{', two sets' if double_buffer else ''})")
         return n
 
     # ---------------------------------------------------------------------------------- buffers
@@ -166,6 +185,14 @@ class KVCache:
             return
         self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
         self.values, self.spare_values = self.spare_values, self.values
+        self.recurrent.swap()
+
+    def bindings(self) -> list[tuple[str, ort.OrtValue, ort.OrtValue | None]]:
+        """``(KV input name, current value, spare value or None)`` of every buffer of both memories."""
+        out = []
+        for mem in (self, self.recurrent):
+            out += [(n, v, mem.spare_values.get(n)) for n, v in mem.values.items()]
+        return out
 
     def _slot_bytes(self, name: str) -> int:
         _, h, _, d = self.shapes[name]
@@ -179,19 +206,39 @@ class KVCache:
 
     @property
     def bytes_per_sequence(self) -> int:
-        """Bytes of one sequence's slot across every KV buffer, each at its own capacity."""
-        return sum(self._slot_bytes(n) * self.capacities[n] for n in self.shapes)
+        """Bytes of one sequence's slot across every KV buffer, each at its own capacity (a recurrent state
+        whole)."""
+        return sum(self._slot_bytes(n) * self.capacities[n] for n in self.shapes) + self.recurrent.bytes_per_sequence
 
     @property
     def memory_capacity(self) -> int:
-        """Bytes of the KV buffers (one set: ``max_sequences`` sequences, each buffer at its own capacity)."""
-        return sum(a.nbytes for a in self.arrays.values())
+        """Bytes of the KV buffers (one set: ``max_sequences`` sequences, each buffer at its own capacity; the
+        recurrent states included, their checkpoints not: :meth:`memory`)."""
+        return sum(a.nbytes for a in self.arrays.values()) + self.recurrent.memory_capacity
 
     @property
     def memory_used(self) -> int:
-        """Bytes holding valid positions of live sequences (a ring holds at most its capacity of them)."""
+        """Bytes holding valid positions of live sequences (a ring holds at most its capacity of them; a
+        non-empty sequence's recurrent state whole)."""
         return sum(self._slot_bytes(n) * min(s.length, self.capacities[n])
-                   for s in self._seqs.values() for n in self.shapes)
+                   for s in self._seqs.values() for n in self.shapes) + \
+            self.recurrent.bytes_per_sequence * sum(1 for s in self._seqs.values() if s.length)
+
+    def memory(self) -> dict:
+        """What the cache holds, in bytes: the buffers (``capacity``), the valid positions and states of live
+        sequences (``used``), the recurrent states (``recurrent_per_sequence``), and the checkpoints of the
+        recurrent state (``checkpoints``: count and bytes in all, ``checkpoint_bytes``: one checkpoint,
+        ``per_sequence``: sequence id -> {``positions``, ``bytes``})."""
+        rec = self.recurrent
+        per = {s.id: {"positions": rec.positions(s), "bytes": rec.checkpoint_bytes(s)} for s in self.sequences}
+        return {"capacity": self.memory_capacity, "used": self.memory_used,
+                "positional_capacity": sum(a.nbytes for a in self.arrays.values()),
+                "recurrent_capacity": rec.memory_capacity, "recurrent_per_sequence": rec.bytes_per_sequence,
+                "checkpoint_bytes": rec.bytes_per_sequence if rec else 0,
+                "checkpoints": sum(len(v["positions"]) for v in per.values()),
+                "checkpoints_bytes": rec.checkpoint_bytes(),
+                "checkpoint_every": rec.policy.every if rec else None,
+                "max_checkpoints": rec.policy.keep if rec else None, "per_sequence": per}
 
     def read(self, seq: Sequence, name: str, length: int | None = None) -> np.ndarray:
         """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name`` (its first ``length``
@@ -237,6 +284,7 @@ class KVCache:
         seq = Sequence(self._next_id, slot)
         self._next_id += 1
         self._seqs[seq.id] = seq
+        self.recurrent.clear(seq)   # a freed slot keeps its last state: a new sequence starts from zeros
         return seq
 
     def get(self, seq: Sequence | int) -> Sequence:
@@ -252,6 +300,7 @@ class KVCache:
         s = self.get(seq)
         s.alive = False
         del self._seqs[s.id]
+        self.recurrent.destroy(s)
 
     def reset(self, seq: Sequence | int) -> None:
         """Empty the sequence (length 0) but keep its slot."""
@@ -263,7 +312,9 @@ class KVCache:
     def truncate(self, seq: Sequence | int, n: int) -> None:
         """Keep positions ``[0, n)``; O(1): only the valid length moves. Drops a pending token unless
         ``n`` equals the current length. With ring buffers a rewind the rings cannot serve exactly is refused
-        (one line, nothing changed); ``n == 0`` (a reset) always works."""
+        (one line, nothing changed), and with a recurrent state a rewind to a position without a checkpoint
+        (:class:`~qeff_kv.errors.RewindError`, naming where it can return to); ``n == 0`` (a reset) always
+        works."""
         s = self.get(seq)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise RuntimeInputError(f"truncate length must be a non-negative int, got {n!r}")
@@ -273,6 +324,11 @@ class KVCache:
             why = rewind_refusal(s, int(n), self.rings) or pos_mod.rewind_refusal(s.rope_marks, int(n))
             if why is not None:
                 raise RuntimeInputError(why)
+            why = self.recurrent.truncate_refusal(s, int(n))
+            if why is not None:
+                raise RewindError(why)
+        # both memories agreed: apply to both
+        self.recurrent.truncate(s, int(n))
         s.rope_marks = pos_mod.rewind(s.rope_marks, int(n))
         if n == 0:
             s.written = s.floor = 0
@@ -300,6 +356,10 @@ class KVCache:
             why = copy_refusal(s, n, self.rings) or pos_mod.rewind_refusal(s.rope_marks, n)
             if why is not None:
                 raise RuntimeInputError(why)
+            why = self.recurrent.copy_refusal(s, n)
+            if why is not None:
+                raise RewindError(why)
+        self.recurrent.copy(s, d, n)
         lowest = lowest_held(s, self.rings) if n else 0
         for name, arr in self.arrays.items():
             slots = copy_slots(self.rings.capacities.get(name), n, lowest)

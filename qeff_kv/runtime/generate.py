@@ -76,6 +76,9 @@ class GenerateRequest:
     max_sequences: int | None = None
     #: the window of a graph with sliding-window ring buffers that records none (peer graphs)
     sliding_window: int | None = None
+    #: a recurrent or hybrid graph's checkpoints of its recurrent state: every N positions, at most N per sequence
+    checkpoint_every: int | None = None
+    max_checkpoints: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_tokens: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -211,6 +214,8 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     kwargs = dict(ctx_len=req.ctx_len, prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
                   inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window,
                   image_token_id=req.image_token_id)
+    if req.checkpoint_every is not None or req.max_checkpoints is not None:
+        kwargs.update(checkpoint_every=req.checkpoint_every, max_checkpoints=req.max_checkpoints)
     if vision or req.vision_graph is not None or req.image_size is not None or req.vision_size is not None:
         model = VisionLanguageModel(req.model, req.vision_graph, image_size=req.image_size,
                                     vision_size=req.vision_size, **kwargs)
@@ -263,6 +268,7 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         "ctx_len": session.ctx_len,
         "prefill_seq_len": session.prefill_seq_len,
         "sliding_window": session.sliding_window,
+        "memory": session.memory(),
         "stop_tokens": stops,
         "saved_state": saved,
         "resized_images": [{"image": str(p), "from": a, "to": b} for p, a, b in req.resized],

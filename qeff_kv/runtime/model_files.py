@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from .. import naming
 from ..errors import GraphReadError, RuntimeInputError
 from ..layout import KVLayout
 
@@ -84,14 +85,18 @@ def resolve_model(model: str | os.PathLike) -> ModelFiles:
 
 # ============================================================================================ fingerprints
 def kv_contract(layout: KVLayout) -> dict:
-    """What a state file must agree on: buffer names (prefix included), dtypes, heads and head_dim."""
+    """What a state file must agree on: buffer names (prefix included), dtypes, heads and head_dim; a recurrent
+    state's whole shape after the batch axis (it has no position axis)."""
     pairs = []
     for p in layout.pairs:
         shape = p.input.shape or ()
-        pairs.append({
+        entry = {
             "input": p.input_name, "retained": p.output_name, "dtype": p.input.dtype,
             "heads": shape[1] if len(shape) == 4 else None, "head_dim": shape[3] if len(shape) == 4 else None,
-        })
+        }
+        if p.stem in naming.RECURRENT_STEMS:   # only these: every other graph's fingerprint stays what it was
+            entry["state_shape"] = list(shape[1:])
+        pairs.append(entry)
     return {"prefix": layout.prefix, "num_layers": layout.num_layers, "pairs": pairs}
 
 

@@ -52,6 +52,7 @@ from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
 from . import positions as pos_mod
+from . import recurrent as rec_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
@@ -91,17 +92,22 @@ class Session(GenerationMixin, CacheVerbsMixin):
             when neither its metadata nor its manifest records it.
         image_token_id: the image token of a vision-language graph whose metadata and manifest do not record it
             (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision.VisionLanguageModel`.
+        checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
+            this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
+            rewind goes to 0 only); see :mod:`qeff_kv.runtime.recurrent`.
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
                  prefill_seq_len: int | None = None, max_sequences: int | None = None,
                  inplace: bool | None = None, threads: int | None = None,
                  providers: Seq[str] | None = None, sliding_window: int | None = None,
-                 image_token_id: int | None = None):
+                 image_token_id: int | None = None, checkpoint_every: int | None = None,
+                 max_checkpoints: int | None = None):
         # ---- arguments first: nothing is read before they are valid
         check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
                            max_sequences=max_sequences, inplace=inplace, threads=threads, providers=providers,
                            sliding_window=sliding_window, image_token_id=image_token_id)
+        checkpoints = rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints)
         self.files = resolve_model(model)
         man = self.files.manifest or {}
         ir_model = graphio.load(self.files.onnx_path)
@@ -134,11 +140,14 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if extra:
             raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
 
-        # ---- dimensions (ctx_len from a full-length buffer: rings hold their own capacity)
+        # ---- dimensions (ctx_len from a full-length buffer: rings hold their own capacity, recurrent states none)
         self.rings = ring_mod.resolve(layout, man, sliding_window)
         self.sliding_window = self.rings.window
-        full = [p.input.shape or () for p in layout.pairs if not p.is_sliding]
-        first = full[0] if full else (layout.pairs[0].input.shape or ())
+        positional, recurrent = rec_mod.split_pairs(layout)
+        #: the graph keeps recurrent state (conv_state/recurrent_state): rewinds need checkpoints
+        self.recurrent = bool(recurrent)
+        full = [p.input.shape or () for p in positional if not p.is_sliding]
+        first = full[0] if full else ((positional or layout.pairs)[0].input.shape or ())
         self.ctx_len = self._dim("ctx_len", first[2] if full and len(first) == 4 else None, ctx_len,
                                  man.get("ctx_len"))
         #: position_ids [4, batch, seq_len]: text positions, then multimodal RoPE rows (runtime/positions.py)
@@ -189,13 +198,14 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.lockstep = not self.continuous_batching and self.max_sequences > 1
         if self.lockstep:
             why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim,
-                                       images=self.media is not None)
+                                       images=self.media is not None, recurrent=self.recurrent)
             if why is not None:
                 raise RuntimeInputError(f"graph has no batch_index input: max_sequences={self.max_sequences} needs "
                                         f"lock-step batching, which is not possible: {why}")
         # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
-        KVCache.require_memory(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                               double_buffer=not self.inplace, rings=self.rings)
+        KVCache.require_memory(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
+                               double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
+                               keep=checkpoints.keep)
         if not safe:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=2)
@@ -237,8 +247,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
             raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
         del source
 
-        self.cache = KVCache(layout.pairs, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                             double_buffer=not self.inplace, rings=self.rings)
+        self.cache = KVCache(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
+                             double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
+                             checkpoints=checkpoints)
         self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
@@ -271,10 +282,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         return positive_int(what, value)
 
     def _bind_kv(self) -> None:
-        for p in self.layout.pairs:
-            self._io.bind_ortvalue_input(p.input_name, self.cache.values[p.input_name])
-            out = self.cache.values[p.input_name] if self.inplace else self.cache.spare_values[p.input_name]
-            self._bind_out(p.output_name, out)
+        for name, value, spare in self.cache.bindings():
+            self._io.bind_ortvalue_input(name, value)
+            self._bind_out(naming.retained_name(name), value if self.inplace else spare)
 
     def _bind_out(self, name: str, value: ort.OrtValue | None) -> None:
         # IOBinding lists outputs in the order they were first bound; rebinding a name keeps its place.
@@ -380,12 +390,16 @@ class Session(GenerationMixin, CacheVerbsMixin):
             out.append((off, cnt, padded))
         return out
 
-    def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None) -> np.ndarray:
+    def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None, *,
+                checkpoint: bool | Seq[int] = True) -> np.ndarray:
         """Append ``tokens`` to ``seq``'s cache (positions ``[length, length + len(tokens))``) in prefill chunks.
 
         ``images``: the prompt's images, for a vision-language graph (:mod:`qeff_kv.runtime.vision`); their count
         of image rows must equal the prompt's image tokens. Returns the logits ``[vocab]`` after the last token.
-        Clears any pending token.
+        Clears any pending token. With recurrent state, chunks end at multiples of ``checkpoint_every`` (each takes
+        a checkpoint) and at the prompt boundary: ``checkpoint=True`` takes one at the end of this call and one
+        token before it; ``False`` none; positions (a caller feeding one prompt in several calls gives the prompt's
+        ``(end - 1, end)``) take one at each position inside this call.
         """
         seq = self.cache.get(seq)
         toks = self._check_tokens(tokens)
@@ -397,8 +411,16 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 f"ctx_len={self.ctx_len}")
         if images is not None and self.media is None:
             raise RuntimeInputError("images were given but the graph is a text decoder")
-        plan = (self._chunks(seq.length, len(toks)) if self.media is None
-                else self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len)))
+        rec, S, end = self.cache.recurrent, self.prefill_seq_len, seq.length + len(toks)
+        marks = (((end - 1, end) if checkpoint is True else tuple(int(m) for m in checkpoint or ()))
+                 if rec.policy.at_prompts else ())   # prompt-boundary checkpoints
+        if self.media is not None:
+            plan = self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len))
+        elif rec:   # chunks end at checkpoint positions
+            plan = self._chunks(seq.length, len(toks), rec.boundaries(
+                seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks))
+        else:
+            plan = self._chunks(seq.length, len(toks))
         rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
         if self.media is not None:
             self.media.begin(self._io, self._bind_out, images)
@@ -424,6 +446,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 arrays["batch_index"][0, 0] = seq.slot
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.cache.wrote(seq, seq.length + off + cnt)
+            if rec and (rec.due(seq.length + off + cnt) or seq.length + off + cnt in marks):
+                rec.snapshot(seq, seq.length + off + cnt)
             if self.media is not None:
                 self.media.chain()
         if self.lockstep:
@@ -489,6 +513,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 r = s.slot
             s.length += 1
             self.cache.wrote(s, s.length)
+            if self.cache.recurrent.due(s.length):
+                self.cache.recurrent.snapshot(s, s.length)
             s.tokens.append(t)
             s.pending = None
             s.pending_emitted = False

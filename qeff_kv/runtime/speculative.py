@@ -261,6 +261,9 @@ class SpeculativeDecoder:
         if s.rings:
             raise RuntimeInputError("speculative decoding rewinds rejected drafts, which sliding-window ring "
                                     "buffers cannot serve; export with --sliding-cache full")
+        if getattr(s, "recurrent", False):
+            raise RuntimeInputError("speculative decoding rewinds rejected drafts, which a recurrent state can do "
+                                    "only to a checkpoint; not supported on recurrent or hybrid graphs")
         graph_k = s.speculative_tokens
         k = self.k if self.k is not None else graph_k
         if k is None:

@@ -13,7 +13,10 @@ File format (version 1, see ``docs/state-files.md``):
   chose the buffers), ``rope_marks`` (JSON, multimodal RoPE models: each image's positions and the RoPE offset of
   the text after it; absent when there is none), ``ring_written``, ``capacities`` (JSON: ring buffer -> slots) and ``sliding_window`` (the
   ring bookkeeping; files without them are full-length states), ``created_by``, and ``checksum``: SHA-256 over
-  every other metadata entry and every tensor's name, dtype, shape and bytes.
+  every other metadata entry and every tensor's name, dtype, shape and bytes;
+* a recurrent or hybrid graph's recurrent buffers (``conv_state.{i}``, ``recurrent_state.{i}``) whole, ``[1, ...]``
+  (never cut by position), and their checkpoints as tensors ``checkpoint.{p}.{buffer}`` with the metadata
+  ``recurrent_checkpoints`` (JSON: the positions ``p``, ascending) (:mod:`qeff_kv.runtime.recurrent`).
 
 The model check compares like with like: checkpoint identities when the file and the graph both carry one
 (so the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's files), else
@@ -40,6 +43,7 @@ from .. import __version__, fsutil, naming
 from ..errors import RuntimeInputError, StateFileError
 from .cache import Sequence
 from . import positions as pos_mod
+from . import recurrent as rec_mod
 from . import ring as ring_mod
 from .model_files import is_checkpoint_identity
 from .ring import meta_int
@@ -128,9 +132,12 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
     if other:
         raise RuntimeInputError(f"selection {regex!r} also matches non-KV buffers {other[:3]}")
     rings = session.rings
+    rec = session.cache.recurrent
     tensors = {n: session.cache.read(seq, n, ring_mod.saved_slots(rings, n, seq.length, seq.written))
-               for n in kv_inputs}
-    first = tensors[kv_inputs[0]]
+               for n in kv_inputs if n not in rec.shapes}
+    rec_tensors, rec_meta = rec_mod.state_tensors(rec, seq)   # whole, never cut by position; with checkpoints
+    tensors.update(rec_tensors)
+    first = tensors[next((n for n in kv_inputs if n not in rec.shapes), kv_inputs[0])]
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -149,6 +156,7 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         "saved_ctx_len": str(session.ctx_len),
         **ring_mod.state_metadata(rings, seq),
         **pos_mod.state_metadata(seq.rope_marks),
+        **rec_meta,
         "created_by": f"qeff-kv {__version__}",
     }
     if not checksum and all(t >= 0 for t in seq.tokens):   # an in-memory hand-off carries the token ids too
@@ -208,9 +216,18 @@ def _validate(session, state: KVState, where: str) -> str:
     if n > session.ctx_len:
         raise StateFileError(
             f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
-    expected = [p.input_name for p in session.layout.pairs]
-    if sorted(state.tensors) != sorted(expected):
+    rec = session.cache.recurrent
+    rec_expected = rec_mod.expected_tensors(rec, rec_mod.read_state_checkpoints(rec, meta, n, where, StateFileError))
+    expected = [p.input_name for p in session.layout.pairs if p.input_name not in rec.shapes]
+    if sorted(state.tensors) != sorted(expected + list(rec_expected)):
         raise StateFileError(f"{where}: tensors {sorted(state.tensors)[:3]}... do not match the graph's KV inputs")
+    for name, (want, dtype) in rec_expected.items():   # a recurrent state whole, with its checkpoints
+        arr = state.tensors[name]
+        if tuple(arr.shape) != want or list(arr.shape) != shapes.get(name):
+            raise StateFileError(f"{where}: recurrent tensor {name!r} has shape {list(arr.shape)}, expected "
+                                 f"{list(want)}")
+        if arr.dtype != dtype:
+            raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {dtype}")
     for name in expected:
         arr = state.tensors[name]
         full = session.cache.shapes[name]
@@ -227,7 +244,10 @@ def _validate(session, state: KVState, where: str) -> str:
 
 def _check_consistent(session, meta: dict[str, str], tensors: dict, where: str) -> None:
     """The metadata agrees with the tensors it describes and with itself (a checksum proves the bytes only)."""
-    dtypes = sorted({str(np.asarray(t).dtype) for t in tensors.values()})
+    # recurrent states (and their checkpoints) may keep their own dtype: they are checked per tensor
+    rec = session.cache.recurrent
+    dtypes = sorted({str(np.asarray(t).dtype) for k, t in tensors.items()
+                     if not rec or k in session.cache.shapes})
     if dtypes and dtypes != [meta["dtype"]]:
         raise StateFileError(f"{where}: inconsistent state metadata: dtype {meta['dtype']!r}, its tensors are "
                              f"{', '.join(dtypes)}")
@@ -273,13 +293,18 @@ def import_state(session, state: KVState, seq: Sequence | None = None, *, where:
     target = session.cache.create() if seq is None else session.cache.get(seq)
     n = state.valid_length
     theirs = ring_mod.read_state_rings(state.metadata, n, where)
+    rec = session.cache.recurrent
     for name, arr in state.tensors.items():
+        if name not in session.cache.shapes:   # recurrent states and their checkpoints: below
+            continue
         cap = session.rings.capacities.get(name)
         if mode == "to_ring" and cap:
             arr = ring_mod.to_ring(arr, cap)
         elif mode == "to_full" and name in theirs.capacities:
             arr = ring_mod.to_full(arr, theirs.capacities[name], n, theirs.written)
         session.cache.write(target, name, arr)
+    rec_mod.install_state(rec, target, state.tensors,
+                          rec_mod.read_state_checkpoints(rec, state.metadata, n, where, StateFileError))
     target.length = n
     target.written = theirs.written if mode == "same" else n
     target.floor = ring_mod.floor_after(mode, theirs)

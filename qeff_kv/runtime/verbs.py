@@ -30,8 +30,26 @@ class CacheVerbsMixin:
 
     def truncate(self, seq: Sequence, n: int) -> None:
         """Rewind ``seq`` to positions ``[0, n)`` in O(1); with ring buffers only as far as they hold the
-        window (else a one-line refusal); ``n = 0`` always."""
+        window, with recurrent state only to a checkpoint (else a one-line refusal); ``n = 0`` always."""
         self.cache.truncate(seq, n)
+
+    def rewind_points(self, seq: Sequence) -> list[int] | None:
+        """The positions a recurrent or hybrid sequence can be rewound (or copied) to: 0, its checkpoints, its
+        length; ``None`` for a graph without recurrent state (any position, within the rings' rule)."""
+        seq = self.cache.get(seq)
+        return self.cache.recurrent.reachable(seq) if self.cache.recurrent else None
+
+    def reusable(self, seq: Sequence, n: int) -> int:
+        """The longest prefix of at most ``n`` positions that ``truncate``/``copy`` can return ``seq`` to: ``n``
+        without recurrent state (rings may still refuse), else the highest of :meth:`rewind_points` at or below
+        ``n`` (prompt reuse: llama.cpp's server restores the newest checkpoint before the point of reuse)."""
+        points = self.rewind_points(seq)
+        return int(n) if points is None else max(p for p in points if p <= n)
+
+    def memory(self) -> dict:
+        """Bytes the cache holds (buffers, valid positions, recurrent states, checkpoints): see
+        :meth:`KVCache.memory`."""
+        return self.cache.memory()
 
     def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
         """Copy ``src``'s first ``n`` positions into ``dst`` in place (fork a shared prompt); see
@@ -59,7 +77,7 @@ class CacheVerbsMixin:
     # ------------------------------------------------------------------------------------ introspection
     def kv_data_pointers(self) -> dict[str, int]:
         """Address of every KV input buffer currently bound (for tests and diagnostics)."""
-        return {n: v.data_ptr() for n, v in self.cache.values.items()}
+        return {n: v.data_ptr() for n, v, _ in self.cache.bindings()}
 
     def bound_output_pointers(self) -> dict[str, int]:
         """Address of every retained output after the last run."""
@@ -78,4 +96,7 @@ class CacheVerbsMixin:
             "memory_capacity": self.cache.memory_capacity,
             "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
             "vision_language": None if self.media is None else self.media.kind,
+            "recurrent_states": list(self.cache.recurrent.shapes),
+            "checkpoint_every": self.cache.recurrent.policy.every if self.cache.recurrent else None,
+            "max_checkpoints": self.cache.recurrent.policy.keep if self.cache.recurrent else None,
         }

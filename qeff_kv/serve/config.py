@@ -29,6 +29,10 @@ class ServeConfig:
     prefill_chunk: int | str | None = None
     #: keep finished sequences and start new prompts from their longest common prefix
     reuse_prompts: bool = True
+    #: recurrent/hybrid graphs: checkpoint the recurrent state every N positions, keep at most N per sequence
+    #: (None: the runtime's defaults); prompt reuse returns to checkpoints
+    checkpoint_every: int | None = None
+    max_checkpoints: int | None = None
     #: the name /v1/models lists and requests give as "model" (default: the export folder's name)
     model_name: str | None = None
     #: speculative decoding on a graph exported with --speculative-tokens K: "lookup" (prompt lookup) or the

@@ -21,7 +21,11 @@ truncated to the common prefix and continued in its slot, or, when the session h
 the prefix is copied into the free slot so that the longer kept sequence stays (also from a *running*
 sequence's prompt). At most ``len(prompt) - 1`` tokens are reused: the last prompt token is always fed (its
 logits give the first token). Ring-buffer graphs reuse only where ``truncate`` allows it (else the prompt is
-prefilled from scratch).
+prefilled from scratch). A recurrent or hybrid graph reuses the longest common prefix that ends where the kept
+sequence can return to (a checkpoint of its recurrent state, or its whole length: ``Session.reusable``); with none,
+the prompt is prefilled from scratch (llama.cpp's server rule). A prompt fed in several chunks takes its
+prompt-boundary checkpoints at its end and one token before (the point a repeated prompt returns to), not at each
+chunk's.
 """
 
 from __future__ import annotations
@@ -287,10 +291,13 @@ class Scheduler(Engine):
         """A sequence to continue for ``prompt`` and how many of its positions are reused."""
         limit = len(prompt) - 1
         best, best_n = None, 0
+        reusable = getattr(self.session, "reusable", None)   # recurrent state: only where a checkpoint is
         if self.reuse_prompts and limit >= MIN_REUSE:
             sources = list(self._kept.values()) + [a.seq for a in self._running]
             for s in sources:
                 n = _common_prefix(s.tokens, prompt, limit)
+                if reusable is not None and n:
+                    n = reusable(s, n)
                 if n > best_n:
                     best, best_n = s, n
         if best is None or best_n < MIN_REUSE:
@@ -366,9 +373,12 @@ class Scheduler(Engine):
 
     def _prefill_one_chunk(self, a: _Active) -> None:
         chunk = a.todo[:self._chunk_size()]
+        # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
+        end = a.seq.length + len(a.todo)
+        kw = {"checkpoint": (end - 1, end)} if getattr(self.session, "recurrent", False) else {}
         t0 = time.perf_counter()
         try:
-            logits = self.session.prefill(a.seq, chunk)
+            logits = self.session.prefill(a.seq, chunk, **kw)
         except Exception as exc:   # noqa: BLE001
             self._finish(a, "error", f"prefill failed: {exc}", keep=False)
             return

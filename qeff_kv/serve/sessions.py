@@ -18,6 +18,8 @@ def open_session(config: ServeConfig, export: str | None = None):
 
     model = export or config.export_dir
     kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads)
+    if config.checkpoint_every is not None or config.max_checkpoints is not None:
+        kw.update(checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints)
     if config.max_sequences is not None:
         return Session(model, max_sequences=config.max_sequences, **kw)
     # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible

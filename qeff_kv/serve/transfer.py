@@ -7,7 +7,11 @@ along axis 2 and nothing else (the peer's slicing spec ``[batch_index, 0, ctx_st
 every head, positions from ``ctx_start = 0``, every head_dim; no other axis is ever sliced), a sliding-window
 ring as the slots it holds (``min(C, written)``, ring order, as state files carry it); and the metadata the
 decode side needs: valid length, pending token (the first generated token, sampled by the prefill worker),
-token ids, checkpoint identity, KV contract fingerprint, ring facts.
+token ids, checkpoint identity, KV contract fingerprint, ring facts. Only position axes (``ctx_len``,
+``sliding_window``) are ever cut: a recurrent or hybrid graph's recurrent states (``conv_state``,
+``recurrent_state``: no position axis) move whole, with their checkpoints, and the slicing spec then lists one entry
+per buffer (the peer's form when shapes differ, contract section 13): ``[batch_index, 0, ctx_start, 0]`` for a KV
+buffer, ``[batch_index, 0, 0]`` / ``[batch_index, 0, 0, 0]`` for a recurrent state.
 
 It is a :class:`~qeff_kv.runtime.state.KVState` made by ``export_state(..., checksum=False)``: the decode side
 imports it with every check a state file gets (KV contract, model, shapes, ring capacities, capacity), except
@@ -21,6 +25,7 @@ prefill a prompt in a fresh sequence, sample the first token with the request's 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -69,7 +74,22 @@ def valid_bytes(session, seq) -> int:
     for name, (_, heads, _, head_dim) in cache.shapes.items():
         slots = ring_mod.saved_slots(session.rings, name, seq.length, seq.written)
         total += heads * head_dim * cache.dtypes[name].itemsize * slots
-    return total
+    rec = cache.recurrent   # recurrent states whole, with their checkpoints
+    return total + (rec.bytes_per_sequence + rec.checkpoint_bytes(seq) if rec else 0)
+
+
+def slicing_spec(session, regex: str, positions: int) -> dict:
+    """The peer-style spec of what a transfer cuts: one ``Name``/``DimSpecs`` for a graph whose buffers all have a
+    position axis; with recurrent states, one entry per buffer (``Specs``), a recurrent state's dims all 0 after
+    ``batch_index`` (never sliced). ``ctx_start`` and ``positions``: the range of positions cut."""
+    rec = session.cache.recurrent
+    spec = {"Name": regex, "DimSpecs": list(DIM_SPECS), "ctx_start": 0, "positions": positions}
+    if rec:
+        spec["Specs"] = [{"Name": f"^{re.escape(p.input_name)}$",
+                          "DimSpecs": ["batch_index"] + [0] * (len(rec.shapes[p.input_name]) - 1)
+                          if p.input_name in rec.shapes else list(DIM_SPECS)}
+                         for p in session.layout.pairs]
+    return spec
 
 
 def extract(session, seq, request_id: str = "", select: str | None = None) -> KVTransfer:
@@ -77,7 +97,7 @@ def extract(session, seq, request_id: str = "", select: str | None = None) -> KV
     regex = select if select is not None else default_selection(session)
     t0 = time.perf_counter()
     state = export_state(session, seq, select=regex, checksum=False)
-    spec = {"Name": regex, "DimSpecs": list(DIM_SPECS), "ctx_start": 0, "positions": seq.length}
+    spec = slicing_spec(session, regex, seq.length)
     return KVTransfer(request_id, state, spec, extract_s=time.perf_counter() - t0)
 
 
@@ -127,7 +147,7 @@ class Prefiller:
 
     Prompt reuse (``reuse=True``): a prefilled sequence stays in its slot after its transfer left (least recently
     used first out when a slot is needed); a later prompt sharing at least :data:`MIN_REUSE` leading tokens with
-    one starts from it: its prefix is copied into a free slot (``Session.copy``, the source stays), else the kept
+    one (up to where it can return to: a recurrent state's checkpoint) starts from it: its prefix is copied into a free slot (``Session.copy``, the source stays), else the kept
     sequence is truncated to the common prefix and continued. At most ``len(prompt) - 1`` tokens are reused (the
     last one is fed: its logits give the first token). Where the rings of a sliding-window graph cannot serve
     the prefix, the prompt is prefilled whole.
@@ -160,6 +180,7 @@ class Prefiller:
             m = min(len(s.tokens), limit)
             while n < m and s.tokens[n] == prompt[n]:
                 n += 1
+            n = self.session.reusable(s, n) if n else 0   # recurrent state: a checkpoint at or below n
             if n > best_n:
                 best, best_n = s, n
         if best is None or best_n < self.MIN_REUSE:
