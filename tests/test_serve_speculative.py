@@ -160,6 +160,7 @@ def test_concurrent_clients_equal_plain_decoding(served, reference):
         reference(_ids(served, prompt), n, SamplingParams(**SEEDED) if seeded else None)
     drafted0, accepted0 = (_metric("qeff_kv_speculative_draft_tokens_total"),
                            _metric("qeff_kv_speculative_accepted_tokens_total"))
+    itl0, gen0 = _metric("qeff_kv_inter_token_latency_seconds_count"), _metric("qeff_kv_generation_tokens_total")
     results, errors = {}, []
 
     def worker(c, prompt, stream, seeded, n):
@@ -183,6 +184,10 @@ def test_concurrent_clients_equal_plain_decoding(served, reference):
                          _metric("qeff_kv_speculative_accepted_tokens_total"))
     assert drafted > drafted0 and 0 < accepted - accepted0 <= drafted - drafted0
     assert _metric("qeff_kv_speculative_verifications_total") > 0
+    # every accepted token is its own event: one inter-token latency per token after each request's first
+    total = sum(n for *_, n in jobs)
+    assert _metric("qeff_kv_generation_tokens_total") - gen0 == total
+    assert _metric("qeff_kv_inter_token_latency_seconds_count") - itl0 == total - len(jobs)
 
 
 # ------------------------------------------------------------------------------------------ cuts inside a run

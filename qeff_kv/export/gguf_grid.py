@@ -14,7 +14,10 @@ The GGUF types, block by block:
   the zero point ``dmin*m / (d*sc)`` is again not an integer in general, and ``d*sc`` is rounded once more in
   float32 before the product: **does not fit**;
 * ``Q5_*``, ``Q6_K``, ``Q8_0``, ``F16``, ``F32`` and the rest hold more than 4 bits per weight: **does not fit**
-  int4 (they are requantized, and said so).
+  int4 (they are requantized, and said so); except the vocabulary table (embedding / tied head, which the int4
+  path quantizes for ``GatherBlockQuantized`` and the head's ``MatMulNBits`` together): a ``Q8_0`` table
+  (``w = d * q``, ``q`` int8) is taken exactly at 8 bits (``u = q + 128``, zero point 128, scale ``d``), a
+  ``Q4_0`` table at 4 bits.
 
 The float graph's weights are the GGUF's, dequantized by transformers with gguf's own dequantization (rows of Q/K
 permuted back for Llama's rotary layout, matrices transposed for ``MatMul``, Q/K/V possibly packed side by side
@@ -94,6 +97,32 @@ class GGUFRows:
         return packed, d
 
 
+    def table_blocks(self, table: np.ndarray):
+        """A vocabulary table ``[vocab, hidden]`` (rows are GGUF rows as they are) as MatMulNBits /
+        GatherBlockQuantized data from the GGUF's own blocks: ``(packed [vocab, hidden/32, blob], scales
+        [vocab, hidden/32], bits, type)`` when every row is a ``Q4_0`` row (4 bits) or every row a ``Q8_0`` row
+        (``d * q``: 8 bits, zero point 128, ``u = q + 128``), else None."""
+        if table.ndim != 2 or table.shape[1] % BLOCK:
+            return None
+        hits = [self.index.get(_hash(table[r])) for r in range(table.shape[0])]
+        if any(h is None for h in hits):
+            return None
+        types = {self.types[ti] for ti, _ in hits}
+        if types == {"Q4_0"}:
+            parts = [self.q4_0_blocks(ti, r) for ti, r in hits]
+            return np.stack([p for p, _ in parts]), np.stack([d for _, d in parts]), 4, "Q4_0"
+        if types == {"Q8_0"}:
+            packed = np.empty((table.shape[0], table.shape[1] // BLOCK, BLOCK), np.uint8)
+            scales = np.empty((table.shape[0], table.shape[1] // BLOCK), np.float32)
+            for j, (ti, r) in enumerate(hits):
+                t = self._reader.tensors[ti]
+                raw = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[r].reshape(-1, 34)
+                scales[j] = raw[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
+                packed[j] = (raw[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            return packed, scales, 8, "Q8_0"
+        return None
+
+
 @dataclass
 class GridPlan:
     """Which MatMul weights take the GGUF's blocks (``fitted``: initializer name -> per-column (tensor, row)) and
@@ -161,7 +190,7 @@ def summary_lines(report: dict) -> list[str]:
                      f"points and are requantized (RTN int4): {r['why']}; e.g. {', '.join(r['examples'])}")
     for t in report["not_taken"]:
         lines.append(f"--gguf-grid: {t['gguf_tensor']} ({t['type']}) is not a MatMul weight of the graph (the "
-                     "vocabulary table): quantized by the ordinary int4 path")
+                     "vocabulary table: taken from the GGUF where its rows are Q4_0 or Q8_0, see below)")
     if report["not_from_gguf"]:
         lines.append(f"--gguf-grid: {len(report['not_from_gguf'])} MatMul weights match no GGUF row and are "
                      f"quantized as usual: {', '.join(report['not_from_gguf'][:3])}")

@@ -143,7 +143,20 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, 
     vcfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=True,
                                             accuracy_level=scheme.accuracy_level or None,
                                             op_types_to_quantize=("MatMul",), bits=scheme.bits)
-    n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg))
+    table_blocks = None
+    if grid is not None:
+        def table_blocks(name, table):   # the GGUF's own blocks of a vocabulary table, where they fit
+            got = grid.rows.table_blocks(table)
+            if grid_report is not None:
+                grid_report.setdefault("tables", {})[name] = (
+                    {"taken": True, "gguf_type": got[3], "bits": got[2]} if got is not None else {"taken": False})
+            return got
+    n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg), table_blocks)
+    if grid is not None and grid_report is not None:
+        for name, how in grid_report.get("tables", {}).items():
+            say(f"--gguf-grid: vocabulary table {name} takes the GGUF's own {how['gguf_type']} blocks ({how['bits']} "
+                "bits)" if how["taken"] else f"--gguf-grid: vocabulary table {name} is not on a GGUF grid that "
+                "fits (Q4_0 or Q8_0 rows): quantized by the ordinary int4 path")
     if n_matmul + n_vocab == 0:   # a setting that does nothing is refused, not recorded as done
         ks = [int(inits[n.input[1]].dims[0]) for n in graph.node if n.op_type == "MatMul" and len(n.input) > 1
               and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
@@ -180,9 +193,11 @@ def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
     proto.graph.initializer.extend(keep)
 
 
-def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer) -> int:
+def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks=None) -> int:
     """The head ``Gemm(transB=1)`` -> ``MatMulNBits`` and the embedding ``Gather`` -> ``GatherBlockQuantized``,
-    sharing one packed initializer when they read the same (tied) table. Returns the tables quantized."""
+    sharing one packed initializer when they read the same (tied) table. Returns the tables quantized.
+    ``table_blocks(name, table)``: ``(packed, scales, bits, type)`` taken from elsewhere (the GGUF's own blocks,
+    ``--gguf-grid``), or None to quantize the table here."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -206,7 +221,7 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer) -> int:
             return False
         return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
 
-    bits, block = scheme.bits, scheme.block_size
+    block = scheme.block_size
     done = 0
     new_nodes: dict[int, list] = {}   # id(node) -> replacement nodes
     for name, uses in readers.items():
@@ -219,7 +234,12 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer) -> int:
         rows, k = table.shape
         if k % block:
             continue  # GatherBlockQuantized reads whole blocks; such a table stays float
-        packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
+        bits = scheme.bits
+        got = table_blocks(name, table) if table_blocks is not None else None
+        if got is not None:
+            packed, scales, bits, _type = got
+        else:
+            packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
         kb = packed.shape[1]
         qname, sname = f"{name}_Q{bits}", f"{name}_scales"
         graph.initializer.extend([numpy_helper.from_array(packed, qname),
