@@ -217,3 +217,28 @@ def test_rewinds_of_recurrent_sequences(family_exports, long_refs):
     s.truncate(seq, 0)
     [again] = s.generate([(seq, LONG[0])], max_new_tokens=NEW)
     assert again.tokens == long_refs("bamba")[0]
+
+
+@requires_torch
+def test_padding_leaves_the_states_untouched(bamba_cb):
+    """A row that is all padding (position -1) gets its states back bit for bit; the other row's change."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from qeff_kv import graphio
+
+    layout = graphio.layout_of(graphio.load(bamba_cb.onnx_path))
+    sess = ort.InferenceSession(str(bamba_cb.onnx_path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {p.input_name: rng.standard_normal([2 if not isinstance(d, int) else d for d in p.input.shape]
+                                               if p.stem in ("conv_state", "recurrent_state")
+                                               else [2, p.input.shape[1], CTX, p.input.shape[3]]).astype(np.float32)
+             for p in layout.pairs}
+    feeds.update(input_ids=np.array([[7, 7], [9, 0]]), position_ids=np.array([[-1, -1], [20, -1]]),
+                 batch_index=np.array([[0], [1]]))
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    states = [p for p in layout.pairs if p.stem in ("conv_state", "recurrent_state")]
+    assert len(states) == 4
+    for p in states:
+        np.testing.assert_array_equal(out[p.output_name][0], feeds[p.input_name][0])
+        assert not np.array_equal(out[p.output_name][1], feeds[p.input_name][1])

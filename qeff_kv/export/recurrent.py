@@ -154,6 +154,11 @@ def mamba2_step(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentSte
 MIXER_STEPS = {"mamba2": mamba2_step}
 #: what a module must hold to be the mixer of its kind
 _MIXER_PARTS = {"mamba2": ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")}
+#: the geometry a mixer module must share with its facts (a module, or the facts), per kind
+_MIXER_GEOMETRY = {
+    "mamba2": lambda x: ((int(x.conv1d.weight.shape[0]), int(x.conv1d.weight.shape[-1]), int(x.A_log.shape[0]))
+                         if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
+}
 
 
 def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
@@ -166,11 +171,14 @@ def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
     if tuple(sorted(found)) != tuple(facts.mixer_layers):
         raise ExportError(f"{facts.architecture}: the config names mixer layers {list(facts.mixer_layers)}, the "
                           f"model has mixers in layers {sorted(found)}")
+    geometry = _MIXER_GEOMETRY.get(facts.mixer)
     for i, m in found.items():
-        got = (int(m.conv1d.weight.shape[0]), int(m.conv1d.weight.shape[-1]), int(m.A_log.shape[0]))
-        if got != (facts.conv_dim, facts.conv_kernel, facts.heads):
+        if geometry is None:
+            continue
+        got, want = geometry(m), geometry(facts)
+        if got != want:
             raise ExportError(f"{facts.architecture}: layer {i}'s mixer has (conv_dim, conv_kernel, heads) {got}, "
-                              f"the config says {(facts.conv_dim, facts.conv_kernel, facts.heads)}")
+                              f"the config says {want}")
     return found
 
 
@@ -204,7 +212,7 @@ def state_shapes(facts) -> dict:
     empty without recurrent layers."""
     if facts is None:
         return {}
-    return {i: (facts.conv_shape, facts.recurrent_shape) for i in facts.mixer_layers}
+    return {i: facts.state_shapes for i in facts.mixer_layers}
 
 
 def state_inputs(layer, kv_batch: int, kv_axis: str, dtype, io) -> list:

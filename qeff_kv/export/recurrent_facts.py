@@ -56,6 +56,9 @@ class RecurrentFacts:
     gated_norm: bool = True
     #: layers that keep no state at all (NemotronH's MLP/MoE blocks)
     stateless_layers: tuple[int, ...] = ()
+    #: the mixer keeps a ``recurrent_state`` beside its ``conv_state`` (a short-convolution mixer keeps only the
+    #: convolution state)
+    keeps_recurrent_state: bool = True
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -63,9 +66,15 @@ class RecurrentFacts:
         return self.conv_dim, self.conv_kernel
 
     @property
-    def recurrent_shape(self) -> tuple[int, int, int]:
-        """``recurrent_state.{i}`` after the batch axis: ``(heads, head_dim, d_state)``."""
-        return self.heads, self.head_dim, self.d_state
+    def recurrent_shape(self) -> tuple[int, int, int] | None:
+        """``recurrent_state.{i}`` after the batch axis: ``(heads, head_dim, d_state)``; ``None`` for a mixer that
+        keeps only its convolution state."""
+        return (self.heads, self.head_dim, self.d_state) if self.keeps_recurrent_state else None
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes after the batch axis of a mixer layer's states, in stem order (``conv_state`` first)."""
+        return tuple(s for s in (self.conv_shape, self.recurrent_shape) if s is not None)
 
     def refusal(self, options) -> str | None:
         """Why this recurrent model cannot be exported with ``options`` (one line), or ``None``."""
