@@ -10,7 +10,9 @@ set in a copy of its ``genai_config.json``). The prompt is ``fixtures/text/getty
 tokenized with the first qeff export's tokenizer, cut to ``--prompt`` tokens; then ``--steps`` new tokens.
 
 1. **Timing** (no profiler): ``--rounds`` interleaved rounds (the order rotates); per engine the median over
-   rounds of each run's decode tokens/s and the median step wall time. Greedy tokens are compared across engines.
+   rounds of each run's decode tokens/s and the median step wall time, and the median over rounds of its
+   tokens/s divided by the first engine's in the same round (robust to a load that changes between rounds:
+   on a shared machine prefer many short rounds, ``--steps 24 --rounds 30``). Greedy tokens are compared across engines.
 2. **Profile** (``--profile``, a separate process per engine with onnxruntime's profiler on): per decode step the
    sum of kernel durations (``*_kernel_time`` events), the number of kernels, the ``model_run`` duration, and time
    per op type. ``outside-kernel`` = step wall time of the timing run - kernel time of the profiled run (the
@@ -284,7 +286,10 @@ def main(argv=None) -> int:
         rates = [len(x["steps"]) / sum(x["steps"]) for x in rs]
         steps = [s for x in rs for s in x["steps"]]
         ref = ref or rs[-1]["tokens"]
+        first = [len(x["steps"]) / sum(x["steps"]) for x in runs[names[0]]]
         res["timing"][n] = {"decode_tok_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+                            "rates": rates, "paired_ratio_to_first_engine": statistics.median(
+                                a / b for a, b in zip(rates, first)),
                             "step_ms": statistics.median(steps) * 1e3, "tokens": rs[-1]["tokens"],
                             "tokens_equal_first_engine": rs[-1]["tokens"] == ref}
     if args.profile:
@@ -310,7 +315,8 @@ def main(argv=None) -> int:
           f"{min(l[0] for l in res['loadavg']):.2f}-{max(l[0] for l in res['loadavg']):.2f}")
     for n, t in res["timing"].items():
         line = (f"  {n:<14} {t['decode_tok_s']:7.1f} tok/s [{t['min']:.1f}-{t['max']:.1f}]  step {t['step_ms']:.3f} ms"
-                f"  tokens {'=' if t['tokens_equal_first_engine'] else '!='} {names[0]}")
+                f"  tokens {'=' if t['tokens_equal_first_engine'] else '!='} {names[0]}"
+                f"  (median of per-round ratios to {names[0]}: {t['paired_ratio_to_first_engine']:.3f})")
         p = res["profile"].get(n)
         if p:
             line += (f"\n      kernels {p['kernel_ms']:.3f} ms in {p['kernels']} kernels; outside kernels "
