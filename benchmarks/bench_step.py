@@ -142,7 +142,7 @@ class Genai:
         if profile_dir is not None:
             so["enable_profiling"] = str(profile_dir / "genai")
         (tmp / "genai_config.json").write_text(json.dumps(cfg))
-        self.og, self.ctx, self.profile_dir = og, ctx, profile_dir
+        self.og, self.ctx, self.profile_dir, self.tmp = og, ctx, profile_dir, tmp
         self.model = og.Model(str(tmp))
 
     def run(self, prompt, new):
@@ -218,6 +218,17 @@ def serve(spec: str, threads: int, ctx: int, chunk: int, profile: bool) -> None:
     pdir = Path(tempfile.mkdtemp(prefix="bench-step-prof-")) if profile else None
     eng = make(spec, threads, ctx, chunk, pdir)
     print(json.dumps({"ready": True}), flush=True)
+    try:
+        _answer(eng)
+    finally:   # the profiles and genai's config copy are this worker's own temporary folders
+        import shutil
+
+        for d in (pdir, getattr(eng, "tmp", None)):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _answer(eng) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("cmd") == "quit":
