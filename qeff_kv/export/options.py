@@ -30,10 +30,11 @@ IR_VERSION = 8
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
 #: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 7  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
+EXPORTER_VERSION = 8  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
 # 4: sliding layers as ring buffers; 5: a negative image_idx merges no image rows; 6: onnxruntime targets' single
 # vision-language graphs run the vision encoder only when they merge images; 7: onnxruntime-fused folds its
-# attention output's Reshape pair (FoldLayoutPairsPass)
+# attention output's Reshape pair (FoldLayoutPairsPass); 8: onnxruntime-fused removes the shape nodes the fold
+# leaves unread and packs gate/up (PackSharedInputMatMulsPass)
 
 
 @dataclass(frozen=True)

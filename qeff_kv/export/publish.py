@@ -46,10 +46,22 @@ def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if total > opt.EXTERNAL_DATA_THRESHOLD:
         say(f"writing {total / 1e9:.2f} GB of weights as external data")
+        _inline_constant_attributes(model)
         ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
     else:
         # Materialise tensors and write deterministically (no timestamps, stable field order).
         graphio.save(model, path, source_dir=path.parent)
+
+
+def _inline_constant_attributes(model: ir.Model) -> None:
+    """Constant nodes whose tensor is external data (torch writes every large tensor of a graph over 2 GB to its
+    own file, Constant attributes included) get their tensor inline: ``ir.save`` moves initializers into the one
+    data file but leaves attribute tensors pointing at files of the folder the graph was traced into."""
+    for graph in model.graphs():
+        for node in graph:
+            for name, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    node.attributes[name] = ir.AttrTensor(name, ir.tensor(attr.value.numpy(), name=attr.value.name))
 
 
 def write_files(stage: Path, onnx_path: Path, vision_path: Path | None, *, source, config: dict, options, geometry: dict,

@@ -22,12 +22,14 @@ unchanged. Only a pair whose intermediate value has that one reader and is not a
 * ``Transpose(Transpose(x, p), q)`` is replaced by ``x`` when ``p[q[i]] == i`` for every ``i``, else by
   ``Transpose(x, [p[q[i]] ...])``.
 
-Values are followed as Values (never by name); nodes left without readers are removed.
+Values are followed as Values (never by name); nodes left without readers are removed, with the shape
+computations (``Shape -> Gather -> Unsqueeze -> Concat``) that only fed a folded ``Reshape``.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from ._patterns import const_array as _const
 
@@ -189,6 +191,8 @@ class FoldLayoutPairsPass(ir.passes.InPlacePass):
                 self._reshapes(graph, first, second)
             elif second.op_type == "Transpose" and first.domain in _STANDARD and second.domain in _STANDARD:
                 self._transposes(graph, first, second)
+        if self.removed + self.merged:   # the shape chains that fed a folded Reshape have no reader left
+            common_passes.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=(self.removed + self.merged) > 0)
 
     def _reshapes(self, graph: ir.Graph, first: ir.Node, second: ir.Node) -> None:

@@ -43,7 +43,7 @@ REGISTRY: dict[str, TargetInfo] = {
     "onnxruntime": TargetInfo("onnxruntime", gates_vision_encoder=True),
     "onnxruntime-fused": TargetInfo(
         "fused", ring_buffers=False, group_query_attention=True, gates_vision_encoder=True,
-        passes=("PackGQAQKVPass", "FuseSkipRMSNormPass", "FoldLayoutPairsPass"),
+        passes=("PackGQAQKVPass", "FuseSkipRMSNormPass", "FoldLayoutPairsPass", "PackSharedInputMatMulsPass"),
         refuses={
             "continuous_batching": "--target onnxruntime-fused does not support --continuous-batching "
                                    "(GroupQueryAttention has no batch_index); use --target onnxruntime",
