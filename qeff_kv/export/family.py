@@ -81,6 +81,8 @@ class ModelFacts:
     #: vision-language: image tokens attend to each other bidirectionally (Gemma3, PaliGemma: the model's
     #: forward builds its mask from ``token_type_ids``; see :data:`BIDIRECTIONAL_IMAGE_MODEL_TYPES`)
     bidirectional_images: bool = False
+    #: ``model_type`` of the whole config (a vision-language wrapper's own; ``model_type`` is its language model's)
+    top_model_type: str = ""
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -113,11 +115,15 @@ class ModelFacts:
             mrope=_has_mrope(text),
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
+            top_model_type=str(config.get("model_type") or ""),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
     def refusal(self, options) -> str | None:
         """Why this model cannot be exported with ``options`` (one line), or ``None``."""
+        reason = self.recurrent_refusal()
+        if reason is not None:
+            return reason
         if self.vision_language:
             reason = self.vision_refusal()
             if reason is not None:
@@ -161,6 +167,18 @@ class ModelFacts:
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
         if targets.info(options.target).group_query_attention:
             return self.fused_refusal()
+        return None
+
+    def recurrent_refusal(self) -> str | None:
+        """Why qeff-kv does not export this recurrent or linear-attention family (one line, from
+        :data:`RECURRENT_REFUSALS`), or ``None``."""
+        for model_type in (self.model_type, self.top_model_type):
+            reason = RECURRENT_REFUSALS.get(str(model_type))
+            if reason is not None:
+                return f"{self.architecture}: {reason}; qeff-kv does not export it"
+        if self.vision_language and self.model_type in RECURRENT_TEXT_MODEL_TYPES:
+            return (f"{self.architecture}: a vision-language model over recurrent layers is not exported yet; "
+                    f"export its text model ({self.model_type})")
         return None
 
     def vision_refusal(self) -> str | None:
@@ -375,3 +393,50 @@ def needs_image_sizes(model) -> bool:
     encoders, Mistral3); Llava's optional one stays unused."""
     param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
     return param is not None and param.default is inspect.Parameter.empty
+
+
+_SCAN = "selective scan (transformers' torch path) is a Python loop over every token"
+_PER_CHANNEL_DECAY = ("its linear attention decays every key channel separately (a per-channel gate, looped over "
+                      "chunks of 64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
+#: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
+#: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next and
+#: Qwen3.5 (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``) and the
+#: Mamba2-mixer families.
+RECURRENT_REFUSALS: dict[str, str] = {
+    "mamba": f"its Mamba (v1) {_SCAN}",
+    "falcon_mamba": f"its Mamba (v1) {_SCAN}",
+    "jamba": f"its Mamba (v1) layers' {_SCAN}",
+    "zamba": f"its Mamba (v1) layers' {_SCAN}",
+    "zamba2": ("its hybrid layers run one shared attention block at several depths on the word embeddings "
+               "concatenated to the hidden state, a layer layout of its own"),
+    "recurrent_gemma": "its RG-LRU scan is a Python loop over every token of a prompt",
+    "rwkv": ("its WKV attention is a Python loop over every token and keeps five states per layer, not the peer's "
+             "conv_state/recurrent_state pair"),
+    "xlstm": ("its mLSTM loops in Python over chunks and over tokens and keeps three states per layer (C, n, m), "
+              "not the peer's conv_state/recurrent_state pair"),
+    "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a "
+                "cached one"),
+    "kimi_linear": _PER_CHANNEL_DECAY,
+    "bailing_hybrid": _PER_CHANNEL_DECAY,
+    "glm5_next_text": _PER_CHANNEL_DECAY,
+    "glm5_next": _PER_CHANNEL_DECAY,
+    "olmo_hybrid": ("its gated delta net (separate q/k/v projections, beta scaled to [0, 2] by "
+                    "linear_allow_neg_eigval) is not the layout qeff-kv's gated delta step reads"),
+    "qwen4_exp_text": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
+                       "delta net's, not the peer's conv_state/recurrent_state pair"),
+    "qwen4_exp": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
+                  "delta net's, not the peer's conv_state/recurrent_state pair"),
+    "inkling_text": ("it convolves keys, values and each block's input with four short-conv states per layer, not "
+                     "the peer's one conv_state"),
+    "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
+                         "not the peer's one conv_state"),
+    "inkling2_text": ("it convolves keys, values and each block's input with several short-conv states per layer, "
+                      "not the peer's one conv_state"),
+    "inkling2": ("it convolves keys, values and each block's input with several short-conv states per layer, not "
+                 "the peer's one conv_state"),
+    "zaya": ("its attention convolves queries and keys and keeps a recurrent value state beside its KV cache, a "
+             "layout of its own"),
+}
+#: language models with recurrent layers that qeff-kv exports as text models (their vision-language wrappers are
+#: refused by :meth:`ModelFacts.recurrent_refusal`)
+RECURRENT_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"})
