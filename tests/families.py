@@ -174,13 +174,38 @@ FAMILIES: dict[str, Family] = {
                           note="MLA (compressed KV), MoE"),
 }
 
+#: Recurrent and hybrid families (contract section 12): their recurrent mixers run qeff-kv's own traced step
+#: (``qeff_kv/export/linear_mixers.py``); a linear/conv layer before and after an attention layer.
+_GATED_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"])
+_SHORT_CONV = dict(conv_L_cache=3, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+RECURRENT_FAMILIES: dict[str, Family] = {
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                         dict(_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32),
+                         note="gated delta net (conv_state, recurrent_state), gated attention with partial RoPE, "
+                              "MoE with a shared expert"),
+    "qwen3_5_text": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(_GATED_DELTA),
+                           note="gated delta net, gated attention with partial RoPE (Qwen3.5's text model)"),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                               dict(_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32),
+                               note="gated delta net, MoE with a shared expert (Qwen3.5-MoE's text model)"),
+    "lfm2": Family("Lfm2Config", "Lfm2ForCausalLM", dict(_SHORT_CONV), note="short-conv layers (conv_state only)"),
+    "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                       dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            num_dense_layers=1), note="short-conv layers, MoE"),
+    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM", dict(_SHORT_CONV), note="short-conv layers, gated attention"),
+}
+
 
 def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
     """Save the tiny seeded model of family ``name`` with safetensors weights; return its folder."""
     import torch
     import transformers
 
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if name in FAMILIES else RECURRENT_FAMILIES[name]
     cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())
     cfg.architectures = [fam.model_class]
     torch.manual_seed(seed)

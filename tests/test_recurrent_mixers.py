@@ -170,3 +170,51 @@ def test_mixers_are_recognised():
     assert not gated_delta.is_gated_delta_mixer(_lfm2())
     assert short_conv.is_short_conv_mixer(_lfm2())
     assert not short_conv.is_short_conv_mixer(_gdn(Qwen3NextGatedDeltaNet, Qwen3NextConfig, False))
+
+
+class _DictStates:
+    """A :class:`~qeff_kv.export.linear_mixers.MixerStates` holding each layer's states in a dict."""
+
+    def __init__(self, shapes):
+        self.states = {layer: {stem: torch.zeros(shape) for stem, shape in d.items()} for layer, d in shapes.items()}
+        self.valid = None
+
+    def read(self, layer):
+        return self.states[layer]
+
+    def write(self, layer, states):
+        self.states[layer] = states
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"])
+def test_whole_model_with_traced_mixers_equals_transformers(name):
+    """The whole tiny model, its recurrent mixers swapped for qeff-kv's steps (``linear_mixers.traced_mixers``) and
+    its attention layers on transformers' own cache, run in prefill chunks then decode steps: the logits at every
+    position equal transformers' forward pass over the whole sequence."""
+    from families import RECURRENT_FAMILIES
+    from transformers import DynamicCache
+
+    from qeff_kv.export import linear_mixers
+
+    fam = RECURRENT_FAMILIES[name]
+    cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())
+    torch.manual_seed(0)
+    model = getattr(transformers, fam.model_class)(cfg).eval()
+    mixers = linear_mixers.find_mixers(model)
+    assert sorted(mixers) == [0, 2]
+    stems = ("conv_state",) if name.startswith("lfm") else ("conv_state", "recurrent_state")
+    assert all(kind.stems == stems for _, kind in mixers.values())
+    ids = torch.randint(3, 128, (1, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        states, cache, got, pos = _DictStates(linear_mixers.state_shapes(model)), DynamicCache(config=cfg), [], 0
+        for n in (8, 8, 8, 3, 1, 1):
+            states.valid = torch.ones(1, n, dtype=torch.bool)
+            with linear_mixers.traced_mixers(model, states, max_len=8):
+                got.append(model(ids[:, pos:pos + n], position_ids=torch.arange(pos, pos + n).unsqueeze(0),
+                                 past_key_values=cache, use_cache=True).logits)
+            pos += n
+        assert "forward" not in vars(mixers[0][0])      # the model's own forward is back
+    got = torch.cat(got, 1)
+    assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert len(set(want[0].argmax(-1).tolist())) > 3   # the tokens vary: the comparison proves something
