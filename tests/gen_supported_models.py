@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from families import EXPECT, FAMILIES, TARGETS  # noqa: E402
 
+from qeff_kv.export.family import RECURRENT_REFUSALS  # noqa: E402  (no torch)
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
 
 HEADER = """# Supported models
@@ -95,6 +97,19 @@ Each cell is proved by `tests/test_mla.py` on a tiny seeded model.
 |---|---|---|""" + "---|" * len(TARGETS)
 
 
+REFUSED_RECURRENT_HEADER = """
+## Recurrent and linear-attention families refused
+
+Refused from `config.json` before anything is loaded, on every target, in one line
+(`<architecture>: <why>; qeff-kv does not export it`); the reasons are `RECURRENT_REFUSALS` in
+`qeff_kv/export/family.py`, each proved by `tests/test_recurrent_refusals.py` on the config transformers writes
+for the family. A vision-language wrapper over recurrent text layers (Qwen3.5, Qwen3.5-MoE, LFM2-VL, LFM3-VL) is
+refused with the name of its text model, which is what qeff-kv exports.
+
+| `model_type` | why |
+|---|---|"""
+
+
 def render() -> str:
     lines = [HEADER, "| family | transformers class | what it exercises | " + " | ".join(TARGETS) + " |",
              "|---|---|---|" + "---|" * len(TARGETS)]
@@ -107,6 +122,9 @@ def render() -> str:
     lines.append(MLA_HEADER)
     for name, cls, note, cells in MLA_ROWS:
         lines.append(f"| {name} | `{cls}` | {note} | " + " | ".join(cells) + " |")
+    lines.append(REFUSED_RECURRENT_HEADER)
+    for model_type, why in RECURRENT_REFUSALS.items():
+        lines.append(f"| {model_type} | {why} |")
     return "\n".join(lines) + "\n"
 
 
