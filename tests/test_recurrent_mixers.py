@@ -128,6 +128,23 @@ def test_gated_delta_final_state_equals_transformers_cache():
     assert torch.equal(conv, conv_in[..., -4:])   # the convolution's last four inputs, padding ignored
 
 
+def test_gated_delta_long_chunks_of_slowly_decaying_state_stay_exact():
+    """Chunks of 200 tokens (four sub-chunks, the last partial) whose state barely decays: the sub-chunks keep the
+    quadratic form's series in float32 range (over one 200-token block it lost the first digits)."""
+    mixer = _gdn(Qwen3NextGatedDeltaNet, Qwen3NextConfig, strong_decay=False)
+    with torch.no_grad():
+        mixer.dt_bias.fill_(-4.0)     # softplus(a - 4): per-token decay close to 1, as in trained checkpoints
+        x = torch.randn(1, 400, HIDDEN, generator=torch.Generator().manual_seed(6))
+        want = mixer(x)
+        shapes = gated_delta.state_shapes(mixer)
+        conv, rec, got = torch.zeros(shapes["conv_state"]), torch.zeros(shapes["recurrent_state"]), []
+        for start in (0, 200):
+            out, conv, rec = gated_delta.gated_delta_step(mixer, x[:, start:start + 200], conv, rec,
+                                                          torch.ones(1, 200, dtype=torch.bool), max_len=200)
+            got.append(out)
+    assert (torch.cat(got, 1) - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+
+
 def test_unit_lower_inverse_is_exact_up_to_max_len():
     gen = torch.Generator().manual_seed(4)
     for size in (1, 2, 5, 16):

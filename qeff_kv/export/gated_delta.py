@@ -1,15 +1,20 @@
 """The gated delta net (Qwen3-Next, Qwen3.5) as one traceable step over a chunk of any length.
 
-transformers' torch path runs a prefill chunk as a Python loop over sub-chunks of 64 tokens and solves each
-sub-chunk's triangular system with ``torch.linalg.solve_triangular`` (no ONNX op), and runs a decode token
-through a second, per-token function. A graph has one dynamic ``seq_len``, so :func:`gated_delta_step` computes
-a whole chunk in the quadratic (within-chunk) form of the same rule, with no loop over tokens or sub-chunks:
+transformers' torch path runs a prefill chunk as a Python loop over sub-chunks of 64 tokens whose count follows
+the prompt, solves each sub-chunk's triangular system with ``torch.linalg.solve_triangular`` (no ONNX op), and
+runs a decode token through a second, per-token function. A graph has one dynamic ``seq_len`` (prefill chunks
+and decode steps alike), so :func:`gated_delta_step` computes a chunk with no loop over tokens:
 
-* ``(I + A)^{-1}`` of the strictly lower triangular ``A`` (the UT transform of the DeltaNet paper) is the finite
-  series ``I + N + N^2 + ...`` of the nilpotent ``N = -A``, computed as ``(I + N)(I + N^2)(I + N^4)...``: a fixed
-  number of matrix products, ``ceil(log2(max_len))``, exact for every chunk up to ``max_len`` tokens;
-* the state entering the chunk is read once (``q @ S0``, ``k_cumdecay @ S0``) and the state leaving it is
-  ``S0 * exp(sum g) + (k * decay_to_end)^T @ v_new``, as transformers' inter-chunk step.
+* the chunk is cut into sub-chunks of :data:`SUB_CHUNK` tokens by *fixed* slices ``[0, 64)``, ``[64, 128)``...,
+  as many as the longest chunk the graph takes (the export's prefill length) needs; at run time a slice past
+  the chunk's end is empty and changes nothing (a decode step is one sub-chunk of one token);
+* within a sub-chunk, the quadratic form of the rule: ``(I + A)^{-1}`` of the strictly lower triangular ``A``
+  (the UT transform of the DeltaNet paper) is the finite series ``I + N + N^2 + ...`` of the nilpotent
+  ``N = -A``, computed as ``(I + N)(I + N^2)(I + N^4)...``: ``log2(64) = 6`` matrix products. The sub-chunk
+  bounds the series' intermediate growth: over 256 tokens of slowly decaying state the products lose float32
+  precision, over 64 they match transformers to ~1e-6;
+* the state entering a sub-chunk is read once (``q @ S0``, ``k_cumdecay @ S0``) and the state leaving it is
+  ``S0 * exp(sum g) + (k * decay_to_end)^T @ v_new``, transformers' inter-chunk step.
 
 It continues from the peer's buffers (contract section 12): ``conv_state [batch, conv_dim, conv_kernel]`` (the
 last ``conv_kernel`` inputs of the depthwise convolution, as transformers' cache keeps them) and
@@ -27,7 +32,9 @@ import torch.nn.functional as F
 
 from .short_conv import causal_conv_step
 
-#: the longest chunk a step must handle when the caller gives no bound (transformers' own sub-chunk is 64)
+#: tokens per sub-chunk (transformers' own chunk size); the quadratic form runs within one
+SUB_CHUNK = 64
+#: the longest chunk a step must handle when the caller gives no bound
 DEFAULT_MAX_LEN = 64
 
 
@@ -84,10 +91,26 @@ def unit_lower_inverse(a: torch.Tensor, max_len: int) -> torch.Tensor:
     return inv
 
 
-def delta_rule_chunk(query, key, value, g, beta, state, max_len: int):
-    """The gated delta rule over one chunk, all ``float32``: ``query``/``key`` ``[B, H, T, Dk]`` (l2-normalised,
-    query scaled), ``value`` ``[B, H, T, Dv]``, ``g`` (log decay) and ``beta`` ``[B, H, T]``, ``state``
-    ``[B, H, Dk, Dv]``. Returns the output ``[B, H, T, Dv]`` and the state after the chunk."""
+def delta_rule(query, key, value, g, beta, state, max_len: int):
+    """The gated delta rule over a chunk of up to ``max_len`` tokens, all ``float32``: ``query``/``key``
+    ``[B, H, T, Dk]`` (l2-normalised, query scaled), ``value`` ``[B, H, T, Dv]``, ``g`` (log decay) and ``beta``
+    ``[B, H, T]``, ``state`` ``[B, H, Dk, Dv]``. Fixed slices of :data:`SUB_CHUNK` tokens, the state carried from
+    one to the next. Returns the output ``[B, H, T, Dv]`` and the state after the chunk."""
+    outs = []
+    tracing = torch.jit.is_tracing()
+    for start in range(0, max(int(max_len), 1), SUB_CHUNK):
+        if not tracing and start >= query.shape[2]:
+            break   # eager: the slices past the chunk are empty (a graph keeps them, empty at run time)
+        part = slice(start, start + SUB_CHUNK)
+        out, state = delta_rule_sub_chunk(query[:, :, part], key[:, :, part], value[:, :, part], g[:, :, part],
+                                          beta[:, :, part], state)
+        outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+def delta_rule_sub_chunk(query, key, value, g, beta, state):
+    """One sub-chunk (at most :data:`SUB_CHUNK` tokens, possibly none) in the quadratic form; shapes as
+    :func:`delta_rule`."""
     seq = query.shape[2]
     idx = torch.arange(seq, device=query.device)
     lower = idx.unsqueeze(1) >= idx.unsqueeze(0)               # i >= j
@@ -100,15 +123,15 @@ def delta_rule_chunk(query, key, value, g, beta, state, max_len: int):
     v_beta = value * beta.unsqueeze(-1)
     kk = k_beta @ key.transpose(-1, -2)
     ut = torch.where(strict, kk * decay, torch.zeros_like(kk))
-    inv = unit_lower_inverse(ut, max_len)
+    inv = unit_lower_inverse(ut, SUB_CHUNK)
     new_values = inv @ v_beta
     k_cumdecay = inv @ (k_beta * cum.exp().unsqueeze(-1))
     v_new = new_values - k_cumdecay @ state
     intra = (query @ key.transpose(-1, -2)) * decay
     out = (query * cum.exp().unsqueeze(-1)) @ state + intra @ v_new
-    last = cum[..., -1:]                                        # [B, H, 1]
-    to_end = torch.exp(last - cum).unsqueeze(-1)                # decay from each token to the chunk's end
-    new_state = state * last.exp().unsqueeze(-1) + (key * to_end).transpose(-1, -2) @ v_new
+    total = g.sum(dim=-1, keepdim=True)                         # [B, H, 1]: 0 for an empty sub-chunk
+    to_end = torch.exp(total - cum).unsqueeze(-1)               # decay from each token to the sub-chunk's end
+    new_state = state * total.exp().unsqueeze(-1) + (key * to_end).transpose(-1, -2) @ v_new
     return out, new_state
 
 
@@ -139,7 +162,7 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
     query, key, value, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
     query = _l2norm(query) * (query.shape[-1] ** -0.5)
     key = _l2norm(key)
-    out, new_state = delta_rule_chunk(query, key, value, g, beta, recurrent_state.float(), max_len)
+    out, new_state = delta_rule(query, key, value, g, beta, recurrent_state.float(), max_len)
 
     out = out.transpose(1, 2).to(hidden_states.dtype)          # [B, T, Hv, Dv]
     shape = out.shape
