@@ -235,3 +235,25 @@ def test_whole_model_with_traced_mixers_equals_transformers(name):
     got = torch.cat(got, 1)
     assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
     assert len(set(want[0].argmax(-1).tolist())) > 3   # the tokens vary: the comparison proves something
+
+
+@pytest.mark.parametrize("kind", ["gated_delta", "short_conv"])
+def test_padded_rows_repeat_the_last_valid_output(kind):
+    """A padded row's output is its row's last valid one (the exporter's padding contract: the attention layer
+    after it then writes the same key and value into the same slot)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, HIDDEN, generator=gen)
+    valid = torch.tensor([[True] * 4 + [False] * 2, [True] * 6])
+    with torch.no_grad():
+        if kind == "gated_delta":
+            mixer = _gdn(Qwen3NextGatedDeltaNet, Qwen3NextConfig, strong_decay=False)
+            shapes = gated_delta.state_shapes(mixer, 2)
+            out, *_ = gated_delta.gated_delta_step(mixer, x, torch.zeros(shapes["conv_state"]),
+                                                   torch.zeros(shapes["recurrent_state"]), valid, max_len=6)
+        else:
+            mixer = _lfm2()
+            out, _ = short_conv.short_conv_step(mixer, x, torch.zeros(2, HIDDEN, 3), valid)
+        want = mixer(x[:1, :4])
+    assert torch.equal(out[0, 4], out[0, 3]) and torch.equal(out[0, 5], out[0, 3])
+    assert (out[0, :4] - want[0]).abs().max().item() <= 1e-5
+    assert not torch.equal(out[1, 5], out[1, 3])

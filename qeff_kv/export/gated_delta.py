@@ -20,7 +20,8 @@ It continues from the peer's buffers (contract section 12): ``conv_state [batch,
 last ``conv_kernel`` inputs of the depthwise convolution, as transformers' cache keeps them) and
 ``recurrent_state [batch, v_heads, k_head_dim, v_head_dim]``. Padded positions (``valid`` false, the graph's
 ``position_ids == -1``; right padding) leave both untouched: their ``beta`` and ``g`` are zero (no write, no
-decay) and the new conv state is the last ``conv_kernel`` *valid* inputs of each row.
+decay) and the new conv state is the last ``conv_kernel`` *valid* inputs of each row; their output repeats
+the row's last valid one, as every other layer's does under the exporter's padding contract.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .short_conv import causal_conv_step
+from .short_conv import causal_conv_step, repeat_last_valid
 
 #: tokens per sub-chunk (transformers' own chunk size); the quadratic form runs within one
 SUB_CHUNK = 64
@@ -141,7 +142,8 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
 
     ``hidden_states [B, T, hidden]``, ``valid [B, T]`` bool (false on right padding), ``max_len``: the longest
     chunk the step must be exact for (the export's prefill length). Returns ``(output [B, T, hidden],
-    conv_state, recurrent_state)``, the states in their input dtypes."""
+    conv_state, recurrent_state)``, the states in their input dtypes; a padded row's output is its row's last
+    valid one (:func:`~qeff_kv.export.short_conv.repeat_last_valid`)."""
     bsz, seq = hidden_states.shape[:2]
     mixed, z, b, a = _project(mixer, hidden_states)
     mixed, new_conv = causal_conv_step(mixed, conv_state, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
@@ -168,4 +170,4 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
     shape = out.shape
     out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).reshape(shape)
     out = mixer.out_proj(out.reshape(bsz, seq, -1))
-    return out, new_conv, new_state.to(recurrent_state.dtype)
+    return repeat_last_valid(out, valid), new_conv, new_state.to(recurrent_state.dtype)

@@ -32,6 +32,16 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     return y, new_state
 
 
+def repeat_last_valid(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``out [B, T, H]`` with each padded row replaced by its row's last valid one. The exporter's padding
+    contract: a padded position repeats its sequence's last valid token (id, position, every hidden state), so
+    the attention layer after a recurrent one writes the same key and value into the same slot; a recurrent
+    mixer's own output at a padded row (its state untouched) would differ and overwrite that slot."""
+    last = torch.clamp(valid.to(torch.int64).sum(dim=-1) - 1, min=0)             # [B]
+    rows = torch.gather(out, 1, last.reshape(-1, 1, 1).expand(-1, 1, out.shape[-1]))
+    return torch.where(valid.unsqueeze(-1), out, rows)
+
+
 def _activation(name: str):
     from transformers.activations import ACT2FN
 
@@ -52,9 +62,10 @@ def state_shapes(mixer, batch: int = 1) -> dict[str, tuple[int, ...]]:
 
 def short_conv_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, valid: torch.Tensor):
     """One chunk of LFM2's short-conv ``mixer`` continuing from ``conv_state``: ``out_proj(C * conv(B * x))``.
-    Returns ``(output [B, T, hidden], conv_state)``."""
+    Returns ``(output [B, T, hidden], conv_state)``; a padded row's output is its row's last valid one
+    (:func:`repeat_last_valid`)."""
     bcx = mixer.in_proj(hidden_states).transpose(-1, -2)
     b, c, x = bcx.chunk(3, dim=-2)
     y, new_state = causal_conv_step(b * x, conv_state, mixer.conv.weight.squeeze(1), mixer.conv.bias, valid)
     out = mixer.out_proj((c * y).transpose(-1, -2).contiguous())
-    return out, new_state
+    return repeat_last_valid(out, valid), new_state
