@@ -358,9 +358,30 @@ _ROPE_ON_SLIDING_LAYERS_ONLY: dict[str, str] = {"exaone4": "all", "exaone_moe": 
 
 
 def _rope_layers(text: dict, num_layers: int, window: int | None, sliding: tuple[int, ...]) -> tuple[int, ...]:
-    """The layers that apply RoPE: ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE),
-    ``layer_rope_theta`` (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
+    """The layers that apply RoPE, of the attention layers (:func:`_attention_layers`: a recurrent layer never
+    does): ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE), ``layer_rope_theta``
+    (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
     :data:`_ROPE_ON_SLIDING_LAYERS_ONLY`, else every layer."""
+    attention = set(_attention_layers(text, num_layers))
+    return tuple(i for i in _rope_layers_of_config(text, num_layers, window, sliding) if i in attention)
+
+
+def _attention_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers that attend: where ``layer_types`` (or a ``layers_block_type`` list) names each layer, those
+    whose type is an attention type (``full_attention``, ``sliding_attention``, ``attention``...) and not
+    ``linear_attention`` (a gated delta net: Qwen3-Next, Qwen3.5) nor ``conv``/``mamba``/``mlp``/``moe``
+    (LFM2's short conv, the Mamba2 hybrids, NemotronH's MLP layers); else every layer."""
+    types = text.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        types = text.get("layers_block_type")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        return tuple(range(num_layers))
+    return tuple(i for i in range(num_layers)
+                 if "attention" in str(types[i]) and str(types[i]) != "linear_attention")
+
+
+def _rope_layers_of_config(text: dict, num_layers: int, window: int | None,
+                           sliding: tuple[int, ...]) -> tuple[int, ...]:
     flags = text.get("no_rope_layers")
     if isinstance(flags, list) and len(flags) >= num_layers:
         return tuple(i for i in range(num_layers) if flags[i])
