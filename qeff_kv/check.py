@@ -291,6 +291,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
     state_rules.sliding_dims(layout, r)
     state_rules.latent_dims(layout, r)
+    state_rules.recurrent_dims(layout, r)
     _non_kv(layout, r)
 
 
@@ -335,7 +336,7 @@ def _rule_layers(layout: KVLayout, r: RuleResult) -> None:
             present = [s for s in group if s in have]
             if present and len(present) != len(group):
                 for s in group:
-                    if s not in have:
+                    if s not in have and any(s in naming.STEM_REQUIRES[p] for p in present):
                         r.fail(example[(layer, present[0])],
                                f"layer {layer} has {', '.join(present)} but no {s} "
                                f"({example[(layer, present[0])]} has no companion)")

@@ -1,7 +1,9 @@
 """``check``'s rules on what each layer retains (part of the ``pair-match`` rule): the recorded state spec
 (``qeff_kv.state_spec``) describes the graph's buffers, the sliding window is a positive int, a ring layer's
-buffers agree with each other and with the window, and an MLA layer's latent pair (``compressed_kv.{i}``,
-``k_pe.{i}``) shares its batch, head and ctx axes. Rules report through the ``RuleResult`` they are given."""
+buffers agree with each other and with the window, an MLA layer's latent pair (``compressed_kv.{i}``,
+``k_pe.{i}``) shares its batch, head and ctx axes, and a recurrent layer's states (``conv_state.{i}``
+``[batch, conv_dim, conv_kernel]``, ``recurrent_state.{i}`` ``[batch, heads, head_dim, d_state]``) have no position
+axis: only axis 0 is dynamic. Rules report through the ``RuleResult`` they are given."""
 
 from __future__ import annotations
 
@@ -88,3 +90,29 @@ def latent_dims(layout: KVLayout, r) -> None:
             if da != db:
                 r.fail(kpe.input_name, f"{kpe.input_name} dim {axis} is {_fmt_dim(db)} but {ckv.input_name} dim "
                                        f"{axis} is {_fmt_dim(da)}; a layer's latent pair shares its {what} axis")
+
+
+#: the rank of each recurrent stem's buffers (contract section 12)
+RECURRENT_RANKS = {"conv_state": 3, "recurrent_state": 4}
+
+
+def recurrent_dims(layout: KVLayout, r) -> None:
+    """A recurrent state (contract section 12) is overwritten by every token: it has no position axis, so every
+    axis but the batch axis (0) is a fixed size, and its rank is its stem's (3 for ``conv_state``, 4 for
+    ``recurrent_state``). That a ``recurrent_state`` comes with its ``conv_state`` is the ``layers`` rule's."""
+    for p in layout.pairs:
+        if p.stem not in naming.RECURRENT_STEMS:
+            continue
+        for t in (p.input, p.output):
+            if t.shape is None:
+                continue
+            if len(t.shape) != RECURRENT_RANKS[p.stem]:
+                r.fail(p.input_name, f"{t.name} has rank {len(t.shape)}; a {p.stem} buffer has rank "
+                                     f"{RECURRENT_RANKS[p.stem]}")
+                break
+            dynamic = [(i, d) for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
+            if dynamic:
+                i, d = dynamic[0]
+                r.fail(p.input_name, f"{t.name} dim {i} is {_fmt_dim(d)}; a recurrent state has no position axis "
+                                     f"(only axis 0, the batch, is dynamic)")
+                break

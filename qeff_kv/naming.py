@@ -284,9 +284,16 @@ def select(regex: str, names: Iterable[str]) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- checks
 #: Stems that come together in one layer (key with value; MLA's latent with its rope part; a hybrid layer's
-#: convolution state with its recurrent state). ``check`` requires both members wherever one is present.
+#: convolution state with its recurrent state). ``check`` requires what :data:`STEM_REQUIRES` says of each member.
 STEM_GROUPS: tuple[tuple[str, ...], ...] = (
     ("past_key", "past_value"), ("compressed_kv", "k_pe"), ("conv_state", "recurrent_state"))
+
+#: What each stem needs beside it in its layer (``check``'s ``layers`` rule): key and value need each other, so do
+#: MLA's latent and rope parts; a recurrent state needs its convolution state, but a convolution state may stand
+#: alone (a short-convolution layer, LFM2, keeps only ``conv_state``).
+STEM_REQUIRES: dict[str, tuple[str, ...]] = {
+    "past_key": ("past_value",), "past_value": ("past_key",), "compressed_kv": ("k_pe",), "k_pe": ("compressed_kv",),
+    "conv_state": (), "recurrent_state": ("conv_state",)}
 
 _KV_LIKE_RE = re.compile(r"(?:" + "|".join(map(re.escape, KV_STEMS)) + r")\.[0-9]")
 

@@ -215,19 +215,30 @@ def _order(state: LayerState) -> tuple[int, int]:
 
 def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
                sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS,
-               latent_layers: Iterable[int] = ()) -> StateSpec:
+               latent_layers: Iterable[int] = (), recurrent: dict | None = None) -> StateSpec:
     """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
-    stem; ring layers keep ``window`` slots (fixed by the model), the others ``ctx_len`` (a symbolic axis: bound at
-    run time, ``capacity`` ``None``); sliding layers record their window; latent layers (MLA's compressed cache)
-    retain ``compressed_kv`` and ``k_pe``."""
+    stem (``None``: the layer does not attend); ring layers keep ``window`` slots (fixed by the model), the others
+    ``ctx_len`` (a symbolic axis: bound at run time, ``capacity`` ``None``); sliding layers record their window;
+    latent layers (MLA's compressed cache) retain ``compressed_kv`` and ``k_pe``. ``recurrent``: layer -> the shapes
+    after the batch axis of its recurrent stems (``conv_state`` ``(conv_dim, conv_kernel)``, then
+    ``recurrent_state`` ``(heads, head_dim, d_state)``; a short-conv layer gives only the first): one entry of kind
+    ``recurrent`` each, no position axis, all static (only the batch axis is dynamic). A parallel-hybrid layer has
+    both entries."""
     rings, sliding, latent = set(ring_layers), set(sliding_layers), set(latent_layers)
+    recurrent = recurrent or {}
     layers = []
-    for i, shapes in enumerate(kv_shapes):
-        kind = KINDS["ring" if i in rings else "latent" if i in latent else "full"]
-        layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(kind.stems if i in latent else stems),
-                                 shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
-                                 capacity=int(window) if i in rings else None,
-                                 window=int(window) if window and (i in sliding or i in rings) else None))
+    for i in range(max(len(kv_shapes), max(recurrent, default=-1) + 1)):
+        shapes = kv_shapes[i] if i < len(kv_shapes) else None
+        if shapes is not None:
+            kind = KINDS["ring" if i in rings else "latent" if i in latent else "full"]
+            layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(kind.stems if i in latent else stems),
+                                     shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
+                                     capacity=int(window) if i in rings else None,
+                                     window=int(window) if window and (i in sliding or i in rings) else None))
+        if i in recurrent:
+            rec = tuple(tuple(int(d) for d in s) for s in recurrent[i])
+            layers.append(LayerState(layer=i, kind="recurrent", stems=RecurrentKind.stems[:len(rec)], shapes=rec,
+                                     position_axis=None))
     return StateSpec(tuple(layers))
 
 

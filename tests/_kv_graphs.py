@@ -29,6 +29,8 @@ from qeff_kv import naming
 
 KV_DIMS = ["batch_size", 2, "ctx_len", 4]
 SW_DIMS = ["batch_size", 2, "sliding_window", 4]
+#: a recurrent layer's states (contract section 12): only axis 0 dynamic
+REC_DIMS = {"conv_state": ["batch_size", 8, 4], "recurrent_state": ["batch_size", 2, 4, 8]}
 RING_DOMAIN = "qeff.tests"
 
 
@@ -58,10 +60,16 @@ def build(layers: int = 2, prefix: str | None | Sequence[str | None] = None, *,
     functions = []
     if sliding_layers:
         inputs.append(helper.make_tensor_value_info("kv_update_sw", TensorProto.FLOAT, [1, 2, "sliding_window", 4]))
+    for stem in stems:   # recurrent states (contract section 12): their own shapes, no position axis
+        if stem in REC_DIMS:
+            inputs.append(helper.make_tensor_value_info(f"kv_update_{stem}", TensorProto.FLOAT,
+                                                        [1] + REC_DIMS[stem][1:]))
     for layer, p in zip(layer_ids, prefixes):
-        dims = SW_DIMS if layer in sliding_layers else KV_DIMS
-        update = "kv_update_sw" if layer in sliding_layers else "kv_update"
         for stem in stems:
+            dims = SW_DIMS if layer in sliding_layers else KV_DIMS
+            update = "kv_update_sw" if layer in sliding_layers else "kv_update"
+            if stem in REC_DIMS:
+                dims, update = REC_DIMS[stem], f"kv_update_{stem}"
             x = naming.kv_input_name(stem, layer, p)
             y = naming.retained_name(x)
             if x not in drop_inputs:

@@ -169,9 +169,11 @@ class RecordingCache:
         return key_states, value_states
 
 
-def probe_kv_shapes(model: torch.nn.Module, num_layers: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def probe_kv_shapes(model: torch.nn.Module, num_layers: int, attention_layers: tuple[int, ...] | None = None
+                    ) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
     """Run the decoder once on two tokens and record, per layer, ``((key_heads, key_dim), (value_heads,
-    value_dim))`` as the model itself produces them.
+    value_dim))`` as the model itself produces them. ``attention_layers`` (a hybrid model): only these must write
+    through the cache, and only they do; the other layers' entries are ``None``.
 
     The cache buffers are shaped from what the model really writes, not from config fields whose meaning
     differs between families (Falcon's ``multi_query`` ignores ``num_kv_heads``; MLA keys and values have
@@ -186,6 +188,11 @@ def probe_kv_shapes(model: torch.nn.Module, num_layers: int) -> list[tuple[tuple
                             use_cache=True)
     out = []
     for i, kv in enumerate(cache.shapes):
+        if attention_layers is not None and i not in attention_layers:
+            if kv is not None:
+                raise RuntimeError(f"layer {i} wrote keys/values but the config says it does not attend")
+            out.append(None)
+            continue
         if kv is None:
             raise RuntimeError(f"layer {i} wrote no keys/values through the cache")
         (kb, kh, ks, kd), (vb, vh, vs, vd) = kv
@@ -209,10 +216,12 @@ class SlidingPlan:
         self.all_ring = len(self.ring_layers) == num_layers
         self.windowed_layers = tuple(windowed_layers)
 
-    def full_capacity(self, flat) -> int:
-        """``ctx_len``: axis 2 of a full-length (non-ring) layer's KV input."""
-        i = next(i for i in range(self.num_layers) if i not in self.ring_layers)
-        return flat[2 * i].shape[2]
+    def full_capacity(self, past) -> int:
+        """``ctx_len``: axis 2 of a full-length (non-ring) layer's KV input (``past[layer] = (key, value)``,
+        ``None`` for a layer that does not attend); 1 when no layer attends (a pure recurrent model: no mask is
+        read)."""
+        i = next((i for i in range(self.num_layers) if i not in self.ring_layers and past[i] is not None), None)
+        return 1 if i is None else past[i][0].shape[2]
 
     def ring_step(self, position_ids, is_pad, dtype, blocks=None, read: bool = False) -> RingStep | None:
         """This step's :class:`RingStep`, or ``None`` without ring layers. ``read`` (the onnxruntime target):

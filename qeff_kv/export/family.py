@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ExportError
 from . import targets
+from .recurrent_facts import RecurrentFacts, recurrent_facts
 
 
 def text_config(config: dict) -> dict:
@@ -83,6 +84,9 @@ class ModelFacts:
     bidirectional_images: bool = False
     #: ``model_type`` of the whole config (a vision-language wrapper's own; ``model_type`` is its language model's)
     top_model_type: str = ""
+    #: recurrent / hybrid models: the mixer, its layers and its state geometry (:mod:`.recurrent_facts`);
+    #: ``None`` for attention-only models
+    recurrent: RecurrentFacts | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -97,7 +101,8 @@ class ModelFacts:
             num_layers=num_layers,
             sliding_window=window,
             sliding_layers=sliding,
-            logit_scale=_float_or_none(text.get("logit_scale")),
+            # Falcon-H1 multiplies its logits by lm_head_multiplier (as Cohere by logit_scale)
+            logit_scale=_float_or_none(_first(text, "logit_scale", "lm_head_multiplier")),
             logits_scaling=_float_or_none(text.get("logits_scaling")),
             final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
             attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
@@ -116,6 +121,7 @@ class ModelFacts:
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
             top_model_type=str(config.get("model_type") or ""),
+            recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
@@ -136,6 +142,10 @@ class ModelFacts:
             return "--single-graph is for vision-language models; this is a text decoder"
         elif getattr(options, "image_size", None) is not None:   # settings that would do nothing are refused
             return "--image-size is for vision-language models; this is a text decoder"
+        if self.recurrent is not None:
+            reason = self.recurrent.refusal(options)
+            if reason is not None:
+                return reason
         if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
             return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
         if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:

@@ -29,6 +29,21 @@ class ScatterKV(torch.autograd.Function):
         return g.op("ScatterND", data, indices, updates)
 
 
+class ScatterRows(torch.autograd.Function):
+    """``ScatterND(data, indices [B, 1], updates)``: whole rows of axis 0 replaced (a recurrent state's rows of the
+    step), with exactly that ONNX form."""
+
+    @staticmethod
+    def forward(ctx, data, indices, updates):  # noqa: D401
+        out = data.clone()
+        out[indices[:, 0]] = updates
+        return out
+
+    @staticmethod
+    def symbolic(g, data, indices, updates):
+        return g.op("ScatterND", data, indices, updates)
+
+
 class SliceSlots(torch.autograd.Function):
     """``Slice(data, starts=[0], ends=length, axes=[2])``: the first ``length`` cache slots, where ``length`` is
     a data-dependent 1-D tensor (the onnxruntime target's valid-length attention)."""

@@ -19,6 +19,7 @@ import torch
 from .. import limits, naming, statespec
 from ..errors import ExportError
 from . import caches, mla, moe, rope, targets
+from . import recurrent as recurrent_mod
 from . import options as opt
 from .caches import SlidingPlan
 from .wrapper import RetainedStateLM
@@ -39,11 +40,12 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`)."""
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
-    kv_shapes = _kv_shapes(model, options, num_layers)
+    kv_shapes = _kv_shapes(model, options, num_layers, facts)
     latent = options.mla_cache == "latent"
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
                                 ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers,
-                                latent_layers=range(num_layers) if latent else ())
+                                latent_layers=range(num_layers) if latent else (),
+                                recurrent=recurrent_mod.state_shapes(facts.recurrent))
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
     if vision is not None:   # contract section 6: the peer's input and output order
@@ -54,7 +56,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     _trailing_inputs(options, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None)
-    (n_kv, head_dim), (v_heads, v_dim) = kv_shapes[0]
+    (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
                 "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
     if (v_heads, v_dim) != (n_kv, head_dim):
@@ -68,21 +70,29 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     geometry.update(sliding_window=facts.sliding_window if facts.sliding_layers else None,
                     sliding_layers=list(facts.sliding_layers), sliding_cache=facts.sliding_cache(options),
                     state_spec=spec)
+    if facts.recurrent is not None:
+        geometry["recurrent"] = recurrent_mod.geometry(facts.recurrent)
     return geometry
 
 
-def _kv_shapes(model, options: opt.ExportOptions, num_layers: int) -> list:
-    """Per layer, ``((key_heads, key_dim), (value_heads, value_dim))`` as the model writes them; refuses (one line)
-    a model that does not run through the cache, or probe buffers that cannot fit in memory."""
+def _kv_shapes(model, options: opt.ExportOptions, num_layers: int, facts) -> list:
+    """Per layer, ``((key_heads, key_dim), (value_heads, value_dim))`` as the model writes them (``None`` for a
+    layer that does not attend: a recurrent model's mixer layers, bypassed while probing); refuses (one line) a
+    model that does not run through the cache, or probe buffers that cannot fit in memory."""
+    rec = facts.recurrent
     try:
-        kv_shapes = caches.probe_kv_shapes(model, num_layers)
+        with contextlib.nullcontext() if rec is None else recurrent_mod.mixers_bypassed(model, rec):
+            kv_shapes = caches.probe_kv_shapes(model, num_layers,
+                                               None if rec is None else tuple(rec.attention_layers))
+    except ExportError:
+        raise
     except Exception as exc:  # a model that does not run through our cache cannot be exported
         raise ExportError(f"{type(model).__name__} does not run with a retained-state cache: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     kv_batch = options.full_batch_size if options.continuous_batching else 1
     # The probe KV tensors are allocated at ctx_len: refuse, in one line with their size, what cannot fit.
     limits.require_memory(
-        limits.kv_buffer_bytes([s for layer in kv_shapes[:num_layers] for s in layer], ctx_len=options.ctx_len,
+        limits.kv_buffer_bytes([s for layer in kv_shapes[:num_layers] if layer for s in layer], ctx_len=options.ctx_len,
                                batch=kv_batch, itemsize=next(model.parameters()).dtype.itemsize),
         f"the probe KV tensors for tracing ({num_layers} layers x ctx_len {options.ctx_len})", error=ExportError)
     return kv_shapes
@@ -104,6 +114,9 @@ def _kv_inputs(spec: statespec.StateSpec, options: opt.ExportOptions, dtype, io:
     kv_axis = "full_batch_size" if options.continuous_batching else "batch_size"
     past = []
     for layer in spec.layers:
+        if layer.kind == "recurrent":   # static shapes, only the batch axis dynamic (contract section 12)
+            past += recurrent_mod.state_inputs(layer, kv_batch, kv_axis, dtype, io)
+            continue
         for stem, (heads, dim_name, dim) in zip(layer.stems, layer.shapes):
             past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim), dtype=dtype))
             in_name = naming.kv_input_name(stem, layer.layer)
@@ -142,7 +155,7 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                                          continuous_batching=options.continuous_batching,
                                          ccl=options.ccl is not None)
     common = dict(target=target, facts=facts, ccl=options.ccl is not None,
-                  speculative=options.speculative_tokens is not None)
+                  speculative=options.speculative_tokens is not None, spec=spec)
     if vision is None:
         return RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval(), target
     from . import vlm as vlm_mod

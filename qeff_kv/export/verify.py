@@ -99,13 +99,14 @@ class VerificationResult:
 
 
 def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int = 0,
-               decode_steps: int = DECODE_STEPS, window: int | None = None) -> Probe:
+               decode_steps: int = DECODE_STEPS, window: int | None = None, recurrent: bool = False) -> Probe:
     """A prompt of one full chunk plus a padded partial one (when the capacity allows), then decode steps.
 
     With a sliding ``window`` smaller than ``ctx_len`` the prompt is longer than the window by a chunk and a
-    half, so ring buffers wrap, chunks straddle the wrap and decoding runs past it."""
+    half, so ring buffers wrap, chunks straddle the wrap and decoding runs past it. A ``recurrent`` model's prompt
+    is three full chunks and a padded half one, so its states are carried across several chunks."""
     chunk = max(1, prefill_seq_len)
-    length = chunk + max(1, chunk // 2) if chunk > 1 else 3
+    length = (3 if recurrent else 1) * chunk + max(1, chunk // 2) if chunk > 1 else 3
     if window is not None and window < ctx_len:
         length = max(length, window + length)
     steps = decode_steps
@@ -156,8 +157,12 @@ def memory_allows(param_bytes: int) -> tuple[bool, str]:
 
 
 # ------------------------------------------------------------------------------------------- PyTorch side
-def reference_run(model, probe: Probe) -> Reference:
-    """Greedy logits of the untouched transformers model on the probe (its own cache and forward pass)."""
+def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
+    """Greedy logits of the untouched transformers model on the probe (its own cache and forward pass).
+    ``whole`` (recurrent models): every step is one forward pass over the whole sequence so far, without a cache
+    (transformers' own cached steps of some hybrid families do not continue their state exactly)."""
+    if whole:
+        return _whole_sequence_run(model, probe)
     import torch
 
     from .family import needs_image_sizes
@@ -176,7 +181,7 @@ def reference_run(model, probe: Probe) -> Reference:
             image["mm_token_type_ids"] = (ids == probe.image_token).to(torch.int64)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **image)
         logits = [out.logits[0, -1].double().numpy().copy()]
-        past = out.past_key_values
+        past = _cache_of(out)
         mask_len = len(probe.prompt)
         tokens = [int(np.argmax(logits[-1]))]
         # multimodal RoPE: decode positions are the text position plus the offset the model itself computed for
@@ -189,12 +194,37 @@ def reference_run(model, probe: Probe) -> Reference:
             if deltas is not None:
                 text = torch.full((1, 1, 1), mask_len - 1, dtype=torch.int64)
                 where["position_ids"] = torch.cat([text, (text + deltas.reshape(1, 1, 1)).expand(3, 1, 1)])
+            where[_CACHE_ARG if hasattr(out, "past_key_values") else "cache_params"] = past
             out = model(input_ids=step, attention_mask=torch.ones((1, mask_len), dtype=torch.int64),
-                        past_key_values=past, use_cache=True, **where)
-            past = out.past_key_values
+                        use_cache=True, **where)
+            past = _cache_of(out)
             logits.append(out.logits[0, -1].double().numpy().copy())
             tokens.append(int(np.argmax(logits[-1])))
     return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+_CACHE_ARG = "past_key_values"
+
+
+def _whole_sequence_run(model, probe: Probe) -> Reference:
+    """:func:`reference_run` without a cache: the prompt, then the prompt and each greedy token, whole."""
+    import torch
+
+    t0 = time.perf_counter()
+    seq = list(probe.prompt)
+    logits, tokens = [], []
+    with torch.no_grad():
+        for _ in range(probe.decode_steps + 1):
+            out = model(input_ids=torch.tensor([seq], dtype=torch.int64), use_cache=False)
+            logits.append(out.logits[0, -1].double().numpy().copy())
+            tokens.append(int(np.argmax(logits[-1])))
+            seq.append(tokens[-1])
+    return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+def _cache_of(out):
+    """The cache a transformers forward returned: ``past_key_values``, or ``cache_params`` (Mamba2's)."""
+    return out.past_key_values if hasattr(out, "past_key_values") else out.cache_params
 
 
 # --------------------------------------------------------------------------------------- onnxruntime side
@@ -280,7 +310,8 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     facts = family.ModelFacts.from_config(model.config.to_dict())
     steps = max(DECODE_STEPS, (options.speculative_tokens or 0) + 1)   # a speculative graph verifies K+1 rows at once
     probe = make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
-                       window=facts.sliding_window if facts.sliding_layers else None, decode_steps=steps)
+                       window=facts.sliding_window if facts.sliding_layers else None, decode_steps=steps,
+                       recurrent=facts.recurrent is not None)
     if facts.vision_language:
         try:
             probe = add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,
@@ -288,7 +319,7 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
         except VerificationError as exc:
             raise ExportError(str(exc)) from None
     try:
-        reference = reference_run(model, probe)
+        reference = reference_run(model, probe, whole=facts.recurrent is not None)
     except Exception as exc:
         raise ExportError(f"{type(model).__name__}: the PyTorch reference run for verification failed "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

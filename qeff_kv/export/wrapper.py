@@ -15,8 +15,11 @@ This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from . import recurrent
 from .caches import SlidingPlan
 from .graph_ops import HeadGemm, LengthOf
 from .masks import fill_padding_rows
@@ -49,8 +52,13 @@ class RetainedStateLM(torch.nn.Module):
     causal LM, for one :class:`~qeff_kv.export.targets.base.Target`."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, target: Target,
-                 facts, ccl: bool = False, speculative: bool = False):
+                 facts, ccl: bool = False, speculative: bool = False, spec=None):
         super().__init__()
+        #: what each layer retains (:class:`~qeff_kv.statespec.StateSpec`), in graph order: how the KV inputs split
+        #: into attention pairs and recurrent states (``None``: one key/value pair per layer)
+        self.spec = spec
+        #: the recurrent mixers' facts (:class:`~qeff_kv.export.recurrent_facts.RecurrentFacts`), ``None`` without
+        self.recurrent = facts.recurrent
         self.lm = model
         self.num_layers = num_layers
         self.continuous_batching = continuous_batching
@@ -91,7 +99,7 @@ class RetainedStateLM(torch.nn.Module):
         else:
             flat, batch_index = list(rest), None
         ccl_length = LengthOf.apply(flat.pop()) if self.ccl else None    # [L] = Shape(comp_ctx_lengths)
-        past = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)]
+        past, states = self._split(flat)
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
         dtype = flat[0].dtype
         is_pad = position_ids < 0
@@ -101,7 +109,9 @@ class RetainedStateLM(torch.nn.Module):
                                             dtype, blocks))
         cache = step.cache
         base = self.lm.get_decoder()
-        with self.target.tracing(cache):
+        rec = None if self.recurrent is None else recurrent.RecurrentStep(states, is_pad, batch_index, self.recurrent)
+        mixers = contextlib.nullcontext() if rec is None else recurrent.mixers_routed(self.lm, rec)
+        with self.target.tracing(cache), mixers:
             tokens = dict(input_ids=step.input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
             model_pos = step.position_ids if rope_rows is None else torch.cat([step.position_ids.unsqueeze(0),
                                                                                rope_rows])
@@ -121,9 +131,41 @@ class RetainedStateLM(torch.nn.Module):
             logits = logits / self.logits_scaling
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        return (logits, *self._retained(cache, rec))
+
+    def _split(self, flat: list) -> tuple[list, dict]:
+        """The KV inputs as ``past[layer] = (key, value)`` (``None`` for a layer that does not attend) and
+        ``states[layer] = (conv_state, recurrent_state)``, in the state spec's graph order."""
+        if self.spec is None:
+            return [(flat[2 * i], flat[2 * i + 1]) for i in range(self.num_layers)], {}
+        past: list = [None] * self.num_layers
+        states: dict = {}
+        k = 0
+        for layer in self.spec.layers:
+            bufs = tuple(flat[k:k + len(layer.stems)])
+            k += len(layer.stems)
+            if layer.kind == "recurrent":
+                states[layer.layer] = bufs
+            else:
+                past[layer.layer] = bufs
+        return past, states
+
+    def _retained(self, cache, rec) -> list:
+        """The retained outputs in the order of the inputs."""
+        layers = self.spec.layers if self.spec is not None else []
         retained = []
-        for i, kv in enumerate(cache.retained):
+        if self.spec is None:
+            for i, kv in enumerate(cache.retained):
+                if kv is None:
+                    raise RuntimeError(f"layer {i} did not update its cache")
+                retained.extend(kv)
+            return retained
+        for layer in layers:
+            if layer.kind == "recurrent":
+                retained.extend(rec.outputs(layer.layer))
+                continue
+            kv = cache.retained[layer.layer]
             if kv is None:
-                raise RuntimeError(f"layer {i} did not update its cache")
+                raise RuntimeError(f"layer {layer.layer} did not update its cache")
             retained.extend(kv)
-        return (logits, *retained)
+        return retained

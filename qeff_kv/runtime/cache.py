@@ -14,6 +14,11 @@ the graph fixes it), as numpy arrays wrapped by ``OrtValue`` objects that share 
 them to the graph. A graph that is not in-place safe gets a second set (``spare``), and the two sets swap after
 every run.
 
+A recurrent layer's states (``conv_state``/``recurrent_state``, contract section 12) have no position axis: each is
+``[max_sequences, ...]`` at the graph's static shape, counted per sequence whatever its length. Every token
+overwrites them, so a new or reset sequence starts from zeroed state rows, and a rewind to a position other than 0
+or its length is refused in one line (checkpoints are future work), as is a partial copy.
+
 With ring buffers, a truncate is exact only while the ring still holds the window of the new last position;
 otherwise it is refused in one line (:func:`qeff_kv.runtime.ring.rewind_refusal`). Each sequence records
 ``written`` (1 + the highest position written since its last reset) for that rule.
@@ -27,6 +32,7 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
+from .. import naming
 from ..errors import RuntimeInputError
 from ..layout import KVPair
 from ..limits import positive_int, require_memory
@@ -98,8 +104,15 @@ class KVCache:
         self.values: dict[str, ort.OrtValue] = {}
         self.spare_arrays: dict[str, np.ndarray] = {}
         self.spare_values: dict[str, ort.OrtValue] = {}
+        #: recurrent state buffers (no position axis): KV input names
+        self.recurrent: set[str] = set()
         for p in self.pairs:
             shape = p.input.shape
+            if p.stem in naming.RECURRENT_STEMS:
+                self._allocate(p.input_name, (self.max_sequences, *self.state_dims(p)), np.dtype(p.input.dtype),
+                               double_buffer)
+                self.recurrent.add(p.input_name)
+                continue
             if shape is None or len(shape) != 4:
                 raise RuntimeInputError(
                     f"KV input {p.input_name!r} has shape {shape}; expected [batch, heads, ctx_len, head_dim]")
@@ -109,17 +122,29 @@ class KVCache:
                     f"KV input {p.input_name!r} has symbolic heads or head_dim ({shape}); cannot allocate it")
             self.capacities[p.input_name] = self.capacity_of(p, self.ctx_len, self.rings)
             full = (self.max_sequences, heads, self.capacities[p.input_name], head_dim)
-            dtype = np.dtype(p.input.dtype)
-            self.shapes[p.input_name] = full
-            self.dtypes[p.input_name] = dtype
-            self.arrays[p.input_name] = np.zeros(full, dtype=dtype)
-            self.values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[p.input_name])
-            if double_buffer:
-                self.spare_arrays[p.input_name] = np.zeros(full, dtype=dtype)
-                self.spare_values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.spare_arrays[p.input_name])
+            self._allocate(p.input_name, full, np.dtype(p.input.dtype), double_buffer)
         self.double_buffer = double_buffer
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
+
+    def _allocate(self, name: str, full: tuple[int, ...], dtype: np.dtype, double_buffer: bool) -> None:
+        self.shapes[name] = full
+        self.dtypes[name] = dtype
+        self.arrays[name] = np.zeros(full, dtype=dtype)
+        self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
+        if double_buffer:
+            self.spare_arrays[name] = np.zeros(full, dtype=dtype)
+            self.spare_values[name] = ort.OrtValue.ortvalue_from_numpy(self.spare_arrays[name])
+
+    @staticmethod
+    def state_dims(pair: KVPair) -> tuple[int, ...]:
+        """A recurrent state's shape after the batch axis; every axis but 0 must be static (one-line refusal)."""
+        shape = pair.input.shape
+        if shape is None or len(shape) < 2 or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                      for d in shape[1:]):
+            raise RuntimeInputError(f"recurrent state {pair.input_name!r} has shape {shape}; only its batch axis "
+                                    "may be symbolic")
+        return tuple(int(d) for d in shape[1:])
 
     @staticmethod
     def capacity_of(pair: KVPair, ctx_len: int, rings: RingSpec | None = None) -> int:
@@ -137,6 +162,13 @@ class KVCache:
         total = 0
         for p in pairs:
             shape = p.input.shape
+            if p.stem in naming.RECURRENT_STEMS:   # no position axis: the same bytes at any ctx_len
+                try:
+                    total += int(np.prod(cls.state_dims(p))) * np.dtype(p.input.dtype).itemsize * int(max_sequences) \
+                        * (2 if double_buffer else 1)
+                except (RuntimeInputError, TypeError):
+                    pass
+                continue
             if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
                 continue
             try:
@@ -172,15 +204,25 @@ class KVCache:
         return h * d * self.dtypes[name].itemsize
 
     @property
+    def _positional(self) -> list[str]:
+        return [n for n in self.shapes if n not in self.recurrent]
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's recurrent states (constant in its length and in ``ctx_len``)."""
+        return sum(int(np.prod(self.shapes[n][1:])) * self.dtypes[n].itemsize for n in self.recurrent)
+
+    @property
     def bytes_per_position(self) -> int:
         """Bytes one position of one sequence occupies across every KV buffer (a ring slot counted once: the
-        cost of a position while the sequence is shorter than its rings)."""
-        return sum(self._slot_bytes(n) for n in self.shapes)
+        cost of a position while the sequence is shorter than its rings); recurrent states are not per position."""
+        return sum(self._slot_bytes(n) for n in self._positional)
 
     @property
     def bytes_per_sequence(self) -> int:
-        """Bytes of one sequence's slot across every KV buffer, each at its own capacity."""
-        return sum(self._slot_bytes(n) * self.capacities[n] for n in self.shapes)
+        """Bytes of one sequence's slot across every KV buffer, each at its own capacity (recurrent states
+        included)."""
+        return sum(self._slot_bytes(n) * self.capacities[n] for n in self._positional) + self.state_bytes_per_sequence
 
     @property
     def memory_capacity(self) -> int:
@@ -191,11 +233,23 @@ class KVCache:
     def memory_used(self) -> int:
         """Bytes holding valid positions of live sequences (a ring holds at most its capacity of them)."""
         return sum(self._slot_bytes(n) * min(s.length, self.capacities[n])
-                   for s in self._seqs.values() for n in self.shapes)
+                   for s in self._seqs.values() for n in self._positional) \
+            + self.state_bytes_per_sequence * len(self._seqs)
+
+    def clear_states(self, seq: Sequence) -> None:
+        """Zero ``seq``'s recurrent state rows (a new or reset sequence starts from an empty state)."""
+        for n in self.recurrent:
+            self.arrays[n][seq.slot] = 0
+
+    def _refuse_recurrent(self, what: str) -> None:
+        if self.recurrent:
+            raise RuntimeInputError(f"{what}: the graph's recurrent state (conv_state/recurrent_state) is not "
+                                    "stored per position, so it cannot be cut or moved that way yet")
 
     def read(self, seq: Sequence, name: str, length: int | None = None) -> np.ndarray:
         """A copy of ``seq``'s slice ``[1, heads, length, head_dim]`` of buffer ``name`` (its first ``length``
         slots: ring order for a ring buffer)."""
+        self._refuse_recurrent("reading a sequence's buffers by position")
         n = seq.length if length is None else length
         # always a copy: a slice that spans the whole buffer (one slot, a full ring) is already contiguous, and
         # ascontiguousarray would hand out a view that the next run overwrites
@@ -203,6 +257,7 @@ class KVCache:
 
     def write(self, seq: Sequence, name: str, data: np.ndarray) -> None:
         """Copy ``data`` (``[1, heads, n, head_dim]``) into slots ``[0, n)`` of ``seq``'s slot."""
+        self._refuse_recurrent("writing a sequence's buffers by position")
         n = data.shape[2]
         self.arrays[name][seq.slot:seq.slot + 1, :, :n, :] = data
 
@@ -237,6 +292,7 @@ class KVCache:
         seq = Sequence(self._next_id, slot)
         self._next_id += 1
         self._seqs[seq.id] = seq
+        self.clear_states(seq)
         return seq
 
     def get(self, seq: Sequence | int) -> Sequence:
@@ -270,12 +326,16 @@ class KVCache:
         if n > s.length:
             raise RuntimeInputError(f"cannot truncate sequence {s.id} of length {s.length} to {n}")
         if 0 < n < s.length:
+            if self.recurrent:
+                raise RuntimeInputError(f"cannot truncate sequence {s.id} of length {s.length} to {n}: its recurrent "
+                                        f"state can return only to 0 or {s.length}")
             why = rewind_refusal(s, int(n), self.rings) or pos_mod.rewind_refusal(s.rope_marks, int(n))
             if why is not None:
                 raise RuntimeInputError(why)
         s.rope_marks = pos_mod.rewind(s.rope_marks, int(n))
         if n == 0:
             s.written = s.floor = 0
+            self.clear_states(s)
         if n != s.length:
             s.pending = None
             s.pending_emitted = False
@@ -297,11 +357,17 @@ class KVCache:
         if n > s.length:
             raise RuntimeInputError(f"cannot copy {n} positions of sequence {s.id}: it holds {s.length}")
         if 0 < n:
+            if self.recurrent and n != s.length:
+                raise RuntimeInputError(f"cannot copy {n} positions of sequence {s.id}: its recurrent state holds "
+                                        f"all {s.length} (copy 0 or {s.length})")
             why = copy_refusal(s, n, self.rings) or pos_mod.rewind_refusal(s.rope_marks, n)
             if why is not None:
                 raise RuntimeInputError(why)
         lowest = lowest_held(s, self.rings) if n else 0
         for name, arr in self.arrays.items():
+            if name in self.recurrent:   # the whole state (n == length), or an empty one (n == 0)
+                arr[d.slot] = arr[s.slot] if n else 0
+                continue
             slots = copy_slots(self.rings.capacities.get(name), n, lowest)
             arr[d.slot, :, slots, :] = arr[s.slot, :, slots, :]
         d.length = n

@@ -24,8 +24,11 @@ import onnxruntime as ort
 from ..errors import RuntimeInputError
 
 
-def refusal(*, inplace: bool, rings, batch_dim, images: bool = False) -> str | None:
+def refusal(*, inplace: bool, rings, batch_dim, images: bool = False, recurrent: bool = False) -> str | None:
     """Why a graph without ``batch_index`` cannot run several sequences in lock step, or ``None``."""
+    if recurrent:
+        return ("the graph has recurrent state (an idle row's token would advance it); export it with continuous "
+                "batching for several sequences")
     if images:
         return ("it is a vision-language graph (one image buffer and image_idx for the whole batch); export it "
                 "with continuous batching for several sequences")

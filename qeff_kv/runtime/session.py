@@ -189,7 +189,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.lockstep = not self.continuous_batching and self.max_sequences > 1
         if self.lockstep:
             why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim,
-                                       images=self.media is not None)
+                                       images=self.media is not None,
+                                       recurrent=any(p.stem in naming.RECURRENT_STEMS for p in layout.pairs))
             if why is not None:
                 raise RuntimeInputError(f"graph has no batch_index input: max_sequences={self.max_sequences} needs "
                                         f"lock-step batching, which is not possible: {why}")

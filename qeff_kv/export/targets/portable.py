@@ -27,7 +27,7 @@ class PortableTarget(Target):
                                                                        plan.window, x.blocks))
         else:
             cache = RetainedStateCache(x.past, position_ids, x.batch_index, ring=ring, ring_layers=plan.ring_layers)
-            columns = None if plan.all_ring else plan.full_capacity(x.flat)
+            columns = None if plan.all_ring else plan.full_capacity(x.past)
             full = None if columns is None else build_attention_mask(position_ids, columns, x.dtype, blocks=x.blocks)
             mask = plan.masks(full, ring, lambda: build_attention_mask(position_ids, columns, x.dtype, plan.window,
                                                                        x.blocks))
