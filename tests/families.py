@@ -175,7 +175,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 #: Recurrent and hybrid families (contract section 12): their recurrent mixers run qeff-kv's own traced step
-#: (``qeff_kv/export/linear_mixers.py``); a linear/conv layer before and after an attention layer.
+#: (``qeff_kv/export/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an attention layer.
 _GATED_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
                     layer_types=["linear_attention", "full_attention", "linear_attention"])

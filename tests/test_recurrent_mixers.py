@@ -189,49 +189,41 @@ def test_mixers_are_recognised():
     assert not short_conv.is_short_conv_mixer(_gdn(Qwen3NextGatedDeltaNet, Qwen3NextConfig, False))
 
 
-class _DictStates:
-    """A :class:`~qeff_kv.export.linear_mixers.MixerStates` holding each layer's states in a dict."""
-
-    def __init__(self, shapes):
-        self.states = {layer: {stem: torch.zeros(shape) for stem, shape in d.items()} for layer, d in shapes.items()}
-        self.valid = None
-
-    def read(self, layer):
-        return self.states[layer]
-
-    def write(self, layer, states):
-        self.states[layer] = states
-
-
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"])
-def test_whole_model_with_traced_mixers_equals_transformers(name):
-    """The whole tiny model, its recurrent mixers swapped for qeff-kv's steps (``linear_mixers.traced_mixers``) and
-    its attention layers on transformers' own cache, run in prefill chunks then decode steps: the logits at every
-    position equal transformers' forward pass over the whole sequence."""
+def test_whole_model_with_routed_mixers_equals_transformers(name):
+    """The whole tiny model, its recurrent mixers routed to qeff-kv's steps as the exporter traces them
+    (``recurrent.mixers_routed`` over a ``RecurrentStep`` built from the config's facts) and its attention layers
+    on transformers' own cache, run in prefill chunks then decode steps: the logits at every position equal
+    transformers' forward pass over the whole sequence."""
     from families import RECURRENT_FAMILIES
     from transformers import DynamicCache
 
-    from qeff_kv.export import linear_mixers
+    from qeff_kv.export import recurrent
+    from qeff_kv.export.family import ModelFacts
 
     fam = RECURRENT_FAMILIES[name]
     cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())
+    cfg.architectures = [fam.model_class]
     torch.manual_seed(0)
     model = getattr(transformers, fam.model_class)(cfg).eval()
-    mixers = linear_mixers.find_mixers(model)
-    assert sorted(mixers) == [0, 2]
-    stems = ("conv_state",) if name.startswith("lfm") else ("conv_state", "recurrent_state")
-    assert all(kind.stems == stems for _, kind in mixers.values())
+    facts = ModelFacts.from_config(cfg.to_dict()).recurrent
+    assert facts.mixer == ("short_conv" if name.startswith("lfm") else "gated_delta")
+    assert facts.mixer_layers == (0, 2) and facts.attention_layers == (1,)
+    shapes = recurrent.state_shapes(facts)
+    assert len(shapes[0]) == (1 if name.startswith("lfm") else 2)
+    states = {i: tuple(torch.zeros((1, *s)) for s in layer) for i, layer in shapes.items()}
     ids = torch.randint(3, 128, (1, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-        states, cache, got, pos = _DictStates(linear_mixers.state_shapes(model)), DynamicCache(config=cfg), [], 0
+        cache, got, pos = DynamicCache(config=cfg), [], 0
         for n in (8, 8, 8, 3, 1, 1):
-            states.valid = torch.ones(1, n, dtype=torch.bool)
-            with linear_mixers.traced_mixers(model, states, max_len=8):
+            step = recurrent.RecurrentStep(states, torch.zeros(1, n, dtype=torch.bool), None, facts)
+            with recurrent.mixers_routed(model, step):
                 got.append(model(ids[:, pos:pos + n], position_ids=torch.arange(pos, pos + n).unsqueeze(0),
                                  past_key_values=cache, use_cache=True).logits)
+            states = {i: step.outputs(i) for i in states}
             pos += n
-        assert "forward" not in vars(mixers[0][0])      # the model's own forward is back
+        assert "forward" not in vars(recurrent.mixer_modules(model, facts)[0])      # the model's own is back
     got = torch.cat(got, 1)
     assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
     assert len(set(want[0].argmax(-1).tolist())) > 3   # the tokens vary: the comparison proves something

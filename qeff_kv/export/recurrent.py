@@ -3,7 +3,9 @@
 
 The wrapper (:class:`~qeff_kv.export.wrapper.RetainedStateLM`) builds one :class:`RecurrentStep` per traced step
 from the graph's recurrent inputs, and :func:`mixers_routed` routes every mixer module of the model to the traced
-form of its kind (:data:`MIXER_STEPS`; ``"mamba2"``: :func:`mamba2_step`) for the duration of the decoder call.
+form of its kind (:data:`MIXER_STEPS`; ``"mamba2"``: :func:`mamba2_step`; ``"gated_delta"``: Qwen3-Next's and
+Qwen3.5's gated delta net, :mod:`.gated_delta`; ``"short_conv"``: LFM2's short convolution, :mod:`.short_conv`)
+for the duration of the decoder call.
 
 Invariants of every mixer step:
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ExportError
+from . import gated_delta, short_conv
 from .graph_ops import ScatterRows
 
 
@@ -150,24 +153,55 @@ def mamba2_step(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentSte
     return step.repeat_last_valid(mixer.out_proj(y.to(dtype)))
 
 
+# ------------------------------------------------------------------------- gated delta net, short conv
+def gated_delta_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    """Qwen3-Next's / Qwen3.5's gated delta net over the layer's carried states (:mod:`.gated_delta`); the chunk
+    the graph was traced with is the longest it takes (``--prefill-seq-len``)."""
+    conv_old, rec_old = step.read(mixer.layer_idx)
+    out, conv_new, rec_new = gated_delta.gated_delta_step(mixer, hidden, conv_old, rec_old, step.valid,
+                                                          max_len=int(hidden.shape[1]))
+    step.write(mixer.layer_idx, [conv_new, rec_new])
+    return out
+
+
+def short_conv_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    """LFM2's short convolution over the layer's carried ``conv_state`` (:mod:`.short_conv`)."""
+    (conv_old,) = step.read(mixer.layer_idx)
+    out, conv_new = short_conv.short_conv_step(mixer, hidden, conv_old, step.valid)
+    step.write(mixer.layer_idx, [conv_new])
+    return out
+
+
 #: mixer kind (``RecurrentFacts.mixer``) -> the traced step of one layer
-MIXER_STEPS = {"mamba2": mamba2_step}
-#: what a module must hold to be the mixer of its kind
+MIXER_STEPS = {"mamba2": mamba2_step, "gated_delta": gated_delta_layer, "short_conv": short_conv_layer}
+#: mixer kind -> whether a module is the mixer of that kind
 _MIXER_PARTS = {"mamba2": ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")}
+_IS_MIXER = {
+    "mamba2": lambda m: all(hasattr(m, p) for p in _MIXER_PARTS["mamba2"]),
+    "gated_delta": gated_delta.is_gated_delta_mixer,
+    "short_conv": short_conv.is_short_conv_mixer,
+}
+
+
+def _geometry(mixer: torch.nn.Module, kind: str) -> tuple[int, int, int]:
+    """``(conv_dim, conv_kernel, heads)`` of a mixer module (heads 0 for a short convolution)."""
+    conv = mixer.conv if kind == "short_conv" else mixer.conv1d
+    heads = 0 if kind == "short_conv" else int(mixer.A_log.shape[0])
+    return int(conv.weight.shape[0]), int(conv.weight.shape[-1]), heads
 
 
 def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
     """Layer index -> the model's mixer module of ``facts.mixer``'s kind; its geometry must be the config's."""
-    parts = _MIXER_PARTS[facts.mixer]
+    is_mixer = _IS_MIXER[facts.mixer]
     found = {}
     for module in model.modules():
-        if all(hasattr(module, p) for p in parts) and hasattr(module, "layer_idx"):
+        if hasattr(module, "layer_idx") and is_mixer(module):
             found[int(module.layer_idx)] = module
     if tuple(sorted(found)) != tuple(facts.mixer_layers):
         raise ExportError(f"{facts.architecture}: the config names mixer layers {list(facts.mixer_layers)}, the "
                           f"model has mixers in layers {sorted(found)}")
     for i, m in found.items():
-        got = (int(m.conv1d.weight.shape[0]), int(m.conv1d.weight.shape[-1]), int(m.A_log.shape[0]))
+        got = _geometry(m, facts.mixer)
         if got != (facts.conv_dim, facts.conv_kernel, facts.heads):
             raise ExportError(f"{facts.architecture}: layer {i}'s mixer has (conv_dim, conv_kernel, heads) {got}, "
                               f"the config says {(facts.conv_dim, facts.conv_kernel, facts.heads)}")
@@ -204,7 +238,7 @@ def state_shapes(facts) -> dict:
     empty without recurrent layers."""
     if facts is None:
         return {}
-    return {i: (facts.conv_shape, facts.recurrent_shape) for i in facts.mixer_layers}
+    return {i: facts.state_shapes for i in facts.mixer_layers}
 
 
 def state_inputs(layer, kv_batch: int, kv_axis: str, dtype, io) -> list:
