@@ -5,8 +5,7 @@ whole-sequence forward), two prompts longer than three prefill chunks with paddi
 transformers' greedy tokens, the recurrent buffers are named exactly ``conv_state.{i}`` / ``recurrent_state.{i}``
 on the mixer layers (``past_key``/``past_value`` on the attention layer), and ``check`` passes. Continuous batching
 runs two sequences of different lengths in one graph; a prefix names the recurrent buffers too.
-Qwen3.5-MoE, LFM2-MoE and LFM3 come with the same mixers (their MoE and gated attention are transformers' code):
-proved on the onnxruntime target.
+Qwen3.5-MoE, LFM2-MoE and LFM3 come with the same mixers (their MoE and gated attention are transformers' code).
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ pytestmark = [requires_torch]
 CHUNK = 4
 #: longer than three chunks of CHUNK, the last chunk padded (15 = 3 * 4 + 3, 13 = 3 * 4 + 1)
 PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21, 9, 33, 54, 2], [100, 3, 3, 60, 9, 88, 14, 71, 26, 45, 8, 19, 93]]
-CORE = ("qwen3_next", "qwen3_5_text", "lfm2")
-CELLS = [(n, t) for n in CORE for t in TARGETS] + [(n, "onnxruntime") for n in RECURRENT_FAMILIES if n not in CORE]
+CELLS = [(n, t) for n in RECURRENT_FAMILIES for t in TARGETS]
 
 
 @pytest.fixture(scope="module")
