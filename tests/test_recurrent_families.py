@@ -110,3 +110,20 @@ def test_prefix_names_the_recurrent_buffers(family_models, tmp_path):
     assert ins == ["input_ids", "position_ids", *want]
     assert outs == ["logits", *[f"{b}_RetainedState" for b in want]]
     assert "conv_state.0_VLLM" in ins and "recurrent_state.2_VLLM_RetainedState" in outs
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_runtime_generate_equals_transformers(name, family_exports, recurrent_refs):
+    """qeff-kv's runtime (``qeff-kv generate``: in-place buffers, recurrent rows zeroed for a new sequence) on the
+    export gives transformers' tokens."""
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    result = family_exports(name, "onnxruntime")
+    ids = ",".join(str(t) for t in PROMPTS[0])
+    res = CliRunner().invoke(main, ["generate", str(result.onnx_path.parent), "--prompt-ids", ids,
+                                    "--max-new-tokens", str(NEW)])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln and ln.split()[0].isdigit()]
+    assert [int(t) for t in lines[-1].split()] == recurrent_refs(name)[0]
