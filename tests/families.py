@@ -175,7 +175,8 @@ FAMILIES: dict[str, Family] = {
 }
 
 #: Recurrent and hybrid families (contract section 12): their recurrent mixers run qeff-kv's own traced step
-#: (``qeff_kv/export/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an attention layer.
+#: (``qeff_kv/export/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an
+#: attention layer.
 _GATED_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
                     layer_types=["linear_attention", "full_attention", "linear_attention"])
@@ -192,6 +193,8 @@ RECURRENT_FAMILIES: dict[str, Family] = {
                                dict(_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=32),
                                note="gated delta net, MoE with a shared expert (Qwen3.5-MoE's text model)"),
+    "olmo_hybrid": Family("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(_GATED_DELTA),
+                          note="gated delta net with q/k/v/gate projections, beta in [0, 2] (linear_allow_neg_eigval)"),
     "lfm2": Family("Lfm2Config", "Lfm2ForCausalLM", dict(_SHORT_CONV), note="short-conv layers (conv_state only)"),
     "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
                        dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

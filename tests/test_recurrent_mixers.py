@@ -189,7 +189,8 @@ def test_mixers_are_recognised():
     assert not short_conv.is_short_conv_mixer(_gdn(Qwen3NextGatedDeltaNet, Qwen3NextConfig, False))
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe",
+                                  "lfm3"])
 def test_whole_model_with_routed_mixers_equals_transformers(name):
     """The whole tiny model, its recurrent mixers routed to qeff-kv's steps as the exporter traces them
     (``recurrent.mixers_routed`` over a ``RecurrentStep`` built from the config's facts) and its attention layers

@@ -32,12 +32,11 @@ WHY = {
              "conv_state/recurrent_state pair"),
     "xlstm": ("its mLSTM loops in Python over chunks and over tokens and keeps three states per layer (C, n, m), not "
               "the peer's conv_state/recurrent_state pair"),
-    "minimax": "its lightning attention loops in Python over blocks of a prompt and over every token after a cached one",
+    "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a cached "
+                "one"),
     "kimi_linear": _PER_CHANNEL,
     "bailing_hybrid": _PER_CHANNEL,
     "glm5_next": _PER_CHANNEL,
-    "olmo_hybrid": ("its gated delta net (separate q/k/v projections, beta scaled to [0, 2] by "
-                    "linear_allow_neg_eigval) is not the layout qeff-kv's gated delta step reads"),
     "qwen4_exp": _PLE,
     "qwen4_exp_text": _PLE,
     "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
@@ -98,7 +97,8 @@ def test_vision_language_wrapper_over_recurrent_layers_names_its_text_model(mode
         f"export its text model ({VLM_TEXT[model_type]})")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "lfm2", "mamba2", "bamba", "granitemoehybrid",
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "mamba2", "bamba",
+                                        "granitemoehybrid",
                                         "falcon_h1", "nemotron_h"])
 def test_exported_recurrent_families_are_not_refused(model_type):
     assert ModelFacts.from_config(_config(model_type)).recurrent_refusal() is None

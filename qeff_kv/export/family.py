@@ -430,9 +430,9 @@ _SCAN = "selective scan (transformers' torch path) is a Python loop over every t
 _PER_CHANNEL_DECAY = ("its linear attention decays every key channel separately (a per-channel gate, looped over "
                       "chunks of 64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
 #: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
-#: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next and
-#: Qwen3.5 (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``) and the
-#: Mamba2-mixer families.
+#: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next,
+#: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``)
+#: and the Mamba2-mixer families.
 RECURRENT_REFUSALS: dict[str, str] = {
     "mamba": f"its Mamba (v1) {_SCAN}",
     "falcon_mamba": f"its Mamba (v1) {_SCAN}",
@@ -451,8 +451,6 @@ RECURRENT_REFUSALS: dict[str, str] = {
     "bailing_hybrid": _PER_CHANNEL_DECAY,
     "glm5_next_text": _PER_CHANNEL_DECAY,
     "glm5_next": _PER_CHANNEL_DECAY,
-    "olmo_hybrid": ("its gated delta net (separate q/k/v projections, beta scaled to [0, 2] by "
-                    "linear_allow_neg_eigval) is not the layout qeff-kv's gated delta step reads"),
     "qwen4_exp_text": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
                        "delta net's, not the peer's conv_state/recurrent_state pair"),
     "qwen4_exp": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "

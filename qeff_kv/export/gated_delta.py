@@ -1,4 +1,4 @@
-"""The gated delta net (Qwen3-Next, Qwen3.5) as one traceable step over a chunk of any length.
+"""The gated delta net (Qwen3-Next, Qwen3.5, OLMo-Hybrid) as one traceable step over a chunk of any length.
 
 transformers' torch path runs a prefill chunk as a Python loop over sub-chunks of 64 tokens whose count follows
 the prompt, solves each sub-chunk's triangular system with ``torch.linalg.solve_triangular`` (no ONNX op), and
@@ -40,10 +40,21 @@ DEFAULT_MAX_LEN = 64
 
 
 def is_gated_delta_mixer(module) -> bool:
-    """A transformers gated-delta-net mixer (Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba`` or Qwen3.5's split
-    ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` projections, with ``A_log``, ``dt_bias``, ``conv1d``)."""
-    has_proj = hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
-    return has_proj and all(hasattr(module, a) for a in ("A_log", "dt_bias", "conv1d", "norm", "out_proj"))
+    """A transformers gated-delta-net mixer: Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba``, Qwen3.5's split
+    ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` or OLMo-Hybrid's ``q/k/v/g/a/b_proj`` projections, with
+    ``A_log``, ``dt_bias``, ``conv1d``, a gated norm (``norm`` or ``o_norm``) and an output projection."""
+    has_proj = (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")
+                or all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")))
+    return has_proj and _norm(module) is not None and _out_proj(module) is not None and \
+        all(hasattr(module, a) for a in ("A_log", "dt_bias", "conv1d"))
+
+
+def _norm(mixer):
+    return getattr(mixer, "norm", None) or getattr(mixer, "o_norm", None)
+
+
+def _out_proj(mixer):
+    return getattr(mixer, "out_proj", None) or getattr(mixer, "o_proj", None)
 
 
 def state_shapes(mixer, batch: int = 1) -> dict[str, tuple[int, ...]]:
@@ -60,6 +71,11 @@ def _project(mixer, hidden_states: torch.Tensor):
         q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hidden_states),
                                                               mixer.in_proj_ba(hidden_states))
         mixed = torch.cat([x.reshape(bsz, seq, -1) for x in (q, k, v)], dim=-1)
+    elif hasattr(mixer, "q_proj"):       # OLMo-Hybrid: q, k, v, gate, a, b projections
+        mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)],
+                          dim=-1)
+        z = mixer.g_proj(hidden_states).reshape(bsz, seq, -1, mixer.head_v_dim)
+        b, a = mixer.b_proj(hidden_states), mixer.a_proj(hidden_states)
     else:                                # Qwen3.5: one projection each
         mixed = mixer.in_proj_qkv(hidden_states)
         z = mixer.in_proj_z(hidden_states).reshape(bsz, seq, -1, mixer.head_v_dim)
@@ -157,7 +173,10 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
     query, key = _repeat_heads(query, rep), _repeat_heads(key, rep)
 
     keep = valid.unsqueeze(-1)
-    beta = torch.where(keep, b.float().sigmoid(), torch.zeros_like(b, dtype=torch.float32))
+    beta = b.float().sigmoid()
+    if getattr(mixer, "allow_neg_eigval", False):   # OLMo-Hybrid: beta in [0, 2]
+        beta = beta * 2.0
+    beta = torch.where(keep, beta, torch.zeros_like(beta))
     g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
     g = torch.where(keep, g, torch.zeros_like(g))
 
@@ -168,6 +187,6 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
 
     out = out.transpose(1, 2).to(hidden_states.dtype)          # [B, T, Hv, Dv]
     shape = out.shape
-    out = mixer.norm(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).reshape(shape)
-    out = mixer.out_proj(out.reshape(bsz, seq, -1))
+    out = _norm(mixer)(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).reshape(shape)
+    out = _out_proj(mixer)(out.reshape(bsz, seq, -1))
     return repeat_last_valid(out, valid), new_conv, new_state.to(recurrent_state.dtype)

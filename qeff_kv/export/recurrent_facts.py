@@ -203,6 +203,7 @@ def _short_conv(text: dict, architecture: str, model_type: str) -> RecurrentFact
 MIXERS = {
     "mamba2": _mamba2, "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "nemotron_h": _mamba2,
     "qwen3_next": _gated_delta, "qwen3_5_text": _gated_delta, "qwen3_5_moe_text": _gated_delta,
+    "olmo_hybrid": _gated_delta,
     "lfm2": _short_conv, "lfm2_moe": _short_conv, "lfm3": _short_conv,
 }
 
