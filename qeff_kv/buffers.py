@@ -121,8 +121,16 @@ def _per_token_line(layout: KVLayout) -> str | None:
     return line
 
 
-def _fmt_capacity(n: int | None) -> str:
-    return "?" if n is None else str(n)
+def _fmt_capacity(n: int | None, recurrent: bool = False) -> str:
+    return "state" if recurrent else "?" if n is None else str(n)
+
+
+def recurrent_bytes_per_sequence(layout: KVLayout) -> int | None:
+    """Bytes of one sequence's recurrent states (``conv_state``, ``recurrent_state``: no position axis, the same
+    at any ``ctx_len`` and sequence length); ``None`` without them or when a dim is unknown."""
+    pairs = [p for p in layout.pairs if p.stem in naming.RECURRENT_STEMS]
+    sizes = [p.bytes_per_sequence() for p in pairs]
+    return None if not pairs or None in sizes else sum(sizes)
 
 
 def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_window: int | None = None) -> str:
@@ -135,7 +143,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
     rows = []
     for p in _sorted_pairs(layout):
         rows.append([str(p.layer), p.stem, p.input_name, p.output_name, p.input.dtype, _fmt_shape(p.input.shape),
-                     _fmt_capacity(p.capacity(ctx_len, sliding_window)),
+                     _fmt_capacity(p.capacity(ctx_len, sliding_window), p.stem in naming.RECURRENT_STEMS),
                      human_bytes(p.bytes_per_sequence(ctx_len, sliding_window))])
     at = []
     if ctx_len is not None:
@@ -163,6 +171,11 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
     per_token = _per_token_line(layout)
     if per_token is not None:
         lines.append(per_token)
+    state = recurrent_bytes_per_sequence(layout)
+    if state is not None:
+        layers = sorted({p.layer for p in layout.pairs if p.stem in naming.RECURRENT_STEMS})
+        lines.append(f"recurrent state bytes per sequence (constant in ctx_len, layers "
+                     f"{', '.join(map(str, layers))}): {human_bytes(state)} ({state} bytes)")
     if sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
@@ -274,6 +287,7 @@ class BuffersReport:
             "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
             "bytes_per_token": bytes_per_token(lay),
+            **({"recurrent_bytes_per_sequence": rec} if (rec := recurrent_bytes_per_sequence(lay)) is not None else {}),
             **({"mla_full_bytes_per_token": full} if (full := mla_full_equivalent(lay)) is not None else {}),
             "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
             "non_kv_retained": [{"input": i, "retained": o} for i, o in _non_kv_rows(lay)],

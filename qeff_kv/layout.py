@@ -89,7 +89,10 @@ class KVPair:
     def capacity(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:
         """Positions this buffer holds per sequence (its axis 2): ``ctx_len`` for an axis named like the context
         axis (``ctx_len``...), ``sliding_window`` for an axis named ``sliding_window`` (a ring buffer), the int of
-        a static axis; ``None`` when unknown (no axis 2, another name, or the value not given)."""
+        a static axis; ``None`` when unknown (no axis 2, another name, or the value not given) or for a recurrent
+        state (no position axis)."""
+        if self.stem in naming.RECURRENT_STEMS:
+            return None
         return _dim_value(self.axis2, ctx_len, sliding_window)
 
     def bytes_per_sequence(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:

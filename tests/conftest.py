@@ -273,14 +273,15 @@ def family_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def family_refs(family_models):
     """transformers' greedy tokens for the matrix prompts."""
-    from families import NEW, PROMPTS
-    from hf_models import hf_greedy
+    from families import FAMILIES, NEW, PROMPTS
+    from hf_models import hf_greedy, hf_greedy_whole
 
     cache: dict = {}
 
     def get(name: str) -> list[list[int]]:
         if name not in cache:
-            cache[name] = [hf_greedy(family_models(name), p, NEW) for p in PROMPTS]
+            greedy = hf_greedy_whole if FAMILIES[name].recurrent else hf_greedy
+            cache[name] = [greedy(family_models(name), p, NEW) for p in PROMPTS]
         return cache[name]
 
     return get

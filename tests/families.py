@@ -38,6 +38,9 @@ class Family:
     base: dict = field(default_factory=lambda: dict(_LLAMA_LIKE))
     #: what the family exercises (shown in docs/supported-models.md)
     note: str = ""
+    #: a recurrent or hybrid family (conv_state/recurrent_state): its reference is transformers' forward over the
+    #: whole sequence without a cache (tests/hf_models.py ``hf_greedy_whole``)
+    recurrent: bool = False
 
     def config_kwargs(self) -> dict:
         return {**self.base, **self.kwargs}
@@ -203,6 +206,40 @@ RECURRENT_FAMILIES: dict[str, Family] = {
 }
 
 
+# --- recurrent and hybrid (contract section 12): the Mamba2 mixer ----------------------------------------------
+_MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=8)
+FAMILIES.update({
+    "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM",
+                     dict(num_heads=4, head_dim=32, state_size=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=8),
+                     base=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, initializer_range=0.15,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False),
+                     note="pure Mamba2: conv_state/recurrent_state only", recurrent=True),
+    "bamba": Family("BambaConfig", "BambaForCausalLM", dict(_MAMBA, num_hidden_layers=3, attn_layer_indices=[1]),
+                    note="hybrid: Mamba2 layers 0, 2, attention layer 1", recurrent=True),
+    "granitemoehybrid": Family("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                               dict(_MAMBA, num_hidden_layers=3,
+                                    layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                    num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                                    embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5,
+                                    attention_multiplier=0.3),
+                               note="hybrid Mamba2/attention, MoE, Granite multipliers", recurrent=True),
+    "falcon_h1": Family("FalconH1Config", "FalconH1ForCausalLM",
+                        dict(_MAMBA, mamba_d_ssm=None, head_dim=16, lm_head_multiplier=0.5, embedding_multiplier=2.0,
+                             ssm_multipliers=[1.5, 0.5, 1.0, 2.0, 1.0], ssm_in_multiplier=0.7,
+                             ssm_out_multiplier=1.2, attention_in_multiplier=0.8, attention_out_multiplier=0.9,
+                             key_multiplier=1.1, mlp_multipliers=[1.2, 0.8]),
+                        note="parallel hybrid: attention and Mamba2 in every layer, its multipliers", recurrent=True),
+    "nemotron_h": Family("NemotronHConfig", "NemotronHForCausalLM",
+                         dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=4, mamba_head_dim=32,
+                              ssm_state_size=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=8,
+                              layers_block_type=["linear_attention", "mlp", "full_attention", "moe"],
+                              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              moe_shared_expert_intermediate_size=32),
+                         note="MLP/MoE blocks as stateless layers of their own", recurrent=True),
+})
+
+
 def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
     """Save the tiny seeded model of family ``name`` with safetensors weights; return its folder."""
     import torch
@@ -225,5 +262,6 @@ EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
 EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}
 #: onnxruntime-fused refusals, from the config (qeff_kv/export/family.py, ModelFacts.fused_refusal)
 EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
+EXPECT["nemotron_h"] = {t: "refused: NemotronHForCausalLM has layers without any state" for t in TARGETS}
 EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "DeepseekV3ForCausalLM's multi-head latent attention")

@@ -39,6 +39,13 @@ The `*_sw` rows have a sliding window (6) smaller than the matrix's `ctx_len` (3
 full-length buffers with GroupQueryAttention's `local_window_size`; their prompts and decoding span three
 windows and prefill chunks straddle the wrap. The other sliding families (window 4096) never reach their window.
 
+The recurrent and hybrid rows (`mamba2`, `bamba`, `granitemoehybrid`, `falcon_h1`, `nemotron_h`) retain
+`conv_state.{i}` / `recurrent_state.{i}` for their Mamba2 layers (contract section 12; see
+[export.md](export.md#recurrent-and-hybrid-models-mamba2-mixer)). Their reference is transformers' forward over the
+whole sequence without a cache (transformers' own cached steps of Bamba do not continue its state exactly), and
+`tests/test_recurrent.py` also runs them in the runtime on prompts longer than three prefill chunks, the last one
+padded, and with continuous batching.
+
 """
 
 

@@ -62,6 +62,22 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt):].tolist()
 
 
+def hf_greedy_whole(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers' forward over the whole sequence at every step, without a cache: the
+    reference of recurrent and hybrid families (transformers' own cached steps of some of them, Bamba's, do not
+    continue the state exactly)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
 class PlainLoop:
     """The simplest correct runner: numpy KV buffers fed back each step (no IOBinding)."""
 

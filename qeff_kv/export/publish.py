@@ -128,5 +128,7 @@ def manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, g
         "ccl": list(options.ccl) if options.ccl is not None else None,
         "speculative_tokens": options.speculative_tokens,
         "state_spec": geometry["state_spec"].to_json() if geometry.get("state_spec") is not None else None,
+        # recurrent / hybrid models only: the mixer, its layers and its state geometry
+        **({"recurrent": geometry["recurrent"]} if "recurrent" in geometry else {}),
         "exporter": {"name": "qeff-kv", "version": __version__, "opset": opt.OPSET, "ir_version": opt.IR_VERSION},
     }

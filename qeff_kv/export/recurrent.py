@@ -181,13 +181,15 @@ _IS_MIXER = {
     "gated_delta": gated_delta.is_gated_delta_mixer,
     "short_conv": short_conv.is_short_conv_mixer,
 }
-
-
-def _geometry(mixer: torch.nn.Module, kind: str) -> tuple[int, int, int]:
-    """``(conv_dim, conv_kernel, heads)`` of a mixer module (heads 0 for a short convolution)."""
-    conv = mixer.conv if kind == "short_conv" else mixer.conv1d
-    heads = 0 if kind == "short_conv" else int(mixer.A_log.shape[0])
-    return int(conv.weight.shape[0]), int(conv.weight.shape[-1]), heads
+#: the geometry a mixer module must share with its facts (a module, or the facts), per kind
+_MIXER_GEOMETRY = {
+    "mamba2": lambda x: ((int(x.conv1d.weight.shape[0]), int(x.conv1d.weight.shape[-1]), int(x.A_log.shape[0]))
+                         if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
+    "gated_delta": lambda x: ((int(x.conv1d.weight.shape[0]), int(x.conv1d.weight.shape[-1]), int(x.A_log.shape[0]))
+                              if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
+    "short_conv": lambda x: ((int(x.conv.weight.shape[0]), int(x.conv.weight.shape[-1]))
+                             if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel)),
+}
 
 
 def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
@@ -200,11 +202,14 @@ def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
     if tuple(sorted(found)) != tuple(facts.mixer_layers):
         raise ExportError(f"{facts.architecture}: the config names mixer layers {list(facts.mixer_layers)}, the "
                           f"model has mixers in layers {sorted(found)}")
+    geometry = _MIXER_GEOMETRY.get(facts.mixer)
     for i, m in found.items():
-        got = _geometry(m, facts.mixer)
-        if got != (facts.conv_dim, facts.conv_kernel, facts.heads):
+        if geometry is None:
+            continue
+        got, want = geometry(m), geometry(facts)
+        if got != want:
             raise ExportError(f"{facts.architecture}: layer {i}'s mixer has (conv_dim, conv_kernel, heads) {got}, "
-                              f"the config says {(facts.conv_dim, facts.conv_kernel, facts.heads)}")
+                              f"the config says {want}")
     return found
 
 

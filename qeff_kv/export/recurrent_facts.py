@@ -56,8 +56,9 @@ class RecurrentFacts:
     gated_norm: bool = True
     #: layers that keep no state at all (NemotronH's MLP/MoE blocks)
     stateless_layers: tuple[int, ...] = ()
-    #: the mixer keeps only ``conv_state`` (a short convolution: LFM2)
-    conv_only: bool = False
+    #: the mixer keeps a ``recurrent_state`` beside its ``conv_state`` (a short-convolution mixer keeps only the
+    #: convolution state)
+    keeps_recurrent_state: bool = True
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -65,15 +66,15 @@ class RecurrentFacts:
         return self.conv_dim, self.conv_kernel
 
     @property
-    def recurrent_shape(self) -> tuple[int, int, int]:
-        """``recurrent_state.{i}`` after the batch axis: ``(heads, head_dim, d_state)``."""
-        return self.heads, self.head_dim, self.d_state
+    def recurrent_shape(self) -> tuple[int, int, int] | None:
+        """``recurrent_state.{i}`` after the batch axis: ``(heads, head_dim, d_state)``; ``None`` for a mixer that
+        keeps only its convolution state."""
+        return (self.heads, self.head_dim, self.d_state) if self.keeps_recurrent_state else None
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """A mixer layer's states after the batch axis, in stem order: ``conv_state`` then ``recurrent_state``
-        (only the first for a short convolution)."""
-        return (self.conv_shape,) if self.conv_only else (self.conv_shape, self.recurrent_shape)
+        """The shapes after the batch axis of a mixer layer's states, in stem order (``conv_state`` first)."""
+        return tuple(s for s in (self.conv_shape, self.recurrent_shape) if s is not None)
 
     def refusal(self, options) -> str | None:
         """Why this recurrent model cannot be exported with ``options`` (one line), or ``None``."""
@@ -147,7 +148,9 @@ def _mamba2(text: dict, architecture: str, model_type: str) -> RecurrentFacts | 
     d_state = _int(_first(text, "mamba_d_state", "ssm_state_size", "state_size"))
     if d_state is None:
         return None
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    types = _first(text, "layers_block_type", "layer_types")
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0) or \
+        (len(types) if isinstance(types, list) else 0)   # NemotronH: one entry per layer, no count
     hidden = int(text.get("hidden_size") or 0)
     heads = _int(_first(text, "mamba_n_heads", "mamba_num_heads", "num_heads")) or 0
     head_dim = _int(_first(text, "mamba_d_head", "mamba_head_dim", "head_dim")) or 0
@@ -196,7 +199,7 @@ def _short_conv(text: dict, architecture: str, model_type: str) -> RecurrentFact
     return RecurrentFacts(
         mixer="short_conv", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
         attention_layers=attention, stateless_layers=stateless, conv_kernel=kernel, conv_dim=hidden, heads=0,
-        head_dim=0, d_state=0, n_groups=1, intermediate=hidden, conv_only=True)
+        head_dim=0, d_state=0, n_groups=1, intermediate=hidden, keeps_recurrent_state=False)
 
 
 #: mixer readers, by the ``model_type`` values whose layers run them (transformers 5.23)

@@ -108,6 +108,8 @@ class FuseSkipRMSNormPass(ir.passes.InPlacePass):
             add.outputs[0].replace_all_uses_with(total, replace_graph_outputs=True)
             modified = True
         if modified:
+            # a graph without any other com.microsoft node (a pure recurrent model: no GroupQueryAttention)
+            model.opset_imports.setdefault("com.microsoft", 1)
             common_passes.RemoveUnusedNodesPass()(model)
             common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=modified)
