@@ -219,6 +219,34 @@ FAMILIES: dict[str, Family] = {
                                  "by data, shortcut MoE"),
 }
 
+#: Recurrent and hybrid families (contract section 12): their recurrent mixers run qeff-kv's own traced step
+#: (``qeff_kv/export/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an
+#: attention layer.
+_GATED_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"])
+_SHORT_CONV = dict(conv_L_cache=3, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+RECURRENT_FAMILIES: dict[str, Family] = {
+    "qwen3_next": Family("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                         dict(_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32),
+                         note="gated delta net (conv_state, recurrent_state), gated attention with partial RoPE, "
+                              "MoE with a shared expert"),
+    "qwen3_5_text": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(_GATED_DELTA),
+                           note="gated delta net, gated attention with partial RoPE (Qwen3.5's text model)"),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                               dict(_GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32),
+                               note="gated delta net, MoE with a shared expert (Qwen3.5-MoE's text model)"),
+    "olmo_hybrid": Family("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(_GATED_DELTA),
+                          note="gated delta net with q/k/v/gate projections, beta in [0, 2] (linear_allow_neg_eigval)"),
+    "lfm2": Family("Lfm2Config", "Lfm2ForCausalLM", dict(_SHORT_CONV), note="short-conv layers (conv_state only)"),
+    "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                       dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            num_dense_layers=1), note="short-conv layers, MoE"),
+    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM", dict(_SHORT_CONV), note="short-conv layers, gated attention"),
+}
+
 
 # --- recurrent and hybrid (contract section 12): the Mamba2 mixer ----------------------------------------------
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
@@ -259,7 +287,7 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if name in FAMILIES else RECURRENT_FAMILIES[name]
     cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())
     cfg.architectures = [fam.model_class]
     torch.manual_seed(seed)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from families import EXPECT, FAMILIES, TARGETS  # noqa: E402
+from families import EXPECT, FAMILIES, RECURRENT_FAMILIES, TARGETS  # noqa: E402
+
+from qeff_kv.export.family import RECURRENT_REFUSALS  # noqa: E402  (no torch)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
 
@@ -102,6 +104,32 @@ Each cell is proved by `tests/test_mla.py` on a tiny seeded model.
 |---|---|---|""" + "---|" * len(TARGETS)
 
 
+GATED_DELTA_HEADER = """
+## Gated delta net and short-conv families
+
+Their linear layers retain `conv_state.{i}` (and, for the gated delta net, `recurrent_state.{i}`), their attention
+layers `past_key.{i}` / `past_value.{i}`; see [export.md](export.md#gated-delta-net-and-short-conv-layers-qwen3-next-qwen35-lfm2).
+Each cell is proved by `tests/test_recurrent_families.py` on a tiny seeded model (a linear layer on each side of an
+attention layer): verification at export over three chunks and a padded half one, exact buffer names, greedy tokens
+equal to transformers' on two prompts of four prefill chunks (the last padded), `check` passing; continuous
+batching with two sequences at different lengths (Qwen3.5, LFM2) and a prefix are proved there too.
+
+| family | transformers class | what it exercises | """ + " | ".join(TARGETS) + """ |
+|---|---|---|""" + "---|" * len(TARGETS)
+
+REFUSED_RECURRENT_HEADER = """
+## Recurrent and linear-attention families refused
+
+Refused from `config.json` before anything is loaded, on every target, in one line
+(`<architecture>: <why>; qeff-kv does not export it`); the reasons are `RECURRENT_REFUSALS` in
+`qeff_kv/export/family.py`, each proved by `tests/test_recurrent_refusals.py` on the config transformers writes
+for the family. A vision-language wrapper over recurrent text layers (Qwen3.5, Qwen3.5-MoE, LFM2-VL, LFM3-VL) is
+refused with the name of its text model, which is what qeff-kv exports.
+
+| `model_type` | why |
+|---|---|"""
+
+
 def render() -> str:
     lines = [HEADER, "| family | transformers class | what it exercises | " + " | ".join(TARGETS) + " |",
              "|---|---|---|" + "---|" * len(TARGETS)]
@@ -114,6 +142,12 @@ def render() -> str:
     lines.append(MLA_HEADER)
     for name, cls, note, cells in MLA_ROWS:
         lines.append(f"| {name} | `{cls}` | {note} | " + " | ".join(cells) + " |")
+    lines.append(GATED_DELTA_HEADER)
+    for name, fam in RECURRENT_FAMILIES.items():
+        lines.append(f"| {name} | `{fam.model_class}` | {fam.note} | " + " | ".join("exact" for _ in TARGETS) + " |")
+    lines.append(REFUSED_RECURRENT_HEADER)
+    for model_type, why in RECURRENT_REFUSALS.items():
+        lines.append(f"| {model_type} | {why} |")
     return "\n".join(lines) + "\n"
 
 

@@ -277,3 +277,16 @@ def test_vision_language_refusals_name_the_reason():
 def test_single_graph_is_refused_for_text_decoders():
     o = ExportOptions(ctx_len=32, prefill_seq_len=4, single_graph=True).validate()
     assert facts(model_type="llama").refusal(o) == "--single-graph is for vision-language models; this is a text decoder"
+
+
+def test_recurrent_layers_never_apply_rope():
+    """Only attention layers rotate: ``linear_attention`` (gated delta net), ``conv`` (LFM2), ``mamba``, ``mlp``
+    layers are left out of the RoPE layers, which the fused target checks its rotated layers against."""
+    def rope(**text):
+        return ModelFacts.from_config({"architectures": ["X"], "num_hidden_layers": 4, **text}).rope_layers
+
+    assert rope(layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]) == (3,)
+    assert rope(layer_types=["conv", "full_attention", "conv", "sliding_attention"]) == (1, 3)
+    assert rope(layers_block_type=["mamba", "attention", "mlp", "moe"]) == (1,)
+    assert rope(layer_types=["full_attention", "sliding_attention"] * 2) == (0, 1, 2, 3)
+    assert rope() == (0, 1, 2, 3)

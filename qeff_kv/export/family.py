@@ -89,6 +89,8 @@ class ModelFacts:
     #: attention temperature tuning on NoPE layers (Llama4's ``attn_temperature_tuning``): queries scaled from
     #: position ``floor_scale - 1`` on, counted by transformers from its cache's length (see :meth:`refusal`)
     temperature_floor: int | None = None
+    #: ``model_type`` of the whole config (a vision-language wrapper's own; ``model_type`` is its language model's)
+    top_model_type: str = ""
     #: recurrent / hybrid models: the mixer, its layers and its state geometry (:mod:`.recurrent_facts`);
     #: ``None`` for attention-only models
     recurrent: RecurrentFacts | None = None
@@ -126,12 +128,16 @@ class ModelFacts:
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
             **_chunked(text, num_layers),
+            top_model_type=str(config.get("model_type") or ""),
             recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
     def refusal(self, options) -> str | None:
         """Why this model cannot be exported with ``options`` (one line), or ``None``."""
+        reason = self.recurrent_refusal()
+        if reason is not None:
+            return reason
         if self.vision_language:
             reason = self.vision_refusal()
             if reason is not None:
@@ -191,6 +197,18 @@ class ModelFacts:
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
         if targets.info(options.target).group_query_attention:
             return self.fused_refusal()
+        return None
+
+    def recurrent_refusal(self) -> str | None:
+        """Why qeff-kv does not export this recurrent or linear-attention family (one line, from
+        :data:`RECURRENT_REFUSALS`), or ``None``."""
+        for model_type in (self.model_type, self.top_model_type):
+            reason = RECURRENT_REFUSALS.get(str(model_type))
+            if reason is not None:
+                return f"{self.architecture}: {reason}; qeff-kv does not export it"
+        if self.vision_language and self.model_type in RECURRENT_TEXT_MODEL_TYPES:
+            return (f"{self.architecture}: a vision-language model over recurrent layers is not exported yet; "
+                    f"export its text model ({self.model_type})")
         return None
 
     def vision_refusal(self) -> str | None:
@@ -416,9 +434,30 @@ _ROPE_ON_SLIDING_LAYERS_ONLY: dict[str, str] = {"exaone4": "all", "exaone_moe": 
 
 
 def _rope_layers(text: dict, num_layers: int, window: int | None, sliding: tuple[int, ...]) -> tuple[int, ...]:
-    """The layers that apply RoPE: ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE),
-    ``layer_rope_theta`` (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
+    """The layers that apply RoPE, of the attention layers (:func:`_attention_layers`: a recurrent layer never
+    does): ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE), ``layer_rope_theta``
+    (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
     :data:`_ROPE_ON_SLIDING_LAYERS_ONLY`, else every layer."""
+    attention = set(_attention_layers(text, num_layers))
+    return tuple(i for i in _rope_layers_of_config(text, num_layers, window, sliding) if i in attention)
+
+
+def _attention_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers that attend: where ``layer_types`` (or a ``layers_block_type`` list) names each layer, those
+    whose type is an attention type (``full_attention``, ``sliding_attention``, ``attention``...) and not
+    ``linear_attention`` (a gated delta net: Qwen3-Next, Qwen3.5) nor ``conv``/``mamba``/``mlp``/``moe``
+    (LFM2's short conv, the Mamba2 hybrids, NemotronH's MLP layers); else every layer."""
+    types = text.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        types = text.get("layers_block_type")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        return tuple(range(num_layers))
+    return tuple(i for i in range(num_layers)
+                 if "attention" in str(types[i]) and str(types[i]) != "linear_attention")
+
+
+def _rope_layers_of_config(text: dict, num_layers: int, window: int | None,
+                           sliding: tuple[int, ...]) -> tuple[int, ...]:
     flags = text.get("no_rope_layers")
     if isinstance(flags, list) and len(flags) >= num_layers:
         return tuple(i for i in range(num_layers) if flags[i])
@@ -451,3 +490,48 @@ def needs_image_sizes(model) -> bool:
     encoders, Mistral3); Llava's optional one stays unused."""
     param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
     return param is not None and param.default is inspect.Parameter.empty
+
+
+_SCAN = "selective scan (transformers' torch path) is a Python loop over every token"
+_PER_CHANNEL_DECAY = ("its linear attention decays every key channel separately (a per-channel gate, looped over "
+                      "chunks of 64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
+#: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
+#: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next,
+#: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``)
+#: and the Mamba2-mixer families.
+RECURRENT_REFUSALS: dict[str, str] = {
+    "mamba": f"its Mamba (v1) {_SCAN}",
+    "falcon_mamba": f"its Mamba (v1) {_SCAN}",
+    "jamba": f"its Mamba (v1) layers' {_SCAN}",
+    "zamba": f"its Mamba (v1) layers' {_SCAN}",
+    "zamba2": ("its hybrid layers run one shared attention block at several depths on the word embeddings "
+               "concatenated to the hidden state, a layer layout of its own"),
+    "recurrent_gemma": "its RG-LRU scan is a Python loop over every token of a prompt",
+    "rwkv": ("its WKV attention is a Python loop over every token and keeps five states per layer, not the peer's "
+             "conv_state/recurrent_state pair"),
+    "xlstm": ("its mLSTM loops in Python over chunks and over tokens and keeps three states per layer (C, n, m), "
+              "not the peer's conv_state/recurrent_state pair"),
+    "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a "
+                "cached one"),
+    "kimi_linear": _PER_CHANNEL_DECAY,
+    "bailing_hybrid": _PER_CHANNEL_DECAY,
+    "glm5_next_text": _PER_CHANNEL_DECAY,
+    "glm5_next": _PER_CHANNEL_DECAY,
+    "qwen4_exp_text": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
+                       "delta net's, not the peer's conv_state/recurrent_state pair"),
+    "qwen4_exp": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
+                  "delta net's, not the peer's conv_state/recurrent_state pair"),
+    "inkling_text": ("it convolves keys, values and each block's input with four short-conv states per layer, not "
+                     "the peer's one conv_state"),
+    "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
+                         "not the peer's one conv_state"),
+    "inkling2_text": ("it convolves keys, values and each block's input with several short-conv states per layer, "
+                      "not the peer's one conv_state"),
+    "inkling2": ("it convolves keys, values and each block's input with several short-conv states per layer, not "
+                 "the peer's one conv_state"),
+    "zaya": ("its attention convolves queries and keys and keeps a recurrent value state beside its KV cache, a "
+             "layout of its own"),
+}
+#: language models with recurrent layers that qeff-kv exports as text models (their vision-language wrappers are
+#: refused by :meth:`ModelFacts.recurrent_refusal`)
+RECURRENT_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"})

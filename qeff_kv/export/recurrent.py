@@ -3,7 +3,9 @@
 
 The wrapper (:class:`~qeff_kv.export.wrapper.RetainedStateLM`) builds one :class:`RecurrentStep` per traced step
 from the graph's recurrent inputs, and :func:`mixers_routed` routes every mixer module of the model to the traced
-form of its kind (:data:`MIXER_STEPS`; ``"mamba2"``: :func:`mamba2_step`) for the duration of the decoder call.
+form of its kind (:data:`MIXER_STEPS`; ``"mamba2"``: :func:`mamba2_step`; ``"gated_delta"``: Qwen3-Next's and
+Qwen3.5's gated delta net, :mod:`.gated_delta`; ``"short_conv"``: LFM2's short convolution, :mod:`.short_conv`)
+for the duration of the decoder call.
 
 Invariants of every mixer step:
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ExportError
+from . import gated_delta, short_conv
 from .graph_ops import ScatterRows
 
 
@@ -150,23 +153,51 @@ def mamba2_step(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentSte
     return step.repeat_last_valid(mixer.out_proj(y.to(dtype)))
 
 
+# ------------------------------------------------------------------------- gated delta net, short conv
+def gated_delta_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    """Qwen3-Next's / Qwen3.5's gated delta net over the layer's carried states (:mod:`.gated_delta`); the chunk
+    the graph was traced with is the longest it takes (``--prefill-seq-len``)."""
+    conv_old, rec_old = step.read(mixer.layer_idx)
+    out, conv_new, rec_new = gated_delta.gated_delta_step(mixer, hidden, conv_old, rec_old, step.valid,
+                                                          max_len=int(hidden.shape[1]))
+    step.write(mixer.layer_idx, [conv_new, rec_new])
+    return out
+
+
+def short_conv_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    """LFM2's short convolution over the layer's carried ``conv_state`` (:mod:`.short_conv`)."""
+    (conv_old,) = step.read(mixer.layer_idx)
+    out, conv_new = short_conv.short_conv_step(mixer, hidden, conv_old, step.valid)
+    step.write(mixer.layer_idx, [conv_new])
+    return out
+
+
 #: mixer kind (``RecurrentFacts.mixer``) -> the traced step of one layer
-MIXER_STEPS = {"mamba2": mamba2_step}
-#: what a module must hold to be the mixer of its kind
+MIXER_STEPS = {"mamba2": mamba2_step, "gated_delta": gated_delta_layer, "short_conv": short_conv_layer}
+#: mixer kind -> whether a module is the mixer of that kind
 _MIXER_PARTS = {"mamba2": ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")}
+_IS_MIXER = {
+    "mamba2": lambda m: all(hasattr(m, p) for p in _MIXER_PARTS["mamba2"]),
+    "gated_delta": gated_delta.is_gated_delta_mixer,
+    "short_conv": short_conv.is_short_conv_mixer,
+}
 #: the geometry a mixer module must share with its facts (a module, or the facts), per kind
 _MIXER_GEOMETRY = {
     "mamba2": lambda x: ((int(x.conv1d.weight.shape[0]), int(x.conv1d.weight.shape[-1]), int(x.A_log.shape[0]))
                          if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
+    "gated_delta": lambda x: ((int(x.conv1d.weight.shape[0]), int(x.conv1d.weight.shape[-1]), int(x.A_log.shape[0]))
+                              if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
+    "short_conv": lambda x: ((int(x.conv.weight.shape[0]), int(x.conv.weight.shape[-1]))
+                             if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel)),
 }
 
 
 def mixer_modules(model: torch.nn.Module, facts) -> dict[int, torch.nn.Module]:
     """Layer index -> the model's mixer module of ``facts.mixer``'s kind; its geometry must be the config's."""
-    parts = _MIXER_PARTS[facts.mixer]
+    is_mixer = _IS_MIXER[facts.mixer]
     found = {}
     for module in model.modules():
-        if all(hasattr(module, p) for p in parts) and hasattr(module, "layer_idx"):
+        if hasattr(module, "layer_idx") and is_mixer(module):
             found[int(module.layer_idx)] = module
     if tuple(sorted(found)) != tuple(facts.mixer_layers):
         raise ExportError(f"{facts.architecture}: the config names mixer layers {list(facts.mixer_layers)}, the "

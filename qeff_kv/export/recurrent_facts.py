@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: layer-type names that mean "this layer attends" / "this layer runs the recurrent mixer"
-_ATTENTION_TYPES = frozenset({"full_attention", "attention", "attn", "*"})
-_MIXER_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "M"})
+_ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "attn", "*"})
+_MIXER_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "M", "conv"})
 #: families whose every layer runs attention and the Mamba2 mixer side by side (their configs carry no field that
 #: says so, so the type is the fact): Falcon-H1 (transformers 5.23 ``FalconH1DecoderLayer``)
 PARALLEL_HYBRID_MODEL_TYPES = frozenset({"falcon_h1"})
@@ -83,7 +83,7 @@ class RecurrentFacts:
             return (f"{name} has layers without any state (MLP/MoE blocks as layers of their own: "
                     f"{list(self.stateless_layers)}); qeff-kv's graphs need every layer to retain state, so it is "
                     f"not exported yet")
-        if self.heads % self.n_groups:
+        if self.heads and self.heads % self.n_groups:
             return f"{name}: {self.heads} mamba heads do not split into {self.n_groups} groups"
         if getattr(options, "speculative_tokens", None) is not None:
             return (f"--speculative-tokens with {name}'s recurrent state: rejected drafts cannot be rewound out "
@@ -173,9 +173,41 @@ def _mamba2(text: dict, architecture: str, model_type: str) -> RecurrentFacts | 
         gated_norm=bool(text.get("mamba_rms_norm", True)))
 
 
+def _gated_delta(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
+    """The gated delta net's facts (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ``linear_*``): ``conv_state [2 * key_dim +
+    value_dim, linear_conv_kernel_dim]``, ``recurrent_state [v_heads, k_head_dim, v_head_dim]``."""
+    k_heads, v_heads = _int(text.get("linear_num_key_heads")), _int(text.get("linear_num_value_heads"))
+    k_dim, v_dim = _int(text.get("linear_key_head_dim")), _int(text.get("linear_value_head_dim"))
+    if None in (k_heads, v_heads, k_dim, v_dim):
+        return None
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
+    return RecurrentFacts(
+        mixer="gated_delta", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
+        attention_layers=attention, stateless_layers=stateless,
+        conv_kernel=int(text.get("linear_conv_kernel_dim") or 4), conv_dim=2 * k_heads * k_dim + v_heads * v_dim,
+        heads=v_heads, head_dim=k_dim, d_state=v_dim, n_groups=k_heads, intermediate=v_heads * v_dim)
+
+
+def _short_conv(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
+    """LFM2's short convolution (LFM2, LFM2-MoE, LFM3): ``conv_state [hidden_size, conv_L_cache]`` only."""
+    kernel, hidden = _int(text.get("conv_L_cache")), _int(text.get("hidden_size"))
+    if kernel is None or hidden is None:
+        return None
+    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
+    return RecurrentFacts(
+        mixer="short_conv", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
+        attention_layers=attention, stateless_layers=stateless, conv_kernel=kernel, conv_dim=hidden, heads=0,
+        head_dim=0, d_state=0, n_groups=1, intermediate=hidden, keeps_recurrent_state=False)
+
+
 #: mixer readers, by the ``model_type`` values whose layers run them (transformers 5.23)
 MIXERS = {
     "mamba2": _mamba2, "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "nemotron_h": _mamba2,
+    "qwen3_next": _gated_delta, "qwen3_5_text": _gated_delta, "qwen3_5_moe_text": _gated_delta,
+    "olmo_hybrid": _gated_delta,
+    "lfm2": _short_conv, "lfm2_moe": _short_conv, "lfm3": _short_conv,
 }
 
 
