@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ExportError
 from . import targets
-from .recurrent_facts import RecurrentFacts, recurrent_facts
+from .recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
 
 
 def text_config(config: dict) -> dict:
@@ -490,48 +490,3 @@ def needs_image_sizes(model) -> bool:
     encoders, Mistral3); Llava's optional one stays unused."""
     param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
     return param is not None and param.default is inspect.Parameter.empty
-
-
-_SCAN = "selective scan (transformers' torch path) is a Python loop over every token"
-_PER_CHANNEL_DECAY = ("its linear attention decays every key channel separately (a per-channel gate, looped over "
-                      "chunks of 64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
-#: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
-#: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next,
-#: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``)
-#: and the Mamba2-mixer families.
-RECURRENT_REFUSALS: dict[str, str] = {
-    "mamba": f"its Mamba (v1) {_SCAN}",
-    "falcon_mamba": f"its Mamba (v1) {_SCAN}",
-    "jamba": f"its Mamba (v1) layers' {_SCAN}",
-    "zamba": f"its Mamba (v1) layers' {_SCAN}",
-    "zamba2": ("its hybrid layers run one shared attention block at several depths on the word embeddings "
-               "concatenated to the hidden state, a layer layout of its own"),
-    "recurrent_gemma": "its RG-LRU scan is a Python loop over every token of a prompt",
-    "rwkv": ("its WKV attention is a Python loop over every token and keeps five states per layer, not the peer's "
-             "conv_state/recurrent_state pair"),
-    "xlstm": ("its mLSTM loops in Python over chunks and over tokens and keeps three states per layer (C, n, m), "
-              "not the peer's conv_state/recurrent_state pair"),
-    "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a "
-                "cached one"),
-    "kimi_linear": _PER_CHANNEL_DECAY,
-    "bailing_hybrid": _PER_CHANNEL_DECAY,
-    "glm5_next_text": _PER_CHANNEL_DECAY,
-    "glm5_next": _PER_CHANNEL_DECAY,
-    "qwen4_exp_text": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
-                       "delta net's, not the peer's conv_state/recurrent_state pair"),
-    "qwen4_exp": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
-                  "delta net's, not the peer's conv_state/recurrent_state pair"),
-    "inkling_text": ("it convolves keys, values and each block's input with four short-conv states per layer, not "
-                     "the peer's one conv_state"),
-    "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
-                         "not the peer's one conv_state"),
-    "inkling2_text": ("it convolves keys, values and each block's input with several short-conv states per layer, "
-                      "not the peer's one conv_state"),
-    "inkling2": ("it convolves keys, values and each block's input with several short-conv states per layer, not "
-                 "the peer's one conv_state"),
-    "zaya": ("its attention convolves queries and keys and keeps a recurrent value state beside its KV cache, a "
-             "layout of its own"),
-}
-#: language models with recurrent layers that qeff-kv exports as text models (their vision-language wrappers are
-#: refused by :meth:`ModelFacts.recurrent_refusal`)
-RECURRENT_TEXT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "lfm3"})
