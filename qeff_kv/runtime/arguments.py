@@ -4,6 +4,9 @@ argument (:class:`~qeff_kv.errors.RuntimeInputError`), never a bare ``TypeError`
 
 from __future__ import annotations
 
+from typing import Iterable
+
+import numpy as np
 import onnxruntime as ort
 
 from .. import validate
@@ -37,3 +40,44 @@ def check_session_args(*, model, ctx_len, prefill_seq_len, max_sequences, inplac
     validate.token_id("image_token_id", image_token_id)
     validate.flag("inplace", inplace, optional=True)
     check_providers(providers)
+
+
+def check_tokens(tokens, vocab_size: int | None) -> list[int]:
+    """Token ids as a list of ints inside the vocabulary ``[0, vocab_size)``; anything else refused in one line."""
+    if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+        raise RuntimeInputError(f"token ids must be a 1-D sequence, got an array of shape {tokens.shape}")
+    if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
+        raise RuntimeInputError(f"token ids must be a list of ints, got {type(tokens).__name__}")
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise RuntimeInputError(f"token ids must be ints, got {t!r}")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise RuntimeInputError(f"token id {t} is outside the vocabulary [0, {vocab_size})" if vocab_size
+                                    else f"token id {t} is negative")
+        out.append(int(t))
+    return out
+
+
+def chunk_padding(start: int, n: int, plan: list[tuple[int, int]] | None, *, seq_len: int,
+                  fixed_seq_len: int | None, ctx_len: int, pad_short: bool,
+                  pad_ring: bool) -> list[tuple[int, int, bool]]:
+    """``(offset, count, padded)`` for feeding ``n`` tokens from position ``start`` in chunks of ``seq_len`` (or in
+    the chunks ``plan``: ``(offset, count)``). A short chunk is padded to ``seq_len`` where the graph fixes it, or
+    where ``pad_short`` (the peer's graphs are padded as its own runner pads them; our exports run a short last
+    chunk at its own length: padding costs the compute of the padded rows). Never padded past the capacity: padding
+    rows of peer graphs may write slot ``ctx_len-1``, which must not happen while it receives a real token (nor, in
+    the peer's rings, slot ``C-1`` at all, ``pad_ring`` false); a fixed ``seq_len`` that leaves no other way is
+    refused in one line."""
+    out = []
+    for off, cnt in plan if plan is not None else [(o, min(seq_len, n - o)) for o in range(0, n, seq_len)]:
+        padded = cnt < seq_len and (fixed_seq_len is not None or pad_short)
+        if padded and (start + off + seq_len > ctx_len or not pad_ring):
+            if fixed_seq_len is None:
+                padded = False
+            elif start + off + cnt == ctx_len:
+                raise RuntimeInputError(
+                    f"the last prefill chunk would fill position {ctx_len - 1} alongside padding, and "
+                    f"the graph fixes seq_len={fixed_seq_len}; use a prompt one token shorter")
+        out.append((off, cnt, padded))
+    return out

@@ -2,7 +2,7 @@
 then prefilled one by one and decoded together, token by token (:meth:`GenerationMixin.stream`).
 
 The session supplies the low level this builds on: ``prefill``, ``decode``, ``cache``, ``ctx_len``,
-``max_sequences``, ``media`` (a vision-language graph's image inputs) and ``_check_tokens``.
+``max_sequences``, ``media`` (a vision-language graph's image inputs) and ``_check_tokens`` (:func:`.arguments.check_tokens`).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..inplace import inplace_issues
 from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
+from . import arguments
 from .arguments import check_session_args
 from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
@@ -351,44 +352,13 @@ class Session(GenerationMixin, CacheVerbsMixin):
         raise ContractError(f"logits have shape {out.shape}; expected [batch, 1, vocab]")
 
     def _check_tokens(self, tokens: Iterable[int]) -> list[int]:
-        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
-            raise RuntimeInputError(f"token ids must be a 1-D sequence, got an array of shape {tokens.shape}")
-        if isinstance(tokens, (str, bytes, dict)) or not isinstance(tokens, Iterable):
-            raise RuntimeInputError(f"token ids must be a list of ints, got {type(tokens).__name__}")
-        out = []
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise RuntimeInputError(f"token ids must be ints, got {t!r}")
-            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                raise RuntimeInputError(
-                    f"token id {t} is outside the vocabulary [0, {self.vocab_size})" if self.vocab_size
-                    else f"token id {t} is negative")
-            out.append(int(t))
-        return out
+        return arguments.check_tokens(tokens, self.vocab_size)
 
     # ------------------------------------------------------------------------------------ sequences
     def _chunks(self, start: int, n: int, plan: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
-        """(offset, count, padded) for feeding ``n`` tokens from position ``start`` in chunks of the prefill length,
-        or in the chunks ``plan`` (offset, count)."""
-        S = self.prefill_seq_len
-        out = []
-        for off, cnt in plan if plan is not None else [(o, min(S, n - o)) for o in range(0, n, S)]:
-            # Our exports run a short last chunk at its own length where seq_len is symbolic: padding costs the
-            # compute of the padded rows (a 128-token prompt padded to a 512 chunk took 4x as long). The peer's
-            # graphs are padded as its own runner pads them.
-            padded = cnt < S and (self.fixed_seq_len is not None or not self._own_graph)
-            if padded and (start + off + S > self.ctx_len or not self._pad_ring):
-                # Never pad past the capacity: padding rows of peer graphs may write slot ctx_len-1, which must
-                # not happen while it receives a real token (nor, in the peer's rings, slot C-1 at all). A
-                # symbolic seq_len lets the chunk go unpadded.
-                if self.fixed_seq_len is None:
-                    padded = False
-                elif start + off + cnt == self.ctx_len:
-                    raise RuntimeInputError(
-                        f"the last prefill chunk would fill position {self.ctx_len - 1} alongside padding, and "
-                        f"the graph fixes seq_len={self.fixed_seq_len}; use a prompt one token shorter")
-            out.append((off, cnt, padded))
-        return out
+        """(offset, count, padded) for feeding ``n`` tokens from position ``start`` (:func:`.arguments.chunk_padding`)."""
+        return arguments.chunk_padding(start, n, plan, seq_len=self.prefill_seq_len,
+                                       fixed_seq_len=self.fixed_seq_len, ctx_len=self.ctx_len, pad_short=not self._own_graph, pad_ring=self._pad_ring)
 
     def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None, *,
                 checkpoint: bool | Seq[int] = True) -> np.ndarray:
