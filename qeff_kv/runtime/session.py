@@ -356,7 +356,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
 
     # ------------------------------------------------------------------------------------ sequences
     def _chunks(self, start: int, n: int, plan: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
-        """(offset, count, padded) for feeding ``n`` tokens from position ``start`` (:func:`.arguments.chunk_padding`)."""
+        """(offset, count, padded) for feeding ``n`` tokens from ``start`` (:func:`.arguments.chunk_padding`)."""
         return arguments.chunk_padding(start, n, plan, seq_len=self.prefill_seq_len,
                                        fixed_seq_len=self.fixed_seq_len, ctx_len=self.ctx_len, pad_short=not self._own_graph, pad_ring=self._pad_ring)
 
