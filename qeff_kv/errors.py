@@ -45,6 +45,10 @@ class MissingDependencyError(QeffKvError):
     """An optional dependency (torch, transformers, tokenizers) is needed for this command."""
 
 
+class UnsupportedVersionError(MissingDependencyError):
+    """An installed dependency is outside the versions qeff-kv was tested on (transformers for export)."""
+
+
 class RuntimeInputError(QeffKvError):
     """Bad input to the runtime: capacity exceeded, unknown sequence, bad token ids, bad options."""
 

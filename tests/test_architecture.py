@@ -147,3 +147,17 @@ def test_every_package_is_installed():
     listed = set(project["tool"]["setuptools"]["packages"])
     folders = {_module_name(p) for p in PKG.rglob("__init__.py")}
     assert folders - listed == set()
+
+
+def test_only_the_adapter_imports_transformers_in_the_exporter():
+    """transformers' internals are reached through qeff_kv/export/transformers_adapter.py alone (issue: a new
+    transformers release broke export from five places at once)."""
+    offenders = []
+    for p in (PKG / "export").rglob("*.py"):
+        if p.name == "transformers_adapter.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{p.relative_to(PKG)}: {n}" for n in names if n.split(".")[0] == "transformers"]
+    assert offenders == []

@@ -170,7 +170,10 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")
     # The loaded config carries the class defaults that config.json may omit (Cohere's logit_scale...): the
     # wrapper reads its facts from it; refusals before loading came from config.json.
-    facts = family.ModelFacts.from_config(torch_model.config.to_dict())
+    loaded = torch_model.config.to_dict()
+    if not loaded.get("architectures"):   # a GGUF's converted config names the family, not the class it loaded as
+        loaded["architectures"] = [type(torch_model).__name__]
+    facts = family.ModelFacts.from_config(loaded)
     facts.require_exportable(options)
     vision = _vision_geometry(torch_model, options, facts)
     probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision)

@@ -1,4 +1,4 @@
-"""The ``past_key_values`` objects of the ScatterND targets (portable, onnxruntime) and of the shape probe.
+"""The cache objects of the ScatterND targets (portable, onnxruntime) and of the shape probe.
 
 * :class:`RetainedStateCache`: ``update()`` scatters the new keys/values into the fixed-capacity buffer with a
   single ``ScatterND`` that reads the graph input and produces the graph output (in-place safe), and returns
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import transformers_adapter as hf
 from .graph_ops import RingConcat, ScatterKV, SliceSlots
 from .masks import build_attention_mask
 
@@ -59,18 +60,17 @@ def attended_length(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.clamp(position_ids.max() + 1, min=1).reshape(1)
 
 
-class RetainedStateCache:
-    """A ``past_key_values`` object for transformers models: scatter-update into fixed-capacity buffers.
+class RetainedStateCache(hf.CacheProtocol):
+    """A cache object for transformers models: scatter-update into fixed-capacity buffers.
 
-    Duck-types transformers' ``Cache``: models call ``update(key, value, layer_idx, cache_kwargs)``.
+    Models call ``update(key, value, layer_idx, ...)`` (:class:`~qeff_kv.export.transformers_adapter.CacheProtocol`).
     After the forward pass, :attr:`retained` holds one updated (key, value) per layer, in layer order.
     """
-
-    is_compileable = False
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor,
                  batch_index: torch.Tensor | None, attend_length: torch.Tensor | None = None,
                  ring: RingStep | None = None, ring_layers: tuple[int, ...] = ()):
+        super().__init__(len(past))
         self.past = past
         self.attend_length = attend_length
         self.position_ids = position_ids
@@ -79,19 +79,9 @@ class RetainedStateCache:
         self.ring_layers = frozenset(ring_layers)
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
         self._plans: dict[tuple[int, bool], torch.Tensor] = {}
-        self.layers = []  # some helpers inspect cache.layers; we hold no transformers layers
-        # Attention is limited by the ready-made mask, never by a sliding cache layer.
-        self.is_sliding = [False] * len(past)
-
-    # -- transformers Cache protocol (the parts models use) --------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
     def get_mask_sizes(self, *args, **kwargs):  # pragma: no cover - masks are passed ready-made
         raise NotImplementedError("RetainedStateCache is used with a ready 4D attention mask")
-
-    def __len__(self) -> int:
-        return len(self.past)
 
     def _indices(self, num_heads: int, ring: bool = False) -> torch.Tensor:
         """ScatterND indices ``[B, H, S, 3]`` (batch row, head, slot), built once for every layer: the slot is
@@ -129,8 +119,7 @@ class RetainedStateCache:
         self.retained[layer_idx] = (new[0], new[1])
         return att[0], att[1]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None):
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         if layer_idx in self.ring_layers:
             return self._update_ring(layer_idx, key_states, value_states)
         past_k, past_v = self.past[layer_idx]
@@ -148,23 +137,14 @@ class RetainedStateCache:
         return att_k, att_v
 
 
-class RecordingCache:
-    """A ``past_key_values`` that records each layer's new key/value shapes and attends over them only."""
-
-    is_compileable = False
+class RecordingCache(hf.CacheProtocol):
+    """A cache that records each layer's new key/value shapes and attends over them only."""
 
     def __init__(self, num_layers: int):
+        super().__init__(num_layers)
         self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * num_layers
-        self.is_sliding = [False] * num_layers
-        self.layers = []
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def write(self, key_states, value_states, layer_idx):
         self.shapes[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape))
         return key_states, value_states
 
@@ -184,8 +164,8 @@ def probe_kv_shapes(model: torch.nn.Module, num_layers: int, attention_layers: t
     dtype = next(model.parameters()).dtype
     mask = build_attention_mask(pos, 2, dtype)
     with torch.no_grad():
-        model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                            use_cache=True)
+        decoder = hf.decoder(model)
+        decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **hf.with_cache(decoder, cache))
     out = []
     for i, kv in enumerate(cache.shapes):
         if attention_layers is not None and i not in attention_layers:

@@ -15,7 +15,7 @@ With ``W = kv_b_proj.weight`` viewed per head as ``[H, qk_nope + v_head, kv_lora
   value half, per head.
 
 That is the model's own arithmetic reassociated (``q . (W_uk c) = (q W_uk) . c``), so tokens equal transformers'.
-The cache writes go through the target's ``past_key_values`` (:class:`~qeff_kv.export.caches.RetainedStateCache`:
+The cache writes go through the target's cache object (:class:`~qeff_kv.export.caches.RetainedStateCache`:
 one ScatterND per buffer by ``position_ids``, rows by ``batch_index``, padded rows repeating the last valid one),
 exactly as for ordinary KV. The patch is a context manager around tracing that sets each MLA attention module's
 ``forward``; the model is left as it was.
@@ -24,12 +24,12 @@ exactly as for ordinary KV. The patch is a context manager around tracing that s
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 
 import torch
 
 from ..errors import ExportError
+from . import transformers_adapter as hf
 
 #: attributes of transformers' MLA attention modules (DeepSeek-V2/V3) that the absorbed forward reads
 _MLA_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_lora_rank", "qk_nope_head_dim",
@@ -39,7 +39,7 @@ _MLA_ATTRS = ("kv_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_lora_rank
 def _rope(module: torch.nn.Module):
     """The rotary function of the module's modeling file, looked up at call time (so the target's patches of
     ``rotate_half`` / ``apply_rotary_pos_emb`` apply), interleaved when the config says ``rope_interleave``."""
-    modeling = sys.modules[type(module).__module__]
+    modeling = hf.modeling_module(module)
     if getattr(module.config, "rope_interleave", False):
         return modeling.apply_rotary_pos_emb_interleave
     return modeling.apply_rotary_pos_emb
@@ -53,8 +53,9 @@ def absorbed_projections(module: torch.nn.Module) -> tuple[torch.Tensor, torch.T
     return w[:, :nope], w[:, nope:].transpose(1, 2)
 
 
-def latent_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+def latent_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
     """``DeepseekV3Attention.forward`` with attention over the compressed cache (see the module docstring)."""
+    cache = hf.attention_cache(kwargs)
     bsz, seq = hidden_states.shape[:-1]
     nope, rope_dim = self.qk_nope_head_dim, self.qk_rope_head_dim
     if getattr(self, "q_lora_rank", None) is None:
@@ -70,7 +71,7 @@ def latent_forward(self, hidden_states, position_embeddings, attention_mask, pas
     cos, sin = position_embeddings
     q_pe, k_pe = _rope(self)(q_pe, k_pe, cos, sin)
     # the retained pair: compressed_kv [B, 1, T, kv_lora_rank], k_pe [B, 1, T, rope] (T: the slots attended)
-    latent, k_pe = past_key_values.update(latent, k_pe, self.layer_idx)
+    latent, k_pe = cache.update(latent, k_pe, self.layer_idx)
     w_uk, w_uv_t = absorbed_projections(self)
     q_latent = torch.matmul(q_nope, w_uk)                                      # [B, H, S, kv_lora_rank]
     scores = torch.matmul(q_latent, latent.transpose(-1, -2)) + torch.matmul(q_pe, k_pe.transpose(-1, -2))
@@ -93,7 +94,7 @@ def latent_attention(model: torch.nn.Module, num_layers: int):
     """Inside: every MLA attention module runs :func:`latent_forward`. Refuses (one line) a model whose layers are
     not all MLA attention this exporter knows (DeepSeek-V3's: rotary through ``apply_rotary_pos_emb``)."""
     found = [m for m in mla_modules(model)
-             if hasattr(sys.modules[type(m).__module__], "apply_rotary_pos_emb")]
+             if hasattr(hf.modeling_module(m), "apply_rotary_pos_emb")]
     if len(found) != num_layers:
         raise ExportError(f"--mla-cache latent: {type(model).__name__}'s attention is not DeepSeek-V3's MLA (rotary "
                           f"through apply_rotary_pos_emb) in every layer ({len(found)} of {num_layers}); it cannot "

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ExportError
+from . import transformers_adapter as hf
 
 #: transformers' experts implementation that traces into a data-independent graph
 GATHERED_EXPERTS = "batched_mm"
@@ -77,13 +78,6 @@ def is_moe(model: torch.nn.Module) -> bool:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return True
     return False
-
-
-def _available(implementation: str) -> bool:
-    """transformers' own validity rule for an experts implementation: ``eager`` or a registered one."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    return implementation == "eager" or implementation in ALL_EXPERTS_FUNCTIONS
 
 
 #: attributes of an experts module with zero-compute (identity) experts after its routed ones (LongcatFlash's
@@ -167,7 +161,7 @@ def _zero_experts_routed(model: torch.nn.Module):
 def _static_experts(model: torch.nn.Module, graph_path: Path | str | None):
     implementation = GATHERED_EXPERTS
     modules = experts_modules(model)
-    if modules and not _available(implementation):
+    if modules and not hf.experts_implementation_available(implementation):
         raise ExportError(f"{type(model).__name__}: transformers has no '{implementation}' experts "
                           f"implementation, which the exporter needs to route tokens in the graph")
     saved: dict[int, tuple[object, object]] = {}

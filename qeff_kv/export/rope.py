@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 
 import torch
 
+from . import transformers_adapter as hf
 from .graph_ops import RotateHalf, RotateHalfInterleaved, export_symbolics
 
 
@@ -47,9 +47,7 @@ COMPACT_ROTATE_HALF = {"split-half": rotate_half, "interleaved": rotate_half_int
 
 def _undecorated_rope_forward(fn):
     """The rotary ``forward`` inside transformers' ``dynamic_rope_update`` decorator, or ``None``."""
-    from transformers.modeling_rope_utils import dynamic_rope_update
-
-    decorator_code = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    decorator_code = hf.dynamic_rope_decorator_code()
     for _ in range(8):
         inner = getattr(fn, "__wrapped__", None)
         if inner is None:
@@ -65,8 +63,6 @@ def _longrope_forward(module: torch.nn.Module, inner, decorated):
     constants and ``Where(max(position_ids) + 1 > original_max_position_embeddings, long, short)``, exactly
     transformers' ``longrope_frequency_update`` without its in-place copy into the ``inv_freq`` buffer (which
     the TorchScript exporter cannot express)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     long_sets: dict = {}
 
     def forward(x, position_ids, layer_type=None):
@@ -80,7 +76,7 @@ def _longrope_forward(module: torch.nn.Module, inner, decorated):
         if layer_type not in long_sets:
             long_sets[layer_type] = getattr(module, f"{prefix}long_inv_freq", None)
             if long_sets[layer_type] is None:
-                long_sets[layer_type] = ROPE_INIT_FUNCTIONS["longrope"](module.config, x.device, seq_len=limit + 1,
+                long_sets[layer_type] = hf.rope_init_functions()["longrope"](module.config, x.device, seq_len=limit + 1,
                                                                         **kwargs)[0]
         short = getattr(module, f"{prefix}original_inv_freq").to(x.device)
         chosen = torch.where(position_ids.max() + 1 > limit, long_sets[layer_type].to(x.device), short)
@@ -187,7 +183,7 @@ def real_complex_rope(model: torch.nn.Module):
     for m in model.modules():
         if not (hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")):
             continue
-        modeling = sys.modules.get(type(m).__module__)
+        modeling = hf.modeling_module(m)
         apply_fn = getattr(modeling, "apply_rotary_emb", None)
         if not callable(apply_fn):
             continue
@@ -218,8 +214,9 @@ def export_patches(model: torch.nn.Module):
 
 def _modeling_modules(model: torch.nn.Module) -> list:
     """The Python modules that define the classes of ``model``'s submodules, in name order."""
-    names = sorted({type(m).__module__ for m in model.modules()})
-    return [sys.modules[n] for n in names if n in sys.modules]
+    types = sorted({type(m) for m in model.modules()}, key=lambda t: t.__module__)
+    types = list({t.__module__: t for t in types}.values())
+    return [m for m in (hf.modeling_module(t) for t in types) if m is not None]
 
 
 def rope_layout(model: torch.nn.Module) -> str | None:
@@ -314,7 +311,7 @@ def rotary_caches(model: torch.nn.Module, max_positions: int) -> RotaryCaches | 
             return None
         if rope.get("rope_type", "default") in ("dynamic", "longrope") or "mrope_section" in rope:
             return None   # sequence-length-dependent or multimodal (3-row) positions: the model rotates
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = getattr(hf.decoder(model), "rotary_emb", None)
     if rotary is None or rope_layout(model) != "split-half":  # GQA rotates split halves (interleaved: Cohere, GLM)
         return None
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import transformers_adapter as hf
+
 
 def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias, valid: torch.Tensor,
                      activation: str | None = None):
@@ -23,7 +25,7 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     full = torch.cat([conv_state.to(x.dtype), x], dim=-1)          # [B, C, K + T]
     y = F.conv1d(full, weight.unsqueeze(1).to(x.dtype), bias, groups=x.shape[1])[..., 1:]
     if activation is not None:
-        y = _activation(activation)(y)
+        y = hf.activation(activation)(y)
     # the valid inputs of row b end at K + n_b in ``full``; keep the K before that
     n_valid = valid.to(torch.int64).sum(dim=-1)                     # [B]
     offsets = torch.arange(kernel, device=x.device)
@@ -40,12 +42,6 @@ def repeat_last_valid(out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     last = torch.clamp(valid.to(torch.int64).sum(dim=-1) - 1, min=0)             # [B]
     rows = torch.gather(out, 1, last.reshape(-1, 1, 1).expand(-1, 1, out.shape[-1]))
     return torch.where(valid.unsqueeze(-1), out, rows)
-
-
-def _activation(name: str):
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
 
 
 def is_short_conv_mixer(module) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import tempfile
-import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ from typing import Callable
 from .. import fsutil, gguf_header
 from ..errors import ExportError, MissingDependencyError
 from . import options as opt
+from . import transformers_adapter as hf
 
 BUNDLED_NAME = "qeff-kv-tiny-llama"
 BUNDLED_SEED = 0
@@ -81,20 +81,6 @@ def _check_config_types(cfg: dict, where: Path) -> dict:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ExportError(f"{where}: config field {key!r} must be a positive integer, got {v!r}")
     return cfg
-
-
-def _import_transformers():
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"export needs torch and transformers ({exc.name} is not installed): pip install 'qeff-kv[export]'"
-        ) from None
-    warnings.filterwarnings("ignore", module="transformers")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    return torch, transformers
 
 
 def _torch_dtype(torch, options: opt.ExportOptions):
@@ -164,7 +150,7 @@ class BundledSource(ModelSource):
         return None
 
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
-        torch, transformers = _import_transformers()
+        torch, transformers = hf.import_transformers()
         say(f"building bundled default model {BUNDLED_NAME} (seed {BUNDLED_SEED})")
         try:
             cfg = transformers.AutoConfig.from_pretrained(self.path)
@@ -187,7 +173,7 @@ class FolderSource(ModelSource):
         return opt.weights_fingerprint(self.path)
 
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
-        torch, transformers = _import_transformers()
+        torch, transformers = hf.import_transformers()
         say(f"loading {self.path}")
         vision = isinstance(self.config().get("vision_config"), dict)
         auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
@@ -222,7 +208,7 @@ class GgufSource(ModelSource):
         self._config_obj = None
 
     def _require(self):
-        torch, transformers = _import_transformers()
+        torch, transformers = hf.import_transformers()
         for mod in ("gguf", "accelerate"):
             if importlib.util.find_spec(mod) is None:
                 raise MissingDependencyError(
@@ -246,9 +232,7 @@ class GgufSource(ModelSource):
         for key in _LOCATION_KEYS:
             data.pop(key, None)
         if not data.get("architectures"):  # the GGUF metadata names the family, not the class
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(data.get("model_type")))
+            arch = hf.causal_lm_architectures().get(str(data.get("model_type")))
             if arch is None:
                 raise ExportError(f"{self.path}: GGUF model type {data.get('model_type')!r} has no causal-LM class "
                                   f"in transformers")

@@ -20,6 +20,7 @@ from .. import limits, naming, statespec
 from ..errors import ExportError
 from . import caches, mla, moe, rope, targets
 from . import recurrent as recurrent_mod
+from . import transformers_adapter as hf
 from . import options as opt
 from .caches import SlidingPlan
 from .wrapper import RetainedStateLM
@@ -40,7 +41,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`)."""
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
-    _find_decoder(model)
+    hf.find_decoder(model)
     kv_shapes = _kv_shapes(model, options, num_layers, facts)
     latent = options.mla_cache == "latent"
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
@@ -74,16 +75,6 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     if facts.recurrent is not None:
         geometry["recurrent"] = recurrent_mod.geometry(facts.recurrent)
     return geometry
-
-
-def _find_decoder(model) -> None:
-    """Give the loaded model its decoder where transformers' ``get_decoder`` returns the causal LM itself: it looks
-    the decoder up by ``base_model_prefix``, which for Llama4ForCausalLM names ``language_model`` while the decoder
-    is ``model`` (the exporter calls the decoder and applies the output head itself)."""
-    inner = getattr(model, "model", None)
-    if model.get_decoder() is model and isinstance(inner, torch.nn.Module) and inner is not model and \
-            model.get_output_embeddings() is not None:
-        model.get_decoder = lambda: inner
 
 
 def _kv_shapes(model, options: opt.ExportOptions, num_layers: int, facts) -> list:

@@ -32,6 +32,7 @@ from .. import limits
 from ..chunking import plan_chunks
 from ..errors import ExportError, VerificationError
 from . import family
+from . import transformers_adapter as hf
 from .probe_runner import ProbeRunner, first_line
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
@@ -181,7 +182,7 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
             image["mm_token_type_ids"] = (ids == probe.image_token).to(torch.int64)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **image)
         logits = [out.logits[0, -1].double().numpy().copy()]
-        past = _cache_of(out)
+        past = hf.returned_cache(out)
         mask_len = len(probe.prompt)
         tokens = [int(np.argmax(logits[-1]))]
         # multimodal RoPE: decode positions are the text position plus the offset the model itself computed for
@@ -194,16 +195,13 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
             if deltas is not None:
                 text = torch.full((1, 1, 1), mask_len - 1, dtype=torch.int64)
                 where["position_ids"] = torch.cat([text, (text + deltas.reshape(1, 1, 1)).expand(3, 1, 1)])
-            where[_CACHE_ARG if hasattr(out, "past_key_values") else "cache_params"] = past
+            where.update(hf.with_cache(model, past))
             out = model(input_ids=step, attention_mask=torch.ones((1, mask_len), dtype=torch.int64),
                         use_cache=True, **where)
-            past = _cache_of(out)
+            past = hf.returned_cache(out)
             logits.append(out.logits[0, -1].double().numpy().copy())
             tokens.append(int(np.argmax(logits[-1])))
     return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
-
-
-_CACHE_ARG = "past_key_values"
 
 
 def _whole_sequence_run(model, probe: Probe) -> Reference:
@@ -220,11 +218,6 @@ def _whole_sequence_run(model, probe: Probe) -> Reference:
             tokens.append(int(np.argmax(logits[-1])))
             seq.append(tokens[-1])
     return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
-
-
-def _cache_of(out):
-    """The cache a transformers forward returned: ``past_key_values``, or ``cache_params`` (Mamba2's)."""
-    return out.past_key_values if hasattr(out, "past_key_values") else out.cache_params
 
 
 # --------------------------------------------------------------------------------------- onnxruntime side

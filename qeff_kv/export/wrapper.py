@@ -2,7 +2,7 @@
 [batch_index]) -> (logits, *retained)``.
 
 One generic mechanism for every architecture, through transformers' own interfaces: the export target
-(:mod:`qeff_kv.export.targets`) gives the ``past_key_values`` object (whose ``update()`` writes each layer's new
+(:mod:`qeff_kv.export.targets`) gives the cache object (whose ``update()`` writes each layer's new
 keys/values into its retained buffer) and the ready 4D attention mask; the wrapper splits the graph inputs, calls
 the decoder, and takes the logits only at the last valid position of each row (``[batch, 1, vocab]``), through the
 model's own output head and its logit scaling/soft-capping. A speculative-decoding graph
@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from . import recurrent
+from . import transformers_adapter as hf
 from .caches import SlidingPlan
 from .graph_ops import HeadGemm, LengthOf
 from .masks import fill_padding_rows
@@ -108,15 +109,15 @@ class RetainedStateLM(torch.nn.Module):
         step = self.target.begin(StepInputs(input_ids, position_ids, past, flat, batch_index, ccl_length, is_pad,
                                             dtype, blocks))
         cache = step.cache
-        base = self.lm.get_decoder()
+        base = hf.decoder(self.lm)
         rec = None if self.recurrent is None else recurrent.RecurrentStep(states, is_pad, batch_index, self.recurrent)
         mixers = contextlib.nullcontext() if rec is None else recurrent.mixers_routed(self.lm, rec)
         with self.target.tracing(cache), mixers:
             tokens = dict(input_ids=step.input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
             model_pos = step.position_ids if rope_rows is None else torch.cat([step.position_ids.unsqueeze(0),
                                                                                rope_rows])
-            out = base(**tokens, position_ids=model_pos, attention_mask=step.mask, past_key_values=cache,
-                       use_cache=True)
+            out = base(**tokens, position_ids=model_pos, attention_mask=step.mask, use_cache=True,
+                       **hf.with_cache(base, cache))
         self.target.finish(cache)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         if keep is None:

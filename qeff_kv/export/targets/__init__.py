@@ -1,7 +1,7 @@
 """Export targets: one module per target, one interface (:class:`~qeff_kv.export.targets.base.Target`).
 
 A target says how attention reads the cache (every slot / the valid length / onnxruntime's GroupQueryAttention),
-which ``past_key_values`` object the trace uses, what the attention mask is, and how RoPE is traced. Options
+which cache object the trace uses, what the attention mask is, and how RoPE is traced. Options
 (continuous batching, CCL, sliding rings) are inputs a target composes with, not branches elsewhere.
 
 Adding a target: a module here with a :class:`Target` subclass named ``TARGET``, and one entry in

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..caches import SlidingPlan
+from .. import transformers_adapter as hf
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Target:
 def decoder_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose attention implementation the exporter sets: the language decoder of a vision-language
     model (its vision encoder keeps its own), else the model itself."""
-    decoder = model.get_decoder()
+    decoder = hf.decoder(model)
     if decoder is not model and hasattr(decoder, "set_attn_implementation") and \
             getattr(model.config, "vision_config", None) is not None:
         return decoder

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from ...errors import ExportError
+from .. import transformers_adapter as hf
 from ..graph_ops import GroupQueryAttentionOp, SplitHeads
 from ..rope import RotaryCaches, compact_rotary, patch_modeling_function, rotary_caches
 from .base import Step, StepInputs, Target, decoder_module
@@ -39,7 +40,7 @@ def skip_model_rotary(model: torch.nn.Module):
     """``apply_rotary_pos_emb`` as :func:`rotary_pass_through` while tracing the fused target with GQA's own
     RoPE: GroupQueryAttention rotates q and k itself, in exactly the layers that called it. Only the language
     decoder's modeling modules are patched: a vision encoder's own RoPE (Pixtral's) keeps rotating."""
-    return patch_modeling_function(model.get_decoder(), "apply_rotary_pos_emb", rotary_pass_through)
+    return patch_modeling_function(hf.decoder(model), "apply_rotary_pos_emb", rotary_pass_through)
 
 
 ACTIVE_CACHE: list = []
@@ -87,17 +88,16 @@ def sdpa_to_gqa():
         functional.scaled_dot_product_attention = original
 
 
-class FusedKVCache:
-    """``past_key_values`` of the onnxruntime-fused target: hands the new keys/values to the attention
+class FusedKVCache(hf.CacheProtocol):
+    """The cache object of the onnxruntime-fused target: hands the new keys/values to the attention
     function unchanged; GroupQueryAttention does the in-place append.
 
     :attr:`rotated` records, per layer, whether its GQA node applies RoPE (the layer called the model's
     ``apply_rotary_pos_emb``, see :func:`rotary_pass_through`)."""
 
-    is_compileable = False
-
     def __init__(self, past, position_ids: torch.Tensor, rotary: RotaryCaches | None = None,
                  window: int | None = None, window_layers: tuple[int, ...] = ()):
+        super().__init__(len(past))
         self.past = past
         self.rotary = rotary
         self.window = window
@@ -105,8 +105,6 @@ class FusedKVCache:
         self.position_ids = position_ids
         self.retained: list = [None] * len(past)
         self.rotated: list[bool | None] = [None] * len(past)
-        self.is_sliding = [False] * len(past)
-        self.layers = []
         self.pending_rope = None   # (cos, sin) the current layer passed to apply_rotary_pos_emb
         self.pending_kv = None     # (layer_idx, key, value) the current layer got back from update()
         seq = position_ids.shape[1]
@@ -115,13 +113,7 @@ class FusedKVCache:
         self.seqlens_k = (position_ids[:, 0] + seq - 1).to(torch.int32)
         self.total = (self.seqlens_k.max() + 1).reshape(1)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.past)
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def write(self, key_states, value_states, layer_idx):
         self.pending_kv = (layer_idx, key_states, value_states)
         return key_states, value_states
 
@@ -181,12 +173,9 @@ class FusedTarget(Target):
         if self.sdpa_route:
             # The model's own attention code calls torch SDPA when its config says "sdpa" (see sdpa_to_gqa);
             # such models refuse set_attn_implementation, so the config of this loaded copy is set.
-            model.config._attn_implementation = "sdpa"
+            hf.use_config_attention(model, "sdpa")
         else:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register(FUSED_ATTENTION, fused_attention)
-            decoder_module(model).set_attn_implementation(FUSED_ATTENTION)
+            hf.use_attention(decoder_module(model), FUSED_ATTENTION, fused_attention)
         #: GroupQueryAttention is windowed (``local_window_size``) on these layers
         self.window = sliding.window
         self.window_layers = tuple(facts.sliding_layers) if self.window else ()

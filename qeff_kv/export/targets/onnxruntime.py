@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import transformers_adapter as hf
 from ..caches import RetainedStateCache, attended_length
 from ..graph_ops import GroupedAttentionOp
 from ..masks import build_attention_mask, fill_padding
@@ -37,10 +38,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def use_grouped_attention(model: torch.nn.Module) -> None:
     """Route the model's attention through :func:`grouped_attention` (transformers' AttentionInterface)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    decoder_module(model).set_attn_implementation(GROUPED_ATTENTION)
+    hf.use_attention(decoder_module(model), GROUPED_ATTENTION, grouped_attention)
 
 
 class OnnxruntimeTarget(Target):
