@@ -102,6 +102,8 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     capture.set_passthrough(debug)   # --debug: what libraries print is shown, not captured
+    if not capture.passthrough():
+        capture.quiet_library_warnings()   # --debug: the libraries' warnings too
 
 
 def _register() -> None:

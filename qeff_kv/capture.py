@@ -31,6 +31,22 @@ def set_passthrough(on: bool) -> None:
     _PASSTHROUGH = bool(on)
 
 
+#: packages whose own warnings (deprecations, tracer notes) are theirs to fix, not the user's to read
+LIBRARIES = r"(torch|transformers|onnx|onnxscript|onnx_ir|onnxruntime|huggingface_hub|accelerate|gguf|tokenizers|" \
+            r"safetensors|numpy|ray|uvicorn|fastapi|starlette|pydantic)(\.|$)"
+
+
+def quiet_library_warnings() -> None:
+    """Keep the libraries' Python warnings out of a command's output (``--debug`` shows them): every warning
+    raised from a library module, and every FutureWarning or DeprecationWarning wherever it is attributed (a
+    decorator's ``stacklevel`` often names the caller's frame). qeff-kv's own warnings still show."""
+    import warnings
+
+    warnings.filterwarnings("ignore", module=LIBRARIES)
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
 def passthrough() -> bool:
     return _PASSTHROUGH or os.environ.get("QEFF_KV_DEBUG", "") not in ("", "0")
 
