@@ -389,3 +389,14 @@ def test_cors_off_by_default_and_preflight_when_on(served):
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         got = tc.get("/v1/models", headers={"Origin": "http://page.example"})
         assert got.headers["access-control-allow-origin"] == "http://page.example"
+
+
+def test_n_prefills_the_prompt_once(served):
+    prompt = "zyxwvutsrqponm"          # 14 tokens: 2 prefill chunks of 8
+    before = httpx.get(served.url + "/health", timeout=10).json()
+    r = _post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "seed": 2,
+                                          "n": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    after = httpx.get(served.url + "/health", timeout=10).json()
+    assert after["prefill_chunks"] - before["prefill_chunks"] == 2
+    assert after["sequences_active"] == 0
