@@ -162,3 +162,22 @@ def test_session_generate_with_penalties_equals_a_step_by_step_picker(graphs):
         out.append(tok)
         logits = s.decode({seq: tok})[seq]
     assert out == g.tokens
+
+
+def test_top_p_without_a_full_sort_keeps_exactly_the_full_sorts_prefix():
+    """probabilities() sorts only the likeliest candidates: the same distribution as sorting the whole vocabulary
+    (ties included), bit for bit."""
+    rng = np.random.default_rng(1)
+    for trial in range(150):
+        x = (rng.normal(size=int(rng.integers(2, 3000))) * rng.choice([0.1, 1, 5, 30])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x)   # many ties
+        top_p = float(rng.choice([0.1, 0.5, 0.9, 0.99, 0.999999]))
+        x64 = x.astype(np.float64)
+        q = np.exp(x64 - x64.max())
+        q /= q.sum()
+        order = np.argsort(-q, kind="stable")
+        keep = order[:int(np.searchsorted(np.cumsum(q[order]), top_p, side="left")) + 1]
+        want = np.where(np.isin(np.arange(q.size), keep), q, 0.0)
+        want /= want.sum()
+        assert np.array_equal(probabilities(x, SamplingParams(temperature=1.0, top_p=top_p, seed=0)), want), trial

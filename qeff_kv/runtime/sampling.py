@@ -117,18 +117,33 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     p = np.exp(x)
     p /= p.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # keep the smallest prefix whose mass reaches top_p (always at least the most likely token)
-        keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
         mask = np.zeros_like(p, dtype=bool)
-        mask[order[:keep]] = True
+        mask[_nucleus(p, params.top_p)] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     if params.min_p > 0.0:
         p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return p
+
+
+def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The smallest prefix of the tokens in descending probability (a stable order: ties by lower id) whose mass
+    reaches ``top_p``, always at least the most likely token. Sorting only the likeliest candidates (all tokens at
+    or above the k-th largest probability, k growing until their mass reaches ``top_p``) gives exactly the prefix a
+    sort of the whole vocabulary gives (the same order, the same sequential cumulative sums), without sorting it."""
+    k = 64
+    while True:
+        if k >= p.size:
+            order = np.argsort(-p, kind="stable")
+        else:
+            kth = np.partition(p, p.size - k)[p.size - k]
+            cand = np.flatnonzero(p >= kth)
+            order = cand[np.argsort(-p[cand], kind="stable")]
+        cum = np.cumsum(p[order])
+        if cum[-1] >= top_p or order.size == p.size:
+            return order[:int(np.searchsorted(cum, top_p, side="left")) + 1]
+        k *= 8
 
 
 def _draw(p: np.ndarray, seed: int, position: int) -> int:
