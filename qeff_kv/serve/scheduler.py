@@ -12,6 +12,12 @@ Each turn of the engine thread:
    without it: the session does both); with a :class:`~.speculation.Speculation` (``--speculative``), that step
    verifies each sequence's drafts and may give each several tokens, emitted one event each.
 
+Token selection is one call per row, :meth:`Scheduler._select`: the row's
+:class:`~qeff_kv.runtime.sampling.TokenPicker` (``logit_bias``, penalties, logprobs, temperature / top-k / top-p /
+min-p, the seeded draw) on that row's logits, for the position the token will occupy; a row with nothing to adjust
+and no logprobs takes the plain fast path. OpenAI's ``n`` prefills a prompt once and forks it
+(:mod:`.forks`).
+
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
 spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
 
@@ -42,6 +48,7 @@ from pathlib import Path
 from ..errors import QeffKvError, QueueFullError, RuntimeInputError
 from ..runtime.cache import Sequence
 from ..runtime.sampling import Pick, TokenPicker
+from .forks import ChoiceForks
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
@@ -75,7 +82,7 @@ def _common_prefix(a: list[int], b: tuple[int, ...] | list[int], limit: int) -> 
     return i
 
 
-class Scheduler(Engine):
+class Scheduler(ChoiceForks, Engine):
     """Continuous batching over one :class:`~qeff_kv.runtime.Session` (see the module docstring).
 
     Args:
@@ -132,15 +139,6 @@ class Scheduler(Engine):
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
         return self._queue(req, [req.sampling])[0]
-
-    def submit_n(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
-        """``n`` choices of one prompt: the prompt is prefilled once (the first choice's), then copied into the
-        other choices' slots (``Session.copy``) and each choice samples on with its own parameters; where the
-        session cannot copy, each choice prefills the prompt itself (the same logits)."""
-        if not 1 <= len(samplings) <= self.max_sequences:
-            raise RuntimeInputError(f"n must be in [1, {self.max_sequences}] (the sequences this server runs at "
-                                    f"once), got {len(samplings)}")
-        return self._queue(req, samplings)
 
     def _queue(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
         reqs = [req] if len(samplings) == 1 else [
@@ -226,15 +224,8 @@ class Scheduler(Engine):
         with self._lock:
             return bool(self._waiting) and self._slot_available(self._members(self._waiting[0][0]))
 
-    def _members(self, handle: RequestHandle) -> int:
-        """Sequences the waiting request of ``handle`` needs (n choices: n)."""
-        return 1 + len(self._groups.get(id(handle), ()))
-
     def _slot_available(self, need: int = 1) -> bool:
         return len(self.session.cache.free_slots()) + len(self._kept) >= need
-
-    def _parked(self) -> list[_Active]:
-        return [f for a in self._prefilling for f in a.followers if not f.handle.finished]
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -269,19 +260,6 @@ class Scheduler(Engine):
         elif seq.alive:
             self.session.remove_sequence(seq)
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
-
-    def _release_followers(self, a: _Active, reason: str, error: str | None) -> None:
-        """``a`` ends before its prompt was forked: its parked choices end the same way on an error or at
-        shutdown, else (``a`` was cancelled alone) each prefills the prompt itself."""
-        followers, a.followers = a.followers, []
-        for f in followers:
-            if f.handle.finished:
-                continue
-            if reason == "error" or self._closed or f.handle.cancelled:
-                self._finish(f, reason if not f.handle.cancelled else "cancelled", error, keep=False)
-            else:
-                f.todo = list(f.req.prompt)
-                self._prefilling.append(f)
 
     def _fail_all(self, message: str) -> None:
         for a in list(self._prefilling) + list(self._running):
@@ -401,28 +379,6 @@ class Scheduler(Engine):
         params = req.sampling.resolved()
         return _Active(handle, req, self._take_slot(), [], budget, params,
                        picker=TokenPicker(params, req.prompt, self.session.vocab_size))
-
-    def _fork(self, a: _Active, logits) -> None:
-        """``a``'s prompt is prefilled: copy it into each parked choice's sequence, which then selects its first
-        token from the same ``logits`` (a choice the session cannot copy into prefills the prompt itself)."""
-        followers, a.followers = a.followers, []
-        copy = getattr(self.session, "copy", None)
-        for f in followers:
-            if f.handle.finished:
-                continue
-            if f.handle.cancelled:
-                self._finish(f, "cancelled", keep=False)
-                continue
-            try:
-                if copy is None:
-                    raise RuntimeInputError("this session cannot copy sequences")
-                copy(a.seq, f.seq, a.seq.length)
-            except QeffKvError:
-                f.todo = list(f.req.prompt)
-                self._prefilling.append(f)
-                continue
-            f.cached = len(f.req.prompt)
-            self._first_token(f, logits)
 
     def _start(self, handle: RequestHandle, req: GenerationRequest) -> _Active:
         params = req.sampling.resolved()
