@@ -214,8 +214,11 @@ class TokenPicker:
         self.params = params
         self._prompt = [int(t) for t in prompt]
         self._vocab = vocab_size
-        self._counts: np.ndarray | None = None     # output token counts (presence/frequency)
-        self._seen: np.ndarray | None = None       # prompt + output tokens (repetition)
+        self._counts: np.ndarray | None = None     # output token counts by id (presence/frequency)
+        self._seen: np.ndarray | None = None       # prompt + output tokens by id (repetition)
+        # the ids those hold, so that a penalty touches them only (not the whole vocabulary)
+        self._seen_ids: list[int] = []
+        self._out_ids: list[int] = []
         self._pending: list[int] = []              # accepted before the vocabulary size was known
 
     @property
@@ -230,6 +233,10 @@ class TokenPicker:
             self._pending.append(int(token))
             return
         if 0 <= token < self._counts.size:
+            if not self._counts[token]:
+                self._out_ids.append(int(token))
+            if not self._seen[token]:
+                self._seen_ids.append(int(token))
             self._counts[token] += 1
             self._seen[token] = True
 
@@ -238,8 +245,9 @@ class TokenPicker:
             return
         self._counts = np.zeros(vocab, dtype=np.int64)
         self._seen = np.zeros(vocab, dtype=bool)
-        prompt = np.asarray([t for t in self._prompt if t < vocab], dtype=np.int64)
+        prompt = np.unique(np.asarray([t for t in self._prompt if t < vocab], dtype=np.int64))
         self._seen[prompt] = True
+        self._seen_ids, self._out_ids = prompt.tolist(), []
         for t in self._pending:
             self.accept(t)
         self._pending = []
@@ -255,11 +263,14 @@ class TokenPicker:
             x[ids[inside]] += vals[inside]
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             self._history(x.size)
-            if p.repetition_penalty != 1.0:
-                r = p.repetition_penalty
-                x = np.where(self._seen, np.where(x > 0, x / r, x * r), x)
-            if p.presence_penalty or p.frequency_penalty:
-                x -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
+            if p.repetition_penalty != 1.0 and self._seen_ids:
+                ids, r = np.asarray(self._seen_ids, dtype=np.int64), p.repetition_penalty
+                v = x[ids]
+                x[ids] = np.where(v > 0, v / r, v * r)
+            if (p.presence_penalty or p.frequency_penalty) and self._out_ids:
+                ids = np.asarray(self._out_ids, dtype=np.int64)
+                c = self._counts[ids]
+                x[ids] -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
         if allowed is not None:
             mask = np.zeros(x.size, dtype=bool)
             mask[:min(x.size, allowed.size)] = allowed[:x.size]
