@@ -208,7 +208,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         ids = _prompt_ids(p)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         handles = _submit(p, ids, rid, "messages" if chat else "prompt")
-        echo = text.tokenizer.decode(ids, skip_special_tokens=False) if p.echo else ""
+        echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
         runs = [_Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
                      logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None)
                 for h in handles]
