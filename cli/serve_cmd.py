@@ -65,7 +65,8 @@ class ChunkType(click.ParamType):
               help="Default temperature of requests that give none (default: the export's generation_config.json, "
                    "else 1).")
 @click.option("--top-p", type=FLOAT, default=None, help="Default top_p (default: generation_config.json, else 1).")
-@click.option("--top-k", type=COUNT, default=None, help="Default top_k (default: generation_config.json, else 0 = all).")
+@click.option("--top-k", type=COUNT, default=None,
+              help="Default top_k (default: generation_config.json, else 0 = all).")
 @click.option("--min-p", type=FLOAT, default=None, help="Default min_p (default: generation_config.json, else 0).")
 @click.option("--repetition-penalty", type=FLOAT, default=None,
               help="Default repetition_penalty (default: generation_config.json, else 1 = none).")

@@ -296,7 +296,9 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
 def _check_speculative(req: GenerateRequest) -> None:
     """What ``--speculative`` cannot go with, refused in one line before anything is opened."""
     for flag, given in (("--image/--image-inputs", req.images or req.image_inputs), ("--load-state", req.load_state),
-                        ("--save-state", req.save_state), ("--on-capacity stop", req.on_capacity == "stop")):
+                        ("--save-state", req.save_state), ("--on-capacity stop", req.on_capacity == "stop"),
+                        ("--logit-bias or a penalty",
+                         isinstance(req.sampling, SamplingParams) and req.sampling.adjusts)):
         if given:
             raise RuntimeInputError(f"--speculative does not go with {flag}")
     if len(req.prompts) + len(req.prompt_ids) != 1:

@@ -91,5 +91,5 @@ def resolve_defaults(folder: Path | None, flags: dict) -> SamplingDefaults:
     try:
         return SamplingDefaults(**values, source=source)
     except RuntimeInputError as exc:
-        raise RuntimeInputError(f"sampling defaults ({', '.join(f'{k} from {v}' for k, v in source.items() if v != 'openai')}"
-                                f"): {exc}") from None
+        given = ", ".join(f"{k} from {v}" for k, v in source.items() if v != "openai")
+        raise RuntimeInputError(f"sampling defaults ({given}): {exc}") from None
