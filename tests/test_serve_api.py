@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import LiveServer, chat_export  # noqa: E402
+from serve_helpers import LiveServer, SlowDecode, chat_export  # noqa: E402
 
 from qeff_kv.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -41,9 +41,10 @@ def served(own_cb_graph, tmp_path_factory):
     config = ServeConfig(export_dir=str(folder), min_p=0.01)   # one default from a flag
     check_config(config)
     engine = build_engine(config)
+    slow = SlowDecode(engine.session)
     defaults = sampling_defaults(config)
     srv = LiveServer(engine, text_facts(config), defaults=defaults, max_n=check_max_n(config, engine))
-    srv.folder, srv.text = folder, text_facts(config)
+    srv.folder, srv.text, srv.slow = folder, text_facts(config), slow
     yield srv
     srv.stop()
 
@@ -400,3 +401,58 @@ def test_n_prefills_the_prompt_once(served):
     after = httpx.get(served.url + "/health", timeout=10).json()
     assert after["prefill_chunks"] - before["prefill_chunks"] == 2
     assert after["sequences_active"] == 0
+
+
+def test_n_without_copy_prefills_each_choice_with_the_same_tokens(served, run_alone):
+    from qeff_kv.errors import RuntimeInputError
+
+    session = served.engine.session
+
+    def no_copy(*args, **kwargs):
+        raise RuntimeInputError("copy refused (test)")
+
+    prompt = "qwertyuiopasdf"          # 14 tokens: 2 chunks per choice when each prefills
+    before = httpx.get(served.url + "/health", timeout=10).json()
+    session.copy = no_copy
+    try:
+        r = _post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 40,
+                                              "top_p": 1.0, "top_k": 0, "min_p": 0.0, "n": 3, "ignore_eos": True})
+    finally:
+        del session.copy
+    after = httpx.get(served.url + "/health", timeout=10).json()
+    assert r.status_code == 200, r.text
+    ids = _ids(served, prompt)
+    want = [_text(served, run_alone(ids, 5, temperature=1.0, seed=40 + i)) for i in range(3)]
+    assert [c["text"] for c in r.json()["choices"]] == want
+    assert after["prefill_chunks"] - before["prefill_chunks"] >= 4   # the prompt prefilled again, not copied
+
+
+def test_closing_an_n_stream_frees_every_choice(served):
+    """With 0.1 s per decode step the 50 tokens would take 5 s: the choices end when the client leaves."""
+    import time
+
+    served.slow.delay = 0.1
+    try:
+        _closing_an_n_stream(served)
+    finally:
+        served.slow.delay = 0.0
+
+
+def _closing_an_n_stream(served):
+    import time
+
+    steps = httpx.get(served.url + "/health", timeout=10).json()["decode_steps"]
+    with httpx.stream("POST", served.url + "/v1/completions", timeout=60,
+                      json={"prompt": "a b c", "max_tokens": 50, "temperature": 1.0, "seed": 1, "n": 3,
+                            "stream": True, "ignore_eos": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break
+    closed = time.monotonic()
+    while time.monotonic() < closed + 3:
+        h = httpx.get(served.url + "/health", timeout=10).json()
+        if h["sequences_active"] == 0 and h["queue_depth"] == 0:
+            break
+        time.sleep(0.05)
+    assert h["sequences_active"] == 0 and h["queue_depth"] == 0, h
+    assert h["decode_steps"] - steps < 40, h     # stopped, not run to the 50 tokens
