@@ -9,7 +9,7 @@ import json
 
 import click
 
-from qeff_kv.runtime.generate import GenerateRequest, parse_ids, run_generate
+from qeff_kv.runtime.generate import GenerateRequest, parse_ids, parse_logit_bias, run_generate
 from qeff_kv.runtime.sampling import SamplingParams
 
 from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
@@ -63,6 +63,16 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 @click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
 @click.option("--top-p", type=FLOAT, default=1.0, show_default=True, help="Nucleus sampling mass.")
 @click.option("--seed", type=ID, default=None, help="Sampling seed (same seed, same tokens).")
+@click.option("--min-p", type=FLOAT, default=0.0, show_default=True,
+              help="Sample among tokens at least this share as likely as the most likely one (0 = all).")
+@click.option("--repetition-penalty", type=FLOAT, default=1.0, show_default=True,
+              help="Divide positive (multiply negative) logits of tokens already in the prompt or output (1 = none).")
+@click.option("--presence-penalty", type=FLOAT, default=0.0, show_default=True,
+              help="Subtract from the logit of every token already generated (OpenAI's rule).")
+@click.option("--frequency-penalty", type=FLOAT, default=0.0, show_default=True,
+              help="Subtract this times its count from the logit of every token already generated.")
+@click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
+              help="Add BIAS to token ID's logit before selection (repeatable; -100 bans a token).")
 @click.option("--stop-token", "stop_tokens", type=ID, multiple=True, metavar="ID",
               help="Stop a sequence after this token (repeatable; the manifest's eos ids are included).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the manifest's eos ids.")
@@ -85,14 +95,18 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
                  image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  checkpoint_every, max_checkpoints, max_sequences, temperature,
-                 top_k, top_p, seed, stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
+                 top_k, top_p, seed, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+                 stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
                  no_inplace, speculative, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
         model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
         max_new_tokens=max_new_tokens, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
         max_sequences=max_sequences, sliding_window=sliding_window, checkpoint_every=checkpoint_every,
-        max_checkpoints=max_checkpoints, sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        max_checkpoints=max_checkpoints, sampling=SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=parse_logit_bias(logit_bias)),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),

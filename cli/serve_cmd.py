@@ -9,7 +9,7 @@ import click
 
 from qeff_kv.errors import MissingDependencyError
 
-from .params import COUNT, DIM, THREADS
+from .params import COUNT, DIM, FLOAT, THREADS
 
 
 class ChunkType(click.ParamType):
@@ -61,6 +61,22 @@ class ChunkType(click.ParamType):
                    "same tokens as plain decoding. Acceptance in /metrics.")
 @click.option("--speculative-k", type=DIM, default=None,
               help="With --speculative: drafts per sequence and step (default and maximum: the graph's K).")
+@click.option("--temperature", type=FLOAT, default=None,
+              help="Default temperature of requests that give none (default: the export's generation_config.json, "
+                   "else 1).")
+@click.option("--top-p", type=FLOAT, default=None, help="Default top_p (default: generation_config.json, else 1).")
+@click.option("--top-k", type=COUNT, default=None,
+              help="Default top_k (default: generation_config.json, else 0 = all).")
+@click.option("--min-p", type=FLOAT, default=None, help="Default min_p (default: generation_config.json, else 0).")
+@click.option("--repetition-penalty", type=FLOAT, default=None,
+              help="Default repetition_penalty (default: generation_config.json, else 1 = none).")
+@click.option("--max-tokens", type=DIM, default=None,
+              help="Default max_tokens (default: generation_config.json's max_new_tokens, else what the context "
+                   "holds).")
+@click.option("--max-n", type=DIM, default=None,
+              help="Largest n (choices per request) accepted (default and maximum: the sequences run at once).")
+@click.option("--allowed-origins", default=None, metavar="ORIGINS",
+              help="Browser origins allowed to call the server (CORS), comma-separated, or '*'; default: none.")
 @click.option("--disaggregate", is_flag=True,
               help="Prefill and decode in separate Ray actors handing KV states over (needs ray).")
 @click.option("--prefill-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
@@ -70,7 +86,8 @@ class ChunkType(click.ParamType):
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
-              speculative, speculative_k, disaggregate, prefill_replicas, decode_replicas, prefill_export,
+              speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
+              allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
               ray_address) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
@@ -89,7 +106,10 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
                          reuse_prompts=not no_prompt_reuse, model_name=model_name, speculative=speculative,
                          speculative_k=speculative_k, checkpoint_every=checkpoint_every,
-                         max_checkpoints=max_checkpoints,
+                         max_checkpoints=max_checkpoints, temperature=temperature, top_p=top_p, top_k=top_k,
+                         min_p=min_p, repetition_penalty=repetition_penalty, max_tokens=max_tokens, max_n=max_n,
+                         allowed_origins=[o.strip() for o in allowed_origins.split(",") if o.strip()]
+                         if allowed_origins else None,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
 

@@ -141,3 +141,27 @@ def test_readme_flow_on_the_bundled_default(own_vllm_graph):
     assert seq["prompt_tokens"] >= 5 and isinstance(seq["text"], str)
     assert 1 <= len(seq["tokens"]) <= 16
     assert seq["finish_reason"] in ("length", "stop")
+
+
+def test_penalty_and_bias_options_equal_the_session(graphs):
+    from qeff_kv.runtime import Session
+    from qeff_kv.runtime.sampling import SamplingParams
+
+    banned = graphs.llama_a[0]
+    r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16,
+            "--logit-bias", f"{banned}=-100", "--repetition-penalty", "1.3", "--presence-penalty", "0.4",
+            "--frequency-penalty", "0.2", "--temperature", "0.8", "--min-p", "0.05", "--seed", "3", "--ignore-eos",
+            "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads([l for l in r.stdout.splitlines() if l.strip()][-1])["sequences"][0]["tokens"]
+    s = Session(graphs / "qeff_llama_vllm.onnx", ctx_len=16)
+    [g] = s.generate([PROMPT_A], max_new_tokens=8, stop_tokens=[], sampling=SamplingParams(
+        temperature=0.8, min_p=0.05, seed=3, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+        logit_bias=((banned, -100.0),)))
+    assert got == g.tokens and got[0] != banned
+
+
+@pytest.mark.parametrize("value", ["5", "x=1", "5=200", "5=abc"])
+def test_bad_logit_bias_is_one_line(graphs, value):
+    r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--ctx-len", 16, "--logit-bias", value)
+    assert r.exit_code == 2 and "--logit-bias" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output

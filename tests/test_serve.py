@@ -302,7 +302,8 @@ BAD = [
     ("stop of ints", {"prompt": "hi", "stop": [1, 2]}, "stop"),
     ("stream yes", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("seed -1", {"prompt": "hi", "seed": -1}, "seed"),
-    ("logprobs", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("logprobs 6", {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ("unknown field", {"prompt": "hi", "mirostat": 2}, "mirostat"),
 ]
 BAD_CHAT = [
     ("messages missing", {"max_tokens": 3}, "messages"),

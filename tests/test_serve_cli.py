@@ -39,6 +39,13 @@ def test_bad_options_are_one_line(tmp_path, own_cb_graph):
     afile = tmp_path / "afile"
     afile.write_text("x")
     _one_line_error(runner.invoke(main, ["serve", str(own_cb_graph), "--state-dir", str(afile)]), "--state-dir")
+    _one_line_error(runner.invoke(main, ["serve", str(own_cb_graph), "--min-p", "3"]), "min_p must be in [0, 1]")
+    _one_line_error(runner.invoke(main, ["serve", str(own_cb_graph), "--max-n", "9", "--port", str(free_port())]),
+                    "--max-n 9: the server runs 3 sequences at once")
+    broken = tmp_path / "broken-generation-config"
+    shutil.copytree(own_cb_graph, broken)
+    (broken / "generation_config.json").write_text('{"temperature": "warm"}')
+    _one_line_error(runner.invoke(main, ["serve", str(broken)]), "temperature must be a number")
 
 
 def test_serve_process_answers_and_stops_on_ctrl_c(own_cb_graph):

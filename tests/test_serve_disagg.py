@@ -256,6 +256,14 @@ def test_bad_requests_refused_at_submit(engines):
         with pytest.raises(RuntimeInputError) as exc:
             eng.submit(_request("x", prompt))
         assert str(exc.value) == msg
+    import dataclasses
+
+    from qeff_kv.runtime import SamplingParams
+
+    for req in (dataclasses.replace(_request("x", PROMPTS[0]), logprobs=2),
+                _request("x", PROMPTS[0], SamplingParams(presence_penalty=0.5))):
+        with pytest.raises(RuntimeInputError, match="not supported with --disaggregate"):
+            eng.submit(req)
 
 
 def test_cancel_mid_stream_stops_the_decode_replica(engines):

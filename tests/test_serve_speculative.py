@@ -316,3 +316,13 @@ def test_refusals(served, own_cb_graph, tmp_path):
 def test_the_speculative_graph_passes_check(spec_export):
     report = check(spec_export.onnx_path)
     assert report.ok and report.to_json()["num_logits_to_keep"] == {"speculative_tokens": K}
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 1), ("logit_bias", {"5": -100}),
+                                          ("frequency_penalty", 0.5), ("repetition_penalty", 1.2)])
+def test_adjusting_fields_are_refused_with_speculation(served, field, value):
+    """The verifier selects tokens on the plain path: logprobs, bias and penalties are a 400, not ignored."""
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, field: value},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert "--speculative" in r.json()["error"]["message"]

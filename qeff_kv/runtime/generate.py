@@ -44,6 +44,23 @@ def parse_ids(text: str) -> list[int]:
     return out
 
 
+def parse_logit_bias(items) -> tuple[tuple[int, float], ...]:
+    """``["15=-100", "7=2.5"]`` (``--logit-bias ID=BIAS``) -> ``((15, -100.0), (7, 2.5))``; one-line error otherwise."""
+    out: dict[int, float] = {}
+    for item in items:
+        tok, sep, bias = str(item).partition("=")
+        if not sep or not re.fullmatch(r"[0-9]+", tok.strip()):
+            raise RuntimeInputError(f"--logit-bias {item!r}: give ID=BIAS (a token id, e.g. 15=-100)")
+        try:
+            value = float(bias)
+        except ValueError:
+            value = float("nan")
+        if not -100.0 <= value <= 100.0:
+            raise RuntimeInputError(f"--logit-bias {item!r}: the bias must be a number in [-100, 100]")
+        out[int(tok)] = value
+    return tuple(sorted(out.items()))
+
+
 def load_tokenizer(folder: Path, *, required: bool):
     """The ``tokenizers.Tokenizer`` of ``folder/tokenizer.json``, or ``None`` when not required and absent."""
     path = folder / "tokenizer.json"
@@ -279,7 +296,9 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
 def _check_speculative(req: GenerateRequest) -> None:
     """What ``--speculative`` cannot go with, refused in one line before anything is opened."""
     for flag, given in (("--image/--image-inputs", req.images or req.image_inputs), ("--load-state", req.load_state),
-                        ("--save-state", req.save_state), ("--on-capacity stop", req.on_capacity == "stop")):
+                        ("--save-state", req.save_state), ("--on-capacity stop", req.on_capacity == "stop"),
+                        ("--logit-bias or a penalty",
+                         isinstance(req.sampling, SamplingParams) and req.sampling.adjusts)):
         if given:
             raise RuntimeInputError(f"--speculative does not go with {flag}")
     if len(req.prompts) + len(req.prompt_ids) != 1:

@@ -16,7 +16,7 @@ from ..errors import RuntimeInputError
 from . import media as media_mod
 from .cache import Sequence
 from .results import Generation, TokenEvent
-from .sampling import GREEDY, SamplingParams, sample
+from .sampling import GREEDY, SamplingParams, TokenPicker
 
 
 class GenerationMixin:
@@ -132,12 +132,15 @@ class GenerationMixin:
         gens.clear()
         for (s, toks), budget in zip(plan, budgets):
             gens.append(Generation(s if s is not None else self.cache.create(), [], len(toks)))
+        # one picker per request: the token history its penalties read (prompt = what the sequence holds + toks)
+        pickers = [TokenPicker(params, list(g.sequence.tokens) + list(toks)) for g, (_, toks) in zip(gens, plan)]
         active: list[int] = []
         for i, ((_, toks), gen) in enumerate(zip(plan, gens)):
             seq = gen.sequence
             if toks:
                 logits = self.prefill(seq, toks, images[i])
-                seq.pending = sample(logits, params, seq.length)
+                seq.pending = pickers[i].pick(logits, seq.length).token
+                pickers[i].accept(seq.pending)
                 seq.pending_emitted = False
             if max_new_tokens == 0:
                 gen.finish_reason = "prefill"
@@ -159,7 +162,8 @@ class GenerationMixin:
             still = []
             for i in active:
                 seq = gens[i].sequence
-                tok = sample(out[seq], params, seq.length)
+                tok = pickers[i].pick(out[seq], seq.length).token
+                pickers[i].accept(tok)
                 seq.pending = tok
                 seq.pending_emitted = True
                 gens[i].tokens.append(tok)

@@ -25,7 +25,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import QeffKvError, QueueFullError
-from ..runtime.sampling import SamplingParams
+from . import discovery
+from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
+from .defaults import SamplingDefaults
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
@@ -46,9 +48,15 @@ class TextFacts:
 
 
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
-               registry=None) -> FastAPI:
-    """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one)."""
+               registry=None, defaults: SamplingDefaults | None = None, max_n: int = 1,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one).
+    ``defaults``: the sampling a request leaves out (default: OpenAI's); ``max_n``: the largest ``n`` accepted;
+    ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers)."""
     app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None)
+    defaults = defaults if defaults is not None else SamplingDefaults()
+    token_text = TokenText(text.tokenizer)
+    discovery.add_cors(app, allowed_origins)
     metrics = Metrics(engine, registry)
     app.state.engine, app.state.metrics, app.state.text = engine, metrics, text
     created = int(time.time())
@@ -91,7 +99,8 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     # ------------------------------------------------------------------------------------ plain routes
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_name, **engine.stats()}
+        return {"status": "ok", "model": engine.model_name, **engine.stats(),
+                "sampling_defaults": defaults.shown(), "max_n": max_n}
 
     @app.get("/metrics")
     async def prometheus():
@@ -101,11 +110,24 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def page():
         return HTMLResponse(resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8"))
 
+    def _model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": created, "owned_by": "qeff-kv",
+                "max_model_len": engine.ctx_len, "sampling_defaults": defaults.shown(), "max_n": max_n}
+
     @app.get("/v1/models")
     async def models(request: Request):
         _auth(request)
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": created,
-                                            "owned_by": "qeff-kv", "max_model_len": engine.ctx_len}]}
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        _auth(request)
+        if model_id != engine.model_name:
+            raise APIError(f"the model {model_id!r} does not exist; this server serves {engine.model_name!r}",
+                           status=404, type="not_found_error", param="model", code="model_not_found")
+        return _model_card()
+
+    discovery.add_token_routes(app, engine=engine, text=text, auth=_auth, json_body=_json_body)
 
     # ------------------------------------------------------------------------------------ slots
     @app.get("/slots")
@@ -154,17 +176,23 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             return p.prompt_ids
         return list(tok.encode(p.prompt_text).ids)
 
-    def _submit(p: Params, ids: list[int], rid: str, param: str):
+    def _submit(p: Params, ids: list[int], rid: str, param: str) -> list:
+        """The request's choices submitted: one handle per choice (``n``)."""
         if len(ids) > engine.ctx_len:
             raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
                       "context_length_exceeded")
         room = engine.ctx_len - len(ids) + 1
-        req = GenerationRequest(
-            request_id=rid, prompt=tuple(ids), max_tokens=min(p.max_tokens or room, room),
-            sampling=SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
-            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids))
         try:
-            return engine.submit(req)
+            first = sampling_of(p, defaults)
+        except QeffKvError as exc:
+            raise bad(str(exc)) from None
+        req = GenerationRequest(
+            request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, defaults, room), sampling=first,
+            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids), logprobs=p.logprobs)
+        try:
+            if p.n == 1:
+                return [engine.submit(req)]
+            return engine.submit_n(req, choice_samplings(first, p.n))
         except QueueFullError as exc:
             metrics.rejected()
             raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
@@ -175,25 +203,28 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def _generate(request: Request, chat: bool):
         arrival = time.monotonic()
         _auth(request)
-        p = parse(await _json_body(request), chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len)
+        p = parse(await _json_body(request), chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len,
+                  max_n=max_n)
         ids = _prompt_ids(p)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handle = _submit(p, ids, rid, "messages" if chat else "prompt")
-        run = _Run(request, handle, p, len(ids), text.tokenizer, metrics, arrival, background)
+        handles = _submit(p, ids, rid, "messages" if chat else "prompt")
+        echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
+        runs = [_Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
+                     logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None)
+                for h in handles]
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
-            return StreamingResponse(_sse(run, rid, chat, created_at=int(time.time()), model=engine.model_name),
+            return StreamingResponse(_sse(runs, rid, chat, created_at=int(time.time()), model=engine.model_name,
+                                          echo=echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(run.abandon))
-        pieces = [d async for d in run.deltas()]
-        if run.error is not None:
-            raise APIError(f"generation failed: {run.error}", status=500, type="server_error")
-        content = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                   "finish_reason": run.finish_reason} if chat else
-                  {"index": 0, "text": content, "logprobs": None, "finish_reason": run.finish_reason})
+                                     background=BackgroundTask(lambda: [r.abandon() for r in runs]))
+        contents = await asyncio.gather(*[_collect(r) for r in runs])
+        failed = [r.error for r in runs if r.error is not None]
+        if failed:
+            raise APIError(f"generation failed: {failed[0]}", status=500, type="server_error")
+        choices = [_choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": engine.model_name, "choices": [choice], "usage": run.usage()}
+                "model": engine.model_name, "choices": choices, "usage": _usage(runs)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -206,37 +237,85 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     return app
 
 
-async def _sse(run: "_Run", rid: str, chat: bool, *, created_at: int, model: str):
-    """Server-sent events: one chunk per text delta, a last chunk with the finish reason, optionally a usage chunk,
-    then ``data: [DONE]``."""
+async def _collect(run: "_Run") -> str:
+    return "".join([d async for d in run.deltas()])
+
+
+def _choice(index: int, content: str, run: "_Run", chat: bool) -> dict:
+    logprobs = run.logprobs.all() if run.logprobs is not None else None
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                "finish_reason": run.finish_reason}
+    return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
+
+
+def _usage(runs: list["_Run"]) -> dict:
+    """One prompt, every choice's completion tokens."""
+    usage = runs[0].usage()
+    completion = sum(r.tokens for r in runs)
+    return {**usage, "completion_tokens": completion, "total_tokens": usage["prompt_tokens"] + completion}
+
+
+async def _merged(runs: list["_Run"]):
+    """``(choice index, text delta or None at its end)`` from every choice's run, as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, run: "_Run") -> None:
+        try:
+            async for delta in run.deltas():
+                await queue.put((i, delta))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        for _ in range(len(runs)):
+            while True:
+                i, delta = await queue.get()
+                yield i, delta
+                if delta is None:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, model: str, echo: str = ""):
+    """Server-sent events: one chunk per text delta of a choice, a last chunk per choice with its finish reason,
+    optionally a usage chunk, then ``data: [DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(content: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(i: int, content: str | None, finish: str | None, first: bool = False) -> str:
+        lp = runs[i].logprobs.take() if runs[i].logprobs is not None else None
+        if lp is not None and not (lp.get("content") if chat else lp.get("tokens")):
+            lp = None
         if chat:
             delta = {} if content is None else {"content": content}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": content or "", "logprobs": lp, "finish_reason": finish}
         return "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
                                       "choices": [choice]}) + "\n\n"
 
-    first = True
-    if chat:
-        yield chunk("", None, first=True)
-        first = False
-    async for delta in run.deltas():
-        yield chunk(delta, None, first)
-        first = False
-    if run.error is not None:
-        yield "data: " + json.dumps(APIError(f"generation failed: {run.error}", status=500,
+    for i in range(len(runs)):
+        if chat:
+            yield chunk(i, "", None, first=True)
+        elif echo:
+            yield chunk(i, echo, None)
+    async for i, delta in _merged(runs):
+        if delta is not None:
+            yield chunk(i, delta, None)
+        elif runs[i].error is None:
+            yield chunk(i, None, runs[i].finish_reason)
+    failed = [r.error for r in runs if r.error is not None]
+    if failed:
+        yield "data: " + json.dumps(APIError(f"generation failed: {failed[0]}", status=500,
                                              type="server_error").body()) + "\n\n"
-    else:
-        yield chunk(None, run.finish_reason)
-        if run.params.include_usage:
-            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
-                                         "choices": [], "usage": run.usage()}) + "\n\n"
+    elif runs[0].params.include_usage:
+        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
+                                     "choices": [], "usage": _usage(runs)}) + "\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -244,8 +323,9 @@ class _Run:
     """One request's events turned into text deltas (stop strings applied), with timing metrics."""
 
     def __init__(self, request, handle, params: Params, prompt_tokens: int, tokenizer, metrics: Metrics,
-                 arrival: float, background: set):
+                 arrival: float, background: set, logprobs: Logprobs | None = None):
         self.request, self.handle, self.params = request, handle, params
+        self.logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self.detok = Detokenizer(tokenizer)
         self.stopper = StopMatcher(params.stop)
@@ -316,6 +396,8 @@ class _Run:
                         self.metrics.itl.observe(now - last)
                     last = now
                     self.tokens += 1
+                    if self.logprobs is not None:
+                        self.logprobs.add(ev)
                     out = self.stopper.feed(self.detok.add(ev.token))
                     if out:
                         yield out

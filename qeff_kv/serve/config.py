@@ -40,6 +40,18 @@ class ServeConfig:
     speculative: str | None = None
     #: drafts per sequence and step with ``speculative`` (default and maximum: the graph's K)
     speculative_k: int | None = None
+    # ---- sampling defaults for fields a request leaves out (None: generation_config.json, else OpenAI's)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    #: default max_tokens (None: generation_config.json's max_new_tokens, else what the context holds)
+    max_tokens: int | None = None
+    #: the largest ``n`` (choices per request) accepted (default: the sequences run at once)
+    max_n: int | None = None
+    #: browser origins allowed by CORS ("*": any); None: CORS off
+    allowed_origins: list[str] | None = None
     # ---- disaggregated serving (Ray): prefill replicas hand KV states to decode replicas
     disaggregate: bool = False
     prefill_replicas: int = 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Union
 
 from ..errors import QeffKvError, QueueFullError, RuntimeInputError  # noqa: F401  (re-exported for engines)
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime.state import KVState
@@ -49,13 +50,18 @@ class GenerationRequest:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     state: "KVState | None" = None
+    #: None: no logprobs; else each TokenOut carries the token's logprob and this many alternatives
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class TokenOut:
-    """One generated token."""
+    """One generated token; with ``logprobs`` asked for, its logprob and the ``top`` alternatives (``((token id,
+    logprob), ...)``), read from the logits it was selected from (:mod:`qeff_kv.runtime.sampling`)."""
 
     token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,12 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
     if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
         raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+    if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
+                                     or not 0 <= req.logprobs <= MAX_TOP_LOGPROBS):
+        raise RuntimeInputError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got {req.logprobs!r}")
+    outside = [t for t, _ in req.sampling.logit_bias if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise RuntimeInputError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
     if req.state is not None:
         if not state_allowed:
             raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")
@@ -195,6 +207,21 @@ class Engine(ABC):
         """Queue ``req``. Raises :class:`~qeff_kv.errors.QueueFullError` when the queue is full and
         :class:`~qeff_kv.errors.RuntimeInputError` for a request that cannot run (a prompt longer than the
         context, bad token ids, ``max_tokens < 1``)."""
+
+    def submit_n(self, req: GenerationRequest, samplings: list[SamplingParams]) -> list[RequestHandle]:
+        """``len(samplings)`` choices of one prompt (OpenAI's ``n``): one handle each, the i-th sampled with
+        ``samplings[i]``, each giving the tokens ``req`` with that sampling gives alone. This default submits
+        them one by one (each prompt prefilled); an engine that can fork a prefilled prompt overrides it. All or
+        none are queued."""
+        handles: list[RequestHandle] = []
+        try:
+            for i, sp in enumerate(samplings):
+                handles.append(self.submit(dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sp)))
+        except Exception:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
 
     @abstractmethod
     def stats(self) -> dict:

@@ -1,12 +1,17 @@
 """OpenAI's request and error shapes: the body of ``/v1/completions`` and ``/v1/chat/completions`` checked field
 by field (a one-line message naming the field), and the error object ``{"error": {message, type, param, code}}``.
 
-Accepted: ``model``, ``prompt`` (text, token ids, or a list of one of them) / ``messages``, ``max_tokens`` or
-``max_completion_tokens``, ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop`` (a string or a list of up
-to 16), ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and two extensions: ``top_k`` and
-``ignore_eos``. Fields that would change the output in ways not implemented (``logprobs``, ``echo``, ``best_of``
-> 1, ``tools``, ``response_format`` other than text, ``suffix``) are refused rather than ignored; other unknown
-fields are ignored, as OpenAI's clients send many.
+Every field is either honoured or refused with a 400 naming it (:data:`HONOURED`, :data:`NO_EFFECT`,
+:func:`_refuse_unsupported`); a field this server does not know at all is refused too, so nothing a client sends
+is silently ignored. Honoured: ``model``, ``prompt`` (text, token ids, or a list of one of them) / ``messages``,
+``max_tokens`` or ``max_completion_tokens``, ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop`` (a
+string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream``, ``stream_options``
+(``include_usage``), ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: 0-5), ``logit_bias``
+(token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions), and the
+vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``. Accepted with no
+effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, ``prompt_cache_key``,
+``metadata``, ``service_tier`` ``auto``/``default``, ``store: false``, ``best_of: 1``. The sampling fields a
+request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,43 @@ import math
 from dataclasses import dataclass, field
 
 MAX_STOPS = 16
+#: OpenAI's bounds: chat top_logprobs 0-20, completions logprobs 0-5
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_COMPLETIONS = 5
+
+#: the fields honoured on both routes (see the module docstring); chat and completions add their own
+HONOURED = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "logprobs",
+    "logit_bias", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+})
+HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
+HONOURED_COMPLETIONS = HONOURED | {"prompt", "echo"}
+#: fields that by OpenAI's definition do not change the output (identifiers, cache hints), with the values
+#: accepted; any other value is refused
+NO_EFFECT = {"user": None, "safety_identifier": None, "prompt_cache_key": None, "metadata": None,
+             "service_tier": ("auto", "default"), "store": (False,), "best_of": (1,)}
+#: known fields refused when given a value other than these (their "off" values); with a reason
+REFUSED = {
+    "tools": ((None, []), "tools are not supported by this server"),
+    "tool_choice": ((None, "none"), "tool_choice needs tools, which this server does not support"),
+    "parallel_tool_calls": ((None,), "parallel_tool_calls needs tools, which this server does not support"),
+    "functions": ((None, []), "functions are not supported by this server"),
+    "function_call": ((None, "none"), "function_call needs functions, which this server does not support"),
+    "response_format": ((None, {"type": "text"}), 'response_format: only {"type": "text"} is supported'),
+    "audio": ((None,), "audio output is not supported by this server"),
+    "modalities": ((None, ["text"]), 'modalities: only ["text"] is supported'),
+    "prediction": ((None,), "prediction (predicted outputs) is not supported by this server"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported by this server"),
+    "verbosity": ((None,), "verbosity is not supported by this server"),
+    "web_search_options": ((None,), "web search is not supported by this server"),
+    "prompt_cache_retention": ((None,), "prompt_cache_retention is not supported (cached prompts are kept "
+                                        "while their slot is not needed)"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported by this server"),
+    "moderation": ((None,), "moderation is not supported by this server"),
+    "prompt_cache_options": ((None,), "prompt_cache_options is not supported (prompt reuse is automatic)"),
+    "repeat_penalty": ((None,), "repeat_penalty (llama-server's, over the last tokens) is not supported; use "
+                                "repetition_penalty (over the whole prompt and output)"),
+}
 
 
 class APIError(Exception):
@@ -37,10 +79,20 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 @dataclass
 class Params:
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # sampling: None where the request leaves it to the server's defaults
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    n: int = 1
+    #: None: no logprobs; else how many alternatives per token (0: the chosen token's only)
+    logprobs: int | None = None
+    echo: bool = False
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -55,7 +107,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def _number(body: dict, key: str, default, lo: float, hi: float, lo_open: bool = False):
     v = body.get(key)
     if v is None:
         return default
@@ -87,7 +139,27 @@ def _bool(body: dict, key: str) -> bool:
     return v
 
 
-def parse(body, *, chat: bool, model_name: str, ctx_len: int) -> Params:
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """A 400 for a field not honoured: an unknown one, a refused one set, or a no-effect one with another value."""
+    honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
+    for key, v in body.items():
+        if key in honoured:
+            continue
+        if key in NO_EFFECT:
+            allowed = NO_EFFECT[key]
+            if v is not None and allowed is not None and v not in allowed:
+                raise bad(f"{key}={v!r} is not supported (accepted: {', '.join(map(repr, allowed))})", key)
+            continue
+        if key in REFUSED:
+            off, why = REFUSED[key]
+            if v not in off:
+                raise bad(why, key)
+            continue
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        raise bad(f"unknown field {key!r}: not supported by {route} on this server", key)
+
+
+def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1) -> Params:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -97,26 +169,69 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int) -> Params:
         if model != model_name:
             raise bad(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                       "model_not_found")
+    _refuse_unsupported(body, chat)
     p = Params()
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     p.max_tokens = _int(body, mt, 1, ctx_len)
-    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    p.top_k = _int(body, "top_k", 0) or 0
-    p.seed = _int(body, "seed", 0, 2 ** 63 - 1)
+    _sampling(body, p)
     n = _int(body, "n", 1)
-    if n is not None and n != 1:
-        raise bad(f"n must be 1 (one choice per request), got {n}", "n")
-    best_of = _int(body, "best_of", 1)
-    if best_of is not None and best_of != 1:
-        raise bad(f"best_of must be 1, got {best_of}", "best_of")
-    for key in ("logprobs", "echo", "top_logprobs", "tools", "functions", "suffix"):
-        v = body.get(key)
-        if v not in (None, False, [], 0, ""):
-            raise bad(f"{key} is not supported by this server", key)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    if n is not None and n > max_n:
+        raise bad(f"n must be at most {max_n} (the server's --max-n), got {n}", "n")
+    p.n = n or 1
+    _logprobs(body, p, chat)
+    _output(body, p)
+    if chat:
+        p.messages = _messages(body.get("messages"))
+    else:
+        p.echo = _bool(body, "echo")
+        if p.echo and p.logprobs is not None:
+            raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        _prompt(body.get("prompt", None), p)
+    return p
+
+
+def _sampling(body: dict, p: Params) -> None:
+    p.temperature = _number(body, "temperature", None, 0.0, 2.0)
+    p.top_p = _number(body, "top_p", None, 0.0, 1.0, lo_open=True)
+    p.top_k = _int(body, "top_k", 0)
+    p.min_p = _number(body, "min_p", None, 0.0, 1.0)
+    p.repetition_penalty = _number(body, "repetition_penalty", None, 0.0, 10.0, lo_open=True)
+    p.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    p.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    p.seed = _int(body, "seed", 0, 2 ** 63 - 1)
+    p.logit_bias = _logit_bias(body.get("logit_bias"))
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad(f"logit_bias must be an object mapping token ids to biases, got {v!r}", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not isinstance(k, str) or not k.isascii() or not k.isdigit():
+            raise bad(f"logit_bias keys must be token ids (decimal strings), got {k!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise bad(f"logit_bias[{k}] must be a number in [-100, 100], got {b!r}", "logit_bias")
+        out[int(k)] = float(b)
+    return tuple(sorted(out.items()))
+
+
+def _logprobs(body: dict, p: Params, chat: bool) -> None:
+    if chat:
+        want = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT)
+        if top is not None and not want:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        p.logprobs = (top or 0) if want else None
+        return
+    v = body.get("logprobs")
+    if isinstance(v, bool):
+        raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS_COMPLETIONS}], got {v!r}", "logprobs")
+    p.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS_COMPLETIONS)
+
+
+def _output(body: dict, p: Params) -> None:
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -130,15 +245,14 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int) -> Params:
     if so is not None:
         if not isinstance(so, dict):
             raise bad(f"stream_options must be an object, got {so!r}", "stream_options")
-        if so.get("include_usage") is not None and not isinstance(so.get("include_usage"), bool):
-            raise bad("stream_options.include_usage must be true or false", "stream_options")
+        for key, v in so.items():
+            if key not in ("include_usage", "include_obfuscation") or (v is not None and not isinstance(v, bool)):
+                raise bad(f"stream_options.{key}={v!r} is not supported (include_usage: true or false)",
+                          "stream_options")
+        if so.get("include_obfuscation"):
+            raise bad("stream_options.include_obfuscation is not supported", "stream_options")
         p.include_usage = bool(so.get("include_usage"))
     p.ignore_eos = _bool(body, "ignore_eos")
-    if chat:
-        p.messages = _messages(body.get("messages"))
-    else:
-        _prompt(body.get("prompt", None), p)
-    return p
 
 
 def _prompt(v, p: Params) -> None:

@@ -12,6 +12,12 @@ Each turn of the engine thread:
    without it: the session does both); with a :class:`~.speculation.Speculation` (``--speculative``), that step
    verifies each sequence's drafts and may give each several tokens, emitted one event each.
 
+Token selection is one call per row, :meth:`Scheduler._select`: the row's
+:class:`~qeff_kv.runtime.sampling.TokenPicker` (``logit_bias``, penalties, logprobs, temperature / top-k / top-p /
+min-p, the seeded draw) on that row's logits, for the position the token will occupy; a row with nothing to adjust
+and no logprobs takes the plain fast path. OpenAI's ``n`` prefills a prompt once and forks it
+(:mod:`.forks`).
+
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
 spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
 
@@ -31,6 +37,7 @@ chunk's.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 import traceback
@@ -40,7 +47,8 @@ from pathlib import Path
 
 from ..errors import QeffKvError, QueueFullError, RuntimeInputError
 from ..runtime.cache import Sequence
-from ..runtime.sampling import sample
+from ..runtime.sampling import Pick, TokenPicker
+from .forks import ChoiceForks
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
@@ -61,6 +69,9 @@ class _Active:
     generated: int = 0
     last: int | None = None             # the last sampled token, fed by the next decode step
     admitted_at: float = field(default_factory=time.monotonic)
+    picker: TokenPicker | None = None   # the row's logits pipeline and token history (runtime/sampling.py)
+    #: other choices of the same prompt (OpenAI's n), parked until this one's prompt is prefilled, then forked
+    followers: list["_Active"] = field(default_factory=list)
 
 
 def _common_prefix(a: list[int], b: tuple[int, ...] | list[int], limit: int) -> int:
@@ -71,7 +82,7 @@ def _common_prefix(a: list[int], b: tuple[int, ...] | list[int], limit: int) -> 
     return i
 
 
-class Scheduler(Engine):
+class Scheduler(ChoiceForks, Engine):
     """Continuous batching over one :class:`~qeff_kv.runtime.Session` (see the module docstring).
 
     Args:
@@ -114,6 +125,8 @@ class Scheduler(Engine):
         self._prefilling: list[_Active] = []
         self._running: list[_Active] = []
         self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
+        #: a waiting request's other choices (n > 1), by id() of the first choice's handle
+        self._groups: dict[int, list[tuple[RequestHandle, GenerationRequest]]] = {}
         self._closed = False
         self._published = 0.0
         self._stats = {"queue_depth": 0, "sequences_active": 0, "sequences_cached": 0, "kv_bytes_used": 0,
@@ -125,17 +138,27 @@ class Scheduler(Engine):
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        check_request(req, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size)
-        handle = RequestHandle(req.request_id, on_cancel=lambda h: self._wake.set())
+        return self._queue(req, [req.sampling])[0]
+
+    def _queue(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
+        reqs = [req] if len(samplings) == 1 else [
+            dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sp) for i, sp in enumerate(samplings)]
+        for r in reqs:
+            check_request(r, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size)
+            if self.speculation is not None and (r.sampling.adjusts or r.logprobs is not None):
+                raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --speculative")
+        handles = [RequestHandle(r.request_id, on_cancel=lambda h: self._wake.set()) for r in reqs]
         with self._lock:
             if self._closed:
                 raise RuntimeInputError("the engine is closed")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
-            self._waiting.append((handle, req))
+            self._waiting.append((handles[0], reqs[0]))
+            if len(reqs) > 1:
+                self._groups[id(handles[0])] = list(zip(handles[1:], reqs[1:]))
             self._stats["queue_depth"] = len(self._waiting)
         self._wake.set()
-        return handle
+        return handles
 
     def stats(self) -> dict:
         with self._lock:
@@ -199,10 +222,10 @@ class Scheduler(Engine):
 
     def _admissible(self) -> bool:
         with self._lock:
-            return bool(self._waiting) and self._slot_available()
+            return bool(self._waiting) and self._slot_available(self._members(self._waiting[0][0]))
 
-    def _slot_available(self) -> bool:
-        return bool(self.session.cache.free_slots()) or bool(self._kept)
+    def _slot_available(self, need: int = 1) -> bool:
+        return len(self.session.cache.free_slots()) + len(self._kept) >= need
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -211,7 +234,7 @@ class Scheduler(Engine):
         self._published = now
         cache = self.session.cache
         slots = [{"id": i, "state": "free", "n_tokens": 0} for i in range(self.max_sequences)]
-        for a in self._prefilling + self._running:
+        for a in self._prefilling + self._running + self._parked():
             slots[a.seq.slot] = {"id": a.seq.slot, "state": "busy", "n_tokens": a.seq.length}
         for s in self._kept.values():
             slots[s.slot] = {"id": s.slot, "state": "cached", "n_tokens": s.length}
@@ -228,6 +251,8 @@ class Scheduler(Engine):
                 group.remove(a)
         if self.speculation is not None:
             self.speculation.release(a)
+        if a.followers:
+            self._release_followers(a, reason, error)
         seq = a.seq
         if keep and self.reuse_prompts and seq.alive and seq.length > 0 and all(t >= 0 for t in seq.tokens):
             self._kept[seq.id] = seq
@@ -247,19 +272,23 @@ class Scheduler(Engine):
             waiting, self._waiting = list(self._waiting), collections.deque()
             control, self._control = list(self._control), collections.deque()
         for h, req in waiting:
-            h.emit(Finished("cancelled", len(req.prompt), 0, 0))
+            for gh, greq in [(h, req)] + self._groups.pop(id(h), []):
+                gh.emit(Finished("cancelled", len(greq.prompt), 0, 0))
         for fut, _ in control:
             fut.set_exception(RuntimeInputError("the engine is closed"))
         if self.speculation is not None:
             self.speculation.close()
 
     def _apply_cancellations(self) -> None:
-        for a in [a for a in self._prefilling + self._running if a.handle.cancelled]:
-            self._finish(a, "cancelled")
+        for a in [a for a in self._prefilling + self._running + self._parked() if a.handle.cancelled]:
+            if not a.handle.finished:
+                self._finish(a, "cancelled")
         with self._lock:
             gone = [(h, r) for h, r in self._waiting if h.cancelled]
             if gone:
                 self._waiting = collections.deque((h, r) for h, r in self._waiting if not h.cancelled)
+            # cancelling the first choice of a waiting n-choice request cancels all its choices
+            gone = [m for h, r in gone for m in [(h, r)] + self._groups.pop(id(h), [])]
         for h, r in gone:
             h.emit(Finished("cancelled", len(r.prompt), 0, 0))
 
@@ -328,37 +357,52 @@ class Scheduler(Engine):
     def _admit(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting or not self._slot_available():
+                if not self._waiting or not self._slot_available(self._members(self._waiting[0][0])):
                     return
                 handle, req = self._waiting.popleft()
+                followers = self._groups.pop(id(handle), [])
             if handle.cancelled:
-                handle.emit(Finished("cancelled", len(req.prompt), 0, 0))
+                for h, r in [(handle, req)] + followers:
+                    h.emit(Finished("cancelled", len(r.prompt), 0, 0))
                 continue
             try:
-                self._start(handle, req)
+                a = self._start(handle, req)
+                for h, r in followers:
+                    a.followers.append(self._parked_choice(h, r))
             except Exception as exc:   # noqa: BLE001 - this request fails, the others go on
-                handle.emit(Finished("error", len(req.prompt), 0, 0, f"{type(exc).__name__}: {exc}"))
+                for h, r in [(handle, req)] + followers:
+                    h.emit(Finished("error", len(r.prompt), 0, 0, f"{type(exc).__name__}: {exc}"))
 
-    def _start(self, handle: RequestHandle, req: GenerationRequest) -> None:
+    def _parked_choice(self, handle: RequestHandle, req: GenerationRequest) -> _Active:
+        """Another choice of a prompt being prefilled: its own (empty) sequence, forked when the prompt is done."""
+        budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
         params = req.sampling.resolved()
+        return _Active(handle, req, self._take_slot(), [], budget, params,
+                       picker=TokenPicker(params, req.prompt, self.session.vocab_size))
+
+    def _start(self, handle: RequestHandle, req: GenerationRequest) -> _Active:
+        params = req.sampling.resolved()
+        picker = TokenPicker(params, req.prompt, self.session.vocab_size)
         if req.state is not None:
             if not self.session.cache.free_slots():
                 _, victim = self._kept.popitem(last=False)
                 self.session.remove_sequence(victim)
             seq = self.session.import_state(req.state)
             budget = max(1, min(req.max_tokens, self.ctx_len - seq.length + 1))
-            a = _Active(handle, req, seq, [], budget, params)
+            a = _Active(handle, req, seq, [], budget, params, picker=picker)
             if seq.pending is None:
                 self.session.remove_sequence(seq)
                 raise RuntimeInputError("the handed-off state has no pending token")
+            picker.accept(seq.pending)
             self._emit_token(a, seq.pending)
-            return
+            return a
         seq, cached = self._reuse(req.prompt)
         budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
-        a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached)
+        a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached, picker=picker)
         with self._lock:
             self._stats["prompt_tokens_reused"] += cached
         self._prefilling.append(a)
+        return a
 
     # ---- prefill and decode
     def _chunk_size(self) -> int:
@@ -389,22 +433,36 @@ class Scheduler(Engine):
         if a.todo:
             return
         self._prefilling.remove(a)
+        if a.followers:
+            self._fork(a, logits)
+        self._first_token(a, logits)
+
+    def _first_token(self, a: _Active, logits) -> None:
         try:
-            tok = sample(logits, a.params, a.seq.length)
+            pick = self._select(a, logits)
         except Exception as exc:   # noqa: BLE001
             self._finish(a, "error", f"sampling failed: {exc}", keep=False)
             return
-        a.seq.pending, a.seq.pending_emitted = tok, True
-        self._emit_token(a, tok)
+        a.seq.pending, a.seq.pending_emitted = pick.token, True
+        self._emit_token(a, pick.token, pick)
 
-    def _emit_token(self, a: _Active, tok: int) -> None:
+    def _select(self, a: _Active, logits) -> Pick:
+        """The per-row sampling step (the seam a grammar's allowed-token mask joins): ``a``'s logits pipeline
+        (bias, penalties, logprobs, temperature / top-k / top-p / min-p, select) on its row, for the cache
+        position the token will occupy; the token enters the row's history."""
+        pick = a.picker.pick(logits, a.seq.length, top_logprobs=a.req.logprobs)
+        a.picker.accept(pick.token)
+        return pick
+
+    def _emit_token(self, a: _Active, tok: int, pick: Pick | None = None) -> None:
         """Account one generated token; finish the request or (re)enter it into the running set."""
         a.generated += 1
         a.last = tok
         if tok in a.req.stop_token_ids:
             self._finish(a, "stop")
             return
-        a.handle.emit(TokenOut(tok))
+        a.handle.emit(TokenOut(tok) if pick is None or pick.logprob is None else
+                      TokenOut(tok, pick.logprob, pick.top))
         if a.generated >= a.budget:
             self._finish(a, "length")
             return
@@ -428,12 +486,12 @@ class Scheduler(Engine):
             self._stats["decode_steps"] += 1
         for a in batch:
             try:
-                tok = sample(out[a.seq], a.params, a.seq.length)
+                pick = self._select(a, out[a.seq])
             except Exception as exc:   # noqa: BLE001
                 self._finish(a, "error", f"sampling failed: {exc}", keep=False)
                 continue
-            a.seq.pending, a.seq.pending_emitted = tok, True
-            self._emit_token(a, tok)
+            a.seq.pending, a.seq.pending_emitted = pick.token, True
+            self._emit_token(a, pick.token, pick)
 
     def _speculative_step(self) -> None:
         """The decode step through :attr:`speculation`: each sequence gets one or more tokens, each emitted as

@@ -52,6 +52,26 @@ def text_facts(config: ServeConfig):
     return TextFacts(tokenizer=tok, chat_template=template, eos_token_ids=eos_ids)
 
 
+def sampling_defaults(config: ServeConfig):
+    """The sampling defaults: the serve flags over the export's generation_config.json over OpenAI's."""
+    from ..runtime.model_files import resolve_model
+    from .defaults import resolve_defaults
+
+    flags = {k: getattr(config, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                             "max_tokens")}
+    return resolve_defaults(resolve_model(config.export_dir).folder, flags)
+
+
+def check_max_n(config: ServeConfig, engine: Engine) -> int:
+    """``--max-n`` (default: the sequences run at once), refused above them: n choices run side by side."""
+    if config.max_n is None:
+        return engine.max_sequences
+    if config.max_n > engine.max_sequences:
+        raise RuntimeInputError(f"--max-n {config.max_n}: the server runs {engine.max_sequences} sequences at once; "
+                                f"give at most that (or more --max-sequences)")
+    return config.max_n
+
+
 def check_config(config: ServeConfig) -> None:
     """Refuse bad options before anything is loaded (one line each)."""
     if config.state_dir is not None:
@@ -77,9 +97,12 @@ def serve(config: ServeConfig, *, on_ready=None) -> None:
 
     check_config(config)
     text = text_facts(config)
+    defaults = sampling_defaults(config)
     engine = build_engine(config)
     try:
-        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir)
+        max_n = check_max_n(config, engine)
+        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir, defaults=defaults,
+                         max_n=max_n, allowed_origins=config.allowed_origins)
         if on_ready is not None:
             on_ready(engine)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)

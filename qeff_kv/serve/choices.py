@@ -1,0 +1,100 @@
+"""What a request's choices carry besides text: the sampling each choice runs with (request fields over the
+server's defaults; OpenAI's ``n``: choice ``i`` of a seeded request uses ``seed + i``, so it gives the tokens a
+request with that seed alone gives) and the ``logprobs`` objects of both routes.
+
+Logprobs are read from the logits the token was selected from, after ``logit_bias`` and the penalties and before
+temperature and the top-k / top-p / min-p truncation (:mod:`qeff_kv.runtime.sampling`); a token's ``token`` text
+is its own decoded text (a token holding part of a UTF-8 character shows U+FFFD; ``bytes`` are that text's
+UTF-8). Entries cover every token generated up to the one that completed a stop string (the stop string's text
+is cut from the content, not its tokens from the logprobs); a stop token (eos) has none, as it has no text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..runtime.sampling import SamplingParams
+from .defaults import SamplingDefaults
+from .openai_io import Params
+
+#: seeds are 63-bit: choice i of seed s uses (s + i) mod 2**63
+_SEED_SPACE = 2 ** 63
+
+
+def sampling_of(p: Params, defaults: SamplingDefaults) -> SamplingParams:
+    """The first choice's sampling: each field from the request, else the server's default."""
+    def pick(name):
+        v = getattr(p, name)
+        return getattr(defaults, name) if v is None else v
+
+    return SamplingParams(temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"), seed=p.seed,
+                          min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          logit_bias=p.logit_bias)
+
+
+def choice_samplings(first: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` choices: a seeded request's choice ``i`` uses ``seed + i``; an unseeded one's draw their own seeds."""
+    if first.seed is None:
+        return [first] * n
+    return [dataclasses.replace(first, seed=(first.seed + i) % _SEED_SPACE) for i in range(n)]
+
+
+def max_tokens_of(p: Params, defaults: SamplingDefaults, room: int) -> int:
+    want = p.max_tokens if p.max_tokens is not None else defaults.max_tokens
+    return min(want or room, room)
+
+
+class TokenText:
+    """Token ids as the text the logprobs show (cached per id)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        s = self._cache.get(token)
+        if s is None:
+            s = self._tok.decode([token], skip_special_tokens=False)
+            if len(self._cache) < 200_000:
+                self._cache[token] = s
+        return s
+
+
+class Logprobs:
+    """One choice's logprob entries (from :class:`~.engine.TokenOut` events), shaped for chat or completions.
+    :meth:`take` returns the entries gathered since the last call (a stream chunk's)."""
+
+    def __init__(self, text: TokenText, chat: bool, offset: int = 0):
+        self.text, self.chat = text, chat
+        self._entries: list[tuple[int, float, tuple]] = []
+        self._taken = 0
+        self._offset = offset   # completions' text_offset: where the completion starts (after an echoed prompt)
+
+    def add(self, ev) -> None:
+        if ev.logprob is not None:
+            self._entries.append((ev.token, ev.logprob, ev.top))
+
+    def take(self) -> dict | None:
+        part, self._taken = self._entries[self._taken:], len(self._entries)
+        return self._shape(part)
+
+    def all(self) -> dict:
+        return self._shape(self._entries)
+
+    def _shape(self, entries) -> dict:
+        if self.chat:
+            return {"content": [dict(self._chat_item(t, lp), top_logprobs=[self._chat_item(a, b) for a, b in top])
+                                for t, lp, top in entries], "refusal": None}
+        tokens = [self.text(t) for t, _, _ in entries]
+        offsets = []
+        for s in tokens:
+            offsets.append(self._offset)
+            self._offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self.text(a): b for a, b in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+    def _chat_item(self, token: int, logprob: float) -> dict:
+        s = self.text(token)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}

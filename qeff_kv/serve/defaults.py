@@ -1,0 +1,95 @@
+"""The server's sampling defaults: what a request that leaves a sampling field out gets.
+
+Each field comes from, in order: the ``qeff-kv serve`` flag (``--temperature``, ``--top-p``, ``--top-k``,
+``--min-p``, ``--repetition-penalty``, ``--max-tokens``), else the export's ``generation_config.json`` (the Hugging
+Face file the exporter copies beside the graph; its ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty`` and ``max_new_tokens``, like vLLM's ``--generation-config auto``; ``do_sample`` is not
+read, as in vLLM), else OpenAI's defaults (temperature 1, top_p 1, no top_k / min_p / repetition penalty, as many
+tokens as the context holds). ``/v1/models`` and ``/health`` show the result and where each value came from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import RuntimeInputError
+from ..runtime.sampling import SamplingParams
+
+#: generation_config.json key -> SamplingDefaults field
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": None}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    #: None: as many as the context holds
+    max_tokens: int | None = None
+    #: field -> "flag" | "generation_config.json" | "openai"
+    source: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        # the same bounds as a request's (a default that a request could not give is refused at start-up)
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       repetition_penalty=self.repetition_penalty)
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise RuntimeInputError(f"the default max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+    def shown(self) -> dict:
+        """What ``/v1/models`` and ``/health`` show: the values and each one's source."""
+        values = {k: getattr(self, k) for k in OPENAI}
+        return {**values, "source": {k: self.source.get(k, "openai") for k in OPENAI}}
+
+
+def read_generation_config(folder: Path) -> dict:
+    """The sampling fields of ``folder/generation_config.json`` (``{}`` when there is none); a one-line error for a
+    file that is not JSON or a value of the wrong kind."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RuntimeInputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise RuntimeInputError(f"{path}: not a JSON object")
+    out = {}
+    for key, name in GENERATION_CONFIG_KEYS.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        integral = name in ("top_k", "max_tokens")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                integral and v != int(v)):
+            raise RuntimeInputError(f"{path}: {key} must be {'an integer' if integral else 'a number'}, got {v!r}")
+        out[name] = int(v) if integral else float(v)
+    return out
+
+
+def resolve_defaults(folder: Path | None, flags: dict) -> SamplingDefaults:
+    """``flags`` (field -> value or None: the serve options) over ``generation_config.json`` over OpenAI's."""
+    from_file = read_generation_config(folder) if folder is not None else {}
+    values, source = {}, {}
+    for name, openai_value in OPENAI.items():
+        if flags.get(name) is not None:
+            values[name], source[name] = flags[name], "flag"
+        elif name in from_file:
+            values[name], source[name] = from_file[name], "generation_config.json"
+        else:
+            values[name], source[name] = openai_value, "openai"
+    if values["top_k"] is not None and values["top_k"] < 0:   # HF's "no limit" spelled -1 (vLLM's too)
+        values["top_k"] = 0
+    try:
+        return SamplingDefaults(**values, source=source)
+    except RuntimeInputError as exc:
+        given = ", ".join(f"{k} from {v}" for k, v in source.items() if v != "openai")
+        raise RuntimeInputError(f"sampling defaults ({given}): {exc}") from None

@@ -1,0 +1,70 @@
+"""OpenAI's ``n`` in the local engine: several choices of one prompt, the prompt prefilled once.
+
+:meth:`ChoiceForks.submit_n` queues the choices as one waiting entry (the first choice's handle; the others in
+``_groups``), admitted when ``n`` sequence slots are free or held by kept sequences. The first choice is started
+as any request; the others are *parked* on it (``_Active.followers``) with empty sequences of their own. When its
+prompt is prefilled, :meth:`ChoiceForks._fork` copies the prompt's positions into each parked choice's sequence
+(``Session.copy``) and each selects its first token from the same logits with its own sampling, then decodes on
+as a sequence of its own. A session that cannot copy makes the parked choice prefill the prompt itself (the same
+logits, so the same tokens). A mixin of :class:`~.scheduler.Scheduler` (its state and helpers).
+"""
+
+from __future__ import annotations
+
+from ..errors import QeffKvError, RuntimeInputError
+from .engine import GenerationRequest, RequestHandle
+
+
+class ChoiceForks:
+    """``submit_n`` and the forking of parked choices, for :class:`~.scheduler.Scheduler`."""
+
+    def submit_n(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
+        """``n`` choices of one prompt: the prompt is prefilled once (the first choice's), then copied into the
+        other choices' slots (``Session.copy``) and each choice samples on with its own parameters; where the
+        session cannot copy, each choice prefills the prompt itself (the same logits)."""
+        if not 1 <= len(samplings) <= self.max_sequences:
+            raise RuntimeInputError(f"n must be in [1, {self.max_sequences}] (the sequences this server runs at "
+                                    f"once), got {len(samplings)}")
+        return self._queue(req, samplings)
+
+    def _members(self, handle: RequestHandle) -> int:
+        """Sequences the waiting request of ``handle`` needs (n choices: n)."""
+        return 1 + len(self._groups.get(id(handle), ()))
+
+    def _parked(self) -> list:
+        return [f for a in self._prefilling for f in a.followers if not f.handle.finished]
+
+    def _release_followers(self, a, reason: str, error: str | None) -> None:
+        """``a`` ends before its prompt was forked: its parked choices end the same way on an error or at
+        shutdown, else (``a`` was cancelled alone) each prefills the prompt itself."""
+        followers, a.followers = a.followers, []
+        for f in followers:
+            if f.handle.finished:
+                continue
+            if reason == "error" or self._closed or f.handle.cancelled:
+                self._finish(f, reason if not f.handle.cancelled else "cancelled", error, keep=False)
+            else:
+                f.todo = list(f.req.prompt)
+                self._prefilling.append(f)
+
+    def _fork(self, a, logits) -> None:
+        """``a``'s prompt is prefilled: copy it into each parked choice's sequence, which then selects its first
+        token from the same ``logits`` (a choice the session cannot copy into prefills the prompt itself)."""
+        followers, a.followers = a.followers, []
+        copy = getattr(self.session, "copy", None)
+        for f in followers:
+            if f.handle.finished:
+                continue
+            if f.handle.cancelled:
+                self._finish(f, "cancelled", keep=False)
+                continue
+            try:
+                if copy is None:
+                    raise RuntimeInputError("this session cannot copy sequences")
+                copy(a.seq, f.seq, a.seq.length)
+            except QeffKvError:
+                f.todo = list(f.req.prompt)
+                self._prefilling.append(f)
+                continue
+            f.cached = len(f.req.prompt)
+            self._first_token(f, logits)
