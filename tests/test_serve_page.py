@@ -364,6 +364,10 @@ HOSTILE = """Here is **bold**, *italic*, `inline <b>code</b>` and a [link](https
 ```html
 <img src=x onerror="window.__pwned = 7">
 ```
+```python
+def f(x):  # add "one" </span><b>
+    return x + 1.5, 'a<b'
+```
 > quoted <iframe src="javascript:window.__pwned=8">"""
 
 
@@ -400,6 +404,13 @@ def test_model_html_is_escaped_and_markdown_rendered(stub, browser):
     assert browser.evaluate(f"{body}.querySelector('.code pre code').textContent") == \
         '<img src=x onerror="window.__pwned = 7">'
     assert browser.evaluate(f"{body}.querySelector('.code-head span').textContent") == "html"
+    # the python block: highlighted, its text unchanged
+    py = f"{body}.querySelectorAll('.code')[1]"
+    assert browser.evaluate(f"{py}.querySelector('code').textContent") == \
+        "def f(x):  # add \"one\" </span><b>\n    return x + 1.5, 'a<b'"
+    assert browser.evaluate(f"[...{py}.querySelectorAll('code span')].map(e => e.className + ' ' + e.textContent)") \
+        == ["tok-keyword def", 'tok-comment # add "one" </span><b>', "tok-keyword return", "tok-number 1.5",
+            "tok-string 'a<b'"]
     assert browser.evaluate(f"{body}.querySelector('blockquote').textContent") == \
         'quoted <iframe src="javascript:window.__pwned=8">'
     browser.click("#answer .copy")
