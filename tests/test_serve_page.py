@@ -280,6 +280,8 @@ class StubOpenAI:
 
     def __init__(self):
         self.answer, self.finish, self.chunk = "", "stop", 7
+        self.error: str | None = None        # set: the next chat request fails with HTTP 400 and this message
+        self.model_extra: dict = {}          # more fields of the model object in /v1/models
         self.requests: list[dict] = []
         page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_bytes()
         stub = self
@@ -305,12 +307,17 @@ class StubOpenAI:
                 elif self.path == "/v1/models":
                     self._send(200, "application/json", json.dumps(
                         {"object": "list", "data": [{"id": "stub-model", "object": "model",
-                                                     "max_model_len": 4096}]}).encode())
+                                                     "max_model_len": 4096, **stub.model_extra}]}).encode())
                 else:
                     self._send(404, "application/json", b'{"error": {"message": "not found"}}')
 
             def do_POST(self):
                 stub.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if stub.error is not None:
+                    message, stub.error = stub.error, None
+                    self._send(400, "application/json", json.dumps(
+                        {"error": {"message": message, "type": "invalid_request_error"}}).encode())
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
@@ -441,3 +448,26 @@ def test_input_stays_pinned_after_many_turns(stub, browser):
     assert len(last["messages"]) == 1 + 2 * 11 + 1
     assert (last["temperature"], last["top_p"], last["seed"], last["max_tokens"]) == (0.7, 0.9, 7, 200)
     assert last["stream"] is True and last["stream_options"] == {"include_usage": True}
+
+
+def test_a_failed_turn_is_shown_but_not_sent_as_history(stub, browser):
+    stub.model_extra = {"sampling_defaults": {"temperature": 0.6, "top_p": 0.95}}
+    stub.answer = "fine"
+    open_page(browser, stub, name="stub-model")
+    # the server's defaults, as /v1/models reports them, are what an empty field means
+    assert browser.evaluate("[document.getElementById('temp').placeholder, document.getElementById('top_p')"
+                            ".placeholder]") == ["default 0.6", "default 0.95"]
+    ask(browser, "one")
+    assert wait_state(browser) == "done"
+    stub.error = "top_p must be in (0, 1], got 7"
+    ask(browser, "two")
+    assert wait_state(browser) == "error"
+    assert browser.evaluate("document.querySelector('#answer .badge.error').textContent") == \
+        "error: top_p must be in (0, 1], got 7"
+    assert browser.evaluate("!document.getElementById('send').disabled")
+    ask(browser, "three")
+    assert wait_state(browser) == "done"
+    assert [m["content"] for m in stub.requests[-1]["messages"]] == ["one", "fine", "three"]
+    assert "temperature" not in stub.requests[-1] and "top_p" not in stub.requests[-1]
+    assert browser.evaluate("[...document.querySelectorAll('#log .msg .body')].map(e => e.textContent)") == \
+        ["one", "fine", "two", "", "three", "fine"]
