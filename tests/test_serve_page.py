@@ -17,6 +17,8 @@ Screenshots go to ``test-artifacts/serve-chat-*.png`` (git-ignored). Skips where
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import re
 import threading
@@ -37,7 +39,6 @@ from serve_helpers import LiveServer, SlowDecode, chat_export  # noqa: E402
 KEY = "page-key"
 ARTIFACTS = REPO / "test-artifacts"
 
-pytestmark = pytest.mark.skipif(not chromium_available(), reason=f"no Chromium at {CHROMIUM} (set QEFF_KV_CHROMIUM)")
 
 MODEL_SHOWN = "document.getElementById('model').textContent.startsWith('{name} · context')"
 RECORD_BODIES = ("window.__bodies = []; const __f = window.fetch; window.fetch = (u, o) => "
@@ -60,6 +61,8 @@ def page_server(own_cb_graph, tmp_path_factory):
 
 @pytest.fixture
 def browser():
+    if not chromium_available():
+        pytest.skip(f"no Chromium at {CHROMIUM} (set QEFF_KV_CHROMIUM)")
     b = Browser()
     yield b
     b.close()
@@ -109,6 +112,17 @@ def open_page(browser, srv, query: str = "", name: str = "tiny-chat") -> None:
     browser.wait_for(MODEL_SHOWN.format(name=name))
 
 
+def test_the_pages_policy_allows_exactly_its_script():
+    page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
+    assert len(scripts) == 1 and "<script" not in page.replace("<script>" + scripts[0] + "</script>", "")
+    digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
+    [policy] = re.findall(r'<meta http-equiv="Content-Security-Policy" content="([^"]+)">', page)
+    assert f"script-src 'sha256-{digest}';" in policy, f"put script-src 'sha256-{digest}' into the page's policy"
+    assert "unsafe-inline" not in policy.split("script-src")[1].split(";")[0]
+    assert "connect-src 'self'" in policy and "default-src 'none'" in policy
+
+
 # ---------------------------------------------------------------------------------------------- the real server
 def test_chat_page_streams_an_answer(page_server, browser):
     question, max_tokens = "Hi there", 24
@@ -153,9 +167,9 @@ def test_chat_page_streams_an_answer(page_server, browser):
 
 def test_stop_cancels_the_stream_and_frees_the_slot(page_server, browser):
     before = cancelled_count(page_server)
-    page_server.slow.delay = 0.15
+    page_server.slow.delay = 0.2
     try:
-        open_page(browser, page_server, f"?key={KEY}&max=40&temp=0")
+        open_page(browser, page_server, f"?key={KEY}&max=50&temp=0")
         ask(browser, "Hi there")
         browser.wait_for("(document.querySelector('#answer .body') || {}).textContent.length >= 3")
         assert browser.evaluate("document.body.dataset.state") == "streaming"
@@ -182,7 +196,7 @@ def test_stop_cancels_the_stream_and_frees_the_slot(page_server, browser):
                             "!document.getElementById('send').disabled")
     [chat] = stored_chats(browser)
     assert chat["messages"][1]["finish"] == "stopped"
-    assert chat["messages"][1]["content"] == shown and 3 <= len(shown) < 40
+    assert chat["messages"][1]["content"] == shown and 3 <= len(shown) < 50
 
 
 def test_new_chat_during_a_stream_stops_it_and_starts_empty(page_server, browser):
@@ -190,7 +204,7 @@ def test_new_chat_during_a_stream_stops_it_and_starts_empty(page_server, browser
     want = greedy_answer(page_server, [{"role": "user", "content": second}], max_tokens)
     page_server.slow.delay = 0.15
     try:
-        open_page(browser, page_server, f"?key={KEY}&max={max_tokens}&temp=0")
+        open_page(browser, page_server, f"?key={KEY}&max=50&temp=0")
         browser.evaluate(RECORD_BODIES)
         ask(browser, first)
         browser.wait_for("(document.querySelector('#answer .body') || {}).textContent.length >= 2")
@@ -200,6 +214,8 @@ def test_new_chat_during_a_stream_stops_it_and_starts_empty(page_server, browser
         assert browser.evaluate("!document.getElementById('send').disabled")
     finally:
         page_server.slow.delay = 0.0
+    browser.click("#toggle-settings")
+    browser.evaluate(f"document.getElementById('max').value = '{max_tokens}'; true")
     ask(browser, second)
     assert wait_state(browser) == "done"
     bodies = browser.evaluate("window.__bodies")
@@ -282,6 +298,7 @@ class StubOpenAI:
         self.answer, self.finish, self.chunk = "", "stop", 7
         self.error: str | None = None        # set: the next chat request fails with HTTP 400 and this message
         self.model_extra: dict = {}          # more fields of the model object in /v1/models
+        self.cut_short = False               # end the stream after the text: no finish reason, no [DONE]
         self.requests: list[dict] = []
         page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_bytes()
         stub = self
@@ -326,6 +343,9 @@ class StubOpenAI:
                 for k in range(0, len(text), stub.chunk):
                     self._event({"choices": [{"index": 0, "delta": {"content": text[k:k + stub.chunk]},
                                               "finish_reason": None}]})
+                if stub.cut_short:
+                    self.close_connection = True
+                    return
                 self._event({"choices": [{"index": 0, "delta": {}, "finish_reason": stub.finish}]})
                 self._event({"choices": [], "usage": {"completion_tokens": len(text)}})
                 self.wfile.write(b"data: [DONE]\n\n")
@@ -420,6 +440,10 @@ def test_model_html_is_escaped_and_markdown_rendered(stub, browser):
             "tok-string 'a<b'"]
     assert browser.evaluate(f"{body}.querySelector('blockquote').textContent") == \
         'quoted <iframe src="javascript:window.__pwned=8">'
+    # and the page's policy would have stopped such HTML anyway: an inline handler inserted on purpose does not run
+    browser.evaluate("document.body.insertAdjacentHTML('beforeend', '<img src=x onerror=\"window.__csp = 1\">'); true")
+    time.sleep(0.3)
+    assert browser.evaluate("window.__csp === undefined")
     browser.click("#answer .copy")
     browser.wait_for("document.querySelector('#answer .copy').textContent === 'Copied'")
     # the stored conversation keeps the raw text
@@ -471,3 +495,29 @@ def test_a_failed_turn_is_shown_but_not_sent_as_history(stub, browser):
     assert "temperature" not in stub.requests[-1] and "top_p" not in stub.requests[-1]
     assert browser.evaluate("[...document.querySelectorAll('#log .msg .body')].map(e => e.textContent)") == \
         ["one", "fine", "two", "", "three", "fine"]
+    # a stream that ends without its finish reason (the connection lost) is an error, not a finished answer
+    stub.cut_short = True
+    ask(browser, "four")
+    assert wait_state(browser) == "error"
+    assert browser.evaluate("[document.querySelector('#answer .body').textContent, "
+                            "document.querySelector('#answer .badge.error').textContent]") == \
+        ["fine", "error: the stream ended without a finish reason (connection lost?)"]
+
+
+def test_two_tabs_keep_each_others_conversations(stub, browser):
+    stub.answer = "ok"
+    open_page(browser, stub, name="stub-model")
+    ask(browser, "from tab one")
+    assert wait_state(browser) == "done"
+    first_tab = browser.session
+    open_page(browser, stub, name="stub-model")          # a second tab of the same origin
+    browser.click("#new")
+    ask(browser, "from tab two")
+    assert wait_state(browser) == "done"
+    browser.session = first_tab
+    browser.wait_for("document.querySelectorAll('#chats li').length === 2")   # tab one saw tab two's chat
+    ask(browser, "again from tab one")
+    browser.wait_for("document.querySelectorAll('#log .msg').length === 4 && document.body.dataset.state === 'done'")
+    chats = {c["title"]: [m["content"] for m in c["messages"]] for c in stored_chats(browser)}
+    assert chats == {"from tab one": ["from tab one", "ok", "again from tab one", "ok"],
+                     "from tab two": ["from tab two", "ok"]}
