@@ -521,3 +521,31 @@ def test_two_tabs_keep_each_others_conversations(stub, browser):
     chats = {c["title"]: [m["content"] for m in c["messages"]] for c in stored_chats(browser)}
     assert chats == {"from tab one": ["from tab one", "ok", "again from tab one", "ok"],
                      "from tab two": ["from tab two", "ok"]}
+
+
+LINK = '<a href="{0}" target="_blank" rel="noopener noreferrer">{0}</a>'
+MARKDOWN_CASES = [
+    ("a_b_c and snake_case_name", "<p>a_b_c and snake_case_name</p>"),          # no emphasis inside words
+    ("2 * 3 * 4 = 24", "<p>2 * 3 * 4 = 24</p>"),
+    ("**unclosed and *half", "<p>**unclosed and *half</p>"),                     # what is still streaming
+    ("`a*b*c` and *em*", "<p><code>a*b*c</code> and <em>em</em></p>"),
+    ("x < y && z > \"q\" 's'", "<p>x &lt; y &amp;&amp; z &gt; &quot;q&quot; &#39;s&#39;</p>"),
+    ("line1\nline2", "<p>line1<br>line2</p>"),
+    ("- a\n- b\n\nafter", "<ul><li>a</li><li>b</li></ul><p>after</p>"),
+    ("1. x\n\n2. y\n   more", "<ol><li>x</li><li>y<br>more</li></ol>"),
+    ("3) three\n4) four", '<ol start="3"><li>three</li><li>four</li></ol>'),
+    ("# T\n***\ntext", "<h1>T</h1><hr><p>text</p>"),
+    ("see http://a.b/c?d=1&e=2.", f"<p>see {LINK.format('http://a.b/c?d=1&amp;e=2')}.</p>"),
+    ("~~gone~~ ok", "<p><del>gone</del> ok</p>"),
+    ("> q1\n> q2\n\np", "<blockquote><p>q1<br>q2</p></blockquote><p>p</p>"),
+    ("a | b\n--|--\n1 | 2", "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>2</td></tr>"
+                            "</tbody></table>"),
+    ("```\ncode <b>", '<div class="code"><div class="code-head"><span>code</span><button type="button" class="copy">'
+                      "Copy</button></div><pre><code>code &lt;b&gt;</code></pre></div>"),   # a fence not closed yet
+]
+
+
+def test_markdown_renderer_cases(stub, browser):
+    open_page(browser, stub, name="stub-model")
+    got = browser.evaluate(f"{json.dumps([c for c, _ in MARKDOWN_CASES])}.map(renderMarkdown)")
+    assert list(zip([c for c, _ in MARKDOWN_CASES], got)) == MARKDOWN_CASES
