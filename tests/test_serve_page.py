@@ -199,6 +199,33 @@ def test_stop_cancels_the_stream_and_frees_the_slot(page_server, browser):
     assert chat["messages"][1]["content"] == shown and 3 <= len(shown) < 50
 
 
+def test_a_reload_during_a_stream_keeps_what_was_saved_and_frees_the_slot(page_server, browser):
+    want = greedy_answer(page_server, [{"role": "user", "content": "Hi there"}], 50)
+    before = cancelled_count(page_server)
+    page_server.slow.delay = 0.2
+    try:
+        open_page(browser, page_server, f"?key={KEY}&max=50&temp=0")
+        ask(browser, "Hi there")
+        # the page saves a streaming answer about once a second
+        browser.wait_for("(document.querySelector('#answer .body') || {}).textContent.length >= 10")
+        browser.reload()
+        browser.wait_for(MODEL_SHOWN.format(name="tiny-chat"))
+        deadline = time.monotonic() + 10
+        while cancelled_count(page_server) != before + 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cancelled_count(page_server) == before + 1
+        assert [s for s in server_json(page_server, "/slots") if s["state"] == "busy"] == []
+    finally:
+        page_server.slow.delay = 0.0
+    [chat] = stored_chats(browser)
+    kept = chat["messages"][1]
+    assert kept["finish"] == "stopped" and "pending" not in kept
+    assert 0 < len(kept["content"]) < len(want) and want.startswith(kept["content"])
+    assert browser.evaluate("[document.body.dataset.state, document.querySelector('#answer').dataset.finish, "
+                            "document.querySelector('#answer .body').textContent]") == ["idle", "stopped",
+                                                                                          kept["content"]]
+
+
 def test_new_chat_during_a_stream_stops_it_and_starts_empty(page_server, browser):
     first, second, max_tokens = "Hi there", "Why?", 12
     want = greedy_answer(page_server, [{"role": "user", "content": second}], max_tokens)
@@ -417,8 +444,8 @@ def test_model_html_is_escaped_and_markdown_rendered(stub, browser):
     assert hrefs == ["https://example.com/a?b=1&c=2", "https://e.com/"], hrefs   # javascript: never a link
     text = browser.evaluate(f"{body}.textContent")
     for raw in ('<img src=x onerror="window.__pwned = 1">', "<script>window.__pwned = 2</script>",
-                "[click me](javascript:window.__pwned=3)", '<a href="javascript:window.__pwned=4">a</a>', '<svg onload="window.__pwned=6">',
-                '<iframe src="javascript:window.__pwned=8">'):
+                "[click me](javascript:window.__pwned=3)", '<a href="javascript:window.__pwned=4">a</a>',
+                '<svg onload="window.__pwned=6">', '<iframe src="javascript:window.__pwned=8">'):
         assert raw in text, raw
     # the markdown itself
     assert browser.evaluate(f"{body}.querySelector('strong').textContent") == "bold"
