@@ -526,13 +526,27 @@ def test_a_failed_turn_is_shown_but_not_sent_as_history(stub, browser):
     assert "temperature" not in stub.requests[-1] and "top_p" not in stub.requests[-1]
     assert browser.evaluate("[...document.querySelectorAll('#log .msg .body')].map(e => e.textContent)") == \
         ["one", "fine", "two", "", "three", "fine"]
+    # Regenerate: the last answer asked for again with the same history, in its place
+    stub.answer = "better"
+    browser.click("#answer .regen")
+    assert wait_state(browser) == "done"
+    assert stub.requests[-1]["messages"] == stub.requests[-2]["messages"]
+    assert browser.evaluate("[...document.querySelectorAll('#log .msg .body')].map(e => e.textContent)") == \
+        ["one", "fine", "two", "", "three", "better"]
+    assert browser.evaluate("document.querySelectorAll('#log .regen').length") == 1
     # a stream that ends without its finish reason (the connection lost) is an error, not a finished answer
     stub.cut_short = True
     ask(browser, "four")
     assert wait_state(browser) == "error"
     assert browser.evaluate("[document.querySelector('#answer .body').textContent, "
                             "document.querySelector('#answer .badge.error').textContent]") == \
-        ["fine", "error: the stream ended without a finish reason (connection lost?)"]
+        ["better", "error: the stream ended without a finish reason (connection lost?)"]
+    # and Regenerate on a failed answer is a retry: the question once, the failed answer not in the history
+    stub.cut_short = False
+    browser.click("#answer .regen")
+    assert wait_state(browser) == "done"
+    assert [m["content"] for m in stub.requests[-1]["messages"]] == ["one", "fine", "three", "better", "four"]
+    assert browser.evaluate("document.querySelector('#answer .body').textContent") == "better"
 
 
 def test_two_tabs_keep_each_others_conversations(stub, browser):
