@@ -6,8 +6,9 @@ then ``--runs`` rounds, each in a fresh Chromium profile (nothing cached):
 * **page load**: ``first-paint`` and ``first-contentful-paint`` (the browser's Paint Timing entries) and the time
   until the header shows the model (the page's ``/health`` and ``/v1/models`` round trips done);
 * **time to first token**: the question put into the input and sent; the page's own figure (``performance.now()``
-  from the request to the first non-empty delta, what it shows under the answer) and its tokens/s, then the same
-  chat request from a plain HTTP client (``bench_serve.stream_one``) for the page's overhead over a raw client.
+  from the request to the first non-empty delta, what it shows under the answer) and its tokens/s; the same
+  question again in a new chat of the same page (the browser warm); then the same chat request from a plain HTTP
+  client (``bench_serve.stream_one``) for the page's overhead over a raw client.
 
 Medians are reported; ``--out`` keeps every run as JSON, ``--screenshot`` the last page (look at it).
 
@@ -43,22 +44,31 @@ def page_run(url: str, question: str, max_tokens: int) -> dict:
         t_model = browser.wait_for("document.getElementById('model').dataset.id && performance.now()", timeout=60)
         paints = browser.wait_for(f"(() => {{ const p = {PAINTS}; return p['first-contentful-paint'] && p; }})()")
         nav = browser.evaluate("performance.getEntriesByType('navigation')[0].toJSON()")
-        browser.evaluate(f"document.getElementById('q').value = {json.dumps(question)}; "
-                         "document.getElementById('composer').requestSubmit(); true")
-        state = browser.wait_for("['done', 'error'].includes(document.body.dataset.state) && "
-                                 "document.body.dataset.state", timeout=600)
-        if state != "done":
-            raise RuntimeError(browser.evaluate("document.getElementById('log').textContent"))
-        stats = browser.evaluate("Object.assign({}, document.querySelector('#answer .stats').dataset)")
+        stats = ask(browser, question)
+        browser.evaluate("document.getElementById('new').click(); true")   # the same question in a new chat
+        browser.wait_for("document.querySelectorAll('#log .msg').length === 0")
+        again = ask(browser, question)
         text = browser.evaluate("JSON.parse(localStorage.getItem('qeff-kv.chats'))[0].messages[1].content")
-        return {"first_paint_ms": paints.get("first-paint"), "first_contentful_paint_ms": paints["first-contentful-paint"],
+        return {"first_paint_ms": paints.get("first-paint"),
+                "first_contentful_paint_ms": paints["first-contentful-paint"],
                 "dom_content_loaded_ms": nav["domContentLoadedEventEnd"], "model_shown_ms": t_model,
-                "ttft_ms": float(stats["ttftMs"]),
+                "ttft_ms": float(stats["ttftMs"]), "ttft_again_ms": float(again["ttftMs"]),
                 "tokens_per_s": float(stats["tokensPerS"]) if stats.get("tokensPerS") else None,
                 "text": text, "browser": browser}
     except BaseException:
         browser.close()
         raise
+
+
+def ask(browser: Browser, question: str) -> dict:
+    """Sends ``question`` from the page; the answer's stats as the page shows them (``ttftMs``, ``tokensPerS``)."""
+    browser.evaluate(f"document.getElementById('q').value = {json.dumps(question)}; "
+                     "document.getElementById('composer').requestSubmit(); true")
+    state = browser.wait_for("['done', 'error'].includes(document.body.dataset.state) && "
+                             "document.body.dataset.state", timeout=600)
+    if state != "done":
+        raise RuntimeError(browser.evaluate("document.getElementById('log').textContent"))
+    return browser.evaluate("Object.assign({}, document.querySelector('#answer .stats').dataset)")
 
 
 def median(runs: list[dict], key: str) -> float | None:
@@ -96,13 +106,14 @@ def main() -> None:
             r["raw_client_ttft_ms"] = raw["ttft"] * 1000
             r["same_text"] = raw["text"] == r.pop("text")
             say(f"run {k + 1}: first contentful paint {r['first_contentful_paint_ms']:.0f} ms, model shown "
-                f"{r['model_shown_ms']:.0f} ms, TTFT page {r['ttft_ms']:.0f} ms / raw client "
+                f"{r['model_shown_ms']:.0f} ms, TTFT page {r['ttft_ms']:.0f} ms (again {r['ttft_again_ms']:.0f} ms)"
+                f" / raw client "
                 f"{r['raw_client_ttft_ms']:.0f} ms, {r['tokens_per_s'] or 0:.1f} tokens/s, same text {r['same_text']}")
             runs.append(r)
     finally:
         server.stop()
     summary = {key: median(runs, key) for key in ("first_paint_ms", "first_contentful_paint_ms",
-                                                  "dom_content_loaded_ms", "model_shown_ms", "ttft_ms",
+                                                  "dom_content_loaded_ms", "model_shown_ms", "ttft_ms", "ttft_again_ms",
                                                   "raw_client_ttft_ms", "tokens_per_s")}
     summary["all_same_text"] = all(r["same_text"] for r in runs)
     result = {"export": str(args.export), "runs": runs, "median": summary, "question": args.question,
