@@ -432,6 +432,8 @@ def f(x):  # add "one" </span><b>
 def test_model_html_is_escaped_and_markdown_rendered(stub, browser):
     stub.answer = HOSTILE
     open_page(browser, stub, name="stub-model")
+    browser.send("Browser.grantPermissions", {"origin": stub.url,
+                                              "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
     ask(browser, "show me")
     assert wait_state(browser) == "done"
     time.sleep(0.3)   # an onerror/onload handler would have run by now
@@ -477,6 +479,8 @@ def test_model_html_is_escaped_and_markdown_rendered(stub, browser):
     assert browser.evaluate("window.__csp === undefined")
     browser.click("#answer .copy")
     browser.wait_for("document.querySelector('#answer .copy').textContent === 'Copied'")
+    assert browser.evaluate("navigator.clipboard.readText()", await_promise=True) == \
+        '<img src=x onerror="window.__pwned = 7">'      # the code as the model wrote it
     # the stored conversation keeps the raw text
     assert stored_chats(browser)[0]["messages"][1]["content"] == HOSTILE
 
