@@ -46,7 +46,10 @@ RECORD_BODIES = ("window.__bodies = []; const __f = window.fetch; window.fetch =
 
 
 @pytest.fixture(scope="module")
-def page_server(own_cb_graph, tmp_path_factory):
+def page_server(tmp_path_factory, request):
+    if not chromium_available():     # before the tiny export is made: nothing to serve it to
+        pytest.skip(f"no Chromium at {CHROMIUM} (set QEFF_KV_CHROMIUM)")
+    own_cb_graph = request.getfixturevalue("own_cb_graph")
     from qeff_kv.serve.config import ServeConfig
     from qeff_kv.serve.server import build_engine, text_facts
 
