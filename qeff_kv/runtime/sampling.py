@@ -55,12 +55,15 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from (float64, sums to 1), after temperature, top-k and top-p."""
+def probabilities(logits: np.ndarray, params: SamplingParams, allowed: np.ndarray | None = None) -> np.ndarray:
+    """The distribution sampling draws from (float64, sums to 1), after temperature, top-k and top-p;
+    ``allowed`` (bool ``[vocab]``, a grammar's mask): the other tokens get probability 0 first."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
     if not np.all(np.isfinite(x)):
         bad = int(np.count_nonzero(~np.isfinite(x)))
         raise RuntimeInputError(f"logits contain {bad} non-finite values; the graph produced NaN or inf")
+    if allowed is not None:
+        x = np.where(allowed, x, -np.inf)
     x = x / params.temperature
     if params.top_k and params.top_k < x.size:
         kth = np.partition(x, -params.top_k)[-params.top_k]
@@ -80,16 +83,17 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
-    """Pick one token id from a row of logits (``[vocab]``) for cache position ``position``."""
+def sample(logits: np.ndarray, params: SamplingParams, position: int, allowed: np.ndarray | None = None) -> int:
+    """Pick one token id from a row of logits (``[vocab]``) for cache position ``position``; only among the
+    ``allowed`` ones (bool ``[vocab]``) when given."""
     row = np.asarray(logits).reshape(-1)
     if params.greedy:
         if np.isnan(row).any():
             raise RuntimeInputError("logits contain NaN; the graph produced an invalid result")
-        return int(np.argmax(row))
+        return int(np.argmax(row if allowed is None else np.where(allowed, row, -np.inf)))
     if params.seed is None:
         raise RuntimeInputError("sampling needs a seed; call SamplingParams.resolved() first")
-    p = probabilities(row, params)
+    p = probabilities(row, params, allowed)
     rng = np.random.default_rng([int(params.seed), int(position)])
     u = rng.random()
     cum = np.cumsum(p)

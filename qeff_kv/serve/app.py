@@ -29,7 +29,9 @@ from ..runtime.sampling import SamplingParams
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
+from .structured_io import Constraints, parse_structured
 from .text import Detokenizer, StopMatcher
+from .tool_io import ToolRequest, ToolStream, ToolSupport, calls_json, parse_tools
 
 #: a client that stops reading is noticed within this many seconds even while no token comes
 DISCONNECT_POLL_S = 0.5
@@ -54,6 +56,13 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     created = int(time.time())
     state_dir = Path(state_dir) if state_dir is not None else None
     background: set[asyncio.Task] = set()
+    constraints = Constraints(text.tokenizer, text.eos_token_ids)
+    tool_support: list[ToolSupport] = []   # made on first use (it renders the template once)
+
+    def _tools() -> ToolSupport:
+        if not tool_support:
+            tool_support.append(ToolSupport(text.tokenizer, text.chat_template))
+        return tool_support[0]
 
     # ------------------------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -140,13 +149,14 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             raise bad(str(exc), "id_slot") from None
 
     # ------------------------------------------------------------------------------------ generation
-    def _prompt_ids(p: Params) -> list[int]:
+    def _prompt_ids(p: Params, tools: ToolRequest | None = None) -> list[int]:
         tok = text.tokenizer
         if p.messages is not None:
             if text.chat_template is None:
                 raise bad("this model has no chat template; use /v1/completions", "messages")
             try:
-                rendered = text.chat_template.render(p.messages, add_generation_prompt=True)
+                messages, listed = _tools().prompt(p.messages, tools)
+                rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
             except QeffKvError as exc:
                 raise bad(str(exc), "messages") from None
             return list(tok.encode(rendered, add_special_tokens=False).ids)
@@ -154,7 +164,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             return p.prompt_ids
         return list(tok.encode(p.prompt_text).ids)
 
-    def _submit(p: Params, ids: list[int], rid: str, param: str):
+    def _submit(p: Params, ids: list[int], rid: str, param: str, constraint=None):
         if len(ids) > engine.ctx_len:
             raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
                       "context_length_exceeded")
@@ -162,7 +172,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         req = GenerationRequest(
             request_id=rid, prompt=tuple(ids), max_tokens=min(p.max_tokens or room, room),
             sampling=SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
-            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids))
+            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids), constraint=constraint)
         try:
             return engine.submit(req)
         except QueueFullError as exc:
@@ -175,11 +185,19 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def _generate(request: Request, chat: bool):
         arrival = time.monotonic()
         _auth(request)
-        p = parse(await _json_body(request), chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len)
-        ids = _prompt_ids(p)
+        body = await _json_body(request)
+        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len)
+        spec, field = parse_structured(body)
+        tools = _tool_request(body, chat, spec)
+        parser = _tools().parser if tools is not None else None
+        if tools is not None and tools.forced:
+            spec, field = tools.grammar(parser), "tool_choice"
+        ids = _prompt_ids(p, tools)
+        constraint = await constraints.compile(spec, field) if spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handle = _submit(p, ids, rid, "messages" if chat else "prompt")
-        run = _Run(request, handle, p, len(ids), text.tokenizer, metrics, arrival, background)
+        handle = _submit(p, ids, rid, "messages" if chat else "prompt", constraint)
+        run = _Run(request, handle, p, len(ids), text.tokenizer, metrics, arrival, background,
+                   tools=ToolStream(parser) if parser is not None else None)
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
             return StreamingResponse(_sse(run, rid, chat, created_at=int(time.time()), model=engine.model_name),
@@ -189,7 +207,14 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         if run.error is not None:
             raise APIError(f"generation failed: {run.error}", status=500, type="server_error")
         content = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+        message = {"role": "assistant", "content": content}
+        if run.tools is not None:
+            content, calls = run.tools.parser.parse(content)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls_json(calls)
+                run.finish_reason = "tool_calls"
+        choice = ({"index": 0, "message": message, "logprobs": None,
                    "finish_reason": run.finish_reason} if chat else
                   {"index": 0, "text": content, "logprobs": None, "finish_reason": run.finish_reason})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -206,14 +231,27 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     return app
 
 
+def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:
+    """The request's tools (chat only; not together with a structured-output field)."""
+    if not chat:
+        if body.get("tools") not in (None, []) or body.get("tool_choice") is not None:
+            raise bad("tools go with /v1/chat/completions", "tools")
+        return None
+    tools = parse_tools(body)
+    if tools is not None and spec is not None:
+        raise bad("give either tools or a structured-output field (response_format...), not both; "
+                  "or tool_choice \"none\"", "tools")
+    return tools
+
+
 async def _sse(run: "_Run", rid: str, chat: bool, *, created_at: int, model: str):
     """Server-sent events: one chunk per text delta, a last chunk with the finish reason, optionally a usage chunk,
     then ``data: [DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(content: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(content: str | dict | None, finish: str | None, first: bool = False) -> str:
         if chat:
-            delta = {} if content is None else {"content": content}
+            delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -227,8 +265,15 @@ async def _sse(run: "_Run", rid: str, chat: bool, *, created_at: int, model: str
         yield chunk("", None, first=True)
         first = False
     async for delta in run.deltas():
+        if run.tools is not None:
+            delta = run.tools.feed(delta)
+            if not delta:
+                continue
         yield chunk(delta, None, first)
         first = False
+    if run.tools is not None and run.error is None:
+        async for piece in _tool_chunks(run, chunk):
+            yield piece
     if run.error is not None:
         yield "data: " + json.dumps(APIError(f"generation failed: {run.error}", status=500,
                                              type="server_error").body()) + "\n\n"
@@ -240,14 +285,27 @@ async def _sse(run: "_Run", rid: str, chat: bool, *, created_at: int, model: str
     yield "data: [DONE]\n\n"
 
 
+async def _tool_chunks(run: "_Run", chunk):
+    """The end of a streamed answer with tools: held content, then one ``delta.tool_calls`` chunk per call."""
+    tail, calls = run.tools.finish()
+    if tail:
+        yield chunk(tail, None)
+    for i, call in enumerate(calls_json(calls)):
+        yield chunk({"tool_calls": [{"index": i, **call}]}, None)
+    if calls:
+        run.finish_reason = "tool_calls"
+
+
 class _Run:
-    """One request's events turned into text deltas (stop strings applied), with timing metrics."""
+    """One request's events turned into text deltas (stop strings applied), with timing metrics. With ``tools``
+    (a :class:`~.tool_io.ToolStream`), special tokens are kept in the text (tool-call markers may be special)."""
 
     def __init__(self, request, handle, params: Params, prompt_tokens: int, tokenizer, metrics: Metrics,
-                 arrival: float, background: set):
+                 arrival: float, background: set, tools: ToolStream | None = None):
         self.request, self.handle, self.params = request, handle, params
         self.prompt_tokens = prompt_tokens
-        self.detok = Detokenizer(tokenizer)
+        self.tools = tools
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=tools is None)
         self.stopper = StopMatcher(params.stop)
         self.metrics = metrics
         self.arrival = arrival

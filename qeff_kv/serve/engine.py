@@ -49,6 +49,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     state: "KVState | None" = None
+    constraint: object | None = None
 
 
 @dataclass(frozen=True)
@@ -157,14 +158,18 @@ class RequestHandle:
                 return
 
 
-def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: bool = True) -> None:
+def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: bool = True,
+                  constraint_refused: str | None = None) -> None:
     """What every engine refuses at :meth:`Engine.submit`, before anything is queued (one line each): not a
     :class:`GenerationRequest`, ``max_tokens`` below 1, and for a prompt (no handed-off ``state``) an empty one,
-    one longer than the context, or a token id outside the vocabulary."""
+    one longer than the context, or a token id outside the vocabulary; a ``constraint`` where the engine says why
+    it cannot apply one (``constraint_refused``)."""
     if not isinstance(req, GenerationRequest):
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
     if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
         raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+    if req.constraint is not None and constraint_refused:
+        raise RuntimeInputError(constraint_refused)
     if req.state is not None:
         if not state_allowed:
             raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")

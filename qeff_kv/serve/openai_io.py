@@ -4,9 +4,10 @@ by field (a one-line message naming the field), and the error object ``{"error":
 Accepted: ``model``, ``prompt`` (text, token ids, or a list of one of them) / ``messages``, ``max_tokens`` or
 ``max_completion_tokens``, ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop`` (a string or a list of up
 to 16), ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and two extensions: ``top_k`` and
-``ignore_eos``. Fields that would change the output in ways not implemented (``logprobs``, ``echo``, ``best_of``
-> 1, ``tools``, ``response_format`` other than text, ``suffix``) are refused rather than ignored; other unknown
-fields are ignored, as OpenAI's clients send many.
+``ignore_eos``. Structured output (``response_format`` and its extensions) is read by :mod:`.structured_io`, tools
+by :mod:`.tool_io`; messages may carry an assistant's ``tool_calls`` and ``role: "tool"`` results. Fields that
+would change the output in ways not implemented (``logprobs``, ``echo``, ``best_of`` > 1, ``functions``,
+``suffix``) are refused rather than ignored; other unknown fields are ignored, as OpenAI's clients send many.
 """
 
 from __future__ import annotations
@@ -110,13 +111,10 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int) -> Params:
     best_of = _int(body, "best_of", 1)
     if best_of is not None and best_of != 1:
         raise bad(f"best_of must be 1, got {best_of}", "best_of")
-    for key in ("logprobs", "echo", "top_logprobs", "tools", "functions", "suffix"):
+    for key in ("logprobs", "echo", "top_logprobs", "functions", "suffix"):
         v = body.get(key)
         if v not in (None, False, [], 0, ""):
             raise bad(f"{key} is not supported by this server", key)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -161,7 +159,7 @@ def _prompt(v, p: Params) -> None:
     raise bad("prompt must be a string or a non-empty list of token ids", "prompt")
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _messages(v) -> list[dict]:
@@ -186,7 +184,35 @@ def _messages(v) -> list[dict]:
                               f"{where}.content")
                 parts.append(part["text"])
             content = "".join(parts)
+        extra = _tool_fields(m, role, where)
+        if content is None and extra.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string, got {content!r}", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
+    return out
+
+
+def _tool_fields(m: dict, role: str, where: str) -> dict:
+    """An assistant's ``tool_calls`` (``[{id, type: function, function: {name, arguments: JSON text}}]``) and a
+    tool result's ``tool_call_id``, checked."""
+    out = {}
+    calls = m.get("tool_calls")
+    if calls not in (None, []):
+        if role != "assistant" or not isinstance(calls, list):
+            raise bad(f"{where}.tool_calls must be a list on an assistant message", f"{where}.tool_calls")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments"), str):
+                raise bad(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}} "
+                          "with arguments a JSON string", f"{where}.tool_calls")
+        out["tool_calls"] = calls
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise bad(f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
+        out["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
     return out

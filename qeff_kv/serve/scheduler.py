@@ -125,7 +125,9 @@ class Scheduler(Engine):
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        check_request(req, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size)
+        check_request(req, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size,
+                      constraint_refused=None if self.speculation is None else
+                      "structured output and forced tool calls are not supported with --speculative")
         handle = RequestHandle(req.request_id, on_cancel=lambda h: self._wake.set())
         with self._lock:
             if self._closed:
@@ -390,12 +392,23 @@ class Scheduler(Engine):
             return
         self._prefilling.remove(a)
         try:
-            tok = sample(logits, a.params, a.seq.length)
+            tok = self._sample(a, logits)
         except Exception as exc:   # noqa: BLE001
             self._finish(a, "error", f"sampling failed: {exc}", keep=False)
             return
         a.seq.pending, a.seq.pending_emitted = tok, True
         self._emit_token(a, tok)
+
+    @staticmethod
+    def _sample(a: _Active, logits) -> int:
+        """The next token of ``a``: within its grammar's allowed tokens when it has one (masks are computed for
+        constrained rows only), which is then told the choice."""
+        c = a.req.constraint
+        if c is None:
+            return sample(logits, a.params, a.seq.length)
+        tok = sample(logits, a.params, a.seq.length, allowed=c.allowed(logits.shape[-1]))
+        c.advance(tok)
+        return tok
 
     def _emit_token(self, a: _Active, tok: int) -> None:
         """Account one generated token; finish the request or (re)enter it into the running set."""
@@ -428,7 +441,7 @@ class Scheduler(Engine):
             self._stats["decode_steps"] += 1
         for a in batch:
             try:
-                tok = sample(out[a.seq], a.params, a.seq.length)
+                tok = self._sample(a, out[a.seq])
             except Exception as exc:   # noqa: BLE001
                 self._finish(a, "error", f"sampling failed: {exc}", keep=False)
                 continue
