@@ -16,7 +16,6 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import Literal
 
 import pytest
 

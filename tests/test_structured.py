@@ -197,7 +197,8 @@ def test_each_forced_grammar_gives_calls_its_parser_reads(cls, tokenizer):
 
 def test_tool_stream_holds_the_calls_and_releases_plain_text():
     s = ToolStream(HermesParser(ToolFacts()))
-    out = [s.feed(p) for p in ("Let me ", "check <tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>")]
+    pieces = ("Let me ", "check <tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>")
+    out = [s.feed(p) for p in pieces]
     assert "".join(out) == "Let me check "
     tail, calls = s.finish()
     assert tail == "" and [c.name for c in calls] == ["f"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from .base import ToolCall, ToolFacts, ToolParser, any_call_schema, call_from_json, json_item, marker
+from .base import ToolFacts, ToolParser, any_call_schema, call_from_json, json_item, marker
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
