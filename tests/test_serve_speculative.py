@@ -316,3 +316,12 @@ def test_refusals(served, own_cb_graph, tmp_path):
 def test_the_speculative_graph_passes_check(spec_export):
     report = check(spec_export.onnx_path)
     assert report.ok and report.to_json()["num_logits_to_keep"] == {"speculative_tokens": K}
+
+
+def test_constrained_requests_are_refused_with_a_400(client):
+    """The verification accepts several drafted tokens per step without a grammar's mask: structured output and
+    forced tool calls are refused in one line rather than produced unconstrained."""
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError, match="structured output and forced tool calls are not supported "
+                                                     "with --speculative"):
+        client.completions.create(model=MODEL, prompt="ab", max_tokens=4, extra_body={"guided_regex": "[ab]+"})
