@@ -251,3 +251,18 @@ def test_engines_that_cannot_apply_a_grammar_refuse_it():
     with pytest.raises(RuntimeInputError, match="not supported with --speculative"):
         check_request(req, ctx_len=16, vocab_size=10,
                       constraint_refused="structured output and forced tool calls are not supported with --speculative")
+
+
+def test_a_special_marker_token_is_forced_as_that_token(tokenizer):
+    """A marker that is a special added token is written ``<[id]>`` in the grammar (its text would not match the
+    token); a marker that is plain text stays a string."""
+    special = MistralParser(_facts("[TOOL_CALLS]")).forced_grammar([WEATHER], several=False)
+    assert special.startswith("start: <[1000]> %json")
+    plain = HermesParser(_facts("<tool_call>", "</tool_call>", special=False)).forced_grammar([WEATHER], False)
+    assert '"<tool_call>" "\\n" %json' in plain and plain.count("<[") == 0
+    # the token form compiles against a real tokenizer (id 0 there)
+    from llguidance import LLMatcher
+
+    g = Grammars(tokenizer, [1])
+    m = LLMatcher(g.tokenizer, LLMatcher.grammar_from_lark('start: <[0]> "a"'), log_level=0)
+    assert not m.is_error() and m.consume_token(0)
