@@ -256,6 +256,11 @@ def test_bad_requests_refused_at_submit(engines):
         with pytest.raises(RuntimeInputError) as exc:
             eng.submit(_request("x", prompt))
         assert str(exc.value) == msg
+    import dataclasses
+
+    with pytest.raises(RuntimeInputError, match=r"^structured output and forced tool calls are not supported with "
+                                                r"--disaggregate \(the decode replicas sample without a grammar\)$"):
+        eng.submit(dataclasses.replace(_request("x", (5, 6)), constraint=object()))
 
 
 def test_cancel_mid_stream_stops_the_decode_replica(engines):
