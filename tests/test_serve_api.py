@@ -241,13 +241,14 @@ HONOURED_CHAT = {
     "presence_penalty": 0.5, "seed": 1, "stop": ["zz"], "stream_options": None, "temperature": 0.5,
     "top_logprobs": 2, "top_p": 0.9, "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k",
     "metadata": {"a": "b"}, "service_tier": "auto", "store": False,
+    "response_format": {"type": "json_object"}, "parallel_tool_calls": True, "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
 }
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
     "functions": [{"name": "f", "parameters": {}}], "modalities": ["text", "audio"],
-    "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
-    "reasoning_effort": "high", "response_format": {"type": "json_object"}, "tool_choice": "auto",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "verbosity": "low",
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {}, "prompt_cache_retention": "24h", "moderation": {"model": "x"},
     "prompt_cache_options": {"ttl": 5},
 }
@@ -284,6 +285,9 @@ def test_every_openai_request_field_is_honoured_or_refused(served, chat):
             if field == "max_completion_tokens":
                 del body["max_tokens"]
             r = _post(served, route, body)
+            if field == "tools" and r.status_code == 400:   # rendered into the prompt: more than the tiny context
+                assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+                continue
             assert r.status_code == 200, (field, r.text)
         if field in refused:
             r = _post(served, route, {**base, "max_tokens": 3, field: refused[field]})
@@ -292,7 +296,7 @@ def test_every_openai_request_field_is_honoured_or_refused(served, chat):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "auto"}, "tool_choice"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"repeat_penalty": 1.1}, "repeat_penalty"), ({"mirostat": 1}, "mirostat"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -264,6 +264,9 @@ def test_bad_requests_refused_at_submit(engines):
                 _request("x", PROMPTS[0], SamplingParams(presence_penalty=0.5))):
         with pytest.raises(RuntimeInputError, match="not supported with --disaggregate"):
             eng.submit(req)
+    with pytest.raises(RuntimeInputError, match=r"^structured output and forced tool calls are not supported with "
+                                                r"--disaggregate \(the decode replicas sample without a grammar\)$"):
+        eng.submit(dataclasses.replace(_request("x", (5, 6)), constraint=object()))
 
 
 def test_cancel_mid_stream_stops_the_decode_replica(engines):

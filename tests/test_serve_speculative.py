@@ -326,3 +326,12 @@ def test_adjusting_fields_are_refused_with_speculation(served, field, value):
                    timeout=60)
     assert r.status_code == 400, r.text
     assert "--speculative" in r.json()["error"]["message"]
+
+
+def test_constrained_requests_are_refused_with_a_400(client):
+    """The verification accepts several drafted tokens per step without a grammar's mask: structured output and
+    forced tool calls are refused in one line rather than produced unconstrained."""
+    pytest.importorskip("llguidance")
+    with pytest.raises(openai.BadRequestError, match="structured output and forced tool calls are not supported "
+                                                     "with --speculative"):
+        client.completions.create(model=MODEL, prompt="ab", max_tokens=4, extra_body={"guided_regex": "[ab]+"})

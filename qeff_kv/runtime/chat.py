@@ -46,13 +46,15 @@ class ChatTemplate:
     template: str
     special_tokens: dict[str, str] = field(default_factory=dict)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``)."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``); ``tools``: function tools
+        (OpenAI's ``{"type": "function", "function": {...}}``) for templates that render them."""
         env = _environment()
         try:
             compiled = env.from_string(self.template)
             return template_budget.render(compiled, dict(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
                 **self.special_tokens))
         except template_budget.BudgetExceeded as exc:
             raise RuntimeInputError(f"{self.source}: the chat template was stopped: {exc}") from None

@@ -168,11 +168,14 @@ def select(row: np.ndarray, params: SamplingParams, position: int) -> int:
     return _draw(probabilities(row, params), params.seed, position)
 
 
-def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
+def sample(logits: np.ndarray, params: SamplingParams, position: int, allowed: np.ndarray | None = None) -> int:
     """Pick one token id from a row of raw logits (``[vocab]``) for cache position ``position``: the fast path
-    with nothing to adjust (parameters that adjust need a :class:`TokenPicker`)."""
+    with nothing to adjust (parameters that adjust need a :class:`TokenPicker`); ``allowed`` (bool ``[vocab]``, a
+    grammar's mask): only among those tokens."""
     if params.adjusts:
         raise RuntimeInputError("logit_bias and penalties need the token history: pick through a TokenPicker")
+    if allowed is not None:
+        return TokenPicker(params).pick(logits, position, allowed=allowed).token
     return select(np.asarray(logits).reshape(-1), params, position)
 
 

@@ -31,7 +31,9 @@ from .defaults import SamplingDefaults
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
+from .structured_io import Constraints, parse_structured
 from .text import Detokenizer, StopMatcher
+from .tool_io import ToolRequest, ToolStream, ToolSupport, calls_json, parse_tools
 
 #: a client that stops reading is noticed within this many seconds even while no token comes
 DISCONNECT_POLL_S = 0.5
@@ -62,6 +64,13 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     created = int(time.time())
     state_dir = Path(state_dir) if state_dir is not None else None
     background: set[asyncio.Task] = set()
+    constraints = Constraints(text.tokenizer, text.eos_token_ids)
+    tool_support: list[ToolSupport] = []   # made on first use (it renders the template once)
+
+    def _tools() -> ToolSupport:
+        if not tool_support:
+            tool_support.append(ToolSupport(text.tokenizer, text.chat_template))
+        return tool_support[0]
 
     # ------------------------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -162,13 +171,14 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             raise bad(str(exc), "id_slot") from None
 
     # ------------------------------------------------------------------------------------ generation
-    def _prompt_ids(p: Params) -> list[int]:
+    def _prompt_ids(p: Params, tools: ToolRequest | None = None) -> list[int]:
         tok = text.tokenizer
         if p.messages is not None:
             if text.chat_template is None:
                 raise bad("this model has no chat template; use /v1/completions", "messages")
             try:
-                rendered = text.chat_template.render(p.messages, add_generation_prompt=True)
+                messages, listed = _tools().prompt(p.messages, tools)
+                rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
             except QeffKvError as exc:
                 raise bad(str(exc), "messages") from None
             return list(tok.encode(rendered, add_special_tokens=False).ids)
@@ -176,7 +186,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             return p.prompt_ids
         return list(tok.encode(p.prompt_text).ids)
 
-    def _submit(p: Params, ids: list[int], rid: str, param: str) -> list:
+    def _submit(p: Params, ids: list[int], rid: str, param: str, constraint=None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
         if len(ids) > engine.ctx_len:
             raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
@@ -188,7 +198,8 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             raise bad(str(exc)) from None
         req = GenerationRequest(
             request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, defaults, room), sampling=first,
-            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids), logprobs=p.logprobs)
+            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids), logprobs=p.logprobs,
+            constraint=constraint)
         try:
             if p.n == 1:
                 return [engine.submit(req)]
@@ -203,14 +214,21 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def _generate(request: Request, chat: bool):
         arrival = time.monotonic()
         _auth(request)
-        p = parse(await _json_body(request), chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len,
-                  max_n=max_n)
-        ids = _prompt_ids(p)
+        body = await _json_body(request)
+        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len, max_n=max_n)
+        spec, field = parse_structured(body)
+        tools = _tool_request(body, chat, spec)
+        parser = _tools().parser if tools is not None else None
+        if tools is not None and tools.forced:
+            spec, field = tools.grammar(parser), "tool_choice"
+        ids = _prompt_ids(p, tools)
+        constraint = await constraints.compile(spec, field) if spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handles = _submit(p, ids, rid, "messages" if chat else "prompt")
+        handles = _submit(p, ids, rid, "messages" if chat else "prompt", constraint)
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
         runs = [_Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
-                     logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None)
+                     logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None,
+                     tools=ToolStream(parser) if parser is not None else None)
                 for h in handles]
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
@@ -243,10 +261,29 @@ async def _collect(run: "_Run") -> str:
 
 def _choice(index: int, content: str, run: "_Run", chat: bool) -> dict:
     logprobs = run.logprobs.all() if run.logprobs is not None else None
-    if chat:
-        return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                "finish_reason": run.finish_reason}
-    return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
+    if not chat:
+        return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
+    message = {"role": "assistant", "content": content}
+    if run.tools is not None:   # the calls parsed out of the text (the parser the template's facts chose)
+        content, calls = run.tools.parser.parse(content)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls_json(calls)
+            run.finish_reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": run.finish_reason}
+
+
+def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:
+    """The request's tools (chat only; not together with a structured-output field)."""
+    if not chat:
+        if body.get("tools") not in (None, []) or body.get("tool_choice") is not None:
+            raise bad("tools go with /v1/chat/completions", "tools")
+        return None
+    tools = parse_tools(body)
+    if tools is not None and spec is not None:
+        raise bad("give either tools or a structured-output field (response_format...), not both; "
+                  "or tool_choice \"none\"", "tools")
+    return tools
 
 
 def _usage(runs: list["_Run"]) -> dict:
@@ -285,12 +322,12 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
     optionally a usage chunk, then ``data: [DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(i: int, content: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(i: int, content: str | dict | None, finish: str | None, first: bool = False) -> str:
         lp = runs[i].logprobs.take() if runs[i].logprobs is not None else None
         if lp is not None and not (lp.get("content") if chat else lp.get("tokens")):
             lp = None
         if chat:
-            delta = {} if content is None else {"content": content}
+            delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -305,9 +342,17 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
         elif echo:
             yield chunk(i, echo, None)
     async for i, delta in _merged(runs):
+        tools = runs[i].tools
         if delta is not None:
+            if tools is not None:   # text that may open a tool call is held until it is known not to
+                delta = tools.feed(delta)
+                if not delta:
+                    continue
             yield chunk(i, delta, None)
         elif runs[i].error is None:
+            if tools is not None:
+                for piece in _tool_chunks(i, runs[i], chunk):
+                    yield piece
             yield chunk(i, None, runs[i].finish_reason)
     failed = [r.error for r in runs if r.error is not None]
     if failed:
@@ -319,15 +364,28 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
     yield "data: [DONE]\n\n"
 
 
+def _tool_chunks(i: int, run: "_Run", chunk):
+    """The end of a streamed answer with tools: held content, then one ``delta.tool_calls`` chunk per call."""
+    tail, calls = run.tools.finish()
+    if tail:
+        yield chunk(i, tail, None)
+    for j, call in enumerate(calls_json(calls)):
+        yield chunk(i, {"tool_calls": [{"index": j, **call}]}, None)
+    if calls:
+        run.finish_reason = "tool_calls"
+
+
 class _Run:
-    """One request's events turned into text deltas (stop strings applied), with timing metrics."""
+    """One request's events turned into text deltas (stop strings applied), with timing metrics. With ``tools``
+    (a :class:`~.tool_io.ToolStream`), special tokens are kept in the text (tool-call markers may be special)."""
 
     def __init__(self, request, handle, params: Params, prompt_tokens: int, tokenizer, metrics: Metrics,
-                 arrival: float, background: set, logprobs: Logprobs | None = None):
+                 arrival: float, background: set, logprobs: Logprobs | None = None, tools: ToolStream | None = None):
         self.request, self.handle, self.params = request, handle, params
         self.logprobs = logprobs
+        self.tools = tools
         self.prompt_tokens = prompt_tokens
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=tools is None)
         self.stopper = StopMatcher(params.stop)
         self.metrics = metrics
         self.arrival = arrival

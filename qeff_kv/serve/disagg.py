@@ -166,7 +166,9 @@ class DisaggregatedEngine(Engine):
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        check_request(req, ctx_len=self.ctx_len, vocab_size=self.vocab_size, state_allowed=False)
+        check_request(req, ctx_len=self.ctx_len, vocab_size=self.vocab_size, state_allowed=False,
+                      constraint_refused="structured output and forced tool calls are not supported with "
+                                         "--disaggregate (the decode replicas sample without a grammar)")
         if req.sampling.adjusts or req.logprobs is not None:   # the prefill replica samples the first token plainly
             raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --disaggregate")
         # one seed for both sides: the prefill samples the first token, the decode the rest

@@ -52,6 +52,8 @@ class GenerationRequest:
     state: "KVState | None" = None
     #: None: no logprobs; else each TokenOut carries the token's logprob and this many alternatives
     logprobs: int | None = None
+    #: a grammar's state (serve/constrained.py TokenConstraint): the tokens are drawn within its mask
+    constraint: object | None = None
 
 
 @dataclass(frozen=True)
@@ -163,10 +165,12 @@ class RequestHandle:
                 return
 
 
-def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: bool = True) -> None:
+def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: bool = True,
+                  constraint_refused: str | None = None) -> None:
     """What every engine refuses at :meth:`Engine.submit`, before anything is queued (one line each): not a
     :class:`GenerationRequest`, ``max_tokens`` below 1, and for a prompt (no handed-off ``state``) an empty one,
-    one longer than the context, or a token id outside the vocabulary."""
+    one longer than the context, or a token id outside the vocabulary; a ``constraint`` where the engine says why
+    it cannot apply one (``constraint_refused``)."""
     if not isinstance(req, GenerationRequest):
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
     if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
@@ -177,6 +181,8 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
     outside = [t for t, _ in req.sampling.logit_bias if vocab_size is not None and t >= vocab_size]
     if outside:
         raise RuntimeInputError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    if req.constraint is not None and constraint_refused:
+        raise RuntimeInputError(constraint_refused)
     if req.state is not None:
         if not state_allowed:
             raise RuntimeInputError("the disaggregated engine prefills every request itself; give no state")

@@ -11,7 +11,10 @@ string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream`
 vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``. Accepted with no
 effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, ``prompt_cache_key``,
 ``metadata``, ``service_tier`` ``auto``/``default``, ``store: false``, ``best_of: 1``. The sampling fields a
-request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`).
+request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`). Structured output
+(``response_format`` and vLLM's / llama-server's extensions, :data:`STRUCTURED`) is read by :mod:`.structured_io`,
+tools (:data:`TOOLS`, chat only) by :mod:`.tool_io`; messages may carry an assistant's ``tool_calls`` and
+``role: "tool"`` results.
 """
 
 from __future__ import annotations
@@ -29,20 +32,24 @@ HONOURED = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos",
 })
-HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
-HONOURED_COMPLETIONS = HONOURED | {"prompt", "echo"}
+#: structured output (read by :mod:`.structured_io`): OpenAI's, vLLM's and llama-server's names
+STRUCTURED = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                        "guided_grammar", "json_schema", "grammar"})
+#: tool calls (read by :mod:`.tool_io`; chat only)
+TOOLS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+HONOURED_CHAT = HONOURED | STRUCTURED | TOOLS | {"messages", "max_completion_tokens", "top_logprobs"}
+HONOURED_COMPLETIONS = HONOURED | STRUCTURED | {"prompt", "echo"}
 #: fields that by OpenAI's definition do not change the output (identifiers, cache hints), with the values
 #: accepted; any other value is refused
 NO_EFFECT = {"user": None, "safety_identifier": None, "prompt_cache_key": None, "metadata": None,
              "service_tier": ("auto", "default"), "store": (False,), "best_of": (1,)}
 #: known fields refused when given a value other than these (their "off" values); with a reason
 REFUSED = {
-    "tools": ((None, []), "tools are not supported by this server"),
-    "tool_choice": ((None, "none"), "tool_choice needs tools, which this server does not support"),
-    "parallel_tool_calls": ((None,), "parallel_tool_calls needs tools, which this server does not support"),
+    "tools": ((None, []), "tools are supported on /v1/chat/completions only"),
+    "tool_choice": ((None, "none"), "tool_choice is supported on /v1/chat/completions only (with tools)"),
+    "parallel_tool_calls": ((None,), "parallel_tool_calls is supported on /v1/chat/completions only"),
     "functions": ((None, []), "functions are not supported by this server"),
     "function_call": ((None, "none"), "function_call needs functions, which this server does not support"),
-    "response_format": ((None, {"type": "text"}), 'response_format: only {"type": "text"} is supported'),
     "audio": ((None,), "audio output is not supported by this server"),
     "modalities": ((None, ["text"]), 'modalities: only ["text"] is supported'),
     "prediction": ((None,), "prediction (predicted outputs) is not supported by this server"),
@@ -275,7 +282,7 @@ def _prompt(v, p: Params) -> None:
     raise bad("prompt must be a string or a non-empty list of token ids", "prompt")
 
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _messages(v) -> list[dict]:
@@ -300,7 +307,35 @@ def _messages(v) -> list[dict]:
                               f"{where}.content")
                 parts.append(part["text"])
             content = "".join(parts)
+        extra = _tool_fields(m, role, where)
+        if content is None and extra.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string, got {content!r}", f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
+    return out
+
+
+def _tool_fields(m: dict, role: str, where: str) -> dict:
+    """An assistant's ``tool_calls`` (``[{id, type: function, function: {name, arguments: JSON text}}]``) and a
+    tool result's ``tool_call_id``, checked."""
+    out = {}
+    calls = m.get("tool_calls")
+    if calls not in (None, []):
+        if role != "assistant" or not isinstance(calls, list):
+            raise bad(f"{where}.tool_calls must be a list on an assistant message", f"{where}.tool_calls")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments"), str):
+                raise bad(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}} "
+                          "with arguments a JSON string", f"{where}.tool_calls")
+        out["tool_calls"] = calls
+    if role == "tool":
+        tid = m.get("tool_call_id")
+        if not isinstance(tid, str) or not tid:
+            raise bad(f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
+        out["tool_call_id"] = tid
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
     return out

@@ -141,10 +141,16 @@ class Scheduler(ChoiceForks, Engine):
         return self._queue(req, [req.sampling])[0]
 
     def _queue(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
+        """Admit ``req`` once per sampling (``n`` choices): each choice its own request id, sampling and grammar
+        state (a copy of the request's, taken before any token)."""
         reqs = [req] if len(samplings) == 1 else [
-            dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sp) for i, sp in enumerate(samplings)]
+            dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sp,
+                                constraint=req.constraint if req.constraint is None or i == 0 else req.constraint.fork())
+            for i, sp in enumerate(samplings)]
         for r in reqs:
-            check_request(r, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size)
+            check_request(r, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size,
+                          constraint_refused=None if self.speculation is None else
+                          "structured output and forced tool calls are not supported with --speculative")
             if self.speculation is not None and (r.sampling.adjusts or r.logprobs is not None):
                 raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --speculative")
         handles = [RequestHandle(r.request_id, on_cancel=lambda h: self._wake.set()) for r in reqs]
@@ -447,10 +453,15 @@ class Scheduler(ChoiceForks, Engine):
         self._emit_token(a, pick.token, pick)
 
     def _select(self, a: _Active, logits) -> Pick:
-        """The per-row sampling step (the seam a grammar's allowed-token mask joins): ``a``'s logits pipeline
-        (bias, penalties, logprobs, temperature / top-k / top-p / min-p, select) on its row, for the cache
-        position the token will occupy; the token enters the row's history."""
-        pick = a.picker.pick(logits, a.seq.length, top_logprobs=a.req.logprobs)
+        """The per-row sampling step: ``a``'s logits pipeline (bias, penalties, its grammar's allowed-token mask
+        when it has one (computed for constrained rows only), logprobs, temperature / top-k / top-p / min-p,
+        select) on its row, for the cache position the token will occupy; the token enters the row's history and
+        advances its grammar."""
+        c = a.req.constraint
+        allowed = None if c is None else c.allowed(logits.shape[-1])
+        pick = a.picker.pick(logits, a.seq.length, top_logprobs=a.req.logprobs, allowed=allowed)
+        if c is not None:
+            c.advance(pick.token)
         a.picker.accept(pick.token)
         return pick
 

@@ -17,16 +17,17 @@ _INCOMPLETE = "\ufffd"
 
 
 class Detokenizer:
-    """Incremental decoding with a ``tokenizers.Tokenizer`` (special tokens skipped)."""
+    """Incremental decoding with a ``tokenizers.Tokenizer`` (special tokens skipped unless told otherwise)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self._prefix = 0      # start of the window decoded for context
         self._read = 0        # tokens whose text has been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token: int) -> str:
         """Append one token; returns the new text (possibly empty while a character is incomplete)."""
