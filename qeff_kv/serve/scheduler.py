@@ -274,6 +274,8 @@ class Scheduler(Engine):
             try:
                 if what[0] == "slot":
                     fut.set_result(self._slot_action(*what[1:]))
+                elif what[0] == "call":   # a function of the scheduler, run between two turns (tests, diagnostics)
+                    fut.set_result(what[1](self))
                 else:
                     raise RuntimeInputError(f"unknown engine action {what[0]!r}")
             except Exception as exc:   # noqa: BLE001 - handed to the caller
