@@ -19,13 +19,15 @@ from importlib import resources
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import QeffKvError, QueueFullError
 from ..runtime.sampling import SamplingParams
+from . import http_errors
+from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, encode_text, read_json
+from .drain import DrainGate, shutting_down
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
@@ -34,6 +36,7 @@ from .text import Detokenizer, StopMatcher
 #: a client that stops reading is noticed within this many seconds even while no token comes
 DISCONNECT_POLL_S = 0.5
 _FILENAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_SLOT_ID = re.compile(r"[0-9]{1,9}")   # ASCII digits: \d also matches other scripts' digits
 
 
 @dataclass
@@ -46,9 +49,14 @@ class TextFacts:
 
 
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
-               registry=None) -> FastAPI:
-    """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one)."""
+               registry=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, drain=None) -> FastAPI:
+    """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one);
+    ``max_request_bytes``: larger request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a
+    :class:`~.drain.Drain` (SIGTERM answers new requests 503 and lets running ones finish)."""
     app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
+    if drain is not None:
+        app.add_middleware(DrainGate, drain=drain)
     metrics = Metrics(engine, registry)
     app.state.engine, app.state.metrics, app.state.text = engine, metrics, text
     created = int(time.time())
@@ -56,21 +64,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------------ errors
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status,
-                            headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
-                                     type=kind).body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                     type="server_error").body(), status_code=500)
+    http_errors.install(app)
 
     def _auth(request: Request) -> None:
         if api_key is None:
@@ -80,13 +74,6 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            code="invalid_api_key")
-
-    async def _json_body(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON ({exc})") from None
 
     # ------------------------------------------------------------------------------------ plain routes
     @app.get("/health")
@@ -119,13 +106,13 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         if state_dir is None:
             raise APIError("slot actions need the server to be started with --state-dir", status=501,
                            type="not_supported_error", code="slots_disabled")
-        if not re.fullmatch(r"\d{1,9}", slot_id):
+        if not _SLOT_ID.fullmatch(slot_id):
             raise bad(f"slot id must be a non-negative integer, got {slot_id!r}", "id_slot")
         if action not in ("save", "restore", "erase"):
             raise bad(f"action must be save, restore or erase, got {action!r}", "action")
         path = None
         if action != "erase":
-            body = await _json_body(request)
+            body = await read_json(request)
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not _FILENAME.fullmatch(name) or name in (".", "..") \
                     or name.endswith(".tokens.json"):
@@ -149,10 +136,15 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                 rendered = text.chat_template.render(p.messages, add_generation_prompt=True)
             except QeffKvError as exc:
                 raise bad(str(exc), "messages") from None
-            return list(tok.encode(rendered, add_special_tokens=False).ids)
+            return encode_text(tok, rendered, add_special_tokens=False)
         if p.prompt_ids is not None:
             return p.prompt_ids
-        return list(tok.encode(p.prompt_text).ids)
+        return encode_text(tok, p.prompt_text)
+
+    def _prepare(body, chat: bool) -> tuple[Params, list[int]]:
+        """Check, render and tokenize a request (in a worker thread: none of it runs on the event loop)."""
+        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len)
+        return p, _prompt_ids(p)
 
     def _submit(p: Params, ids: list[int], rid: str, param: str):
         if len(ids) > engine.ctx_len:
@@ -175,8 +167,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def _generate(request: Request, chat: bool):
         arrival = time.monotonic()
         _auth(request)
-        p = parse(await _json_body(request), chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len)
-        ids = _prompt_ids(p)
+        p, ids = await asyncio.to_thread(_prepare, await read_json(request), chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         handle = _submit(p, ids, rid, "messages" if chat else "prompt")
         run = _Run(request, handle, p, len(ids), text.tokenizer, metrics, arrival, background)
@@ -187,7 +178,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                                      background=BackgroundTask(run.abandon))
         pieces = [d async for d in run.deltas()]
         if run.error is not None:
-            raise APIError(f"generation failed: {run.error}", status=500, type="server_error")
+            raise run.error_object()
         content = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                    "finish_reason": run.finish_reason} if chat else
@@ -230,8 +221,7 @@ async def _sse(run: "_Run", rid: str, chat: bool, *, created_at: int, model: str
         yield chunk(delta, None, first)
         first = False
     if run.error is not None:
-        yield "data: " + json.dumps(APIError(f"generation failed: {run.error}", status=500,
-                                             type="server_error").body()) + "\n\n"
+        yield "data: " + json.dumps(run.error_object().body()) + "\n\n"
     else:
         yield chunk(None, run.finish_reason)
         if run.params.include_usage:
@@ -253,6 +243,7 @@ class _Run:
         self.arrival = arrival
         self.finish_reason = "stop"
         self.error: str | None = None
+        self.stopped_by_server = False    # the engine ended it without the client asking (shutdown)
         self.tokens = 0
         self.final: Finished | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -275,6 +266,11 @@ class _Run:
         """The response is over: a request still running has lost its client."""
         if not self.handle.finished:
             self.handle.cancel()
+
+    def error_object(self) -> APIError:
+        if self.stopped_by_server:
+            return shutting_down()
+        return APIError(f"generation failed: {self.error}", status=500, type="server_error")
 
     def usage(self) -> dict:
         cached = self.final.cached_tokens if self.final is not None else 0
@@ -334,6 +330,10 @@ class _Run:
                     yield tail
                 if ev.finish_reason == "error":
                     self.error = ev.error or "unknown error"
+                elif ev.finish_reason == "cancelled" and not self.handle.cancelled:
+                    # the engine stopped it (closed while draining): an error the client sees, never a normal end
+                    self.stopped_by_server = True
+                    self.error = "the server is shutting down"
                 self.finish_reason = {"length": "length"}.get(ev.finish_reason, "stop")
                 return
         finally:

@@ -114,6 +114,7 @@ class Scheduler(Engine):
         self._prefilling: list[_Active] = []
         self._running: list[_Active] = []
         self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
+        self._admitted = 0   # requests taken from the queue and not yet finished (under _lock)
         self._closed = False
         self._published = 0.0
         self._stats = {"queue_depth": 0, "sequences_active": 0, "sequences_cached": 0, "kv_bytes_used": 0,
@@ -130,7 +131,8 @@ class Scheduler(Engine):
         with self._lock:
             if self._closed:
                 raise RuntimeInputError("the engine is closed")
-            if len(self._waiting) >= self.max_queue:
+            # the queue holds max_queue requests beyond those a free slot is about to take
+            if len(self._waiting) >= self.max_queue + max(0, self.max_sequences - self._admitted):
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
             self._waiting.append((handle, req))
             self._stats["queue_depth"] = len(self._waiting)
@@ -234,6 +236,8 @@ class Scheduler(Engine):
             self._kept.move_to_end(seq.id)
         elif seq.alive:
             self.session.remove_sequence(seq)
+        with self._lock:
+            self._admitted -= 1
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
 
     def _fail_all(self, message: str) -> None:
@@ -333,12 +337,17 @@ class Scheduler(Engine):
                 if not self._waiting or not self._slot_available():
                     return
                 handle, req = self._waiting.popleft()
+                self._admitted += 1
             if handle.cancelled:
+                with self._lock:
+                    self._admitted -= 1
                 handle.emit(Finished("cancelled", len(req.prompt), 0, 0))
                 continue
             try:
                 self._start(handle, req)
             except Exception as exc:   # noqa: BLE001 - this request fails, the others go on
+                with self._lock:
+                    self._admitted -= 1
                 handle.emit(Finished("error", len(req.prompt), 0, 0, f"{type(exc).__name__}: {exc}"))
 
     def _start(self, handle: RequestHandle, req: GenerationRequest) -> None:
