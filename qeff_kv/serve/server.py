@@ -102,11 +102,12 @@ def check_text(text, engine) -> None:
     vocab = getattr(engine, "vocab_size", None)
     if vocab is None:
         vocab = getattr(getattr(engine, "session", None), "vocab_size", None)
-    size = text.tokenizer.get_vocab_size(with_added_tokens=True) if hasattr(text.tokenizer, "get_vocab_size") \
-        else None
+    get_vocab = getattr(text.tokenizer, "get_vocab", None)
+    ids = get_vocab(with_added_tokens=True).values() if get_vocab is not None else ()
+    size = max(ids) + 1 if ids else None
     if vocab and size and size > vocab:
-        raise RuntimeInputError(f"the tokenizer has {size} tokens, the model's vocabulary {vocab}: ids >= {vocab} "
-                                "would be refused or misread (a tokenizer of another model?)")
+        raise RuntimeInputError(f"the tokenizer's ids reach {size - 1}, the model's vocabulary holds {vocab}: ids >= "
+                                f"{vocab} would be refused mid-request (a tokenizer of another model?)")
 
 
 def bind(host: str, port: int):
