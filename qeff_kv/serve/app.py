@@ -53,7 +53,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one);
     ``max_request_bytes``: larger request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a
     :class:`~.drain.Drain` (SIGTERM answers new requests 503 and lets running ones finish)."""
-    app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
     if drain is not None:
         app.add_middleware(DrainGate, drain=drain)
