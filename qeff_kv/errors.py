@@ -81,3 +81,7 @@ class Interrupted(QeffKvError):
     def __init__(self, message: str, exit_code: int = 143):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class UnavailableError(QeffKvError):
+    """The server cannot run requests now (every replica of a kind stopped, the engine closed): HTTP 503."""

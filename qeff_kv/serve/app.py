@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
-from ..errors import QeffKvError, QueueFullError
+from ..errors import QeffKvError, QueueFullError, UnavailableError
 from ..runtime.sampling import SamplingParams
 from . import http_errors
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, encode_text, read_json
@@ -78,6 +78,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     # ------------------------------------------------------------------------------------ plain routes
     @app.get("/health")
     async def health():
+        why = engine.health()
+        if why is not None:   # a load balancer reads the status; a person reads why
+            raise APIError(f"unhealthy: {why}", status=503, type="server_error", code="unhealthy")
         return {"status": "ok", "model": engine.model_name, **engine.stats()}
 
     @app.get("/metrics")
@@ -160,6 +163,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         except QueueFullError as exc:
             metrics.rejected()
             raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
+        except UnavailableError as exc:
+            metrics.rejected()
+            raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
         except QeffKvError as exc:
             metrics.rejected()
             raise bad(str(exc), param) from None

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import QeffKvError, QueueFullError, RuntimeInputError
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from ..runtime.cache import Sequence
 from ..runtime.sampling import sample
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut, check_request
@@ -130,7 +130,7 @@ class Scheduler(Engine):
         handle = RequestHandle(req.request_id, on_cancel=lambda h: self._wake.set())
         with self._lock:
             if self._closed:
-                raise RuntimeInputError("the engine is closed")
+                raise UnavailableError("the engine is closed")
             # the queue holds max_queue requests beyond those a free slot is about to take
             if len(self._waiting) >= self.max_queue + max(0, self.max_sequences - self._admitted):
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
@@ -145,6 +145,13 @@ class Scheduler(Engine):
         if self.speculation is not None:
             out.update(self.speculation.stats())
         return out
+
+    def health(self) -> str | None:
+        if self._closed:
+            return "the engine is closed"
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return None
 
     def slots(self) -> list[dict]:
         with self._lock:
