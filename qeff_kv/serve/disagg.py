@@ -285,6 +285,7 @@ class DisaggregatedEngine(Engine):
                    "sequences_active": sum(1 for f in flights if f.started),
                    "kv_bytes_used": 0, "prompt_tokens_reused": 0, "max_sequences": self.max_sequences,
                    "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts}
+        self._refresh_outside_event_loops()
         replicas = self.watch.figures()   # the watch's last readings: no route waits on Ray
         for key in ("kv_bytes_used", "kv_bytes_capacity", "handoffs", "handoff_bytes", "handoff_prefill_s",
                     "handoff_extract_s", "decode_steps", "prompt_tokens_reused"):
@@ -292,6 +293,21 @@ class DisaggregatedEngine(Engine):
             if vals:
                 out[key] = sum(vals)
         return out
+
+    def _refresh_outside_event_loops(self) -> None:
+        """A caller on a plain thread (a script, a test, the benchmark) gets figures read now; one on an event loop
+        (an HTTP route) gets the watch's last reading at once: it never waits on Ray."""
+        try:
+            asyncio.get_running_loop()
+            return
+        except RuntimeError:
+            pass
+        if self._closed:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.watch.read_all(), self._loop).result(timeout=10)
+        except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
+            pass
 
     def health(self) -> str | None:
         if self._closed:
