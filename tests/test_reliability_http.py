@@ -138,6 +138,37 @@ def test_a_huge_prompt_refused_does_not_stall_another_stream(served):
     assert max(gaps) < max(0.5, tokenize_s / 3), (max(gaps), tokenize_s)
 
 
+def test_a_template_running_to_its_budget_does_not_stall_another_stream(served, tmp_path):
+    """A chat template that loops until its 2 s budget stops it is refused (400) while another stream's gaps stay
+    short: rendering runs in a worker thread."""
+    from qeff_kv.runtime.chat import ChatTemplate
+
+    slow = ChatTemplate(tmp_path / "t.jinja", "{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}"
+                                              "{% endfor %}", {})
+    text = served.app.state.text
+    normal = text.chat_template
+    served.slow.delay = 0.03
+    try:
+        out, started = {}, threading.Event()
+        t = threading.Thread(target=_stream_gaps, args=(served, 60, out, started))
+        t.start()
+        assert started.wait(30)
+        text.chat_template = slow
+        a = time.monotonic()
+        err = _error(_post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}), 400,
+                     param="messages")
+        b = time.monotonic()
+        t.join(120)
+    finally:
+        text.chat_template = normal
+        served.slow.delay = 0.0
+    assert err["message"].startswith("t.jinja: the chat template was stopped: rendering took more than 2 s")
+    assert str(tmp_path) not in err["message"] and b - a >= 2.0
+    stamps = out["stamps"]
+    gaps = [y - x for x, y in zip(stamps, stamps[1:]) if y > a and x < b]
+    assert gaps and max(gaps) < 1.0, max(gaps)   # on the loop it was the whole 2 s budget
+
+
 # ------------------------------------------------------------------------------------------ item 3
 DEEP = "[" * 6000 + "]" * 6000
 

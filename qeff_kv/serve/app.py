@@ -137,8 +137,10 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                 raise bad("this model has no chat template; use /v1/completions", "messages")
             try:
                 rendered = text.chat_template.render(p.messages, add_generation_prompt=True)
-            except QeffKvError as exc:
-                raise bad(str(exc), "messages") from None
+            except QeffKvError as exc:   # naming the template by its file name, not the server's folder
+                source = str(getattr(text.chat_template, "source", "") or "")
+                msg = str(exc).replace(source, Path(source).name) if source else str(exc)
+                raise bad(msg, "messages") from None
             return encode_text(tok, rendered, add_special_tokens=False)
         if p.prompt_ids is not None:
             return p.prompt_ids
