@@ -118,6 +118,7 @@ def test_a_huge_prompt_refused_does_not_stall_another_stream(served):
     tokenize_s = time.perf_counter() - t0
     assert tokenize_s > 1.0, f"tokenizing takes {tokenize_s:.2f} s: too little for the gap to show a stall"
     served.slow.delay = 0.03
+    limit, served.app.state.text_limit = served.app.state.text_limit, None   # tokenize it all: the slow path
     try:
         out, started = {}, threading.Event()
         t = threading.Thread(target=_stream_gaps, args=(served, 60, out, started))
@@ -132,6 +133,7 @@ def test_a_huge_prompt_refused_does_not_stall_another_stream(served):
         t.join(120)
     finally:
         served.slow.delay = 0.0
+        served.app.state.text_limit = limit
     stamps = out["stamps"]
     gaps = [y - x for x, y in zip(stamps, stamps[1:]) if y > a and x < b]
     assert gaps and b - a > tokenize_s   # the refusals overlapped the stream
@@ -167,6 +169,21 @@ def test_a_template_running_to_its_budget_does_not_stall_another_stream(served, 
     stamps = out["stamps"]
     gaps = [y - x for x, y in zip(stamps, stamps[1:]) if y > a and x < b]
     assert gaps and max(gaps) < 1.0, max(gaps)   # on the loop it was the whole 2 s budget
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(served):
+    limit = served.app.state.text_limit
+    longest = max(len(t.encode()) for t in served.text.tokenizer.get_vocab(with_added_tokens=True))
+    assert limit == 2 * 64 * longest + 64
+    t0 = time.monotonic()
+    err = _error(_post(served, "/v1/completions", {"prompt": "x" * (CAP - 1024)}), 400, param="prompt",
+                 code="context_length_exceeded")
+    assert time.monotonic() - t0 < 1.0
+    assert err["message"] == (f"the prompt has {CAP - 1024} bytes of text; the model's context of 64 tokens cannot "
+                              f"hold more than {limit} (its longest token, twice over)")
+    # just under the limit: tokenized, and refused by its token count
+    err = _error(_post(served, "/v1/completions", {"prompt": "x" * limit}), 400, code="context_length_exceeded")
+    assert err["message"].startswith("the prompt has ") and " tokens; " in err["message"]
 
 
 # ------------------------------------------------------------------------------------------ item 3

@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from ..errors import QeffKvError, QueueFullError, UnavailableError
 from ..runtime.sampling import SamplingParams
 from . import http_errors
-from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, encode_text, read_json
+from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .drain import DrainGate, shutting_down
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
@@ -59,6 +59,8 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         app.add_middleware(DrainGate, drain=drain)
     metrics = Metrics(engine, registry)
     app.state.engine, app.state.metrics, app.state.text = engine, metrics, text
+    #: prompt text longer than this cannot fit the context: refused before it is tokenized (None: no such check)
+    app.state.text_limit = text_limit(text.tokenizer, engine.ctx_len)
     created = int(time.time())
     state_dir = Path(state_dir) if state_dir is not None else None
     background: set[asyncio.Task] = set()
@@ -141,9 +143,11 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                 source = str(getattr(text.chat_template, "source", "") or "")
                 msg = str(exc).replace(source, Path(source).name) if source else str(exc)
                 raise bad(msg, "messages") from None
+            check_text_fits(rendered, app.state.text_limit, engine.ctx_len, "messages")
             return encode_text(tok, rendered, add_special_tokens=False)
         if p.prompt_ids is not None:
             return p.prompt_ids
+        check_text_fits(p.prompt_text, app.state.text_limit, engine.ctx_len, "prompt")
         return encode_text(tok, p.prompt_text)
 
     def _prepare(body, chat: bool) -> tuple[Params, list[int]]:

@@ -6,7 +6,11 @@
 * :func:`read_json`: the body parsed in a worker thread, with JSON nested too deeply (``RecursionError``) and
   strings no UTF-8 can carry (a lone surrogate such as ``"\\ud800"``) refused as a 400 naming where they are.
 * :func:`encode_text`: tokenizing in the tokenizer's GIL-releasing batch call, so that other streams keep flowing
-  while a long prompt is tokenized (``Tokenizer.encode`` holds the GIL for its whole run).
+  while a long prompt is tokenized (``Tokenizer.encode`` holds the GIL for its whole run);
+* :func:`text_limit` / :func:`check_text_fits`: a prompt text too long to fit the context whatever it tokenizes to
+  is refused before it is tokenized (tokenizing megabytes costs seconds of CPU): no token of the vocabulary covers
+  more than its longest entry's bytes, so a context of ``C`` tokens holds at most ``C`` times that (doubled, for
+  normalizers that drop characters).
 """
 
 from __future__ import annotations
@@ -112,3 +116,21 @@ def encode_text(tokenizer, text: str, *, add_special_tokens: bool = True) -> lis
     if batch is None:   # another tokenizer object: the plain call
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
     return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def text_limit(tokenizer, ctx_len: int) -> int | None:
+    """The most UTF-8 bytes of prompt text that could fit ``ctx_len`` tokens (see the module docstring); None when
+    the tokenizer cannot tell its vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(t.encode("utf-8", "replace")) for t in get_vocab(with_added_tokens=True)), default=0)
+    return 2 * ctx_len * max(longest, 1) + 64 if longest else None
+
+
+def check_text_fits(text: str, limit: int | None, ctx_len: int, param: str) -> None:
+    """Refuse (400 ``context_length_exceeded``) a text longer than ``limit`` bytes, before it is tokenized."""
+    if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8", "replace")) > limit:
+        raise bad(f"the prompt has {len(text.encode('utf-8', 'replace'))} bytes of text; the model's context of "
+                  f"{ctx_len} tokens cannot hold more than {limit} (its longest token, twice over)", param,
+                  "context_length_exceeded")
