@@ -4,8 +4,9 @@
 
 Starts ``qeff-kv serve EXPORT_DIR`` (default ``--max-request-bytes``: 8 MiB) in a child process, streams one
 greedy request of ``--tokens`` tokens alone (the baseline), then the same stream while another client sends, one
-after the other: a 40 MB body (refused from its Content-Length: 413), a text prompt just under the cap
-(parsed, tokenized off the loop, then refused: 400 context_length_exceeded) and the same as a chat message.
+after the other: a 40 MB body (refused from its Content-Length: 413), a text prompt just under the cap (refused
+before tokenizing: it cannot fit the context; 400 context_length_exceeded), a prompt of token ids just under the
+cap (parsed off the loop, then refused) and the text as a chat message.
 Prints the stream's p50 and largest gap between two tokens in both runs, and how long each refusal took.
 """
 
@@ -49,7 +50,9 @@ def _hostile(url: str, timings: dict) -> None:
         s.recv(65536)
         timings["40 MB declared (413)"] = time.monotonic() - t0
     prompt = "hello world, abc " * ((cap - 4096) // 17)
+    ids = [1234] * ((cap - 4096) // 6)
     for label, path, body in (("8 MB text prompt (400)", "/v1/completions", {"prompt": prompt}),
+                              ("8 MB token-id prompt (400)", "/v1/completions", {"prompt": ids}),
                               ("8 MB chat message (400)", "/v1/chat/completions",
                                {"messages": [{"role": "user", "content": prompt}]})):
         t0 = time.monotonic()
