@@ -252,3 +252,32 @@ def test_every_failing_restore_leaves_the_slot_as_it_was(sched, folder, monkeypa
     out = sched.slot_action(target, "restore", path)
     assert out["n_restored"] == len(PROMPT) + 3
     assert _snapshot(sched)["kept"][target][0][:len(PROMPT)] == list(PROMPT)
+
+
+SAVE_STEPS = ["export_state", "fsync", "write"]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(step=st.sampled_from(SAVE_STEPS), existing=st.booleans())
+def test_every_failing_save_leaves_the_slot_and_the_folder_as_they_were(sched, folder, monkeypatch, step, existing):
+    from qeff_kv import fsutil
+    from qeff_kv.runtime import state as state_mod
+
+    slot, path = _saved(sched, folder, "q.safetensors")
+    if not existing:
+        path.unlink()
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    _run(sched, PROMPT[:5] + (40, 41), n=2)   # another sequence, so that the save would write other bytes
+    target = [s for s, (toks, _) in _snapshot(sched)["kept"].items() if toks[:7] == [*PROMPT[:5], 40, 41]][0]
+    before = _snapshot(sched)
+    with monkeypatch.context() as m:
+        if step == "export_state":
+            m.setattr(state_mod, "export_state", _once(state_mod.export_state))
+        elif step == "fsync":
+            m.setattr(fsutil, "_fsync", _once(fsutil._fsync))
+        else:
+            m.setattr(fsutil, "write_bytes", _once(fsutil.write_bytes))
+        with pytest.raises((_Injected, QeffKvError)):
+            sched.slot_action(target, "save", path)
+    _same(before, _snapshot(sched))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files   # no half pair, no temporary file
