@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from serve_helpers import LiveServer, chat_export  # noqa: E402
 
@@ -122,6 +122,24 @@ def _url_safe(t: str) -> bool:
             t.encode("utf-8", "surrogatepass"))
 
 
+# requests that are valid but for their values: they reach the engine, the detokenizer and the stop matcher
+_GOOD_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=30)
+_VALID_SAMPLING = {
+    "max_tokens": st.integers(1, 20), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 300), "seed": st.integers(0, 2 ** 63 - 1),
+    "stop": st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=3), max_size=4),
+    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(), "model": st.just(NAME),
+}
+_VALID_COMPLETION = st.fixed_dictionaries(
+    {"prompt": st.one_of(_GOOD_TEXT, st.lists(st.integers(0, 255), min_size=1, max_size=40))},
+    optional=_VALID_SAMPLING)
+_VALID_CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                 "content": st.text(st.characters(codec="utf-8"), max_size=12)}),
+                          min_size=1, max_size=3)}, optional=_VALID_SAMPLING)
+
+
 def _encode(value) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
@@ -135,6 +153,8 @@ _BODY = st.one_of(
 _REQUEST = st.one_of(
     st.tuples(st.just("/v1/completions"), st.one_of(_COMPLETION.map(_encode), _BODY)),
     st.tuples(st.just("/v1/chat/completions"), st.one_of(_CHAT.map(_encode), _BODY)),
+    st.tuples(st.just("/v1/completions"), _VALID_COMPLETION.map(_encode)),
+    st.tuples(st.just("/v1/chat/completions"), _VALID_CHAT.map(_encode)),
     st.tuples(st.builds(lambda i, a: f"/slots/{i}?action={a}",
                         st.one_of(st.integers(-1, 4).map(str), _TEXT.filter(_url_safe)),
                         st.sampled_from(["save", "restore", "erase", "fly", ""])),
@@ -170,11 +190,12 @@ def before(served):
     return _probe(served.client)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 @given(req=_REQUEST)
 def test_fuzzed_bodies_get_200_or_a_json_4xx_and_the_server_keeps_serving(served, before, req):
     path, data = req
     r = served.client.post(path, content=data, headers={"content-type": "application/json"})
+    event(f"status {r.status_code}")
     _check_answer(r)
     assert served.client.get("/health").status_code == 200
 
