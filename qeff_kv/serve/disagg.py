@@ -363,19 +363,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     pre_export = config.prefill_export or config.export_dir
     resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
     resolve_model(pre_export)
-    owns = False
-    if not ray.is_initialized():
-        kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
-        if config.ray_address:
-            check_ray_address(config.ray_address)
-            try:
-                ray.init(address=config.ray_address, **kw)
-            except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
-                raise RuntimeInputError(f"--ray-address {config.ray_address}: cannot join the cluster "
-                                        f"({_one_line(exc)})") from None
-        else:
-            ray.init(num_cpus=os.cpu_count() or 2, **kw)
-            owns = True
+    owns = _join_or_start(ray, config.ray_address)
     n_actors = config.prefill_replicas + config.decode_replicas
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     share = min(1.0, cpus / n_actors)
@@ -415,6 +403,23 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
         give_up(why)
     return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
                                decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns)
+
+
+def _join_or_start(ray, address: str | None) -> bool:
+    """Join the cluster at ``address``, or start a local instance (True: this process owns it); nothing when Ray
+    already runs in this process."""
+    if ray.is_initialized():
+        return False
+    kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
+    if not address:
+        ray.init(num_cpus=os.cpu_count() or 2, **kw)
+        return True
+    check_ray_address(address)
+    try:
+        ray.init(address=address, **kw)
+    except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
+        raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({_one_line(exc)})") from None
+    return False
 
 
 def check_ray_address(address: str) -> None:
