@@ -67,11 +67,11 @@ def test_sigterm_drains_and_exits_143_with_one_line(own_cb_graph, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, str(script), "serve", str(own_cb_graph), "--port", str(port),
-                             "--model-name", "tiny", "--drain-seconds", "1.5"],
+                             "--model-name", "tiny", "--drain-seconds", "2.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_up(proc, port)
-        long = {"prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+        long = {"prompt": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
         short = {"prompt": [5, 6, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         stream, first = [], threading.Event()
         results: dict = {}
