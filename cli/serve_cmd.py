@@ -9,7 +9,7 @@ import click
 
 from qeff_kv.errors import MissingDependencyError
 
-from .params import COUNT, DIM, FLOAT, THREADS
+from .params import COUNT, DIM, FLOAT, THREADS, AsciiFloat, AsciiIntRange
 
 
 class ChunkType(click.ParamType):
@@ -39,6 +39,11 @@ class ChunkType(click.ParamType):
               help="Require 'Authorization: Bearer KEY' on /v1 and /slots (or set QEFF_KV_API_KEY).")
 @click.option("--max-queue", type=COUNT, default=64, show_default=True,
               help="Requests that may wait for a sequence slot; more get HTTP 429.")
+@click.option("--max-request-bytes", type=AsciiIntRange(min=1024, max=1 << 40), default=None, metavar="N",
+              help="Request bodies larger than this get HTTP 413 before they are read (default 8 MiB).")
+@click.option("--drain-seconds", type=AsciiFloat(), default=None, metavar="S",
+              help="After SIGTERM: seconds running requests may take to finish before they are stopped with an "
+                   "error (default 30); new requests get 503 meanwhile.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=str), default=None,
               help="Folder of slot state files (POST /slots/{id}?action=save|restore).")
 @click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
@@ -84,7 +89,8 @@ class ChunkType(click.ParamType):
 @click.option("--prefill-export", type=click.Path(path_type=str), default=None,
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
-def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, state_dir, ctx_len,
+def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
+              state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
@@ -103,6 +109,7 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                "--disaggregate")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
+                         max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
                          prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
                          reuse_prompts=not no_prompt_reuse, model_name=model_name, speculative=speculative,
                          speculative_k=speculative_k, checkpoint_every=checkpoint_every,

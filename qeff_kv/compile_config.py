@@ -152,8 +152,12 @@ def resolve_speculative(layout: KVLayout, speculative_tokens=None) -> int | None
             raise RuntimeInputError(f"the graph has no {naming.LOGITS_TO_KEEP_INPUT} input (not a speculative-"
                                     "decoding graph); --speculative-tokens does not apply")
         return None
+    recorded = layout.speculative_tokens
+    if speculative_tokens is not None and recorded is not None and int(speculative_tokens) > int(recorded):
+        raise RuntimeInputError(f"--speculative-tokens {speculative_tokens} is larger than the K={recorded} the graph "
+                                "was exported for (its decode verifies at most K drafts)")
     if speculative_tokens is None:
-        speculative_tokens = layout.speculative_tokens
+        speculative_tokens = recorded
     if speculative_tokens is None:
         raise RuntimeInputError(f"the graph takes {naming.LOGITS_TO_KEEP_INPUT} (speculative decoding) and records "
                                 "no K; give --speculative-tokens K")
@@ -209,6 +213,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
         prefill, decode = (_insert_after(d, after, vis) for d in (prefill, decode))
     if speculative_tokens is not None:
         width = str(positive_int("speculative_tokens", speculative_tokens) + 1)
+        if int(width) > ctx_len:
+            raise RuntimeInputError(f"speculative_tokens {speculative_tokens}: a decode step of K+1 = {width} "
+                                    f"positions does not fit ctx_len {ctx_len}")
         prefill = {**prefill, naming.LOGITS_TO_KEEP_INPUT: "1"}
         decode = {**decode, "seq_len": width, naming.LOGITS_TO_KEEP_INPUT: width}
     if ccl:

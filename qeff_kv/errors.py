@@ -76,3 +76,16 @@ class VerificationError(ExportError):
 
 class QueueFullError(QeffKvError):
     """The server's admission queue is full (HTTP 429): the request was not accepted; retry later."""
+
+
+class Interrupted(QeffKvError):
+    """A long-running command (``qeff-kv serve``) stopped on a signal after finishing what it could; the exit code
+    is the shell's 128 + the signal (SIGTERM: 143)."""
+
+    def __init__(self, message: str, exit_code: int = 143):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class UnavailableError(QeffKvError):
+    """The server cannot run requests now (every replica of a kind stopped, the engine closed): HTTP 503."""

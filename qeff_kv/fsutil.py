@@ -260,3 +260,26 @@ def _copy_sparse(fd_in: int, fd_out: int, size: int) -> None:
                 raise OSError(f"copy stopped at byte {pos} of {size}")
             pos += done
     os.ftruncate(fd_out, size)
+
+
+def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """The bytes of ``path``, opened without following a symbolic link in its last component and refused unless it
+    is a regular file (a FIFO is not waited on); at most ``limit`` bytes (more: refused). ``OSError`` subclasses
+    carry the reason; the message of a refusal names the file's name only, never its folder or its bytes."""
+    path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path.name}: no such file") from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise PermissionError(f"{path.name}: is a symbolic link; refusing to follow it") from None
+        raise OSError(f"{path.name}: cannot be opened ({_reason(exc)})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path.name}: not a regular file")
+        if limit is not None and st.st_size > limit:
+            raise OSError(f"{path.name}: larger than {limit} bytes")
+        return f.read()

@@ -55,12 +55,13 @@ class LiveServer:
         import uvicorn
 
         from qeff_kv.serve.app import create_app
+        from qeff_kv.serve.server import uvicorn_config
 
         self.engine = engine
         self.app = create_app(engine, text=text, **app_kwargs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=self.port,
                                                     timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -186,7 +186,7 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
             onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
             save=lambda m, p: publish.save_graph(m, p, say),
             kv_batch=options.full_batch_size if options.continuous_batching else 1,
-            gguf=source.path if options.gguf_grid else None)
+            gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp))
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
     if weights_record is not None:
         records["weights"] = weights_record
@@ -194,6 +194,19 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
         records.update(layout="single" if options.single_graph else "dual", image_token_id=facts.image_token_id,
                        vision=geometry["vision"], vision_onnx=None if vision_path is None else vision_path.name)
     return {"geometry": geometry, "vision_path": vision_path, "records": records}
+
+
+def _tokenizer_of(source, tmp: Path):
+    """The source's tokenizer (for the quantized graph's natural-text check), or None when it has none."""
+    folder = tmp / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    try:
+        source.copy_tokenizer(folder)
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json")) if (folder / "tokenizer.json").is_file() else None
+    except Exception:   # noqa: BLE001 - no usable tokenizer: the probe check alone
+        return None
 
 
 def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:

@@ -17,7 +17,11 @@ Symmetric quantization has no zero-point tensors: both ops then use the default 
 KV inputs, outputs, pairing and the in-place updaters are untouched (only weight readers change).
 
 The quantized graph is checked loosely (:func:`compare_graphs`): it must load and run the probe, and its top-1
-agreement with the float graph and max logit difference are recorded in the manifest.
+agreement with the float graph and max logit difference are recorded in the manifest. The probe's random tokens
+say little about quality, so when the export has a tokenizer both graphs also read :data:`NATURAL_TEXT` (a fixed
+English paragraph, teacher-forced: :func:`natural_text_check`); a quantized graph whose perplexity on it exceeds
+:data:`MAX_PERPLEXITY_RATIO` times the float graph's gets a loud warning and the manifest's check says
+``"failed"`` (the export is kept: the user chooses whether to use it).
 """
 
 from __future__ import annotations
@@ -33,14 +37,25 @@ from .probe_runner import ProbeRunner, first_line
 from .schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, SCHEMES,  # noqa: F401
                       WeightScheme, check_scheme, resolve_options)
 
+#: the paragraph both graphs read (teacher-forced) when the export has a tokenizer
+NATURAL_TEXT = ("The old lighthouse stood at the edge of the harbour, and every evening the keeper climbed its "
+                "narrow stairs to light the lamp. Ships coming home after long weeks at sea looked for its beam "
+                "before anything else, because it meant that the rocks were behind them and the town was near.")
+#: at most this many of its tokens are read
+NATURAL_TOKENS = 48
+#: the quantized graph's perplexity on the paragraph may be at most this many times the float graph's
+MAX_PERPLEXITY_RATIO = 2.0
+
+
 def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
-                    kv_batch: int = 1, gguf: Path | None = None) -> dict:
+                    kv_batch: int = 1, gguf: Path | None = None, tokenizer=None) -> dict:
     """Replace the verified float graph at ``onnx_path`` (in the staging folder) by its quantized version.
 
     The quantized graph is written by ``save(model, path)`` into ``work``, checked against the float graph on the
     probe (:func:`compare_graphs`; the verification probe, or a fresh one when verification was skipped), then
     renamed over the float files. Returns the manifest's ``weights`` record. ``gguf``: with ``--gguf-grid``, the
-    GGUF whose own 4-bit blocks become the MatMulNBits weights where they fit (:mod:`.gguf_grid`)."""
+    GGUF whose own 4-bit blocks become the MatMulNBits weights where they fit (:mod:`.gguf_grid`). ``tokenizer``:
+    a ``tokenizers.Tokenizer`` for :func:`natural_text_check` (None: only the probe is compared)."""
     from .verify import make_probe
 
     scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
@@ -57,6 +72,19 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
                                ccl=options.ccl)
     say(f"{scheme.scheme}: top-1 agreement with the float graph {agreement.top1_agreement:.0%} over "
         f"{agreement.steps} steps, max |logit difference| {agreement.max_abs_logit_diff:.3g}")
+    natural = None
+    if tokenizer is not None:
+        ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
+        natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
+                                     ccl=options.ccl, slot=probe.slot)
+        say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
+            f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
+            f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
+        if natural["status"] != "passed":
+            say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
+                f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
+                "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
+                "--block-size)")
     float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
     for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
         old.unlink(missing_ok=True)
@@ -66,6 +94,9 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     record["float_graph_bytes"] = float_bytes
     record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
     record["check"] = agreement.to_json()
+    if natural is not None:
+        record["check"]["natural_text"] = natural
+        record["check"]["status"] = natural["status"]
     if gguf is not None:
         record["gguf_grid"] = grid
     return record
@@ -340,3 +371,34 @@ def compare_graphs(float_path: Path, quant_path: Path, probe, *, ctx_len: int, k
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
     return Agreement(steps=len(ref), top1_agreement=agree, max_abs_logit_diff=diff,
                      seconds=time.perf_counter() - t0)
+
+
+def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1,
+                       ccl=None, slot: int = 0) -> dict:
+    """Both graphs read ``ids`` one token at a time; per position, does the quantized graph's top-1 token equal the
+    float graph's, and how likely does each find the text's next token (perplexity)."""
+    if len(ids) < 2:
+        return {"status": "passed", "tokens": len(ids), "top1_agreement": 1.0, "perplexity_float": 1.0,
+                "perplexity_quantized": 1.0, "perplexity_ratio": 1.0, "threshold": MAX_PERPLEXITY_RATIO}
+    rows = {}
+    for label, path in (("float", float_path), ("quantized", quant_path)):
+        try:
+            runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
+            rows[label] = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
+            del runner
+        except Exception as exc:
+            raise VerificationError(f"the {label} graph could not read the natural-text check "
+                                    f"({first_line(exc)})") from None
+    nll = {}
+    for label, x in rows.items():
+        if not np.all(np.isfinite(x)):
+            raise VerificationError(f"the {label} graph's logits on natural text are not finite")
+        m = x.max(axis=1, keepdims=True)
+        lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+        nll[label] = float(np.mean(lse - x[np.arange(len(ids) - 1), ids[1:]]))
+    ratio = float(np.exp(nll["quantized"] - nll["float"]))
+    agree = float(np.mean(rows["float"].argmax(axis=1) == rows["quantized"].argmax(axis=1)))
+    return {"status": "passed" if ratio <= MAX_PERPLEXITY_RATIO else "failed", "tokens": len(ids),
+            "top1_agreement": round(agree, 4), "perplexity_float": float(f"{np.exp(nll['float']):.5g}"),
+            "perplexity_quantized": float(f"{np.exp(nll['quantized']):.5g}"),
+            "perplexity_ratio": float(f"{ratio:.4g}"), "threshold": MAX_PERPLEXITY_RATIO}

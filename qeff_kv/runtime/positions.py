@@ -86,7 +86,7 @@ def read_state_marks(meta: dict[str, str], n: int, where: str) -> list[RopeMark]
         return []
     try:
         marks = [RopeMark(int(a), int(b), int(d)) for a, b, d in json.loads(raw)]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise StateFileError(f"{where}: malformed state metadata (rope_marks)") from None
     if any(not 0 <= m.start < m.end <= n for m in marks):
         raise StateFileError(f"{where}: malformed state metadata (rope_marks outside the valid length {n})")

@@ -314,7 +314,7 @@ def read_state_checkpoints(mem: RecurrentMemory, meta: dict[str, str], n: int, w
         return []
     try:
         positions = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         positions = None
     if (not isinstance(positions, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
             or positions != sorted(set(positions)) or any(p <= 0 or p > n for p in positions)):

@@ -193,7 +193,7 @@ def read_state_rings(meta: dict[str, str], n: int, where: str) -> StateRings:
         w_raw = meta.get("sliding_window", "")
         window = meta_int(w_raw) if w_raw != "" else None
         floor = meta_int(meta.get("ring_floor", "0"))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise StateFileError(f"{where}: malformed state metadata (ring_written, capacities, sliding_window)") from None
     if (not isinstance(caps, dict) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
                                               for c in caps.values())

@@ -109,7 +109,12 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         raise RuntimeInputError(f"logits contain {bad} non-finite values; the graph produced NaN or inf")
     if np.isneginf(x).all():
         raise RuntimeInputError("every token is excluded (all logits are -inf)")
-    x = x / params.temperature
+    with np.errstate(over="ignore"):
+        scaled = x / params.temperature
+    if np.isposinf(scaled).any():   # a temperature so small that logits / temperature overflow: the limit
+        scaled = np.full_like(x, -np.inf)   # as it goes to 0, greedy's token (never NaN probabilities)
+        scaled[int(np.argmax(x))] = 0.0
+    x = scaled
     if params.top_k and params.top_k < x.size:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x >= kth, x, -np.inf)

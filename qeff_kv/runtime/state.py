@@ -159,7 +159,7 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         **rec_meta,
         "created_by": f"qeff-kv {__version__}",
     }
-    if not checksum and all(t >= 0 for t in seq.tokens):   # an in-memory hand-off carries the token ids too
+    if all(t >= 0 for t in seq.tokens):   # the token ids, under the checksum (a file) or the identity (a hand-off)
         meta["tokens"] = json.dumps(seq.tokens, separators=(",", ":"))
     meta["checksum"] = _checksum(meta, tensors) if checksum else _identity(meta, tensors)
     return KVState(tensors, meta)
@@ -171,6 +171,11 @@ def _state_path(path, what: str) -> Path:
     return Path(path)
 
 
+def validate(session, state: KVState, where: str = "state") -> str:
+    """Check ``state`` against ``session`` without changing anything (what :func:`import_state` checks first)."""
+    return _validate(session, state, where)
+
+
 def _validate(session, state: KVState, where: str) -> str:
     """Check ``state`` against ``session``; returns how its buffers go in (:func:`ring.check_state`)."""
     if not isinstance(state, KVState) or not isinstance(state.tensors, dict) or not isinstance(state.metadata, dict):
@@ -178,7 +183,7 @@ def _validate(session, state: KVState, where: str) -> str:
                              f"{type(state).__name__}")
     meta = state.metadata
     if meta.get("format") != FORMAT:
-        raise StateFileError(f"{where}: not a qeff-kv state file (format {meta.get('format')!r})")
+        raise StateFileError(f"{where}: not a qeff-kv state file (its format entry is not {FORMAT!r})")
     if meta.get("format_version") != FORMAT_VERSION:
         raise StateFileError(
             f"{where}: state format version {meta.get('format_version')!r}; this qeff-kv reads version {FORMAT_VERSION}")
@@ -202,7 +207,7 @@ def _validate(session, state: KVState, where: str) -> str:
         shapes = json.loads(meta["shapes"])
         pending = meta["pending_token"]
         pending_tok = meta_int(pending) if pending != "" else None
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise StateFileError(f"{where}: malformed state metadata") from None
     if meta["pending_emitted"] not in ("true", "false"):
         raise StateFileError(f"{where}: malformed state metadata (pending_emitted)")
@@ -212,6 +217,7 @@ def _validate(session, state: KVState, where: str) -> str:
     theirs = ring_mod.read_state_rings(meta, n, where)
     mode = ring_mod.check_state(session.rings, theirs, n, where)
     pos_mod.read_state_marks(meta, n, where)
+    _tokens(meta, n, where)
     _check_model(session, meta, where)
     if n > session.ctx_len:
         raise StateFileError(
@@ -321,7 +327,7 @@ def _tokens(meta: dict[str, str], n: int, where: str) -> list[int]:
         return [-1] * n
     try:
         toks = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         toks = None
     if (not isinstance(toks, list) or len(toks) != n
             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in toks)):
@@ -343,34 +349,40 @@ def save_state(session, seq: Sequence, path: str | os.PathLike, select: str | No
 
 def read_state(path: str | os.PathLike) -> KVState:
     """Read a state file without validating it against a graph (format and integrity errors still raise)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     path = _state_path(path, "read_state")
     if not path.is_file():
         what = "not a regular file" if path.exists() else "no such state file"
         raise StateFileError(f"{path}: {what}")
-    data = path.read_bytes()
+    return parse_state(path.read_bytes(), str(path))
+
+
+def parse_state(data: bytes, where: str) -> KVState:
+    """A state file's bytes as a :class:`KVState` (format and integrity errors raise naming ``where``; no message
+    repeats the file's bytes or a number read from them)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
     if len(data) < 8:
-        raise StateFileError(f"{path}: truncated or not a safetensors file ({len(data)} bytes)")
+        raise StateFileError(f"{where}: truncated or not a safetensors file ({len(data)} bytes)")
     header_len = int.from_bytes(data[:8], "little")
     if header_len <= 0 or 8 + header_len > len(data):
-        raise StateFileError(f"{path}: truncated or not a safetensors file (header of {header_len} bytes, file of {len(data)})")
+        raise StateFileError(f"{where}: truncated or not a safetensors file (its header length does not fit the "
+                             f"file of {len(data)} bytes)")
     try:
         header = json.loads(data[8:8 + header_len])
-    except ValueError:
-        raise StateFileError(f"{path}: truncated or not a safetensors file (header is not JSON)") from None
+    except (ValueError, RecursionError):
+        raise StateFileError(f"{where}: truncated or not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
-        raise StateFileError(f"{path}: not a safetensors file (header is not an object)")
+        raise StateFileError(f"{where}: not a safetensors file (header is not an object)")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise StateFileError(f"{path}: safetensors metadata must be strings")
+        raise StateFileError(f"{where}: safetensors metadata must be strings")
     try:
         tensors = load(data)
-    except (SafetensorError, Exception) as exc:
-        raise StateFileError(f"{path}: truncated or corrupted safetensors data ({' '.join(str(exc).split())})") from None
+    except (SafetensorError, Exception):
+        raise StateFileError(f"{where}: truncated or corrupted safetensors data") from None
     if str(meta.get("checksum", "")).startswith(IDENTITY):
-        raise StateFileError(f"{path}: holds an in-memory state's identity check, not a checksum; state files "
+        raise StateFileError(f"{where}: holds an in-memory state's identity check, not a checksum; state files "
                              "are written by save_state")
     return KVState(dict(tensors), dict(meta))
 

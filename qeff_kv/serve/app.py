@@ -19,15 +19,16 @@ from importlib import resources
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import QeffKvError, QueueFullError
-from . import discovery
+from ..errors import QeffKvError, QueueFullError, UnavailableError
+from . import discovery, http_errors
+from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
+from .drain import DrainGate, shutting_down
 from .engine import Engine, Finished, GenerationRequest, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
@@ -38,6 +39,18 @@ from .tool_io import ToolRequest, ToolStream, ToolSupport, calls_json, parse_too
 #: a client that stops reading is noticed within this many seconds even while no token comes
 DISCONNECT_POLL_S = 0.5
 _FILENAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_SLOT_ID = re.compile(r"[0-9]{1,9}")   # ASCII digits: \d also matches other scripts' digits
+
+
+@dataclass
+class _Prepared:
+    """A request checked, rendered and tokenized off the event loop."""
+
+    params: Params
+    ids: list[int]
+    spec: object = None           # the structured-output grammar (constrained.GrammarSpec), or None
+    field: str | None = None      # the field it came from
+    parser: object = None         # the tool-call parser, with tools
 
 
 @dataclass
@@ -51,16 +64,24 @@ class TextFacts:
 
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
                registry=None, defaults: SamplingDefaults | None = None, max_n: int = 1,
-               allowed_origins: list[str] | None = None) -> FastAPI:
+               allowed_origins: list[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               drain=None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one).
     ``defaults``: the sampling a request leaves out (default: OpenAI's); ``max_n``: the largest ``n`` accepted;
-    ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers)."""
-    app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None)
+    ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers); ``max_request_bytes``: larger
+    request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a :class:`~.drain.Drain` (SIGTERM
+    answers new requests 503 and lets running ones finish)."""
+    app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
+    if drain is not None:
+        app.add_middleware(DrainGate, drain=drain)
     defaults = defaults if defaults is not None else SamplingDefaults()
     token_text = TokenText(text.tokenizer)
     discovery.add_cors(app, allowed_origins)
     metrics = Metrics(engine, registry)
     app.state.engine, app.state.metrics, app.state.text = engine, metrics, text
+    #: prompt text longer than this cannot fit the context: refused before it is tokenized (None: no such check)
+    app.state.text_limit = text_limit(text.tokenizer, engine.ctx_len)
     created = int(time.time())
     state_dir = Path(state_dir) if state_dir is not None else None
     background: set[asyncio.Task] = set()
@@ -73,21 +94,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         return tool_support[0]
 
     # ------------------------------------------------------------------------------------ errors
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status,
-                            headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
-                                     type=kind).body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                     type="server_error").body(), status_code=500)
+    http_errors.install(app)
 
     def _auth(request: Request) -> None:
         if api_key is None:
@@ -98,16 +105,12 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             raise APIError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            code="invalid_api_key")
 
-    async def _json_body(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad(f"the request body is not valid JSON ({exc})") from None
-
     # ------------------------------------------------------------------------------------ plain routes
     @app.get("/health")
     async def health():
+        why = engine.health()
+        if why is not None:   # a load balancer reads the status; a person reads why
+            raise APIError(f"unhealthy: {why}", status=503, type="server_error", code="unhealthy")
         return {"status": "ok", "model": engine.model_name, **engine.stats(),
                 "sampling_defaults": defaults.shown(), "max_n": max_n}
 
@@ -136,7 +139,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                            status=404, type="not_found_error", param="model", code="model_not_found")
         return _model_card()
 
-    discovery.add_token_routes(app, engine=engine, text=text, auth=_auth, json_body=_json_body)
+    discovery.add_token_routes(app, engine=engine, text=text, auth=_auth, json_body=read_json)
 
     # ------------------------------------------------------------------------------------ slots
     @app.get("/slots")
@@ -150,13 +153,13 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         if state_dir is None:
             raise APIError("slot actions need the server to be started with --state-dir", status=501,
                            type="not_supported_error", code="slots_disabled")
-        if not re.fullmatch(r"\d{1,9}", slot_id):
+        if not _SLOT_ID.fullmatch(slot_id):
             raise bad(f"slot id must be a non-negative integer, got {slot_id!r}", "id_slot")
         if action not in ("save", "restore", "erase"):
             raise bad(f"action must be save, restore or erase, got {action!r}", "action")
         path = None
         if action != "erase":
-            body = await _json_body(request)
+            body = await read_json(request)
             name = body.get("filename") if isinstance(body, dict) else None
             if not isinstance(name, str) or not _FILENAME.fullmatch(name) or name in (".", "..") \
                     or name.endswith(".tokens.json"):
@@ -179,12 +182,27 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
             try:
                 messages, listed = _tools().prompt(p.messages, tools)
                 rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
-            except QeffKvError as exc:
-                raise bad(str(exc), "messages") from None
-            return list(tok.encode(rendered, add_special_tokens=False).ids)
+            except QeffKvError as exc:   # naming the template by its file name, not the server's folder
+                source = str(getattr(text.chat_template, "source", "") or "")
+                msg = str(exc).replace(source, Path(source).name) if source else str(exc)
+                raise bad(msg, "messages") from None
+            check_text_fits(rendered, app.state.text_limit, engine.ctx_len, "messages")
+            return encode_text(tok, rendered, add_special_tokens=False)
         if p.prompt_ids is not None:
             return p.prompt_ids
-        return list(tok.encode(p.prompt_text).ids)
+        check_text_fits(p.prompt_text, app.state.text_limit, engine.ctx_len, "prompt")
+        return encode_text(tok, p.prompt_text)
+
+    def _prepare(body, chat: bool) -> _Prepared:
+        """Check, render and tokenize a request, its structured-output field and tools (in a worker thread: none of
+        it runs on the event loop)."""
+        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len, max_n=max_n)
+        spec, field = parse_structured(body)
+        tools = _tool_request(body, chat, spec)
+        parser = _tools().parser if tools is not None else None
+        if tools is not None and tools.forced:
+            spec, field = tools.grammar(parser), "tool_choice"
+        return _Prepared(p, _prompt_ids(p, tools), spec, field, parser)
 
     def _submit(p: Params, ids: list[int], rid: str, param: str, constraint=None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
@@ -207,6 +225,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         except QueueFullError as exc:
             metrics.rejected()
             raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
+        except UnavailableError as exc:
+            metrics.rejected()
+            raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
         except QeffKvError as exc:
             metrics.rejected()
             raise bad(str(exc), param) from None
@@ -214,15 +235,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     async def _generate(request: Request, chat: bool):
         arrival = time.monotonic()
         _auth(request)
-        body = await _json_body(request)
-        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len, max_n=max_n)
-        spec, field = parse_structured(body)
-        tools = _tool_request(body, chat, spec)
-        parser = _tools().parser if tools is not None else None
-        if tools is not None and tools.forced:
-            spec, field = tools.grammar(parser), "tool_choice"
-        ids = _prompt_ids(p, tools)
-        constraint = await constraints.compile(spec, field) if spec is not None else None
+        prep = await asyncio.to_thread(_prepare, await read_json(request), chat)
+        p, ids, parser = prep.params, prep.ids, prep.parser
+        constraint = await constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         handles = _submit(p, ids, rid, "messages" if chat else "prompt", constraint)
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
@@ -237,9 +252,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(lambda: [r.abandon() for r in runs]))
         contents = await asyncio.gather(*[_collect(r) for r in runs])
-        failed = [r.error for r in runs if r.error is not None]
+        failed = [r for r in runs if r.error is not None]
         if failed:
-            raise APIError(f"generation failed: {failed[0]}", status=500, type="server_error")
+            raise failed[0].error_object()
         choices = [_choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": engine.model_name, "choices": choices, "usage": _usage(runs)}
@@ -354,10 +369,9 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
                 for piece in _tool_chunks(i, runs[i], chunk):
                     yield piece
             yield chunk(i, None, runs[i].finish_reason)
-    failed = [r.error for r in runs if r.error is not None]
+    failed = [r for r in runs if r.error is not None]
     if failed:
-        yield "data: " + json.dumps(APIError(f"generation failed: {failed[0]}", status=500,
-                                             type="server_error").body()) + "\n\n"
+        yield "data: " + json.dumps(failed[0].error_object().body()) + "\n\n"
     elif runs[0].params.include_usage:
         yield "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
                                      "choices": [], "usage": _usage(runs)}) + "\n\n"
@@ -391,6 +405,7 @@ class _Run:
         self.arrival = arrival
         self.finish_reason = "stop"
         self.error: str | None = None
+        self.stopped_by_server = False    # the engine ended it without the client asking (shutdown)
         self.tokens = 0
         self.final: Finished | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -413,6 +428,11 @@ class _Run:
         """The response is over: a request still running has lost its client."""
         if not self.handle.finished:
             self.handle.cancel()
+
+    def error_object(self) -> APIError:
+        if self.stopped_by_server:
+            return shutting_down()
+        return APIError(f"generation failed: {self.error}", status=500, type="server_error")
 
     def usage(self) -> dict:
         cached = self.final.cached_tokens if self.final is not None else 0
@@ -474,6 +494,10 @@ class _Run:
                     yield tail
                 if ev.finish_reason == "error":
                     self.error = ev.error or "unknown error"
+                elif ev.finish_reason == "cancelled" and not self.handle.cancelled:
+                    # the engine stopped it (closed while draining): an error the client sees, never a normal end
+                    self.stopped_by_server = True
+                    self.error = "the server is shutting down"
                 self.finish_reason = {"length": "length"}.get(ev.finish_reason, "stop")
                 return
         finally:

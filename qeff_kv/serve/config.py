@@ -21,6 +21,10 @@ class ServeConfig:
     api_key: str | None = None
     #: requests waiting for a sequence slot beyond which new ones get 429
     max_queue: int = 64
+    #: request bodies larger than this get a 413 before they are read (None: the default of serve/bodies.py)
+    max_request_bytes: int | None = None
+    #: after SIGTERM: seconds running requests may take to finish before they are stopped with an error
+    drain_seconds: float | None = None
     #: folder of slot state files (POST /slots/{id}?action=save|restore); None: slot actions are refused
     state_dir: str | None = None
     ctx_len: int | None = None

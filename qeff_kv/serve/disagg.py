@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode on Ray (``qeff-kv serve --disaggregate``; needs the ``[ray]`` extra).
 
-Two kinds of Ray actors (plain actors, restarted by Ray when they die: ``max_restarts``; a call in flight when
-one dies fails instead of running again: ``max_task_retries=0``):
+Two kinds of Ray actors (plain actors, restarted by Ray whenever they die, within the per-window budget that
+:class:`~.replicas.ReplicaWatch` keeps; a call in flight when one dies fails instead of running again:
+``max_task_retries=0``):
 
 * :class:`PrefillWorker`: a :class:`~qeff_kv.runtime.Session` on the prefill export. ``prefill`` prefills a
   prompt, samples the first token with the request's sampling and returns a
@@ -16,7 +17,8 @@ one dies fails instead of running again: ``max_task_retries=0``):
 least-loaded prefill and decode replicas (ties: round-robin), passes the prefill's result *by reference* to
 the decode call (the KV goes from the prefill worker to the decode worker, not through the frontend), and turns
 the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
-flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving.
+flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving. The engine's
+figures and health come from the watch's last readings: no HTTP route waits on Ray.
 
 The prefill and decode exports may differ (e.g. an fp32 portable prefill and an int4 fused decode) when they
 are exports of one checkpoint with one KV contract; a pair that is not is refused at start-up in one line
@@ -32,15 +34,16 @@ import os
 import threading
 import time
 
-from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError
+from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
+from .replicas import ReplicaWatch
 from .transfer import Prefiller, facts, pair_refusal
 
 #: seconds to wait for the replicas to load their exports at start-up
 START_TIMEOUT = 300.0
-#: Ray restarts a dead replica this many times
-MAX_RESTARTS = 10
+#: seconds --ray-address may take to answer a TCP connection before start-up gives up
+RAY_CONNECT_TIMEOUT = 5.0
 #: seconds start-up waits for the CPUs its replicas need to be free
 RESOURCE_WAIT = 20.0
 #: seconds a request not yet started waits for a restarting replica before it fails
@@ -82,7 +85,7 @@ class PrefillWorker:
         return self.prefiller.run(request_id, prompt, sampling)
 
     def stats(self) -> dict:
-        return {"prompt_tokens_reused": self.prefiller.reused_tokens}
+        return {"prompt_tokens_reused": self.prefiller.reused_tokens, "pid": os.getpid()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -103,7 +106,7 @@ class DecodeWorker:
         return facts(self.scheduler.session)
 
     async def stats(self) -> dict:
-        return {**self.scheduler.stats(), **self.handoffs}
+        return {**self.scheduler.stats(), **self.handoffs, "pid": os.getpid()}
 
     async def pid(self) -> int:
         return os.getpid()
@@ -163,6 +166,8 @@ class DisaggregatedEngine(Engine):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="qeff-kv-disagg", daemon=True)
         self._thread.start()
+        self.watch = ReplicaWatch(self._ray, {"prefill": self._prefill, "decode": self._decode})
+        self._watching = asyncio.run_coroutine_threadsafe(self.watch.run(lambda: self._closed), self._loop)
 
     # ------------------------------------------------------------------------------------ Engine API
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -175,28 +180,35 @@ class DisaggregatedEngine(Engine):
         req = dataclasses.replace(req, sampling=req.sampling.resolved())
         with self._lock:
             if self._closed:
-                raise RuntimeInputError("the engine is closed")
+                raise UnavailableError("the engine is closed")
             waiting = sum(1 for f in self._flights.values() if not f.started)
             if waiting >= self.max_queue + len(self._prefill):
                 raise QueueFullError(f"the queue is full ({waiting} requests waiting); retry later")
             key = next(self._ids)
             flight = _Flight(RequestHandle(req.request_id, on_cancel=lambda h: self._cancel(key)), req,
-                             self._pick(lambda f: f.prefill, len(self._prefill), started=False),
-                             self._pick(lambda f: f.decode, len(self._decode)))
+                             self._pick(lambda f: f.prefill, "prefill", started=False),
+                             self._pick(lambda f: f.decode, "decode"))
             self._flights[key] = flight
             self._counts["requests"] += 1
         flight.task = asyncio.run_coroutine_threadsafe(self._run(key, flight), self._loop)
         return flight.handle
 
-    def _pick(self, which, n: int, started: bool | None = None, avoid: int | None = None) -> int:
-        """The replica with the fewest requests (``started=False``: not yet past the prefill); ties round-robin;
-        ``avoid``: a replica that just refused a call, taken only when it is the only one."""
+    def _pick(self, which, kind: str, started: bool | None = None, avoid: int | None = None) -> int:
+        """The ``kind`` replica with the fewest requests (``started=False``: not yet past the prefill); ties
+        round-robin; ``avoid``: a replica that just refused a call, taken only when it is the only one. A stopped
+        replica is never taken; with none left, :class:`UnavailableError`."""
+        n = len(self._prefill if kind == "prefill" else self._decode)
+        stopped = self.watch.stopped(kind)
+        if len(stopped) >= n:
+            raise UnavailableError(self.watch.problem() or f"every {kind} replica is stopped")
         load = [0] * n
         for f in self._flights.values():
             if started is None or f.started == started:
                 load[which(f)] += 1
-        if avoid is not None and n > 1:
-            load[avoid] = 1 << 30
+        for i in stopped:
+            load[i] = 1 << 40
+        if avoid is not None and n - len(stopped) > 1:
+            load[avoid] = max(load[avoid], 1 << 30)
         start = next(self._rr) % n
         return min(((i + start) % n for i in range(n)), key=lambda i: load[i])
 
@@ -245,9 +257,8 @@ class DisaggregatedEngine(Engine):
                     if f.started or time.monotonic() > deadline:
                         raise
                     with self._lock:
-                        f.prefill = self._pick(lambda g: g.prefill, len(self._prefill), started=False,
-                                               avoid=f.prefill)
-                        f.decode = self._pick(lambda g: g.decode, len(self._decode), avoid=f.decode)
+                        f.prefill = self._pick(lambda g: g.prefill, "prefill", started=False, avoid=f.prefill)
+                        f.decode = self._pick(lambda g: g.decode, "decode", avoid=f.decode)
                     await asyncio.sleep(0.25)
         except asyncio.CancelledError:
             stream = streams[0] if streams else None
@@ -278,10 +289,8 @@ class DisaggregatedEngine(Engine):
                    "sequences_active": sum(1 for f in flights if f.started),
                    "kv_bytes_used": 0, "prompt_tokens_reused": 0, "max_sequences": self.max_sequences,
                    "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts}
-        try:
-            replicas = self._ray.get([a.stats.remote() for a in self._decode + self._prefill], timeout=5)
-        except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
-            replicas = []
+        self._refresh_outside_event_loops()
+        replicas = self.watch.figures()   # the watch's last readings: no route waits on Ray
         for key in ("kv_bytes_used", "kv_bytes_capacity", "handoffs", "handoff_bytes", "handoff_prefill_s",
                     "handoff_extract_s", "decode_steps", "prompt_tokens_reused"):
             vals = [r.get(key, 0) for r in replicas]
@@ -289,12 +298,33 @@ class DisaggregatedEngine(Engine):
                 out[key] = sum(vals)
         return out
 
+    def _refresh_outside_event_loops(self) -> None:
+        """A caller on a plain thread (a script, a test, the benchmark) gets figures read now; one on an event loop
+        (an HTTP route) gets the watch's last reading at once: it never waits on Ray."""
+        try:
+            asyncio.get_running_loop()
+            return
+        except RuntimeError:
+            pass
+        if self._closed:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.watch.read_all(), self._loop).result(timeout=10)
+        except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
+            pass
+
+    def health(self) -> str | None:
+        if self._closed:
+            return "the engine is closed"
+        return self.watch.problem()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             tasks = [f.task for f in self._flights.values() if f.task is not None]
+        self._watching.cancel()
         for t in tasks:
             self._loop.call_soon_threadsafe(t.cancel)
         deadline = time.monotonic() + 10
@@ -337,14 +367,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     pre_export = config.prefill_export or config.export_dir
     resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
     resolve_model(pre_export)
-    owns = False
-    if not ray.is_initialized():
-        kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
-        if config.ray_address:
-            ray.init(address=config.ray_address, **kw)
-        else:
-            ray.init(num_cpus=os.cpu_count() or 2, **kw)
-            owns = True
+    owns = _join_or_start(ray, config.ray_address)
     n_actors = config.prefill_replicas + config.decode_replicas
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     share = min(1.0, cpus / n_actors)
@@ -360,7 +383,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
             raise RuntimeInputError(f"the Ray cluster has {free:g} of {cpus:g} CPUs free; {n_actors} replicas "
                                     f"need {need:g}")
         time.sleep(0.1)
-    opts = dict(num_cpus=share, max_restarts=MAX_RESTARTS, max_task_retries=0)
+    opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
     Pre = ray.remote(PrefillWorker).options(**opts)
     Dec = ray.remote(DecodeWorker).options(**opts)
     pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts)
@@ -384,3 +407,37 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
         give_up(why)
     return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
                                decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns)
+
+
+def _join_or_start(ray, address: str | None) -> bool:
+    """Join the cluster at ``address``, or start a local instance (True: this process owns it); nothing when Ray
+    already runs in this process."""
+    if ray.is_initialized():
+        return False
+    kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
+    if not address:
+        ray.init(num_cpus=os.cpu_count() or 2, **kw)
+        return True
+    check_ray_address(address)
+    try:
+        ray.init(address=address, **kw)
+    except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
+        raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({_one_line(exc)})") from None
+    return False
+
+
+def check_ray_address(address: str) -> None:
+    """A ``host:port`` or ``ray://host:port`` address answers a TCP connection within RAY_CONNECT_TIMEOUT seconds
+    (Ray itself retries for minutes); ``auto`` and other forms are left to Ray."""
+    import socket
+
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not host:
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT):
+            pass
+    except OSError as exc:
+        raise RuntimeInputError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); is the "
+                                "Ray cluster running?") from None

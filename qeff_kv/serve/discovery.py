@@ -13,6 +13,8 @@ headers to every route.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 
 from ..errors import QeffKvError
@@ -93,9 +95,11 @@ def add_token_routes(app: FastAPI, *, engine, text, auth, json_body) -> None:
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
         auth(request)
-        return tokenize(await json_body(request), engine=engine, text=text)
+        body = await json_body(request)   # tokenizing a large text runs in a worker thread, off the event loop
+        return await asyncio.to_thread(tokenize, body, engine=engine, text=text)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         auth(request)
-        return detokenize(await json_body(request), engine=engine, text=text)
+        body = await json_body(request)
+        return await asyncio.to_thread(detokenize, body, engine=engine, text=text)

@@ -237,6 +237,11 @@ class Engine(ABC):
     def close(self) -> None:
         """Stop: every request not finished ends with ``finish_reason == "cancelled"``."""
 
+    def health(self) -> str | None:
+        """None when the engine can run requests, else why not (one line; ``/health`` answers 503 with it). Never
+        blocks."""
+        return None
+
     # ---- optional: slot state files (POST /slots/{id}); an engine without them answers 501
     def slot_action(self, slot: int, action: str, path=None) -> dict:
         """``action`` ``save`` | ``restore`` | ``erase`` on sequence slot ``slot`` (``path``: the state file)."""

@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import QeffKvError, QueueFullError, RuntimeInputError
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from ..runtime.cache import Sequence
 from ..runtime.sampling import Pick, TokenPicker
 from .forks import ChoiceForks
@@ -127,6 +127,7 @@ class Scheduler(ChoiceForks, Engine):
         self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
         #: a waiting request's other choices (n > 1), by id() of the first choice's handle
         self._groups: dict[int, list[tuple[RequestHandle, GenerationRequest]]] = {}
+        self._admitted = 0   # sequences of requests taken from the queue and not yet finished (under _lock)
         self._closed = False
         self._published = 0.0
         self._stats = {"queue_depth": 0, "sequences_active": 0, "sequences_cached": 0, "kv_bytes_used": 0,
@@ -156,8 +157,9 @@ class Scheduler(ChoiceForks, Engine):
         handles = [RequestHandle(r.request_id, on_cancel=lambda h: self._wake.set()) for r in reqs]
         with self._lock:
             if self._closed:
-                raise RuntimeInputError("the engine is closed")
-            if len(self._waiting) >= self.max_queue:
+                raise UnavailableError("the engine is closed")
+            # the queue holds max_queue requests beyond those a free slot is about to take
+            if len(self._waiting) >= self.max_queue + max(0, self.max_sequences - self._admitted):
                 raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
             self._waiting.append((handles[0], reqs[0]))
             if len(reqs) > 1:
@@ -172,6 +174,13 @@ class Scheduler(ChoiceForks, Engine):
         if self.speculation is not None:
             out.update(self.speculation.stats())
         return out
+
+    def health(self) -> str | None:
+        if self._closed:
+            return "the engine is closed"
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        return None
 
     def slots(self) -> list[dict]:
         with self._lock:
@@ -265,6 +274,8 @@ class Scheduler(ChoiceForks, Engine):
             self._kept.move_to_end(seq.id)
         elif seq.alive:
             self.session.remove_sequence(seq)
+        with self._lock:
+            self._admitted -= 1
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
 
     def _fail_all(self, message: str) -> None:
@@ -309,6 +320,8 @@ class Scheduler(ChoiceForks, Engine):
             try:
                 if what[0] == "slot":
                     fut.set_result(self._slot_action(*what[1:]))
+                elif what[0] == "call":   # a function of the scheduler, run between two turns (tests, diagnostics)
+                    fut.set_result(what[1](self))
                 else:
                     raise RuntimeInputError(f"unknown engine action {what[0]!r}")
             except Exception as exc:   # noqa: BLE001 - handed to the caller
@@ -367,17 +380,33 @@ class Scheduler(ChoiceForks, Engine):
                     return
                 handle, req = self._waiting.popleft()
                 followers = self._groups.pop(id(handle), [])
+                self._admitted += 1 + len(followers)
             if handle.cancelled:
+                with self._lock:
+                    self._admitted -= 1 + len(followers)
                 for h, r in [(handle, req)] + followers:
                     h.emit(Finished("cancelled", len(r.prompt), 0, 0))
                 continue
+            a = None
             try:
                 a = self._start(handle, req)
                 for h, r in followers:
                     a.followers.append(self._parked_choice(h, r))
             except Exception as exc:   # noqa: BLE001 - this request fails, the others go on
-                for h, r in [(handle, req)] + followers:
-                    h.emit(Finished("error", len(r.prompt), 0, 0, f"{type(exc).__name__}: {exc}"))
+                self._fail_admitted(a, [(handle, req)] + followers, f"{type(exc).__name__}: {exc}")
+
+    def _fail_admitted(self, a: "_Active | None", members: list, error: str) -> None:
+        """An admitted request that could not start: what was started (``a`` and its parked choices) finishes
+        through :meth:`_finish`, the rest is told here; every member leaves the admitted count once."""
+        started = set()
+        if a is not None:
+            started = {id(a.handle)} | {id(f.handle) for f in a.followers}
+            self._finish(a, "error", error, keep=False)
+        rest = [(h, r) for h, r in members if id(h) not in started]
+        with self._lock:
+            self._admitted -= len(rest)
+        for h, r in rest:
+            h.emit(Finished("error", len(r.prompt), 0, 0, error))
 
     def _parked_choice(self, handle: RequestHandle, req: GenerationRequest) -> _Active:
         """Another choice of a prompt being prefilled: its own (empty) sequence, forked when the prompt is done."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
-from ..errors import RuntimeInputError
+from ..errors import Interrupted, RuntimeInputError
 from .config import ServeConfig
 from .engine import Engine
 from .sessions import model_name_of, open_session
@@ -73,27 +74,100 @@ def check_max_n(config: ServeConfig, engine: Engine) -> int:
 
 
 def check_config(config: ServeConfig) -> None:
-    """Refuse bad options before anything is loaded (one line each)."""
+    """Refuse bad options before anything is loaded (one line each). Creates nothing: the state folder is made
+    once the server is about to serve (:func:`serve`)."""
     if config.state_dir is not None:
-        d = Path(config.state_dir)
-        if d.exists() and not d.is_dir():
-            raise RuntimeInputError(f"--state-dir {d}: not a folder")
-        d.mkdir(parents=True, exist_ok=True)
-    if config.api_key is not None and not config.api_key.strip():
-        raise RuntimeInputError("--api-key is empty")
+        if config.disaggregate:
+            raise RuntimeInputError("--state-dir does not go with --disaggregate (slot actions need the local engine)")
+        _check_folder_path(Path(config.state_dir))
+    if config.api_key is not None:
+        check_api_key(config.api_key)
+    if config.model_name is not None and (not config.model_name.strip() or len(config.model_name) > 256 or
+                                          not config.model_name.isprintable()):
+        raise RuntimeInputError(f"--model-name must be 1-256 printable characters, got {config.model_name!r}")
     if not 0 <= config.port <= 65535:
         raise RuntimeInputError(f"--port must be in [0, 65535], got {config.port}")
+    if config.max_request_bytes is not None and config.max_request_bytes < 1024:
+        raise RuntimeInputError(f"--max-request-bytes must be at least 1024, got {config.max_request_bytes}")
+    if config.drain_seconds is not None and not 0 <= config.drain_seconds <= 3600:
+        raise RuntimeInputError(f"--drain-seconds must be in [0, 3600], got {config.drain_seconds}")
     if config.speculative is not None and config.disaggregate:
         raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode plainly)")
     if config.speculative_k is not None and config.speculative is None:
         raise RuntimeInputError("--speculative-k goes with --speculative")
 
 
-def serve(config: ServeConfig, *, on_ready=None) -> None:
-    """Run the server until interrupted (uvicorn), then close the engine."""
+def check_api_key(key: str) -> None:
+    """A key a client can send: printable ASCII without leading or trailing spaces (HTTP strips those from the
+    header, so such a key could never match)."""
+    if not key.strip():
+        raise RuntimeInputError("--api-key is empty")
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        raise RuntimeInputError("--api-key must be printable ASCII without leading or trailing spaces (an "
+                                "Authorization header cannot carry anything else, so it could never match)")
+
+
+def _check_folder_path(d: Path) -> None:
+    """``d`` is a folder, or can be created: its nearest existing ancestor is a folder."""
+    for part in [d, *d.parents]:
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                where = "" if part == d else f" ({part} is not a folder)"
+                raise RuntimeInputError(f"--state-dir {d}: not a folder{where}")
+            return
+
+
+def check_text(text, engine) -> None:
+    """The tokenizer gives no id the model cannot read (a tokenizer of another model, or a larger vocabulary)."""
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is None:
+        vocab = getattr(getattr(engine, "session", None), "vocab_size", None)
+    get_vocab = getattr(text.tokenizer, "get_vocab", None)
+    ids = get_vocab(with_added_tokens=True).values() if get_vocab is not None else ()
+    size = max(ids) + 1 if ids else None
+    if vocab and size and size > vocab:
+        raise RuntimeInputError(f"the tokenizer's ids reach {size - 1}, the model's vocabulary holds {vocab}: ids >= "
+                                f"{vocab} would be refused mid-request (a tokenizer of another model?)")
+
+
+def bind(host: str, port: int):
+    """The listening socket (bound before the server says it serves: a port in use is one line)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except (TypeError, ValueError, UnicodeError) as exc:   # e.g. a host name socket cannot read
+        sock.close()
+        raise RuntimeInputError(f"cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+def uvicorn_config(app, **kw):
+    """uvicorn's settings for the app: its h11 protocol answering malformed requests in OpenAI's error shape."""
     import uvicorn
 
+    from .http_errors import JsonErrorH11Protocol
+
+    kw.setdefault("log_level", "warning")
+    kw.setdefault("timeout_graceful_shutdown", 5)
+    if JsonErrorH11Protocol is not None:
+        kw.setdefault("http", JsonErrorH11Protocol)
+    return uvicorn.Config(app, **kw)
+
+
+def serve(config: ServeConfig, *, on_ready=None) -> None:
+    """Run the server until SIGTERM or SIGINT, which drain it (:mod:`.drain`), then close the engine and raise
+    :class:`~qeff_kv.errors.Interrupted`."""
+    from .. import fsutil
     from .app import create_app
+    from .bodies import DEFAULT_MAX_REQUEST_BYTES
+    from .drain import DEFAULT_GRACE_S, Drain, draining_server, exit_code
 
     check_config(config)
     text = text_facts(config)
@@ -101,10 +175,25 @@ def serve(config: ServeConfig, *, on_ready=None) -> None:
     engine = build_engine(config)
     try:
         max_n = check_max_n(config, engine)
-        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir, defaults=defaults,
-                         max_n=max_n, allowed_origins=config.allowed_origins)
+        check_text(text, engine)
+        sock = bind(config.host, config.port)
+        if config.state_dir is not None:
+            fsutil.make_dirs(config.state_dir)
+        drain = Drain(engine, DEFAULT_GRACE_S if config.drain_seconds is None else config.drain_seconds)
+        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir, drain=drain,
+                         max_request_bytes=config.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                         defaults=defaults, max_n=max_n, allowed_origins=config.allowed_origins)
+        server = draining_server(uvicorn_config(app), drain)
         if on_ready is not None:
             on_ready(engine)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
     finally:
         engine.close()
+    if drain.signal is not None and drain.signal != signal.SIGINT:   # Ctrl-C is the usual way to stop: exit 0
+        stopped = f"; {drain.stopped_requests} running request(s) stopped with an error" if drain.stopped_requests \
+            else "; every running request finished"
+        raise Interrupted(f"terminated ({signal_name(drain.signal)}){stopped}", exit_code(drain.signal))
+
+
+def signal_name(sig: int) -> str:
+    return signal.Signals(sig).name

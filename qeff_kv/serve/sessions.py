@@ -14,6 +14,14 @@ DEFAULT_LOCKSTEP_SEQUENCES = 4
 
 def open_session(config: ServeConfig, export: str | None = None):
     """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas')."""
+    session = _open(config, export)
+    if (config.checkpoint_every is not None or config.max_checkpoints is not None) and not session.recurrent:
+        raise RuntimeInputError("--checkpoint-every and --max-checkpoints go with a recurrent or hybrid export; "
+                                f"{Path(export or config.export_dir).name} has no recurrent state")
+    return session
+
+
+def _open(config: ServeConfig, export: str | None):
     from ..runtime import Session
 
     model = export or config.export_dir

@@ -4,28 +4,32 @@ A *slot* is one sequence slot of the session: an index on the KV batch axis, ``0
 (``GET /slots`` lists them: ``free``, ``busy`` (a request runs in it) or ``cached`` (a finished request's
 sequence, kept for prompt reuse)).
 
-* ``save``: the cached sequence of the slot to a state file (``session.save_state``) plus ``NAME.tokens.json``
-  beside it with its token ids (state files hold the KV only). A busy or free slot is refused.
-* ``restore``: a state file into the slot (its cached sequence, if any, is dropped; a busy slot is refused); the
-  restored sequence becomes a cached sequence, so the next prompt sharing its tokens starts from it. Without
-  the token file the sequence cannot be matched to a prompt (its tokens are unknown) and is dropped again.
+* ``save``: the cached sequence of the slot to one state file (``session.save_state``, written to a temporary name
+  and renamed into place); its token ids are in the file's metadata, under its checksum. A busy or free slot is
+  refused.
+* ``restore``: a state file into the slot (its cached sequence, if any, is replaced; a busy slot is refused); the
+  restored sequence becomes a cached sequence, so the next prompt sharing its tokens starts from it. A file without
+  its token ids (saved by another tool) cannot be matched to a prompt and is refused. The file is opened without
+  following a symbolic link and must be a regular file in the state folder.
 * ``erase``: drop the slot's cached sequence.
+
+Every failure leaves the slot as it was (a restore that fails after the slot's cached sequence was dropped puts it
+back), and no error message names a server path or repeats a file's bytes.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import time
 from pathlib import Path
 
-from .. import fsutil
-from ..errors import RuntimeInputError, StateFileError
+from ..errors import QeffKvError, RuntimeInputError, StateFileError
+from ..fsutil import read_regular_file
+from ..runtime import state as state_mod
 
 ACTIONS = ("save", "restore", "erase")
-
-
-def tokens_path(path: Path) -> Path:
-    return path.with_name(path.name + ".tokens.json")
+#: a state file larger than this is refused before it is read (a state of the largest context is far smaller)
+MAX_STATE_BYTES = 64 << 30
 
 
 def _occupant(sched, slot: int):
@@ -43,7 +47,6 @@ def run(sched, slot: int, action: str, path: Path | None) -> dict:
         raise RuntimeInputError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
     if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < sched.max_sequences:
         raise RuntimeInputError(f"slot id must be in [0, {sched.max_sequences}), got {slot!r}")
-    session = sched.session
     seq = _occupant(sched, slot)
     t0 = time.perf_counter()
     if action == "erase":
@@ -51,49 +54,81 @@ def run(sched, slot: int, action: str, path: Path | None) -> dict:
         if seq is not None:
             n = seq.length
             del sched._kept[seq.id]
-            session.remove_sequence(seq)
+            sched.session.remove_sequence(seq)
         return {"id_slot": slot, "n_erased": n}
     if path is None:
         raise RuntimeInputError(f"action {action} needs a filename")
-    if action == "save":
-        if seq is None:
-            raise RuntimeInputError(f"slot {slot} holds no sequence to save")
-        session.save_state(seq, path)
-        fsutil.write_json(tokens_path(path), {"tokens": list(seq.tokens)})
-        return {"id_slot": slot, "filename": path.name, "n_saved": seq.length, "n_written": path.stat().st_size,
-                "timings": {"save_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
-    # restore
-    if not path.is_file():
-        raise StateFileError(f"{path.name}: no such state file in the state folder")
+    try:
+        if action == "save":
+            out = _save(sched.session, slot, seq, path)
+        else:
+            out = _restore(sched, slot, seq, path)
+    except (QeffKvError, OSError) as exc:
+        raise StateFileError(_scrub(str(exc), path)) from None
+    key = "save_ms" if action == "save" else "restore_ms"
+    return {**out, "timings": {key: round((time.perf_counter() - t0) * 1e3, 3)}}
+
+
+def _scrub(message: str, path: Path) -> str:
+    """``message`` without the server's folder names (a client knows its file by name)."""
+    folder = str(path.parent)
+    message = message.replace(str(path), path.name).replace(folder + os.sep, "")
+    return message.replace(folder, "the state folder")
+
+
+def _save(session, slot: int, seq, path: Path) -> dict:
+    if seq is None:
+        raise RuntimeInputError(f"slot {slot} holds no sequence to save")
+    if any(t < 0 for t in seq.tokens):
+        raise RuntimeInputError(f"slot {slot} holds a sequence whose token ids are unknown; it cannot be saved")
+    session.save_state(seq, path)   # one file, staged and renamed: a refused save leaves nothing behind
+    return {"id_slot": slot, "filename": path.name, "n_saved": seq.length, "n_written": path.stat().st_size}
+
+
+def read_state_file(path: Path) -> tuple[state_mod.KVState, int]:
+    """The state file ``path`` (no symbolic link, a regular file), parsed, and its size; errors name the file
+    only."""
+    try:
+        data = read_regular_file(path, limit=MAX_STATE_BYTES)
+    except FileNotFoundError:
+        raise StateFileError(f"{path.name}: no such state file in the state folder") from None
+    except OSError as exc:
+        raise StateFileError(str(exc)) from None
+    state = state_mod.parse_state(data, path.name)
+    if "tokens" not in state.metadata:
+        raise StateFileError(f"{path.name}: holds no token ids (saved by another tool?); without them the "
+                             "sequence cannot serve a prompt")
+    return state, len(data)
+
+
+def _restore(sched, slot: int, seq, path: Path) -> dict:
+    session = sched.session
+    state, size = read_state_file(path)
+    state_mod.validate(session, state, path.name)   # everything checked before the slot is touched
+    backup = session.export_state(seq, checksum=False) if seq is not None else None
+    place = list(sched._kept).index(seq.id) if seq is not None else 0
     if seq is not None:
         del sched._kept[seq.id]
         session.remove_sequence(seq)
-    target = session.cache.create(slot=slot)
+    target = None
     try:
-        session.load_state(path, seq=target)
-    except Exception:
-        session.remove_sequence(target)
+        target = session.cache.create(slot=slot)
+        state_mod.import_state(session, state, seq=target, where=path.name)
+    except BaseException:
+        if target is not None and target.alive:
+            session.remove_sequence(target)
+        if backup is not None:   # the slot as it was
+            _put_back(sched, slot, backup, place)
         raise
-    tokens = _read_tokens(tokens_path(path), target.length)
-    if tokens is None:
-        session.remove_sequence(target)
-        raise StateFileError(f"{path.name}: no token file {tokens_path(path).name} beside it (saved by another tool?); "
-                             "without its token ids the sequence cannot serve a prompt")
-    target.tokens = tokens
     sched._kept[target.id] = target
-    return {"id_slot": slot, "filename": path.name, "n_restored": target.length, "n_read": path.stat().st_size,
-            "timings": {"restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}}
+    return {"id_slot": slot, "filename": path.name, "n_restored": target.length, "n_read": size}
 
 
-def _read_tokens(path: Path, n: int) -> list[int] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        tokens = data["tokens"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise StateFileError(f"{path.name}: not a token file") from None
-    if not isinstance(tokens, list) or len(tokens) != n or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise StateFileError(f"{path.name}: does not hold the {n} token ids of the state")
-    return tokens
+def _put_back(sched, slot: int, backup, place: int) -> None:
+    """The slot's cached sequence again, from its in-memory copy, at its place in the LRU order."""
+    seq = sched.session.cache.create(slot=slot)
+    sched.session.import_state(backup, seq=seq)
+    kept = list(sched._kept.items())
+    kept.insert(place, (seq.id, seq))
+    sched._kept.clear()
+    sched._kept.update(kept)

@@ -123,7 +123,7 @@ def facts(session) -> dict:
 def pair_refusal(prefill: dict, decode: dict) -> str | None:
     """Why a prefill export cannot hand its sequences to a decode export (one line), or ``None``: another KV
     contract, another checkpoint (checkpoint identities when both record one, else sampled weights), another
-    sliding window, or a vocabulary mismatch. Ring capacities may differ (states convert by position)."""
+    sliding window, a prefill context smaller than the decode one, or a vocabulary mismatch. Ring capacities may differ (states convert by position)."""
     pre, dec = prefill["onnx"], decode["onnx"]
     if prefill["kv_fingerprint"] != decode["kv_fingerprint"]:
         return (f"prefill export {pre} and decode export {dec} have different KV contracts (prefix "
@@ -136,6 +136,10 @@ def pair_refusal(prefill: dict, decode: dict) -> str | None:
     if prefill["sliding_window"] != decode["sliding_window"]:
         return (f"prefill export {pre} has sliding window {prefill['sliding_window']}, decode export {dec} "
                 f"{decode['sliding_window']}")
+    if int(prefill["ctx_len"]) < int(decode["ctx_len"]):
+        return (f"prefill export {pre} holds {prefill['ctx_len']} positions, decode export {dec} {decode['ctx_len']}: "
+                "prompts the decode side accepts would not fit the prefill side (give the prefill export at least "
+                "the decode context)")
     if prefill["vocab_size"] != decode["vocab_size"]:
         return f"prefill export {pre} has vocabulary {prefill['vocab_size']}, decode export {dec} {decode['vocab_size']}"
     return None
