@@ -11,8 +11,10 @@ logits, so the same tokens). A mixin of :class:`~.scheduler.Scheduler` (its stat
 
 from __future__ import annotations
 
-from ..errors import QeffKvError, RuntimeInputError
-from .engine import GenerationRequest, RequestHandle
+import dataclasses
+
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
+from .engine import Finished, GenerationRequest, RequestHandle, check_request
 
 
 class ChoiceForks:
@@ -68,3 +70,43 @@ class ChoiceForks:
                 continue
             f.cached = len(f.req.prompt)
             self._first_token(f, logits)
+
+    def _queue(self, req: GenerationRequest, samplings: list) -> list[RequestHandle]:
+        """Admit ``req`` once per sampling (``n`` choices): each choice its own request id, sampling and grammar
+        state (a copy of the request's, taken before any token)."""
+        reqs = [req] if len(samplings) == 1 else [
+            dataclasses.replace(req, request_id=f"{req.request_id}-{i}", sampling=sp,
+                                constraint=req.constraint if req.constraint is None or i == 0 else req.constraint.fork())
+            for i, sp in enumerate(samplings)]
+        for r in reqs:
+            check_request(r, ctx_len=self.ctx_len, vocab_size=self.session.vocab_size,
+                          constraint_refused=None if self.speculation is None else
+                          "structured output and forced tool calls are not supported with --speculative")
+            if self.speculation is not None and (r.sampling.adjusts or r.logprobs is not None):
+                raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --speculative")
+        handles = [RequestHandle(r.request_id, on_cancel=lambda h: self._wake.set()) for r in reqs]
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the engine is closed")
+            # the queue holds max_queue requests beyond those a free slot is about to take
+            if len(self._waiting) >= self.max_queue + max(0, self.max_sequences - self._admitted):
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            self._waiting.append((handles[0], reqs[0]))
+            if len(reqs) > 1:
+                self._groups[id(handles[0])] = list(zip(handles[1:], reqs[1:]))
+            self._stats["queue_depth"] = len(self._waiting)
+        self._wake.set()
+        return handles
+
+    def _fail_admitted(self, a, members: list, error: str) -> None:
+        """An admitted request that could not start: what was started (``a`` and its parked choices) finishes
+        through :meth:`_finish`, the rest is told here; every member leaves the admitted count once."""
+        started = set()
+        if a is not None:
+            started = {id(a.handle)} | {id(f.handle) for f in a.followers}
+            self._finish(a, "error", error, keep=False)
+        rest = [(h, r) for h, r in members if id(h) not in started]
+        with self._lock:
+            self._admitted -= len(rest)
+        for h, r in rest:
+            h.emit(Finished("error", len(r.prompt), 0, 0, error))
