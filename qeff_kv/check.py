@@ -275,6 +275,7 @@ def _non_kv(layout: KVLayout, r: RuleResult) -> None:
 
 
 def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
+    unmatched: list[str] = []
     for p in layout.pairs:
         a, b = p.input, p.output
         if a.dtype != b.dtype:
@@ -286,9 +287,20 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
         if len(a.shape) != len(b.shape):
             r.fail(a.name, f"{a.name} has rank {len(a.shape)} but {b.name} has rank {len(b.shape)}")
             continue
+        made_up = layout.made_up.get(b.name, ())
         for i, (da, db) in enumerate(zip(a.shape, b.shape)):
-            if da != db:
+            if da == db:
+                continue
+            if i in made_up and i == 0:
+                unmatched.append(b.name)   # the batch axis: bound to the runtime's own buffer
+            elif i in made_up:
+                r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}, a dim "
+                               "the exporter made up that neither the graph's scatter nor shape inference matches")
+            else:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
+    if unmatched and r.status != FAIL:
+        r.note = (f"batch axis of {', '.join(unmatched)} declared with a name the exporter made up; taken as the "
+                  "input's")
     state_rules.sliding_dims(layout, r)
     state_rules.latent_dims(layout, r)
     state_rules.recurrent_dims(layout, r)
@@ -426,8 +438,15 @@ def _rule_inplace(model: ir.Model, layout: KVLayout, r: RuleResult) -> None:
     if not layout.pairs:
         r.skip("no KV pairs")
         return
+    replaced = []
     for issue in inplace_issues(model, layout):
-        r.fail(issue.buffer, issue.message)
+        if issue.replaced:
+            replaced.append(issue.buffer)
+        else:
+            r.fail(issue.buffer, issue.message)
+    if replaced:
+        r.note = (f"recurrent state replaced whole, not updated in place: {', '.join(replaced)} (the runtime keeps a "
+                  "second buffer for each)")
 
 
 def _rule_checker(path: Path, r: RuleResult) -> None:

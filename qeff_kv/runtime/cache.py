@@ -91,8 +91,9 @@ class KVCache:
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
                  rings: RingSpec | None = None, recurrent: list[KVPair] | None = None,
-                 checkpoints: rec_mod.CheckpointPolicy | None = None):
+                 checkpoints: rec_mod.CheckpointPolicy | None = None, recurrent_double_buffer: bool | None = None):
         positive_int("max_sequences", max_sequences)
+        rec_double = double_buffer if recurrent_double_buffer is None else bool(recurrent_double_buffer)
         positive_int("ctx_len", ctx_len)
         self.rings = rings if rings is not None else RingSpec()
         policy = checkpoints or rec_mod.CheckpointPolicy()
@@ -100,7 +101,7 @@ class KVCache:
                             rings=self.rings, recurrent=recurrent, keep=policy.keep)
         #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
         self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
-                                                 double_buffer=double_buffer, policy=policy)
+                                                 double_buffer=rec_double, policy=policy)
         self.pairs = list(pairs)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
@@ -181,11 +182,10 @@ class KVCache:
     # ---------------------------------------------------------------------------------- buffers
     def swap(self) -> None:
         """After a run with separate output buffers: the outputs become the current cache."""
-        if not self.double_buffer:
-            return
-        self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
-        self.values, self.spare_values = self.spare_values, self.values
-        self.recurrent.swap()
+        if self.double_buffer:
+            self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
+            self.values, self.spare_values = self.spare_values, self.values
+        self.recurrent.swap()   # its own setting: a replaced recurrent state is double-buffered alone
 
     def bindings(self) -> list[tuple[str, ort.OrtValue, ort.OrtValue | None]]:
         """``(KV input name, current value, spare value or None)`` of every buffer of both memories."""
