@@ -275,6 +275,7 @@ class BuffersReport:
 
     def to_json(self) -> dict:
         lay = self.layout
+        kinds = lay.state_kinds
         return {
             "schema": SCHEMA,
             "model": self.model,
@@ -284,7 +285,8 @@ class BuffersReport:
             "ctx_len": self.ctx_len,
             "sliding_window": self.sliding_window,
             "sliding_layers": lay.sliding_layers,
-            "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
+            "pairs": [{**p.to_json(self.ctx_len, self.sliding_window), "state": kinds.get((p.stem, p.layer))}
+                      for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
             "bytes_per_token": bytes_per_token(lay),
             **({"recurrent_bytes_per_sequence": rec} if (rec := recurrent_bytes_per_sequence(lay)) is not None else {}),

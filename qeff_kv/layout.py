@@ -297,6 +297,12 @@ class KVLayout:
         return int(meta) if self.speculative and meta is not None and meta.isdigit() and int(meta) > 0 else None
 
     @property
+    def state_kinds(self) -> dict[tuple[str, int], str]:
+        """``(stem, layer)`` -> the state kind of that buffer (``full``, ``ring``, ``latent``, ``recurrent``), from
+        :attr:`state_spec`: what ``buffers``, ``check``, ``compile-config`` and the runtime all read."""
+        return {(stem, s.layer): s.kind for s in self.state_spec.layers for stem in s.stems}
+
+    @property
     def recurrent_pairs(self) -> list[KVPair]:
         """The pairs that hold recurrent state (no position axis), in graph order."""
         return [p for p in self.pairs if p.recurrent]
@@ -329,13 +335,15 @@ class KVLayout:
         return self
 
     def to_json(self, ctx_len: int | None = None, sliding_window: int | None = None) -> dict:
-        """``sliding_window`` defaults to the graph metadata's window."""
+        """``sliding_window`` defaults to the graph metadata's window; each pair carries its ``state`` kind."""
         if sliding_window is None:
             sliding_window = self.sliding_window
+        kinds = self.state_kinds
         return {
             "prefix": self.prefix if len(self.prefixes) <= 1 else None,
             "num_layers": self.num_layers,
-            "pairs": [p.to_json(ctx_len, sliding_window) for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
+            "pairs": [{**p.to_json(ctx_len, sliding_window), "state": kinds.get((p.stem, p.layer))}
+                      for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
             "non_kv_retained": [{"input": i, "retained": o} for i, o in self.non_kv_retained],
         }
 

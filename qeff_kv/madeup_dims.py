@@ -3,7 +3,7 @@
 torch's ONNX exporter names an output dim it could not tie to an input after the node that produced it
 (``CtxScatterpast_key.3_RetainedState_dim_0``, ``Whererecurrent_state.0_RetainedState_dim_1``): the peer's
 hybrid graphs declare their retained outputs so, although each is the same shape as its input. Such a dim is
-*made up*: a name ending in ``<output name>_dim_<axis>`` that no graph input uses. This module replaces each made-up dim of a retained output by what the
+*made up*: a name ending in ``_RetainedState_dim_<axis>`` that no graph input uses. This module replaces each made-up dim of a retained output by what the
 graph itself says it is, from two sources, in order:
 
 1. **the scatter structure**: an output written by ``ScatterND``/``ScatterElements`` (or a function call whose
@@ -31,12 +31,13 @@ def _input_dim_names(inputs: list[TensorInfo]) -> set[str]:
 
 
 def made_up_axes(t: TensorInfo, known: set[str]) -> list[int]:
-    """Axes of ``t`` whose dim is the exporter's made-up name for it (``<op><output name>_dim_<axis>``) and no
-    graph input uses it. Any other name is the graph's word and stays as it is (a mismatch is a mismatch)."""
+    """Axes of ``t`` whose dim is the exporter's made-up name for it (``<op><retained output name>_dim_<axis>``,
+    the output's name as exported: a prefix rewrite renames the output, not its dims) and no graph input uses it.
+    Any other name is the graph's word and stays as it is (a mismatch is a mismatch)."""
     if t.shape is None:
         return []
     return [i for i, d in enumerate(t.shape)
-            if isinstance(d, str) and d not in known and d.endswith(f"{t.name}_dim_{i}")]
+            if isinstance(d, str) and d not in known and d.endswith(f"{naming.RETAINED_SUFFIX}_dim_{i}")]
 
 
 def _scatter_source(model: ir.Model, out: ir.Value) -> ir.Value | None:

@@ -256,9 +256,10 @@ def _static_after_batch(shape: tuple | None) -> bool:
 def recurrent_buffers(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]]) -> set[tuple[str, int]]:
     """The ``(stem, layer)`` buffers that are recurrent state, from shapes and axes rather than the stem alone: a
     recurrent stem, or a buffer of a positional stem with no position axis whose layer shows it is not an
-    attention cache (a buffer of rank other than 4, every axis but the batch static: the peer's Qwen3.5 names a
-    gated-delta-net layer's ``[batch, conv_dim, kernel]`` and ``[batch, heads, k, v]`` states ``past_key.{i}`` and
-    ``past_value.{i}``). A layer whose positional-stem buffers mix such a state with a position axis is refused in
+    attention cache (a buffer of rank other than 4, or static rank-4 buffers whose axes 1 and 2 differ, which a
+    key and value cache share: the peer's Qwen3.5 names a gated-delta-net layer's ``[batch, conv_dim, kernel]`` and
+    ``[batch, heads, k, v]`` states ``past_key.{i}`` and ``past_value.{i}``). A static axis 2 that key and value
+    share stays a fixed-length cache. A layer whose positional-stem buffers mix such a state with a position axis is refused in
     one line naming the buffer (:class:`~qeff_kv.errors.ContractError`)."""
     pairs = list(pairs)
     out = {(stem, layer) for stem, layer, _, _ in pairs if stem in naming.RECURRENT_STEMS}
@@ -268,6 +269,9 @@ def recurrent_buffers(pairs: Iterable[tuple[str, int, tuple | None, tuple | None
             by_layer.setdefault(layer, []).append((stem, shape))
     for layer, entries in by_layer.items():
         stateful = [stem for stem, shape in entries if shape is not None and len(shape) != 4]
+        static4 = [shape for _, shape in entries if _static_after_batch(shape) and len(shape) == 4]
+        if not stateful and len(static4) == len(entries) > 1 and len({s[1:3] for s in static4}) > 1:
+            stateful = [stem for stem, _ in entries]   # static key and value of other heads or positions: no cache
         if not stateful:
             continue
         positional = [stem for stem, shape in entries if _has_position_axis(shape)]
