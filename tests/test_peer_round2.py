@@ -336,3 +336,66 @@ def test_serve_takes_speculative_k_on_the_tlm_graph(fx):
     engine = build_engine(ServeConfig(export_dir=path, speculative="lookup", speculative_k=3, ctx_len=CTX,
                                       max_sequences=1))
     assert engine.speculation.k == 3
+
+
+# ============================================================================================ hand-off
+@pytest.fixture(scope="module")
+def ours(fx, tmp_path_factory):
+    """Our exports of two fixture checkpoints: DeepSeek-V3 with the latent cache, the TLM's Llama plain."""
+    pytest.importorskip("torch")
+    from qeff_kv.export.api import export_model
+
+    out = tmp_path_factory.mktemp("ours")
+    return {"deepseek_v3_mla": export_model(fx / "models" / "deepseek_v3_mla", out / "mla", ctx_len=CTX,
+                                            mla_cache="latent").onnx_path,
+            "llama_tlm": export_model(fx / "models" / "llama_tlm", out / "llama", ctx_len=CTX).onnx_path}
+
+
+HANDOFFS = [("deepseek_v3_mla", "deepseek_v3_mla_plain.onnx"), ("llama_tlm", "llama_tlm_plain.onnx")]
+
+
+@requires_torch
+@pytest.mark.parametrize("model, peer", HANDOFFS)
+@pytest.mark.parametrize("direction", ["peer-to-ours", "ours-to-peer"])
+@pytest.mark.parametrize("via", ["file", "memory"])
+def test_handoff_between_the_peers_graph_and_ours_gives_one_process_tokens(fx, want, ours, model, peer,
+                                                                           direction, via, tmp_path):
+    """The first 20 prompt tokens prefilled in one graph, the state handed to the other exporter's graph of the same
+    checkpoint (a state file, or in memory), the last prompt token and the decode there: one process's tokens."""
+    a, b = (fx / peer, ours[model]) if direction == "peer-to-ours" else (ours[model], fx / peer)
+    src, dst = Session(a, ctx_len=CTX, prefill_seq_len=16), Session(b, ctx_len=CTX, prefill_seq_len=16)
+    seq = src.add_sequence()
+    src.prefill(seq, P21[:20])
+    if via == "file":
+        moved = dst.load_state(src.save_state(seq, tmp_path / "state.safetensors"))
+    else:
+        moved = dst.import_state(src.export_state(seq, checksum=False))
+    assert moved.length == 20
+    [g] = dst.generate([(moved, [P21[20]])], max_new_tokens=NEW, stop_tokens=[])
+    assert g.tokens == want[(model, 21)]
+
+
+@requires_torch
+def test_handoff_is_refused_in_one_line_where_layouts_or_weights_differ(fx, ours, tmp_path):
+    from qeff_kv.errors import StateFileError
+
+    src = Session(ours["deepseek_v3_mla"], ctx_len=CTX)
+    seq = src.add_sequence()
+    src.prefill(seq, P12)
+    saved = src.save_state(seq, tmp_path / "latent.safetensors")
+    # the peer's expanded per-head cache of the same checkpoint: another layout
+    full = Session(fx / "deepseek_v3_fullkv_vllm.onnx", ctx_len=CTX)
+    with pytest.raises(StateFileError, match=r"^.*latent.safetensors: saved from a graph with another KV contract "
+                                             r"\(buffers \['compressed_kv.0', 'compressed_kv.1'\]\.\.\., prefix "
+                                             r"'\(none\)'; this graph has \['past_key.0_VLLM', 'past_value.0_VLLM'\]"):
+        full.load_state(saved)
+    # the peer's latent graph with one weight changed: another model, same KV contract
+    def nudge(g):
+        t = next(t for t in g.initializer if t.name == "model.embed_tokens.weight")
+        arr = numpy_helper.to_array(t).copy()
+        arr[3, 5] += 1.0
+        t.CopyFrom(numpy_helper.from_array(arr, t.name))
+    other = Session(_edit(fx / "deepseek_v3_mla_plain.onnx", tmp_path / "other.onnx", nudge), ctx_len=CTX)
+    with pytest.raises(StateFileError, match=r"saved from another model \(same KV contract, different weights or "
+                                             r"structure; the file names a checkpoint, this graph records none"):
+        other.load_state(saved)
