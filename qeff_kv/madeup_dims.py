@@ -3,8 +3,8 @@
 torch's ONNX exporter names an output dim it could not tie to an input after the node that produced it
 (``CtxScatterpast_key.3_RetainedState_dim_0``, ``Whererecurrent_state.0_RetainedState_dim_1``): the peer's
 hybrid graphs declare their retained outputs so, although each is the same shape as its input. Such a dim is
-*made up*: a name ending in ``_RetainedState_dim_<axis>`` that no graph input uses. This module replaces each made-up dim of a retained output by what the
-graph itself says it is, from two sources, in order:
+*made up*: a name ending in ``_RetainedState_dim_<axis>`` that no graph input uses. This module replaces each
+made-up dim of a retained output by what the graph itself says it is, from two sources, in order:
 
 1. **the scatter structure**: an output written by ``ScatterND``/``ScatterElements`` (or a function call whose
    body does so, the peer's ``CtxScatter``) from its paired input has that input's shape;

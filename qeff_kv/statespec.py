@@ -259,8 +259,8 @@ def recurrent_buffers(pairs: Iterable[tuple[str, int, tuple | None, tuple | None
     attention cache (a buffer of rank other than 4, or static rank-4 buffers whose axes 1 and 2 differ, which a
     key and value cache share: the peer's Qwen3.5 names a gated-delta-net layer's ``[batch, conv_dim, kernel]`` and
     ``[batch, heads, k, v]`` states ``past_key.{i}`` and ``past_value.{i}``). A static axis 2 that key and value
-    share stays a fixed-length cache. A layer whose positional-stem buffers mix such a state with a position axis is refused in
-    one line naming the buffer (:class:`~qeff_kv.errors.ContractError`)."""
+    share stays a fixed-length cache. A layer whose positional-stem buffers mix such a state with a position axis
+    is refused in one line naming the buffer (:class:`~qeff_kv.errors.ContractError`)."""
     pairs = list(pairs)
     out = {(stem, layer) for stem, layer, _, _ in pairs if stem in naming.RECURRENT_STEMS}
     by_layer: dict[int, list] = {}

@@ -209,9 +209,8 @@ def _dense_naming(src, dst):
                 retained = v.name != base
                 if base in (conv, rec):
                     shape = ["batch_size", 128, 4] if base == conv else ["batch_size", 4, 16, 16]
-                    new = helper.make_tensor_value_info((key if base == conv else value)
-                                                        + ("_RetainedState" if retained else ""), onnx.TensorProto.FLOAT,
-                                                        shape)
+                    name = (key if base == conv else value) + ("_RetainedState" if retained else "")
+                    new = helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
                     v.CopyFrom(new)
     return _edit(src, dst, edit)
 
@@ -399,3 +398,37 @@ def test_handoff_is_refused_in_one_line_where_layouts_or_weights_differ(fx, ours
     with pytest.raises(StateFileError, match=r"saved from another model \(same KV contract, different weights or "
                                              r"structure; the file names a checkpoint, this graph records none"):
         other.load_state(saved)
+
+
+# ============================================================================================ compile-config
+COMPILE = {
+    "llama_tlm_vllm.onnx": ({"speculative_tokens": 3}, [{"num_logits_to_keep": "1", "seq_len": "16"},
+                                                        {"num_logits_to_keep": "4", "seq_len": "4"}]),
+    "gpt_oss_swa_vllm.onnx": ({"sliding_window": 8, "prefill_seq_len": 8}, [{"sliding_window": "8", "seq_len": "8"},
+                                                                            {"sliding_window": "8", "seq_len": "1"}]),
+    "deepseek_v3_mla_vllm.onnx": ({}, [{"seq_len": "16"}, {"seq_len": "1"}]),
+    "deepseek_v3_fullkv_vllm.onnx": ({}, [{"seq_len": "16"}, {"seq_len": "1"}]),
+    "qwen3_5_moe_vlm_hybrid_vllm.onnx": ({"img_size": 32, "vision_size": 16},
+                                         [{"seq_len": "16", "vision_size": "16"}, {"seq_len": "1", "vision_size": "16"}]),
+}
+
+
+@pytest.mark.parametrize("graph", sorted(COMPILE))
+def test_compile_config_writes_what_the_peers_compile_step_expects(fx, graph, tmp_path):
+    """custom_io for every prefixed state buffer (recurrent states too; vision_embeds at its own dtype), the
+    specializations with num_logits_to_keep (K given: the graph records none) and sliding_window."""
+    from qeff_kv.buffers import write_compile_config_for_graph
+
+    extra, want = COMPILE[graph]
+    kw = {"prefill_seq_len": 16, "ctx_len": CTX, **extra}
+    write_compile_config_for_graph(fx / graph, tmp_path, **kw)
+    specs = json.loads((tmp_path / "specializations.json").read_text())["specializations"]
+    assert [{k: s[k] for k in w} for s, w in zip(specs, want)] == want and len(specs) == 2
+    assert all(s["ctx_len"] == str(CTX) and s["batch_size"] == "1" for s in specs)
+    io = (tmp_path / "custom_io.yaml").read_text()
+    ins, outs = _io_names(fx / graph)
+    state = [n for n in ins + outs if naming.parse_kv_name(n) is not None]
+    named = [line.split("IOName: ")[1] for line in io.splitlines() if "IOName: " in line]
+    assert [n for n in named if n in state] == state and all(n.endswith(("_VLLM", "_VLLM_RetainedState"))
+                                                            for n in state)
+    assert all(f"IOName: {n}\n   Precision: float16" in io for n in state)

@@ -7,17 +7,18 @@ one output channel (a column of a MatMul's ``B``, a row of an embedding table). 
 sorted *set* of their hashes (each fiber hashed in its own order with its dtype), so the same weights give the same
 fingerprint whatever the layout, a tied embedding counted once, and any changed weight another.
 
-A batched weight (``[heads, a, b]`` with more than one block: a per-head block is never split further) contributes its fibers
-along both of its last two axes, since one exporter may multiply by a block where the other multiplies by its
-transpose (MLA's absorbed ``W_uk``). Like the sampled fingerprint, the set does not record which layer a fiber
+A batched weight (``[heads, a, b]`` with more than one block: a per-head block is never split further)
+contributes its fibers along both of its last two axes, since one exporter may multiply by a block where the other
+multiplies by its transpose (MLA's absorbed ``W_uk``). Like the sampled fingerprint, the set does not record which layer a fiber
 belongs to: it tells checkpoints apart, not one checkpoint from a reordering of its layers.
 
 Which axis is a fiber follows from the op that reads the initializer (through at most one ``Transpose``):
 ``MatMul`` input 1 its axis -2 (input 0: -1), ``Gemm`` ``B`` axis -1 with ``transB`` else -2 (``A`` the
 converse), ``Gather`` data (axis 0, rank 2: an embedding table) axis -1. Tables gathered by positions (RoPE
-``cos``/``sin`` caches: their indices do not come from ``input_ids``) are not checkpoint weights and are left out, as is anything
-read otherwise and every initializer under 1024 elements (norm weights, biases). Cost: one pass over the weights,
-in numpy (no torch), once per session and only when a state crosses exporters (:mod:`qeff_kv.runtime.state`).
+``cos``/``sin`` caches: their indices do not come from ``input_ids``) are not checkpoint weights and are left out,
+as is anything read otherwise and every initializer under 1024 elements (norm weights, biases). Cost: one load of
+the graph and one pass over its weights, in numpy (no torch), once per session, at its first state export or at a
+load that the other identities do not settle (:mod:`qeff_kv.runtime.state`).
 """
 
 from __future__ import annotations
