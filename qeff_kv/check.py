@@ -19,7 +19,8 @@ Rules, in order:
                       and value of one layer may not. Graph metadata ``qeff_kv.sliding_window``, when present,
                       is a positive integer ``W``, and a static axis 2 on a sliding layer's buffer equals ``W``.
                       A non-KV retained pair keeps its dtype and dims; ``image_idx`` and ``image_idx_output`` are
-                      int64 ``[1, 1]``.
+                      int64 ``[1, 1]``. Output dims the exporter made up (``..._RetainedState_dim_<i>``) are first
+                      matched to the input (:mod:`qeff_kv.madeup_dims`); an unmatched batch axis passes with a note.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
@@ -32,7 +33,8 @@ Rules, in order:
 ``inplace``           each KV input is updated by one in-place updater (ScatterND, GroupQueryAttention) writing
                       its retained output, and every other reader of it or of a view of it (Reshape, Squeeze,
                       Unsqueeze, Flatten, Identity) is a node the updater depends on, so it runs first
-                      (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed).
+                      (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed). A recurrent
+                      state no updater writes (replaced whole, the peer's) passes with a note.
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
 A graph with sliding-window ring buffers (or the metadata ``qeff_kv.sliding_window``) adds
