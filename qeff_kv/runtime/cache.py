@@ -98,7 +98,7 @@ class KVCache:
         self.rings = rings if rings is not None else RingSpec()
         policy = checkpoints or rec_mod.CheckpointPolicy()
         self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
-                            rings=self.rings, recurrent=recurrent, keep=policy.keep)
+                            rings=self.rings, recurrent=recurrent, keep=policy.keep, recurrent_double_buffer=rec_double)
         #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
         self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
                                                  double_buffer=rec_double, policy=policy)
@@ -165,14 +165,16 @@ class KVCache:
     @classmethod
     def require_memory(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int,
                        double_buffer: bool = False, rings: RingSpec | None = None,
-                       recurrent: list[KVPair] | None = None, keep: int = 0) -> int:
+                       recurrent: list[KVPair] | None = None, keep: int = 0,
+                       recurrent_double_buffer: bool | None = None) -> int:
         """Refuse (:class:`~qeff_kv.errors.MemoryLimitError`, one line with the size) KV buffers that do not fit
         in the memory available now (recurrent buffers and their ``keep`` checkpoints per sequence included);
         return their size in bytes."""
         n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
                              rings=rings)
         rec = list(recurrent or [])
-        n += rec_mod.buffer_bytes(rec, max_sequences, double_buffer, keep)
+        n += rec_mod.buffer_bytes(rec, max_sequences, double_buffer if recurrent_double_buffer is None
+                                  else recurrent_double_buffer, keep)
         ring = f", sliding-window rings of {rings.capacity}" if rings else ""
         states = f", {len(rec)} recurrent states with up to {keep} checkpoints each" if rec else ""
         require_memory(n, f"the KV buffers ({len(list(pairs))} buffers x {max_sequences} sequences x ctx_len "

@@ -213,7 +213,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
         KVCache.require_memory(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
                                double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
-                               keep=checkpoints.keep)
+                               keep=checkpoints.keep, recurrent_double_buffer=not self.inplace or self._replaced_states)
         if not safe:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=2)
