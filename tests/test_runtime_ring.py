@@ -232,6 +232,14 @@ def test_peer_ring_graph_runs_unpadded_chunks_that_never_wrap_the_ring(tmp_path)
     assert np.array_equal(_ring(s, seq), _expected_ring(PROMPT[:10], 6))
 
 
+def test_peer_ring_graph_with_a_fixed_seq_len_is_refused_at_open(tmp_path):
+    """Past its ring such a graph must take one token per run, which a fixed seq_len of 4 cannot: one line."""
+    with pytest.raises(RuntimeInputError, match=r"^the graph fixes seq_len=4 and has another exporter's "
+                                                r"sliding-window rings, which are exact only fed one token at a time "
+                                                r"past the ring$"):
+        Session(ring_graph(tmp_path, cache=None, seq_len=4), ctx_len=32)
+
+
 def test_fixed_seq_len_above_the_ring_capacity_is_refused_at_open(tmp_path):
     with pytest.raises(RuntimeInputError, match=r"^the graph fixes seq_len=8, more than its smallest sliding-window "
                                                 r"ring \(6 slots\); a chunk must hold at most 6 tokens$"):

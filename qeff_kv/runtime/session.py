@@ -163,6 +163,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self._pad_ring = not self.rings or ir_model.metadata_props.get(naming.SLIDING_CACHE_META) == "ring"
         #: rings of another exporter (not our ring export): prefill chunks never wrap them (ring.within_ring)
         self._ring_within = not self._pad_ring
+        if self._ring_within and (self.fixed_seq_len or 1) > 1:
+            raise RuntimeInputError(f"the graph fixes seq_len={self.fixed_seq_len} and has another exporter's "
+                                    "sliding-window rings, which are exact only fed one token at a time past the ring")
         #: exported by qeff-kv (its target recorded in the graph): short chunks are not padded
         self._own_graph = "qeff_kv.target" in ir_model.metadata_props
         batch_dim = first[0] if first else None
