@@ -79,9 +79,9 @@ def fiber_hashes(arr: np.ndarray, axis: int) -> np.ndarray:
     n = arr.shape[axis]
     if n > len(_COEF):
         return np.zeros(0, np.uint64)
-    bits = np.ascontiguousarray(np.moveaxis(arr, axis, -1))
-    bits = bits.view(f"u{bits.itemsize}").reshape(-1, n).astype(np.uint64)
-    h = (bits * _COEF[:n]).sum(axis=1, dtype=np.uint64) ^ np.uint64(arr.itemsize * 0x9E3779B97F4A7C15 % 2**64)
+    bits = np.ascontiguousarray(arr).view(f"u{arr.itemsize}").astype(np.uint64)
+    h = np.tensordot(bits, _COEF[:n], axes=([axis % arr.ndim], [0])).reshape(-1)   # wraps mod 2**64
+    h ^= np.uint64(arr.itemsize * 0x9E3779B97F4A7C15 % 2**64)
     h ^= h >> np.uint64(31)
     h *= np.uint64(0xBF58476D1CE4E5B9)
     return h ^ (h >> np.uint64(29))
