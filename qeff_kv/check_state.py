@@ -15,10 +15,6 @@ def _fmt_dim(d) -> str:
     return "?" if d is None else (repr(d) if isinstance(d, str) else str(d))
 
 
-#: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
-POSITION_STEMS = naming.POSITION_STEMS
-
-
 def _axis2(t) -> object:
     return t.shape[2] if t.shape is not None and len(t.shape) > 2 else None
 
