@@ -193,7 +193,7 @@ class KVLayout:
             parsed = naming.parse_kv_name(t.name)
             if parsed is not None and parsed.retained and t.name not in paired_outputs:
                 lay.unpaired_outputs.append(t.name)
-        try:   # what each buffer is, from shapes and axes (a refusal is kept for state_spec to raise)
+        try:   # what each buffer is, from shapes and axes (a refusal is kept: check reports it, require_valid raises)
             rec = statespec.recurrent_buffers(lay.state_pairs)
         except ContractError as exc:
             rec, lay.kind_problem = set(), str(exc)

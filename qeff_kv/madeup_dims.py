@@ -18,6 +18,7 @@ corrects the I/O descriptors the layout is built from. Graphs without made-up di
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from . import naming
@@ -58,11 +59,25 @@ def _scatter_source(model: ir.Model, out: ir.Value) -> ir.Value | None:
     return node.inputs[k] if k is not None and k < len(node.inputs) else None
 
 
+def _weights_as_inputs(graph) -> None:
+    """Large initializers become typed graph inputs: inference needs their shapes, not their bytes (no copy of the
+    weights is kept); small ones (shape constants, axes) stay values."""
+    from onnx import helper
+
+    big = [t for t in graph.initializer if int(np.prod(t.dims)) > 1024]
+    for t in big:
+        graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    keep = [t for t in graph.initializer if int(np.prod(t.dims)) <= 1024]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
 def _inferred_shapes(model: ir.Model, names: set[str]) -> dict[str, tuple]:
     """Shape inference's dims of the outputs ``names``, their declared shapes cleared first."""
     import onnx
 
     proto = ir.serde.serialize_model(model)
+    _weights_as_inputs(proto.graph)
     for o in proto.graph.output:
         if o.name in names:
             o.type.tensor_type.ClearField("shape")
