@@ -102,6 +102,16 @@ def test_hybrid_made_up_dims_are_matched_to_the_inputs(fx):
         assert p.output.shape[1:] == p.input.shape[1:], p.output_name
     assert layout.output("past_key.3_RetainedState").shape == ("batch_size", 2, "ctx_len", 32)
     assert layout.made_up == {f"recurrent_state.{i}_RetainedState": (0,) for i in range(3)}
+    s = Session(fx / "qwen3_5_moe_vlm_hybrid_plain.onnx", **session_kwargs("qwen3_5"))
+    assert s.inplace and s.describe()["recurrent_double_buffered"]   # KV in place, the replaced states two buffers
+    s.generate([P12], max_new_tokens=2, stop_tokens=[])
+    before = s.kv_data_pointers()            # after the last run's swap: the buffers the next run reads
+    outs = s.bound_output_pointers()         # where the last run wrote
+    assert outs["past_key.3_RetainedState"] == before["past_key.3"]
+    assert outs["recurrent_state.0_RetainedState"] == before["recurrent_state.0"]   # written to the spare, swapped
+    s.generate([(s.sequences[0], [7])], max_new_tokens=1, stop_tokens=[])
+    assert s.kv_data_pointers()["recurrent_state.0"] != before["recurrent_state.0"]   # the two sets alternate
+    assert s.kv_data_pointers()["past_key.3"] == before["past_key.3"]
     report = qcheck.check(fx / "qwen3_5_moe_vlm_hybrid_plain.onnx")
     assert "recurrent_state.0_RetainedState" in report.rule("pair-match").note
     assert report.rule("inplace").note.startswith("recurrent state replaced whole, not updated in place: "
