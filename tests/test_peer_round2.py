@@ -146,7 +146,17 @@ def test_broken_copies_of_the_hybrid_still_fail(fx, tmp_path):
     assert msgs == ["conv_state.1 dim 2 is 64 but conv_state.1_RetainedState dim 2 is 4",
                     "conv_state.1 dim 3 is 4 but conv_state.1_RetainedState dim 3 is 64"]
 
-    # 2. a declared static dim that differs from the input's
+    # 2. a retained KV output that is no longer the scatter's (doubled along the positions): nothing matches axis 2
+    out = "past_key.3_RetainedState"
+    doubled = _edit(src, tmp_path / "doubled.onnx", lambda g: _reroute(
+        g, out, helper.make_node("Concat", [out + "_inner", out + "_inner"], [out], axis=2)))
+    violations = qcheck.check(doubled).rule("pair-match").violations
+    assert [v.message for v in violations] == [
+        "past_key.3 dim 2 is 'ctx_len' but past_key.3_RetainedState dim 2 is "
+        "'CtxScatterpast_key.3_RetainedState_dim_2', a dim the exporter made up that neither the graph's scatter nor "
+        "shape inference matches"]
+
+    # 3. a declared static dim that differs from the input's
     def declare(g):
         o = next(o for o in g.output if o.name == "recurrent_state.0_RetainedState")
         o.type.tensor_type.shape.dim[3].Clear()
