@@ -91,13 +91,16 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
                    "prompt lookup ('lookup': n-gram match against the prompt and the text so far) or by a draft "
                    "export (a smaller model of the same tokenizer), verified K at a time; the same tokens as plain "
                    "decoding. --json reports the acceptance rate under timings.speculative.")
+@click.option("--speculative-k", type=DIM, default=None, metavar="K",
+              help="With --speculative: drafts per step (default and maximum: the graph's K). Needed on a graph that "
+                   "records no K (the peer's target graphs): K+1 must fit the prefill length and ctx_len.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
 def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
                  image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  checkpoint_every, max_checkpoints, max_sequences, temperature,
                  top_k, top_p, seed, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
                  stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
-                 no_inplace, speculative, as_json) -> None:
+                 no_inplace, speculative, speculative_k, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
         model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
@@ -111,7 +114,7 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
         select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
         image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size,
-        speculative=speculative)
+        speculative=speculative, speculative_k=speculative_k)
     result = run_generate(req)
     for r in result["resized_images"]:
         click.echo(f"resized {r['image']} {r['from'][0]}x{r['from'][1]} -> {r['to'][0]}x{r['to'][1]} (the export's "

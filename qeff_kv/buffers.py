@@ -81,7 +81,7 @@ def bytes_per_token(layout: KVLayout) -> int | None:
     total, seen = 0, False
     for p in layout.pairs:
         shape = p.input.shape
-        if p.stem not in naming.POSITION_STEMS or shape is None or len(shape) < 3:
+        if p.recurrent or shape is None or len(shape) < 3:
             continue
         n = itemsize(p.input.dtype)
         for i, d in enumerate(shape):
@@ -128,7 +128,7 @@ def _fmt_capacity(n: int | None, recurrent: bool = False) -> str:
 def recurrent_bytes_per_sequence(layout: KVLayout) -> int | None:
     """Bytes of one sequence's recurrent states (``conv_state``, ``recurrent_state``: no position axis, the same
     at any ``ctx_len`` and sequence length); ``None`` without them or when a dim is unknown."""
-    pairs = [p for p in layout.pairs if p.stem in naming.RECURRENT_STEMS]
+    pairs = layout.recurrent_pairs
     sizes = [p.bytes_per_sequence() for p in pairs]
     return None if not pairs or None in sizes else sum(sizes)
 
@@ -143,7 +143,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
     rows = []
     for p in _sorted_pairs(layout):
         rows.append([str(p.layer), p.stem, p.input_name, p.output_name, p.input.dtype, _fmt_shape(p.input.shape),
-                     _fmt_capacity(p.capacity(ctx_len, sliding_window), p.stem in naming.RECURRENT_STEMS),
+                     _fmt_capacity(p.capacity(ctx_len, sliding_window), p.recurrent),
                      human_bytes(p.bytes_per_sequence(ctx_len, sliding_window))])
     at = []
     if ctx_len is not None:
@@ -173,7 +173,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         lines.append(per_token)
     state = recurrent_bytes_per_sequence(layout)
     if state is not None:
-        layers = sorted({p.layer for p in layout.pairs if p.stem in naming.RECURRENT_STEMS})
+        layers = sorted({p.layer for p in layout.recurrent_pairs})
         lines.append(f"recurrent state bytes per sequence (constant in ctx_len, layers "
                      f"{', '.join(map(str, layers))}): {human_bytes(state)} ({state} bytes)")
     if sliding:
@@ -275,6 +275,7 @@ class BuffersReport:
 
     def to_json(self) -> dict:
         lay = self.layout
+        kinds = lay.state_kinds
         return {
             "schema": SCHEMA,
             "model": self.model,
@@ -284,7 +285,8 @@ class BuffersReport:
             "ctx_len": self.ctx_len,
             "sliding_window": self.sliding_window,
             "sliding_layers": lay.sliding_layers,
-            "pairs": [p.to_json(self.ctx_len, self.sliding_window) for p in _sorted_pairs(lay)],
+            "pairs": [{**p.to_json(self.ctx_len, self.sliding_window), "state": kinds.get((p.stem, p.layer))}
+                      for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),
             "bytes_per_token": bytes_per_token(lay),
             **({"recurrent_bytes_per_sequence": rec} if (rec := recurrent_bytes_per_sequence(lay)) is not None else {}),

@@ -19,7 +19,8 @@ Rules, in order:
                       and value of one layer may not. Graph metadata ``qeff_kv.sliding_window``, when present,
                       is a positive integer ``W``, and a static axis 2 on a sliding layer's buffer equals ``W``.
                       A non-KV retained pair keeps its dtype and dims; ``image_idx`` and ``image_idx_output`` are
-                      int64 ``[1, 1]``.
+                      int64 ``[1, 1]``. Output dims the exporter made up (``..._RetainedState_dim_<i>``) are first
+                      matched to the input (:mod:`qeff_kv.madeup_dims`); an unmatched batch axis passes with a note.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
@@ -32,7 +33,8 @@ Rules, in order:
 ``inplace``           each KV input is updated by one in-place updater (ScatterND, GroupQueryAttention) writing
                       its retained output, and every other reader of it or of a view of it (Reshape, Squeeze,
                       Unsqueeze, Flatten, Identity) is a node the updater depends on, so it runs first
-                      (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed).
+                      (:mod:`qeff_kv.inplace`; shape-only readers allowed; function bodies followed). A recurrent
+                      state no updater writes (replaced whole, the peer's) passes with a note.
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
 A graph with sliding-window ring buffers (or the metadata ``qeff_kv.sliding_window``) adds
@@ -275,6 +277,7 @@ def _non_kv(layout: KVLayout, r: RuleResult) -> None:
 
 
 def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
+    unmatched: list[str] = []
     for p in layout.pairs:
         a, b = p.input, p.output
         if a.dtype != b.dtype:
@@ -286,9 +289,20 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
         if len(a.shape) != len(b.shape):
             r.fail(a.name, f"{a.name} has rank {len(a.shape)} but {b.name} has rank {len(b.shape)}")
             continue
+        made_up = layout.made_up.get(b.name, ())
         for i, (da, db) in enumerate(zip(a.shape, b.shape)):
-            if da != db:
+            if da == db:
+                continue
+            if i in made_up and i == 0:
+                unmatched.append(b.name)   # the batch axis: bound to the runtime's own buffer
+            elif i in made_up:
+                r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}, a dim "
+                               "the exporter made up that neither the graph's scatter nor shape inference matches")
+            else:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
+    if unmatched and r.status != FAIL:
+        r.note = (f"batch axis of {', '.join(unmatched)} declared with a name the exporter made up; taken as the "
+                  "input's")
     state_rules.sliding_dims(layout, r)
     state_rules.latent_dims(layout, r)
     state_rules.recurrent_dims(layout, r)
@@ -426,8 +440,15 @@ def _rule_inplace(model: ir.Model, layout: KVLayout, r: RuleResult) -> None:
     if not layout.pairs:
         r.skip("no KV pairs")
         return
+    replaced = []
     for issue in inplace_issues(model, layout):
-        r.fail(issue.buffer, issue.message)
+        if issue.replaced:
+            replaced.append(issue.buffer)
+        else:
+            r.fail(issue.buffer, issue.message)
+    if replaced:
+        r.note = (f"recurrent state replaced whole, not updated in place: {', '.join(replaced)} (the runtime keeps a "
+                  "second buffer for each)")
 
 
 def _rule_checker(path: Path, r: RuleResult) -> None:

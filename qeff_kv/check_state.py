@@ -15,10 +15,6 @@ def _fmt_dim(d) -> str:
     return "?" if d is None else (repr(d) if isinstance(d, str) else str(d))
 
 
-#: Stems whose axis 2 is the positions axis (attention caches); a hybrid layer's states have no such axis.
-POSITION_STEMS = naming.POSITION_STEMS
-
-
 def _axis2(t) -> object:
     return t.shape[2] if t.shape is not None and len(t.shape) > 2 else None
 
@@ -37,7 +33,7 @@ def sliding_dims(layout: KVLayout, r) -> None:
                      "(the sliding window)")
     by_layer: dict[int, list] = {}
     for p in layout.pairs:
-        if p.stem in POSITION_STEMS:
+        if not p.recurrent:
             by_layer.setdefault(p.layer, []).append(p)
     for layer in sorted(by_layer):
         pairs = sorted(by_layer[layer], key=lambda p: naming.KV_STEMS.index(p.stem))
@@ -92,23 +88,27 @@ def latent_dims(layout: KVLayout, r) -> None:
                                        f"{axis} is {_fmt_dim(da)}; a layer's latent pair shares its {what} axis")
 
 
-#: the rank of each recurrent stem's buffers (contract section 12)
-RECURRENT_RANKS = {"conv_state": 3, "recurrent_state": 4}
+#: the ranks each recurrent stem's buffers may have (contract section 12; the peer's Qwen3.5-MoE keeps a
+#: ``conv_state`` of rank 4, ``[batch, 2, conv_dim / 2, kernel]``); a recurrent buffer of another stem (the peer's
+#: Qwen3.5 dense names its states ``past_key``/``past_value``) has any rank of at least 2
+RECURRENT_RANKS = {"conv_state": (3, 4), "recurrent_state": (4,)}
 
 
 def recurrent_dims(layout: KVLayout, r) -> None:
     """A recurrent state (contract section 12) is overwritten by every token: it has no position axis, so every
-    axis but the batch axis (0) is a fixed size, and its rank is its stem's (3 for ``conv_state``, 4 for
-    ``recurrent_state``). That a ``recurrent_state`` comes with its ``conv_state`` is the ``layers`` rule's."""
-    for p in layout.pairs:
-        if p.stem not in naming.RECURRENT_STEMS:
-            continue
+    axis but the batch axis (0) is a fixed size, and its rank is one its stem allows (:data:`RECURRENT_RANKS`).
+    Which buffers are recurrent follows from shapes (:attr:`KVPair.recurrent`); a layer where that is ambiguous is
+    reported here. That a ``recurrent_state`` comes with its ``conv_state`` is the ``layers`` rule's."""
+    if layout.kind_problem is not None:
+        r.fail(None, layout.kind_problem)
+    for p in layout.recurrent_pairs:
+        ranks = RECURRENT_RANKS.get(p.stem)
         for t in (p.input, p.output):
             if t.shape is None:
                 continue
-            if len(t.shape) != RECURRENT_RANKS[p.stem]:
-                r.fail(p.input_name, f"{t.name} has rank {len(t.shape)}; a {p.stem} buffer has rank "
-                                     f"{RECURRENT_RANKS[p.stem]}")
+            if (ranks is not None and len(t.shape) not in ranks) or len(t.shape) < 2:
+                want = " or ".join(map(str, ranks)) if ranks else "at least 2"
+                r.fail(p.input_name, f"{t.name} has rank {len(t.shape)}; a {p.stem} recurrent buffer has rank {want}")
                 break
             dynamic = [(i, d) for i, d in enumerate(t.shape) if i > 0 and not isinstance(d, int)]
             if dynamic:

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import onnx
 import onnx_ir as ir
 
-from . import fsutil
+from . import fsutil, madeup_dims
 from .errors import ExternalDataError, GraphReadError
 from .layout import KVLayout, TensorInfo, dtype_from_onnx
 
@@ -130,9 +130,14 @@ def metadata_of(model: ir.Model) -> dict[str, str]:
 
 
 def layout_of(model: ir.Model) -> KVLayout:
-    """The KV layout of ``model``, with its graph metadata (the sliding window ``W`` of ring buffers)."""
+    """The KV layout of ``model``, with its graph metadata (the sliding window ``W`` of ring buffers). Symbolic dims
+    an exporter made up on retained outputs are matched to the inputs (:mod:`qeff_kv.madeup_dims`); the axes it
+    could not match are in ``layout.made_up``."""
     ins, outs = io_of(model)
-    return KVLayout.from_io(ins, outs, metadata_of(model))
+    outs, made_up = madeup_dims.resolve(model, ins, outs)
+    layout = KVLayout.from_io(ins, outs, metadata_of(model))
+    layout.made_up = made_up
+    return layout
 
 
 def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathLike | None = None) -> Path:

@@ -26,6 +26,10 @@ A KV pair ``X`` / ``X_RetainedState`` is *in-place safe* when one buffer can be 
    taken from its body (an output depends on the parameters it is computed from); nodes inside subgraphs
    (``If``, ``Loop``) never count as readers that ``U`` depends on.
 
+A recurrent state (no position axis, :attr:`~qeff_kv.layout.KVPair.recurrent`) that no updater writes at all is
+*replaced* whole: its issue says so (``replaced``), and the runtime gives that buffer a second one instead of
+binding it in place; it does not make the graph unsafe.
+
 onnxruntime's CPU ``ScatterND`` skips its input-to-output copy when both are the same buffer, so a safe graph
 updates its cache in place; a reader that could run after the update would see already-updated data.
 """
@@ -53,6 +57,9 @@ MAX_FUNCTION_DEPTH = 32
 class InplaceIssue:
     buffer: str
     message: str
+    #: a recurrent state the graph replaces whole (no in-place updater at all: the peer's gated-delta-net layers
+    #: compute a fresh state): not an error, but that buffer needs a second one (the runtime double-buffers it)
+    replaced: bool = False
 
 
 def _function_of(model: ir.Model, node: ir.Node) -> ir.Function | None:
@@ -196,7 +203,8 @@ def _follow(model: ir.Model, x: ir.Value, target: ir.Value, where: str, depth: i
 
 
 def inplace_issues(model: ir.Model, layout: KVLayout) -> list[InplaceIssue]:
-    """Every violation of in-place safety, one per KV input that breaks the rule (empty: all safe)."""
+    """Every violation of in-place safety, one per KV input that breaks the rule (empty: all safe); a replaced
+    recurrent state's entry has ``replaced`` set."""
     graph = model.graph
     by_name_in = {v.name: v for v in graph.inputs}
     by_name_out = {v.name: v for v in graph.outputs}
@@ -206,6 +214,10 @@ def inplace_issues(model: ir.Model, layout: KVLayout) -> list[InplaceIssue]:
         if x is None or y is None:  # pragma: no cover - layout built from this model
             continue
         walk = _follow(model, x, y, "")
+        if pair.recurrent and walk.updates == 0:
+            issues.append(InplaceIssue(pair.input_name, f"{pair.output_name} is a fresh value, not an in-place "
+                                                        f"update of {pair.input_name}", replaced=True))
+            continue
         for p in walk.problems:
             issues.append(InplaceIssue(pair.input_name, f"{pair.input_name} is {p}"))
         if walk.updates == 0:

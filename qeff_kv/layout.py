@@ -6,6 +6,7 @@ onnx_ir, an onnxruntime session, and a manifest. Names are interpreted only thro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -65,6 +66,9 @@ class KVPair:
     prefix: str | None
     input: TensorInfo
     output: TensorInfo
+    #: recurrent state (no position axis), from its shapes and its layer's, not its stem alone
+    #: (:func:`qeff_kv.statespec.recurrent_buffers`)
+    recurrent: bool = False
 
     @property
     def input_name(self) -> str:
@@ -91,7 +95,7 @@ class KVPair:
         axis (``ctx_len``...), ``sliding_window`` for an axis named ``sliding_window`` (a ring buffer), the int of
         a static axis; ``None`` when unknown (no axis 2, another name, or the value not given) or for a recurrent
         state (no position axis)."""
-        if self.stem in naming.RECURRENT_STEMS:
+        if self.recurrent:
             return None
         return _dim_value(self.axis2, ctx_len, sliding_window)
 
@@ -160,6 +164,11 @@ class KVLayout:
     non_kv_retained: list[tuple[str, str | None]] = field(default_factory=list)  # (input, output) by name
     #: the graph's ``metadata_props`` (empty when built from a session or a manifest)
     metadata: dict[str, str] = field(default_factory=dict)
+    #: retained outputs whose exporter-made symbolic dims nothing matched to the inputs: name -> axes
+    #: (:mod:`qeff_kv.madeup_dims`; empty when built from a session or a manifest)
+    made_up: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: why the buffers' kinds cannot be told from their shapes (:func:`qeff_kv.statespec.recurrent_buffers`), or None
+    kind_problem: str | None = None
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
@@ -184,6 +193,11 @@ class KVLayout:
             parsed = naming.parse_kv_name(t.name)
             if parsed is not None and parsed.retained and t.name not in paired_outputs:
                 lay.unpaired_outputs.append(t.name)
+        try:   # what each buffer is, from shapes and axes (a refusal is kept: check reports it, require_valid raises)
+            rec = statespec.recurrent_buffers(lay.state_pairs)
+        except ContractError as exc:
+            rec, lay.kind_problem = set(), str(exc)
+        lay.pairs = [dataclasses.replace(p, recurrent=(p.stem, p.layer) in rec) for p in lay.pairs]
         # Non-KV retained buffers, by the contract's list (never by a "past_" prefix).
         seen: set[str] = set()
         for t in list(inputs) + list(outputs):
@@ -282,6 +296,17 @@ class KVLayout:
         meta = self.metadata.get(naming.SPECULATIVE_META)
         return int(meta) if self.speculative and meta is not None and meta.isdigit() and int(meta) > 0 else None
 
+    @property
+    def state_kinds(self) -> dict[tuple[str, int], str]:
+        """``(stem, layer)`` -> the state kind of that buffer (``full``, ``ring``, ``latent``, ``recurrent``), from
+        :attr:`state_spec`: what ``buffers``, ``check``, ``compile-config`` and the runtime all read."""
+        return {(stem, s.layer): s.kind for s in self.state_spec.layers for stem in s.stems}
+
+    @property
+    def recurrent_pairs(self) -> list[KVPair]:
+        """The pairs that hold recurrent state (no position axis), in graph order."""
+        return [p for p in self.pairs if p.recurrent]
+
     def pair(self, stem: str, layer: int) -> KVPair:
         for p in self.pairs:
             if p.stem == stem and p.layer == layer:
@@ -305,16 +330,20 @@ class KVLayout:
             n = self.unpaired_outputs[0]
             raise ContractError(f"KV output {n!r} has no input {naming.retained_source(n)!r}")
         _ = self.prefix
+        if self.kind_problem is not None:
+            raise ContractError(self.kind_problem)
         return self
 
     def to_json(self, ctx_len: int | None = None, sliding_window: int | None = None) -> dict:
-        """``sliding_window`` defaults to the graph metadata's window."""
+        """``sliding_window`` defaults to the graph metadata's window; each pair carries its ``state`` kind."""
         if sliding_window is None:
             sliding_window = self.sliding_window
+        kinds = self.state_kinds
         return {
             "prefix": self.prefix if len(self.prefixes) <= 1 else None,
             "num_layers": self.num_layers,
-            "pairs": [p.to_json(ctx_len, sliding_window) for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
+            "pairs": [{**p.to_json(ctx_len, sliding_window), "state": kinds.get((p.stem, p.layer))}
+                      for p in sorted(self.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))],
             "non_kv_retained": [{"input": i, "retained": o} for i, o in self.non_kv_retained],
         }
 

@@ -30,7 +30,9 @@ KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", 
 #: MLA's compressed (latent) cache, contract section 11: ``compressed_kv [batch, 1, ctx_len, kv_lora_rank]`` and
 #: ``k_pe [batch, 1, ctx_len, qk_rope_head_dim]`` per layer, exported with ``--mla-cache latent``.
 LATENT_STEMS: tuple[str, ...] = ("compressed_kv", "k_pe")
-#: Stems whose axis 2 is a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none.
+#: Stems whose axis 2 is usually a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none. Whether
+#: a given buffer has one follows from its shapes, not its stem (the peer's Qwen3.5 dense keeps recurrent states as
+#: ``past_key``/``past_value``): :func:`qeff_kv.statespec.recurrent_buffers`.
 POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
 #: A recurrent (Mamba2 / gated-delta-net / short-conv) layer's state, contract section 12: ``conv_state.{i}``
 #: ``[batch, conv_dim, conv_kernel]`` and ``recurrent_state.{i}`` ``[batch, heads, head_dim, state_dim]``; only axis 0

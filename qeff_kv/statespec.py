@@ -242,15 +242,66 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
     return StateSpec(tuple(layers))
 
 
+def _has_position_axis(shape: tuple | None) -> bool:
+    """Axis 2 of a rank-4 buffer names positions: ``ctx_len``-like or ``sliding_window`` (a symbolic axis)."""
+    return (shape is not None and len(shape) == 4 and isinstance(shape[2], str)
+            and (shape[2] == naming.SLIDING_DIM or "ctx" in shape[2]))
+
+
+def _static_after_batch(shape: tuple | None) -> bool:
+    return shape is not None and len(shape) >= 2 and all(isinstance(d, int) and not isinstance(d, bool)
+                                                         for d in shape[1:])
+
+
+def recurrent_buffers(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]]) -> set[tuple[str, int]]:
+    """The ``(stem, layer)`` buffers that are recurrent state, from shapes and axes rather than the stem alone: a
+    recurrent stem, or a buffer of a positional stem with no position axis whose layer shows it is not an
+    attention cache (a buffer of rank other than 4, or static rank-4 buffers whose axes 1 and 2 differ, which a
+    key and value cache share: the peer's Qwen3.5 names a gated-delta-net layer's ``[batch, conv_dim, kernel]`` and
+    ``[batch, heads, k, v]`` states ``past_key.{i}`` and ``past_value.{i}``). A static axis 2 that key and value
+    share stays a fixed-length cache. A layer whose positional-stem buffers mix such a state with a position axis
+    is refused in one line naming the buffer (:class:`~qeff_kv.errors.ContractError`)."""
+    pairs = list(pairs)
+    out = {(stem, layer) for stem, layer, _, _ in pairs if stem in naming.RECURRENT_STEMS}
+    by_layer: dict[int, list] = {}
+    for stem, layer, shape, _ in pairs:
+        if stem not in naming.RECURRENT_STEMS:
+            by_layer.setdefault(layer, []).append((stem, shape))
+    for layer, entries in by_layer.items():
+        stateful = [stem for stem, shape in entries if shape is not None and len(shape) != 4]
+        static4 = [shape for _, shape in entries if _static_after_batch(shape) and len(shape) == 4]
+        if not stateful and len(static4) == len(entries) > 1 and len({s[1:3] for s in static4}) > 1:
+            stateful = [stem for stem, _ in entries]   # static key and value of other heads or positions: no cache
+        if not stateful:
+            continue
+        positional = [stem for stem, shape in entries if _has_position_axis(shape)]
+        loose = [stem for stem, shape in entries if not _static_after_batch(shape)
+                 and not _has_position_axis(shape)]
+        if positional or loose:
+            bad = stateful[0]
+            raise ContractError(
+                f"{bad}.{layer} has shape {dict(entries)[bad]} (no position axis: a recurrent state) but "
+                f"{(positional or loose)[0]}.{layer} has {dict(entries)[(positional or loose)[0]]}; cannot tell "
+                f"what layer {layer} retains")
+        out.update((stem, layer) for stem, _ in entries)
+    return out
+
+
 def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window: int | None = None) -> StateSpec:
     """The spec of a graph without one, from its KV buffers ``(stem, layer, input shape, output shape)``: a layer
     whose axis 2 is named ``sliding_window`` (input or output) is a ring of ``window`` slots (its static size when
     it has one), a layer of MLA's latent stems is ``latent``, any other attention layer is full-length (capacity: a
-    static axis 2, else bound at run time); a layer's recurrent stems (``conv_state``, ``recurrent_state``) are one
-    more entry of kind ``recurrent`` (no position axis)."""
+    static axis 2, else bound at run time); a layer's recurrent buffers (``conv_state``, ``recurrent_state``, or
+    buffers of other stems that :func:`recurrent_buffers` finds have no position axis) are one more entry of kind
+    ``recurrent``."""
+    pairs = list(pairs)
+    try:
+        rec = recurrent_buffers(pairs)
+    except ContractError:   # the layout reports it (KVLayout.kind_problem); by stem meanwhile
+        rec = {(stem, layer) for stem, layer, _, _ in pairs if stem in naming.RECURRENT_STEMS}
     by_layer: dict[tuple[int, bool], list] = {}
     for stem, layer, shape, out_shape in pairs:
-        by_layer.setdefault((layer, stem in naming.RECURRENT_STEMS), []).append((stem, shape, out_shape))
+        by_layer.setdefault((layer, (stem, layer) in rec), []).append((stem, shape, out_shape))
     layers = []
     for layer, recurrent in sorted(by_layer):
         entries = sorted(by_layer[(layer, recurrent)], key=lambda e: naming.KV_STEMS.index(e[0]))

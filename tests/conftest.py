@@ -8,7 +8,9 @@ Two sets of retained-state graphs:
 * **peer graphs**, read from ../shared/fixtures/qeff-peer (or ``QEFF_KV_PEER_FIXTURES``): the tests that are
   about interoperating with the peer's exporter (QEfficient); they skip with a reason where that folder is
   absent. Its vision-language and CCL graphs, with their tiny models, are in ../shared/fixtures/qeff-peer-vlm (or
-  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir``, tests/test_peer_vlm.py).
+  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir``, tests/test_peer_vlm.py); its MLA latent, speculative-target,
+  hybrid recurrent and sliding-window graphs in ../shared/fixtures/qeff-peer-2 (or ``QEFF_KV_PEER2_FIXTURES``;
+  fixture ``peer2_dir``, tests/test_peer_round2.py).
 
 ``graphs`` is parametrized over both (``own``, ``peer``): a test of our own behaviour written against it runs
 on our exports and on the peer's files of the same names, and compares with each set's own reference tokens.
@@ -37,6 +39,11 @@ PEER_VLM_DIR = Path(os.environ.get("QEFF_KV_PEER_VLM_FIXTURES", REPO.parent / "s
 HAS_PEER_VLM = (PEER_VLM_DIR / "README.md").is_file()
 PEER_VLM_MISSING = (f"peer vision-language fixtures not found at {PEER_VLM_DIR} (set QEFF_KV_PEER_VLM_FIXTURES to "
                     "their folder)")
+#: The peer's round-two graphs (MLA latent, speculative target, hybrid recurrent, sliding window) with their tiny
+#: models (tests/test_peer_round2.py).
+PEER2_DIR = Path(os.environ.get("QEFF_KV_PEER2_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer-2"))
+HAS_PEER2 = (PEER2_DIR / "README.md").is_file()
+PEER2_MISSING = f"peer round-two fixtures not found at {PEER2_DIR} (set QEFF_KV_PEER2_FIXTURES to their folder)"
 PEER_GRAPHS = [
     "qeff_llama_default.onnx",
     "qeff_llama_vllm.onnx",
@@ -188,6 +195,13 @@ def peer_dir() -> Path:
     if not HAS_PEER:
         pytest.skip(PEER_MISSING)
     return PEER_DIR
+
+
+@pytest.fixture(scope="session")
+def peer2_dir() -> Path:
+    if not HAS_PEER2:
+        pytest.skip(PEER2_MISSING)
+    return PEER2_DIR
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def test_buffers_table(any_graph):
     assert j["pairs"] == [
         {"layer": layer, "kind": stem, "input": naming.kv_input_name(stem, layer, prefix),
          "retained": naming.kv_retained_name(stem, layer, prefix), "dtype": "float32",
-         "shape": [batch, 2, "ctx_len", 16], "capacity": 16, "bytes_per_sequence": 2 * 16 * 16 * 4}
+         "shape": [batch, 2, "ctx_len", 16], "capacity": 16, "bytes_per_sequence": 2 * 16 * 16 * 4, "state": "full"}
         for layer in range(2) for stem in ("past_key", "past_value")]
     assert j["bytes_per_sequence"] == 4 * 2048
     assert j["sliding_window"] is None and j["sliding_layers"] == []

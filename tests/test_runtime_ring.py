@@ -221,11 +221,23 @@ def test_prefill_chunks_are_capped_at_the_ring_capacity(tmp_path):
     assert seq.written == seq.length == 17
 
 
-def test_peer_ring_graph_runs_unpadded_chunks(tmp_path):
+def test_peer_ring_graph_runs_unpadded_chunks_that_never_wrap_the_ring(tmp_path):
+    """Another exporter's rings (no qeff_kv.sliding_cache): chunks fill the ring up to its last slot (5), then every
+    token goes alone (the peer's GPT-OSS graph is exact only so: test_peer_round2.py)."""
     s = Session(ring_graph(tmp_path, cache=None), ctx_len=32, prefill_seq_len=4)
     fed = _fed_positions(s)
-    s.prefill(s.add_sequence(), PROMPT[:10])
-    assert fed == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    seq = s.add_sequence()
+    s.prefill(seq, PROMPT[:10])
+    assert fed == [[0, 1, 2, 3], [4, 5], [6], [7], [8], [9]]
+    assert np.array_equal(_ring(s, seq), _expected_ring(PROMPT[:10], 6))
+
+
+def test_peer_ring_graph_with_a_fixed_seq_len_is_refused_at_open(tmp_path):
+    """Past its ring such a graph must take one token per run, which a fixed seq_len of 4 cannot: one line."""
+    with pytest.raises(RuntimeInputError, match=r"^the graph fixes seq_len=4 and has another exporter's "
+                                                r"sliding-window rings, which are exact only fed one token at a time "
+                                                r"past the ring$"):
+        Session(ring_graph(tmp_path, cache=None, seq_len=4), ctx_len=32)
 
 
 def test_fixed_seq_len_above_the_ring_capacity_is_refused_at_open(tmp_path):

@@ -91,16 +91,17 @@ class KVCache:
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
                  rings: RingSpec | None = None, recurrent: list[KVPair] | None = None,
-                 checkpoints: rec_mod.CheckpointPolicy | None = None):
+                 checkpoints: rec_mod.CheckpointPolicy | None = None, recurrent_double_buffer: bool | None = None):
         positive_int("max_sequences", max_sequences)
+        rec_double = double_buffer if recurrent_double_buffer is None else bool(recurrent_double_buffer)
         positive_int("ctx_len", ctx_len)
         self.rings = rings if rings is not None else RingSpec()
         policy = checkpoints or rec_mod.CheckpointPolicy()
         self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
-                            rings=self.rings, recurrent=recurrent, keep=policy.keep)
+                            rings=self.rings, recurrent=recurrent, keep=policy.keep, recurrent_double_buffer=rec_double)
         #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
         self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
-                                                 double_buffer=double_buffer, policy=policy)
+                                                 double_buffer=rec_double, policy=policy)
         self.pairs = list(pairs)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
@@ -164,14 +165,16 @@ class KVCache:
     @classmethod
     def require_memory(cls, pairs: list[KVPair], *, max_sequences: int, ctx_len: int,
                        double_buffer: bool = False, rings: RingSpec | None = None,
-                       recurrent: list[KVPair] | None = None, keep: int = 0) -> int:
+                       recurrent: list[KVPair] | None = None, keep: int = 0,
+                       recurrent_double_buffer: bool | None = None) -> int:
         """Refuse (:class:`~qeff_kv.errors.MemoryLimitError`, one line with the size) KV buffers that do not fit
         in the memory available now (recurrent buffers and their ``keep`` checkpoints per sequence included);
         return their size in bytes."""
         n = cls.buffer_bytes(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
                              rings=rings)
         rec = list(recurrent or [])
-        n += rec_mod.buffer_bytes(rec, max_sequences, double_buffer, keep)
+        n += rec_mod.buffer_bytes(rec, max_sequences, double_buffer if recurrent_double_buffer is None
+                                  else recurrent_double_buffer, keep)
         ring = f", sliding-window rings of {rings.capacity}" if rings else ""
         states = f", {len(rec)} recurrent states with up to {keep} checkpoints each" if rec else ""
         require_memory(n, f"the KV buffers ({len(list(pairs))} buffers x {max_sequences} sequences x ctx_len "
@@ -181,11 +184,10 @@ class KVCache:
     # ---------------------------------------------------------------------------------- buffers
     def swap(self) -> None:
         """After a run with separate output buffers: the outputs become the current cache."""
-        if not self.double_buffer:
-            return
-        self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
-        self.values, self.spare_values = self.spare_values, self.values
-        self.recurrent.swap()
+        if self.double_buffer:
+            self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
+            self.values, self.spare_values = self.spare_values, self.values
+        self.recurrent.swap()   # its own setting: a replaced recurrent state is double-buffered alone
 
     def bindings(self) -> list[tuple[str, ort.OrtValue, ort.OrtValue | None]]:
         """``(KV input name, current value, spare value or None)`` of every buffer of both memories."""

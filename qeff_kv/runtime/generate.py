@@ -121,6 +121,9 @@ class GenerateRequest:
     #: speculative decoding (a graph exported with --speculative-tokens K): ``"lookup"`` (prompt lookup) or the
     #: path of a draft export (a smaller model of the same tokenizer); see :mod:`qeff_kv.runtime.speculative`
     speculative: str | None = None
+    #: drafts per verification step with ``speculative`` (default and maximum: the graph's K; needed on a graph that
+    #: records no K, the peer's target graphs)
+    speculative_k: int | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
 
@@ -196,6 +199,8 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         fsutil.check_output_file(req.save_state)
     if req.speculative is not None:
         _check_speculative(req)
+    elif req.speculative_k is not None:
+        raise RuntimeInputError("--speculative-k goes with --speculative")
     files = resolve_model(req.model)
     if (req.chat or req.system is not None) and not req.prompts:
         raise RuntimeInputError("--chat formats --prompt text with the chat template; give --prompt TEXT")
@@ -311,7 +316,7 @@ def _speculative(req: GenerateRequest, session: Session, requests: list, stops: 
     """One request decoded speculatively: ``([Generation], stats as JSON)``."""
     from .speculative import SpeculativeDecoder, make_drafter
 
-    decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads))
+    decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads), k=req.speculative_k)
     gen = decoder.generate(requests[0], max_new_tokens=req.max_new_tokens, sampling=req.sampling,
                            stop_tokens=stops)
     if on_token is not None:

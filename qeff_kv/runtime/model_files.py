@@ -94,7 +94,7 @@ def kv_contract(layout: KVLayout) -> dict:
             "input": p.input_name, "retained": p.output_name, "dtype": p.input.dtype,
             "heads": shape[1] if len(shape) == 4 else None, "head_dim": shape[3] if len(shape) == 4 else None,
         }
-        if p.stem in naming.RECURRENT_STEMS:   # only these: every other graph's fingerprint stays what it was
+        if p.recurrent:   # only these: every other graph's fingerprint stays what it was
             entry["state_shape"] = list(shape[1:])
         pairs.append(entry)
     return {"prefix": layout.prefix, "num_layers": layout.num_layers, "pairs": pairs}

@@ -73,7 +73,7 @@ def resolve(layout: KVLayout, manifest: dict | None, given: int | None) -> RingS
     window = recorded if recorded is not None else given
     kinds = {state.layer: state.kind for state in layout.state_spec.layers   # what each layer's KV retains
              if state.kind != "recurrent"}
-    rings = [p for p in layout.pairs if kinds.get(p.layer) == "ring" and p.stem in naming.POSITION_STEMS]
+    rings = [p for p in layout.pairs if kinds.get(p.layer) == "ring" and not p.recurrent]
     if not rings:
         if given is not None and recorded is None:
             raise RuntimeInputError(f"sliding window {given} was given, but the graph has no sliding-window KV "
@@ -102,6 +102,22 @@ def cap_chunk(spec: RingSpec, fixed_seq_len: int | None, prefill_seq_len: int) -
         raise RuntimeInputError(f"the graph fixes seq_len={fixed_seq_len}, more than its smallest sliding-window "
                                 f"ring ({cap} slots); a chunk must hold at most {cap} tokens")
     return min(prefill_seq_len, cap)
+
+
+def within_ring(plan: list[tuple[int, int]], start: int, capacity: int) -> list[tuple[int, int]]:
+    """``plan`` (``(offset, count)`` chunks feeding positions from ``start``) cut so that no chunk of more than one
+    token writes past slot ``capacity - 1``: the first chunks fill the ring up to its end, every later token goes
+    alone. Another exporter's ring graph (the peer's GPT-OSS) writes a chunk into its ring before attending, so a
+    chunk that wraps overwrites keys its own earlier rows still need: it is exact only fed so (measured on the
+    peer's graph: a chunk past the window gives other logits there)."""
+    out = []
+    for off, cnt in plan:
+        pos, end = start + off, start + off + cnt
+        while pos < end:
+            step = min(end, capacity) - pos if pos < capacity and min(end, capacity) - pos > 1 else 1
+            out.append((pos - start, step))
+            pos += step
+    return out
 
 
 def held(written: int, capacity: int) -> tuple[int, int]:

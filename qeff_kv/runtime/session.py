@@ -22,7 +22,9 @@ Prefill runs in chunks of the graph's prefill length; the last chunk is right-pa
 ``position_ids = -1``. Padding rows of the peer's graphs write their key/value into slot ``ctx_len - 1`` of
 their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
 fill that slot: such a chunk runs unpadded, at its exact length. With ring buffers a chunk holds at most the
-smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks.
+smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks that
+never wrap the ring (:func:`qeff_kv.runtime.ring.within_ring`: up to its last slot, then one token at a time).
+A recurrent state the graph replaces whole (not updated in place: the peer's) gets a second buffer.
 
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
 (:mod:`qeff_kv.runtime.media`, bound in place; the images come from :mod:`qeff_kv.runtime.vision`) and, with
@@ -159,6 +161,11 @@ class Session(GenerationMixin, CacheVerbsMixin):
                                          man.get("prefill_seq_len"), default=DEFAULT_PREFILL_SEQ_LEN)
         self.prefill_seq_len = ring_mod.cap_chunk(self.rings, self.fixed_seq_len, self.prefill_seq_len)
         self._pad_ring = not self.rings or ir_model.metadata_props.get(naming.SLIDING_CACHE_META) == "ring"
+        #: rings of another exporter (not our ring export): prefill chunks never wrap them (ring.within_ring)
+        self._ring_within = not self._pad_ring
+        if self._ring_within and (self.fixed_seq_len or 1) > 1:
+            raise RuntimeInputError(f"the graph fixes seq_len={self.fixed_seq_len} and has another exporter's "
+                                    "sliding-window rings, which are exact only fed one token at a time past the ring")
         #: exported by qeff-kv (its target recorded in the graph): short chunks are not padded
         self._own_graph = "qeff_kv.target" in ir_model.metadata_props
         batch_dim = first[0] if first else None
@@ -190,7 +197,10 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.checkpoint = checkpoint_identity(ir_model, self.files.manifest)  # recorded at export, or None
 
         # ---- in-place safety
-        self.inplace_issues = [i.message for i in inplace_issues(ir_model, layout)]
+        issues = inplace_issues(ir_model, layout)
+        self.inplace_issues = [i.message for i in issues if not i.replaced]
+        #: recurrent states the graph replaces whole (the peer's): they get a second buffer, the rest stays in place
+        self._replaced_states = any(i.replaced for i in issues)
         safe = not self.inplace_issues
         if inplace is True and not safe:
             raise ContractError(f"graph is not in-place safe: {self.inplace_issues[0]}")
@@ -206,7 +216,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
         KVCache.require_memory(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
                                double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
-                               keep=checkpoints.keep)
+                               keep=checkpoints.keep, recurrent_double_buffer=not self.inplace or self._replaced_states)
         if not safe:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=2)
@@ -250,7 +260,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
 
         self.cache = KVCache(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
                              double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
-                             checkpoints=checkpoints)
+                             checkpoints=checkpoints, recurrent_double_buffer=not self.inplace or self._replaced_states)
         self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
@@ -285,7 +295,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
     def _bind_kv(self) -> None:
         for name, value, spare in self.cache.bindings():
             self._io.bind_ortvalue_input(name, value)
-            self._bind_out(naming.retained_name(name), value if self.inplace else spare)
+            self._bind_out(naming.retained_name(name), spare if spare is not None else value)
 
     def _bind_out(self, name: str, value: ort.OrtValue | None) -> None:
         # IOBinding lists outputs in the order they were first bound; rebinding a name keeps its place.
@@ -330,7 +340,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
             if length != self._ccl_bound:
                 self._io.bind_ortvalue_input(ccl_mod.INPUT, self.ccl.value(length))
                 self._ccl_bound = length
-        if not self.inplace:
+        if not self.inplace or self._replaced_states:
             self._bind_kv()
         try:
             self._sess.run_with_iobinding(self._io)
@@ -392,6 +402,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks))
         else:
             plan = self._chunks(seq.length, len(toks))
+        if self._ring_within:   # another exporter's rings: no chunk wraps them
+            plan = self._chunks(seq.length, len(toks), ring_mod.within_ring([(o, c) for o, c, _ in plan],
+                                                                            seq.length, self.rings.capacity))
         rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
         if self.media is not None:
             self.media.begin(self._io, self._bind_out, images)

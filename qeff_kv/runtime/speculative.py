@@ -27,6 +27,7 @@ from typing import Iterable, Protocol, Sequence as Seq
 
 import numpy as np
 
+from .. import naming
 from ..errors import RuntimeInputError
 from . import positions as pos_mod
 from .cache import Sequence
@@ -240,6 +241,37 @@ class SpeculativeStats:
                 "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s > 0 else 0.0}
 
 
+def drafts_per_step(session, k) -> int:
+    """``K``, the drafts per verification step on ``session``'s speculative-decoding graph, validated against what
+    the graph accepts: ``k`` when given (a positive int), else the graph's recorded ``K`` (metadata or manifest); a
+    graph that records none (the peer's target graphs) needs ``k``. A recorded ``K`` bounds it; a graph that
+    records none takes any ``K`` whose ``K + 1`` tokens fit a prefill chunk (its ``num_logits_to_keep`` and
+    ``seq_len`` axes are symbolic: the peer compiles ``K + 1`` up to the prefill length) and the capacity. A
+    static ``num_logits_to_keep`` axis is refused: a step keeps as many rows as it feeds, fewer near the end."""
+    graph_k = session.speculative_tokens
+    if k is None:
+        if graph_k is None:
+            raise RuntimeInputError(f"{session.files.onnx_path.name} records no K (speculative_tokens); give "
+                                    "--speculative-k K (drafts per step)")
+        k = graph_k
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise RuntimeInputError(f"k must be a positive int, got {k!r}")
+    keep = session.layout.input(naming.LOGITS_TO_KEEP_INPUT)
+    rows = (keep.shape or (None,))[0] if keep is not None else None
+    if isinstance(rows, int):
+        raise RuntimeInputError(f"the graph fixes {naming.LOGITS_TO_KEEP_INPUT} at {rows} rows; speculative "
+                                "decoding keeps as many rows as a step feeds (1 to K+1): it needs the axis symbolic")
+    if graph_k is not None and k > graph_k:
+        raise RuntimeInputError(f"k={k} drafts exceed the graph's speculative_tokens={graph_k}")
+    if graph_k is None and k + 1 > session.prefill_seq_len:
+        raise RuntimeInputError(f"k={k}: a verification step of {k + 1} tokens exceeds the prefill length "
+                                f"{session.prefill_seq_len}, the most the graph is run with; give a smaller K or a "
+                                "larger --prefill-seq-len")
+    if k + 1 >= session.ctx_len:
+        raise RuntimeInputError(f"k={k}: a verification step of {k + 1} tokens does not fit ctx_len={session.ctx_len}")
+    return int(k)
+
+
 @dataclass
 class SpeculativeDecoder:
     """Generate with ``session`` (a speculative-decoding graph) and ``drafter``; ``k``: drafts per step (default
@@ -264,15 +296,7 @@ class SpeculativeDecoder:
         if getattr(s, "recurrent", False):
             raise RuntimeInputError("speculative decoding rewinds rejected drafts, which a recurrent state can do "
                                     "only to a checkpoint; not supported on recurrent or hybrid graphs")
-        graph_k = s.speculative_tokens
-        k = self.k if self.k is not None else graph_k
-        if k is None:
-            raise RuntimeInputError("the graph records no K (speculative_tokens); give k")
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise RuntimeInputError(f"k must be a positive int, got {k!r}")
-        if graph_k is not None and k > graph_k:
-            raise RuntimeInputError(f"k={k} drafts exceed the graph's speculative_tokens={graph_k}")
-        self.k = int(k)
+        self.k = drafts_per_step(s, self.k)
         if isinstance(self.drafter, DraftModel):
             dv, tv = self.drafter.session.vocab_size, s.vocab_size
             if dv is not None and tv is not None and dv != tv:

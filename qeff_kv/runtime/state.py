@@ -20,7 +20,10 @@ File format (version 1, see ``docs/state-files.md``):
 
 The model check compares like with like: checkpoint identities when the file and the graph both carry one
 (so the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's files), else
-the sampled fingerprints (graphs of other exporters; files written before ``model_identity`` existed).
+the sampled fingerprints (graphs of other exporters; files written before ``model_identity`` existed), else the
+``weights_fibers`` fingerprint (:mod:`qeff_kv.runtime.weight_fibers`: each weight's contraction fibers, whatever the
+exporter's layout), so a state moves between the peer's graph and ours of one checkpoint when their KV contracts
+agree (the peer's MLA latent graph and ``--mla-cache latent``, its speculative target and a plain export).
 
 Loading checks all of it and refuses, with one line, a file that is not a state file, is truncated, was
 edited, belongs to another graph or model, comes from a graph with another sliding window or ring capacities,
@@ -152,6 +155,7 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         "model_fingerprint": session.model_fingerprint,
         "model_identity": "checkpoint" if session.checkpoint else "sampled",
         "checkpoint": session.checkpoint or "",
+        "weights_fibers": weights_fibers(session),
         "selection": regex,
         "saved_ctx_len": str(session.ctx_len),
         **ring_mod.state_metadata(rings, seq),
@@ -163,6 +167,18 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         meta["tokens"] = json.dumps(seq.tokens, separators=(",", ":"))
     meta["checksum"] = _checksum(meta, tensors) if checksum else _identity(meta, tensors)
     return KVState(tensors, meta)
+
+
+def weights_fibers(session) -> str:
+    """The fiber fingerprint of the session's weights (:mod:`.weight_fibers`: the same for every exporter's layout of
+    one checkpoint), computed once per session from its graph file."""
+    cached = getattr(session, "_weights_fibers", None)
+    if cached is None:
+        from .. import graphio
+        from .weight_fibers import fingerprint
+
+        cached = session._weights_fibers = fingerprint(graphio.load(session.files.onnx_path))
+    return cached
 
 
 def _state_path(path, what: str) -> Path:
@@ -285,6 +301,9 @@ def _check_model(session, meta: dict[str, str], where: str) -> None:
         return
     if meta["model_fingerprint"] == session.model_fingerprint:
         return
+    theirs_fibers = meta.get("weights_fibers", "")
+    if theirs_fibers and theirs_fibers == weights_fibers(session):
+        return   # another exporter's graph of the same weights, laid out otherwise
     why = ""
     if theirs:
         why = "; the file names a checkpoint, this graph records none, so sampled weights were compared"

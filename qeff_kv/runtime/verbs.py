@@ -97,6 +97,7 @@ class CacheVerbsMixin:
             "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
             "vision_language": None if self.media is None else self.media.kind,
             "recurrent_states": list(self.cache.recurrent.shapes),
+            "recurrent_double_buffered": self.cache.recurrent.double_buffer,
             "checkpoint_every": self.cache.recurrent.policy.every if self.cache.recurrent else None,
             "max_checkpoints": self.cache.recurrent.policy.keep if self.cache.recurrent else None,
         }

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import RuntimeInputError
 from ..runtime.sampling import sample
-from ..runtime.speculative import DraftModel, Drafter, PromptLookup, accept, score_rows
+from ..runtime.speculative import DraftModel, Drafter, PromptLookup, accept, drafts_per_step, score_rows
 
 
 class Drafting(ABC):
@@ -132,8 +132,6 @@ def refusal(session) -> str | None:
                 "cannot verify drafts; export with --continuous-batching or serve --max-sequences 1")
     if session.fixed_seq_len is not None:
         return f"--speculative: the graph fixes seq_len={session.fixed_seq_len}; a verification step needs it symbolic"
-    if not session.speculative_tokens:
-        return "--speculative: the graph records no K (speculative_tokens)"
     return None
 
 
@@ -165,10 +163,11 @@ class Speculation:
         why = refusal(session)
         if why is not None:
             raise RuntimeInputError(why)
-        graph_k = int(session.speculative_tokens)
-        k = graph_k if k is None else k
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= graph_k:
+        graph_k = session.speculative_tokens
+        if graph_k is not None and k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                                      or not 1 <= k <= graph_k):
             raise RuntimeInputError(f"k must be an int in [1, {graph_k}] (the graph's speculative_tokens), got {k!r}")
+        k = drafts_per_step(session, k)   # a graph that records no K (the peer's) takes --speculative-k
         self.session, self.drafting, self.k, self.adaptive = session, drafting, k, adaptive
         self._tracks: dict[object, _Track] = {}
         self._lock = threading.Lock()
