@@ -212,3 +212,19 @@ def test_folder_with_only_a_gguf_names_the_file(tmp_path):
     (tmp_path / "m" / "x.gguf").write_bytes(b"GGUF")
     with pytest.raises(ExportError, match=r"no \*\.safetensors weights .*give its path, e\.g\. .*x\.gguf"):
         export_model(tmp_path / "m", tmp_path / "out")
+
+
+@real
+def test_gguf_export_progress_names_the_model_and_nothing_else(tmp_path, monkeypatch):
+    """The export's progress lines name the class it traces (not '?': a GGUF's config names no architecture), and
+    nothing that transformers prints (its tqdm bar over the GGUF tensors) reaches the output."""
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    monkeypatch.setenv("QEFF_KV_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(main, ["export", str(_gguf_path()), "-o", str(tmp_path / "o"), "--ctx-len", "64",
+                                  "--prefill-seq-len", "16", "--no-verify"])
+    assert r.exit_code == 0, r.output
+    assert "tracing LlamaForCausalLM (30 layers, ctx_len 64, prefill_seq_len 16)" in r.stderr
+    assert "de-quantizing" not in r.output and "it/s" not in r.output and "Warning" not in r.output, r.output

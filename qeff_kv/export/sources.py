@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from .. import fsutil, gguf_header
+from .. import capture, fsutil, gguf_header
 from ..errors import ExportError, MissingDependencyError
 from . import options as opt
 from . import transformers_adapter as hf
@@ -249,9 +249,10 @@ class GgufSource(ModelSource):
         try:
             # dequantize=True: plain nn.Linear weights (transformers would otherwise keep GGUF blocks behind
             # kernels when the `kernels` package is installed, which do not trace to ONNX).
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                self.path.parent, gguf_file=self.path.name, config=cfg, dtype=_torch_dtype(torch, options),
-                attn_implementation="eager", quantization_config=transformers.GgufConfig(dequantize=True))
+            with capture.library_output():   # transformers' own tqdm bar over the GGUF tensors (not its logger's)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    self.path.parent, gguf_file=self.path.name, config=cfg, dtype=_torch_dtype(torch, options),
+                    attn_implementation="eager", quantization_config=transformers.GgufConfig(dequantize=True))
         except Exception as exc:  # a corrupt GGUF raises struct.error, UnicodeDecodeError, IndexError...
             raise ExportError(f"{self.path}: cannot load as a causal LM ({_first_line(exc)})") from None
         return model.eval()
