@@ -133,18 +133,20 @@ def test_longrope_graph_follows_transformers_per_forward_pass_across_the_thresho
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, 128, 14)]  # last chunk: positions 12-13
 
     def pytorch(chunk: int) -> list[np.ndarray]:
+        from qeff_kv.export import transformers_adapter as hf
+
         cache = transformers.DynamicCache(config=model.config)
         out, pos = [], 0
         with torch.no_grad():
             while pos < len(prompt):
                 part = prompt[pos:pos + chunk]
                 logits = model(torch.tensor([part]), position_ids=torch.arange(pos, pos + len(part))[None],
-                               past_key_values=cache).logits[0, -1]
+                               **hf.with_cache(model, cache)).logits[0, -1]
                 pos += len(part)
             out.append(logits.numpy())
             for _ in range(4):                                  # positions 14..17: crosses 16
                 logits = model(torch.tensor([[int(out[-1].argmax())]]), position_ids=torch.tensor([[pos]]),
-                               past_key_values=cache).logits[0, -1]
+                               **hf.with_cache(model, cache)).logits[0, -1]
                 out.append(logits.numpy())
                 pos += 1
         return out

@@ -216,12 +216,14 @@ def test_whole_model_with_routed_mixers_equals_transformers(name):
     ids = torch.randint(3, 128, (1, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
+        from qeff_kv.export import transformers_adapter as hf
+
         cache, got, pos = DynamicCache(config=cfg), [], 0
         for n in (8, 8, 8, 3, 1, 1):
             step = recurrent.RecurrentStep(states, torch.zeros(1, n, dtype=torch.bool), None, facts)
             with recurrent.mixers_routed(model, step):
                 got.append(model(ids[:, pos:pos + n], position_ids=torch.arange(pos, pos + n).unsqueeze(0),
-                                 past_key_values=cache, use_cache=True).logits)
+                                 use_cache=True, **hf.with_cache(model, cache)).logits)
             states = {i: step.outputs(i) for i in states}
             pos += n
         assert "forward" not in vars(recurrent.mixer_modules(model, facts)[0])      # the model's own is back

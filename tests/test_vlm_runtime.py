@@ -213,9 +213,12 @@ def test_an_image_token_generated_after_the_prompt_keeps_its_text_embedding(mode
     hf = transformers.AutoModelForImageTextToText.from_pretrained(models["llava"], dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
     ids = torch.tensor([llava_prompt()])
+    from qeff_kv.export import transformers_adapter as adapter
+
     with torch.no_grad():
         out = hf(input_ids=ids, pixel_values=torch.from_numpy(llava_inputs()["pixel_values"]), use_cache=True)
-        step = hf(input_ids=torch.tensor([[LLAVA_TOKEN]]), past_key_values=out.past_key_values, use_cache=True)
+        step = hf(input_ids=torch.tensor([[LLAVA_TOKEN]]), use_cache=True,
+                  **adapter.with_cache(hf, adapter.returned_cache(out)))
     np.testing.assert_allclose(got, step.logits[0, -1].numpy(), atol=1e-4)
 
 
