@@ -72,6 +72,14 @@ def cpu_per_token(pid: int, before: dict, after: dict, tokens: int) -> dict:
             "rest_ms": ms(sum(others[1:]))}
 
 
+def emit_wall(url: str) -> tuple[float, int] | None:
+    """The replay engine's seconds spent in ``RequestHandle.emit`` and tokens emitted so far (None: a model)."""
+    import httpx
+
+    h = httpx.get(url + "/health", timeout=10).json()
+    return (h["emit_s"], h["emitted"]) if "emit_s" in h else None
+
+
 def serve_replay(export: str, port: int, step_ms: float) -> None:
     """A server whose engine replays the prompt's tokens one per ``step_ms`` (no model)."""
     import uvicorn
@@ -85,6 +93,7 @@ def serve_replay(export: str, port: int, step_ms: float) -> None:
 
         def __init__(self):
             self.jobs: queue.Queue = queue.Queue()
+            self.emit_s, self.emitted = 0.0, 0   # wall time the engine thread spends handing tokens over
             threading.Thread(target=self.run, daemon=True).start()
 
         def submit(self, req):
@@ -100,12 +109,16 @@ def serve_replay(export: str, port: int, step_ms: float) -> None:
                     time.sleep(step_ms / 1e3)
                     if handle.cancelled:
                         break
+                    t0 = time.perf_counter()
                     handle.emit(TokenOut(req.prompt[i % len(req.prompt)]))
+                    self.emit_s += time.perf_counter() - t0
+                    self.emitted += 1
                     done += 1
                 handle.emit(Finished("length", len(req.prompt), 0, done))
 
         def stats(self):
-            return {"queue_depth": 0, "sequences_active": 0, "kv_bytes_used": 0, "prompt_tokens_reused": 0}
+            return {"queue_depth": 0, "sequences_active": 0, "kv_bytes_used": 0, "prompt_tokens_reused": 0,
+                    "emit_s": self.emit_s, "emitted": self.emitted}
 
         def close(self):
             pass
@@ -146,9 +159,12 @@ def main() -> None:
         stream_one(srv.url, ids, 8, None)   # warm-up
         for rnd in range(args.rounds):
             g = None if args.replay is not None else run_generate(args.export, ids, args.new, args.threads)
-            before = thread_cpu(srv.proc.pid)
+            before, emit0 = thread_cpu(srv.proc.pid), emit_wall(srv.url)
             s = stream_one(srv.url, ids, args.new, None)
             cpu.append(cpu_per_token(srv.proc.pid, before, thread_cpu(srv.proc.pid), s["tokens"]))
+            if emit0 is not None:
+                emit1 = emit_wall(srv.url)
+                cpu[-1]["emit_wall_ms"] = round(1e3 * (emit1[0] - emit0[0]) / max(1, emit1[1] - emit0[1]), 4)
             rate = len(s["itl"]) / max(1e-9, sum(s["itl"]))
             if g is not None:
                 same = same and s["text"] == tok.decode(g["tokens"]) and s["tokens"] == len(g["tokens"])
