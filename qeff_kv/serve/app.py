@@ -9,8 +9,10 @@ difference here. Every error is answered in OpenAI's shape (:mod:`.openai_io`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import re
 import time
 import uuid
@@ -323,8 +325,12 @@ def _usage(runs: list["_Run"]) -> dict:
 async def _merged(runs: list["_Run"]):
     """``(choice index, text delta or None at its end)`` from every choice's run, as they come."""
     if len(runs) == 1:   # one choice: its deltas as they are (no task and queue between them and the response)
-        async for delta in runs[0].deltas():
-            yield 0, delta
+        async with contextlib.aclosing(runs[0].deltas()) as deltas:
+            try:
+                async for delta in deltas:
+                    yield 0, delta
+            except Exception:   # noqa: BLE001 - as with a pump task: a failed run ends its choice, logged
+                logging.getLogger(__name__).exception("request %s: its events failed", runs[0].handle.request_id)
         yield 0, None
         return
     queue: asyncio.Queue = asyncio.Queue()
