@@ -9,8 +9,10 @@ difference here. Every error is answered in OpenAI's shape (:mod:`.openai_io`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import re
 import time
 import uuid
@@ -270,6 +272,18 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     return app
 
 
+async def _within(awaitable, seconds: float):
+    """``await awaitable``, ``asyncio.TimeoutError`` after ``seconds``: ``asyncio.timeout`` where there is one
+    (Python 3.11: no task per wait, as ``wait_for`` makes before 3.12)."""
+    if _timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with _timeout(seconds):
+        return await awaitable
+
+
+_timeout = getattr(asyncio, "timeout", None)
+
+
 async def _collect(run: "_Run") -> str:
     return "".join([d async for d in run.deltas()])
 
@@ -310,6 +324,15 @@ def _usage(runs: list["_Run"]) -> dict:
 
 async def _merged(runs: list["_Run"]):
     """``(choice index, text delta or None at its end)`` from every choice's run, as they come."""
+    if len(runs) == 1:   # one choice: its deltas as they are (no task and queue between them and the response)
+        async with contextlib.aclosing(runs[0].deltas()) as deltas:
+            try:
+                async for delta in deltas:
+                    yield 0, delta
+            except Exception:   # noqa: BLE001 - as with a pump task: a failed run ends its choice, logged
+                logging.getLogger(__name__).exception("request %s: its events failed", runs[0].handle.request_id)
+        yield 0, None
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, run: "_Run") -> None:
@@ -336,6 +359,9 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
     """Server-sent events: one chunk per text delta of a choice, a last chunk per choice with its finish reason,
     optionally a usage chunk, then ``data: [DONE]``."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    # every chunk is this object with one choice: its JSON up to the choices list is encoded once, and per chunk
+    # only the choice (the same text json.dumps gives for the whole object)
+    head = json.dumps({"id": rid, "object": obj, "created": created_at, "model": model, "choices": []})[:-2]
 
     def chunk(i: int, content: str | dict | None, finish: str | None, first: bool = False) -> str:
         lp = runs[i].logprobs.take() if runs[i].logprobs is not None else None
@@ -348,8 +374,7 @@ async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, mod
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": content or "", "logprobs": lp, "finish_reason": finish}
-        return "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
-                                      "choices": [choice]}) + "\n\n"
+        return "data: " + head + json.dumps(choice) + "]}\n\n"
 
     for i in range(len(runs)):
         if chat:
@@ -442,8 +467,10 @@ class _Run:
 
     async def _next(self):
         while True:
+            if not self._queue.empty():   # no timer (nor, before Python 3.12, a task) for an event already here
+                return self._queue.get_nowait()
             try:
-                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                return await _within(self._queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await self.request.is_disconnected():
                     self.handle.cancel()
