@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,10 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from bench_serve import free_port, say  # noqa: E402
+
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 60},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
@@ -50,16 +53,6 @@ SCHEMAS = {"review": SCHEMA,
                "required": ["id", "name"]}}, "owner": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}
 PROMPTS = ["Review the film Casablanca.", "Review a pizza you ate.", "Review the city of Lisbon.",
            "Review a pair of running shoes."]
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gguf_export() -> str:
