@@ -1,18 +1,15 @@
 """The HTTP app: OpenAI's routes over an :class:`~qeff_kv.serve.engine.Engine`, health, metrics, slots, a chat page.
 
 The app tokenizes (the export's ``tokenizer.json``; chat requests through its chat template), submits token ids
-to the engine, and turns the engine's events back into text (:mod:`.text`: incremental detokenizer, stop
-strings). It never runs the model: whether the engine is the local scheduler or the disaggregated one makes no
+to the engine, and answers with what :mod:`.responses` makes of the engine's events (text deltas, choices, server-sent
+events). It never runs the model: whether the engine is the local scheduler or the disaggregated one makes no
 difference here. Every error is answered in OpenAI's shape (:mod:`.openai_io`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
-import json
-import logging
 import re
 import time
 import uuid
@@ -30,16 +27,14 @@ from . import discovery, http_errors
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
-from .drain import DrainGate, shutting_down
-from .engine import Engine, Finished, GenerationRequest, TokenOut
+from .drain import DrainGate
+from .engine import Engine, GenerationRequest
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
+from .responses import Run, choice, collect, sse, usage
 from .structured_io import Constraints, parse_structured
-from .text import Detokenizer, StopMatcher
-from .tool_io import ToolRequest, ToolStream, ToolSupport, calls_json, parse_tools
+from .tool_io import ToolRequest, ToolStream, ToolSupport, parse_tools
 
-#: a client that stops reading is noticed within this many seconds even while no token comes
-DISCONNECT_POLL_S = 0.5
 _FILENAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _SLOT_ID = re.compile(r"[0-9]{1,9}")   # ASCII digits: \d also matches other scripts' digits
 
@@ -243,23 +238,23 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         handles = _submit(p, ids, rid, "messages" if chat else "prompt", constraint)
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
-        runs = [_Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
+        runs = [Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
                      logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None,
                      tools=ToolStream(parser) if parser is not None else None)
                 for h in handles]
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
-            return StreamingResponse(_sse(runs, rid, chat, created_at=int(time.time()), model=engine.model_name,
+            return StreamingResponse(sse(runs, rid, chat, created_at=int(time.time()), model=engine.model_name,
                                           echo=echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(lambda: [r.abandon() for r in runs]))
-        contents = await asyncio.gather(*[_collect(r) for r in runs])
+        contents = await asyncio.gather(*[collect(r) for r in runs])
         failed = [r for r in runs if r.error is not None]
         if failed:
             raise failed[0].error_object()
-        choices = [_choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
+        choices = [choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": engine.model_name, "choices": choices, "usage": _usage(runs)}
+                "model": engine.model_name, "choices": choices, "usage": usage(runs)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -270,36 +265,6 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         return await _generate(request, chat=True)
 
     return app
-
-
-async def _within(awaitable, seconds: float):
-    """``await awaitable``, ``asyncio.TimeoutError`` after ``seconds``: ``asyncio.timeout`` where there is one
-    (Python 3.11: no task per wait, as ``wait_for`` makes before 3.12)."""
-    if _timeout is None:
-        return await asyncio.wait_for(awaitable, seconds)
-    async with _timeout(seconds):
-        return await awaitable
-
-
-_timeout = getattr(asyncio, "timeout", None)
-
-
-async def _collect(run: "_Run") -> str:
-    return "".join([d async for d in run.deltas()])
-
-
-def _choice(index: int, content: str, run: "_Run", chat: bool) -> dict:
-    logprobs = run.logprobs.all() if run.logprobs is not None else None
-    if not chat:
-        return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
-    message = {"role": "assistant", "content": content}
-    if run.tools is not None:   # the calls parsed out of the text (the parser the template's facts chose)
-        content, calls = run.tools.parser.parse(content)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls_json(calls)
-            run.finish_reason = "tool_calls"
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": run.finish_reason}
 
 
 def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:
@@ -313,232 +278,3 @@ def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:
         raise bad("give either tools or a structured-output field (response_format...), not both; "
                   "or tool_choice \"none\"", "tools")
     return tools
-
-
-def _usage(runs: list["_Run"]) -> dict:
-    """One prompt, every choice's completion tokens."""
-    usage = runs[0].usage()
-    completion = sum(r.tokens for r in runs)
-    return {**usage, "completion_tokens": completion, "total_tokens": usage["prompt_tokens"] + completion}
-
-
-async def _merged(runs: list["_Run"]):
-    """``(choice index, text delta or None at its end)`` from every choice's run, as they come."""
-    if len(runs) == 1:   # one choice: its deltas as they are (no task and queue between them and the response)
-        async with contextlib.aclosing(runs[0].deltas()) as deltas:
-            try:
-                async for delta in deltas:
-                    yield 0, delta
-            except Exception:   # noqa: BLE001 - as with a pump task: a failed run ends its choice, logged
-                logging.getLogger(__name__).exception("request %s: its events failed", runs[0].handle.request_id)
-        yield 0, None
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, run: "_Run") -> None:
-        try:
-            async for delta in run.deltas():
-                await queue.put((i, delta))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.get_running_loop().create_task(pump(i, r)) for i, r in enumerate(runs)]
-    try:
-        for _ in range(len(runs)):
-            while True:
-                i, delta = await queue.get()
-                yield i, delta
-                if delta is None:
-                    break
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _sse(runs: list["_Run"], rid: str, chat: bool, *, created_at: int, model: str, echo: str = ""):
-    """Server-sent events: one chunk per text delta of a choice, a last chunk per choice with its finish reason,
-    optionally a usage chunk, then ``data: [DONE]``."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    # every chunk is this object with one choice: its JSON up to the choices list is encoded once, and per chunk
-    # only the choice (the same text json.dumps gives for the whole object)
-    head = json.dumps({"id": rid, "object": obj, "created": created_at, "model": model, "choices": []})[:-2]
-
-    def chunk(i: int, content: str | dict | None, finish: str | None, first: bool = False) -> str:
-        lp = runs[i].logprobs.take() if runs[i].logprobs is not None else None
-        if lp is not None and not (lp.get("content") if chat else lp.get("tokens")):
-            lp = None
-        if chat:
-            delta = content if isinstance(content, dict) else {} if content is None else {"content": content}
-            if first:
-                delta = {"role": "assistant", **delta}
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": i, "text": content or "", "logprobs": lp, "finish_reason": finish}
-        return "data: " + head + json.dumps(choice) + "]}\n\n"
-
-    for i in range(len(runs)):
-        if chat:
-            yield chunk(i, "", None, first=True)
-        elif echo:
-            yield chunk(i, echo, None)
-    async for i, delta in _merged(runs):
-        tools = runs[i].tools
-        if delta is not None:
-            if tools is not None:   # text that may open a tool call is held until it is known not to
-                delta = tools.feed(delta)
-                if not delta:
-                    continue
-            yield chunk(i, delta, None)
-        elif runs[i].error is None:
-            if tools is not None:
-                for piece in _tool_chunks(i, runs[i], chunk):
-                    yield piece
-            yield chunk(i, None, runs[i].finish_reason)
-    failed = [r for r in runs if r.error is not None]
-    if failed:
-        yield "data: " + json.dumps(failed[0].error_object().body()) + "\n\n"
-    elif runs[0].params.include_usage:
-        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created_at, "model": model,
-                                     "choices": [], "usage": _usage(runs)}) + "\n\n"
-    yield "data: [DONE]\n\n"
-
-
-def _tool_chunks(i: int, run: "_Run", chunk):
-    """The end of a streamed answer with tools: held content, then one ``delta.tool_calls`` chunk per call."""
-    tail, calls = run.tools.finish()
-    if tail:
-        yield chunk(i, tail, None)
-    for j, call in enumerate(calls_json(calls)):
-        yield chunk(i, {"tool_calls": [{"index": j, **call}]}, None)
-    if calls:
-        run.finish_reason = "tool_calls"
-
-
-class _Run:
-    """One request's events turned into text deltas (stop strings applied), with timing metrics. With ``tools``
-    (a :class:`~.tool_io.ToolStream`), special tokens are kept in the text (tool-call markers may be special)."""
-
-    def __init__(self, request, handle, params: Params, prompt_tokens: int, tokenizer, metrics: Metrics,
-                 arrival: float, background: set, logprobs: Logprobs | None = None, tools: ToolStream | None = None):
-        self.request, self.handle, self.params = request, handle, params
-        self.logprobs = logprobs
-        self.tools = tools
-        self.prompt_tokens = prompt_tokens
-        self.detok = Detokenizer(tokenizer, skip_special_tokens=tools is None)
-        self.stopper = StopMatcher(params.stop)
-        self.metrics = metrics
-        self.arrival = arrival
-        self.finish_reason = "stop"
-        self.error: str | None = None
-        self.stopped_by_server = False    # the engine ended it without the client asking (shutdown)
-        self.tokens = 0
-        self.final: Finished | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._stop_hit = False
-        task = asyncio.get_running_loop().create_task(self._pump())
-        background.add(task)
-        task.add_done_callback(background.discard)
-
-    async def _pump(self) -> None:
-        fin = None
-        async for ev in self.handle:
-            self._queue.put_nowait(ev)
-            if isinstance(ev, Finished):
-                fin = ev
-        if fin is not None:   # metrics: what the client saw (a stop string is a "stop", not a cancellation)
-            self.metrics.finished(Finished("stop", fin.prompt_tokens, fin.cached_tokens, self.tokens, fin.error)
-                                  if self._stop_hit else fin)
-
-    def abandon(self) -> None:
-        """The response is over: a request still running has lost its client."""
-        if not self.handle.finished:
-            self.handle.cancel()
-
-    def error_object(self) -> APIError:
-        if self.stopped_by_server:
-            return shutting_down()
-        return APIError(f"generation failed: {self.error}", status=500, type="server_error")
-
-    def usage(self) -> dict:
-        cached = self.final.cached_tokens if self.final is not None else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    async def _next(self):
-        while True:
-            if not self._queue.empty():   # no timer (nor, before Python 3.12, a task) for an event already here
-                return self._queue.get_nowait()
-            try:
-                return await _within(self._queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await self.request.is_disconnected():
-                    self.handle.cancel()
-                    return None
-
-    async def deltas(self):
-        last = None
-        checked = time.monotonic()
-        try:
-            while True:
-                ev = await self._next()
-                if ev is None:
-                    self.finish_reason = "cancelled"
-                    return
-                if isinstance(ev, TokenOut):
-                    now = time.monotonic()
-                    if not self.params.stream and now - checked > DISCONNECT_POLL_S:
-                        # a non-streamed request: nothing is sent until the end, so look for a gone client now
-                        # and then (a streamed one is watched by the response itself)
-                        checked = now
-                        if await self.request.is_disconnected():
-                            self.handle.cancel()
-                            self.finish_reason = "cancelled"
-                            return
-                    if last is None:
-                        self.metrics.ttft.observe(now - self.arrival)
-                    else:
-                        self.metrics.itl.observe(now - last)
-                    last = now
-                    self.tokens += 1
-                    if self.logprobs is not None:
-                        self.logprobs.add(ev)
-                    out = self.stopper.feed(self.detok.add(ev.token))
-                    if out:
-                        yield out
-                    if self.stopper.stopped:
-                        self._stop_hit = True
-                        self.handle.cancel()
-                        self.finish_reason = "stop"
-                        await self._drain()
-                        return
-                    continue
-                # Finished
-                self.final = ev
-                self.tokens = max(self.tokens, ev.completion_tokens)
-                tail = self.stopper.feed(self.detok.flush()) + self.stopper.flush()
-                if tail:
-                    yield tail
-                if ev.finish_reason == "error":
-                    self.error = ev.error or "unknown error"
-                elif ev.finish_reason == "cancelled" and not self.handle.cancelled:
-                    # the engine stopped it (closed while draining): an error the client sees, never a normal end
-                    self.stopped_by_server = True
-                    self.error = "the server is shutting down"
-                self.finish_reason = {"length": "length"}.get(ev.finish_reason, "stop")
-                return
-        finally:
-            if not self.handle.finished:
-                self.handle.cancel()
-
-    async def _drain(self) -> None:
-        """After a stop string: wait (briefly) for the engine's Finished, for the cached-token count."""
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            try:
-                ev = await asyncio.wait_for(self._queue.get(), max(0.01, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                return
-            if isinstance(ev, Finished):
-                self.final = ev
-                return
