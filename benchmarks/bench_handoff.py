@@ -33,7 +33,7 @@ def _median(xs):
 
 def in_process(args) -> dict:
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.runtime.state import export_state, import_state
+    from qeff_kv.runtime.state_file import export_state, import_state
     from qeff_kv.serve.transfer import Prefiller, extract, install
 
     pre = Session(args.export, ctx_len=args.ctx_len, threads=args.threads)

@@ -1,6 +1,6 @@
 """``qeff-kv generate``: run a retained-state graph (an .onnx file or an export folder) in onnxruntime.
 
-Thin: parse options, call :func:`qeff_kv.runtime.generate.run_generate`, print. Errors are one line, exit 2.
+Thin: parse options, call :func:`qeff_kv.runtime.generate_job.run_generate`, print. Errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import click
 
-from qeff_kv.runtime.generate import GenerateRequest, parse_ids, parse_logit_bias, run_generate
+from qeff_kv.runtime.generate_job import GenerateRequest, parse_ids, parse_logit_bias, run_generate
 from qeff_kv.runtime.sampling import SamplingParams
 
 from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS

@@ -373,7 +373,7 @@ def test_quiet_export_of_a_folder_prints_nothing_on_stderr(hf_dir, tmp_path):
 @requires_torch
 def test_api_raises_typed_errors(tiny, tmp_path):
     from qeff_kv.runtime import Session, load_state
-    from qeff_kv.runtime.state import import_state
+    from qeff_kv.runtime.state_file import import_state
 
     with pytest.raises(RuntimeInputError, match="model must be a path"):
         Session(None)

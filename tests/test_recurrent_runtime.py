@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import _recurrent_graph as rg
 from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
 from qeff_kv.runtime import Session
-from qeff_kv.runtime import state as state_mod
+from qeff_kv.runtime import state_file as state_mod
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
@@ -418,7 +418,7 @@ def test_lock_step_is_refused_with_recurrent_state(tmp_path):
 
 def test_serve_config_sets_the_checkpoints(hybrid_graph):
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.sessions import open_session
+    from qeff_kv.serve.session_from_config import open_session
 
     s = open_session(ServeConfig(str(hybrid_graph), ctx_len=CTX, prefill_seq_len=CHUNK, max_sequences=2,
                                  checkpoint_every=5, max_checkpoints=2))

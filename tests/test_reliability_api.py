@@ -11,7 +11,7 @@ import _kv_graphs as kg
 from qeff_kv import buffers, check, errors, rewrite, validate
 from qeff_kv.export import export_model
 from qeff_kv.runtime import Session, VisionLanguageModel
-from qeff_kv.runtime.generate import GenerateRequest, run_generate
+from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
 from test_bad_inputs import tree
 from test_runtime_ring import PROMPT, ring_graph
 

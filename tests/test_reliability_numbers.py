@@ -14,7 +14,7 @@ import _kv_graphs as kg
 from qeff_kv import validate
 from qeff_kv.compile_config import parse_ccl
 from qeff_kv.errors import ExportError, RuntimeInputError
-from qeff_kv.runtime.generate import parse_ids
+from qeff_kv.runtime.generate_job import parse_ids
 from test_bad_inputs import cli, one_error, tree
 
 #: digits of other scripts (Arabic-Indic, Devanagari, fullwidth...): int() reads them, qeff-kv does not

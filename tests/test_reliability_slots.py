@@ -98,7 +98,7 @@ def _rewrite(path, edit) -> None:
     """Rewrite a state file with ``edit(metadata)`` applied and a checksum recomputed (a forger's file)."""
     from safetensors.numpy import save
 
-    from qeff_kv.runtime import state as state_mod
+    from qeff_kv.runtime import state_file as state_mod
 
     s = state_mod.read_state(path)
     meta = dict(s.metadata)
@@ -109,7 +109,7 @@ def _rewrite(path, edit) -> None:
 
 # ------------------------------------------------------------------------------------------ item 7: one file, checksum
 def test_a_save_is_one_file_with_its_tokens_under_the_checksum(sched, folder):
-    from qeff_kv.runtime import state as state_mod
+    from qeff_kv.runtime import state_file as state_mod
 
     _, path = _saved(sched, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["s.safetensors"]
@@ -208,7 +208,7 @@ def _once(fn):
 
 
 def _inject(monkeypatch, sched, step: str) -> None:
-    from qeff_kv.runtime import state as state_mod
+    from qeff_kv.runtime import state_file as state_mod
     from qeff_kv.serve import slots as slots_mod
 
     cache = sched.session.cache
@@ -261,7 +261,7 @@ SAVE_STEPS = ["export_state", "fsync", "write"]
 @given(step=st.sampled_from(SAVE_STEPS), existing=st.booleans())
 def test_every_failing_save_leaves_the_slot_and_the_folder_as_they_were(sched, folder, monkeypatch, step, existing):
     from qeff_kv import fsutil
-    from qeff_kv.runtime import state as state_mod
+    from qeff_kv.runtime import state_file as state_mod
 
     slot, path = _saved(sched, folder, "q.safetensors")
     if not existing:

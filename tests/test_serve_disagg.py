@@ -101,7 +101,7 @@ def test_in_memory_state_is_checked_by_identity_and_never_read_as_a_file(own_vll
 
     from qeff_kv.errors import StateFileError
     from qeff_kv.runtime import GREEDY, Session, read_state
-    from qeff_kv.runtime.state import KVState
+    from qeff_kv.runtime.state_file import KVState
     from qeff_kv.serve.transfer import Prefiller, install
 
     sess = Session(own_vllm_graph)

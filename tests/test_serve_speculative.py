@@ -252,7 +252,7 @@ def test_draft_export_drafter_equals_plain_decoding(served, reference, own_graph
     from qeff_kv.runtime import Session
     from qeff_kv.serve.engine import GenerationRequest, TokenOut
     from qeff_kv.serve.scheduler import Scheduler
-    from qeff_kv.serve.speculation import Speculation, open_drafting
+    from qeff_kv.serve.speculative_step import Speculation, open_drafting
 
     root = tmp_path_factory.mktemp("draft")
     model = transformers.AutoModelForCausalLM.from_pretrained(own_graphs.llama_hf)

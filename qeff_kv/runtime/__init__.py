@@ -14,7 +14,7 @@ from .sampling import GREEDY, SamplingParams, sample
 from .model_files import ModelFiles, resolve_model
 from .ring import RingSpec
 from .session import Generation, Session, TokenEvent, Timings, open_session
-from .state import KVState, export_state, import_state, load_state, read_state, save_state
+from .state_file import KVState, export_state, import_state, load_state, read_state, save_state
 from .media import Images, Prompt
 from .vision import VisionLanguageModel, VisionStage
 from .speculative import DraftModel, PromptLookup, SpeculativeDecoder

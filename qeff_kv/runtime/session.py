@@ -29,7 +29,7 @@ A recurrent state the graph replaces whole (not updated in place: the peer's) ge
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
 (:mod:`qeff_kv.runtime.media`, bound in place; the images come from :mod:`qeff_kv.runtime.vision`) and, with
 multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.positions`). Requests and the
-generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.generation`'s.
+generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decode_loop`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from . import recurrent as rec_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
-from .generation import GenerationMixin
+from .decode_loop import GenerationMixin
 from .verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 

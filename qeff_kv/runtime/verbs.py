@@ -1,5 +1,5 @@
 """The cache-manager verbs of a :class:`~qeff_kv.runtime.session.Session` (sequences, rewind, copy, state
-files, introspection): thin calls into its :class:`~qeff_kv.runtime.cache.KVCache` and :mod:`~qeff_kv.runtime.state`,
+files, introspection): thin calls into its :class:`~qeff_kv.runtime.cache.KVCache` and :mod:`~qeff_kv.runtime.state_file`,
 kept beside the session so that ``session.py`` holds only what binds and runs the graph."""
 
 from __future__ import annotations
@@ -58,20 +58,20 @@ class CacheVerbsMixin:
 
     # ------------------------------------------------------------------------------------ state
     def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
-        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state`."""
-        from .state import export_state
+        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state_file`."""
+        from .state_file import export_state
         return export_state(self, seq, select=select, checksum=checksum)
 
     def import_state(self, state, seq: Sequence | None = None) -> Sequence:
-        from .state import import_state
+        from .state_file import import_state
         return import_state(self, state, seq=seq)
 
     def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
-        from .state import save_state
+        from .state_file import save_state
         return save_state(self, seq, path, select=select)
 
     def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
-        from .state import load_state
+        from .state_file import load_state
         return load_state(self, path, seq=seq)
 
     # ------------------------------------------------------------------------------------ introspection

@@ -96,7 +96,7 @@ class DecodeWorker:
 
     def __init__(self, config: ServeConfig, threads: int | None):
         from .scheduler import Scheduler
-        from .sessions import open_session
+        from .session_from_config import open_session
 
         cfg = dataclasses.replace(config, threads=threads)
         self.scheduler = Scheduler(open_session(cfg), max_queue=config.max_queue, reuse_prompts=False)
@@ -359,7 +359,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     the engine. Without an address a local Ray instance is started and stopped by the engine's ``close()``."""
     from ..limits import positive_int
     from ..runtime.model_files import resolve_model
-    from .sessions import model_name_of
+    from .session_from_config import model_name_of
 
     ray = _ray()
     for label, n in (("--prefill-replicas", config.prefill_replicas), ("--decode-replicas", config.decode_replicas)):

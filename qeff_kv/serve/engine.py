@@ -29,7 +29,7 @@ from ..errors import QeffKvError, QueueFullError, RuntimeInputError  # noqa: F40
 from ..runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..runtime.state import KVState
+    from ..runtime.state_file import KVState
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 

@@ -495,7 +495,7 @@ class Scheduler(ChoiceForks, Engine):
     def _speculative_step(self) -> None:
         """The decode step through :attr:`speculation`: each sequence gets one or more tokens, each emitted as
         its own event (a stop token or the budget ends the run where plain decoding would have ended)."""
-        from .speculation import Row
+        from .speculative_step import Row
 
         batch = list(self._running)
         rows = [Row(a, a.seq, a.last, a.params, a.budget - a.generated, a.req.stop_token_ids) for a in batch]

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import Interrupted, RuntimeInputError
 from .config import ServeConfig
 from .engine import Engine
-from .sessions import model_name_of, open_session
+from .session_from_config import model_name_of, open_session
 
 def build_engine(config: ServeConfig) -> Engine:
     """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregate``."""
@@ -21,7 +21,7 @@ def build_engine(config: ServeConfig) -> Engine:
     session = open_session(config)
     speculation = None
     if config.speculative is not None:
-        from .speculation import Speculation, open_drafting, refusal
+        from .speculative_step import Speculation, open_drafting, refusal
 
         why = refusal(session)   # before a draft export is opened
         if why is not None:
@@ -36,7 +36,7 @@ def build_engine(config: ServeConfig) -> Engine:
 def text_facts(config: ServeConfig):
     """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids."""
     from ..runtime.chat import load_chat_template
-    from ..runtime.generate import load_tokenizer
+    from ..runtime.generate_job import load_tokenizer
     from ..runtime.model_files import resolve_model
     from .app import TextFacts
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import QeffKvError, RuntimeInputError, StateFileError
 from ..fsutil import read_regular_file
-from ..runtime import state as state_mod
+from ..runtime import state_file as state_mod
 
 ACTIONS = ("save", "restore", "erase")
 #: a state file larger than this is refused before it is read (a state of the largest context is far smaller)

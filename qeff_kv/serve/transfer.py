@@ -2,7 +2,7 @@
 worker, without torch, without files.
 
 What moves (:class:`KVTransfer`): the KV buffers the graph's serving regex selects (``.*P.*`` with a prefix,
-:func:`qeff_kv.runtime.state.default_selection`), each cut to the sequence's **valid positions** ``[0, n)``
+:func:`qeff_kv.runtime.state_file.default_selection`), each cut to the sequence's **valid positions** ``[0, n)``
 along axis 2 and nothing else (the peer's slicing spec ``[batch_index, 0, ctx_start, 0]``: the sequence's row,
 every head, positions from ``ctx_start = 0``, every head_dim; no other axis is ever sliced), a sliding-window
 ring as the slots it holds (``min(C, written)``, ring order, as state files carry it); and the metadata the
@@ -13,7 +13,7 @@ token ids, checkpoint identity, KV contract fingerprint, ring facts. Only positi
 per buffer (the peer's form when shapes differ, contract section 13): ``[batch_index, 0, ctx_start, 0]`` for a KV
 buffer, ``[batch_index, 0, 0]`` / ``[batch_index, 0, 0, 0]`` for a recurrent state.
 
-It is a :class:`~qeff_kv.runtime.state.KVState` made by ``export_state(..., checksum=False)``: the decode side
+It is a :class:`~qeff_kv.runtime.state_file.KVState` made by ``export_state(..., checksum=False)``: the decode side
 imports it with every check a state file gets (KV contract, model, shapes, ring capacities, capacity), except
 the SHA-256 over every byte, replaced by a cheap identity check that binds the metadata to the tensors (the
 checksum costs ~100 ms for a 47 MB state; the object store does not flip bits). Numpy arrays travel through
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ..errors import RuntimeInputError
 from ..runtime import ring as ring_mod
 from ..runtime.sampling import sample
-from ..runtime.state import KVState, default_selection, export_state
+from ..runtime.state_file import KVState, default_selection, export_state
 
 #: the peer's dims of a KV slice: the sequence's row, every head, positions from ctx_start, every head_dim
 DIM_SPECS = ("batch_index", 0, "ctx_start", 0)
