@@ -85,6 +85,8 @@ SLIDING_CACHE_META = "qeff_kv.sliding_cache"
 MLA_META = "qeff_kv.mla"
 #: Graph metadata key of the per-layer state spec (JSON, :mod:`qeff_kv.statespec`): what each layer retains.
 STATE_SPEC_META = "qeff_kv.state_spec"
+#: graph metadata key of the checkpoint identity recorded at export (written by the exporter, read by the runtime)
+CHECKPOINT_META = "qeff_kv.checkpoint"
 
 MAX_PREFIX_LEN = 64
 

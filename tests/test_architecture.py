@@ -1,9 +1,11 @@
 """The house rules that a reader of the code relies on (docs/architecture.md): no import circle inside
-``qeff_kv`` (counting imports inside functions too), no module over ~500 lines, targets behind one registry."""
+``qeff_kv`` (counting imports inside functions too), imports only down the documented layers, no module over
+~500 lines, targets behind one registry."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,78 @@ def test_only_the_adapter_imports_transformers_in_the_exporter():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             offenders += [f"{p.relative_to(PKG)}: {n}" for n in names if n.split(".")[0] == "transformers"]
     assert offenders == []
+
+
+# ------------------------------------------------------------------------------------------- layers
+DOC = PKG.parent / "docs" / "architecture.md"
+
+
+def documented_layers() -> list[tuple[str, list[str], set[str]]]:
+    """``(layer, its rooms, the layers it may import)`` from the table under "## The layers" of
+    docs/architecture.md, in its order (rooms: ``naming.py`` for a module, ``passes/`` for a package, relative to
+    ``qeff_kv/``)."""
+    text = DOC.read_text()
+    section = text[text.index("## The layers"):]
+    section = section[:section.index("\n## ", 3)]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue
+        rooms = [r.removeprefix("qeff_kv/") for r in re.findall(r"`([^`]+)`", cells[1])]
+        may = {m.strip() for m in cells[2].split(",") if m.strip()}
+        rows.append((cells[0], rooms, may))
+    return rows
+
+
+def layer_of(module: str, rows) -> str | None:
+    """The documented layer of a module name (``qeff_kv.serve.app`` -> ``serve``), or None."""
+    rel = module.split(".")[1:]
+    for name, rooms, _ in rows:
+        for room in rooms:
+            if room == "__init__.py" and not rel:
+                return name
+            if room.endswith("/") and rel[:len(room.rstrip("/").split("/"))] == room.rstrip("/").split("/"):
+                return name
+            if room.endswith(".py") and rel == room[:-3].split("/"):
+                return name
+    return None
+
+
+def direction_offenders(graph: dict[str, set[str]], rows) -> list[str]:
+    """Every import that runs up or across the documented layers, and every module no layer names."""
+    out = []
+    allowed = {name: may | {name} for name, _, may in rows}
+    for mod, targets in sorted(graph.items()):
+        here = layer_of(mod, rows)
+        if here is None:
+            out.append(f"{mod}: in no layer of docs/architecture.md")
+            continue
+        for t in sorted(targets):
+            there = layer_of(t, rows)
+            if there is not None and there not in allowed[here]:
+                out.append(f"{mod} ({here}) imports {t} ({there})")
+    return out
+
+
+def test_the_documented_layers_are_a_stack():
+    rows = documented_layers()
+    names = [n for n, _, _ in rows]
+    assert names[:3] == ["foundation", "graph model", "graph passes and tools"] and "runtime" in names
+    for i, (name, _, may) in enumerate(rows):   # a layer may import only layers above it in the table
+        assert may <= set(names[:i]), f"{name} may import {may - set(names[:i])}, not above it"
+
+
+def test_imports_run_only_down_the_documented_layers():
+    """issue 28: circles were checked, direction was not (export/checkpoint.py imported the runtime)."""
+    assert direction_offenders(import_graph(), documented_layers()) == []
+
+
+def test_direction_check_finds_an_upward_import():
+    rows = documented_layers()
+    graph = {"qeff_kv.export.checkpoint": {"qeff_kv.runtime.model_files"}, "qeff_kv.naming": {"qeff_kv.layout"},
+             "qeff_kv.serve.app": {"qeff_kv.runtime.session"}, "qeff_kv.nowhere": set()}
+    assert direction_offenders(graph, rows) == [
+        "qeff_kv.export.checkpoint (export) imports qeff_kv.runtime.model_files (runtime)",
+        "qeff_kv.naming (foundation) imports qeff_kv.layout (graph model)",
+        "qeff_kv.nowhere: in no layer of docs/architecture.md"]

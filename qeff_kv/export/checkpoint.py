@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..runtime.model_files import CHECKPOINT_METADATA_KEY as METADATA_KEY  # noqa: F401 (the reading side)
+from ..naming import CHECKPOINT_META as METADATA_KEY  # noqa: F401 (the runtime reads the same key)
 
 
 def identity_string(weights_sha256: str, dtype: str) -> str:

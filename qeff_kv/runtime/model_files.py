@@ -21,7 +21,7 @@ from ..layout import KVLayout
 
 MANIFEST = "manifest.json"
 #: ``metadata_props`` key under which an export records its checkpoint identity (``qeff_kv.export.checkpoint``).
-CHECKPOINT_METADATA_KEY = "qeff_kv.checkpoint"
+CHECKPOINT_METADATA_KEY = naming.CHECKPOINT_META
 #: A checkpoint identity: ``<SHA-256 of the source weights>:<dtype the graph computes in>``.
 _CHECKPOINT_RE = re.compile(r"^[0-9a-f]{64}:[a-z0-9]+$")
 
