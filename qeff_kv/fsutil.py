@@ -283,3 +283,15 @@ def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> byte
         if limit is not None and st.st_size > limit:
             raise OSError(f"{path.name}: larger than {limit} bytes")
         return f.read()
+
+
+def read_json_object(path: str | os.PathLike, error: type[Exception]) -> dict:
+    """The JSON object in ``path``; ``error`` (the caller's typed error) in one line naming the file when it is
+    unreadable, not JSON, or not an object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:   # UnicodeDecodeError is a ValueError
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object")
+    return value

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from .. import naming
+from .. import fsutil, naming
 from ..errors import GraphReadError, RuntimeInputError
 from ..layout import KVLayout
 
@@ -53,12 +53,7 @@ def resolve_model(model: str | os.PathLike) -> ModelFiles:
         man_path = path / MANIFEST
         manifest = None
         if man_path.is_file():
-            try:
-                manifest = json.loads(man_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise GraphReadError(f"{man_path}: not valid JSON ({exc})") from None
-            if not isinstance(manifest, dict):
-                raise GraphReadError(f"{man_path}: expected a JSON object")
+            manifest = fsutil.read_json_object(man_path, GraphReadError)
         if manifest is not None and manifest.get("onnx"):
             onnx_path = path / str(manifest["onnx"])
             if not onnx_path.is_file():

@@ -10,11 +10,11 @@ tokens as the context holds). ``/v1/models`` and ``/health`` show the result and
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import fsutil
 from ..errors import RuntimeInputError
 from ..runtime.sampling import SamplingParams
 
@@ -56,12 +56,7 @@ def read_generation_config(folder: Path) -> dict:
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RuntimeInputError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise RuntimeInputError(f"{path}: not a JSON object")
+    cfg = fsutil.read_json_object(path, RuntimeInputError)
     out = {}
     for key, name in GENERATION_CONFIG_KEYS.items():
         v = cfg.get(key)
