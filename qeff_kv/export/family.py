@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ExportError
 from . import targets
+from .config_values import first_of, int_or_none
 from .recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
 
 
@@ -20,13 +21,6 @@ def text_config(config: dict) -> dict:
     """The language model's section of a config: ``text_config`` for multimodal configs, else the config."""
     sub = config.get("text_config")
     return sub if isinstance(sub, dict) else config
-
-
-def _first(cfg: dict, *keys, default=None):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
 
 
 @dataclass(frozen=True)
@@ -99,7 +93,7 @@ class ModelFacts:
     @classmethod
     def from_config(cls, config: dict) -> "ModelFacts":
         text = text_config(config)
-        num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers", default=0))
+        num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers", default=0))
         window, sliding = _sliding(text, num_layers)
         model_type = str(text.get("model_type") or config.get("model_type") or "")
         return cls(
@@ -109,7 +103,7 @@ class ModelFacts:
             sliding_window=window,
             sliding_layers=sliding,
             # Falcon-H1 multiplies its logits by lm_head_multiplier (as Cohere by logit_scale)
-            logit_scale=_float_or_none(_first(text, "logit_scale", "lm_head_multiplier")),
+            logit_scale=_float_or_none(first_of(text, "logit_scale", "lm_head_multiplier")),
             logits_scaling=_logits_scaling(text),
             final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
             attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
@@ -118,12 +112,12 @@ class ModelFacts:
             attention_code=ATTENTION_CODE.get(model_type, "interface"),
             alibi=bool(text.get("alibi")) or model_type in _ALWAYS_ALIBI,
             latent_attention=_latent_attention(text),
-            kv_lora_rank=_int_or_none(text.get("kv_lora_rank")) or None,
+            kv_lora_rank=int_or_none(text.get("kv_lora_rank")) or None,
             attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
             rope_types=_rope_types(text),
-            max_position_embeddings=_int_or_none(_first(text, "max_position_embeddings", "n_positions")),
+            max_position_embeddings=int_or_none(first_of(text, "max_position_embeddings", "n_positions")),
             longrope_threshold=_longrope_threshold(text, model_type),
-            image_token_id=_int_or_none(_first(config, "image_token_id", "image_token_index")),
+            image_token_id=int_or_none(first_of(config, "image_token_id", "image_token_index")),
             mrope=_has_mrope(text),
             cross_attention=bool(text.get("cross_attention_layers")),
             bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
@@ -294,26 +288,17 @@ def _chunked(text: dict, num_layers: int) -> dict:
     NoPE attention temperature threshold (``attn_temperature_tuning`` with ``floor_scale``, where a layer has no
     RoPE: ``no_rope_layers`` 0), as :class:`ModelFacts` fields."""
     out: dict = {}
-    chunk = _int_or_none(text.get("attention_chunk_size"))
+    chunk = int_or_none(text.get("attention_chunk_size"))
     layer_types = text.get("layer_types")
     if chunk and isinstance(layer_types, list):
         layers = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "chunked_attention")
         if layers:
             out.update(attention_chunk=chunk, chunked_layers=layers)
     flags = text.get("no_rope_layers")
-    floor = _int_or_none(text.get("floor_scale"))
+    floor = int_or_none(text.get("floor_scale"))
     if text.get("attn_temperature_tuning") and floor and isinstance(flags, list) and not all(flags[:num_layers]):
         out["temperature_floor"] = floor
     return out
-
-
-def _int_or_none(v) -> int | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
 
 
 def _rope_types(text: dict) -> tuple[str, ...]:
@@ -346,14 +331,14 @@ def _longrope_threshold(text: dict, model_type: str) -> int | None:
     sets = [p for p in (per_type if nested else [rope]) if (p.get("rope_type") or p.get("type")) == "longrope"]
     if not sets:
         return None
-    max_pos = _int_or_none(text.get("max_position_embeddings"))
+    max_pos = int_or_none(text.get("max_position_embeddings"))
     if not nested:
-        top = _int_or_none(text.get("original_max_position_embeddings"))
+        top = int_or_none(text.get("original_max_position_embeddings"))
         if top is None:
             top = _OWN_ORIGINAL_MAX_POSITIONS.get(model_type)
         if top is not None:
             return top
-    values = [_int_or_none(p.get("original_max_position_embeddings")) for p in sets]
+    values = [int_or_none(p.get("original_max_position_embeddings")) for p in sets]
     values = [v if v is not None else max_pos for v in values]
     values = [v for v in values if v is not None]
     return min(values) if values else None

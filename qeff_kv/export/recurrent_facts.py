@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config_values import first_of, int_or_none
+
 #: layer-type names that mean "this layer attends" / "this layer runs the recurrent mixer"
 _ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "attn", "*"})
 _MIXER_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "M", "conv"})
@@ -93,15 +95,6 @@ class RecurrentFacts:
         return None
 
 
-def _int(v) -> int | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def _float(v, default: float) -> float:
     """A float of the config, including transformers' ``{"__float__": "Infinity"}`` for non-finite values."""
     if isinstance(v, dict) and "__float__" in v:
@@ -112,13 +105,6 @@ def _float(v, default: float) -> float:
         return default
 
 
-def _first(cfg: dict, *keys):
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return None
-
-
 def _layer_kinds(text: dict, num_layers: int, model_type: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
     """``(mixer layers, attention layers, stateless layers)`` from ``layer_types`` / ``layers_block_type`` /
     ``hybrid_override_pattern`` / ``attn_layer_indices``; a parallel hybrid has both in every layer; a config with
@@ -126,7 +112,7 @@ def _layer_kinds(text: dict, num_layers: int, model_type: str) -> tuple[tuple[in
     every = tuple(range(num_layers))
     if model_type in PARALLEL_HYBRID_MODEL_TYPES:
         return every, every, ()
-    types = _first(text, "layers_block_type", "layer_types")
+    types = first_of(text, "layers_block_type", "layer_types")
     if isinstance(types, list) and len(types) >= num_layers:
         types = [str(t) for t in types[:num_layers]]
     elif isinstance(text.get("hybrid_override_pattern"), str):
@@ -145,27 +131,27 @@ def _layer_kinds(text: dict, num_layers: int, model_type: str) -> tuple[tuple[in
 def _mamba2(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
     """The Mamba2 mixer's facts: Mamba2 (``state_size``, ``num_heads``...), Bamba / GraniteMoeHybrid / Falcon-H1
     (``mamba_*``), NemotronH (``ssm_state_size``, ``mamba_num_heads``...)."""
-    d_state = _int(_first(text, "mamba_d_state", "ssm_state_size", "state_size"))
+    d_state = int_or_none(first_of(text, "mamba_d_state", "ssm_state_size", "state_size"))
     if d_state is None:
         return None
-    types = _first(text, "layers_block_type", "layer_types")
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0) or \
+    types = first_of(text, "layers_block_type", "layer_types")
+    num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers") or 0) or \
         (len(types) if isinstance(types, list) else 0)   # NemotronH: one entry per layer, no count
     hidden = int(text.get("hidden_size") or 0)
-    heads = _int(_first(text, "mamba_n_heads", "mamba_num_heads", "num_heads")) or 0
-    head_dim = _int(_first(text, "mamba_d_head", "mamba_head_dim", "head_dim")) or 0
-    expand = _first(text, "mamba_expand", "expand") or 2
-    inner = _int(text.get("mamba_d_ssm")) or int(expand * hidden)
+    heads = int_or_none(first_of(text, "mamba_n_heads", "mamba_num_heads", "num_heads")) or 0
+    head_dim = int_or_none(first_of(text, "mamba_d_head", "mamba_head_dim", "head_dim")) or 0
+    expand = first_of(text, "mamba_expand", "expand") or 2
+    inner = int_or_none(text.get("mamba_d_ssm")) or int(expand * hidden)
     if text.get("mamba_d_head") == "auto" or not head_dim:
         head_dim = inner // max(heads, 1)
-    n_groups = _int(_first(text, "mamba_n_groups", "n_groups")) or 1
+    n_groups = int_or_none(first_of(text, "mamba_n_groups", "n_groups")) or 1
     limit = text.get("time_step_limit") or (0.0, float("inf"))
     mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
     in_mult = text.get("ssm_in_multiplier")
     return RecurrentFacts(
         mixer="mamba2", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
         attention_layers=attention, stateless_layers=stateless,
-        conv_kernel=int(_first(text, "mamba_d_conv", "conv_kernel") or 4),
+        conv_kernel=int(first_of(text, "mamba_d_conv", "conv_kernel") or 4),
         conv_dim=inner + 2 * n_groups * d_state, heads=heads, head_dim=head_dim, d_state=d_state,
         n_groups=n_groups, intermediate=inner, time_step_limit=(_float(limit[0], 0.0), _float(limit[1], float("inf"))),
         in_multiplier=None if in_mult is None else float(in_mult),
@@ -176,11 +162,11 @@ def _mamba2(text: dict, architecture: str, model_type: str) -> RecurrentFacts | 
 def _gated_delta(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
     """The gated delta net's facts (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ``linear_*``): ``conv_state [2 * key_dim +
     value_dim, linear_conv_kernel_dim]``, ``recurrent_state [v_heads, k_head_dim, v_head_dim]``."""
-    k_heads, v_heads = _int(text.get("linear_num_key_heads")), _int(text.get("linear_num_value_heads"))
-    k_dim, v_dim = _int(text.get("linear_key_head_dim")), _int(text.get("linear_value_head_dim"))
+    k_heads, v_heads = int_or_none(text.get("linear_num_key_heads")), int_or_none(text.get("linear_num_value_heads"))
+    k_dim, v_dim = int_or_none(text.get("linear_key_head_dim")), int_or_none(text.get("linear_value_head_dim"))
     if None in (k_heads, v_heads, k_dim, v_dim):
         return None
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
     mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
     return RecurrentFacts(
         mixer="gated_delta", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
@@ -191,10 +177,10 @@ def _gated_delta(text: dict, architecture: str, model_type: str) -> RecurrentFac
 
 def _short_conv(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
     """LFM2's short convolution (LFM2, LFM2-MoE, LFM3): ``conv_state [hidden_size, conv_L_cache]`` only."""
-    kernel, hidden = _int(text.get("conv_L_cache")), _int(text.get("hidden_size"))
+    kernel, hidden = int_or_none(text.get("conv_L_cache")), int_or_none(text.get("hidden_size"))
     if kernel is None or hidden is None:
         return None
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
     mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
     return RecurrentFacts(
         mixer="short_conv", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,

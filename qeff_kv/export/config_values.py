@@ -1,0 +1,22 @@
+"""Reading values out of a model's ``config.json`` dict (no torch): the first of several keys that is set, and an
+integer that may be missing or of the wrong kind. Shared by the family facts and the recurrent facts."""
+
+from __future__ import annotations
+
+
+def first_of(cfg: dict, *keys, default=None):
+    """The value of the first of ``keys`` that ``cfg`` sets (not ``None``), else ``default``."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def int_or_none(v) -> int | None:
+    """``v`` as an int, or ``None`` when it is missing, a bool, or not a number."""
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
