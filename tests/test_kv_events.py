@@ -204,6 +204,11 @@ def test_served_requests_publish_their_blocks_and_evictions(served):
         removed = [h for e in _events(sub.read(), "BlockRemoved") for h in e[1]]
         assert sorted(removed) == sorted(chain[1:])               # chain[0] is still b's first block
         assert all(s.tokens[:10] != a for s in served.engine.prefix_cache.kept)
+        import httpx
+
+        metrics = httpx.get(served.url + "/metrics", timeout=10).text
+        assert f"qeff_kv_kv_events_batches_total {float(sub.last_seq + 1)}" in metrics
+        assert "qeff_kv_kv_events_dropped_total 0.0" in metrics
     finally:
         sub.close()
 

@@ -12,7 +12,8 @@ epoch as a float; ``data_parallel_rank`` the replica's rank, 0 for the local eng
   sequence); ``token_ids`` the tokens of every listed block, concatenated; ``lora_id`` ``None``; ``medium``
   ``"GPU"`` (vLLM's name for an engine's primary KV cache, where prefix hits are made, whatever the device);
 * ``["BlockRemoved", block_hashes, medium]``: blocks no sequence holds any more;
-* ``["AllBlocksCleared"]``: nothing is held (sent at start-up, and when every kept sequence is dropped).
+* ``["AllBlocksCleared"]``: nothing is held (sent when the publisher starts: the server's start-up, a restarted
+  prefill replica's).
 
 **Blocks.** A sequence's valid positions are cut into blocks of ``block_size`` tokens (``--kv-events-block-size``,
 default 16); only full blocks are published. A block is stored when a sequence's prompt is prefilled, when a kept
@@ -33,12 +34,15 @@ unsigned. Hashes are int64 (msgpack ints, as vLLM's ``ExternalBlockHash`` int fo
 **Never slowing the engine.** The engine thread only diffs the blocks of the sequence it tells about (SHA-256 of
 the new blocks only) and appends the batch to a bounded queue (:data:`MAX_QUEUE` batches); a background thread
 encodes and sends. When the queue is full the oldest batch is dropped and :attr:`KVEventPublisher.dropped`
-counts it; its sequence number is then missing on the wire, so a subscriber sees the gap (vLLM's example
-subscriber asks the replay socket for it; a dropped batch cannot be replayed).
+counts it (``qeff_kv_kv_events_dropped_total`` in ``/metrics``); its sequence number is then missing on the wire,
+so a subscriber sees the gap (vLLM's example subscriber asks the replay socket for it; a dropped batch cannot be
+replayed). Sequence numbers are given when a batch is queued.
 
 **Replay** (``--kv-events-replay tcp://HOST:PORT``, vLLM's replay socket): a ROUTER socket; a client (REQ)
 sends a sequence number as 8 bytes big-endian and gets every buffered batch from that number on, each as
-``[seq, payload]``, then ``[-1 as 8 signed bytes, b""]``. The last :data:`REPLAY_BUFFER` batches are buffered.
+``[seq, payload]``, then ``[-1 as 8 signed bytes, b""]`` (behind the ROUTER's ``[identity, b""]`` envelope). A
+DEALER client reads them all; a REQ client (vLLM's example subscriber) reads the first reply of each request.
+The last :data:`REPLAY_BUFFER` batches sent are buffered.
 """
 
 from __future__ import annotations
@@ -258,6 +262,10 @@ class KVEventPublisher:
         self._queue.append((self._seq, [time.time(), events, self.rank]))
         self._seq += 1
         self._wake.set()
+
+    def stats(self) -> dict:
+        """Batches queued so far (sequence numbers given) and dropped (``/metrics``)."""
+        return {"kv_events_batches": self._seq, "kv_events_dropped": self.dropped}
 
     # ------------------------------------------------------------------------------------ sender thread
     def _run(self) -> None:

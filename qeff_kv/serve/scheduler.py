@@ -141,6 +141,8 @@ class Scheduler(ChoiceForks, Engine):
             out = dict(self._stats)
         if self.speculation is not None:
             out.update(self.speculation.stats())
+        if self.kv_events is not None:
+            out.update(self.kv_events.stats())
         return out
 
     def health(self) -> str | None:
