@@ -13,6 +13,9 @@ sequence, kept for prompt reuse)).
   following a symbolic link and must be a regular file in the state folder.
 * ``erase``: drop the slot's cached sequence.
 
+The slot's occupant comes from the scheduler's public views: ``busy_slots()`` and its
+:class:`~qeff_kv.runtime.prefix_cache.PrefixCache` (``prefix_cache``: ``in_slot``, ``evict``, ``forget``, ``keep``).
+
 Every failure leaves the slot as it was (a restore that fails after the slot's cached sequence was dropped puts it
 back), and no error message names a server path or repeats a file's bytes.
 """
