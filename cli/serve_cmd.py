@@ -89,12 +89,22 @@ class ChunkType(click.ParamType):
 @click.option("--prefill-export", type=click.Path(path_type=str), default=None,
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
+@click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
+              help="Publish KV cache events in vLLM's format (ZeroMQ PUB bound here; msgpack KVEventBatch) for "
+                   "KV-aware routers; with --disaggregate each prefill replica i binds PORT + i.")
+@click.option("--kv-events-block-size", type=DIM, default=16, show_default=True,
+              help="With --kv-events: tokens per published block.")
+@click.option("--kv-events-topic", default="kv-events", show_default=True,
+              help="With --kv-events: the topic frame of every message.")
+@click.option("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
+              help="With --kv-events: a replay socket (ZeroMQ ROUTER): send a sequence number, get the buffered "
+                   "batches from it.")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
-              ray_address) -> None:
+              ray_address, kv_events, kv_events_block_size, kv_events_topic, kv_events_replay) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -118,7 +128,9 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          allowed_origins=[o.strip() for o in allowed_origins.split(",") if o.strip()]
                          if allowed_origins else None,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
-                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
+                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
+                         kv_events=kv_events, kv_events_block_size=kv_events_block_size,
+                         kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay)
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

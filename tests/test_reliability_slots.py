@@ -54,12 +54,12 @@ def _snapshot(sched) -> dict:
     """Per slot: (state, tokens, KV tensors) as the engine thread sees it between two turns."""
     def take(s):
         out = {}
-        for seq in s._kept.values():
+        for seq in s.prefix_cache.kept:
             tensors = s.session.export_state(seq, checksum=False).tensors
             out[seq.slot] = (list(seq.tokens), {k: np.array(v) for k, v in tensors.items()})
-        busy = {a.seq.slot for a in s._prefilling + s._running}
+        busy = s.busy_slots()
         free = s.session.cache.free_slots()
-        return {"kept": out, "busy": busy, "free": free, "lru": [q.slot for q in s._kept.values()]}
+        return {"kept": out, "busy": busy, "free": free, "lru": [q.slot for q in s.prefix_cache.kept]}
     return sched.run_on_engine(("call", take)).result(timeout=30)
 
 

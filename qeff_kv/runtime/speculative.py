@@ -287,13 +287,13 @@ class SpeculativeDecoder:
 
     def __post_init__(self) -> None:
         s = self.session
-        if not getattr(s, "speculative", False):
+        if not s.speculative:
             raise RuntimeInputError(f"{s.files.onnx_path.name} is not a speculative-decoding graph (no "
                                     "num_logits_to_keep input); export it with --speculative-tokens K")
         if s.rings:
             raise RuntimeInputError("speculative decoding rewinds rejected drafts, which sliding-window ring "
                                     "buffers cannot serve; export with --sliding-cache full")
-        if getattr(s, "recurrent", False):
+        if s.recurrent:
             raise RuntimeInputError("speculative decoding rewinds rejected drafts, which a recurrent state can do "
                                     "only to a checkpoint; not supported on recurrent or hybrid graphs")
         self.k = drafts_per_step(s, self.k)

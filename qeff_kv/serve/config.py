@@ -64,3 +64,9 @@ class ServeConfig:
     prefill_export: str | None = None
     #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
     ray_address: str | None = None
+    # ---- KV cache events in vLLM's format (serve/kv_events.py): where the ZeroMQ PUB socket binds, or None
+    kv_events: str | None = None
+    kv_events_block_size: int = 16
+    kv_events_topic: str = "kv-events"
+    #: where the replay ROUTER socket binds, or None (no replay)
+    kv_events_replay: str | None = None

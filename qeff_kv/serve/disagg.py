@@ -72,11 +72,14 @@ class PrefillWorker:
     """The prefill replica (a Ray actor): one request at a time."""
 
     def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
-                 reuse_prompts: bool = True):
+                 reuse_prompts: bool = True, kv_events: tuple | None = None):
         from ..runtime import Session
+        from .kv_events import open_publisher
 
-        self.prefiller = Prefiller(Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-                                           threads=threads), reuse=reuse_prompts)
+        session = Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, threads=threads)
+        # --kv-events: (config, rank): this replica publishes on the endpoint's port + rank
+        self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
+        self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
 
     def facts(self) -> dict:
         return facts(self.prefiller.session)
@@ -386,8 +389,9 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
     Pre = ray.remote(PrefillWorker).options(**opts)
     Dec = ray.remote(DecodeWorker).options(**opts)
-    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts)
-           for _ in range(config.prefill_replicas)]
+    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts,
+                      kv_events=(config, i) if config.kv_events is not None else None)
+           for i in range(config.prefill_replicas)]
     dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
 
     def give_up(message: str):

@@ -6,7 +6,7 @@ as any request; the others are *parked* on it (``_Active.followers``) with empty
 prompt is prefilled, :meth:`ChoiceForks._fork` copies the prompt's positions into each parked choice's sequence
 (``Session.copy``) and each selects its first token from the same logits with its own sampling, then decodes on
 as a sequence of its own. A session that cannot copy makes the parked choice prefill the prompt itself (the same
-logits, so the same tokens). A mixin of :class:`~.scheduler.Scheduler` (its state and helpers).
+logits, so the same tokens: the copy is refused, ``QeffKvError``). A mixin of :class:`~.scheduler.Scheduler` (its state and helpers).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class ChoiceForks:
         """``a``'s prompt is prefilled: copy it into each parked choice's sequence, which then selects its first
         token from the same ``logits`` (a choice the session cannot copy into prefills the prompt itself)."""
         followers, a.followers = a.followers, []
-        copy = getattr(self.session, "copy", None)
         for f in followers:
             if f.handle.finished:
                 continue
@@ -61,13 +60,14 @@ class ChoiceForks:
                 self._finish(f, "cancelled", keep=False)
                 continue
             try:
-                if copy is None:
+                if not self.prefix_cache.copies:
                     raise RuntimeInputError("this session cannot copy sequences")
-                copy(a.seq, f.seq, a.seq.length)
-            except QeffKvError:
+                self.session.copy(a.seq, f.seq, a.seq.length)
+            except QeffKvError:   # a memory that cannot copy refuses: the choice prefills the prompt itself
                 f.todo = list(f.req.prompt)
                 self._prefilling.append(f)
                 continue
+            self.prefix_cache.held(f.seq)
             f.cached = len(f.req.prompt)
             self._first_token(f, logits)
 

@@ -30,6 +30,10 @@ COUNTERS = {
     "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
                                             "Drafted tokens accepted (equal to plain decoding's pick)."),
     "qeff_kv_speculative_verifications": ("speculative_verifications", "Decode steps that verified drafts."),
+    # --kv-events (serve/kv_events.py)
+    "qeff_kv_kv_events_batches": ("kv_events_batches", "KV event batches queued for the ZeroMQ publisher."),
+    "qeff_kv_kv_events_dropped": ("kv_events_dropped",
+                                  "KV event batches dropped, oldest first, because the publisher's queue was full."),
 }
 
 

@@ -21,8 +21,9 @@ and no logprobs takes the plain fast path. OpenAI's ``n`` prefills a prompt once
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
 spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
 
-Prompt reuse: a finished (or cancelled) sequence is not destroyed; it stays in its slot, with its tokens, until
-the slot is needed (LRU). A new prompt sharing a prefix with a kept sequence starts from it: the kept sequence is
+Prompt reuse (decided by the :class:`~qeff_kv.runtime.prefix_cache.PrefixCache`; the scheduler only asks): a
+finished (or cancelled) sequence is not destroyed; it stays in its slot, with its tokens, until the slot is needed
+(LRU). A new prompt sharing a prefix with a kept sequence starts from it: the kept sequence is
 truncated to the common prefix and continued in its slot, or, when the session has ``copy`` and a slot is free,
 the prefix is copied into the free slot so that the longer kept sequence stays (also from a *running*
 sequence's prompt). At most ``len(prompt) - 1`` tokens are reused: the last prompt token is always fed (its
@@ -44,16 +45,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import QeffKvError, RuntimeInputError
+from ..errors import RuntimeInputError
 from ..runtime.cache import Sequence
+from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import Pick, TokenPicker
 from .forks import ChoiceForks
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
 AUTO_SHARE = 0.9
-#: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
-MIN_REUSE = 2
 
 
 @dataclass(eq=False)
@@ -73,14 +73,6 @@ class _Active:
     followers: list["_Active"] = field(default_factory=list)
 
 
-def _common_prefix(a: list[int], b: tuple[int, ...] | list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Scheduler(ChoiceForks, Engine):
     """Continuous batching over one :class:`~qeff_kv.runtime.Session` (see the module docstring).
 
@@ -91,10 +83,12 @@ class Scheduler(ChoiceForks, Engine):
         model_name: what ``/v1/models`` lists (default: the export folder's name).
         prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``), or ``"auto"``.
         speculation: a :class:`~.speculation.Speculation` over ``session`` (speculative decoding), or None.
+        kv_events: a :class:`~.kv_events.KVEventPublisher` told what the sequences hold (``--kv-events``), or
+            None; the scheduler closes it.
     """
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
-                 prefill_chunk: int | str | None = None, speculation=None):
+                 prefill_chunk: int | str | None = None, speculation=None, kv_events=None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
         if prefill_chunk is not None and prefill_chunk != "auto" and (
@@ -117,13 +111,15 @@ class Scheduler(ChoiceForks, Engine):
         self.max_sequences = session.max_sequences
         self.max_queue = max_queue
         self.reuse_prompts = reuse_prompts
+        #: the kept sequences and the prompt-reuse decision (the engine thread is its only user)
+        self.prefix_cache = PrefixCache(session, reuse=reuse_prompts, listener=kv_events)
+        self.kv_events = kv_events
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._waiting: collections.deque[tuple[RequestHandle, GenerationRequest]] = collections.deque()
         self._control: collections.deque[tuple[Future, object]] = collections.deque()
         self._prefilling: list[_Active] = []
         self._running: list[_Active] = []
-        self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
         #: a waiting request's other choices (n > 1), by id() of the first choice's handle
         self._groups: dict[int, list[tuple[RequestHandle, GenerationRequest]]] = {}
         self._admitted = 0   # sequences of requests taken from the queue and not yet finished (under _lock)
@@ -145,6 +141,8 @@ class Scheduler(ChoiceForks, Engine):
             out = dict(self._stats)
         if self.speculation is not None:
             out.update(self.speculation.stats())
+        if self.kv_events is not None:
+            out.update(self.kv_events.stats())
         return out
 
     def health(self) -> str | None:
@@ -157,6 +155,10 @@ class Scheduler(ChoiceForks, Engine):
     def slots(self) -> list[dict]:
         with self._lock:
             return [dict(s) for s in self._slots]
+
+    def busy_slots(self) -> set[int]:
+        """Slots a request runs in (prefilling, decoding, or parked until its prompt is forked); engine thread."""
+        return {a.seq.slot for a in self._prefilling + self._running + self._parked()}
 
     def slot_action(self, slot: int, action: str, path=None) -> dict:
         """Run a slot action on the engine thread and wait for it (see :meth:`_slot_action`)."""
@@ -179,6 +181,8 @@ class Scheduler(ChoiceForks, Engine):
             self._closed = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ------------------------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -212,7 +216,7 @@ class Scheduler(ChoiceForks, Engine):
             return bool(self._waiting) and self._slot_available(self._members(self._waiting[0][0]))
 
     def _slot_available(self, need: int = 1) -> bool:
-        return len(self.session.cache.free_slots()) + len(self._kept) >= need
+        return self.prefix_cache.available() >= need
 
     def _publish(self) -> None:
         now = time.monotonic()
@@ -223,12 +227,12 @@ class Scheduler(ChoiceForks, Engine):
         slots = [{"id": i, "state": "free", "n_tokens": 0} for i in range(self.max_sequences)]
         for a in self._prefilling + self._running + self._parked():
             slots[a.seq.slot] = {"id": a.seq.slot, "state": "busy", "n_tokens": a.seq.length}
-        for s in self._kept.values():
+        for s in self.prefix_cache.kept:
             slots[s.slot] = {"id": s.slot, "state": "cached", "n_tokens": s.length}
         with self._lock:
             self._stats.update(queue_depth=len(self._waiting),
                                sequences_active=len(self._prefilling) + len(self._running),
-                               sequences_cached=len(self._kept), kv_bytes_used=cache.memory_used)
+                               sequences_cached=len(self.prefix_cache), kv_bytes_used=cache.memory_used)
             self._slots = slots
 
     # ---- finishing
@@ -240,12 +244,7 @@ class Scheduler(ChoiceForks, Engine):
             self.speculation.release(a)
         if a.followers:
             self._release_followers(a, reason, error)
-        seq = a.seq
-        if keep and self.reuse_prompts and seq.alive and seq.length > 0 and all(t >= 0 for t in seq.tokens):
-            self._kept[seq.id] = seq
-            self._kept.move_to_end(seq.id)
-        elif seq.alive:
-            self.session.remove_sequence(seq)
+        self.prefix_cache.release(a.seq, keep)
         with self._lock:
             self._admitted -= 1
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
@@ -302,48 +301,12 @@ class Scheduler(ChoiceForks, Engine):
     # ---- admission and prompt reuse
     def _take_slot(self) -> Sequence:
         """A new empty sequence: in a free slot, else in the slot of the least recently used kept sequence."""
-        if not self.session.cache.free_slots():
-            _, victim = self._kept.popitem(last=False)
-            self.session.remove_sequence(victim)
-        return self.session.add_sequence()
+        return self.prefix_cache.fresh()
 
     def _reuse(self, prompt: tuple[int, ...]) -> tuple[Sequence, int]:
-        """A sequence to continue for ``prompt`` and how many of its positions are reused."""
-        limit = len(prompt) - 1
-        best, best_n = None, 0
-        reusable = getattr(self.session, "reusable", None)   # recurrent state: only where a checkpoint is
-        if self.reuse_prompts and limit >= MIN_REUSE:
-            sources = list(self._kept.values()) + [a.seq for a in self._running]
-            for s in sources:
-                n = _common_prefix(s.tokens, prompt, limit)
-                if reusable is not None and n:
-                    n = reusable(s, n)
-                if n > best_n:
-                    best, best_n = s, n
-        if best is None or best_n < MIN_REUSE:
-            return self._take_slot(), 0
-        copy = getattr(self.session, "copy", None)
-        kept = best.id in self._kept
-        must_copy = not kept or best_n < best.length
-        if copy is not None and must_copy and (self.session.cache.free_slots() or len(self._kept) > kept):
-            # keep the source (running, or a longer kept sequence): copy its prefix into another slot
-            if kept:
-                self._kept.move_to_end(best.id)   # the source is the most recently used: not the one evicted
-            dst = self._take_slot()
-            try:
-                copy(best, dst, best_n)
-                return dst, best_n
-            except QeffKvError:
-                return dst, 0                      # e.g. ring buffers that cannot serve the prefix
-        if not kept:
-            return self._take_slot(), 0
-        del self._kept[best.id]
-        try:
-            self.session.truncate(best, best_n)
-            return best, best_n
-        except QeffKvError:   # ring buffers: the rewind is refused; prefill from scratch in this slot
-            self.session.truncate(best, 0)
-            return best, 0
+        """A sequence to continue for ``prompt`` and how many of its positions are reused (running sequences'
+        prompts are sources too)."""
+        return self.prefix_cache.acquire(prompt, [a.seq for a in self._running])
 
     def _admit(self) -> None:
         while True:
@@ -378,15 +341,14 @@ class Scheduler(ChoiceForks, Engine):
         params = req.sampling.resolved()
         picker = TokenPicker(params, req.prompt, self.session.vocab_size)
         if req.state is not None:
-            if not self.session.cache.free_slots():
-                _, victim = self._kept.popitem(last=False)
-                self.session.remove_sequence(victim)
+            self.prefix_cache.make_room()
             seq = self.session.import_state(req.state)
             budget = max(1, min(req.max_tokens, self.ctx_len - seq.length + 1))
             a = _Active(handle, req, seq, [], budget, params, picker=picker)
             if seq.pending is None:
-                self.session.remove_sequence(seq)
+                self.prefix_cache.remove(seq)
                 raise RuntimeInputError("the handed-off state has no pending token")
+            self.prefix_cache.held(seq)
             picker.accept(seq.pending)
             self._emit_token(a, seq.pending)
             return a
@@ -413,7 +375,7 @@ class Scheduler(ChoiceForks, Engine):
         chunk = a.todo[:self._chunk_size()]
         # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
         end = a.seq.length + len(a.todo)
-        kw = {"checkpoint": (end - 1, end)} if getattr(self.session, "recurrent", False) else {}
+        kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
         t0 = time.perf_counter()
         try:
             logits = self.session.prefill(a.seq, chunk, **kw)
@@ -427,6 +389,7 @@ class Scheduler(ChoiceForks, Engine):
         if a.todo:
             return
         self._prefilling.remove(a)
+        self.prefix_cache.held(a.seq)
         if a.followers:
             self._fork(a, logits)
         self._first_token(a, logits)

@@ -16,6 +16,7 @@ def build_engine(config: ServeConfig) -> Engine:
         from .disagg import start_disaggregated
 
         return start_disaggregated(config)
+    from .kv_events import open_publisher
     from .scheduler import Scheduler
 
     session = open_session(config)
@@ -28,9 +29,15 @@ def build_engine(config: ServeConfig) -> Engine:
             raise RuntimeInputError(why)
         speculation = Speculation(session, open_drafting(config.speculative, session, threads=config.threads),
                                   k=config.speculative_k)
-    return Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
-                     model_name=config.model_name or model_name_of(config.export_dir),
-                     prefill_chunk=config.prefill_chunk, speculation=speculation)
+    kv_events = open_publisher(config)
+    try:
+        return Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
+                         model_name=config.model_name or model_name_of(config.export_dir),
+                         prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events)
+    except BaseException:
+        if kv_events is not None:
+            kv_events.close()
+        raise
 
 
 def text_facts(config: ServeConfig):
@@ -95,6 +102,9 @@ def check_config(config: ServeConfig) -> None:
         raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode plainly)")
     if config.speculative_k is not None and config.speculative is None:
         raise RuntimeInputError("--speculative-k goes with --speculative")
+    from .kv_events import check_options
+
+    check_options(config)
 
 
 def check_api_key(key: str) -> None:

@@ -13,6 +13,9 @@ sequence, kept for prompt reuse)).
   following a symbolic link and must be a regular file in the state folder.
 * ``erase``: drop the slot's cached sequence.
 
+The slot's occupant comes from the scheduler's public views: ``busy_slots()`` and its
+:class:`~qeff_kv.runtime.prefix_cache.PrefixCache` (``prefix_cache``: ``in_slot``, ``evict``, ``forget``, ``keep``).
+
 Every failure leaves the slot as it was (a restore that fails after the slot's cached sequence was dropped puts it
 back), and no error message names a server path or repeats a file's bytes.
 """
@@ -33,13 +36,10 @@ MAX_STATE_BYTES = 64 << 30
 
 
 def _occupant(sched, slot: int):
-    for a in sched._prefilling + sched._running:
-        if a.seq.slot == slot:
-            raise RuntimeInputError(f"slot {slot} is busy (a request is running in it)")
-    for s in sched._kept.values():
-        if s.slot == slot:
-            return s
-    return None
+    """The kept sequence in ``slot`` (None: the slot is free); a busy slot is refused."""
+    if slot in sched.busy_slots():
+        raise RuntimeInputError(f"slot {slot} is busy (a request is running in it)")
+    return sched.prefix_cache.in_slot(slot)
 
 
 def run(sched, slot: int, action: str, path: Path | None) -> dict:
@@ -53,8 +53,7 @@ def run(sched, slot: int, action: str, path: Path | None) -> dict:
         n = 0
         if seq is not None:
             n = seq.length
-            del sched._kept[seq.id]
-            sched.session.remove_sequence(seq)
+            sched.prefix_cache.evict(seq)
         return {"id_slot": slot, "n_erased": n}
     if path is None:
         raise RuntimeInputError(f"action {action} needs a filename")
@@ -106,10 +105,10 @@ def _restore(sched, slot: int, seq, path: Path) -> dict:
     state, size = read_state_file(path)
     state_mod.validate(session, state, path.name)   # everything checked before the slot is touched
     backup = session.export_state(seq, checksum=False) if seq is not None else None
-    place = list(sched._kept).index(seq.id) if seq is not None else 0
+    place = 0
     if seq is not None:
-        del sched._kept[seq.id]
-        session.remove_sequence(seq)
+        place = sched.prefix_cache.forget(seq)
+        sched.prefix_cache.remove(seq)
     target = None
     try:
         target = session.cache.create(slot=slot)
@@ -120,7 +119,7 @@ def _restore(sched, slot: int, seq, path: Path) -> dict:
         if backup is not None:   # the slot as it was
             _put_back(sched, slot, backup, place)
         raise
-    sched._kept[target.id] = target
+    sched.prefix_cache.keep(target)
     return {"id_slot": slot, "filename": path.name, "n_restored": target.length, "n_read": size}
 
 
@@ -128,7 +127,4 @@ def _put_back(sched, slot: int, backup, place: int) -> None:
     """The slot's cached sequence again, from its in-memory copy, at its place in the LRU order."""
     seq = sched.session.cache.create(slot=slot)
     sched.session.import_state(backup, seq=seq)
-    kept = list(sched._kept.items())
-    kept.insert(place, (seq.id, seq))
-    sched._kept.clear()
-    sched._kept.update(kept)
+    sched.prefix_cache.keep(seq, place)

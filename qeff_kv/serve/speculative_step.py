@@ -122,7 +122,7 @@ def open_drafting(spec: str, target, *, threads: int | None = None) -> Drafting:
 def refusal(session) -> str | None:
     """Why ``session`` cannot verify drafts in the server, or ``None``."""
     name = session.files.onnx_path.name
-    if not getattr(session, "speculative", False):
+    if not session.speculative:
         return (f"--speculative: {name} is not a speculative-decoding graph (no num_logits_to_keep input); export "
                 "it with --speculative-tokens K")
     if session.rings:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import RuntimeInputError
 from ..runtime import ring as ring_mod
+from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import sample
 from ..runtime.state_file import KVState, default_selection, export_state
 
@@ -149,75 +150,36 @@ def pair_refusal(prefill: dict, decode: dict) -> str | None:
 class Prefiller:
     """The prefill worker's logic over one :class:`~qeff_kv.runtime.Session`: one request at a time.
 
-    Prompt reuse (``reuse=True``): a prefilled sequence stays in its slot after its transfer left (least recently
-    used first out when a slot is needed); a later prompt sharing at least :data:`MIN_REUSE` leading tokens with
-    one (up to where it can return to: a recurrent state's checkpoint) starts from it: its prefix is copied into a free slot (``Session.copy``, the source stays), else the kept
-    sequence is truncated to the common prefix and continued. At most ``len(prompt) - 1`` tokens are reused (the
-    last one is fed: its logits give the first token). Where the rings of a sliding-window graph cannot serve
-    the prefix, the prompt is prefilled whole.
+    Prompt reuse (``reuse=True``): a prefilled sequence stays in its slot after its transfer left, and a later
+    prompt starts from the longest prefix a kept sequence can give; the rules (at most ``len(prompt) - 1`` tokens,
+    at a point the sequence can return to, at least :data:`~qeff_kv.runtime.prefix_cache.MIN_REUSE`; copied into
+    another slot when the kept sequence is longer, else truncated; refusals of ring buffers prefill the prompt
+    whole) are the local scheduler's: one :class:`~qeff_kv.runtime.prefix_cache.PrefixCache` (:attr:`prefix_cache`).
+    ``kv_events``: a listener of what the sequences hold (``--kv-events``), or None.
     """
 
-    #: shortest common prefix worth reusing
-    MIN_REUSE = 2
-
-    def __init__(self, session, reuse: bool = True):
+    def __init__(self, session, reuse: bool = True, kv_events=None):
         self.session = session
         self.reuse = reuse
-        self._kept: dict[int, object] = {}   # sequence id -> Sequence, least recently used first
-        self.reused_tokens = 0
+        self.prefix_cache = PrefixCache(session, reuse=reuse, listener=kv_events)
 
-    def _fresh(self):
-        sess = self.session
-        if not sess.cache.free_slots():
-            victim = self._kept.pop(next(iter(self._kept)))
-            sess.remove_sequence(victim)
-        return sess.add_sequence()
-
-    def _start(self, prompt: list[int]):
-        """A sequence to prefill ``prompt`` into and how many of its leading tokens it already holds."""
-        from ..errors import QeffKvError
-
-        limit = len(prompt) - 1
-        best, best_n = None, 0
-        for s in self._kept.values():
-            n = 0
-            m = min(len(s.tokens), limit)
-            while n < m and s.tokens[n] == prompt[n]:
-                n += 1
-            n = self.session.reusable(s, n) if n else 0   # recurrent state: a checkpoint at or below n
-            if n > best_n:
-                best, best_n = s, n
-        if best is None or best_n < self.MIN_REUSE:
-            return self._fresh(), 0
-        sess = self.session
-        if best_n < best.length and sess.cache.free_slots():
-            self._kept[best.id] = self._kept.pop(best.id)   # most recently used
-            dst = sess.add_sequence()
-            try:
-                sess.copy(best, dst, best_n)
-                return dst, best_n
-            except QeffKvError:
-                return dst, 0
-        del self._kept[best.id]
-        try:
-            sess.truncate(best, best_n)
-            return best, best_n
-        except QeffKvError:
-            sess.truncate(best, 0)
-            return best, 0
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens taken from kept sequences instead of prefilled, over every request."""
+        return self.prefix_cache.reused_tokens
 
     def run(self, request_id: str, prompt, sampling) -> KVTransfer:
         """Prefill ``prompt`` (from a kept sequence's common prefix where there is one), sample the first token
         with ``sampling`` (resolved: a seed the decode side shares), and return the transfer."""
-        sess = self.session
+        sess, cache = self.session, self.prefix_cache
         prompt = list(prompt)
         if not prompt or len(prompt) > sess.ctx_len:
             raise RuntimeInputError(f"the prompt has {len(prompt)} tokens; the prefill export holds 1 to "
                                     f"{sess.ctx_len}")
         for stale in sess.sequences:   # a request that failed half-way left its sequence
-            if stale.id not in self._kept:
-                sess.remove_sequence(stale)
-        seq, cached = self._start(prompt) if self.reuse else (self._fresh(), 0)
+            if stale not in cache:
+                cache.remove(stale)
+        seq, cached = cache.acquire(prompt)
         try:
             t0 = time.perf_counter()
             logits = sess.prefill(seq, prompt[cached:])
@@ -226,12 +188,8 @@ class Prefiller:
             prefill_s = time.perf_counter() - t0
             out = extract(sess, seq, request_id)
         except BaseException:
-            sess.remove_sequence(seq)
+            cache.remove(seq)
             raise
-        if self.reuse:
-            self._kept[seq.id] = seq
-        else:
-            sess.remove_sequence(seq)
-        self.reused_tokens += cached
+        cache.release(seq)
         out.prefill_s, out.cached_tokens = prefill_s, cached
         return out
