@@ -64,3 +64,6 @@ class ServeConfig:
     prefill_export: str | None = None
     #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
     ray_address: str | None = None
+    #: how a request's prefill replica is chosen: "prefix" (the one holding the longest prefix of its prompt, else
+    #: the least loaded) or "load" (the least loaded); see qeff_kv.serve.routing
+    route: str = "prefix"

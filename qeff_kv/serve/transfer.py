@@ -235,3 +235,19 @@ class Prefiller:
         self.reused_tokens += cached
         out.prefill_s, out.cached_tokens = prefill_s, cached
         return out
+
+    def longest_prefix(self, prompt) -> int:
+        """How many leading tokens of ``prompt`` a kept sequence would give :meth:`run` (the question a router
+        asks; nothing changes): the longest common prefix with a kept sequence, at most ``len(prompt) - 1``, down
+        to a point the sequence can return to (``Session.reusable``); 0 below :data:`MIN_REUSE` or without
+        reuse. A sliding-window export's rings may still refuse it at run time (the prompt is then prefilled
+        whole)."""
+        prompt = list(prompt)
+        limit = len(prompt) - 1
+        best = 0
+        for s in (self._kept.values() if self.reuse else ()):
+            n, m = 0, min(len(s.tokens), limit)
+            while n < m and s.tokens[n] == prompt[n]:
+                n += 1
+            best = max(best, self.session.reusable(s, n) if n else 0)
+        return best if best >= self.MIN_REUSE else 0
