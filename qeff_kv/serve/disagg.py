@@ -157,6 +157,7 @@ class _Flight:
     tokens: int = 0
     started: bool = False            # the decode replica has admitted it (first event seen)
     task: object = None              # the asyncio future running it
+    ticket: int | None = None        # the router's ticket for its prefill replica, taken when it was picked
 
 
 class DisaggregatedEngine(Engine):
@@ -208,6 +209,7 @@ class DisaggregatedEngine(Engine):
                              self._pick(lambda f: f.decode, "decode"))
             self._flights[key] = flight
             self._counts["requests"] += 1
+            flight.ticket = self.router.dispatched(flight.prefill, req.prompt)   # held there from now on
         flight.task = asyncio.run_coroutine_threadsafe(self._run(key, flight), self._loop)
         return flight.handle
 
@@ -269,7 +271,8 @@ class DisaggregatedEngine(Engine):
         req, i = f.req, f.prefill
         transfer, report = self._prefill[i].prefill_routed.options(num_returns=2).remote(
             req.request_id, req.prompt, req.sampling)
-        ticket = self.router.dispatched(i, req.prompt)
+        ticket = f.ticket if f.ticket is not None else self.router.dispatched(i, req.prompt)   # a retry: anew
+        f.ticket = None
 
         async def learn():
             try:
@@ -324,6 +327,8 @@ class DisaggregatedEngine(Engine):
         finally:
             with self._lock:
                 self._flights.pop(key, None)
+            if f.ticket is not None:   # cancelled before its prefill was sent: its prompt is held nowhere
+                self.router.dropped(f.prefill, f.ticket)
 
     def stats(self) -> dict:
         with self._lock:
