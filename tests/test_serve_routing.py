@@ -230,7 +230,7 @@ def test_prefix_routing_sends_questions_to_the_replica_holding_the_system_prompt
     stats = eng.stats()
     assert (stats["route"], stats["route_prefix_hits"], stats["route_prefix_misses"]) == ("prefix", 3, 2)
     assert stats["route_tokens_reused"] == stats["route_tokens_predicted"] == 120 == stats["prompt_tokens_reused"]
-    assert 0 < stats["route_decision_max_s"] < 0.05
+    assert stats["route_decisions"] == 5 and 0 < stats["route_decision_max_s"] <= stats["route_decision_s"]
 
 
 def test_metrics_and_stats_json_count_routing(routed, own_cb_graph):

@@ -15,10 +15,10 @@ The report *replaces* that replica's entry, so evictions (least recently used fi
 truncated and continued) are accounted for exactly; the router's answer for a replica equals the replica's own
 ``longest_prefix`` (the same rules: at most ``len(prompt) - 1`` tokens, down to a reachable point, at least
 ``MIN_REUSE``; tested). A request sent to a replica and not yet reported counts its prompt as held there (its
-prefill will leave it so), so a burst of questions sharing a system prompt follows the first one instead of
-spreading before it finished. The decision is a lookup in memory (numpy comparisons; tens of microseconds for a
-few replicas): no request waits on a Ray call to choose, and a replica busy prefilling (one request at a time)
-is never asked anything.
+prefill will leave it so; a recurrent graph's checkpoints on it are known once it reports), so a burst of
+questions sharing a system prompt follows the first one instead of spreading before it finished. The decision is
+a lookup in memory (numpy comparisons over the kept sequences; about 0.1 ms for 4 replicas): no request waits on a
+Ray call to choose, and a replica busy prefilling (one request at a time) is never asked anything.
 
 Limits, said plainly: until a replica's calls in flight report, an eviction they cause is not yet known (their
 prompts are counted as held); after a replica restarts, its index entry is stale until its next report; a
