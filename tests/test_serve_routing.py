@@ -114,19 +114,16 @@ def test_bad_route_refused():
 
 
 # ============================================================================================ one process
-def test_prefiller_longest_prefix_is_what_run_reuses_and_the_index_mirrors_it(own_cb_graph):
-    """``Prefiller.longest_prefix`` changes nothing and equals the tokens ``run`` then reuses; the router's index,
-    fed the replica's reports, gives the same answer for every prompt asked (evictions included)."""
-    from qeff_kv.runtime import GREEDY, Session
+def _mirror(session, prompts, asked):
+    """Run ``prompts`` through a Prefiller on ``session``, feeding its reports to a router: before each run,
+    ``longest_prefix`` changes nothing and equals the tokens the run reuses; after it, the router's answer for
+    every prompt of ``asked`` equals the prefiller's."""
+    from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.routing import PrefixRouter, report
     from qeff_kv.serve.transfer import Prefiller
 
-    pre = Prefiller(Session(own_cb_graph))        # 3 slots: the fourth distinct prompt evicts the oldest
+    pre = Prefiller(session)
     router = PrefixRouter(1, min_reuse=Prefiller.MIN_REUSE)
-    rng = np.random.default_rng(5)
-    prompts = [SYSTEM + q for q in QUESTIONS] + [OTHER, OTHER[:3] + [9], [7, 8, 9, 10], [60, 61, 62, 63],
-                                                  SYSTEM + [1, 2], SYSTEM[:1] + [3], OTHER[:2]]
-    asked = prompts + [[int(t) for t in rng.integers(3, 250, size=6)] for _ in range(4)] + [SYSTEM[:3], [4]]
     for call, p in enumerate(prompts, 1):
         before = [(s.id, list(s.tokens), s.length) for s in pre.session.sequences]
         n = pre.longest_prefix(p)
@@ -137,7 +134,38 @@ def test_prefiller_longest_prefix_is_what_run_reuses_and_the_index_mirrors_it(ow
         router.reported(0, ticket, report(pre.session, pre.reuse, t.cached_tokens, call, 1))
         assert [router.longest(0, q) for q in asked] == [pre.longest_prefix(q) for q in asked]
     assert router.stats()["route_tokens_reused"] == pre.reused_tokens > 0
+    return pre
+
+
+def test_prefiller_longest_prefix_is_what_run_reuses_and_the_index_mirrors_it(own_cb_graph):
+    """3 slots: the fourth distinct prompt evicts the oldest; the index follows (reports replace it)."""
+    from qeff_kv.runtime import Session
+    from qeff_kv.serve.transfer import Prefiller
+
+    rng = np.random.default_rng(5)
+    prompts = [SYSTEM + q for q in QUESTIONS] + [OTHER, OTHER[:3] + [9], [7, 8, 9, 10], [60, 61, 62, 63],
+                                                  SYSTEM + [1, 2], SYSTEM[:1] + [3], OTHER[:2]]
+    asked = prompts + [[int(t) for t in rng.integers(3, 250, size=6)] for _ in range(4)] + [SYSTEM[:3], [4]]
+    _mirror(Session(own_cb_graph), prompts, asked)
     assert Prefiller(Session(own_cb_graph), reuse=False).longest_prefix(SYSTEM) == 0
+
+
+def test_the_index_mirrors_a_recurrent_replica_down_to_its_checkpoints(tmp_path):
+    """A hybrid (recurrent + attention) graph, a checkpoint every 8 positions: prefixes end at checkpoints."""
+    import _recurrent_graph as rg
+    from qeff_kv.runtime import Session
+
+    sess = Session(rg.save(tmp_path / "hybrid.onnx"), ctx_len=64, prefill_seq_len=4, max_sequences=3,
+                   checkpoint_every=8, max_checkpoints=4)
+    rng = np.random.default_rng(9)
+    base = [int(t) for t in rng.integers(0, rg.VOCAB, size=30)]
+    prompts = [base, base[:21] + [1, 2, 3], base[:12] + [4, 5], base + [6, 7], base[:5] + [8]]
+    asked = prompts + [base[:17] + [0], base[:9] + [9, 9], base[:3], base[:8] + [1]]
+    pre = _mirror(sess, prompts, asked)
+    assert pre.reused_tokens == 16 + 30          # 21 common tokens -> the checkpoint at 16; then 30 of 30
+    # common prefixes of 17 (with a sequence whose points are 0, 29..32) and 12, 9, 8 (one whose points are 0, 8,
+    # 13, 14): each down to the checkpoint at 8
+    assert [pre.longest_prefix(q) for q in (base[:17] + [0], base[:9] + [9, 9], base[:8] + [1])] == [8, 8, 8]
 
 
 # ============================================================================================ on Ray
