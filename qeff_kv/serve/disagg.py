@@ -15,9 +15,9 @@ Two kinds of Ray actors (plain actors, restarted by Ray whenever they die, withi
 
 :class:`DisaggregatedEngine` is the frontend's :class:`~qeff_kv.serve.engine.Engine`: per request it picks the
 prefill replica holding the longest prefix of the prompt, else the least loaded (:mod:`.routing`; ``--route
-load``: by load alone), and the least-loaded decode replica (ties: round-robin), passes the prefill's result *by reference* to
-the decode call (the KV goes from the prefill worker to the decode worker, not through the frontend), and turns
-the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
+load``: by load alone), and the least-loaded decode replica (ties: round-robin), passes the prefill's result *by
+reference* to the decode call (the KV goes from the prefill worker to the decode worker, not through the
+frontend), and turns the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
 flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving. The engine's
 figures and health come from the watch's last readings: no HTTP route waits on Ray.
 
@@ -36,9 +36,9 @@ import threading
 import time
 
 from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
+from . import routing
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
-from . import routing
 from .replicas import ReplicaWatch
 from .transfer import Prefiller, facts, pair_refusal
 
