@@ -99,12 +99,15 @@ class ChunkType(click.ParamType):
 @click.option("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
               help="With --kv-events: a replay socket (ZeroMQ ROUTER): send a sequence number, get the buffered "
                    "batches from it.")
+@click.option("--route", type=click.Choice(["prefix", "load"]), default="prefix", show_default=True,
+              help="With --disaggregate: send a request to the prefill replica holding the longest prefix of its "
+                   "prompt, else the least loaded (prefix), or to the least loaded (load).")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
-              ray_address, kv_events, kv_events_block_size, kv_events_topic, kv_events_replay) -> None:
+              ray_address, kv_events, kv_events_block_size, kv_events_topic, kv_events_replay, route) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -114,9 +117,10 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                      f"{exc}") from None
     from qeff_kv.serve.config import ServeConfig
 
-    if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1):
-        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export and --ray-address go with "
-                               "--disaggregate")
+    if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1
+                             or route != "prefix"):
+        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address and --route "
+                               "go with --disaggregate")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
@@ -130,7 +134,8 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
                          kv_events=kv_events, kv_events_block_size=kv_events_block_size,
-                         kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay)
+                         kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay,
+                         route=route)
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

@@ -70,3 +70,6 @@ class ServeConfig:
     kv_events_topic: str = "kv-events"
     #: where the replay ROUTER socket binds, or None (no replay)
     kv_events_replay: str | None = None
+    #: how a request's prefill replica is chosen: "prefix" (the one holding the longest prefix of its prompt, else
+    #: the least loaded) or "load" (the least loaded); see qeff_kv.serve.routing
+    route: str = "prefix"

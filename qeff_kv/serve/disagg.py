@@ -14,9 +14,10 @@ Two kinds of Ray actors (plain actors, restarted by Ray whenever they die, withi
   :class:`~qeff_kv.serve.engine.TokenOut` / :class:`~qeff_kv.serve.engine.Finished` events.
 
 :class:`DisaggregatedEngine` is the frontend's :class:`~qeff_kv.serve.engine.Engine`: per request it picks the
-least-loaded prefill and decode replicas (ties: round-robin), passes the prefill's result *by reference* to
-the decode call (the KV goes from the prefill worker to the decode worker, not through the frontend), and turns
-the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
+prefill replica holding the longest prefix of the prompt, else the least loaded (:mod:`.routing`; ``--route
+load``: by load alone), and the least-loaded decode replica (ties: round-robin), passes the prefill's result *by
+reference* to the decode call (the KV goes from the prefill worker to the decode worker, not through the
+frontend), and turns the Ray stream into a :class:`~qeff_kv.serve.engine.RequestHandle`. A replica that dies ends its requests in
 flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving. The engine's
 figures and health come from the watch's last readings: no HTTP route waits on Ray.
 
@@ -35,9 +36,11 @@ import threading
 import time
 
 from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
+from . import routing
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
 from .replicas import ReplicaWatch
+from ..runtime.prefix_cache import MIN_REUSE
 from .transfer import Prefiller, facts, pair_refusal
 
 #: seconds to wait for the replicas to load their exports at start-up
@@ -86,6 +89,20 @@ class PrefillWorker:
 
     def prefill(self, request_id: str, prompt, sampling):
         return self.prefiller.run(request_id, prompt, sampling)
+
+    calls = 0   # prefill_routed calls of this process (orders its reports)
+
+    def prefill_routed(self, request_id: str, prompt, sampling):
+        """:meth:`prefill`, and what the replica keeps afterwards for the router (two returns: the transfer goes
+        to the decode replica by reference, the report to the frontend; :mod:`.routing`)."""
+        out = self.prefiller.run(request_id, prompt, sampling)
+        self.calls += 1
+        return out, routing.report(self.prefiller.prefix_cache, out.cached_tokens, self.calls,
+                                   os.getpid())
+
+    def longest_prefix(self, prompt) -> int:
+        """The longest prefix of ``prompt`` this replica would reuse (:meth:`Prefiller.longest_prefix`)."""
+        return self.prefiller.longest_prefix(prompt)
 
     def stats(self) -> dict:
         return {"prompt_tokens_reused": self.prefiller.reused_tokens, "pid": os.getpid()}
@@ -144,14 +161,17 @@ class _Flight:
     tokens: int = 0
     started: bool = False            # the decode replica has admitted it (first event seen)
     task: object = None              # the asyncio future running it
+    ticket: int | None = None        # the router's ticket for its prefill replica, taken when it was picked
 
 
 class DisaggregatedEngine(Engine):
     """The :class:`Engine` over Ray replicas (see the module docstring). Made by :func:`start_disaggregated`."""
 
     def __init__(self, prefill_actors: list, decode_actors: list, *, model_name: str, decode_facts: dict,
-                 max_queue: int = 64, owns_ray: bool = False):
+                 max_queue: int = 64, owns_ray: bool = False, route: str = "prefix"):
         self._ray = _ray()
+        self.router = routing.PrefixRouter(len(prefill_actors), min_reuse=MIN_REUSE, mode=route)
+        self._learning: set = set()   # the router's tasks awaiting prefill reports
         self._prefill, self._decode = list(prefill_actors), list(decode_actors)
         self.model_name = model_name
         self.ctx_len = int(decode_facts["ctx_len"])
@@ -163,7 +183,7 @@ class DisaggregatedEngine(Engine):
         self._lock = threading.Lock()
         self._flights: dict[int, _Flight] = {}
         self._ids = itertools.count()
-        self._rr = itertools.count()
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}   # ties in turn, per kind
         self._closed = False
         self._counts = {"requests": 0, "replica_errors": 0}
         self._loop = asyncio.new_event_loop()
@@ -189,17 +209,20 @@ class DisaggregatedEngine(Engine):
                 raise QueueFullError(f"the queue is full ({waiting} requests waiting); retry later")
             key = next(self._ids)
             flight = _Flight(RequestHandle(req.request_id, on_cancel=lambda h: self._cancel(key)), req,
-                             self._pick(lambda f: f.prefill, "prefill", started=False),
+                             self._pick(lambda f: f.prefill, "prefill", started=False, prompt=req.prompt),
                              self._pick(lambda f: f.decode, "decode"))
             self._flights[key] = flight
             self._counts["requests"] += 1
+            flight.ticket = self.router.dispatched(flight.prefill, req.prompt)   # held there from now on
         flight.task = asyncio.run_coroutine_threadsafe(self._run(key, flight), self._loop)
         return flight.handle
 
-    def _pick(self, which, kind: str, started: bool | None = None, avoid: int | None = None) -> int:
+    def _pick(self, which, kind: str, started: bool | None = None, avoid: int | None = None,
+              prompt=None) -> int:
         """The ``kind`` replica with the fewest requests (``started=False``: not yet past the prefill); ties
         round-robin; ``avoid``: a replica that just refused a call, taken only when it is the only one. A stopped
-        replica is never taken; with none left, :class:`UnavailableError`."""
+        replica is never taken; with none left, :class:`UnavailableError`. With ``prompt`` (a prefill replica),
+        the router chooses: the replica holding its longest prefix first (:mod:`.routing`)."""
         n = len(self._prefill if kind == "prefill" else self._decode)
         stopped = self.watch.stopped(kind)
         if len(stopped) >= n:
@@ -212,8 +235,11 @@ class DisaggregatedEngine(Engine):
             load[i] = 1 << 40
         if avoid is not None and n - len(stopped) > 1:
             load[avoid] = max(load[avoid], 1 << 30)
-        start = next(self._rr) % n
-        return min(((i + start) % n for i in range(n)), key=lambda i: load[i])
+        start = next(self._rr[kind]) % n
+        order = [(i + start) % n for i in range(n)]
+        if prompt is not None:
+            return self.router.choose(prompt, load, order)
+        return min(order, key=lambda i: load[i])
 
     def _cancel(self, key: int) -> None:
         with self._lock:
@@ -230,7 +256,7 @@ class DisaggregatedEngine(Engine):
     async def _attempt(self, key: int, f: _Flight, streams: list) -> bool:
         """One try: prefill on ``f.prefill``, stream from ``f.decode``; True once the request finished."""
         req = f.req
-        transfer = self._prefill[f.prefill].prefill.remote(req.request_id, req.prompt, req.sampling)
+        transfer = self._prefill_routed(f)
         stream = self._decode[f.decode].generate.options(num_returns="streaming").remote(req, transfer)
         streams[:] = [stream]
         async for ref in stream:
@@ -242,6 +268,26 @@ class DisaggregatedEngine(Engine):
             f.tokens += 1
             f.handle.emit(ev)
         return False
+
+    def _prefill_routed(self, f: _Flight):
+        """Start ``f``'s prefill on ``f.prefill``; the router learns what that replica holds when it ends. Returns
+        the transfer's reference."""
+        req, i = f.req, f.prefill
+        transfer, report = self._prefill[i].prefill_routed.options(num_returns=2).remote(
+            req.request_id, req.prompt, req.sampling)
+        ticket = f.ticket if f.ticket is not None else self.router.dispatched(i, req.prompt)   # a retry: anew
+        f.ticket = None
+
+        async def learn():
+            try:
+                self.router.reported(i, ticket, await report)
+            except BaseException:   # noqa: BLE001 - the call failed or was cancelled: its prompt is not held
+                self.router.dropped(i, ticket)
+
+        task = asyncio.ensure_future(learn())
+        self._learning.add(task)
+        task.add_done_callback(self._learning.discard)
+        return transfer
 
     async def _run(self, key: int, f: _Flight) -> None:
         ray, req = self._ray, f.req
@@ -260,7 +306,8 @@ class DisaggregatedEngine(Engine):
                     if f.started or time.monotonic() > deadline:
                         raise
                     with self._lock:
-                        f.prefill = self._pick(lambda g: g.prefill, "prefill", started=False, avoid=f.prefill)
+                        f.prefill = self._pick(lambda g: g.prefill, "prefill", started=False, avoid=f.prefill,
+                                               prompt=req.prompt)
                         f.decode = self._pick(lambda g: g.decode, "decode", avoid=f.decode)
                     await asyncio.sleep(0.25)
         except asyncio.CancelledError:
@@ -284,6 +331,8 @@ class DisaggregatedEngine(Engine):
         finally:
             with self._lock:
                 self._flights.pop(key, None)
+            if f.ticket is not None:   # cancelled before its prefill was sent: its prompt is held nowhere
+                self.router.dropped(f.prefill, f.ticket)
 
     def stats(self) -> dict:
         with self._lock:
@@ -291,7 +340,8 @@ class DisaggregatedEngine(Engine):
             out = {"queue_depth": sum(1 for f in flights if not f.started),
                    "sequences_active": sum(1 for f in flights if f.started),
                    "kv_bytes_used": 0, "prompt_tokens_reused": 0, "max_sequences": self.max_sequences,
-                   "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts}
+                   "prefill_replicas": len(self._prefill), "decode_replicas": len(self._decode), **self._counts,
+                   **self.router.stats()}
         self._refresh_outside_event_loops()
         replicas = self.watch.figures()   # the watch's last readings: no route waits on Ray
         for key in ("kv_bytes_used", "kv_bytes_capacity", "handoffs", "handoff_bytes", "handoff_prefill_s",
@@ -410,7 +460,8 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     if why is not None:
         give_up(why)
     return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
-                               decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns)
+                               decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns,
+                               route=config.route)
 
 
 def _join_or_start(ray, address: str | None) -> bool:

@@ -24,7 +24,8 @@ GAUGES = {
 }
 
 
-#: counter name -> (Engine.stats() key, help): speculative decoding (``--speculative``), when the engine does it
+#: counter name -> (Engine.stats() key, help), when the engine does it: speculative decoding (``--speculative``),
+#: routing across prefill replicas (``--disaggregate``)
 COUNTERS = {
     "qeff_kv_speculative_draft_tokens": ("speculative_drafted", "Drafted tokens verified (speculative decoding)."),
     "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
@@ -34,6 +35,15 @@ COUNTERS = {
     "qeff_kv_kv_events_batches": ("kv_events_batches", "KV event batches queued for the ZeroMQ publisher."),
     "qeff_kv_kv_events_dropped": ("kv_events_dropped",
                                   "KV event batches dropped, oldest first, because the publisher's queue was full."),
+    # ---- routing across prefill replicas (--disaggregate; qeff_kv.serve.routing)
+    "qeff_kv_route_prefix_hits": ("route_prefix_hits",
+                                  "Requests sent to a prefill replica holding a prefix of their prompt."),
+    "qeff_kv_route_prefix_misses": ("route_prefix_misses",
+                                    "Requests sent to a prefill replica holding no prefix of their prompt (by load)."),
+    "qeff_kv_route_prefix_tokens_reused": ("route_tokens_reused",
+                                           "Prompt tokens reused by the prefill replicas requests were routed to "
+                                           "(prefix hits)."),
+    "qeff_kv_route_decision_seconds": ("route_decision_s", "Time spent choosing prefill replicas."),
 }
 
 

@@ -193,3 +193,9 @@ class Prefiller:
         cache.release(seq)
         out.prefill_s, out.cached_tokens = prefill_s, cached
         return out
+
+    def longest_prefix(self, prompt) -> int:
+        """How many leading tokens of ``prompt`` a kept sequence would give :meth:`run` (the question a router
+        asks; nothing changes): :meth:`PrefixCache.longest_prefix <qeff_kv.runtime.prefix_cache.PrefixCache.longest_prefix>`.
+        A sliding-window export's rings may still refuse it at run time (the prompt is then prefilled whole)."""
+        return self.prefix_cache.longest_prefix(list(prompt))
