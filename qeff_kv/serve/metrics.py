@@ -30,6 +30,9 @@ COUNTERS = {
     "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
                                             "Drafted tokens accepted (equal to plain decoding's pick)."),
     "qeff_kv_speculative_verifications": ("speculative_verifications", "Decode steps that verified drafts."),
+    # disaggregated serving (--disaggregate): what went from the prefill replicas to the decode replicas
+    "qeff_kv_handoffs": ("handoffs", "KV states handed from a prefill replica to a decode replica."),
+    "qeff_kv_handoff_bytes": ("handoff_bytes", "Bytes of the KV states handed off (the valid positions only)."),
 }
 
 
