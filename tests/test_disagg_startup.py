@@ -194,3 +194,19 @@ def _kill_tree(proc) -> None:
             p.kill()
         except Exception:   # noqa: BLE001 - already gone
             pass
+
+
+def test_resource_options_on_the_command_line(hybrid_graph):
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    runner = CliRunner()
+    for args, needle in [(["--disaggregate", "--prefill-resources", "qeffkv_prefill"],
+                          "'qeffkv_prefill' is not a JSON object of Ray resources"),
+                         (["--disaggregate", "--decode-resources", "[1]"], "'[1]' is not a JSON object of Ray resources"),
+                         (["--decode-resources", '{"qeffkv_decode": 1}'], "--decode-resources go with --disaggregate")]:
+        r = runner.invoke(main, ["serve", str(hybrid_graph), *args])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+            r.output
