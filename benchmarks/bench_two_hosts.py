@@ -6,7 +6,8 @@ a Ray head node with resource ``qeffkv_prefill`` and a worker node with ``qeffkv
 head's namespace this script runs again (``--inside``) as a Ray driver: the real
 :class:`qeff_kv.serve.disagg.PrefillWorker` (placed by ``qeffkv_prefill`` on the head) prefills a ``--prompt-len``
 prompt, and its :class:`~qeff_kv.serve.transfer.KVTransfer` goes by reference to a receiving actor on the worker node
-(``qeffkv_decode``) that installs it into its own session, as a decode replica does. Per hand-off:
+(``qeffkv_decode``) that installs it into its own session, as a decode replica does; then, for comparison, the same
+with the receiver on the head beside the prefill replica (one host: the same cluster, load and code). Per hand-off:
 
 * hand-off = the driver's wall time of the call chain minus the prefill (extraction, the object store, the transfer
   across the veth, deserialization, validation, the install, Ray's call overheads);
@@ -56,20 +57,33 @@ class Receiver:
 
 
 def inside(args) -> dict:
-    """The measurement, run as a Ray driver inside the head's namespace."""
-    import numpy as np
+    """The measurement, run as a Ray driver inside the head's namespace: the receiver on the worker node (two
+    hosts), then on the head beside the prefill replica (one host, for comparison: the same cluster and load)."""
     import ray
 
     import _two_hosts
-    from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.disagg import PrefillWorker
 
     ray.init(address=args.inside, logging_level="warning", log_to_driver=False)
     try:
-        pre = ray.remote(PrefillWorker).options(num_cpus=1, resources={_two_hosts.PREFILL_RESOURCE: 1}).remote(
-            args.export, args.ctx_len, None, args.threads)
-        rec = ray.remote(Receiver).options(num_cpus=1, resources={_two_hosts.DECODE_RESOURCE: 1}).remote(
-            args.export, args.ctx_len, args.threads)
+        pre, dec = _two_hosts.PREFILL_RESOURCE, _two_hosts.DECODE_RESOURCE
+        return {"two_hosts": _measure(args, dict(num_cpus=1, resources={pre: 1}),
+                                      dict(num_cpus=1, resources={dec: 1})),
+                "one_host": _measure(args, dict(num_cpus=0.5, resources={pre: 0.5}),
+                                     dict(num_cpus=0.5, resources={pre: 0.5}))}
+    finally:
+        ray.shutdown()
+
+
+def _measure(args, pre_opts: dict, rec_opts: dict) -> dict:
+    import numpy as np
+    import ray
+
+    from qeff_kv.runtime import GREEDY
+    from qeff_kv.serve.disagg import PrefillWorker
+
+    pre = ray.remote(PrefillWorker).options(**pre_opts).remote(args.export, args.ctx_len, None, args.threads)
+    rec = ray.remote(Receiver).options(**rec_opts).remote(args.export, args.ctx_len, args.threads)
+    try:
         facts = ray.get(pre.facts.remote())
         prompt = tuple(int(t) for t in np.random.default_rng(0).integers(3, facts["vocab_size"] or 1000,
                                                                          size=args.prompt_len))
@@ -86,11 +100,12 @@ def inside(args) -> dict:
             for k, v in (("wall_s", wall), ("prefill_s", prefill_s), ("extract_s", extract_s),
                          ("install_s", install_s), ("handoff_s", wall - prefill_s)):
                 rows[k].append(v)
-        out = {k: statistics.median(v) for k, v in rows.items()}
-        out.update(bytes=nbytes, bytes_expected=args.prompt_len * facts["bytes_per_position"])
-        return out
     finally:
-        ray.shutdown()
+        for a in (pre, rec):
+            ray.kill(a)
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out.update(bytes=nbytes, bytes_expected=args.prompt_len * facts["bytes_per_position"])
+    return out
 
 
 def main() -> None:
@@ -121,13 +136,13 @@ def main() -> None:
             sys.exit(f"the driver in the head's namespace failed:\n{r.stderr[-3000:]}")
         res = json.loads(r.stdout.strip().splitlines()[-1])
     res = {"export": args.export, "prompt_len": args.prompt_len, "threads": args.threads, "repeats": args.repeats,
-           "two_hosts": res}
-    t = res["two_hosts"]
-    print(f"prompt {args.prompt_len} tokens: KV moved {t['bytes'] / 1e6:.1f} MB (valid positions "
-          f"{t['bytes_expected'] / 1e6:.1f} MB), the head's veth sent {t['veth_bytes'] / 1e6:.1f} MB")
-    print(f"prefill {t['prefill_s'] * 1e3:.0f} ms | hand-off across the veth {t['handoff_s'] * 1e3:.1f} ms "
-          f"({t['handoff_s'] / t['prefill_s']:.1%} of the prefill; extract {t['extract_s'] * 1e3:.1f} ms, install "
-          f"{t['install_s'] * 1e3:.1f} ms, the rest transport and call overheads)")
+           **res}
+    for label, key in (("two hosts (across the veth)", "two_hosts"), ("one host (the head alone)", "one_host")):
+        t = res[key]
+        print(f"{label}: prompt {args.prompt_len} tokens, KV moved {t['bytes'] / 1e6:.1f} MB (valid positions "
+              f"{t['bytes_expected'] / 1e6:.1f} MB), the head's veth sent {t['veth_bytes'] / 1e6:.1f} MB | prefill "
+              f"{t['prefill_s'] * 1e3:.0f} ms | hand-off {t['handoff_s'] * 1e3:.1f} ms ({t['handoff_s'] / t['prefill_s']:.1%} "
+              f"of the prefill; extract {t['extract_s'] * 1e3:.1f} ms, install {t['install_s'] * 1e3:.1f} ms)")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
 
