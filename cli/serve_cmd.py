@@ -5,11 +5,31 @@ Thin: parse options into a :class:`qeff_kv.serve.config.ServeConfig`, call :func
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from qeff_kv.errors import MissingDependencyError
 
 from .params import COUNT, DIM, FLOAT, THREADS, AsciiFloat, AsciiIntRange
+
+
+class ResourcesType(click.ParamType):
+    """A JSON object of Ray custom resources: ``{"NAME": AMOUNT, ...}``."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or not parsed:
+            self.fail(f"{value!r} is not a JSON object of Ray resources, e.g. '{{\"qeffkv_prefill\": 1}}'", param,
+                      ctx)
+        return parsed
 
 
 class ChunkType(click.ParamType):
@@ -88,7 +108,14 @@ class ChunkType(click.ParamType):
 @click.option("--decode-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
 @click.option("--prefill-export", type=click.Path(path_type=str), default=None,
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
-@click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
+@click.option("--ray-address", default=None,
+              help="With --disaggregate: an existing Ray cluster (default: a local one, listening on 127.0.0.1 "
+                   "only).")
+@click.option("--prefill-resources", type=ResourcesType(), default=None,
+              help="With --disaggregate: Ray custom resources each prefill replica asks for, a JSON object (e.g. "
+                   "'{\"qeffkv_prefill\": 1}': the replicas run on nodes started with such resources).")
+@click.option("--decode-resources", type=ResourcesType(), default=None,
+              help="With --disaggregate: the same for each decode replica.")
 @click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
               help="Publish KV cache events in vLLM's format (ZeroMQ PUB bound here; msgpack KVEventBatch) for "
                    "KV-aware routers; with --disaggregate each prefill replica i binds PORT + i.")
@@ -107,7 +134,8 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
-              ray_address, kv_events, kv_events_block_size, kv_events_topic, kv_events_replay, route) -> None:
+              ray_address, prefill_resources, decode_resources, kv_events, kv_events_block_size, kv_events_topic,
+              kv_events_replay, route) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -118,9 +146,9 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
     from qeff_kv.serve.config import ServeConfig
 
     if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1
-                             or route != "prefix"):
-        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address and --route "
-                               "go with --disaggregate")
+                             or prefill_resources or decode_resources or route != "prefix"):
+        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address, "
+                               "--route, --prefill-resources and --decode-resources go with --disaggregate")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
@@ -133,6 +161,7 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          if allowed_origins else None,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
+                         prefill_resources=prefill_resources, decode_resources=decode_resources,
                          kv_events=kv_events, kv_events_block_size=kv_events_block_size,
                          kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay,
                          route=route)

@@ -142,7 +142,10 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     @app.get("/slots")
     async def list_slots(request: Request):
         _auth(request)
-        return engine.slots()
+        try:
+            return engine.slots()
+        except NotImplementedError as exc:
+            raise APIError(str(exc), status=501, type="not_supported_error", code="slots_unsupported") from None
 
     @app.post("/slots/{slot_id}")
     async def slot_action(slot_id: str, request: Request, action: str | None = None):

@@ -62,7 +62,7 @@ class ServeConfig:
     decode_replicas: int = 1
     #: the prefill replicas' export (default: export_dir); must share the decode export's KV contract/checkpoint
     prefill_export: str | None = None
-    #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
+    #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one (listening on 127.0.0.1 only)
     ray_address: str | None = None
     # ---- KV cache events in vLLM's format (serve/kv_events.py): where the ZeroMQ PUB socket binds, or None
     kv_events: str | None = None
@@ -73,3 +73,7 @@ class ServeConfig:
     #: how a request's prefill replica is chosen: "prefix" (the one holding the longest prefix of its prompt, else
     #: the least loaded) or "load" (the least loaded); see qeff_kv.serve.routing
     route: str = "prefix"
+    #: Ray custom resources each prefill / decode replica asks for ({"qeffkv_prefill": 1}): with nodes started with
+    #: ``ray start --resources``, this places the replicas on chosen nodes (e.g. prefill and decode on two hosts)
+    prefill_resources: dict[str, float] | None = None
+    decode_resources: dict[str, float] | None = None

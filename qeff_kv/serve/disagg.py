@@ -29,6 +29,7 @@ are exports of one checkpoint with one KV contract; a pair that is not is refuse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -51,6 +52,14 @@ RAY_CONNECT_TIMEOUT = 5.0
 RESOURCE_WAIT = 20.0
 #: seconds a request not yet started waits for a restarting replica before it fails
 RESTART_WAIT = 60.0
+#: why ``/slots`` is not available with --disaggregate (HTTP 501)
+SLOTS_UNSUPPORTED = ("/slots is not available with --disaggregate: sequences live in the Ray replicas (prompts kept "
+                     "for reuse on the prefill replicas, running requests on the decode replicas), not in one slot "
+                     "table; see /metrics for their figures")
+#: the address a local Ray instance started by the engine listens on (never another interface)
+LOOPBACK = "127.0.0.1"
+#: Ray's switch for a node address on the loopback interface (see :func:`_loopback_node`)
+_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _ray():
@@ -75,11 +84,14 @@ class PrefillWorker:
     """The prefill replica (a Ray actor): one request at a time."""
 
     def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
-                 reuse_prompts: bool = True, kv_events: tuple | None = None):
-        from ..runtime import Session
+                 reuse_prompts: bool = True, kv_events: tuple | None = None, *, checkpoint_every: int | None = None,
+                 max_checkpoints: int | None = None):
         from .kv_events import open_publisher
+        from .session_from_config import open_prefill_session
 
-        session = Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, threads=threads)
+        cfg = ServeConfig(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, threads=threads,
+                          checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints)
+        session = open_prefill_session(cfg, export)
         # --kv-events: (config, rank): this replica publishes on the endpoint's port + rank
         self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
         self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
@@ -366,6 +378,10 @@ class DisaggregatedEngine(Engine):
         except Exception:   # noqa: BLE001 - a replica restarting: its figures are missing from this reading
             pass
 
+    def slots(self) -> list[dict]:
+        """Not available (``GET /slots`` answers 501): the sequences live in the replicas, not in one slot table."""
+        raise NotImplementedError(SLOTS_UNSUPPORTED)
+
     def health(self) -> str | None:
         if self._closed:
             return "the engine is closed"
@@ -421,26 +437,17 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
     resolve_model(pre_export)
     owns = _join_or_start(ray, config.ray_address)
-    n_actors = config.prefill_replicas + config.decode_replicas
-    cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    share = min(1.0, cpus / n_actors)
-    # onnxruntime threads: the cores split between the replicas, so that they do not oversubscribe them
-    threads = config.threads or max(1, int(cpus // n_actors))
-    need = share * n_actors
-    deadline = time.monotonic() + RESOURCE_WAIT   # CPUs of replicas just killed come back within moments
-    while ray.available_resources().get("CPU", 0.0) + 1e-6 < need:
-        if time.monotonic() > deadline:
-            free = ray.available_resources().get("CPU", 0.0)
-            if owns:
-                ray.shutdown()
-            raise RuntimeInputError(f"the Ray cluster has {free:g} of {cpus:g} CPUs free; {n_actors} replicas "
-                                    f"need {need:g}")
-        time.sleep(0.1)
-    opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
-    Pre = ray.remote(PrefillWorker).options(**opts)
-    Dec = ray.remote(DecodeWorker).options(**opts)
+    try:
+        opts, threads = _replica_options(ray, config)
+    except RuntimeInputError:
+        if owns:
+            ray.shutdown()
+        raise
+    Pre = ray.remote(PrefillWorker).options(**opts["prefill"])
+    Dec = ray.remote(DecodeWorker).options(**opts["decode"])
     pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts,
-                      kv_events=(config, i) if config.kv_events is not None else None)
+                      kv_events=(config, i) if config.kv_events is not None else None,
+                      checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints)
            for i in range(config.prefill_replicas)]
     dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
 
@@ -464,6 +471,53 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
                                route=config.route)
 
 
+def _replica_options(ray, config: ServeConfig) -> tuple[dict, int]:
+    """The Ray actor options of each kind of replica (CPUs, custom resources, restarts) and the onnxruntime threads
+    of each, once the cluster has the CPUs free (it waits up to RESOURCE_WAIT seconds) and the custom resources."""
+    n_actors = config.prefill_replicas + config.decode_replicas
+    cluster = ray.cluster_resources()
+    cpus = float(cluster.get("CPU", 1.0))
+    share = min(1.0, cpus / n_actors)
+    # onnxruntime threads: the cores split between the replicas, so that they do not oversubscribe them
+    threads = config.threads or max(1, int(cpus // n_actors))
+    opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
+    out = {}
+    for kind, wanted, n in (("prefill", config.prefill_resources, config.prefill_replicas),
+                            ("decode", config.decode_resources, config.decode_replicas)):
+        out[kind] = dict(opts, resources=_checked_resources(kind, wanted, n, cluster)) if wanted else dict(opts)
+    need = share * n_actors
+    deadline = time.monotonic() + RESOURCE_WAIT   # CPUs of replicas just killed come back within moments
+    while ray.available_resources().get("CPU", 0.0) + 1e-6 < need:
+        if time.monotonic() > deadline:
+            free = ray.available_resources().get("CPU", 0.0)
+            raise RuntimeInputError(f"the Ray cluster has {free:g} of {cpus:g} CPUs free; {n_actors} replicas "
+                                    f"need {need:g}")
+        time.sleep(0.1)
+    return out, threads
+
+
+def _checked_resources(kind: str, wanted: dict, replicas: int, cluster: dict) -> dict[str, float]:
+    """``--{kind}-resources`` checked against the cluster's resources: one line naming what is missing (Ray would
+    leave the replicas pending for ever)."""
+    option = f"--{kind}-resources"
+    out = {}
+    for name, amount in wanted.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < float("inf"):
+            raise RuntimeInputError(f"{option}: the amount of {name!r} must be a positive number, got {amount!r}")
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise RuntimeInputError(f"{option}: {name!r} is not a custom resource (the replicas' CPUs are set by "
+                                    "the engine)")
+        have = float(cluster.get(name, 0.0))
+        if have + 1e-9 < amount * replicas:
+            custom = sorted(k for k in cluster if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                            and not k.startswith("node:") and not k.startswith("accelerator_type:"))
+            raise RuntimeInputError(f"{option}: {replicas} {kind} replica(s) need {amount * replicas:g} of "
+                                    f"{name!r}; the Ray cluster has {have:g} (its custom resources: "
+                                    f"{', '.join(custom) or 'none'})")
+        out[str(name)] = float(amount)
+    return out
+
+
 def _join_or_start(ray, address: str | None) -> bool:
     """Join the cluster at ``address``, or start a local instance (True: this process owns it); nothing when Ray
     already runs in this process."""
@@ -471,7 +525,8 @@ def _join_or_start(ray, address: str | None) -> bool:
         return False
     kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
     if not address:
-        ray.init(num_cpus=os.cpu_count() or 2, **kw)
+        with _loopback_node(ray):
+            ray.init(num_cpus=os.cpu_count() or 2, _node_ip_address=LOOPBACK, **kw)
         return True
     check_ray_address(address)
     try:
@@ -479,6 +534,33 @@ def _join_or_start(ray, address: str | None) -> bool:
     except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
         raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({_one_line(exc)})") from None
     return False
+
+
+@contextlib.contextmanager
+def _loopback_node(ray):
+    """While a local Ray instance starts: its node address is 127.0.0.1, so that every process it starts listens
+    on the loopback interface only.
+
+    Facts of Ray 2.60: the GCS server, the raylet (node manager and object manager) and each worker's gRPC server
+    listen on ``127.0.0.1`` when the node's IP address is ``127.0.0.1``, else on every interface; the runtime-env
+    and dashboard agents listen on the node's IP address; ``include_dashboard=False`` starts no dashboard. But
+    ``ray.init(_node_ip_address="127.0.0.1")`` replaces a loopback address by the machine's own (``services.
+    resolve_ip_for_localhost``) unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false, which the environment variable
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sets for this process (read when Ray is imported: set here on the module
+    too, then put back) and for the processes Ray starts (they inherit the environment while it is set: the GCS
+    server, the raylet and the agents now; the raylet hands its environment to the workers it starts later)."""
+    constants = ray._private.ray_constants
+    before = os.environ.get(_RAY_LOOPBACK_ENV), constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_LOOPBACK_ENV] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before[1]
+        if before[0] is None:
+            os.environ.pop(_RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[_RAY_LOOPBACK_ENV] = before[0]
 
 
 def check_ray_address(address: str) -> None:

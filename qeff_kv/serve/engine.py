@@ -248,5 +248,6 @@ class Engine(ABC):
         raise NotImplementedError(f"this engine ({type(self).__name__}) has no slot actions")
 
     def slots(self) -> list[dict]:
-        """``[{"id", "state", "n_tokens"}]`` per sequence slot (empty where the engine has no such notion)."""
+        """``[{"id", "state", "n_tokens"}]`` per sequence slot (empty where the engine has no such notion; an engine
+        whose sequences are not in one slot table raises NotImplementedError: ``GET /slots`` answers 501)."""
         return []

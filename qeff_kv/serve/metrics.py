@@ -44,6 +44,9 @@ COUNTERS = {
                                            "Prompt tokens reused by the prefill replicas requests were routed to "
                                            "(prefix hits)."),
     "qeff_kv_route_decision_seconds": ("route_decision_s", "Time spent choosing prefill replicas."),
+    # disaggregated serving (--disaggregate): what went from the prefill replicas to the decode replicas
+    "qeff_kv_handoffs": ("handoffs", "KV states handed from a prefill replica to a decode replica."),
+    "qeff_kv_handoff_bytes": ("handoff_bytes", "Bytes of the KV states handed off (the valid positions only)."),
 }
 
 
