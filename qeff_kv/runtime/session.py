@@ -4,6 +4,11 @@ Works with any graph that follows the retained-state contract — ours, and the 
 or not, continuous-batching (a ``batch_index`` input) or not. KV pairs come from
 :class:`qeff_kv.layout.KVLayout` (the naming contract), never from hard-coded names.
 
+What the graph is (its batching mode, memory kinds, media, speculation, sizes, in-place binding) is resolved once
+when the session opens it, with every refusal: :attr:`Session.graph`, a
+:class:`~qeff_kv.runtime.graph_description.GraphDescription`. ``prefill`` and ``decode`` ask it and its batching
+strategy (:mod:`qeff_kv.runtime.batching`) rather than flags of their own.
+
 Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
 range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
 
