@@ -147,3 +147,13 @@ def test_settings_that_would_do_nothing_or_contradict_the_graph_are_refused(own_
 def test_speculative_target_graph_says_so(peer2_dir):
     d = describe(peer2_dir / "llama_tlm_plain.onnx", ctx_len=32)
     assert d.speculative and d.speculative_tokens is None and not d.own_graph
+
+
+def test_vision_language_and_ccl_graphs_say_so(peer_vlm_dir):
+    vlm = describe(peer_vlm_dir / "qeff_llava_single_vllm.onnx", ctx_len=40, prefill_seq_len=8, image_token_id=397)
+    assert vlm.media is not None and vlm.media.kind == "single" and not vlm.mrope and not vlm.ccl
+    with pytest.raises(RuntimeInputError, match=r"^graph has no batch_index input: max_sequences=2 needs lock-step "
+                                                r"batching, which is not possible: it is a vision-language graph"):
+        describe(peer_vlm_dir / "qeff_llava_single_vllm.onnx", ctx_len=40, max_sequences=2, image_token_id=397)
+    ccl = describe(peer_vlm_dir / "qeff_llama_ccl_vllm.onnx", ctx_len=32)
+    assert ccl.ccl and ccl.media is None
