@@ -2,7 +2,7 @@
 then prefilled one by one and decoded together, token by token (:meth:`GenerationMixin.stream`).
 
 The session supplies the low level this builds on: ``prefill``, ``decode``, ``cache``, ``ctx_len``,
-``max_sequences``, ``media`` (a vision-language graph's image inputs) and ``_check_tokens`` (:func:`.arguments.check_tokens`).
+``max_sequences``, ``graph`` (its :class:`~qeff_kv.runtime.graph_description.GraphDescription`), ``media`` (a vision-language graph's image inputs) and ``_check_tokens`` (:func:`.arguments.check_tokens`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,24 @@ class GenerationMixin:
         does the work. ``on_capacity="stop"`` shortens a request that would exceed the capacity instead of
         refusing it (``finish_reason == "capacity"``).
         """
+        prompts = self._check_stream_args(prompts, max_new_tokens, sampling, on_capacity)
+        params = (sampling or GREEDY).resolved()
+        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
+        # ---- plan and validate everything first
+        plan, images = self._plan_requests(prompts)
+        self._check_slots(plan)
+        budgets = self._budgets(plan, max_new_tokens, on_capacity)
+        for (s, toks), imgs in zip(plan, images):
+            if self.media is not None:
+                self.media.check(toks, imgs, self.prefill_seq_len)
+            elif imgs is not None:
+                raise RuntimeInputError("images were given but the graph is a text decoder")
+        return self._iterate(plan, budgets, params, stops, max_new_tokens,
+                             results if results is not None else [], images)
+
+    @staticmethod
+    def _check_stream_args(prompts, max_new_tokens, sampling, on_capacity) -> list:
+        """``prompts`` as a list, once every argument of :meth:`stream` is known to be of its kind."""
         if on_capacity not in ("error", "stop"):
             raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
@@ -53,11 +71,11 @@ class GenerationMixin:
         if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
             raise RuntimeInputError(f"prompts must be a list of requests (lists of token ids or sequences), got "
                                     f"{type(prompts).__name__}")
-        prompts = list(prompts)
-        params = (sampling or GREEDY).resolved()
-        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
+        return list(prompts)
 
-        # ---- plan and validate everything first
+    def _plan_requests(self, prompts: list) -> tuple[list[tuple[Sequence | None, list[int]]],
+                                                    list[media_mod.Images | None]]:
+        """Each request as ``(its sequence or None for a new one, the tokens to prefill)``, and its images."""
         plan: list[tuple[Sequence | None, list[int]]] = []
         images: list[media_mod.Images | None] = []
         for req in prompts:
@@ -80,16 +98,23 @@ class GenerationMixin:
                 if not toks:
                     raise RuntimeInputError("a prompt is empty; give at least one token")
                 plan.append((None, toks))
+        return plan, images
+
+    def _check_slots(self, plan: list[tuple[Sequence | None, list[int]]]) -> None:
+        """Refuse more new sequences than free slots, and a sequence given twice."""
         new_count = sum(1 for s, _ in plan if s is None)
         if new_count > len(self.cache.free_slots()):
             raise RuntimeInputError(
                 f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
-                f"{self.max_sequences} slots are free" + ("" if self.continuous_batching or self.lockstep else
-                                                          " (graph without batch_index: one sequence unless "
-                                                          "max_sequences is given)"))
+                f"{self.max_sequences} slots are free" + self.graph.batching.slots_hint)
         ids = [s.id for s, _ in plan if s is not None]
         if len(set(ids)) != len(ids):
             raise RuntimeInputError("a sequence appears twice in one request")
+
+    def _budgets(self, plan: list[tuple[Sequence | None, list[int]]], max_new_tokens: int, on_capacity: str
+                 ) -> list[int]:
+        """New tokens each request may make: ``max_new_tokens``, or with ``on_capacity="stop"`` what the capacity
+        leaves (a request that does not fit is refused in one line either way)."""
         budgets = []
         for i, (s, toks) in enumerate(plan):
             probe = s if s is not None else Sequence(-1, -1)
@@ -109,14 +134,7 @@ class GenerationMixin:
                         f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
                         f"ctx_len={self.ctx_len}")
             budgets.append(budget)
-        for (s, toks), imgs in zip(plan, images):
-            if self.media is not None:
-                self.media.check(toks, imgs, self.prefill_seq_len)
-            elif imgs is not None:
-                raise RuntimeInputError("images were given but the graph is a text decoder")
-
-        return self._iterate(plan, budgets, params, stops, max_new_tokens,
-                             results if results is not None else [], images)
+        return budgets
 
     @staticmethod
     def _unwrap(req):

@@ -181,6 +181,44 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     Every argument is checked before the graph is opened: the selection regex (even when nothing is saved),
     the state file paths, the sampling parameters.
     """
+    _check_request(req)
+    files = resolve_model(req.model)
+    tok, prompts, image_inputs = _prompts(req, files)
+    t_open = time.perf_counter()
+    session, model = _open_session(req, _max_sequences(req, files, prompts))
+    open_s = time.perf_counter() - t_open
+    if req.prefill_seq_len is not None and session.fixed_seq_len is None and req.prefill_seq_len > session.ctx_len:
+        # The library runs such a chunk (never padded past the capacity); asked for on the command line, it
+        # is a contradiction worth one line.
+        raise RuntimeInputError(
+            f"--prefill-seq-len {req.prefill_seq_len} is larger than the capacity ctx_len {session.ctx_len}")
+    stops = [] if req.ignore_eos else list(session.eos_token_ids)
+    stops += [t for t in req.stop_tokens if t not in stops]
+
+    if req.load_state is not None:
+        seq = session.load_state(req.load_state)
+        requests: list = [(seq, prompts[0]) if prompts else seq]
+    elif req.images or req.image_inputs:   # a vision-language model was opened
+        requests = [model.prompt(p, arrays) for p, arrays in zip(prompts, image_inputs)]
+    else:
+        requests = prompts
+    t0 = time.perf_counter()
+    spec_stats = None
+    if req.speculative is not None:
+        results, spec_stats = _speculative(req, session, requests, stops, on_token)
+    else:
+        results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+                                   stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
+    wall = time.perf_counter() - t0
+    saved = None
+    if req.save_state is not None:
+        saved = str(session.save_state(results[0].sequence, req.save_state, select=req.select))
+    return _report(req, files, session, tok, results, stops, saved,
+                   _timings(session, open_s, wall, spec_stats))
+
+
+def _check_request(req: GenerateRequest) -> None:
+    """Everything about ``req`` that needs no file, refused in one line before the graph is opened."""
     if req.select is not None:
         try:
             re.compile(req.select)
@@ -201,13 +239,16 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         _check_speculative(req)
     elif req.speculative_k is not None:
         raise RuntimeInputError("--speculative-k goes with --speculative")
-    files = resolve_model(req.model)
+
+
+def _prompts(req: GenerateRequest, files) -> tuple[object, list[list[int]], list]:
+    """``(tokenizer or None, the prompts' token ids, their image inputs)``: text through the tokenizer (and the chat
+    template), ids as given, images through the export's processor or ``.npz`` files."""
     if (req.chat or req.system is not None) and not req.prompts:
         raise RuntimeInputError("--chat formats --prompt text with the chat template; give --prompt TEXT")
     if req.system is not None and not req.chat:
         raise RuntimeInputError("--system is a chat turn; use it with --chat")
     tok = load_tokenizer(files.folder, required=bool(req.prompts))
-    vision = bool(req.images or req.image_inputs)
     if req.images:
         prompts: list[list[int]] = []
     elif req.chat:
@@ -217,7 +258,7 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         prompts = [list(tok.encode(p).ids) for p in req.prompts] if req.prompts else []
     prompts += [list(p) for p in req.prompt_ids]
     image_inputs: list = []
-    if vision:
+    if req.images or req.image_inputs:
         if req.load_state is not None:
             raise RuntimeInputError("--load-state continues a sequence; images go with a new prompt")
         prompts, image_inputs = _image_requests(req, files, prompts)
@@ -225,63 +266,52 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
         raise RuntimeInputError("give --prompt, --prompt-ids or --load-state")
     if req.load_state is not None and len(prompts) > 1:
         raise RuntimeInputError("--load-state continues one sequence: give at most one prompt to append to it")
+    return tok, prompts, image_inputs
+
+
+def _max_sequences(req: GenerateRequest, files, prompts: list[list[int]]) -> int | None:
+    """The slots to open: as given, else one per request when the manifest records none."""
     n_requests = max(1, len(prompts))
     if req.save_state is not None and n_requests != 1:
         raise RuntimeInputError(f"--save-state saves one sequence; {n_requests} were requested")
-    max_sequences = req.max_sequences
-    if max_sequences is None and n_requests > 1 and not (files.manifest or {}).get("full_batch_size"):
-        max_sequences = n_requests  # else the manifest's full_batch_size: the slots the graph was exported for
+    if req.max_sequences is None and n_requests > 1 and not (files.manifest or {}).get("full_batch_size"):
+        return n_requests  # else the manifest's full_batch_size: the slots the graph was exported for
+    return req.max_sequences
 
-    t_open = time.perf_counter()
+
+def _open_session(req: GenerateRequest, max_sequences: int | None) -> tuple[Session, VisionLanguageModel | None]:
+    """The session (and the vision-language model around it, when images or a vision graph are involved)."""
     kwargs = dict(ctx_len=req.ctx_len, prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
                   inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window,
                   image_token_id=req.image_token_id)
     if req.checkpoint_every is not None or req.max_checkpoints is not None:
         kwargs.update(checkpoint_every=req.checkpoint_every, max_checkpoints=req.max_checkpoints)
-    if vision or req.vision_graph is not None or req.image_size is not None or req.vision_size is not None:
+    if req.images or req.image_inputs or req.vision_graph is not None or req.image_size is not None \
+            or req.vision_size is not None:
         model = VisionLanguageModel(req.model, req.vision_graph, image_size=req.image_size,
                                     vision_size=req.vision_size, **kwargs)
-        session = model.session
-    else:
-        session = Session(req.model, **kwargs)
-    open_s = time.perf_counter() - t_open
-    if req.prefill_seq_len is not None and session.fixed_seq_len is None and req.prefill_seq_len > session.ctx_len:
-        # The library runs such a chunk (never padded past the capacity); asked for on the command line, it
-        # is a contradiction worth one line.
-        raise RuntimeInputError(
-            f"--prefill-seq-len {req.prefill_seq_len} is larger than the capacity ctx_len {session.ctx_len}")
-    stops = [] if req.ignore_eos else list(session.eos_token_ids)
-    stops += [t for t in req.stop_tokens if t not in stops]
+        return model.session, model
+    return Session(req.model, **kwargs), None
 
-    if req.load_state is not None:
-        seq = session.load_state(req.load_state)
-        requests: list = [(seq, prompts[0]) if prompts else seq]
-    elif vision:
-        requests = [model.prompt(p, arrays) for p, arrays in zip(prompts, image_inputs)]
-    else:
-        requests = prompts
-    t0 = time.perf_counter()
-    spec_stats = None
-    if req.speculative is not None:
-        results, spec_stats = _speculative(req, session, requests, stops, on_token)
-    else:
-        results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-                                   stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
-    wall = time.perf_counter() - t0
-    saved = None
-    if req.save_state is not None:
-        saved = str(session.save_state(results[0].sequence, req.save_state, select=req.select))
-    seqs = []
-    for g in results:
-        item = g.to_json()
-        item["text"] = tok.decode(g.tokens) if tok is not None else None
-        seqs.append(item)
+
+def _timings(session: Session, open_s: float, wall: float, spec_stats: dict | None) -> dict:
     timings = session.timings.to_json()
     timings["open_s"] = round(open_s, 6)
     timings["wall_s"] = round(wall, 6)
     if spec_stats is not None:   # decode time is the loop's wall time, drafting included
         timings.update(decode_s=spec_stats["decode_s"], decode_tokens_per_s=spec_stats["decode_tokens_per_s"],
                        decode_steps=spec_stats["steps"], speculative=spec_stats)
+    return timings
+
+
+def _report(req: GenerateRequest, files, session: Session, tok, results, stops: list[int], saved: str | None,
+            timings: dict) -> dict:
+    """The JSON-able result the CLI prints."""
+    seqs = []
+    for g in results:
+        item = g.to_json()
+        item["text"] = tok.decode(g.tokens) if tok is not None else None
+        seqs.append(item)
     return {
         "model": str(files.onnx_path),
         "sequences": seqs,

@@ -213,6 +213,12 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
         if system is not None:
             raise RuntimeInputError("a system prompt needs the chat template (--chat)")
         prompt = _image_placeholder(processor, folder) * len(pil_images) + text
+    return _process(processor, folder, prompt, pil_images, chat=chat, image_size=image_size)
+
+
+def _process(processor, folder: Path, prompt: str, pil_images: list, *, chat: bool, image_size: int | None
+             ) -> tuple[list[int], dict[str, np.ndarray]]:
+    """Run the folder's processor on the rendered ``prompt`` and the images: ``(token ids, image arrays)``."""
     kwargs = {}
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     if chat and isinstance(bos, str) and bos and prompt.startswith(bos):

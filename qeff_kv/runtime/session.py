@@ -4,6 +4,11 @@ Works with any graph that follows the retained-state contract — ours, and the 
 or not, continuous-batching (a ``batch_index`` input) or not. KV pairs come from
 :class:`qeff_kv.layout.KVLayout` (the naming contract), never from hard-coded names.
 
+What the graph is (its batching mode, memory kinds, media, speculation, sizes, in-place binding) is resolved once
+when the session opens it, with every refusal: :attr:`Session.graph`, a
+:class:`~qeff_kv.runtime.graph_description.GraphDescription`. ``prefill`` and ``decode`` ask it and its batching
+strategy (:mod:`qeff_kv.runtime.batching`) rather than flags of their own.
+
 Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
 range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
 
@@ -38,6 +43,7 @@ import gc
 import os
 import time
 import warnings
+from dataclasses import replace
 from typing import Iterable, Sequence as Seq
 
 import numpy as np
@@ -46,8 +52,6 @@ import onnxruntime as ort
 
 from .. import capture, graphio, naming
 from ..errors import ContractError, GraphReadError, RuntimeInputError
-from ..inplace import inplace_issues
-from ..limits import positive_int
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import arguments
 from .arguments import check_session_args
@@ -58,14 +62,11 @@ from . import positions as pos_mod
 from . import recurrent as rec_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
+from .graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
 from .decode_loop import GenerationMixin
 from .verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
-
-#: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
-DEFAULT_PREFILL_SEQ_LEN = 32
-
 
 _ORT_QUIET = False
 
@@ -106,170 +107,91 @@ class Session(GenerationMixin, CacheVerbsMixin):
                  providers: Seq[str] | None = None, sliding_window: int | None = None,
                  image_token_id: int | None = None, checkpoint_every: int | None = None,
                  max_checkpoints: int | None = None):
-        # ---- arguments first: nothing is read before they are valid
+        # arguments first: nothing is read before they are valid
         check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
                            max_sequences=max_sequences, inplace=inplace, threads=threads, providers=providers,
                            sliding_window=sliding_window, image_token_id=image_token_id)
-        checkpoints = rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints)
+        asked = Requested(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, max_sequences=max_sequences,
+                          inplace=inplace, sliding_window=sliding_window, image_token_id=image_token_id,
+                          checkpoints=rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints))
         self.files = resolve_model(model)
-        man = self.files.manifest or {}
+        source, external = self._read_graph(asked)
+        self._sess = self._open_onnxruntime(source, external, threads, providers)
+        del source
+        self._allocate()
+        self._bind()
+
+    # ------------------------------------------------------------------------------------ construction
+    def _read_graph(self, asked: Requested) -> tuple[bytes | str, bool]:
+        """Resolve the graph's description, record its identity, refuse what does not fit in memory; returns what
+        onnxruntime loads (the graph patched in memory, or its path) and whether its weights are external. The
+        inspected graph is freed on return: peak memory is one copy of the weights, not two."""
         ir_model = graphio.load(self.files.onnx_path)
-        layout = graphio.layout_of(ir_model)
-        layout.require_valid()
-        self.layout = layout
-        self.prefix = layout.prefix
-        self.num_layers = layout.num_layers
-        #: a vision-language language graph's image inputs (runtime/media.py), or None
-        self.media = media_mod.LanguageMedia.resolve(layout, man, image_token_id)
-        if image_token_id is not None and self.media is None:   # a setting that would do nothing
-            raise RuntimeInputError(f"image_token_id applies to vision-language graphs; {self.files.onnx_path.name} is "
-                                    "a text decoder")
-        names_in = {t.name: t for t in layout.inputs}
-        for req in ("input_ids", "position_ids"):
-            if req not in names_in:
-                raise ContractError(f"graph has no {req!r} input; not a decoder graph of the retained-state contract")
-        if layout.output("logits") is None:
-            raise ContractError("graph has no 'logits' output")
-        self.continuous_batching = "batch_index" in names_in
-        #: a speculative-decoding graph (``num_logits_to_keep``): :func:`qeff_kv.runtime.speculative.score` verifies
-        #: drafted tokens in one step; ``speculative_tokens`` is its ``K`` (graph metadata or manifest, else None)
-        self.speculative = layout.speculative
-        self.speculative_tokens = layout.speculative_tokens or (man.get("speculative_tokens") if self.speculative
-                                                                else None)
-        kv_inputs = {p.input_name for p in layout.pairs}
-        extra = [n for n in names_in if n not in kv_inputs
-                 and n not in ("input_ids", "position_ids", "batch_index", ccl_mod.INPUT, naming.LOGITS_TO_KEEP_INPUT)
-                 and (self.media is None or n not in self.media.input_names)]
-        if extra:
-            raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
-
-        # ---- dimensions (ctx_len from a full-length buffer: rings hold their own capacity, recurrent states none)
-        self.rings = ring_mod.resolve(layout, man, sliding_window)
-        self.sliding_window = self.rings.window
-        positional, recurrent = rec_mod.split_pairs(layout)
-        #: the graph keeps recurrent state (conv_state/recurrent_state): rewinds need checkpoints
-        self.recurrent = bool(recurrent)
-        full = [p.input.shape or () for p in positional if not p.is_sliding]
-        first = full[0] if full else ((positional or layout.pairs)[0].input.shape or ())
-        self.ctx_len = self._dim("ctx_len", first[2] if full and len(first) == 4 else None, ctx_len,
-                                 man.get("ctx_len"))
-        #: position_ids [4, batch, seq_len]: text positions, then multimodal RoPE rows (runtime/positions.py)
-        self.mrope = len(names_in["position_ids"].shape or ()) == 3
-        seq_dim = (names_in["input_ids"].shape or (None, None))[1]
-        self.fixed_seq_len = seq_dim if isinstance(seq_dim, int) else None
-        self.prefill_seq_len = self._dim("prefill_seq_len", self.fixed_seq_len, prefill_seq_len,
-                                         man.get("prefill_seq_len"), default=DEFAULT_PREFILL_SEQ_LEN)
-        self.prefill_seq_len = ring_mod.cap_chunk(self.rings, self.fixed_seq_len, self.prefill_seq_len)
-        self._pad_ring = not self.rings or ir_model.metadata_props.get(naming.SLIDING_CACHE_META) == "ring"
-        #: rings of another exporter (not our ring export): prefill chunks never wrap them (ring.within_ring)
-        self._ring_within = not self._pad_ring
-        if self._ring_within and (self.fixed_seq_len or 1) > 1:
-            raise RuntimeInputError(f"the graph fixes seq_len={self.fixed_seq_len} and has another exporter's "
-                                    "sliding-window rings, which are exact only fed one token at a time past the ring")
-        #: exported by qeff-kv (its target recorded in the graph): short chunks are not padded
-        self._own_graph = "qeff_kv.target" in ir_model.metadata_props
-        batch_dim = first[0] if first else None
-        if self.continuous_batching:
-            self.max_sequences = self._dim("max_sequences", batch_dim, max_sequences, man.get("full_batch_size"),
-                                           default=1)
-            exported = man.get("full_batch_size")
-            if isinstance(exported, int) and not isinstance(exported, bool) and self.max_sequences > exported:
-                raise RuntimeInputError(
-                    f"the graph was exported for full_batch_size={exported} slots (manifest); "
-                    f"{self.max_sequences} sequences were requested")
-        else:
-            if isinstance(batch_dim, int) and batch_dim != 1:
-                raise ContractError(
-                    f"graph without batch_index has a fixed KV batch of {batch_dim}; the runtime runs such a "
-                    "graph with one sequence (batch 1)")
-            # several sequences without batch_index: lock step (runtime/lockstep.py), checked below
-            self.max_sequences = 1 if max_sequences is None else int(max_sequences)
-        logits = layout.output("logits")
-        lshape = logits.shape if logits is not None else None
-        self.vocab_size = lshape[-1] if lshape and isinstance(lshape[-1], int) else None
-        self.logits_dtype = np.dtype(logits.dtype) if logits is not None and logits.dtype != "unknown" else np.float32
-        eos = man.get("eos_token_id")
-        self.eos_token_ids: list[int] = ([eos] if isinstance(eos, int) else list(eos or []))
-
-        # ---- identity (of the file as given, before any in-memory patch)
-        self.kv_fingerprint = kv_fingerprint(layout)
-        self.model_fingerprint = model_fingerprint(ir_model)  # sampled: the fallback identity
-        self.checkpoint = checkpoint_identity(ir_model, self.files.manifest)  # recorded at export, or None
-
-        # ---- in-place safety
-        issues = inplace_issues(ir_model, layout)
-        self.inplace_issues = [i.message for i in issues if not i.replaced]
-        #: recurrent states the graph replaces whole (the peer's): they get a second buffer, the rest stays in place
-        self._replaced_states = any(i.replaced for i in issues)
-        safe = not self.inplace_issues
-        if inplace is True and not safe:
-            raise ContractError(f"graph is not in-place safe: {self.inplace_issues[0]}")
-        self.inplace = safe if inplace is None else (bool(inplace) and safe)
-        #: several sequences in a graph without batch_index: prefill by rows, decode every row together
-        self.lockstep = not self.continuous_batching and self.max_sequences > 1
-        if self.lockstep:
-            why = lockstep_mod.refusal(inplace=self.inplace, rings=self.rings or None, batch_dim=batch_dim,
-                                       images=self.media is not None, recurrent=self.recurrent)
-            if why is not None:
-                raise RuntimeInputError(f"graph has no batch_index input: max_sequences={self.max_sequences} needs "
-                                        f"lock-step batching, which is not possible: {why}")
-        # ---- memory: refuse (one line, with the size) before onnxruntime or numpy allocate anything
-        KVCache.require_memory(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                               double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
-                               keep=checkpoints.keep, recurrent_double_buffer=not self.inplace or self._replaced_states)
-        if not safe:
-            warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
-                          "running with separate output buffers", RuntimeWarning, stacklevel=2)
-
-        # ---- onnxruntime-specific patch (in memory only)
+        self._describe(ir_model, asked)
+        # onnxruntime-specific patch (in memory only)
         fix = OrtInvalidIndexPass()
         modified = fix(ir_model).modified
         self.invalid_index_patch = {"gather": fix.gather_constants, "scatter": fix.scatter_constants}
+        if not modified:
+            return str(self.files.onnx_path), False
+        ir_model.meta.pop("qeff_kv.source_path", None)
+        proto = ir.serde.serialize_model(ir_model)
+        external = bool(graphio.external_tensors(ir_model))
+        del ir_model
+        if proto.ir_version > graphio.MAX_ORT_IR_VERSION:
+            proto.ir_version = graphio.MAX_ORT_IR_VERSION
+        return proto.SerializeToString(), external
 
+    def _describe(self, ir_model: ir.Model, asked: Requested) -> None:
+        """The description (every refusal of the graph and the arguments), the identity of the file as given
+        (before any in-memory patch), the memory refusal, the in-place warning."""
+        self.graph = GraphDescription.resolve(ir_model, self.files.manifest, self.files.onnx_path.name, asked)
+        self.kv_fingerprint = kv_fingerprint(self.graph.layout)
+        self.model_fingerprint = model_fingerprint(ir_model)  # sampled: the fallback identity
+        self.checkpoint = checkpoint_identity(ir_model, self.files.manifest)  # recorded at export, or None
+        self._require_memory()
+        if self.inplace_issues:
+            warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
+                          "running with separate output buffers", RuntimeWarning, stacklevel=4)
+
+    def _require_memory(self) -> None:
+        """Refuse (one line, with the size) buffers that do not fit, before onnxruntime or numpy allocate."""
+        mem = self.graph.memory
+        KVCache.require_memory(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
+                               double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
+                               keep=mem.checkpoints.keep,
+                               recurrent_double_buffer=self.graph.swaps_buffers)
+
+    def _open_onnxruntime(self, source: bytes | str, external: bool, threads: int | None,
+                          providers: Seq[str] | None) -> ort.InferenceSession:
+        """The onnxruntime session over ``source``; its load failure is one line naming the file."""
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = int(threads)
         # Errors are ours to report, in one line: onnxruntime's own log lines stay quiet below "error".
         so.log_severity_level = 3
         _quiet_onnxruntime()
-        providers = list(providers or ["CPUExecutionProvider"])
-        # Free the inspected graph before onnxruntime loads its own copy: peak memory is one copy of the
-        # weights, not two.
-        if modified:
-            ir_model.meta.pop("qeff_kv.source_path", None)
-            proto = ir.serde.serialize_model(ir_model)
-            if graphio.external_tensors(ir_model):
-                so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                            str(self.files.onnx_path.parent.resolve()))
-            if proto.ir_version > graphio.MAX_ORT_IR_VERSION:
-                proto.ir_version = graphio.MAX_ORT_IR_VERSION
-            del ir_model
-            source: bytes | str = proto.SerializeToString()
-            del proto
-        else:
-            del ir_model
-            source = str(self.files.onnx_path)
+        if external:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                        str(self.files.onnx_path.parent.resolve()))
         gc.collect()
         try:
             with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-                self._sess = ort.InferenceSession(source, so, providers=providers)
+                return ort.InferenceSession(source, so, providers=list(providers or ["CPUExecutionProvider"]))
         except Exception as exc:  # onnxruntime raises several pybind exception types
             msg = " ".join(str(exc).split())[:400]
             raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
-        del source
 
-        self.cache = KVCache(positional, max_sequences=self.max_sequences, ctx_len=self.ctx_len,
-                             double_buffer=not self.inplace, rings=self.rings, recurrent=recurrent,
-                             checkpoints=checkpoints, recurrent_double_buffer=not self.inplace or self._replaced_states)
-        self._io = self._sess.io_binding()
-        self._out_order: list[str] = []
-        self._bind_kv()
-        if self.media is not None:
-            self.media.bind(self._io, self._bind_out)
-        if self.lockstep:   # each row keeps its last slot for idle rows' writes (see runtime/lockstep.py)
-            self._rows = lockstep_mod.RowViews(self.cache.arrays)
-            self.ctx_len -= 1
-            self.cache.ctx_len -= 1
+    def _allocate(self) -> None:
+        """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
+        small inputs' and logits' arrays (made per step shape), the CCL feeder."""
+        mem = self.graph.memory
+        self.cache = KVCache(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
+                             double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
+                             checkpoints=mem.checkpoints,
+                             recurrent_double_buffer=self.graph.swaps_buffers)
+        self.cache.ctx_len = self.ctx_len   # lock step: idle rows write the last slot (see runtime/lockstep.py)
+        self._rows = lockstep_mod.RowViews(self.cache.arrays)   # batch-1 views of the rows, made on first use
         self._small: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._small_values: dict[tuple[int, int, int], dict[str, ort.OrtValue]] = {}
         self._logits: dict[tuple[int, int, int], tuple[np.ndarray, ort.OrtValue]] = {}
@@ -277,21 +199,63 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self._logits_prebound = self.vocab_size is not None
         self.timings = Timings()
         # comp_ctx_lengths (contract section 9), ours or the peer's: fed at the smallest allowed length
-        self.ccl = ccl_mod.CCLFeeder(self.ctx_len, man.get("ccl")) if ccl_mod.INPUT in names_in else None
+        self.ccl = ccl_mod.CCLFeeder(self.ctx_len, self.graph.ccl_listed) if self.graph.ccl else None
         self._ccl_bound: int | None = None
 
-    # ------------------------------------------------------------------------------------ helpers
-    @staticmethod
-    def _dim(what: str, graph_value, given, manifest_value, default: int | None = None) -> int:
-        if isinstance(graph_value, int):
-            if given is not None and given != graph_value:
-                raise RuntimeInputError(f"the graph fixes {what}={graph_value}; {given} was requested")
-            return graph_value
-        value = given if given is not None else manifest_value if manifest_value is not None else default
-        if value is None:
-            raise RuntimeInputError(f"the graph leaves {what} symbolic ({graph_value!r}); give it (--{what.replace('_', '-')} N)")
-        return positive_int(what, value)
+    def _bind(self) -> None:
+        """Bind the buffers once: every KV pair (in place, or to its spare), a vision-language graph's images."""
+        self._io = self._sess.io_binding()
+        self._out_order: list[str] = []
+        self._bind_kv()
+        if self.media is not None:
+            self.media.bind(self._io, self._bind_out)
 
+    # ------------------------------------------------------------------------------------ the description
+    # What the graph is (runtime/graph_description.py), read where it always was.
+    layout = property(lambda self: self.graph.layout)
+    prefix = property(lambda self: self.graph.layout.prefix)
+    num_layers = property(lambda self: self.graph.layout.num_layers)
+    #: a vision-language language graph's image inputs (runtime/media.py), or None
+    media = property(lambda self: self.graph.media)
+    continuous_batching = property(lambda self: self.graph.batching.continuous_batching)
+    #: several sequences in a graph without batch_index: prefill by rows, decode every row together
+    lockstep = property(lambda self: self.graph.batching.lockstep)
+    rings = property(lambda self: self.graph.memory.rings)
+    sliding_window = property(lambda self: self.graph.memory.rings.window)
+    #: the graph keeps recurrent state (conv_state/recurrent_state): rewinds need checkpoints
+    recurrent = property(lambda self: self.graph.recurrent)
+    #: position_ids [4, batch, seq_len]: text positions, then multimodal RoPE rows (runtime/positions.py)
+    mrope = property(lambda self: self.graph.mrope)
+    ctx_len = property(lambda self: self.graph.ctx_len)
+    prefill_seq_len = property(lambda self: self.graph.dims.prefill_seq_len)
+    fixed_seq_len = property(lambda self: self.graph.dims.fixed_seq_len)
+    max_sequences = property(lambda self: self.graph.dims.max_sequences)
+    inplace = property(lambda self: self.graph.inplace)
+    inplace_issues = property(lambda self: list(self.graph.inplace_issues))
+    vocab_size = property(lambda self: self.graph.vocab_size)
+    logits_dtype = property(lambda self: self.graph.logits_dtype)
+    eos_token_ids = property(lambda self: list(self.graph.eos_token_ids))
+    #: exported by qeff-kv (its target recorded in the graph): short chunks are not padded
+    _own_graph = property(lambda self: self.graph.own_graph)
+    _pad_ring = property(lambda self: self.graph.memory.pad_ring)
+
+    def _redescribe(self, **memory_or_graph) -> None:
+        """Replace fields of the description (what a test does to run the graph as another kind would be)."""
+        mem = {k: v for k, v in memory_or_graph.items() if k in Memory.__dataclass_fields__}
+        rest = {k: v for k, v in memory_or_graph.items() if k not in mem}
+        self.graph = replace(self.graph, memory=replace(self.graph.memory, **mem), **rest)
+
+    #: a speculative-decoding graph (``num_logits_to_keep``): :func:`qeff_kv.runtime.speculative.score` verifies
+    #: drafted tokens in one step; ``speculative_tokens`` is its ``K`` (graph metadata or manifest, else None)
+    speculative = property(lambda self: self.graph.speculative,
+                           lambda self, v: self._redescribe(speculative=bool(v)))
+    speculative_tokens = property(lambda self: self.graph.speculative_tokens,
+                                  lambda self, v: self._redescribe(speculative_tokens=v))
+    #: rings of another exporter (not our ring export): prefill chunks never wrap them (ring.within_ring)
+    _ring_within = property(lambda self: self.graph.memory.ring_within,
+                            lambda self, v: self._redescribe(ring_within=bool(v)))
+
+    # ------------------------------------------------------------------------------------ helpers
     def _bind_kv(self) -> None:
         for name, value, spare in self.cache.bindings():
             self._io.bind_ortvalue_input(name, value)
@@ -313,9 +277,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
         arrays = self._small.get(key)
         if arrays is None:
             arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
-                      "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64)}
-            if self.continuous_batching:
-                arrays["batch_index"] = np.zeros((rows, 1), np.int64)
+                      "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64),
+                      **self.graph.batching.step_inputs(rows)}
             if self.speculative:
                 arrays[naming.LOGITS_TO_KEEP_INPUT] = np.zeros((keep, 1), np.int64)
             self._small[key] = arrays
@@ -340,7 +303,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
             if length != self._ccl_bound:
                 self._io.bind_ortvalue_input(ccl_mod.INPUT, self.ccl.value(length))
                 self._ccl_bound = length
-        if not self.inplace or self._replaced_states:
+        if self.graph.swaps_buffers:
             self._bind_kv()
         try:
             self._sess.run_with_iobinding(self._io)
@@ -383,6 +346,35 @@ class Session(GenerationMixin, CacheVerbsMixin):
         ``(end - 1, end)``) take one at each position inside this call.
         """
         seq = self.cache.get(seq)
+        toks = self._check_prefill(seq, tokens, images)
+        end = seq.length + len(toks)
+        marks = (((end - 1, end) if checkpoint is True else tuple(int(m) for m in checkpoint or ()))
+                 if self.cache.recurrent.policy.at_prompts else ())   # prompt-boundary checkpoints
+        plan = self._prefill_plan(seq, toks, images, marks)
+        rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
+        if self.media is not None:
+            self.media.begin(self._io, self._bind_out, images)
+        t0 = time.perf_counter()
+        views = self.graph.batching.prefill_views(self._rows, seq)
+        if views is not None:   # lock step: the graph's batch-1 buffers are this sequence's row of ours
+            self._bind_views(views)
+        logits = self._prefill_chunks(seq, toks, plan, rope, marks)
+        if views is not None:
+            self._bind_kv()
+        if self.media is not None:
+            self.media.end()
+            seq.rope_marks.extend(self.media.marks(images, seq.length, pos_mod.delta(seq.rope_marks)))
+        seq.length += len(toks)
+        seq.tokens.extend(toks)
+        seq.pending = None
+        seq.pending_emitted = False
+        self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.prefill_tokens += len(toks)
+        return logits
+
+    def _check_prefill(self, seq: Sequence, tokens: Seq[int], images) -> list[int]:
+        """The prompt's token ids, refused in one line when empty, out of the vocabulary, past the capacity, or
+        with images on a text decoder."""
         toks = self._check_tokens(tokens)
         if not toks:
             raise RuntimeInputError("prefill needs at least one token")
@@ -392,29 +384,35 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 f"ctx_len={self.ctx_len}")
         if images is not None and self.media is None:
             raise RuntimeInputError("images were given but the graph is a text decoder")
-        rec, S, end = self.cache.recurrent, self.prefill_seq_len, seq.length + len(toks)
-        marks = (((end - 1, end) if checkpoint is True else tuple(int(m) for m in checkpoint or ()))
-                 if rec.policy.at_prompts else ())   # prompt-boundary checkpoints
+        return toks
+
+    def _prefill_plan(self, seq: Sequence, toks: list[int], images, marks: tuple[int, ...]
+                      ) -> list[tuple[int, int, bool]]:
+        """The chunks ``(offset, count, padded)``: where the images' runs allow (media), ending at the recurrent
+        state's checkpoints, never wrapping another exporter's rings."""
+        n, rec, S = len(toks), self.cache.recurrent, self.prefill_seq_len
         if self.media is not None:
-            plan = self._chunks(seq.length, len(toks), self.media.check(toks, images, self.prefill_seq_len))
+            plan = self._chunks(seq.length, n, self.media.check(toks, images, S))
         elif rec:   # chunks end at checkpoint positions
-            plan = self._chunks(seq.length, len(toks), rec.boundaries(
-                seq.length, [(o, min(S, len(toks) - o)) for o in range(0, len(toks), S)], marks))
+            plan = self._chunks(seq.length, n, rec.boundaries(
+                seq.length, [(o, min(S, n - o)) for o in range(0, n, S)], marks))
         else:
-            plan = self._chunks(seq.length, len(toks))
+            plan = self._chunks(seq.length, n)
         if self._ring_within:   # another exporter's rings: no chunk wraps them
-            plan = self._chunks(seq.length, len(toks), ring_mod.within_ring([(o, c) for o, c, _ in plan],
-                                                                            seq.length, self.rings.capacity))
-        rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
-        if self.media is not None:
-            self.media.begin(self._io, self._bind_out, images)
-        t0 = time.perf_counter()
-        logits = None
-        if self.lockstep:   # the graph's batch-1 buffers are this sequence's row of ours
-            for p in self.layout.pairs:
-                view = self._rows.row(seq.slot)[p.input_name]
-                self._io.bind_ortvalue_input(p.input_name, view)
-                self._bind_out(p.output_name, view)
+            plan = self._chunks(seq.length, n, ring_mod.within_ring([(o, c) for o, c, _ in plan],
+                                                                    seq.length, self.rings.capacity))
+        return plan
+
+    def _bind_views(self, views: dict[str, ort.OrtValue]) -> None:
+        """Bind ``views`` (input name -> value) as both the KV inputs and their retained outputs."""
+        for p in self.layout.pairs:
+            self._io.bind_ortvalue_input(p.input_name, views[p.input_name])
+            self._bind_out(p.output_name, views[p.input_name])
+
+    def _prefill_chunks(self, seq: Sequence, toks: list[int], plan: list[tuple[int, int, bool]], rope,
+                        marks: tuple[int, ...]) -> np.ndarray:
+        """Run the chunks of ``plan`` (``seq.length`` not yet advanced); the logits after the last one."""
+        rec, logits = self.cache.recurrent, None
         for off, cnt, padded in plan:
             width = self.prefill_seq_len if padded else cnt
             if self.fixed_seq_len is not None:
@@ -426,25 +424,13 @@ class Session(GenerationMixin, CacheVerbsMixin):
             ids[0, :cnt] = toks[off:off + cnt]
             pos_mod.write(pos, 0, seq.length + off, cnt, None if rope is None else rope[:, off:off + cnt],
                           pos_mod.delta(seq.rope_marks))
-            if self.continuous_batching:
-                arrays["batch_index"][0, 0] = seq.slot
+            self.graph.batching.fill_prefill(arrays, seq)
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.cache.wrote(seq, seq.length + off + cnt)
             if rec and (rec.due(seq.length + off + cnt) or seq.length + off + cnt in marks):
                 rec.snapshot(seq, seq.length + off + cnt)
             if self.media is not None:
                 self.media.chain()
-        if self.lockstep:
-            self._bind_kv()
-        if self.media is not None:
-            self.media.end()
-            seq.rope_marks.extend(self.media.marks(images, seq.length, pos_mod.delta(seq.rope_marks)))
-        seq.length += len(toks)
-        seq.tokens.extend(toks)
-        seq.pending = None
-        seq.pending_emitted = False
-        self.timings.prefill_s += time.perf_counter() - t0
-        self.timings.prefill_tokens += len(toks)
         assert logits is not None
         return logits
 
@@ -456,6 +442,37 @@ class Session(GenerationMixin, CacheVerbsMixin):
         items = list(feeds.items()) if isinstance(feeds, dict) else list(feeds)
         if not items:
             return {}
+        seqs, toks = self._check_decode(items)
+        batching = self.graph.batching
+        rows = batching.decode_rows(len(seqs), self.max_sequences)
+        width = self.fixed_seq_len or 1
+        if width > 1 and any(s.length == self.ctx_len - 1 for s in seqs):
+            raise RuntimeInputError(
+                f"the graph fixes seq_len={width}, so a decode step carries padding, which must not share "
+                f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
+        t0 = time.perf_counter()
+        arrays = self._bind_small(rows, width)
+        if width != 1:
+            arrays["input_ids"].fill(0)
+            pos_mod.clear(arrays["position_ids"])
+        batching.fill_decode(arrays, seqs, toks, self.cache.sequences)
+        logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
+        out = {}
+        for r, (s, t) in enumerate(zip(seqs, toks)):
+            s.length += 1
+            self.cache.wrote(s, s.length)
+            if self.cache.recurrent.due(s.length):
+                self.cache.recurrent.snapshot(s, s.length)
+            s.tokens.append(t)
+            s.pending = None
+            s.pending_emitted = False
+            out[s] = logits[batching.logits_row(r, s)]
+        self.timings.decode_s += time.perf_counter() - t0
+        self.timings.decode_steps += 1
+        return out
+
+    def _check_decode(self, items: list) -> tuple[list[Sequence], list[int]]:
+        """The step's sequences and tokens, refused in one line when malformed, repeated, empty or out of room."""
         if not all(isinstance(it, tuple) and len(it) == 2 for it in items):
             raise RuntimeInputError("decode takes {sequence: token} or [(sequence, token), ...]")
         seqs = [self.cache.get(s) for s, _ in items]
@@ -467,45 +484,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 f"sequence {empty[0]} is empty: prefill it first (decode continues a sequence by one token)")
         toks = self._check_tokens(t for _, t in items)
         self.cache.check_room(seqs, 1)
-        rows = self.max_sequences if self.lockstep else len(seqs)
-        if not self.continuous_batching and not self.lockstep and rows != 1:
-            raise RuntimeInputError("a graph without batch_index decodes one sequence per step")
-        width = self.fixed_seq_len or 1
-        if width > 1 and any(s.length == self.ctx_len - 1 for s in seqs):
-            raise RuntimeInputError(
-                f"the graph fixes seq_len={width}, so a decode step carries padding, which must not share "
-                f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
-        t0 = time.perf_counter()
-        arrays = self._bind_small(rows, width)
-        ids, pos = arrays["input_ids"], arrays["position_ids"]
-        if width != 1:
-            ids.fill(0)
-            pos_mod.clear(pos)
-        if self.lockstep:   # every row: the fed ones at their next position, the others write past theirs
-            lockstep_mod.fill_rows(ids, pos, {s.slot: (t, s.length) for s, t in zip(seqs, toks)},
-                                   {s.slot: s.length for s in self.cache.sequences})
-        else:
-            for r, (s, t) in enumerate(zip(seqs, toks)):
-                ids[r, 0] = t
-                pos_mod.write(pos, r, s.length, 1, delta=pos_mod.delta(s.rope_marks))
-                if self.continuous_batching:
-                    arrays["batch_index"][r, 0] = s.slot
-        logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
-        out = {}
-        for r, (s, t) in enumerate(zip(seqs, toks)):
-            if self.lockstep:
-                r = s.slot
-            s.length += 1
-            self.cache.wrote(s, s.length)
-            if self.cache.recurrent.due(s.length):
-                self.cache.recurrent.snapshot(s, s.length)
-            s.tokens.append(t)
-            s.pending = None
-            s.pending_emitted = False
-            out[s] = logits[r]
-        self.timings.decode_s += time.perf_counter() - t0
-        self.timings.decode_steps += 1
-        return out
+        return seqs, toks
 
 
 def open_session(model: str | os.PathLike, **kwargs) -> Session:

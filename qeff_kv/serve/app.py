@@ -72,76 +72,185 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
     if drain is not None:
         app.add_middleware(DrainGate, drain=drain)
-    defaults = defaults if defaults is not None else SamplingDefaults()
-    token_text = TokenText(text.tokenizer)
     discovery.add_cors(app, allowed_origins)
-    metrics = Metrics(engine, registry)
-    app.state.engine, app.state.metrics, app.state.text = engine, metrics, text
-    #: prompt text longer than this cannot fit the context: refused before it is tokenized (None: no such check)
-    app.state.text_limit = text_limit(text.tokenizer, engine.ctx_len)
-    created = int(time.time())
-    state_dir = Path(state_dir) if state_dir is not None else None
-    background: set[asyncio.Task] = set()
-    constraints = Constraints(text.tokenizer, text.eos_token_ids)
-    tool_support: list[ToolSupport] = []   # made on first use (it renders the template once)
-
-    def _tools() -> ToolSupport:
-        if not tool_support:
-            tool_support.append(ToolSupport(text.tokenizer, text.chat_template))
-        return tool_support[0]
-
-    # ------------------------------------------------------------------------------------ errors
+    front = _Frontend(app, engine, text, api_key=api_key, state_dir=state_dir, registry=registry,
+                      defaults=defaults if defaults is not None else SamplingDefaults(), max_n=max_n)
     http_errors.install(app)
+    _add_plain_routes(app, front)
+    discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json)
+    _add_slot_routes(app, front)
+    _add_generation_routes(app, front)
+    return app
 
-    def _auth(request: Request) -> None:
-        if api_key is None:
+
+class _Frontend:
+    """What the routes share: the engine, the text facts, the sampling defaults, the API key check, the metrics,
+    and the generation path (check, render and tokenize; submit; answer or stream)."""
+
+    def __init__(self, app: FastAPI, engine: Engine, text: TextFacts, *, api_key: str | None,
+                 state_dir: str | Path | None, registry, defaults: SamplingDefaults, max_n: int):
+        self.app, self.engine, self.text, self.api_key = app, engine, text, api_key
+        self.defaults, self.max_n = defaults, max_n
+        self.token_text = TokenText(text.tokenizer)
+        self.metrics = Metrics(engine, registry)
+        app.state.engine, app.state.metrics, app.state.text = engine, self.metrics, text
+        #: prompt text longer than this cannot fit the context: refused before it is tokenized (None: no such check)
+        app.state.text_limit = text_limit(text.tokenizer, engine.ctx_len)
+        self.created = int(time.time())
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.background: set[asyncio.Task] = set()
+        self.constraints = Constraints(text.tokenizer, text.eos_token_ids)
+        self._tool_support: ToolSupport | None = None   # made on first use (it renders the template once)
+
+    def tools(self) -> ToolSupport:
+        if self._tool_support is None:
+            self._tool_support = ToolSupport(self.text.tokenizer, self.text.chat_template)
+        return self._tool_support
+
+    def auth(self, request: Request) -> None:
+        if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             raise APIError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            code="invalid_api_key")
 
-    # ------------------------------------------------------------------------------------ plain routes
+    def model_card(self) -> dict:
+        return {"id": self.engine.model_name, "object": "model", "created": self.created, "owned_by": "qeff-kv",
+                "max_model_len": self.engine.ctx_len, "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
+
+    # ------------------------------------------------------------------------------------ generation
+    def prompt_ids(self, p: Params, tools: ToolRequest | None = None) -> list[int]:
+        text, ctx_len = self.text, self.engine.ctx_len
+        if p.messages is not None:
+            if text.chat_template is None:
+                raise bad("this model has no chat template; use /v1/completions", "messages")
+            try:
+                messages, listed = self.tools().prompt(p.messages, tools)
+                rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
+            except QeffKvError as exc:   # naming the template by its file name, not the server's folder
+                source = str(getattr(text.chat_template, "source", "") or "")
+                msg = str(exc).replace(source, Path(source).name) if source else str(exc)
+                raise bad(msg, "messages") from None
+            check_text_fits(rendered, self.app.state.text_limit, ctx_len, "messages")
+            return encode_text(text.tokenizer, rendered, add_special_tokens=False)
+        if p.prompt_ids is not None:
+            return p.prompt_ids
+        check_text_fits(p.prompt_text, self.app.state.text_limit, ctx_len, "prompt")
+        return encode_text(text.tokenizer, p.prompt_text)
+
+    def prepare(self, body, chat: bool) -> _Prepared:
+        """Check, render and tokenize a request, its structured-output field and tools (in a worker thread: none of
+        it runs on the event loop)."""
+        p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n)
+        spec, field = parse_structured(body)
+        tools = _tool_request(body, chat, spec)
+        parser = self.tools().parser if tools is not None else None
+        if tools is not None and tools.forced:
+            spec, field = tools.grammar(parser), "tool_choice"
+        return _Prepared(p, self.prompt_ids(p, tools), spec, field, parser)
+
+    def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None) -> list:
+        """The request's choices submitted: one handle per choice (``n``)."""
+        engine = self.engine
+        if len(ids) > engine.ctx_len:
+            raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
+                      "context_length_exceeded")
+        room = engine.ctx_len - len(ids) + 1
+        try:
+            first = sampling_of(p, self.defaults)
+        except QeffKvError as exc:
+            raise bad(str(exc)) from None
+        req = GenerationRequest(
+            request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults, room), sampling=first,
+            stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
+            logprobs=p.logprobs, constraint=constraint)
+        try:
+            if p.n == 1:
+                return [engine.submit(req)]
+            return engine.submit_n(req, choice_samplings(first, p.n))
+        except QueueFullError as exc:
+            self.metrics.rejected()
+            raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
+        except UnavailableError as exc:
+            self.metrics.rejected()
+            raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
+        except QeffKvError as exc:
+            self.metrics.rejected()
+            raise bad(str(exc), param) from None
+
+    async def generate(self, request: Request, chat: bool):
+        arrival = time.monotonic()
+        self.auth(request)
+        prep = await asyncio.to_thread(self.prepare, await read_json(request), chat)
+        p, ids, parser = prep.params, prep.ids, prep.parser
+        constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint)
+        tokenizer = self.text.tokenizer
+        echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
+        runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,
+                    logprobs=Logprobs(self.token_text, chat, len(echo)) if p.logprobs is not None else None,
+                    tools=ToolStream(parser) if parser is not None else None)
+                for h in handles]
+        model = self.engine.model_name
+        if p.stream:
+            # the background task also runs when the client left before the stream started: the request is cancelled
+            return StreamingResponse(sse(runs, rid, chat, created_at=int(time.time()), model=model, echo=echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(lambda: [r.abandon() for r in runs]))
+        contents = await asyncio.gather(*[collect(r) for r in runs])
+        failed = [r for r in runs if r.error is not None]
+        if failed:
+            raise failed[0].error_object()
+        choices = [choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": usage(runs)}
+
+
+# ============================================================================================ routes, by area
+def _add_plain_routes(app: FastAPI, front: _Frontend) -> None:
+    """Health, metrics, the chat page, the model list."""
+    engine = front.engine
+
     @app.get("/health")
     async def health():
         why = engine.health()
         if why is not None:   # a load balancer reads the status; a person reads why
             raise APIError(f"unhealthy: {why}", status=503, type="server_error", code="unhealthy")
         return {"status": "ok", "model": engine.model_name, **engine.stats(),
-                "sampling_defaults": defaults.shown(), "max_n": max_n}
+                "sampling_defaults": front.defaults.shown(), "max_n": front.max_n}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return HTMLResponse(resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8"))
 
-    def _model_card() -> dict:
-        return {"id": engine.model_name, "object": "model", "created": created, "owned_by": "qeff-kv",
-                "max_model_len": engine.ctx_len, "sampling_defaults": defaults.shown(), "max_n": max_n}
-
     @app.get("/v1/models")
     async def models(request: Request):
-        _auth(request)
-        return {"object": "list", "data": [_model_card()]}
+        front.auth(request)
+        return {"object": "list", "data": [front.model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        _auth(request)
+        front.auth(request)
         if model_id != engine.model_name:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {engine.model_name!r}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
-        return _model_card()
+        return front.model_card()
 
-    discovery.add_token_routes(app, engine=engine, text=text, auth=_auth, json_body=read_json)
 
-    # ------------------------------------------------------------------------------------ slots
+def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:
+    """The slots API: list the slots; save, restore or erase one (files in ``--state-dir``)."""
+    engine = front.engine
+
     @app.get("/slots")
     async def list_slots(request: Request):
-        _auth(request)
+        front.auth(request)
         try:
             return engine.slots()
         except NotImplementedError as exc:
@@ -149,8 +258,8 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
 
     @app.post("/slots/{slot_id}")
     async def slot_action(slot_id: str, request: Request, action: str | None = None):
-        _auth(request)
-        if state_dir is None:
+        front.auth(request)
+        if front.state_dir is None:
             raise APIError("slot actions need the server to be started with --state-dir", status=501,
                            type="not_supported_error", code="slots_disabled")
         if not _SLOT_ID.fullmatch(slot_id):
@@ -165,7 +274,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                     or name.endswith(".tokens.json"):
                 raise bad(f"filename must be a plain file name (letters, digits, '.', '_', '-'; no path), got "
                           f"{name!r}", "filename")
-            path = state_dir / name
+            path = front.state_dir / name
         try:
             return await asyncio.to_thread(engine.slot_action, int(slot_id), action, path)
         except NotImplementedError as exc:
@@ -173,101 +282,17 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
         except QeffKvError as exc:
             raise bad(str(exc), "id_slot") from None
 
-    # ------------------------------------------------------------------------------------ generation
-    def _prompt_ids(p: Params, tools: ToolRequest | None = None) -> list[int]:
-        tok = text.tokenizer
-        if p.messages is not None:
-            if text.chat_template is None:
-                raise bad("this model has no chat template; use /v1/completions", "messages")
-            try:
-                messages, listed = _tools().prompt(p.messages, tools)
-                rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
-            except QeffKvError as exc:   # naming the template by its file name, not the server's folder
-                source = str(getattr(text.chat_template, "source", "") or "")
-                msg = str(exc).replace(source, Path(source).name) if source else str(exc)
-                raise bad(msg, "messages") from None
-            check_text_fits(rendered, app.state.text_limit, engine.ctx_len, "messages")
-            return encode_text(tok, rendered, add_special_tokens=False)
-        if p.prompt_ids is not None:
-            return p.prompt_ids
-        check_text_fits(p.prompt_text, app.state.text_limit, engine.ctx_len, "prompt")
-        return encode_text(tok, p.prompt_text)
 
-    def _prepare(body, chat: bool) -> _Prepared:
-        """Check, render and tokenize a request, its structured-output field and tools (in a worker thread: none of
-        it runs on the event loop)."""
-        p = parse(body, chat=chat, model_name=engine.model_name, ctx_len=engine.ctx_len, max_n=max_n)
-        spec, field = parse_structured(body)
-        tools = _tool_request(body, chat, spec)
-        parser = _tools().parser if tools is not None else None
-        if tools is not None and tools.forced:
-            spec, field = tools.grammar(parser), "tool_choice"
-        return _Prepared(p, _prompt_ids(p, tools), spec, field, parser)
-
-    def _submit(p: Params, ids: list[int], rid: str, param: str, constraint=None) -> list:
-        """The request's choices submitted: one handle per choice (``n``)."""
-        if len(ids) > engine.ctx_len:
-            raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
-                      "context_length_exceeded")
-        room = engine.ctx_len - len(ids) + 1
-        try:
-            first = sampling_of(p, defaults)
-        except QeffKvError as exc:
-            raise bad(str(exc)) from None
-        req = GenerationRequest(
-            request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, defaults, room), sampling=first,
-            stop_token_ids=frozenset() if p.ignore_eos else frozenset(text.eos_token_ids), logprobs=p.logprobs,
-            constraint=constraint)
-        try:
-            if p.n == 1:
-                return [engine.submit(req)]
-            return engine.submit_n(req, choice_samplings(first, p.n))
-        except QueueFullError as exc:
-            metrics.rejected()
-            raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
-        except UnavailableError as exc:
-            metrics.rejected()
-            raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
-        except QeffKvError as exc:
-            metrics.rejected()
-            raise bad(str(exc), param) from None
-
-    async def _generate(request: Request, chat: bool):
-        arrival = time.monotonic()
-        _auth(request)
-        prep = await asyncio.to_thread(_prepare, await read_json(request), chat)
-        p, ids, parser = prep.params, prep.ids, prep.parser
-        constraint = await constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handles = _submit(p, ids, rid, "messages" if chat else "prompt", constraint)
-        echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else text.tokenizer.decode(ids)
-        runs = [Run(request, h, p, len(ids), text.tokenizer, metrics, arrival, background,
-                     logprobs=Logprobs(token_text, chat, len(echo)) if p.logprobs is not None else None,
-                     tools=ToolStream(parser) if parser is not None else None)
-                for h in handles]
-        if p.stream:
-            # the background task also runs when the client left before the stream started: the request is cancelled
-            return StreamingResponse(sse(runs, rid, chat, created_at=int(time.time()), model=engine.model_name,
-                                          echo=echo),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(lambda: [r.abandon() for r in runs]))
-        contents = await asyncio.gather(*[collect(r) for r in runs])
-        failed = [r for r in runs if r.error is not None]
-        if failed:
-            raise failed[0].error_object()
-        choices = [choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": engine.model_name, "choices": choices, "usage": usage(runs)}
+def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
+    """OpenAI's completions and chat completions."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, chat=False)
+        return await front.generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(request, chat=True)
-
-    return app
+        return await front.generate(request, chat=True)
 
 
 def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:
