@@ -161,6 +161,8 @@ def test_health_answers_at_once_while_a_replica_restarts_and_a_crash_loop_is_a_5
                 t0 = time.monotonic()
                 r = tc.get("/health")
                 slowest = max(slowest, time.monotonic() - t0)
+                if r.status_code == 503 and engine.health() is not None:
+                    break   # the second restart landed between the loop's check and the request: the crash loop
                 assert r.status_code == 200
                 assert time.monotonic() < deadline, "the replica did not come back"
                 time.sleep(0.05)
