@@ -88,13 +88,20 @@ class ChunkType(click.ParamType):
 @click.option("--decode-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
 @click.option("--prefill-export", type=click.Path(path_type=str), default=None,
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
-@click.option("--ray-address", default=None, help="With --disaggregate: an existing Ray cluster (default: local).")
+@click.option("--ray-address", default=None,
+              help="With --disaggregate or --kv-role: an existing Ray cluster (default: local).")
+@click.option("--kv-role", type=click.Choice(["producer", "consumer", "both"]), default=None,
+              help="vLLM's P/D protocol between separate servers (kv_transfer_params): a producer prefills and holds "
+                   "the KV in Ray's object store, a consumer takes it and decodes (needs ray; give both servers one "
+                   "--ray-address).")
+@click.option("--kv-hold-seconds", type=AsciiFloat(), default=60.0, show_default=True, metavar="S",
+              help="With --kv-role producer|both: seconds a state no consumer took is held before it is freed.")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
-              ray_address) -> None:
+              ray_address, kv_role, kv_hold_seconds) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -104,9 +111,10 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                      f"{exc}") from None
     from qeff_kv.serve.config import ServeConfig
 
-    if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1):
+    if not disaggregate and (prefill_export or prefill_replicas != 1 or decode_replicas != 1
+                             or (ray_address and not kv_role)):
         raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export and --ray-address go with "
-                               "--disaggregate")
+                               "--disaggregate (--ray-address also with --kv-role)")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
@@ -118,7 +126,8 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          allowed_origins=[o.strip() for o in allowed_origins.split(",") if o.strip()]
                          if allowed_origins else None,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
-                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address)
+                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
+                         kv_role=kv_role, kv_hold_seconds=kv_hold_seconds)
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

@@ -64,3 +64,7 @@ class ServeConfig:
     prefill_export: str | None = None
     #: an existing Ray cluster ("auto", "ray://host:10001"); None: start a local one
     ray_address: str | None = None
+    # ---- vLLM's P/D protocol between separate servers (serve/pd.py): "producer", "consumer" or "both"; None: off
+    kv_role: str | None = None
+    #: seconds a producer holds a state no consumer took (then Ray frees it)
+    kv_hold_seconds: float = 60.0

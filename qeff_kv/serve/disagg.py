@@ -37,6 +37,7 @@ import time
 from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
+from .kv_connector import InBandConnector
 from .replicas import ReplicaWatch
 from .transfer import Prefiller, facts, pair_refusal
 
@@ -77,12 +78,13 @@ class PrefillWorker:
 
         self.prefiller = Prefiller(Session(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
                                            threads=threads), reuse=reuse_prompts)
+        self.connector = InBandConnector()   # the transfer goes back through Ray's object store as the return value
 
     def facts(self) -> dict:
         return facts(self.prefiller.session)
 
     def prefill(self, request_id: str, prompt, sampling):
-        return self.prefiller.run(request_id, prompt, sampling)
+        return self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling))
 
     def stats(self) -> dict:
         return {"prompt_tokens_reused": self.prefiller.reused_tokens, "pid": os.getpid()}
@@ -100,6 +102,7 @@ class DecodeWorker:
 
         cfg = dataclasses.replace(config, threads=threads)
         self.scheduler = Scheduler(open_session(cfg), max_queue=config.max_queue, reuse_prompts=False)
+        self.connector = InBandConnector()
         self.handoffs = {"handoffs": 0, "handoff_bytes": 0, "handoff_prefill_s": 0.0, "handoff_extract_s": 0.0}
 
     async def facts(self) -> dict:
@@ -113,6 +116,7 @@ class DecodeWorker:
 
     async def generate(self, req: GenerationRequest, transfer):
         """Admit ``transfer`` (a :class:`~qeff_kv.serve.transfer.KVTransfer`) for ``req``; yield its events."""
+        transfer = self.connector.load(transfer)
         self.handoffs["handoffs"] += 1
         self.handoffs["handoff_bytes"] += transfer.nbytes
         self.handoffs["handoff_prefill_s"] += transfer.prefill_s

@@ -30,6 +30,13 @@ COUNTERS = {
     "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
                                             "Drafted tokens accepted (equal to plain decoding's pick)."),
     "qeff_kv_speculative_verifications": ("speculative_verifications", "Decode steps that verified drafts."),
+    # vLLM's P/D protocol (--kv-role, serve/pd.py)
+    "qeff_kv_kv_saves": ("kv_saves", "Prefilled sequences held for a consumer (producer)."),
+    "qeff_kv_kv_save_bytes": ("kv_save_bytes", "Bytes of KV held for consumers: valid positions only (producer)."),
+    "qeff_kv_kv_loads": ("kv_loads", "Held sequences taken from a producer and imported (consumer)."),
+    "qeff_kv_kv_load_bytes": ("kv_load_bytes", "Bytes of KV taken from producers (consumer)."),
+    "qeff_kv_kv_load_failures": ("kv_load_failures", "Held states a consumer could not get (timed out, gone)."),
+    "qeff_kv_kv_load_fallbacks": ("kv_load_fallbacks", "Requests whose state could not be had, prefilled here."),
 }
 
 
