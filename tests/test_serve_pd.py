@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import requires_torch
@@ -317,3 +318,75 @@ def test_state_of_another_checkpoint_refused_in_one_line(pd, ray_address, own_gr
         assert "\n" not in msg
     finally:
         producer.close()
+
+
+# ============================================================================================ memory kinds
+def _collect(handle):
+    from qeff_kv.serve.engine import Finished, TokenOut
+
+    toks, fin = [], None
+    for ev in handle.iter_sync(timeout=120):
+        if isinstance(ev, TokenOut):
+            toks.append(ev.token)
+        else:
+            assert isinstance(ev, Finished)
+            fin = ev
+    return toks, fin
+
+
+def _hand_off_through_schedulers(make_session, prompts):
+    """A producer Scheduler and a consumer Scheduler, each with its RayHoldConnector (this process is the Ray
+    driver): do_remote_decode, load, admit; the consumer's tokens equal a single Scheduler's."""
+    from qeff_kv.runtime import GREEDY, SamplingParams
+    from qeff_kv.serve.engine import GenerationRequest
+    from qeff_kv.serve.kv_connector import RayHoldConnector
+    from qeff_kv.serve.scheduler import Scheduler
+
+    producer = Scheduler(make_session(), connector=RayHoldConnector("producer", hold_seconds=30))
+    consumer = Scheduler(make_session(), connector=RayHoldConnector("consumer"))
+    single = Scheduler(make_session(), reuse_prompts=False)
+    try:
+        for i, prompt in enumerate(prompts):
+            for sampling in (GREEDY, SamplingParams(temperature=0.9, seed=11 + i)):
+                def req(rid, n, **kw):
+                    return GenerationRequest(rid, tuple(prompt), n, sampling, frozenset(), **kw)
+
+                alone, _ = _collect(single.submit(req("a", NEW)))
+                first, fin = _collect(producer.submit(req("p", 1, kv_transfer_params={"do_remote_decode": True})))
+                params = fin.kv_transfer_params
+                assert first == alone[:1] and params["num_tokens"] == len(prompt)
+                t = consumer.connector.load(params)
+                assert t.nbytes == params["transfer_bytes"]
+                toks, fin = _collect(consumer.submit(req("c", NEW, state=t.state, kv_transfer_params=params)))
+                assert toks == alone, (prompt, sampling)
+                assert fin.cached_tokens == len(prompt)
+        assert consumer.stats()["prefill_chunks"] == 0
+        return t
+    finally:
+        for s in (producer, consumer, single):
+            s.close()
+
+
+def test_recurrent_hybrid_state_hands_off_with_its_checkpoints(ray_address, tmp_path):
+    import _recurrent_graph as rg
+
+    from qeff_kv.runtime import Session
+
+    graph = rg.save(tmp_path / "hybrid.onnx")
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(0, rg.VOCAB, size=n)] for n in (13, 21)]
+    t = _hand_off_through_schedulers(lambda: Session(graph, ctx_len=64, prefill_seq_len=4, max_sequences=2,
+                                                     checkpoint_every=8, max_checkpoints=4), prompts)
+    assert any(n.startswith(("conv_state", "recurrent_state")) for n in t.state.tensors)
+    assert "Specs" in t.slicing
+
+
+def test_ring_buffers_hand_off_the_slots_they_hold(ray_address, family_exports):
+    from families import SW
+    from qeff_kv.runtime import Session
+
+    export = family_exports("gemma2_sw", "onnxruntime").out_dir
+    prompt = [int(x) for x in np.random.default_rng(3).integers(3, 120, size=3 * SW)]
+    t = _hand_off_through_schedulers(lambda: Session(export), [prompt])
+    rings = Session(export).rings.capacities
+    assert rings and all(t.state.tensors[n].shape[2] == SW for n in rings)
