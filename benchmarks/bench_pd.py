@@ -7,7 +7,10 @@ server; a ``--kv-role producer`` and a ``--kv-role consumer`` joined to that Ray
 reuse anywhere), each sent streamed (greedy, ``--new`` tokens) to the single server and through the proxy, one at a
 time:
 
-* TTFT single server / through the proxy (client-side: request sent -> first text chunk), and the difference;
+* TTFT single server / through the proxy (client-side: request sent -> first text chunk), and the difference
+  (median of the per-prompt differences);
+* the hand-off itself, from the servers' counters: the producer's ``kv_save_seconds`` (extract + ``ray.put`` + hold)
+  and the consumer's ``kv_load_seconds`` (find the holder, take, fetch from the object store);
 * the pieces of the P/D path, from the direct protocol calls made once more per prompt: the producer's answer
   (prefill + first token + extract + ``ray.put`` + hold) and the consumer's first token with the params (take +
   fetch + checks + import + first chunk);
@@ -86,15 +89,19 @@ def _stats(url: str) -> dict:
 
 
 def measure(servers: dict, length: int, args, rng) -> dict:
-    vocab_hi = args.vocab
-    rows = {"single_ttft_s": [], "pd_ttft_s": [], "producer_s": [], "consumer_first_s": []}
+    rows = {"single_ttft_s": [], "pd_ttft_s": [], "added_ttft_s": [], "save_s": [], "load_s": [], "producer_s": [],
+            "consumer_first_s": []}
     same, moved, expected = True, [], []
     for _ in range(args.repeats):
-        prompt = [int(t) for t in rng.integers(3, vocab_hi, size=length)]
+        prompt = [int(t) for t in rng.integers(3, args.vocab, size=length)]
         alone = stream_one(servers["single"].url, prompt, args.new, "m")
-        before = _stats(servers["consumer"].url)["kv_load_bytes"]
+        cons, prod = _stats(servers["consumer"].url), _stats(servers["producer"].url)
         pd = stream_one(servers["proxy"].url, prompt, args.new, "m")
-        moved.append(_stats(servers["consumer"].url)["kv_load_bytes"] - before)
+        cons2, prod2 = _stats(servers["consumer"].url), _stats(servers["producer"].url)
+        moved.append(cons2["kv_load_bytes"] - cons["kv_load_bytes"])
+        rows["load_s"].append(cons2["kv_load_seconds"] - cons["kv_load_seconds"])
+        rows["save_s"].append(prod2["kv_save_seconds"] - prod["kv_save_seconds"])
+        rows["added_ttft_s"].append(pd["ttft"] - alone["ttft"])
         same = same and pd["text"] == alone["text"]
         rows["single_ttft_s"].append(alone["ttft"])
         rows["pd_ttft_s"].append(pd["ttft"])
@@ -105,8 +112,8 @@ def measure(servers: dict, length: int, args, rng) -> dict:
         say(f"  {length} tokens: single {alone['ttft'] * 1e3:.0f} ms, P/D {pd['ttft'] * 1e3:.0f} ms, "
             f"moved {moved[-1]} bytes")
     med = {k: statistics.median(v) for k, v in rows.items()}
-    return {"prompt_len": length, "repeats": args.repeats, **{k[:-2] + "_ms": round(v * 1e3, 1) for k, v in med.items()},
-            "added_ttft_ms": round((med["pd_ttft_s"] - med["single_ttft_s"]) * 1e3, 1),
+    ms = {k[:-2] + "_ms": round(v * 1e3, 1) for k, v in med.items()}
+    return {"prompt_len": length, "repeats": args.repeats, **ms,
             "bytes_moved": moved, "bytes_expected": expected,
             "bytes_per_position": expected[0] // length if expected else None,
             "bytes_equal_valid_positions": moved == expected, "identical_text": same}
@@ -131,8 +138,11 @@ def main() -> None:
     if args.vocab is None:
         cfg = resolve_model(args.export).manifest or {}
         args.vocab = int(cfg.get("vocab_size") or 1000)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    from qeff_kv.serve.pd import ray_on_loopback
+
+    with ray_on_loopback(ray):
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
     address = ray.get_runtime_context().gcs_address
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)

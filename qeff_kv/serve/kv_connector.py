@@ -72,7 +72,13 @@ class KVConnector(ABC):
     def request_finished(self, session, seq, request_id: str):
         """A producer's request finished with its prompt prefilled and its first token sampled: extract the
         sequence's valid positions and :meth:`save` them; returns what names the held state."""
-        return self.save(request_id, extract(session, seq, request_id))
+        t0 = time.perf_counter()
+        out = self.save(request_id, extract(session, seq, request_id))
+        self._timed("kv_save_seconds", time.perf_counter() - t0)
+        return out
+
+    def _timed(self, key: str, seconds: float) -> None:
+        """Seconds spent in saves (extract + hold) or loads (take + fetch), where the transport counts them."""
 
     def matched_tokens(self, params) -> int:
         """Prompt positions the remote state holds (0: none; vLLM's ``get_num_new_matched_tokens``)."""
@@ -185,7 +191,7 @@ class RayHoldConnector(KVConnector):
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self.counts = {"kv_saves": 0, "kv_save_bytes": 0, "kv_loads": 0, "kv_load_bytes": 0, "kv_load_failures": 0,
-                       "kv_load_fallbacks": 0}
+                       "kv_load_fallbacks": 0, "kv_save_seconds": 0.0, "kv_load_seconds": 0.0}
         #: this connector started Ray in this process (its close() stops it)
         self.owns_ray = False
         self._holder = None
@@ -225,6 +231,17 @@ class RayHoldConnector(KVConnector):
         except ValueError:
             raise KVLoadError(f"producer {engine} is gone (no KV holder of that engine in the Ray cluster)") from None
         return tid, engine, holder.take.remote(tid)
+
+    def _timed(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.counts[key] += seconds
+
+    def load(self, params, timeout: float = LOAD_TIMEOUT) -> KVTransfer:
+        t0 = time.perf_counter()
+        try:
+            return super().load(params, timeout)
+        finally:
+            self._timed("kv_load_seconds", time.perf_counter() - t0)
 
     def wait_load(self, pending, timeout: float = LOAD_TIMEOUT) -> KVTransfer:
         ray = self._ray

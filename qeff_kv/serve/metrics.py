@@ -37,6 +37,8 @@ COUNTERS = {
     "qeff_kv_kv_load_bytes": ("kv_load_bytes", "Bytes of KV taken from producers (consumer)."),
     "qeff_kv_kv_load_failures": ("kv_load_failures", "Held states a consumer could not get (timed out, gone)."),
     "qeff_kv_kv_load_fallbacks": ("kv_load_fallbacks", "Requests whose state could not be had, prefilled here."),
+    "qeff_kv_kv_save_seconds": ("kv_save_seconds", "Seconds holding states: extract, object store, hold (producer)."),
+    "qeff_kv_kv_load_seconds": ("kv_load_seconds", "Seconds taking states: find, take, fetch (consumer)."),
 }
 
 

@@ -22,7 +22,9 @@ submitted (:func:`prepare`, run off the event loop), and the answer's field (:fu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass
 
 from ..errors import KVLoadError, StateFileError
@@ -39,14 +41,46 @@ class KVAsk:
     answer: dict | None = None
 
 
+#: addresses of a Ray cluster on this machine's loopback interface
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def ray_on_loopback(ray):
+    """While Ray starts or joins a node on 127.0.0.1. Fact of Ray 2.60: a loopback node address is replaced by the
+    machine's own unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read
+    when Ray is imported: set on the module too, and in the environment the processes Ray starts inherit); a driver
+    without it never connects to a node started on 127.0.0.1 (it waits for a raylet at the machine's address)."""
+    constants = ray._private.ray_constants
+    before = os.environ.get(_RAY_CLUSTER_ENV), constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before[1]
+        if before[0] is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = before[0]
+
+
+def _on_loopback(address: str | None) -> bool:
+    rest = (address or "")[len("ray://"):] if (address or "").startswith("ray://") else (address or "")
+    return rest.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+
+
 def start_connector(config):
-    """The server's KV connector for ``config.kv_role``: Ray joined at ``config.ray_address`` (or a local instance
-    started with the disaggregated engine's settings, stopped by the connector's ``close()``)."""
+    """The server's KV connector for ``config.kv_role``: Ray joined at ``config.ray_address`` (a cluster on
+    127.0.0.1 joined as such), or a local instance started with the disaggregated engine's settings (stopped by the
+    connector's ``close()``)."""
     from .disagg import _join_or_start, _ray
     from .kv_connector import RayHoldConnector
 
     ray = _ray()
-    owns = _join_or_start(ray, config.ray_address)
+    with ray_on_loopback(ray) if _on_loopback(config.ray_address) else contextlib.nullcontext():
+        owns = _join_or_start(ray, config.ray_address)
     try:
         connector = RayHoldConnector(config.kv_role, hold_seconds=config.kv_hold_seconds, host=config.host,
                                      port=config.port)
