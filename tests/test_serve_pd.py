@@ -393,3 +393,27 @@ def test_ring_buffers_hand_off_the_slots_they_hold(ray_address, family_exports):
     t = _hand_off_through_schedulers(lambda: Session(export), [prompt])
     rings = Session(export).rings.capacities
     assert rings and all(t.state.tensors[n].shape[2] == SW for n in rings)
+
+
+def test_both_role_is_producer_and_consumer(ray_address, own_cb_graph):
+    """One ``--kv-role both`` server behind the proxy as prefill and decode server (built in this process, joined
+    to the module's Ray cluster: build_engine with ray_address): the single server's answers, the prompt cached."""
+    from serve_helpers import LiveServer
+
+    from qeff_kv.serve.config import ServeConfig
+    from qeff_kv.serve.server import build_engine, text_facts
+
+    config = ServeConfig(str(own_cb_graph), kv_role="both", ray_address=ray_address, model_name="tiny")
+    srv = LiveServer(build_engine(config), text_facts(config))
+    proxy = _Proxy(srv.url, srv.url)
+    try:
+        for prompt in PROMPTS[:2]:
+            body = {"prompt": prompt, "max_tokens": NEW, "ignore_eos": True, "temperature": 0.7, "seed": 5}
+            alone = _post(srv.url, body).json()
+            got = _post(proxy.url, body).json()
+            assert got["choices"][0]["text"] == alone["choices"][0]["text"]
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+        assert srv.engine.stats()["kv_loads"] == srv.engine.stats()["kv_saves"] == 2
+    finally:
+        proxy.stop()
+        srv.stop()
