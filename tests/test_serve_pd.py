@@ -296,7 +296,11 @@ def test_producer_gone_falls_back_or_fails_as_asked(pd):
     r = _post(pd["consumer"], dict(body, kv_transfer_params=dict(params, kv_load_failure_policy="fail")))
     assert r.status_code == 410 and r.json()["error"]["message"] == (
         "kv_transfer_params: producer no-such-engine is gone (no KV holder of that engine in the Ray cluster)")
-    # a plain server refuses the field
+    # the params name a state of another length than the prompt: refused before anything is taken
+    r = _post(pd["consumer"], dict(body, kv_transfer_params=dict(params, num_tokens=9)))
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "kv_transfer_params names a state of 9 positions; this request's prompt has 4 tokens")
+    # a consumer refuses do_remote_decode
     r = _post(pd["consumer"], dict(body, kv_transfer_params={"do_remote_decode": True}, max_tokens=1))
     assert r.status_code == 400 and "needs a KV producer; this server is a consumer" in r.json()["error"]["message"]
 
@@ -364,6 +368,10 @@ def _hand_off_through_schedulers(make_session, prompts):
                 assert toks == alone, (prompt, sampling)
                 assert fin.cached_tokens == len(prompt)
         assert consumer.stats()["prefill_chunks"] == 0
+        # vLLM's get_finished: the requests whose state left (producer) and arrived (consumer) since the last call
+        assert producer.connector.get_finished() == ({"p"}, set())
+        assert consumer.connector.get_finished() == (set(), {"p"})
+        assert producer.connector.get_finished() == (set(), set())
         return t
     finally:
         for s in (producer, consumer, single):

@@ -105,6 +105,10 @@ def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAs
         raise bad("structured output and forced tool calls do not go with kv_transfer_params.do_remote_prefill",
                   "kv_transfer_params")
     connector = engine.connector
+    held = connector.matched_tokens(kvp)   # vLLM's get_num_new_matched_tokens, from the params alone
+    if held and held != len(ids):
+        raise bad(f"kv_transfer_params names a state of {held} positions; this request's prompt has {len(ids)} "
+                  "tokens", "kv_transfer_params")
     try:
         transfer = connector.load(kvp)
     except KVLoadError as exc:
