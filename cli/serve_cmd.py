@@ -109,8 +109,8 @@ class ChunkType(click.ParamType):
 @click.option("--prefill-export", type=click.Path(path_type=str), default=None,
               help="With --disaggregate: the prefill replicas' export (default: EXPORT_DIR).")
 @click.option("--ray-address", default=None,
-              help="With --disaggregate: an existing Ray cluster (default: a local one, listening on 127.0.0.1 "
-                   "only).")
+              help="With --disaggregate or --kv-role: an existing Ray cluster (default: a local one, listening on "
+                   "127.0.0.1 only).")
 @click.option("--prefill-resources", type=ResourcesType(), default=None,
               help="With --disaggregate: Ray custom resources each prefill replica asks for, a JSON object (e.g. "
                    "'{\"qeffkv_prefill\": 1}': the replicas run on nodes started with such resources).")
@@ -129,13 +129,19 @@ class ChunkType(click.ParamType):
 @click.option("--route", type=click.Choice(["prefix", "load"]), default="prefix", show_default=True,
               help="With --disaggregate: send a request to the prefill replica holding the longest prefix of its "
                    "prompt, else the least loaded (prefix), or to the least loaded (load).")
+@click.option("--kv-role", type=click.Choice(["producer", "consumer", "both"]), default=None,
+              help="vLLM's P/D protocol between separate servers (kv_transfer_params): a producer prefills and holds "
+                   "the KV in Ray's object store, a consumer takes it and decodes (needs ray; give both servers one "
+                   "--ray-address).")
+@click.option("--kv-hold-seconds", type=AsciiFloat(), default=60.0, show_default=True, metavar="S",
+              help="With --kv-role producer|both: seconds a state no consumer took is held before it is freed.")
 def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
               allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
               ray_address, prefill_resources, decode_resources, kv_events, kv_events_block_size, kv_events_topic,
-              kv_events_replay, route) -> None:
+              kv_events_replay, route, kv_role, kv_hold_seconds) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -145,10 +151,11 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                      f"{exc}") from None
     from qeff_kv.serve.config import ServeConfig
 
-    if not disaggregate and (prefill_export or ray_address or prefill_replicas != 1 or decode_replicas != 1
-                             or prefill_resources or decode_resources or route != "prefix"):
+    if not disaggregate and (prefill_export or (ray_address and not kv_role) or prefill_replicas != 1
+                             or decode_replicas != 1 or prefill_resources or decode_resources or route != "prefix"):
         raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address, "
-                               "--route, --prefill-resources and --decode-resources go with --disaggregate")
+                               "--route, --prefill-resources and --decode-resources go with --disaggregate "
+                               "(--ray-address also with --kv-role)")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
@@ -164,7 +171,7 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                          prefill_resources=prefill_resources, decode_resources=decode_resources,
                          kv_events=kv_events, kv_events_block_size=kv_events_block_size,
                          kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay,
-                         route=route)
+                         route=route, kv_role=kv_role, kv_hold_seconds=kv_hold_seconds)
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

@@ -89,3 +89,8 @@ class Interrupted(QeffKvError):
 
 class UnavailableError(QeffKvError):
     """The server cannot run requests now (every replica of a kind stopped, the engine closed): HTTP 503."""
+
+
+class KVLoadError(QeffKvError):
+    """A KV connector could not load a held state (timed out and freed, producer gone, never held): the consumer
+    prefills the prompt itself, or answers 410 where the request asked to fail."""

@@ -31,6 +31,7 @@ from .drain import DrainGate
 from .engine import Engine, GenerationRequest
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
+from .pd import KVAsk, answer_field, prepare as prepare_kv
 from .responses import Run, choice, collect, sse, usage
 from .structured_io import Constraints, parse_structured
 from .tool_io import ToolRequest, ToolStream, ToolSupport, parse_tools
@@ -48,6 +49,7 @@ class _Prepared:
     spec: object = None           # the structured-output grammar (constrained.GrammarSpec), or None
     field: str | None = None      # the field it came from
     parser: object = None         # the tool-call parser, with tools
+    kv: KVAsk | None = None       # vLLM's P/D protocol (serve/pd.py): a producer's ask, a consumer's loaded state
 
 
 @dataclass
@@ -143,15 +145,17 @@ class _Frontend:
     def prepare(self, body, chat: bool) -> _Prepared:
         """Check, render and tokenize a request, its structured-output field and tools (in a worker thread: none of
         it runs on the event loop)."""
-        p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n)
+        p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n,
+                  kv_role=getattr(getattr(self.engine, "connector", None), "role", None))
         spec, field = parse_structured(body)
         tools = _tool_request(body, chat, spec)
         parser = self.tools().parser if tools is not None else None
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
-        return _Prepared(p, self.prompt_ids(p, tools), spec, field, parser)
+        ids = self.prompt_ids(p, tools)
+        return _Prepared(p, ids, spec, field, parser, prepare_kv(self.engine, p, ids, structured=spec is not None))
 
-    def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None) -> list:
+    def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None, kv: KVAsk | None = None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
         engine = self.engine
         if len(ids) > engine.ctx_len:
@@ -165,7 +169,8 @@ class _Frontend:
         req = GenerationRequest(
             request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults, room), sampling=first,
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
-            logprobs=p.logprobs, constraint=constraint)
+            logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
+            kv_transfer_params=kv.params if kv is not None else None)
         try:
             if p.n == 1:
                 return [engine.submit(req)]
@@ -187,7 +192,7 @@ class _Frontend:
         p, ids, parser = prep.params, prep.ids, prep.parser
         constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint)
+        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv)
         tokenizer = self.text.tokenizer
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
         runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,
@@ -206,7 +211,7 @@ class _Frontend:
             raise failed[0].error_object()
         choices = [choice(i, echo + content, r, chat) for i, (r, content) in enumerate(zip(runs, contents))]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices, "usage": usage(runs)}
+                "model": model, "choices": choices, "usage": usage(runs), **answer_field(self.engine, runs, prep.kv)}
 
 
 # ============================================================================================ routes, by area

@@ -77,3 +77,7 @@ class ServeConfig:
     #: ``ray start --resources``, this places the replicas on chosen nodes (e.g. prefill and decode on two hosts)
     prefill_resources: dict[str, float] | None = None
     decode_resources: dict[str, float] | None = None
+    # ---- vLLM's P/D protocol between separate servers (serve/pd.py): "producer", "consumer" or "both"; None: off
+    kv_role: str | None = None
+    #: seconds a producer holds a state no consumer took (then Ray frees it)
+    kv_hold_seconds: float = 60.0

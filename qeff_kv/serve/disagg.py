@@ -40,6 +40,7 @@ from ..errors import MissingDependencyError, QeffKvError, QueueFullError, Runtim
 from . import routing
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
+from .kv_connector import InBandConnector
 from .replicas import ReplicaWatch
 from ..runtime.prefix_cache import MIN_REUSE
 from .transfer import Prefiller, facts, pair_refusal
@@ -95,19 +96,20 @@ class PrefillWorker:
         # --kv-events: (config, rank): this replica publishes on the endpoint's port + rank
         self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
         self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
+        self.connector = InBandConnector()   # the transfer goes back through Ray's object store as the return value
 
     def facts(self) -> dict:
         return facts(self.prefiller.session)
 
     def prefill(self, request_id: str, prompt, sampling):
-        return self.prefiller.run(request_id, prompt, sampling)
+        return self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling))
 
     calls = 0   # prefill_routed calls of this process (orders its reports)
 
     def prefill_routed(self, request_id: str, prompt, sampling):
         """:meth:`prefill`, and what the replica keeps afterwards for the router (two returns: the transfer goes
         to the decode replica by reference, the report to the frontend; :mod:`.routing`)."""
-        out = self.prefiller.run(request_id, prompt, sampling)
+        out = self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling))
         self.calls += 1
         return out, routing.report(self.prefiller.prefix_cache, out.cached_tokens, self.calls,
                                    os.getpid())
@@ -132,6 +134,7 @@ class DecodeWorker:
 
         cfg = dataclasses.replace(config, threads=threads)
         self.scheduler = Scheduler(open_session(cfg), max_queue=config.max_queue, reuse_prompts=False)
+        self.connector = InBandConnector()
         self.handoffs = {"handoffs": 0, "handoff_bytes": 0, "handoff_prefill_s": 0.0, "handoff_extract_s": 0.0}
 
     async def facts(self) -> dict:
@@ -145,6 +148,7 @@ class DecodeWorker:
 
     async def generate(self, req: GenerationRequest, transfer):
         """Admit ``transfer`` (a :class:`~qeff_kv.serve.transfer.KVTransfer`) for ``req``; yield its events."""
+        transfer = self.connector.load(transfer)
         self.handoffs["handoffs"] += 1
         self.handoffs["handoff_bytes"] += transfer.nbytes
         self.handoffs["handoff_prefill_s"] += transfer.prefill_s

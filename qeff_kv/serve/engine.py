@@ -54,6 +54,9 @@ class GenerationRequest:
     logprobs: int | None = None
     #: a grammar's state (serve/constrained.py TokenConstraint): the tokens are drawn within its mask
     constraint: object | None = None
+    #: vLLM's P/D protocol (serve/pd.py): ``do_remote_decode`` asks the engine's KV connector to hold the prefilled
+    #: sequence when the request ends; ``do_remote_prefill`` comes with ``state`` (the loaded hand-off)
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Finished:
     cached_tokens: int          # prompt tokens taken from a kept sequence instead of being prefilled
     completion_tokens: int
     error: str | None = None
+    #: a producer's answer in vLLM's P/D protocol: what names the state its KV connector holds
+    kv_transfer_params: dict | None = None
 
 
 Event = Union[TokenOut, Finished]

@@ -47,6 +47,15 @@ COUNTERS = {
     # disaggregated serving (--disaggregate): what went from the prefill replicas to the decode replicas
     "qeff_kv_handoffs": ("handoffs", "KV states handed from a prefill replica to a decode replica."),
     "qeff_kv_handoff_bytes": ("handoff_bytes", "Bytes of the KV states handed off (the valid positions only)."),
+    # vLLM's P/D protocol (--kv-role, serve/pd.py)
+    "qeff_kv_kv_saves": ("kv_saves", "Prefilled sequences held for a consumer (producer)."),
+    "qeff_kv_kv_save_bytes": ("kv_save_bytes", "Bytes of KV held for consumers: valid positions only (producer)."),
+    "qeff_kv_kv_loads": ("kv_loads", "Held sequences taken from a producer and imported (consumer)."),
+    "qeff_kv_kv_load_bytes": ("kv_load_bytes", "Bytes of KV taken from producers (consumer)."),
+    "qeff_kv_kv_load_failures": ("kv_load_failures", "Held states a consumer could not get (timed out, gone)."),
+    "qeff_kv_kv_load_fallbacks": ("kv_load_fallbacks", "Requests whose state could not be had, prefilled here."),
+    "qeff_kv_kv_save_seconds": ("kv_save_seconds", "Seconds holding states: extract, object store, hold (producer)."),
+    "qeff_kv_kv_load_seconds": ("kv_load_seconds", "Seconds taking states: find, take, fetch (consumer)."),
 }
 
 

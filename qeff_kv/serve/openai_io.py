@@ -7,8 +7,9 @@ is silently ignored. Honoured: ``model``, ``prompt`` (text, token ids, or a list
 ``max_tokens`` or ``max_completion_tokens``, ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop`` (a
 string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream``, ``stream_options``
 (``include_usage``), ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: 0-5), ``logit_bias``
-(token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions), and the
-vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``. Accepted with no
+(token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions), the
+vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``, and vLLM's
+``kv_transfer_params`` (its P/D protocol, on a server with ``--kv-role``; :mod:`.pd`). Accepted with no
 effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, ``prompt_cache_key``,
 ``metadata``, ``service_tier`` ``auto``/``default``, ``store: false``, ``best_of: 1``. The sampling fields a
 request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`). Structured output
@@ -37,8 +38,15 @@ STRUCTURED = frozenset({"response_format", "structured_outputs", "guided_json", 
                         "guided_grammar", "json_schema", "grammar"})
 #: tool calls (read by :mod:`.tool_io`; chat only)
 TOOLS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
-HONOURED_CHAT = HONOURED | STRUCTURED | TOOLS | {"messages", "max_completion_tokens", "top_logprobs"}
-HONOURED_COMPLETIONS = HONOURED | STRUCTURED | {"prompt", "echo"}
+HONOURED_CHAT = HONOURED | STRUCTURED | TOOLS | {"messages", "max_completion_tokens", "top_logprobs",
+                                                 "kv_transfer_params"}
+HONOURED_COMPLETIONS = HONOURED | STRUCTURED | {"prompt", "echo", "kv_transfer_params"}
+#: vLLM's P/D protocol (serve/pd.py): the keys of ``kv_transfer_params`` read (vLLM's names, then ours); any other
+#: key is refused
+KV_TRANSFER_KEYS = frozenset({"do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
+                              "remote_host", "remote_port", "remote_request_id", "tp_size",
+                              "transfer_id", "num_tokens", "transfer_bytes", "kv_load_failure_policy"})
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 #: fields that by OpenAI's definition do not change the output (identifiers, cache hints), with the values
 #: accepted; any other value is refused
 NO_EFFECT = {"user": None, "safety_identifier": None, "prompt_cache_key": None, "metadata": None,
@@ -63,6 +71,9 @@ REFUSED = {
     "prompt_cache_options": ((None,), "prompt_cache_options is not supported (prompt reuse is automatic)"),
     "repeat_penalty": ((None,), "repeat_penalty (llama-server's, over the last tokens) is not supported; use "
                                 "repetition_penalty (over the whole prompt and output)"),
+    # vLLM's; its P/D proxy sends them back as null to the decode server
+    "min_tokens": ((None, 0), "min_tokens is not supported by this server"),
+    "min_completion_tokens": ((None, 0), "min_completion_tokens is not supported by this server"),
 }
 
 
@@ -108,6 +119,8 @@ class Params:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict] | None = None
+    #: vLLM's P/D protocol: the request's ``kv_transfer_params`` (checked by :func:`_kv_transfer`), or None
+    kv_transfer_params: dict | None = None
 
 
 def _is_int(v) -> bool:
@@ -166,7 +179,7 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad(f"unknown field {key!r}: not supported by {route} on this server", key)
 
 
-def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1) -> Params:
+def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv_role: str | None = None) -> Params:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -194,7 +207,53 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1) ->
         if p.echo and p.logprobs is not None:
             raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         _prompt(body.get("prompt", None), p)
+    p.kv_transfer_params = _kv_transfer(body.get("kv_transfer_params"), p, kv_role)
     return p
+
+
+def _kv_transfer(v, p: Params, kv_role: str | None) -> dict | None:
+    """vLLM's ``kv_transfer_params`` (serve/pd.py): an object of :data:`KV_TRANSFER_KEYS`, on a server with a KV role
+    that does what it asks: ``do_remote_decode`` (a producer: one token, not streamed, one choice) or
+    ``do_remote_prefill`` (a consumer: ``remote_engine_id`` and ``transfer_id`` strings, one choice, no logprobs)."""
+    param = "kv_transfer_params"
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(f"kv_transfer_params must be an object, got {v!r}", param)
+    if kv_role is None:
+        raise bad("kv_transfer_params needs a server started with --kv-role producer, consumer or both", param)
+    unknown = sorted(k for k in v if k not in KV_TRANSFER_KEYS)
+    if unknown:
+        raise bad(f"kv_transfer_params.{unknown[0]} is not supported (known: {', '.join(sorted(KV_TRANSFER_KEYS))})",
+                  param)
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        if v.get(key) is not None and not isinstance(v[key], bool):
+            raise bad(f"kv_transfer_params.{key} must be true or false, got {v[key]!r}", param)
+    decode, prefill = bool(v.get("do_remote_decode")), bool(v.get("do_remote_prefill"))
+    if decode and prefill:
+        raise bad("kv_transfer_params: do_remote_decode and do_remote_prefill together", param)
+    if (decode or prefill) and p.n != 1:
+        raise bad("kv_transfer_params goes with one choice (n = 1)", param)
+    if decode:
+        if kv_role not in ("producer", "both"):
+            raise bad(f"kv_transfer_params.do_remote_decode needs a KV producer; this server is a {kv_role}", param)
+        if p.stream or p.max_tokens != 1:
+            raise bad("kv_transfer_params.do_remote_decode needs max_tokens 1 and stream false (the producer "
+                      "prefills, samples one token and holds the KV)", param)
+    if prefill:
+        if kv_role not in ("consumer", "both"):
+            raise bad(f"kv_transfer_params.do_remote_prefill needs a KV consumer; this server is a {kv_role}", param)
+        for key in ("remote_engine_id", "transfer_id"):
+            if not isinstance(v.get(key), str) or not v[key] or len(v[key]) > 200:
+                raise bad(f"kv_transfer_params.{key} must be the string a producer answered, got {v.get(key)!r}",
+                          param)
+        if p.logprobs is not None:
+            raise bad("logprobs do not go with kv_transfer_params.do_remote_prefill (the first token was sampled "
+                      "by the producer)", param)
+    policy = v.get("kv_load_failure_policy")
+    if policy is not None and policy not in KV_LOAD_FAILURE_POLICIES:
+        raise bad(f"kv_transfer_params.kv_load_failure_policy must be recompute or fail, got {policy!r}", param)
+    return dict(v)
 
 
 def _sampling(body: dict, p: Params) -> None:

@@ -88,7 +88,8 @@ class Scheduler(ChoiceForks, Engine):
     """
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
-                 prefill_chunk: int | str | None = None, speculation=None, kv_events=None):
+                 prefill_chunk: int | str | None = None, speculation=None, kv_events=None,
+                 connector=None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
         if prefill_chunk is not None and prefill_chunk != "auto" and (
@@ -106,6 +107,8 @@ class Scheduler(ChoiceForks, Engine):
         if speculation is not None and speculation.session is not session:
             raise RuntimeInputError("the speculation drives another session than the scheduler's")
         self.speculation = speculation
+        #: a KV connector (serve/kv_connector.py, ``--kv-role``): holds the sequences of do_remote_decode requests
+        self.connector = connector
         self.model_name = model_name or session.files.folder.name
         self.ctx_len = session.ctx_len
         self.max_sequences = session.max_sequences
@@ -143,6 +146,8 @@ class Scheduler(ChoiceForks, Engine):
             out.update(self.speculation.stats())
         if self.kv_events is not None:
             out.update(self.kv_events.stats())
+        if self.connector is not None:
+            out.update(self.connector.stats())
         return out
 
     def health(self) -> str | None:
@@ -183,6 +188,8 @@ class Scheduler(ChoiceForks, Engine):
         self._thread.join(timeout=30)
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.connector is not None:
+            self.connector.close()
 
     # ------------------------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -244,10 +251,24 @@ class Scheduler(ChoiceForks, Engine):
             self.speculation.release(a)
         if a.followers:
             self._release_followers(a, reason, error)
+        held = self._hold_for_remote_decode(a, reason)   # before the sequence is kept or freed
         self.prefix_cache.release(a.seq, keep)
         with self._lock:
             self._admitted -= 1
-        a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error))
+        a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error, held))
+
+    def _hold_for_remote_decode(self, a: _Active, reason: str) -> dict | None:
+        """vLLM's ``request_finished``: a do_remote_decode request capped at its one token (its prompt prefilled,
+        the token sampled and pending) has its sequence held by the KV connector; the params naming it."""
+        params = a.req.kv_transfer_params
+        if self.connector is None or not params or not params.get("do_remote_decode") or reason != "length" \
+                or a.generated != 1 or not a.seq.alive or a.seq.length != len(a.req.prompt):
+            return None
+        try:
+            return self.connector.request_finished(self.session, a.seq, a.req.request_id)
+        except Exception:   # noqa: BLE001 - the answer goes out without kv_transfer_params: the consumer prefills
+            traceback.print_exc()
+            return None
 
     def _fail_all(self, message: str) -> None:
         for a in list(self._prefilling) + list(self._running):
@@ -344,7 +365,9 @@ class Scheduler(ChoiceForks, Engine):
             self.prefix_cache.make_room()
             seq = self.session.import_state(req.state)
             budget = max(1, min(req.max_tokens, self.ctx_len - seq.length + 1))
-            a = _Active(handle, req, seq, [], budget, params, picker=picker)
+            # a P/D consumer reports the prompt it loaded as cached (the in-process decode replica reports its own)
+            a = _Active(handle, req, seq, [], budget, params, picker=picker,
+                        cached=seq.length if req.kv_transfer_params else 0)
             if seq.pending is None:
                 self.prefix_cache.remove(seq)
                 raise RuntimeInputError("the handed-off state has no pending token")

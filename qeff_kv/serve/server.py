@@ -30,13 +30,21 @@ def build_engine(config: ServeConfig) -> Engine:
         speculation = Speculation(session, open_drafting(config.speculative, session, threads=config.threads),
                                   k=config.speculative_k)
     kv_events = open_publisher(config)
+    connector = None
     try:
+        if config.kv_role is not None:   # vLLM's P/D protocol (serve/pd.py): after the session opened, before serving
+            from .pd import start_connector
+
+            connector = start_connector(config)
         return Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
                          model_name=config.model_name or model_name_of(config.export_dir),
-                         prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events)
+                         prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events,
+                         connector=connector)
     except BaseException:
         if kv_events is not None:
             kv_events.close()
+        if connector is not None:
+            connector.close()
         raise
 
 
@@ -105,6 +113,24 @@ def check_config(config: ServeConfig) -> None:
     from .kv_events import check_options
 
     check_options(config)
+    check_kv_role(config)
+
+
+def check_kv_role(config: ServeConfig) -> None:
+    """``--kv-role`` (vLLM's P/D protocol) with its options; not with the in-process disaggregated engine."""
+    from .kv_connector import ROLES
+
+    if config.kv_role is None:
+        return
+    if config.kv_role not in ROLES:
+        raise RuntimeInputError(f"--kv-role must be one of {', '.join(ROLES)}, got {config.kv_role!r}")
+    if config.disaggregate:
+        raise RuntimeInputError("--kv-role does not go with --disaggregate (a P/D server is one engine; its peer "
+                                "is another qeff-kv serve)")
+    if config.speculative is not None:
+        raise RuntimeInputError("--kv-role does not go with --speculative")
+    if not 0 < config.kv_hold_seconds <= 3600:
+        raise RuntimeInputError(f"--kv-hold-seconds must be in (0, 3600], got {config.kv_hold_seconds:g}")
 
 
 def check_api_key(key: str) -> None:

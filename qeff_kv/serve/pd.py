@@ -1,0 +1,147 @@
+"""vLLM's disaggregated prefill/decode protocol between separate ``qeff-kv serve`` processes (``--kv-role``).
+
+A proxy (vLLM's ``toy_proxy_server.py``, the vLLM router, Ray Serve's P/D, ``tests/pd_proxy.py``) sends a request
+to a **producer** with ``max_tokens: 1``, ``stream: false`` and ``"kv_transfer_params": {"do_remote_decode": true,
+...}``; the producer prefills, samples the first token, and its KV connector (:class:`~.kv_connector.RayHoldConnector`)
+holds the sequence's valid positions in Ray's object store; its answer carries a top-level ``kv_transfer_params``
+naming the held state (``do_remote_prefill: true``, ``remote_engine_id``, ``transfer_id``, ...). The proxy copies it
+into the original request and sends that to a **consumer**, which takes the state through Ray, checks it as a state
+file is checked (KV contract, model, shapes, capacity: a state of another checkpoint is refused in one line, 400),
+checks it holds this request's prompt, imports it into a free slot, reports the prompt as cached
+(``usage.prompt_tokens_details.cached_tokens``) and continues, streamed or not, from the producer's first token.
+
+A consumer that cannot get the state (the hold timed out, the producer is gone, the state was taken already)
+prefills the prompt itself and says so: ``cached_tokens`` 0, the top-level ``kv_transfer_params`` of its answer
+``{"kv_load": "recomputed", "kv_load_error": "..."}``, the counter ``kv_load_fallbacks`` (``/health``,
+``qeff_kv_kv_load_fallbacks`` in ``/metrics``); with ``"kv_load_failure_policy": "fail"`` in the request's
+``kv_transfer_params`` (vLLM's name for the same choice) it answers **410** (``code: kv_transfer_unavailable``).
+
+Here: the start of the connector for a server (:func:`start_connector`), the consumer's load before a request is
+submitted (:func:`prepare`, run off the event loop), and the answer's field (:func:`answer_field`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+
+from ..errors import KVLoadError, StateFileError
+from .openai_io import APIError, Params, bad
+
+
+@dataclass
+class KVAsk:
+    """What a request's ``kv_transfer_params`` became: ``params`` for the engine (None: a plain request), ``state``
+    (a consumer's loaded hand-off), ``answer`` (what the answer's ``kv_transfer_params`` says, e.g. a fallback)."""
+
+    params: dict | None = None
+    state: object | None = None
+    answer: dict | None = None
+
+
+#: addresses of a Ray cluster on this machine's loopback interface
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def ray_on_loopback(ray):
+    """While Ray starts or joins a node on 127.0.0.1. Fact of Ray 2.60: a loopback node address is replaced by the
+    machine's own unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read
+    when Ray is imported: set on the module too, and in the environment the processes Ray starts inherit); a driver
+    without it never connects to a node started on 127.0.0.1 (it waits for a raylet at the machine's address)."""
+    constants = ray._private.ray_constants
+    before = os.environ.get(_RAY_CLUSTER_ENV), constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before[1]
+        if before[0] is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = before[0]
+
+
+def _on_loopback(address: str | None) -> bool:
+    rest = (address or "")[len("ray://"):] if (address or "").startswith("ray://") else (address or "")
+    return rest.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
+
+
+def start_connector(config):
+    """The server's KV connector for ``config.kv_role``: Ray joined at ``config.ray_address`` (a cluster on
+    127.0.0.1 joined as such), or a local instance started with the disaggregated engine's settings (stopped by the
+    connector's ``close()``)."""
+    from .disagg import _join_or_start, _ray
+    from .kv_connector import RayHoldConnector
+
+    ray = _ray()
+    with ray_on_loopback(ray) if _on_loopback(config.ray_address) else contextlib.nullcontext():
+        owns = _join_or_start(ray, config.ray_address)
+    try:
+        connector = RayHoldConnector(config.kv_role, hold_seconds=config.kv_hold_seconds, host=config.host,
+                                     port=config.port)
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
+    connector.owns_ray = owns
+    return connector
+
+
+def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAsk | None:
+    """The request's ``kv_transfer_params`` (checked by :mod:`.openai_io`) made ready for the engine: a producer's
+    is passed on (the scheduler holds the sequence when it ends); a consumer's state is loaded (blocking: call it
+    off the event loop), checked and given as the request's state, or the fallback of the module docstring."""
+    kvp = p.kv_transfer_params
+    if not kvp or not (kvp.get("do_remote_decode") or kvp.get("do_remote_prefill")):
+        return None
+    if kvp.get("do_remote_decode"):
+        return KVAsk(params=kvp)
+    if structured:
+        raise bad("structured output and forced tool calls do not go with kv_transfer_params.do_remote_prefill",
+                  "kv_transfer_params")
+    connector = engine.connector
+    held = connector.matched_tokens(kvp)   # vLLM's get_num_new_matched_tokens, from the params alone
+    if held and held != len(ids):
+        raise bad(f"kv_transfer_params names a state of {held} positions; this request's prompt has {len(ids)} "
+                  "tokens", "kv_transfer_params")
+    try:
+        transfer = connector.load(kvp)
+    except KVLoadError as exc:
+        if kvp.get("kv_load_failure_policy") == "fail":
+            raise APIError(f"kv_transfer_params: {exc}", status=410, param="kv_transfer_params",
+                           code="kv_transfer_unavailable") from None
+        connector.note_fallback()
+        return KVAsk(answer={"kv_load": "recomputed", "kv_load_error": str(exc)})
+    _check_state(engine.session, transfer.state, ids, kvp)
+    return KVAsk(params=kvp, state=transfer.state)
+
+
+def _check_state(session, state, ids: list[int], kvp: dict) -> None:
+    """The loaded state goes into this server's graph (every check of a state file) and holds this prompt."""
+    from ..runtime.state_file import validate
+
+    where = f"kv_transfer_params (state {kvp['transfer_id']} of producer {kvp['remote_engine_id']})"
+    try:
+        validate(session, state, where)
+    except StateFileError as exc:
+        raise bad(str(exc), "kv_transfer_params") from None
+    held = json.loads(state.metadata.get("tokens", "null"))
+    if held != list(ids):
+        n = len(held) if isinstance(held, list) else 0
+        raise bad(f"{where} holds another prompt ({n} tokens) than this request's ({len(ids)} tokens)",
+                  "kv_transfer_params")
+
+
+def answer_field(engine, runs, kv: KVAsk | None) -> dict:
+    """The top-level ``kv_transfer_params`` of a non-streamed answer on a server with a KV role (``{}`` on one
+    without: its answers are unchanged): a producer's held state, a consumer's fallback, else None."""
+    if getattr(engine, "connector", None) is None:
+        return {}
+    final = runs[0].final if runs else None
+    held = getattr(final, "kv_transfer_params", None)
+    return {"kv_transfer_params": held if held is not None else (kv.answer if kv is not None else None)}
