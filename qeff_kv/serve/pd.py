@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 
 from ..errors import KVLoadError, StateFileError
@@ -43,27 +42,15 @@ class KVAsk:
 
 #: addresses of a Ray cluster on this machine's loopback interface
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
-_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-@contextlib.contextmanager
 def ray_on_loopback(ray):
-    """While Ray starts or joins a node on 127.0.0.1. Fact of Ray 2.60: a loopback node address is replaced by the
-    machine's own unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read
-    when Ray is imported: set on the module too, and in the environment the processes Ray starts inherit); a driver
-    without it never connects to a node started on 127.0.0.1 (it waits for a raylet at the machine's address)."""
-    constants = ray._private.ray_constants
-    before = os.environ.get(_RAY_CLUSTER_ENV), constants.ENABLE_RAY_CLUSTER
-    os.environ[_RAY_CLUSTER_ENV] = "0"
-    constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        constants.ENABLE_RAY_CLUSTER = before[1]
-        if before[0] is None:
-            os.environ.pop(_RAY_CLUSTER_ENV, None)
-        else:
-            os.environ[_RAY_CLUSTER_ENV] = before[0]
+    """While Ray starts or joins a node on 127.0.0.1 (:func:`.disagg._loopback_node`, the switch of Ray 2.60 that
+    keeps a loopback node address): a driver without it never connects to a node started on 127.0.0.1 (it waits for
+    a raylet at the machine's address)."""
+    from .disagg import _loopback_node
+
+    return _loopback_node(ray)
 
 
 def _on_loopback(address: str | None) -> bool:
