@@ -42,7 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from qeff_kv.layout import KVPair, TensorInfo  # noqa: E402
-from qeff_kv.runtime.recurrent import DEFAULT_KEEP, CheckpointPolicy, RecurrentMemory  # noqa: E402
+from qeff_kv.runtime.memory.recurrent import DEFAULT_KEEP, CheckpointPolicy, RecurrentMemory  # noqa: E402
 
 
 def geometry(layers, heads, head_dim, d_state, n_groups, intermediate):

@@ -55,12 +55,12 @@ from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
 from . import positions as pos_mod
-from . import recurrent as rec_mod
+from .memory import recurrent as rec_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
 from .decode_loop import GenerationMixin
-from .verbs import CacheVerbsMixin
+from .cache_verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
