@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-import onnxruntime as ort
 
 from ...errors import RewindError, RuntimeInputError, StateFileError
 from ...layout import KVPair
