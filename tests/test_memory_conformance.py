@@ -18,6 +18,8 @@ branch to :func:`feed` and :func:`view`); every test below then runs on it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -337,3 +339,33 @@ def test_a_hand_off_moves_the_valid_bytes_cut_as_its_slicing_spec_says(mem):
             assert len(dims) == len(full) and dims[0] == "batch_index" and moved.shape[0] == 1
             for axis, d in enumerate(dims[1:], start=1):   # an axis moved whole, or positions from ctx_start
                 assert moved.shape[axis] == full[axis] if d == 0 else d == "ctx_start" and moved.shape[axis] <= full[axis]
+
+
+# ------------------------------------------------------------------------------------------------ in a session
+@pytest.mark.parametrize("graph", ["ring", "hybrid"])
+def test_a_sessions_hand_off_is_what_its_memories_say(graph, tmp_path):
+    """On a real graph (the synthetic ring graph of test_runtime_ring, the hybrid graph of _recurrent_graph), the
+    session's cache is this hybrid; a transfer moves exactly the memories' valid bytes, cut as their specs say, and
+    the decode side's rows equal the prefill side's."""
+    import _recurrent_graph as rg
+    from test_runtime_ring import PROMPT, ring_graph
+
+    from qeff_kv.runtime import Session
+    from qeff_kv.serve import transfer
+
+    path = ring_graph(tmp_path / "ring") if graph == "ring" else rg.save(tmp_path / "hybrid.onnx")
+    kw = {"ctx_len": 32} if graph == "ring" else {"ctx_len": 32, "prefill_seq_len": 4, "checkpoint_every": 4}
+    s = Session(path, max_sequences=2, **kw) if graph == "hybrid" else Session(path, **kw)
+    assert isinstance(s.cache, HybridMemory) and [type(m) for m in s.cache.memories] == \
+        [PositionalMemory, RopeMarks, RecurrentMemory]
+    seq = s.add_sequence()
+    s.prefill(seq, list(PROMPT) if graph == "ring" else [5, 17, 3, 40, 22, 9, 31, 8, 1, 2])
+    t = transfer.extract(s, seq)
+    assert t.nbytes == s.cache.valid_bytes(seq) == transfer.valid_bytes(s, seq) > 0
+    dims = s.cache.slicing_specs()
+    specs = {re.escape(n): d for n, d in dims.items()}
+    got = {e["Name"].strip("^$"): e["DimSpecs"] for e in t.slicing.get("Specs", [])}
+    assert got == ({} if graph == "ring" else specs)
+    target = Session(path, **kw)
+    back = transfer.install(target, t)
+    assert same(view(target.cache, back), view(s.cache, seq))
