@@ -4,7 +4,7 @@ time of taking one.
     python benchmarks/bench_checkpoints.py                 # geometries + the synthetic hybrid test graph
     python benchmarks/bench_checkpoints.py --model G.onnx --ctx-len 1024 --prefill-seq-len 32   # a real export
 
-A checkpoint (:mod:`qeff_kv.runtime.recurrent`) is a copy of one sequence's rows of every recurrent buffer
+A checkpoint (:mod:`qeff_kv.runtime.memory.recurrent`) is a copy of one sequence's rows of every recurrent buffer
 (``conv_state.{i}`` ``[conv_dim, conv_kernel]`` and ``recurrent_state.{i}`` ``[heads, head_dim, d_state]``), so its
 bytes are those of the sequence's recurrent state, and a sequence keeps at most ``max_checkpoints`` of them (default
 8). Taking one is :meth:`RecurrentMemory.snapshot`, timed here on buffers of each geometry (float32, one sequence,
@@ -42,7 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from qeff_kv.layout import KVPair, TensorInfo  # noqa: E402
-from qeff_kv.runtime.recurrent import DEFAULT_KEEP, CheckpointPolicy, RecurrentMemory  # noqa: E402
+from qeff_kv.runtime.memory.recurrent import DEFAULT_KEEP, CheckpointPolicy, RecurrentMemory  # noqa: E402
 
 
 def geometry(layers, heads, head_dim, d_state, n_groups, intermediate):

@@ -34,7 +34,7 @@ from ..limits import positive_int
 from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
-from . import recurrent as rec_mod
+from .memory import recurrent as rec_mod
 from . import ring as ring_mod
 from .batching import BATCH_INDEX, ContinuousBatching, LockStep, OneSequence
 

@@ -59,13 +59,13 @@ from . import ccl as ccl_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
 from . import positions as pos_mod
-from . import recurrent as rec_mod
+from .memory import recurrent as rec_mod
 from . import ring as ring_mod
 from .cache import KVCache, Sequence
 from .graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
 from .decode_loop import GenerationMixin
-from .verbs import CacheVerbsMixin
+from .cache_verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
 _ORT_QUIET = False
@@ -98,7 +98,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
             (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision.VisionLanguageModel`.
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
-            rewind goes to 0 only); see :mod:`qeff_kv.runtime.recurrent`.
+            rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,

@@ -16,7 +16,7 @@ File format (version 1, see ``docs/state-files.md``):
   every other metadata entry and every tensor's name, dtype, shape and bytes;
 * a recurrent or hybrid graph's recurrent buffers (``conv_state.{i}``, ``recurrent_state.{i}``) whole, ``[1, ...]``
   (never cut by position), and their checkpoints as tensors ``checkpoint.{p}.{buffer}`` with the metadata
-  ``recurrent_checkpoints`` (JSON: the positions ``p``, ascending) (:mod:`qeff_kv.runtime.recurrent`).
+  ``recurrent_checkpoints`` (JSON: the positions ``p``, ascending) (:mod:`qeff_kv.runtime.memory.recurrent`).
 
 The model check compares like with like: checkpoint identities when the file and the graph both carry one
 (so the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's files), else
@@ -45,11 +45,8 @@ import numpy as np
 from .. import __version__, fsutil, naming
 from ..errors import RuntimeInputError, StateFileError
 from .cache import Sequence
-from . import positions as pos_mod
-from . import recurrent as rec_mod
-from . import ring as ring_mod
+from .memory.base import meta_int
 from .model_files import is_checkpoint_identity
-from .ring import meta_int
 
 FORMAT = "qeff-kv-state"
 FORMAT_VERSION = "1"
@@ -134,13 +131,8 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
     other = [n for n in chosen if n not in kv_names]
     if other:
         raise RuntimeInputError(f"selection {regex!r} also matches non-KV buffers {other[:3]}")
-    rings = session.rings
-    rec = session.cache.recurrent
-    tensors = {n: session.cache.read(seq, n, ring_mod.saved_slots(rings, n, seq.length, seq.written))
-               for n in kv_inputs if n not in rec.shapes}
-    rec_tensors, rec_meta = rec_mod.state_tensors(rec, seq)   # whole, never cut by position; with checkpoints
-    tensors.update(rec_tensors)
-    first = tensors[next((n for n in kv_inputs if n not in rec.shapes), kv_inputs[0])]
+    tensors, entries = session.cache.state_write(seq, set(chosen))   # each memory's tensors and metadata
+    first = next(iter(tensors.values()))
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -158,9 +150,7 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         "weights_fibers": weights_fibers(session),
         "selection": regex,
         "saved_ctx_len": str(session.ctx_len),
-        **ring_mod.state_metadata(rings, seq),
-        **pos_mod.state_metadata(seq.rope_marks),
-        **rec_meta,
+        **entries,
         "created_by": f"qeff-kv {__version__}",
     }
     if all(t >= 0 for t in seq.tokens):   # the token ids, under the checksum (a file) or the identity (a hand-off)
@@ -187,13 +177,37 @@ def _state_path(path, what: str) -> Path:
     return Path(path)
 
 
-def validate(session, state: KVState, where: str = "state") -> str:
-    """Check ``state`` against ``session`` without changing anything (what :func:`import_state` checks first)."""
+def validate(session, state: KVState, where: str = "state") -> list:
+    """Check ``state`` against ``session`` without changing anything (what :func:`import_state` checks first);
+    returns each memory's checked part (:meth:`~qeff_kv.runtime.memory.hybrid.HybridMemory.state_check`)."""
     return _validate(session, state, where)
 
 
-def _validate(session, state: KVState, where: str) -> str:
-    """Check ``state`` against ``session``; returns how its buffers go in (:func:`ring.check_state`)."""
+def _validate(session, state: KVState, where: str) -> list:
+    """The container, the graph, the header; each memory's metadata; the file's own entries; each memory's
+    tensors."""
+    meta = _check_container(state, where)
+    _check_contract(session, meta, state.tensors, where)
+    n, shapes, pending_tok = _read_header(meta, where)
+    _check_consistent(session, meta, state.tensors, where)
+    cache = session.cache
+    parts = cache.state_check(meta, n, where)   # ring bookkeeping, RoPE marks, recurrent checkpoints
+    _tokens(meta, n, where)
+    _check_model(session, meta, where)
+    if n > session.ctx_len:
+        raise StateFileError(
+            f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
+    if sorted(state.tensors) != sorted(cache.state_expected(parts)):
+        raise StateFileError(f"{where}: tensors {sorted(state.tensors)[:3]}... do not match the graph's KV inputs")
+    cache.state_check_tensors(state.tensors, shapes, parts, where)
+    if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
+        raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
+    return parts
+
+
+def _check_container(state: KVState, where: str) -> dict[str, str]:
+    """A :class:`KVState` of this format and version, with every required entry and an intact checksum (a file) or
+    identity (an in-memory hand-off); returns its metadata."""
     if not isinstance(state, KVState) or not isinstance(state.tensors, dict) or not isinstance(state.metadata, dict):
         raise StateFileError(f"{where}: expected a KVState (from export_state or read_state), got "
                              f"{type(state).__name__}")
@@ -212,12 +226,21 @@ def _validate(session, state: KVState, where: str) -> str:
                                  "were changed")
     elif _checksum(meta, state.tensors) != meta["checksum"]:
         raise StateFileError(f"{where}: checksum mismatch; the file was edited or corrupted")
+    return meta
+
+
+def _check_contract(session, meta: dict[str, str], tensors: dict, where: str) -> None:
+    """Saved from a graph with this session's KV contract."""
     if meta["kv_fingerprint"] != session.kv_fingerprint:
-        theirs = sorted(state.tensors)[:2]
+        theirs = sorted(tensors)[:2]
         ours = [p.input_name for p in session.layout.pairs][:2]
         raise StateFileError(
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
+
+
+def _read_header(meta: dict[str, str], where: str) -> tuple[int, dict, int | None]:
+    """``(valid length, declared shapes, pending token or None)``, each well formed."""
     try:
         n = meta_int(meta["valid_length"])
         shapes = json.loads(meta["shapes"])
@@ -229,39 +252,7 @@ def _validate(session, state: KVState, where: str) -> str:
         raise StateFileError(f"{where}: malformed state metadata (pending_emitted)")
     if n < 0:
         raise StateFileError(f"{where}: negative valid length {n}")
-    _check_consistent(session, meta, state.tensors, where)
-    theirs = ring_mod.read_state_rings(meta, n, where)
-    mode = ring_mod.check_state(session.rings, theirs, n, where)
-    pos_mod.read_state_marks(meta, n, where)
-    _tokens(meta, n, where)
-    _check_model(session, meta, where)
-    if n > session.ctx_len:
-        raise StateFileError(
-            f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
-    rec = session.cache.recurrent
-    rec_expected = rec_mod.expected_tensors(rec, rec_mod.read_state_checkpoints(rec, meta, n, where, StateFileError))
-    expected = [p.input_name for p in session.layout.pairs if p.input_name not in rec.shapes]
-    if sorted(state.tensors) != sorted(expected + list(rec_expected)):
-        raise StateFileError(f"{where}: tensors {sorted(state.tensors)[:3]}... do not match the graph's KV inputs")
-    for name, (want, dtype) in rec_expected.items():   # a recurrent state whole, with its checkpoints
-        arr = state.tensors[name]
-        if tuple(arr.shape) != want or list(arr.shape) != shapes.get(name):
-            raise StateFileError(f"{where}: recurrent tensor {name!r} has shape {list(arr.shape)}, expected "
-                                 f"{list(want)}")
-        if arr.dtype != dtype:
-            raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {dtype}")
-    for name in expected:
-        arr = state.tensors[name]
-        full = session.cache.shapes[name]
-        want = (1, full[1], ring_mod.saved_slots(ring_mod.RingSpec(theirs.window, theirs.capacities), name, n,
-                                                 theirs.written), full[3])
-        if tuple(arr.shape) != want or list(arr.shape) != shapes.get(name):
-            raise StateFileError(f"{where}: tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
-        if arr.dtype != session.cache.dtypes[name]:
-            raise StateFileError(f"{where}: tensor {name!r} is {arr.dtype}, the graph's buffer is {session.cache.dtypes[name]}")
-    if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
-        raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
-    return mode
+    return n, shapes, pending_tok
 
 
 def _check_consistent(session, meta: dict[str, str], tensors: dict, where: str) -> None:
@@ -314,28 +305,13 @@ def _check_model(session, meta: dict[str, str], where: str) -> None:
 
 def import_state(session, state: KVState, seq: Sequence | None = None, *, where: str = "state") -> Sequence:
     """Validate ``state`` against ``session`` and copy it into ``seq`` (default: a new sequence)."""
-    mode = _validate(session, state, where)
+    parts = _validate(session, state, where)
     target = session.cache.create() if seq is None else session.cache.get(seq)
     n = state.valid_length
-    theirs = ring_mod.read_state_rings(state.metadata, n, where)
-    rec = session.cache.recurrent
-    for name, arr in state.tensors.items():
-        if name not in session.cache.shapes:   # recurrent states and their checkpoints: below
-            continue
-        cap = session.rings.capacities.get(name)
-        if mode == "to_ring" and cap:
-            arr = ring_mod.to_ring(arr, cap)
-        elif mode == "to_full" and name in theirs.capacities:
-            arr = ring_mod.to_full(arr, theirs.capacities[name], n, theirs.written)
-        session.cache.write(target, name, arr)
-    rec_mod.install_state(rec, target, state.tensors,
-                          rec_mod.read_state_checkpoints(rec, state.metadata, n, where, StateFileError))
+    session.cache.state_read(target, state.tensors, parts)   # each memory's rows and bookkeeping
     target.length = n
-    target.written = theirs.written if mode == "same" else n
-    target.floor = ring_mod.floor_after(mode, theirs)
     target.tokens = _tokens(state.metadata, n, where)  # a file holds none: -1 each
     target.pending = state.pending_token
-    target.rope_marks = pos_mod.read_state_marks(state.metadata, n, where)
     target.pending_emitted = state.metadata["pending_emitted"] == "true"
     return target
 

@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 
 from ..errors import RuntimeInputError
-from ..runtime import ring as ring_mod
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import sample
 from ..runtime.state_file import KVState, default_selection, export_state
@@ -70,25 +69,17 @@ class KVTransfer:
 def valid_bytes(session, seq) -> int:
     """Bytes of ``seq``'s valid positions across the selected buffers: ``n`` positions of each full-length
     buffer, ``min(C, written)`` slots of a ring: what a transfer of ``seq`` moves."""
-    cache = session.cache
-    total = 0
-    for name, (_, heads, _, head_dim) in cache.shapes.items():
-        slots = ring_mod.saved_slots(session.rings, name, seq.length, seq.written)
-        total += heads * head_dim * cache.dtypes[name].itemsize * slots
-    rec = cache.recurrent   # recurrent states whole, with their checkpoints
-    return total + (rec.bytes_per_sequence + rec.checkpoint_bytes(seq) if rec else 0)
+    return session.cache.valid_bytes(seq)   # each memory's part (a recurrent state whole, with its checkpoints)
 
 
 def slicing_spec(session, regex: str, positions: int) -> dict:
     """The peer-style spec of what a transfer cuts: one ``Name``/``DimSpecs`` for a graph whose buffers all have a
     position axis; with recurrent states, one entry per buffer (``Specs``), a recurrent state's dims all 0 after
     ``batch_index`` (never sliced). ``ctx_start`` and ``positions``: the range of positions cut."""
-    rec = session.cache.recurrent
+    dims = session.cache.slicing_specs()   # each memory says how its buffers are cut
     spec = {"Name": regex, "DimSpecs": list(DIM_SPECS), "ctx_start": 0, "positions": positions}
-    if rec:
-        spec["Specs"] = [{"Name": f"^{re.escape(p.input_name)}$",
-                          "DimSpecs": ["batch_index"] + [0] * (len(rec.shapes[p.input_name]) - 1)
-                          if p.input_name in rec.shapes else list(DIM_SPECS)}
+    if any(d != list(DIM_SPECS) for d in dims.values()):
+        spec["Specs"] = [{"Name": f"^{re.escape(p.input_name)}$", "DimSpecs": dims[p.input_name]}
                          for p in session.layout.pairs]
     return spec
 

@@ -1,11 +1,9 @@
 """Recurrent memory: the state of recurrent layers (``conv_state.{i}``, ``recurrent_state.{i}``, contract section 12),
 one per sequence, which every token overwrites, and its **checkpoints**.
 
-In llama.cpp's split, the attention KV cache and the recurrent memory are two implementations of one memory
-interface and the hybrid memory applies every verb to both (a verb succeeds only if both can honour it). Here the
-positional part is :class:`~qeff_kv.runtime.cache.KVCache`'s own buffers and this module is the recurrent part, held
-by the cache as ``cache.recurrent``; each verb has a ``*_refusal`` (asked of both kinds before anything changes) and
-an apply.
+One implementation of the memory interface (:mod:`.base`), as the positional memory (:mod:`.positional`) is
+another; the hybrid (:mod:`.hybrid`) asks both before any verb changes anything. The session's cache holds it as
+``cache.recurrent`` (empty, and passing every verb through, for a graph without recurrent layers).
 
 A recurrent buffer is ``[max_sequences, ...]`` (only axis 0 dynamic, no position axis): it holds the state after
 the sequence's positions ``[0, length)``, so it cannot be cut by position. What it can return to:
@@ -22,19 +20,23 @@ the sequence's positions ``[0, length)``, so it cannot be cut by position. What 
 n)`` copies ``src``'s state at ``n`` (live state, checkpoint, or zeros) and its checkpoints at or below ``n``.
 Anything else is refused in one line naming the positions the sequence can return to
 (:class:`~qeff_kv.errors.RewindError`).
+
+Its part of a state: the recurrent buffers whole, ``[1, ...]`` (never cut by position), each checkpoint as tensors
+``checkpoint.{p}.{buffer}``, and the metadata ``recurrent_checkpoints`` (JSON: the positions, ascending).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
-import onnxruntime as ort
 
-from ..errors import RewindError, RuntimeInputError
-from ..layout import KVPair
-from ..limits import positive_int
+from ...errors import RewindError, RuntimeInputError, StateFileError
+from ...layout import KVPair
+from ...limits import positive_int
+from .base import Memory
 
 #: checkpoint every this many positions, unless the session says otherwise
 DEFAULT_EVERY = 256
@@ -94,7 +96,16 @@ def buffer_bytes(pairs: Iterable[KVPair], max_sequences: int, double_buffer: boo
     return per_seq * int(max_sequences) * ((2 if double_buffer else 1) + int(keep))
 
 
-class RecurrentMemory:
+#: state metadata key: the checkpoint positions a state carries (JSON list, ascending)
+CHECKPOINTS_META = "recurrent_checkpoints"
+
+
+def checkpoint_key(position: int, name: str) -> str:
+    """The state tensor key of the checkpoint at ``position`` of recurrent buffer ``name``."""
+    return f"checkpoint.{int(position)}.{name}"
+
+
+class RecurrentMemory(Memory):
     """The recurrent buffers of a graph (one row per sequence slot) and each sequence's checkpoints.
 
     Args:
@@ -104,60 +115,67 @@ class RecurrentMemory:
         policy: when checkpoints are taken and how many are kept.
     """
 
+    refusal_error = RewindError
+    tensor_label = "recurrent tensor"
+
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, double_buffer: bool = False,
                  policy: CheckpointPolicy | None = None):
         positive_int("max_sequences", max_sequences)
         self.pairs = list(pairs)
         self.policy = policy or CheckpointPolicy()
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, np.dtype] = {}
-        self.arrays: dict[str, np.ndarray] = {}
-        self.values: dict[str, ort.OrtValue] = {}
-        self.spare_arrays: dict[str, np.ndarray] = {}
-        self.spare_values: dict[str, ort.OrtValue] = {}
+        self.double_buffer = bool(double_buffer)
+        self.shapes, self.dtypes, self.arrays, self.values = {}, {}, {}, {}
+        self.spare_arrays, self.spare_values = {}, {}
         for p in self.pairs:
-            full = (int(max_sequences),) + state_shape(p)
-            dtype = np.dtype(p.input.dtype)
-            self.shapes[p.input_name], self.dtypes[p.input_name] = full, dtype
-            self.arrays[p.input_name] = np.zeros(full, dtype)
-            self.values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[p.input_name])
-            if double_buffer:
-                self.spare_arrays[p.input_name] = np.zeros(full, dtype)
-                self.spare_values[p.input_name] = ort.OrtValue.ortvalue_from_numpy(self.spare_arrays[p.input_name])
-        self.double_buffer = double_buffer
+            self._allocate(p.input_name, (int(max_sequences),) + state_shape(p), np.dtype(p.input.dtype))
         #: sequence id -> {position: {buffer: the row's state at that position}}, positions ascending
         self._checkpoints: dict[int, dict[int, dict[str, np.ndarray]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.pairs)
 
-    # ---------------------------------------------------------------------------------- buffers
-    def swap(self) -> None:
-        if self.double_buffer:
-            self.arrays, self.spare_arrays = self.spare_arrays, self.arrays
-            self.values, self.spare_values = self.spare_values, self.values
-
+    # ---------------------------------------------------------------------------------- bytes
     @property
     def bytes_per_sequence(self) -> int:
         """Bytes of one sequence's state across every recurrent buffer (also the size of one checkpoint)."""
         return sum(int(np.prod(s[1:])) * self.dtypes[n].itemsize for n, s in self.shapes.items())
-
-    @property
-    def memory_capacity(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
 
     def checkpoint_bytes(self, seq=None) -> int:
         """Bytes held by checkpoints: of ``seq``, or of every sequence."""
         books = [self._checkpoints.get(seq.id, {})] if seq is not None else list(self._checkpoints.values())
         return sum(a.nbytes for book in books for ck in book.values() for a in ck.values())
 
+    def used(self, seqs) -> int:
+        """A non-empty sequence's state whole."""
+        return self.bytes_per_sequence * sum(1 for s in seqs if s.length)
+
+    def valid_bytes(self, seq) -> int:
+        """The state whole, with its checkpoints."""
+        return self.bytes_per_sequence + self.checkpoint_bytes(seq) if self else 0
+
+    def report(self, seqs) -> dict:
+        """The recurrent states and their checkpoints (``per_sequence``: sequence id -> {``positions``,
+        ``bytes``})."""
+        per = {s.id: {"positions": self.positions(s), "bytes": self.checkpoint_bytes(s)} for s in seqs}
+        return {"recurrent_capacity": self.capacity, "recurrent_per_sequence": self.bytes_per_sequence,
+                "checkpoint_bytes": self.bytes_per_sequence if self else 0,
+                "checkpoints": sum(len(v["positions"]) for v in per.values()),
+                "checkpoints_bytes": self.checkpoint_bytes(),
+                "checkpoint_every": self.policy.every if self else None,
+                "max_checkpoints": self.policy.keep if self else None, "per_sequence": per}
+
+    # ---------------------------------------------------------------------------------- rows
     def read(self, seq) -> dict[str, np.ndarray]:
         """A copy of ``seq``'s state: buffer name -> ``[1, ...]``."""
         return {n: a[seq.slot:seq.slot + 1].copy() for n, a in self.arrays.items()}
 
-    def write(self, seq, tensors: dict[str, np.ndarray]) -> None:
+    def write(self, seq, name: str, data: np.ndarray) -> None:
+        """``seq``'s row of buffer ``name`` from ``data`` (``[1, ...]``)."""
+        self.arrays[name][seq.slot:seq.slot + 1] = data
+
+    def _restore(self, seq, tensors: dict[str, np.ndarray]) -> None:
         for n, a in tensors.items():
-            self.arrays[n][seq.slot:seq.slot + 1] = a
+            self.write(seq, n, a)
 
     def clear(self, seq) -> None:
         """Zero ``seq``'s state and forget its checkpoints (a new or reset sequence)."""
@@ -220,15 +238,21 @@ class RecurrentMemory:
                                      for p, ck in book.items()}
 
     # ---------------------------------------------------------------------------------- verbs
-    def reachable(self, seq) -> list[int]:
-        """Every position ``seq`` can be rewound to: 0, its checkpoints, its length."""
+    def reachable(self, seq) -> list[int] | None:
+        """Every position ``seq`` can be rewound to: 0, its checkpoints, its length (``None`` without recurrent
+        layers: any)."""
+        if not self.pairs:
+            return None
+        return self._reachable(seq)
+
+    def _reachable(self, seq) -> list[int]:
         return sorted({0, seq.length, *(p for p in self.positions(seq) if p <= seq.length)})
 
     def _allowed(self, seq, n: int) -> bool:
         return not self.pairs or n in (0, seq.length) or n in self._checkpoints.get(seq.id, {})
 
     def _points(self, seq) -> str:
-        points = [str(p) for p in self.reachable(seq)]
+        points = [str(p) for p in self._reachable(seq)]
         return points[0] if len(points) == 1 else ", ".join(points[:-1]) + " or " + points[-1]
 
     def truncate_refusal(self, seq, n: int) -> str | None:
@@ -253,7 +277,7 @@ class RecurrentMemory:
             self.clear(seq)
             return
         book = self._checkpoints[seq.id]
-        self.write(seq, book[n])
+        self._restore(seq, book[n])
         for p in [p for p in book if p > n]:
             del book[p]
 
@@ -270,73 +294,63 @@ class RecurrentMemory:
             for a in self.arrays.values():
                 a[dst.slot] = a[src.slot]
         else:
-            self.write(dst, book[n])
+            self._restore(dst, book[n])
         self.install_checkpoints(dst, {p: ck for p, ck in book.items() if p <= n})
 
     def destroy(self, seq) -> None:
         self._checkpoints.pop(seq.id, None)
 
+    # ---------------------------------------------------------------------------------- states
+    def state_write(self, seq, select=None):
+        """``seq``'s state whole (never cut by position) and its checkpoints (:func:`checkpoint_key`), and the
+        metadata naming the checkpoint positions."""
+        if not self:
+            return {}, {}
+        tensors = {n: a for n, a in self.read(seq).items() if select is None or n in select}
+        book = self.checkpoints(seq)
+        for p, ck in book.items():
+            tensors.update({checkpoint_key(p, n): a.copy() for n, a in ck.items() if select is None or n in select})
+        return tensors, {CHECKPOINTS_META: "[" + ",".join(str(p) for p in book) + "]"}
 
-# ============================================================================================ state files
-#: state-file metadata key: the checkpoint positions a file carries (JSON list, ascending)
-CHECKPOINTS_META = "recurrent_checkpoints"
+    def state_check(self, meta, n, where) -> list[int]:
+        """The checkpoint positions a state carries, checked against this memory and the valid length ``n``;
+        ``[]`` for a graph without recurrent state."""
+        raw = meta.get(CHECKPOINTS_META)
+        if not self:
+            if raw is not None:
+                raise StateFileError(f"{where}: carries recurrent-state checkpoints; this graph keeps no recurrent "
+                                     "state")
+            return []
+        if raw is None:
+            return []
+        try:
+            positions = json.loads(raw)
+        except (ValueError, RecursionError):
+            positions = None
+        if (not isinstance(positions, list)
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
+                or positions != sorted(set(positions)) or any(p <= 0 or p > n for p in positions)):
+            raise StateFileError(f"{where}: malformed state metadata ({CHECKPOINTS_META}: expected ascending "
+                                 f"positions in 1..{n})")
+        return positions
 
+    def state_expected(self, part: list[int]) -> dict:
+        """The live state and each checkpoint -> (shape, dtype)."""
+        out = {}
+        for name, shape in self.shapes.items():
+            want = ((1,) + tuple(shape[1:]), self.dtypes[name])
+            out[name] = want
+            for p in part:
+                out[checkpoint_key(p, name)] = want
+        return out
 
-def checkpoint_key(position: int, name: str) -> str:
-    """The state-file tensor key of the checkpoint at ``position`` of recurrent buffer ``name``."""
-    return f"checkpoint.{int(position)}.{name}"
+    def state_read(self, seq, tensors, part: list[int]) -> dict[str, np.ndarray]:
+        """Install the state's checkpoints; its live state is the rows to write."""
+        if not self:
+            return {}
+        self.install_checkpoints(seq, {p: {n: tensors[checkpoint_key(p, n)] for n in self.shapes} for p in part})
+        return {n: tensors[n] for n in self.shapes}
 
-
-def state_tensors(mem: RecurrentMemory, seq) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``seq``'s recurrent state whole (buffer name -> ``[1, ...]``, never cut by position) and its checkpoints
-    (:func:`checkpoint_key` -> ``[1, ...]``), and the metadata naming the checkpoint positions."""
-    if not mem:
-        return {}, {}
-    tensors = mem.read(seq)
-    book = mem.checkpoints(seq)
-    for p, ck in book.items():
-        tensors.update({checkpoint_key(p, n): a.copy() for n, a in ck.items()})
-    return tensors, {CHECKPOINTS_META: "[" + ",".join(str(p) for p in book) + "]"}
-
-
-def read_state_checkpoints(mem: RecurrentMemory, meta: dict[str, str], n: int, where: str,
-                           error=RuntimeInputError) -> list[int]:
-    """The checkpoint positions a state carries, checked against ``mem`` and its valid length ``n`` (one-line
-    ``error`` otherwise); ``[]`` for a graph without recurrent state."""
-    import json
-
-    raw = meta.get(CHECKPOINTS_META)
-    if not mem:
-        if raw is not None:
-            raise error(f"{where}: carries recurrent-state checkpoints; this graph keeps no recurrent state")
-        return []
-    if raw is None:
-        return []
-    try:
-        positions = json.loads(raw)
-    except (ValueError, RecursionError):
-        positions = None
-    if (not isinstance(positions, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
-            or positions != sorted(set(positions)) or any(p <= 0 or p > n for p in positions)):
-        raise error(f"{where}: malformed state metadata ({CHECKPOINTS_META}: expected ascending positions in "
-                    f"1..{n})")
-    return positions
-
-
-def expected_tensors(mem: RecurrentMemory, positions: list[int]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Every recurrent tensor a state must hold (its live state and each checkpoint) -> (shape, dtype)."""
-    out = {}
-    for name, shape in mem.shapes.items():
-        want = ((1,) + tuple(shape[1:]), mem.dtypes[name])
-        out[name] = want
-        for p in positions:
-            out[checkpoint_key(p, name)] = want
-    return out
-
-
-def install_state(mem: RecurrentMemory, seq, tensors: dict[str, np.ndarray], positions: list[int]) -> None:
-    """Write a validated state's recurrent tensors and checkpoints into ``seq``."""
-    if not mem:
-        return
-    mem.write(seq, {n: tensors[n] for n in mem.shapes})
-    mem.install_checkpoints(seq, {p: {n: tensors[checkpoint_key(p, n)] for n in mem.shapes} for p in positions})
+    def slicing_specs(self) -> dict[str, list]:
+        """Never sliced: ``batch_index``, then 0 for every axis."""
+        return {name: ["batch_index"] + [0] * (len(shape) - 1) for name, shape in self.shapes.items()}

@@ -1,6 +1,8 @@
-"""The cache-manager verbs of a :class:`~qeff_kv.runtime.session.Session` (sequences, rewind, copy, state
-files, introspection): thin calls into its :class:`~qeff_kv.runtime.cache.KVCache` and :mod:`~qeff_kv.runtime.state_file`,
-kept beside the session so that ``session.py`` holds only what binds and runs the graph."""
+"""The session's cache verbs: :class:`~qeff_kv.runtime.session.Session`'s public names for what its memory does
+(sequences, rewind, copy, bytes, state files), each one line forwarding to the hybrid ``session.cache``
+(:class:`~qeff_kv.runtime.cache.KVCache`, :mod:`qeff_kv.runtime.memory`) or to :mod:`~qeff_kv.runtime.state_file`;
+and what is bound, for diagnostics. Kept beside the session so that ``session.py`` holds only what binds and runs
+the graph."""
 
 from __future__ import annotations
 
@@ -36,24 +38,22 @@ class CacheVerbsMixin:
     def rewind_points(self, seq: Sequence) -> list[int] | None:
         """The positions a recurrent or hybrid sequence can be rewound (or copied) to: 0, its checkpoints, its
         length; ``None`` for a graph without recurrent state (any position, within the rings' rule)."""
-        seq = self.cache.get(seq)
-        return self.cache.recurrent.reachable(seq) if self.cache.recurrent else None
+        return self.cache.rewind_points(seq)
 
     def reusable(self, seq: Sequence, n: int) -> int:
         """The longest prefix of at most ``n`` positions that ``truncate``/``copy`` can return ``seq`` to: ``n``
         without recurrent state (rings may still refuse), else the highest of :meth:`rewind_points` at or below
         ``n`` (prompt reuse: llama.cpp's server restores the newest checkpoint before the point of reuse)."""
-        points = self.rewind_points(seq)
-        return int(n) if points is None else max(p for p in points if p <= n)
+        return self.cache.reusable(seq, n)
 
     def memory(self) -> dict:
         """Bytes the cache holds (buffers, valid positions, recurrent states, checkpoints): see
-        :meth:`KVCache.memory`."""
+        :meth:`~qeff_kv.runtime.memory.hybrid.HybridMemory.memory`."""
         return self.cache.memory()
 
     def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
         """Copy ``src``'s first ``n`` positions into ``dst`` in place (fork a shared prompt); see
-        :meth:`KVCache.copy`."""
+        :meth:`~qeff_kv.runtime.memory.hybrid.HybridMemory.copy`."""
         self.cache.copy(src, dst, n)
 
     # ------------------------------------------------------------------------------------ state

@@ -1,0 +1,14 @@
+"""The runtime's memory: one interface (:mod:`.base`), one module per kind of retained state the state spec names
+(:mod:`.positional`: ``full``/``ring``/``latent`` KV buffers and the ring rule; :mod:`.recurrent`: recurrent states
+and their checkpoints), the RoPE marks of images (:mod:`.rope_marks`, a memory without buffers), and the hybrid that
+holds the sequence table and applies every verb to all of them (:mod:`.hybrid`). See docs/architecture.md, "The
+runtime's memory"."""
+
+from .base import Memory
+from .hybrid import HybridMemory, Sequence
+from .positional import PositionalMemory
+from .recurrent import CheckpointPolicy, RecurrentMemory
+from .rope_marks import RopeMarks
+
+__all__ = ["CheckpointPolicy", "HybridMemory", "Memory", "PositionalMemory", "RecurrentMemory", "RopeMarks",
+           "Sequence"]
