@@ -17,7 +17,7 @@ from qeff_kv.runtime.batching import ContinuousBatching, LockStep, OneSequence
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model
-from qeff_kv.runtime.recurrent import CheckpointPolicy
+from qeff_kv.runtime.memory.recurrent import CheckpointPolicy
 from test_runtime_ring import ring_graph
 
 
