@@ -138,9 +138,9 @@ def main() -> None:
     if args.vocab is None:
         cfg = resolve_model(args.export).manifest or {}
         args.vocab = int(cfg.get("vocab_size") or 1000)
-    from qeff_kv.serve.pd import ray_on_loopback
+    from qeff_kv.serve.ray_cluster import loopback_node
 
-    with ray_on_loopback(ray):
+    with loopback_node(ray):
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
                  _node_ip_address="127.0.0.1")
     address = ray.get_runtime_context().gcs_address

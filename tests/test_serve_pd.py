@@ -76,11 +76,11 @@ def ray_address():
     """The Ray cluster of the test session: the one already running in this process, else one started here (on
     127.0.0.1 only) and stopped at the end of the module."""
     ray = pytest.importorskip("ray", reason="the P/D protocol needs the [ray] extra (ray)")
-    from qeff_kv.serve.pd import ray_on_loopback
+    from qeff_kv.serve.ray_cluster import loopback_node
 
     owns = not ray.is_initialized()
     if owns:
-        with ray_on_loopback(ray):
+        with loopback_node(ray):
             ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,
                      _node_ip_address="127.0.0.1")
     yield ray.get_runtime_context().gcs_address

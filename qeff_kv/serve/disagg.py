@@ -29,55 +29,32 @@ are exports of one checkpoint with one KV contract; a pair that is not is refuse
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import os
 import threading
 import time
 
-from ..errors import MissingDependencyError, QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
+from ..errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from . import routing
 from .config import ServeConfig
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
 from .kv_connector import InBandConnector
+from .ray_cluster import join_or_start, one_line, ray_module, replica_options
 from .replicas import ReplicaWatch
 from ..runtime.prefix_cache import MIN_REUSE
 from .transfer import Prefiller, facts, pair_refusal
 
 #: seconds to wait for the replicas to load their exports at start-up
 START_TIMEOUT = 300.0
-#: seconds --ray-address may take to answer a TCP connection before start-up gives up
-RAY_CONNECT_TIMEOUT = 5.0
-#: seconds start-up waits for the CPUs its replicas need to be free
-RESOURCE_WAIT = 20.0
 #: seconds a request not yet started waits for a restarting replica before it fails
 RESTART_WAIT = 60.0
 #: why ``/slots`` is not available with --disaggregate (HTTP 501)
 SLOTS_UNSUPPORTED = ("/slots is not available with --disaggregate: sequences live in the Ray replicas (prompts kept "
                      "for reuse on the prefill replicas, running requests on the decode replicas), not in one slot "
                      "table; see /metrics for their figures")
-#: the address a local Ray instance started by the engine listens on (never another interface)
-LOOPBACK = "127.0.0.1"
-#: Ray's switch for a node address on the loopback interface (see :func:`_loopback_node`)
-_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise MissingDependencyError("--disaggregate needs Ray: pip install 'qeff-kv[ray]'") from None
-    return ray
-
-
-def _one_line(exc: BaseException) -> str:
-    """A failure of a remote call as one line: the remote exception's own message where Ray carries it."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text[:300]}"
 
 
 # ============================================================================================ actors
@@ -185,7 +162,7 @@ class DisaggregatedEngine(Engine):
 
     def __init__(self, prefill_actors: list, decode_actors: list, *, model_name: str, decode_facts: dict,
                  max_queue: int = 64, owns_ray: bool = False, route: str = "prefix"):
-        self._ray = _ray()
+        self._ray = ray_module()
         self.router = routing.PrefixRouter(len(prefill_actors), min_reuse=MIN_REUSE, mode=route)
         self._learning: set = set()   # the router's tasks awaiting prefill reports
         self._prefill, self._decode = list(prefill_actors), list(decode_actors)
@@ -342,7 +319,7 @@ class DisaggregatedEngine(Engine):
             if isinstance(cause, QeffKvError):   # the replica refused the request (one line of ours)
                 msg = str(cause)
             else:
-                msg = f"{where} replica failed: {_one_line(exc)}"
+                msg = f"{where} replica failed: {one_line(exc)}"
             self._end(key, f, Finished("error", len(req.prompt), 0, f.tokens, msg))
         finally:
             with self._lock:
@@ -434,15 +411,15 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     from ..runtime.model_files import resolve_model
     from .session_from_config import model_name_of
 
-    ray = _ray()
+    ray = ray_module()
     for label, n in (("--prefill-replicas", config.prefill_replicas), ("--decode-replicas", config.decode_replicas)):
         positive_int(label, n)
     pre_export = config.prefill_export or config.export_dir
     resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
     resolve_model(pre_export)
-    owns = _join_or_start(ray, config.ray_address)
+    owns = join_or_start(ray, config.ray_address)
     try:
-        opts, threads = _replica_options(ray, config)
+        opts, threads = replica_options(ray, config)
     except RuntimeInputError:
         if owns:
             ray.shutdown()
@@ -465,7 +442,7 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     try:
         got = ray.get([a.facts.remote() for a in pre + dec], timeout=START_TIMEOUT)
     except Exception as exc:   # noqa: BLE001 - a replica could not load its export
-        give_up(f"a replica failed to start: {_one_line(exc)}")
+        give_up(f"a replica failed to start: {one_line(exc)}")
     pre_facts, dec_facts = got[0], got[len(pre)]
     why = pair_refusal(pre_facts, dec_facts)
     if why is not None:
@@ -473,112 +450,3 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
                                decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns,
                                route=config.route)
-
-
-def _replica_options(ray, config: ServeConfig) -> tuple[dict, int]:
-    """The Ray actor options of each kind of replica (CPUs, custom resources, restarts) and the onnxruntime threads
-    of each, once the cluster has the CPUs free (it waits up to RESOURCE_WAIT seconds) and the custom resources."""
-    n_actors = config.prefill_replicas + config.decode_replicas
-    cluster = ray.cluster_resources()
-    cpus = float(cluster.get("CPU", 1.0))
-    share = min(1.0, cpus / n_actors)
-    # onnxruntime threads: the cores split between the replicas, so that they do not oversubscribe them
-    threads = config.threads or max(1, int(cpus // n_actors))
-    opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
-    out = {}
-    for kind, wanted, n in (("prefill", config.prefill_resources, config.prefill_replicas),
-                            ("decode", config.decode_resources, config.decode_replicas)):
-        out[kind] = dict(opts, resources=_checked_resources(kind, wanted, n, cluster)) if wanted else dict(opts)
-    need = share * n_actors
-    deadline = time.monotonic() + RESOURCE_WAIT   # CPUs of replicas just killed come back within moments
-    while ray.available_resources().get("CPU", 0.0) + 1e-6 < need:
-        if time.monotonic() > deadline:
-            free = ray.available_resources().get("CPU", 0.0)
-            raise RuntimeInputError(f"the Ray cluster has {free:g} of {cpus:g} CPUs free; {n_actors} replicas "
-                                    f"need {need:g}")
-        time.sleep(0.1)
-    return out, threads
-
-
-def _checked_resources(kind: str, wanted: dict, replicas: int, cluster: dict) -> dict[str, float]:
-    """``--{kind}-resources`` checked against the cluster's resources: one line naming what is missing (Ray would
-    leave the replicas pending for ever)."""
-    option = f"--{kind}-resources"
-    out = {}
-    for name, amount in wanted.items():
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < float("inf"):
-            raise RuntimeInputError(f"{option}: the amount of {name!r} must be a positive number, got {amount!r}")
-        if name in ("CPU", "GPU", "memory", "object_store_memory"):
-            raise RuntimeInputError(f"{option}: {name!r} is not a custom resource (the replicas' CPUs are set by "
-                                    "the engine)")
-        have = float(cluster.get(name, 0.0))
-        if have + 1e-9 < amount * replicas:
-            custom = sorted(k for k in cluster if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                            and not k.startswith("node:") and not k.startswith("accelerator_type:"))
-            raise RuntimeInputError(f"{option}: {replicas} {kind} replica(s) need {amount * replicas:g} of "
-                                    f"{name!r}; the Ray cluster has {have:g} (its custom resources: "
-                                    f"{', '.join(custom) or 'none'})")
-        out[str(name)] = float(amount)
-    return out
-
-
-def _join_or_start(ray, address: str | None) -> bool:
-    """Join the cluster at ``address``, or start a local instance (True: this process owns it); nothing when Ray
-    already runs in this process."""
-    if ray.is_initialized():
-        return False
-    kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
-    if not address:
-        with _loopback_node(ray):
-            ray.init(num_cpus=os.cpu_count() or 2, _node_ip_address=LOOPBACK, **kw)
-        return True
-    check_ray_address(address)
-    try:
-        ray.init(address=address, **kw)
-    except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
-        raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({_one_line(exc)})") from None
-    return False
-
-
-@contextlib.contextmanager
-def _loopback_node(ray):
-    """While a local Ray instance starts: its node address is 127.0.0.1, so that every process it starts listens
-    on the loopback interface only.
-
-    Facts of Ray 2.60: the GCS server, the raylet (node manager and object manager) and each worker's gRPC server
-    listen on ``127.0.0.1`` when the node's IP address is ``127.0.0.1``, else on every interface; the runtime-env
-    and dashboard agents listen on the node's IP address; ``include_dashboard=False`` starts no dashboard. But
-    ``ray.init(_node_ip_address="127.0.0.1")`` replaces a loopback address by the machine's own (``services.
-    resolve_ip_for_localhost``) unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false, which the environment variable
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sets for this process (read when Ray is imported: set here on the module
-    too, then put back) and for the processes Ray starts (they inherit the environment while it is set: the GCS
-    server, the raylet and the agents now; the raylet hands its environment to the workers it starts later)."""
-    constants = ray._private.ray_constants
-    before = os.environ.get(_RAY_LOOPBACK_ENV), constants.ENABLE_RAY_CLUSTER
-    os.environ[_RAY_LOOPBACK_ENV] = "0"
-    constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        constants.ENABLE_RAY_CLUSTER = before[1]
-        if before[0] is None:
-            os.environ.pop(_RAY_LOOPBACK_ENV, None)
-        else:
-            os.environ[_RAY_LOOPBACK_ENV] = before[0]
-
-
-def check_ray_address(address: str) -> None:
-    """A ``host:port`` or ``ray://host:port`` address answers a TCP connection within RAY_CONNECT_TIMEOUT seconds
-    (Ray itself retries for minutes); ``auto`` and other forms are left to Ray."""
-    import socket
-
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit() or not host:
-        return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT):
-            pass
-    except OSError as exc:
-        raise RuntimeInputError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); is the "
-                                "Ray cluster running?") from None

@@ -22,7 +22,6 @@ submitted (:func:`prepare`, run off the event loop), and the answer's field (:fu
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 
@@ -40,34 +39,15 @@ class KVAsk:
     answer: dict | None = None
 
 
-#: addresses of a Ray cluster on this machine's loopback interface
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
-
-
-def ray_on_loopback(ray):
-    """While Ray starts or joins a node on 127.0.0.1 (:func:`.disagg._loopback_node`, the switch of Ray 2.60 that
-    keeps a loopback node address): a driver without it never connects to a node started on 127.0.0.1 (it waits for
-    a raylet at the machine's address)."""
-    from .disagg import _loopback_node
-
-    return _loopback_node(ray)
-
-
-def _on_loopback(address: str | None) -> bool:
-    rest = (address or "")[len("ray://"):] if (address or "").startswith("ray://") else (address or "")
-    return rest.rpartition(":")[0].strip("[]") in LOOPBACK_HOSTS
-
-
 def start_connector(config):
     """The server's KV connector for ``config.kv_role``: Ray joined at ``config.ray_address`` (a cluster on
     127.0.0.1 joined as such), or a local instance started with the disaggregated engine's settings (stopped by the
     connector's ``close()``)."""
-    from .disagg import _join_or_start, _ray
     from .kv_connector import RayHoldConnector
+    from .ray_cluster import join_or_start, ray_module
 
-    ray = _ray()
-    with ray_on_loopback(ray) if _on_loopback(config.ray_address) else contextlib.nullcontext():
-        owns = _join_or_start(ray, config.ray_address)
+    ray = ray_module()
+    owns = join_or_start(ray, config.ray_address)
     try:
         connector = RayHoldConnector(config.kv_role, hold_seconds=config.kv_hold_seconds, host=config.host,
                                      port=config.port)
