@@ -75,3 +75,17 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.engine.close()
+
+
+def collect(handle, timeout: float = 120):
+    """The token ids and the ``Finished`` event of a request handle's stream (every event checked for its kind)."""
+    from qeff_kv.serve.engine import Finished, TokenOut
+
+    toks, fin = [], None
+    for ev in handle.iter_sync(timeout=timeout):
+        if isinstance(ev, TokenOut):
+            toks.append(ev.token)
+        else:
+            assert isinstance(ev, Finished)
+            fin = ev
+    return toks, fin

@@ -328,17 +328,10 @@ def test_state_of_another_checkpoint_refused_in_one_line(pd, ray_address, own_gr
 
 
 # ============================================================================================ memory kinds
-def _collect(handle):
-    from qeff_kv.serve.engine import Finished, TokenOut
+def _collect(handle, timeout=120):
+    from serve_helpers import collect
 
-    toks, fin = [], None
-    for ev in handle.iter_sync(timeout=120):
-        if isinstance(ev, TokenOut):
-            toks.append(ev.token)
-        else:
-            assert isinstance(ev, Finished)
-            fin = ev
-    return toks, fin
+    return collect(handle, timeout)
 
 
 def _hand_off_through_schedulers(make_session, prompts):

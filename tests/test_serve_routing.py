@@ -32,16 +32,9 @@ def _request(rid, prompt, max_tokens=NEW):
 
 
 def _collect(handle, timeout=120):
-    from qeff_kv.serve.engine import Finished, TokenOut
+    from serve_helpers import collect
 
-    toks, fin = [], None
-    for ev in handle.iter_sync(timeout=timeout):
-        if isinstance(ev, TokenOut):
-            toks.append(ev.token)
-        else:
-            assert isinstance(ev, Finished)
-            fin = ev
-    return toks, fin
+    return collect(handle, timeout)
 
 
 # ============================================================================================ the router alone
