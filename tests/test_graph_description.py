@@ -14,6 +14,7 @@ from qeff_kv import graphio
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.batching import ContinuousBatching, LockStep, OneSequence
+from qeff_kv.runtime.lockstep import RowViews
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model
@@ -88,23 +89,31 @@ def test_continuous_batching_names_each_rows_slot():
     assert arrays["input_ids"].ravel().tolist() == [11, 12] and arrays["position_ids"].ravel().tolist() == [5, 9]
     assert arrays["batch_index"].ravel().tolist() == [2, 0]
     assert [b.logits_row(r, s) for r, s in enumerate([a, c])] == [0, 1]
-    assert b.decode_rows(2, 3) == 2 and b.prefill_views(None, a) is None
+    assert b.decode_rows([a, c], 3) == 2 and b.prefill_views(None, a) is None and b.decode_views(None, 2, 3) is None
 
 
-def test_lock_step_runs_every_row_and_reads_each_sequences_own():
+def test_lock_step_runs_the_rows_in_use_and_reads_each_sequences_own():
     b = LockStep()
-    fed, idle = _seq(1, 4), _seq(0, 7)
-    arrays = _step(b, 3)
+    fed, idle, above = _seq(1, 4), _seq(0, 7), _seq(3, 9)
+    assert b.decode_rows([fed], 4) == 2 and b.decode_rows([above, fed], 4) == 4   # up to the highest slot fed
+    arrays = _step(b, 2)
     assert set(arrays) == {"input_ids", "position_ids"}   # no batch_index
-    b.fill_decode(arrays, [fed], [42], [fed, idle])
-    assert arrays["input_ids"].ravel().tolist() == [0, 42, 0]
-    assert arrays["position_ids"].ravel().tolist() == [7, 4, 0]   # idle rows write at their next free position
-    assert b.decode_rows(1, 3) == 3 and b.logits_row(0, fed) == 1 and b.usable_ctx_len(64) == 63
+    b.fill_decode(arrays, [fed], [42], [fed, idle, above])
+    assert arrays["input_ids"].ravel().tolist() == [42 if r == 1 else 0 for r in range(2)]
+    assert arrays["position_ids"].ravel().tolist() == [7, 4]   # idle rows write at their next free position
+    assert b.logits_row(0, fed) == 1 and b.usable_ctx_len(64) == 63
+    buffers = {"past_key.0": np.arange(4 * 6, dtype=np.float32).reshape(4, 1, 3, 2)}
+    views = RowViews(buffers)
+    assert b.decode_views(views, 4, 4) is None                   # every row: the whole buffers
+    first = b.decode_views(views, 2, 4)
+    assert first is b.decode_views(views, 2, 4)                  # made once
+    assert first["past_key.0"].shape() == [2, 1, 3, 2]
+    assert first["past_key.0"].data_ptr() == buffers["past_key.0"].ctypes.data   # a view, not a copy
 
 
 def test_one_sequence_refuses_a_step_of_several():
     with pytest.raises(RuntimeInputError, match="^a graph without batch_index decodes one sequence per step$"):
-        OneSequence().decode_rows(2, 1)
+        OneSequence().decode_rows([_seq(0, 1), _seq(1, 1)], 1)
 
 
 # ============================================================================================ memory kinds

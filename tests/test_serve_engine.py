@@ -5,6 +5,7 @@ and the frontend's text pieces (incremental detokenizer, stop strings)."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -54,7 +55,7 @@ class Spy:
 def test_running_streams_advance_between_prefill_chunks(own_cb_graph):
     session = Session(own_cb_graph)
     spy = Spy(session)
-    sched = Scheduler(session, reuse_prompts=False)
+    sched = Scheduler(session, reuse_prompts=False, prefill_chunk=8)
     try:
         short = sched.submit(_req(0, [5, 6, 7], 50))
         deadline = time.monotonic() + 30
@@ -75,6 +76,33 @@ def test_running_streams_advance_between_prefill_chunks(own_cb_graph):
     # between two chunks of the long prompt, a decode step for the running stream
     for i, j in zip(chunks, chunks[1:]):
         assert any(c[0] == "decode" for c in spy.calls[i + 1:j]), spy.calls
+
+
+def test_a_turn_feeds_its_budget_to_several_prompts_in_whole_prefill_lengths(own_cb_graph):
+    """A turn's prompt tokens go to the oldest prefilling request and what is left to the next: two short prompts
+    finish in one turn (both rows decode from the next step on); a prompt cut by the budget is cut at whole
+    prefill lengths (8 here), so its graph runs are generate's. The default budget is 512 tokens (whole prefill
+    lengths). Every request's tokens equal the prompt's alone."""
+    session = Session(own_cb_graph)
+    assert session.prefill_seq_len == 8
+    assert Scheduler(session).prefill_chunk == 512 and Scheduler(session, prefill_chunk="auto").prefill_chunk == 8
+    spy = Spy(session)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 6, 30)]
+    sched = Scheduler(session, prefill_chunk=20, reuse_prompts=False)
+    hold = threading.Event()
+    try:
+        sched.run_on_engine(("call", lambda _: hold.wait(30)))   # the engine waits until all three are queued
+        handles = [sched.submit(_req(i, p, 4)) for i, p in enumerate(prompts)]
+        hold.set()
+        got = [_run(h)[0] for h in handles]
+    finally:
+        sched.close()
+    assert got == [_alone(own_cb_graph, p, 4) for p in prompts]
+    calls = [c[:2] for c in spy.calls]
+    # turn 1: 5 + 6 + 8 (9 left: one whole prefill length), then one decode step of the two finished prompts
+    assert calls[:4] == [("prefill", 5), ("prefill", 6), ("prefill", 8), ("decode", 2)], calls
+    assert [n for kind, n in calls if kind == "prefill"] == [5, 6, 8, 16, 6], calls   # turns 2 and 3: 16, then 6
 
 
 def test_prefill_chunk_smaller_than_the_prefill_length(own_cb_graph):

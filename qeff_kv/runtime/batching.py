@@ -5,7 +5,8 @@ batching mode, chosen once by :class:`~qeff_kv.runtime.graph_description.GraphDe
 * :class:`ContinuousBatching`: a graph with ``batch_index`` (``[rows, 1]``): row ``r`` of a step reads and writes
   KV row ``batch_index[r]``, the slot of its sequence, so any subset of the sequences decodes together;
 * :class:`LockStep`: a graph without ``batch_index`` running several sequences (:mod:`.lockstep`): each sequence
-  is prefilled alone through a batch-1 view of its row, and every row decodes together.
+  is prefilled alone through a batch-1 view of its row, and the rows in use decode together (a view of the
+  first rows, up to the highest slot fed).
 
 ``prefill`` and ``decode`` ask the strategy (the small inputs of a step, the rows a decode step runs, which logits
 row is whose, which buffers a prefill binds) instead of testing flags. A new batching mode is one more class here
@@ -46,11 +47,11 @@ class OneSequence:
         """The small inputs this mode adds to a ``rows``-row step (beside ``input_ids`` and ``position_ids``)."""
         return {}
 
-    def decode_rows(self, count: int, max_sequences: int) -> int:
-        """Rows of a decode step feeding ``count`` sequences."""
-        if count != 1:
+    def decode_rows(self, seqs: Seq, max_sequences: int) -> int:
+        """Rows of a decode step feeding ``seqs``."""
+        if len(seqs) != 1:
             raise RuntimeInputError("a graph without batch_index decodes one sequence per step")
-        return count
+        return 1
 
     def fill_prefill(self, arrays: dict[str, np.ndarray], seq) -> None:
         """Write this mode's inputs of a one-row prefill chunk of ``seq``."""
@@ -75,6 +76,12 @@ class OneSequence:
         """The KV values a prefill of ``seq`` binds instead of the whole buffers (``None``: the whole buffers)."""
         return None
 
+    def decode_views(self, rows: lockstep_mod.RowViews, count: int, max_sequences: int
+                     ) -> dict[str, ort.OrtValue] | None:
+        """The KV values a ``count``-row decode step binds instead of the whole buffers (``None``: the whole
+        buffers)."""
+        return None
+
 
 class ContinuousBatching(OneSequence):
     """A graph with ``batch_index``: any subset of the sequences in one step, each row naming its KV slot."""
@@ -86,8 +93,8 @@ class ContinuousBatching(OneSequence):
     def step_inputs(self, rows: int) -> dict[str, np.ndarray]:
         return {BATCH_INDEX: np.zeros((rows, 1), np.int64)}
 
-    def decode_rows(self, count: int, max_sequences: int) -> int:
-        return count
+    def decode_rows(self, seqs: Seq, max_sequences: int) -> int:
+        return len(seqs)
 
     def fill_prefill(self, arrays: dict[str, np.ndarray], seq) -> None:
         arrays[BATCH_INDEX][0, 0] = seq.slot
@@ -97,9 +104,10 @@ class ContinuousBatching(OneSequence):
 
 
 class LockStep(OneSequence):
-    """Several sequences in a graph without ``batch_index`` (:mod:`.lockstep`): a decode step runs every row (the
-    idle ones write past their length, into the slot each row keeps: the usable capacity is ``ctx_len - 1``), a
-    prefill binds the batch-1 view of its sequence's row."""
+    """Several sequences in a graph without ``batch_index`` (:mod:`.lockstep`): a decode step runs the rows up to
+    the highest slot fed, bound through a view of those first rows (the idle ones among them write past their
+    length, into the slot each row keeps: the usable capacity is ``ctx_len - 1``); a prefill binds the batch-1
+    view of its sequence's row."""
 
     name = "lock step"
     lockstep = True
@@ -108,13 +116,18 @@ class LockStep(OneSequence):
     def usable_ctx_len(self, ctx_len: int) -> int:
         return ctx_len - 1
 
-    def decode_rows(self, count: int, max_sequences: int) -> int:
-        return max_sequences
+    def decode_rows(self, seqs: Seq, max_sequences: int) -> int:
+        return lockstep_mod.step_rows(s.slot for s in seqs)
+
+    def decode_views(self, rows: lockstep_mod.RowViews, count: int, max_sequences: int
+                     ) -> dict[str, ort.OrtValue] | None:
+        return None if count == max_sequences else rows.first(count)
 
     def fill_decode(self, arrays: dict[str, np.ndarray], seqs: Seq, toks: Seq[int], sequences: Seq) -> None:
+        count = arrays["input_ids"].shape[0]
         lockstep_mod.fill_rows(arrays["input_ids"], arrays["position_ids"],
                                {s.slot: (t, s.length) for s, t in zip(seqs, toks)},
-                               {s.slot: s.length for s in sequences})
+                               {s.slot: s.length for s in sequences if s.slot < count})
 
     def logits_row(self, row: int, seq) -> int:
         return seq.slot

@@ -5,10 +5,13 @@ allocates ``max_sequences`` rows and
 
 * **prefills** one sequence at a time through *row views*: ``OrtValue`` objects over row ``slot`` of each
   buffer (``array[slot:slot + 1]``, contiguous, sharing memory), bound as the graph's batch-1 KV in place;
-* **decodes** every row in one step: rows with a token to decode get it at their next position; the other rows
-  (idle sequences, empty slots) get token 0 at their own next position, a write past their valid length that the
-  next real token overwrites before anything reads it. Each row keeps its last slot for that write, so the usable
-  capacity is ``ctx_len - 1``.
+* **decodes** the rows in use in one step: rows ``0 .. k-1``, ``k - 1`` the highest slot with a token to decode,
+  bound as the graph's batch-``k`` KV through a view of the first ``k`` rows (contiguous too; new sequences take
+  the lowest free slot, so ``k`` follows the number of running sequences, and a step of one sequence in slot 0
+  costs what a one-sequence graph's step costs). Rows with a token get it at their next position; the other rows
+  below ``k`` (idle sequences, empty slots) get token 0 at their own next position, a write past their valid
+  length that the next real token overwrites before anything reads it. Each row keeps its last slot for that
+  write, so the usable capacity is ``ctx_len - 1``. Rows from ``k`` on are not run: not a byte of them changes.
 
 Decoding ``N`` sequences together reads the weights once per step instead of ``N`` times: on a CPU, where a
 decode step is bound by memory bandwidth, aggregate tokens/s grows with ``N``. It needs an in-place safe graph
@@ -43,27 +46,42 @@ def refusal(*, inplace: bool, rings, batch_dim, images: bool = False, recurrent:
 
 
 class RowViews:
-    """Batch-1 ``OrtValue`` views of each KV buffer's rows, made once per row."""
+    """``OrtValue`` views of each KV buffer's rows: batch-1 views of one row (a prefill) and views of the first
+    ``k`` rows (a decode step of the rows in use), each made once."""
 
     def __init__(self, arrays: dict[str, np.ndarray]):
         self.arrays = arrays
-        self._rows: dict[int, dict[str, ort.OrtValue]] = {}
+        self._views: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
 
     def row(self, slot: int) -> dict[str, ort.OrtValue]:
-        if slot not in self._rows:
+        """Row ``slot`` of every buffer, as a batch-1 buffer."""
+        return self._span(slot, slot + 1)
+
+    def first(self, rows: int) -> dict[str, ort.OrtValue]:
+        """Rows ``0 .. rows-1`` of every buffer, as a batch-``rows`` buffer."""
+        return self._span(0, rows)
+
+    def _span(self, start: int, stop: int) -> dict[str, ort.OrtValue]:
+        if (start, stop) not in self._views:
             views = {}
             for name, arr in self.arrays.items():
-                view = arr[slot:slot + 1]
+                view = arr[start:stop]
                 if not view.flags["C_CONTIGUOUS"]:  # pragma: no cover - rows of a C-ordered array are contiguous
-                    raise RuntimeInputError(f"KV buffer {name!r} row {slot} is not contiguous")
+                    raise RuntimeInputError(f"KV buffer {name!r} rows {start}..{stop - 1} are not contiguous")
                 views[name] = ort.OrtValue.ortvalue_from_numpy(view)
-            self._rows[slot] = views
-        return self._rows[slot]
+            self._views[(start, stop)] = views
+        return self._views[(start, stop)]
+
+
+def step_rows(slots) -> int:
+    """The rows a decode step feeding sequences in ``slots`` runs: every row up to the highest of them."""
+    return max(slots) + 1
 
 
 def fill_rows(ids: np.ndarray, pos: np.ndarray, fed: dict[int, tuple[int, int]], lengths: dict[int, int]) -> None:
-    """Write one decode step for every row: ``fed[slot] = (token, position)``; any other row gets token 0 at
-    ``lengths.get(slot, 0)``, its next free position (never beyond the reserved last slot)."""
+    """Write one decode step for each of the step's rows (``ids.shape[0]``, the first rows of the buffers):
+    ``fed[slot] = (token, position)``; any other row gets token 0 at ``lengths.get(slot, 0)``, its next free
+    position (never beyond the reserved last slot)."""
     ids[:, :] = 0
     pos[:, :] = -1
     for slot in range(ids.shape[0]):

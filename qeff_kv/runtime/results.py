@@ -28,7 +28,11 @@ class Timings:
     decode_s: float = 0.0
     prefill_tokens: int = 0
     decode_steps: int = 0
+    #: graph runs of the prefills (a prefill runs one per prefill length of its tokens)
+    prefill_runs: int = 0
     decode_tokens: int = 0
+    #: rows the decode steps ran (lock step runs rows no sequence was fed in: more than the tokens decoded)
+    decode_rows: int = 0
     #: vision-language models: time in the vision stage and images encoded (runtime/vision.py)
     vision_s: float = 0.0
     images: int = 0

@@ -260,6 +260,18 @@ class Session(GenerationMixin, CacheVerbsMixin):
         for name, value, spare in self.cache.bindings():
             self._io.bind_ortvalue_input(name, value)
             self._bind_out(naming.retained_name(name), spare if spare is not None else value)
+        self._kv_views: dict[str, ort.OrtValue] | None = None
+
+    def _use_kv(self, views: dict[str, ort.OrtValue] | None) -> None:
+        """Have the KV bound as ``views`` (lock step: rows of the buffers) or, with ``None``, as the whole
+        buffers; binds only when that changes."""
+        if views is self._kv_views:
+            return
+        if views is None:
+            self._bind_kv()
+        else:
+            self._bind_views(views)
+            self._kv_views = views
 
     def _bind_out(self, name: str, value: ort.OrtValue | None) -> None:
         # IOBinding lists outputs in the order they were first bound; rebinding a name keeps its place.
@@ -355,12 +367,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if self.media is not None:
             self.media.begin(self._io, self._bind_out, images)
         t0 = time.perf_counter()
-        views = self.graph.batching.prefill_views(self._rows, seq)
-        if views is not None:   # lock step: the graph's batch-1 buffers are this sequence's row of ours
-            self._bind_views(views)
+        # lock step: the graph's batch-1 buffers are this sequence's row of ours
+        self._use_kv(self.graph.batching.prefill_views(self._rows, seq))
         logits = self._prefill_chunks(seq, toks, plan, rope, marks)
-        if views is not None:
-            self._bind_kv()
         if self.media is not None:
             self.media.end()
             seq.rope_marks.extend(self.media.marks(images, seq.length, pos_mod.delta(seq.rope_marks)))
@@ -426,6 +435,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
                           pos_mod.delta(seq.rope_marks))
             self.graph.batching.fill_prefill(arrays, seq)
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
+            self.timings.prefill_runs += 1
             self.cache.wrote(seq, seq.length + off + cnt)
             if rec and (rec.due(seq.length + off + cnt) or seq.length + off + cnt in marks):
                 rec.snapshot(seq, seq.length + off + cnt)
@@ -444,13 +454,14 @@ class Session(GenerationMixin, CacheVerbsMixin):
             return {}
         seqs, toks = self._check_decode(items)
         batching = self.graph.batching
-        rows = batching.decode_rows(len(seqs), self.max_sequences)
+        rows = batching.decode_rows(seqs, self.max_sequences)
         width = self.fixed_seq_len or 1
         if width > 1 and any(s.length == self.ctx_len - 1 for s in seqs):
             raise RuntimeInputError(
                 f"the graph fixes seq_len={width}, so a decode step carries padding, which must not share "
                 f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
         t0 = time.perf_counter()
+        self._use_kv(batching.decode_views(self._rows, rows, self.max_sequences))   # lock step: the rows in use
         arrays = self._bind_small(rows, width)
         if width != 1:
             arrays["input_ids"].fill(0)
@@ -469,6 +480,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
             out[s] = logits[batching.logits_row(r, s)]
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
+        self.timings.decode_rows += rows
         return out
 
     def _check_decode(self, items: list) -> tuple[list[Sequence], list[int]]:

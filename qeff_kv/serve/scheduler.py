@@ -6,8 +6,11 @@ Each turn of the engine thread:
    a cached sequence, its slot free for the next request) and slot actions (``/slots``);
 2. admits waiting requests in FIFO order while a slot is free or held by a cached sequence (evicted least
    recently used first), starting each from the longest common prefix of a kept sequence (prompt reuse);
-3. feeds **one** prefill chunk (``prefill_chunk`` tokens, by default the session's ``prefill_seq_len``) to the
-   oldest request still prefilling;
+3. feeds up to one turn's prompt tokens (``prefill_chunk``: by default :data:`TURN_TOKENS` rounded down to
+   whole prefill lengths, vLLM's token budget of a step) to the oldest request still prefilling, and what is
+   left of them to the next ones (a turn can finish several short prompts, so their rows decode from the next
+   step on); a prompt cut by the budget is cut at a whole number of prefill lengths, so its graph runs are the
+   ones ``generate`` makes;
 4. runs **one** decode step for every running sequence together (``batch_index`` rows, or lock step on a graph
    without it: the session does both); with a :class:`~.speculation.Speculation` (``--speculative``), that step
    verifies each sequence's drafts and may give each several tokens, emitted one event each.
@@ -19,7 +22,8 @@ and no logprobs takes the plain fast path. OpenAI's ``n`` prefills a prompt once
 (:mod:`.forks`).
 
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
-spends at most one chunk of prefill. HTTP handlers never call onnxruntime: they submit and read events.
+spends at most one turn's prompt tokens (``--prefill-chunk N`` lowers it; ``auto`` sizes it to about one
+decode step). HTTP handlers never call onnxruntime: they submit and read events.
 
 Prompt reuse (decided by the :class:`~qeff_kv.runtime.prefix_cache.PrefixCache`; the scheduler only asks): a
 finished (or cancelled) sequence is not destroyed; it stays in its slot, with its tokens, until the slot is needed
@@ -54,6 +58,9 @@ from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
 AUTO_SHARE = 0.9
+#: prompt tokens a turn feeds by default (rounded down to whole prefill lengths): vLLM's budget of batched tokens
+#: per step, llama.cpp's micro-batch; a slot waiting for its prompt costs a lock-step row, so prompts go in quickly
+TURN_TOKENS = 512
 
 
 @dataclass(eq=False)
@@ -81,7 +88,8 @@ class Scheduler(ChoiceForks, Engine):
         max_queue: requests waiting for a slot beyond which :meth:`submit` raises ``QueueFullError``.
         reuse_prompts: keep finished sequences for prompt reuse.
         model_name: what ``/v1/models`` lists (default: the export folder's name).
-        prefill_chunk: prompt tokens fed per engine turn (default: the session's ``prefill_seq_len``), or ``"auto"``.
+        prefill_chunk: prompt tokens fed per engine turn (default: :data:`TURN_TOKENS` in whole prefill lengths), or
+            ``"auto"``.
         speculation: a :class:`~.speculation.Speculation` over ``session`` (speculative decoding), or None.
         kv_events: a :class:`~.kv_events.KVEventPublisher` told what the sequences hold (``--kv-events``), or
             None; the scheduler closes it.
@@ -95,12 +103,14 @@ class Scheduler(ChoiceForks, Engine):
         if prefill_chunk is not None and prefill_chunk != "auto" and (
                 isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
-        #: prompt tokens fed per engine turn (between two decode steps): the session's prefill length by default;
-        #: smaller keeps running streams smoother while long prompts arrive, at some prefill throughput. "auto":
+        #: prompt tokens fed per engine turn (between two decode steps): TURN_TOKENS in whole prefill lengths by
+        #: default; smaller keeps running streams smoother while long prompts arrive, at some throughput. "auto":
         #: while sequences are running, as many tokens as cost AUTO_SHARE of a decode step (measured), so a running
         #: stream's step at most about doubles; the full prefill length when nothing runs
         self.auto_chunk = prefill_chunk == "auto"
-        self.prefill_chunk = session.prefill_seq_len if prefill_chunk in (None, "auto") else prefill_chunk
+        S = session.prefill_seq_len
+        self.prefill_chunk = (S if self.auto_chunk else max(S, TURN_TOKENS // S * S) if prefill_chunk is None
+                              else prefill_chunk)
         self._decode_s: float | None = None       # moving averages: one decode step, one prefill token
         self._prefill_tok_s: float | None = None
         self.session = session
@@ -214,7 +224,7 @@ class Scheduler(ChoiceForks, Engine):
         self._apply_control()
         self._admit()
         if self._prefilling:
-            self._prefill_one_chunk(self._prefilling[0])
+            self._prefill_turn()
         if self._running:
             self._decode_step()
 
@@ -394,12 +404,32 @@ class Scheduler(ChoiceForks, Engine):
     def _average(old: float | None, new: float) -> float:
         return new if old is None else 0.8 * old + 0.2 * new
 
-    def _prefill_one_chunk(self, a: _Active) -> None:
-        chunk = a.todo[:self._chunk_size()]
+    def _prefill_turn(self) -> None:
+        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones."""
+        left, fed = self._chunk_size(), 0
+        while left > 0 and self._prefilling:
+            a = self._prefilling[0]
+            n = self._share(len(a.todo), left, fed)
+            if n == 0:
+                return
+            self._prefill_one_chunk(a, n)
+            left, fed = left - n, fed + n
+
+    def _share(self, todo: int, left: int, fed: int) -> int:
+        """Tokens of a prompt with ``todo`` still to prefill that a turn with ``left`` tokens left feeds: all of
+        them, or whole prefill lengths (the graph runs ``generate`` makes); a remainder below one prefill length
+        only when it is the turn's whole budget (``--prefill-chunk`` below the prefill length, or ``auto``)."""
+        if todo <= left:
+            return todo
+        S = self.session.prefill_seq_len
+        return left // S * S if left >= S or fed else left
+
+    def _prefill_one_chunk(self, a: _Active, n: int) -> None:
+        chunk = a.todo[:n]
         # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
         end = a.seq.length + len(a.todo)
         kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
-        t0 = time.perf_counter()
+        t0, runs = time.perf_counter(), self.session.timings.prefill_runs
         try:
             logits = self.session.prefill(a.seq, chunk, **kw)
         except Exception as exc:   # noqa: BLE001
@@ -408,7 +438,7 @@ class Scheduler(ChoiceForks, Engine):
         self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
         del a.todo[:len(chunk)]
         with self._lock:
-            self._stats["prefill_chunks"] += 1
+            self._stats["prefill_chunks"] += self.session.timings.prefill_runs - runs
         if a.todo:
             return
         self._prefilling.remove(a)
