@@ -164,11 +164,35 @@ def quote_prompt() -> str:
     return f"Repeat the following passage exactly, word for word:\n\n{text}"
 
 
+def concurrency_jobs(clients: int, requests: int, args, corpus: Corpus, seed: int) -> list[list[tuple]]:
+    """Each client's requests ``(prompt, new tokens)``: the same for every target and round (seeded)."""
+    rng = random.Random(seed)
+    return [[(corpus.prompt(rng, rng.randint(args.prompt_min, args.prompt_max)),
+              rng.randint(args.new_min, args.new_max)) for _ in range(requests)] for _ in range(clients)]
+
+
+def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None) -> list[str]:
+    """What ``qeff-kv generate`` makes of each request alone (a one-sequence session, greedy, every token up to
+    the request's count, the server's incremental detokenizer): the text a served request must equal."""
+    from tokenizers import Tokenizer
+
+    from qeff_kv.runtime import Session
+    from qeff_kv.serve.text import Detokenizer
+
+    tok = Tokenizer.from_file(str(Path(export) / "tokenizer.json"))
+    session = Session(export, max_sequences=1, threads=threads)
+    texts = []
+    for prompt, new in [job for client in jobs for job in client]:
+        [g] = session.generate([prompt], max_new_tokens=new, stop_tokens=[])
+        session.remove_sequence(g.sequence)
+        d = Detokenizer(tok)
+        texts.append("".join(d.add(t) for t in g.tokens) + d.flush())
+    return texts
+
+
 def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus, model: str | None,
                     seed: int) -> dict:
-    rng = random.Random(seed)
-    jobs = [[(corpus.prompt(rng, rng.randint(args.prompt_min, args.prompt_max)),
-              rng.randint(args.new_min, args.new_max)) for _ in range(requests)] for _ in range(clients)]
+    jobs = concurrency_jobs(clients, requests, args, corpus, seed)
     results: list[dict] = []
     errors: list[str] = []
 
@@ -301,6 +325,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=("random", "quote"), default="random",
                     help="random: cuts of the text (ignore_eos); quote: bench_speculative's quoting chat request")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every target, interleaved; medians reported")
+    ap.add_argument("--check-generate", action="store_true",
+                    help="compare every served text (every round) with qeff-kv generate on the request alone")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     args = ap.parse_args()
     if args.quick:
@@ -349,6 +375,8 @@ def main() -> None:
                     say(f"  {results['runs'][name]['arrivals']}")
                 finally:
                     srv.stop()
+    if args.check_generate:
+        check_generate(results, targets, clients, args, corpora)
     for name, r in results["runs"].items():
         r["concurrency"] = [median_run([rounds[i] for rounds in r["rounds"]]) for i in range(len(r["rounds"][0]))]
     # the same text from every target and round, request by request (greedy: speculation must not change it)
@@ -366,6 +394,21 @@ def main() -> None:
     print(table(results))
 
 
+def check_generate(results: dict, targets, clients: list[int], args, corpora: dict) -> None:
+    """Record, per qeff-kv run, how many served texts differ from ``generate`` on the request alone."""
+    for name, kind, export in targets:
+        if kind != "qeff" or args.workload != "random":
+            continue
+        for i, c in enumerate([] if args.only_arrivals else clients):
+            say(f"{name}: generate alone for the {c}-client requests")
+            want = generate_texts(export, concurrency_jobs(c, args.requests, args, corpora[name], seed=c),
+                                  args.threads)
+            for rounds in results["runs"][name]["rounds"]:
+                got = rounds[i]["texts"]
+                rounds[i]["differ_from_generate"] = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+            say(f"  differ: {[rounds[i]['differ_from_generate'] for rounds in results['runs'][name]['rounds']]}")
+
+
 def median_run(runs: list[dict]) -> dict:
     """One concurrency row from several rounds: the median of each figure, the rounds' tok/s listed."""
     import statistics
@@ -377,19 +420,21 @@ def median_run(runs: list[dict]) -> dict:
         out[key] = round(statistics.median(vals), 2) if vals else None
     out["tok_per_s_rounds"] = [r["tok_per_s"] for r in runs]
     out["decode_tok_per_s_rounds"] = [r.get("decode_tok_per_s") for r in runs]
+    if any("differ_from_generate" in r for r in runs):
+        out["differ_from_generate"] = sum(r.get("differ_from_generate", 0) for r in runs)
     out.pop("texts", None)
     return out
 
 
 def table(results: dict) -> str:
-    lines = ["| target | clients | requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| target | clients | requests | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | acceptance | "
+             "texts differing from generate |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results["runs"].items():
         for x in r["concurrency"]:
             acc = x.get("speculative", {}).get("acceptance")
             lines.append(f"| {name} | {x['clients']} | {x['requests']} | {x['tok_per_s']} | "
                          f"{x['ttft_p50_ms']} / {x['ttft_p99_ms']} | {x['itl_p50_ms']} / {x['itl_p99_ms']} | "
-                         f"{'-' if acc is None else acc} |")
+                         f"{'-' if acc is None else acc} | {x.get('differ_from_generate', '-')} |")
     lines += ["", "| target | idle ITL p50 / p99 ms | ITL with arriving prompts p50 / p99 ms | p99 ratio | prompts |",
               "|---|---|---|---|---|"]
     for name, r in results["runs"].items():
