@@ -190,6 +190,17 @@ def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None) ->
     return texts
 
 
+def run_clients(worker, clients: int) -> float:
+    """Run ``worker(i)`` for each client ``i`` in its own thread, all at once; the wall time until all end."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus, model: str | None,
                     seed: int) -> dict:
     jobs = concurrency_jobs(clients, requests, args, corpus, seed)
@@ -203,13 +214,7 @@ def concurrency_run(url: str, clients: int, requests: int, args, corpus: Corpus,
             except Exception as exc:  # noqa: BLE001
                 errors.append(repr(exc))
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(worker, clients)
     results.sort(key=lambda r: r["order"])
     itl = [x for r in results for x in r["itl"]]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]

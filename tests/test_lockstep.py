@@ -91,3 +91,20 @@ def test_a_step_runs_only_the_rows_in_use(family_exports, family_models):
     assert sess.timings.decode_rows == 2 + 2 * (NEW - 1) + (NEW - 3)
     assert a.tokens + rest_a.tokens == hf_greedy(family_models("llama"), PROMPTS[0], NEW)
     assert b.tokens == hf_greedy(family_models("llama"), PROMPTS[1], NEW)
+
+
+def test_warm_up_leaves_nothing_behind(family_exports, family_models):
+    """``warm_up`` (what ``qeff-kv serve`` runs before serving) runs a prefill and a step over every row in
+    sequences of its own and removes them: no sequence, no timings, and the tokens after it are exact; a session
+    holding a sequence is refused in one line."""
+    from hf_models import hf_greedy
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime import Session
+
+    sess = Session(family_exports("llama", "onnxruntime-fused").out_dir, max_sequences=3)
+    sess.warm_up()
+    assert sess.sequences == [] and sess.timings.decode_steps == 0 and sess.timings.prefill_tokens == 0
+    got = [g.tokens for g in sess.generate([PROMPTS[0], THIRD], max_new_tokens=NEW, stop_tokens=[])]
+    assert got == [hf_greedy(family_models("llama"), p, NEW) for p in (PROMPTS[0], THIRD)]
+    with pytest.raises(RuntimeInputError, match="^warm_up runs on a session without sequences; remove them first$"):
+        sess.warm_up()

@@ -13,9 +13,11 @@ DEFAULT_LOCKSTEP_SEQUENCES = 4
 
 
 def open_session(config: ServeConfig, export: str | None = None):
-    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas')."""
+    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas'), warmed up
+    (:meth:`~qeff_kv.runtime.Session.warm_up`: the first requests do not pay onnxruntime's first-run costs)."""
     session = _open(config, export)
     _check_checkpoint_options(config, session, export)
+    session.warm_up()
     return session
 
 
@@ -28,6 +30,7 @@ def open_prefill_session(config: ServeConfig, export: str):
 
     session = Session(export, **session_options(config))
     _check_checkpoint_options(config, session, export)
+    session.warm_up()
     return session
 
 
