@@ -27,8 +27,10 @@ counters (drafted / accepted, from ``/metrics``) and whether every target gave t
     python benchmarks/bench_serve.py --export plain/ --export spec8/ --speculative lookup --workload quote \\
         --clients 1 --new-max 256 --rounds 3 --threads 2 --no-arrivals --out results/serve_speculative.json
 
-``--llama-server`` runs the same load against ``llama-server -m GGUF -np C -c CTX*C --threads T`` (build
-llama.cpp with ``cmake -B build && cmake --build build --target llama-server -j``; not built here).
+``--llama-server`` runs the same load against ``llama-server -m GGUF -np C -c CTX*C --threads T`` (built from the
+llama.cpp tree of llama-cpp-python's source release: the recipe is in docs/benchmarks.md). ``--check-generate``
+compares every served text with ``qeff-kv generate`` on the request alone; ``--prefill-seq-len N`` serves (and
+generates) with that prefill length.
 """
 
 from __future__ import annotations
@@ -171,16 +173,18 @@ def concurrency_jobs(clients: int, requests: int, args, corpus: Corpus, seed: in
               rng.randint(args.new_min, args.new_max)) for _ in range(requests)] for _ in range(clients)]
 
 
-def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None) -> list[str]:
+def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None,
+                   prefill_seq_len: int | None = None) -> list[str]:
     """What ``qeff-kv generate`` makes of each request alone (a one-sequence session, greedy, every token up to
-    the request's count, the server's incremental detokenizer): the text a served request must equal."""
+    the request's count, the server's incremental detokenizer, the server's prefill length): the text a served
+    request must equal."""
     from tokenizers import Tokenizer
 
     from qeff_kv.runtime import Session
     from qeff_kv.serve.text import Detokenizer
 
     tok = Tokenizer.from_file(str(Path(export) / "tokenizer.json"))
-    session = Session(export, max_sequences=1, threads=threads)
+    session = Session(export, max_sequences=1, threads=threads, prefill_seq_len=prefill_seq_len)
     texts = []
     for prompt, new in [job for client in jobs for job in client]:
         [g] = session.generate([prompt], max_new_tokens=new, stop_tokens=[])
@@ -289,6 +293,8 @@ def qeff_server(export: str, clients: int, args, log: Path) -> Server:
         argv += ["--threads", str(args.threads)]
     if args.prefill_chunk:
         argv += ["--prefill-chunk", str(args.prefill_chunk)]
+    if args.prefill_seq_len:
+        argv += ["--prefill-seq-len", str(args.prefill_seq_len)]
     if not Path(argv[0]).is_file():
         argv[0:1] = [sys.executable, "-m", "qeff_kv_cli.main"]
     return Server(argv, port, log)
@@ -316,6 +322,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-chunk", default=None, help="qeff-kv serve --prefill-chunk (N or auto)")
+    ap.add_argument("--prefill-seq-len", type=int, default=None,
+                    help="qeff-kv serve --prefill-seq-len (the prefill run's length, where the graph leaves it symbolic)")
     ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
     ap.add_argument("--no-arrivals", action="store_true", help="skip the arrivals run")
     ap.add_argument("--quick", action="store_true",
@@ -407,7 +415,7 @@ def check_generate(results: dict, targets, clients: list[int], args, corpora: di
         for i, c in enumerate([] if args.only_arrivals else clients):
             say(f"{name}: generate alone for the {c}-client requests")
             want = generate_texts(export, concurrency_jobs(c, args.requests, args, corpora[name], seed=c),
-                                  args.threads)
+                                  args.threads, args.prefill_seq_len)
             for rounds in results["runs"][name]["rounds"]:
                 got = rounds[i]["texts"]
                 rounds[i]["differ_from_generate"] = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
