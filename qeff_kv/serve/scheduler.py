@@ -54,13 +54,9 @@ from ..runtime.cache import Sequence
 from ..runtime.prefix_cache import PrefixCache
 from ..runtime.sampling import Pick, TokenPicker
 from .forks import ChoiceForks
+from .prefill_turns import TURN_TOKENS, PrefillTurns
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
-#: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
-AUTO_SHARE = 0.9
-#: prompt tokens a turn feeds by default (rounded down to whole prefill lengths): vLLM's budget of batched tokens
-#: per step, llama.cpp's micro-batch; a slot waiting for its prompt costs a lock-step row, so prompts go in quickly
-TURN_TOKENS = 512
 
 
 @dataclass(eq=False)
@@ -80,7 +76,7 @@ class _Active:
     followers: list["_Active"] = field(default_factory=list)
 
 
-class Scheduler(ChoiceForks, Engine):
+class Scheduler(PrefillTurns, ChoiceForks, Engine):
     """Continuous batching over one :class:`~qeff_kv.runtime.Session` (see the module docstring).
 
     Args:
@@ -393,60 +389,7 @@ class Scheduler(ChoiceForks, Engine):
         self._prefilling.append(a)
         return a
 
-    # ---- prefill and decode
-    def _chunk_size(self) -> int:
-        if not (self.auto_chunk and self._running and self._decode_s and self._prefill_tok_s):
-            return self.prefill_chunk
-        n = int(AUTO_SHARE * self._decode_s / self._prefill_tok_s)
-        return max(1, min(self.session.prefill_seq_len, n))
-
-    @staticmethod
-    def _average(old: float | None, new: float) -> float:
-        return new if old is None else 0.8 * old + 0.2 * new
-
-    def _prefill_turn(self) -> None:
-        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones."""
-        left, fed = self._chunk_size(), 0
-        while left > 0 and self._prefilling:
-            a = self._prefilling[0]
-            n = self._share(len(a.todo), left, fed)
-            if n == 0:
-                return
-            self._prefill_one_chunk(a, n)
-            left, fed = left - n, fed + n
-
-    def _share(self, todo: int, left: int, fed: int) -> int:
-        """Tokens of a prompt with ``todo`` still to prefill that a turn with ``left`` tokens left feeds: all of
-        them, or whole prefill lengths (the graph runs ``generate`` makes); a remainder below one prefill length
-        only when it is the turn's whole budget (``--prefill-chunk`` below the prefill length, or ``auto``)."""
-        if todo <= left:
-            return todo
-        S = self.session.prefill_seq_len
-        return left // S * S if left >= S or fed else left
-
-    def _prefill_one_chunk(self, a: _Active, n: int) -> None:
-        chunk = a.todo[:n]
-        # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
-        end = a.seq.length + len(a.todo)
-        kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
-        t0, runs = time.perf_counter(), self.session.timings.prefill_runs
-        try:
-            logits = self.session.prefill(a.seq, chunk, **kw)
-        except Exception as exc:   # noqa: BLE001
-            self._finish(a, "error", f"prefill failed: {exc}", keep=False)
-            return
-        self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
-        del a.todo[:len(chunk)]
-        with self._lock:
-            self._stats["prefill_chunks"] += self.session.timings.prefill_runs - runs
-        if a.todo:
-            return
-        self._prefilling.remove(a)
-        self.prefix_cache.held(a.seq)
-        if a.followers:
-            self._fork(a, logits)
-        self._first_token(a, logits)
-
+    # ---- decode (the prefill turn is :class:`~.prefill_turns.PrefillTurns`)
     def _first_token(self, a: _Active, logits) -> None:
         try:
             pick = self._select(a, logits)

@@ -1,0 +1,79 @@
+"""The prefill turn of the local engine: which waiting prompts' tokens an engine turn feeds, and how many.
+
+Invariant: a turn feeds at most its budget of prompt tokens (``prefill_chunk``; ``auto``: what costs about
+:data:`AUTO_SHARE` of a decode step), oldest prompt first, and cuts a prompt only at a whole number of prefill
+lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and
+a served output does not depend on the load. A mixin of :class:`~.scheduler.Scheduler` (its state and helpers:
+``session``, ``prefill_chunk``, ``auto_chunk``, ``_prefilling``, ``_running``, the moving averages, ``_finish``,
+``_fork``, ``_first_token``, ``prefix_cache``).
+"""
+
+from __future__ import annotations
+
+import time
+
+#: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
+AUTO_SHARE = 0.9
+#: prompt tokens a turn feeds by default (rounded down to whole prefill lengths): vLLM's budget of batched tokens
+#: per step, llama.cpp's micro-batch; a slot waiting for its prompt costs a lock-step row, so prompts go in quickly
+TURN_TOKENS = 512
+
+
+class PrefillTurns:
+    """The prompt tokens a turn feeds, for :class:`~.scheduler.Scheduler`."""
+
+    def _chunk_size(self) -> int:
+        if not (self.auto_chunk and self._running and self._decode_s and self._prefill_tok_s):
+            return self.prefill_chunk
+        n = int(AUTO_SHARE * self._decode_s / self._prefill_tok_s)
+        return max(1, min(self.session.prefill_seq_len, n))
+
+    @staticmethod
+    def _average(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
+
+    def _prefill_turn(self) -> None:
+        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones."""
+        left, fed = self._chunk_size(), 0
+        while left > 0 and self._prefilling:
+            a = self._prefilling[0]
+            n = self._share(len(a.todo), left, fed)
+            if n == 0:
+                return
+            self._prefill_one_chunk(a, n)
+            left, fed = left - n, fed + n
+
+    def _share(self, todo: int, left: int, fed: int) -> int:
+        """Tokens of a prompt with ``todo`` still to prefill that a turn with ``left`` tokens left feeds: all of
+        them, or whole prefill lengths (the graph runs ``generate`` makes); a remainder below one prefill length
+        only when it is the turn's whole budget (``--prefill-chunk`` below the prefill length, or ``auto``)."""
+        if todo <= left:
+            return todo
+        S = self.session.prefill_seq_len
+        return left // S * S if left >= S or fed else left
+
+    def _prefill_one_chunk(self, a, n: int) -> None:
+        """Feed the next ``n`` prompt tokens of request ``a`` (the scheduler's ``_Active``); when its prompt is
+        done, its choices fork and it selects its first token."""
+        chunk = a.todo[:n]
+        # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
+        end = a.seq.length + len(a.todo)
+        kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
+        t0, runs = time.perf_counter(), self.session.timings.prefill_runs
+        try:
+            logits = self.session.prefill(a.seq, chunk, **kw)
+        except Exception as exc:   # noqa: BLE001
+            self._finish(a, "error", f"prefill failed: {exc}", keep=False)
+            return
+        self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
+        del a.todo[:len(chunk)]
+        with self._lock:
+            self._stats["prefill_chunks"] += self.session.timings.prefill_runs - runs
+        if a.todo:
+            return
+        self._prefilling.remove(a)
+        self.prefix_cache.held(a.seq)
+        if a.followers:
+            self._fork(a, logits)
+        self._first_token(a, logits)
+
