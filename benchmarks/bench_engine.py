@@ -5,7 +5,8 @@
 
 ``C`` client threads submit the same seeded requests as ``bench_serve.py --clients C`` (prompts cut from
 fixtures/text/gettysburg.txt, greedy, every token up to the request's count) to a
-:class:`~qeff_kv.serve.scheduler.Scheduler` over one session (``--max-sequences C``, no prompt reuse). Printed per
+:class:`~qeff_kv.serve.scheduler.Scheduler` over one session (``--max-sequences C`` unless given, no prompt reuse
+unless ``--reuse``: with it, finished sequences stay kept in their slots, as ``qeff-kv serve`` keeps them). Printed per
 round: aggregate tokens/s and time to first token p50 / p99, then the engine's split: time in decode steps (steps,
 ms a step, rows a step run and rows that decoded a token), time in prefill (tokens/s), and the rest (sampling,
 events, admission). Set beside the same load over HTTP (bench_serve.py), the difference is the frontend's share.
@@ -38,9 +39,10 @@ def one_round(export: str, clients: int, jobs, args) -> dict:
 
     from bench_serve import run_clients
 
-    session = Session(export, max_sequences=clients, threads=args.threads, prefill_seq_len=args.prefill_seq_len)
+    session = Session(export, max_sequences=args.max_sequences or clients, threads=args.threads,
+                      prefill_seq_len=args.prefill_seq_len)
     chunk = args.prefill_chunk if args.prefill_chunk in (None, "auto") else int(args.prefill_chunk)
-    sched = Scheduler(session, max_queue=1024, reuse_prompts=False, prefill_chunk=chunk)
+    sched = Scheduler(session, max_queue=1024, reuse_prompts=args.reuse, prefill_chunk=chunk)
     ttft: list[float] = []
     tokens = [0]
 
@@ -87,6 +89,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", default=None, help="the Scheduler's prefill_chunk (N or auto)")
     ap.add_argument("--prefill-seq-len", type=int, default=None, help="the Session's prefill length")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--max-sequences", type=int, default=None, help="the session's sequences (default: --clients)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep finished sequences for prompt reuse (the server's default; off by default here)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows = []

@@ -170,3 +170,60 @@ def test_ring_refusals_fall_back_to_a_whole_prefill(tmp_path):
     seq, n = cache.acquire(other)                                  # no free slot: the rewind is refused too
     assert (seq, n, seq.length, len(cache)) == (a, 0, 0, 0)
     assert cache.reused_tokens == 0
+
+
+def test_lock_step_new_sequences_take_the_lowest_rows(own_fused_graph):
+    """A lock-step step runs every row up to the highest one fed, kept rows below included: a new sequence takes
+    the lowest slot no sequence in use holds, and the kept sequence there moves to the highest free slot with its
+    positions, tokens, pending token and place in the LRU order; it is still found and reused."""
+    sess = Session(own_fused_graph, max_sequences=3)
+    assert sess.lockstep
+    rec = Recorder()
+    cache = PrefixCache(sess, listener=rec)
+    assert cache.low_rows
+    a = _kept(cache, P)
+    a.pending, a.pending_emitted = 42, True
+    kv_a = _kv(sess, a)
+    new = cache.fresh()                                            # a leaves slot 0 for the highest free slot
+    moved = cache.in_slot(2)
+    assert new.slot == 0 and not a.alive and cache.kept == (moved,)
+    assert (moved.tokens, moved.length, moved.pending, moved.pending_emitted) == (P, len(P), 42, True)
+    got = _kv(sess, moved)
+    assert sorted(got) == sorted(kv_a) and all(np.array_equal(got[k], kv_a[k]) for k in got)
+    assert rec.held == {moved.id: P}                               # the listener: a's tokens under the new key
+    assert cache.lookup(P + [60]) == (moved, len(P))
+    sess.prefill(new, [70, 71, 72])
+    rows = sess.timings.decode_rows
+    sess.decode([(new, 73)])
+    assert sess.timings.decode_rows - rows == 1                    # one row, not three
+    cache.release(new)                                             # kept in slot 0, the most recently used
+    assert cache.kept == (moved, new)
+    second = cache.fresh()                                         # new moves up to slot 1, keeping its place
+    new2 = cache.in_slot(1)
+    assert second.slot == 0 and cache.kept == (moved, new2) and new2.tokens == [70, 71, 72, 73][:new2.length]
+    third = cache.fresh()                                          # no free slot: the LRU (moved, slot 2) is
+    assert not moved.alive and third.slot == 1 and cache.in_slot(2) is not None   # evicted, new2 moves up
+    assert cache.kept == (cache.in_slot(2),) and cache.in_slot(2).tokens == new2.tokens
+
+
+def test_lock_step_moved_sequence_continues_as_before(own_fused_graph):
+    """A kept sequence moved to another row continues with the tokens it would have made in place."""
+    ref = Session(own_fused_graph, max_sequences=3)
+    [want] = ref.generate([P], max_new_tokens=6, stop_tokens=[])
+    sess = Session(own_fused_graph, max_sequences=3)
+    cache = PrefixCache(sess)
+    a = _kept(cache, P)
+    cache.fresh()                                                  # a moves from slot 0 to slot 2
+    moved = cache.in_slot(2)
+    seq, n = cache.acquire(P + [want.tokens[0]])
+    assert (seq, n) == (moved, len(P))
+    [got] = sess.generate([(seq, [want.tokens[0]])], max_new_tokens=5, stop_tokens=[])
+    assert [want.tokens[0]] + got.tokens == want.tokens and not a.alive
+
+
+def test_continuous_batching_keeps_kept_sequences_in_place(cb):
+    """With batch_index a step runs only the rows fed: nothing moves."""
+    cache = PrefixCache(cb)
+    assert not cache.low_rows
+    a = _kept(cache, P)
+    assert cache.fresh().slot == 1 and a.alive and a.slot == 0
