@@ -227,3 +227,35 @@ def test_continuous_batching_keeps_kept_sequences_in_place(cb):
     assert not cache.low_rows
     a = _kept(cache, P)
     assert cache.fresh().slot == 1 and a.alive and a.slot == 0
+
+
+def test_lower_moves_a_sequence_in_use_into_the_lowest_open_row(own_fused_graph):
+    """``lower``: a sequence in use moves into the lowest slot below it that no other sequence in use holds (a kept
+    one there first moves to a free slot), carrying its positions, tokens and pending token; else it stays."""
+    sess = Session(own_fused_graph, max_sequences=3)
+    rec = Recorder()
+    cache = PrefixCache(sess, listener=rec)
+    a, b, c = cache.fresh(), cache.fresh(), cache.fresh()
+    for seq, toks in ((a, P), (b, [90, 91, 92]), (c, [80, 81, 82, 83, 84])):
+        sess.prefill(seq, toks)
+    c.pending, c.pending_emitted = 7, True
+    cache.release(a)                                               # a kept in slot 0; no slot free
+    assert cache.lower(c) is c                                     # nowhere for a to go: c stays in slot 2
+    cache.release(b, keep=False)                                   # slot 1 free
+    kv_c = _kv(sess, c)
+    low = cache.lower(c)                                           # a moves up to slot 1, c down to slot 0
+    moved_a = cache.in_slot(1)
+    assert low.slot == 0 and not c.alive and moved_a.tokens == P and cache.kept == (moved_a,)
+    assert (low.tokens, low.pending, low.pending_emitted) == ([80, 81, 82, 83, 84], 7, True)
+    got = _kv(sess, low)
+    assert sorted(got) == sorted(kv_c) and all(np.array_equal(got[k], kv_c[k]) for k in got)
+    assert rec.held == {moved_a.id: P, low.id: [80, 81, 82, 83, 84]}
+    assert cache.lower(low) is low                                 # already the lowest row
+
+
+def test_continuous_batching_never_lowers(cb):
+    cache = PrefixCache(cb)
+    a, b = cache.fresh(), cache.fresh()
+    cb.prefill(b, P)
+    cache.release(a, keep=False)
+    assert cache.lower(b) is b and b.slot == 1

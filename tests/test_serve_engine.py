@@ -324,3 +324,25 @@ def test_stop_matcher_never_shows_part_of_a_stop_string():
     assert m.feed("T") == ""
     assert m.feed("O") == ""
     assert m.feed("P tail") == "" and m.stopped
+
+
+def test_lockstep_a_long_stream_moves_down_when_a_lower_one_finishes(own_fused_graph):
+    """Lock step runs every row up to the highest one fed: when the request in slot 0 finishes (kept, prompt reuse
+    on), the long one above it moves down (the kept one moves up to a free slot), so the rest of its steps run one
+    row; its tokens stay those of the prompt alone."""
+    session = Session(own_fused_graph, max_sequences=3)
+    sched = Scheduler(session)
+    long_prompt, short_prompt = [11, 12, 13, 14, 15, 16], [21, 22, 23]
+    try:
+        short = sched.submit(_req(0, short_prompt, 2))
+        long = sched.submit(_req(1, long_prompt, 24))
+        got_short, got_long = _run(short)[0], _run(long)[0]
+        tm = session.timings
+        kept = sched.run_on_engine(("call", lambda s: sorted((k.slot, tuple(k.tokens))
+                                                             for k in s.prefix_cache.kept))).result(10)
+    finally:
+        sched.close()
+    assert got_long == _alone(own_fused_graph, long_prompt, 24)
+    assert got_short == _alone(own_fused_graph, short_prompt, 2)
+    assert tm.decode_rows <= tm.decode_steps + 2                   # not two rows for every step of the long one
+    assert [t[:len(long_prompt)] for _, t in kept].count(tuple(long_prompt)) == 1 and len(kept) == 2

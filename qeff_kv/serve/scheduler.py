@@ -58,6 +58,10 @@ from .prefill_turns import TURN_TOKENS, PrefillTurns
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
 
+#: a running sequence moves down a lock-step row only with at least this many tokens left to make: the copy of
+#: its positions is paid once, the row it leaves is saved at every remaining step
+LOWER_MIN_LEFT = 8
+
 
 @dataclass(eq=False)
 class _Active:
@@ -431,6 +435,8 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
         if self.speculation is not None:
             self._speculative_step()
             return
+        if self.prefix_cache.low_rows:
+            self._lower_top_row()
         batch = list(self._running)
         t0 = time.perf_counter()
         try:
@@ -450,6 +456,14 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
                 continue
             a.seq.pending, a.seq.pending_emitted = pick.token, True
             self._emit_token(a, pick.token, pick)
+
+    def _lower_top_row(self) -> None:
+        """Lock step runs every row up to the highest one fed: the running sequence in that row moves down into a
+        row no request holds (:meth:`~qeff_kv.runtime.prefix_cache.PrefixCache.lower`, a copy of its positions)
+        when it has at least :data:`LOWER_MIN_LEFT` tokens left to make; at most one move a step."""
+        top = max(self._running, key=lambda a: a.seq.slot)
+        if top.budget - top.generated >= LOWER_MIN_LEFT:
+            top.seq = self.prefix_cache.lower(top.seq)
 
     def _speculative_step(self) -> None:
         """The decode step through :attr:`speculation`: each sequence gets one or more tokens, each emitted as
