@@ -8,7 +8,8 @@ Each kind is built directly (numpy buffers of small random shapes, no graph) ins
 by writing random data where the graph would (position ``p`` in slot ``p``, a ring's slot ``p % C``, a recurrent
 row overwritten at every token, checkpoints where the policy says). What is checked: the interface's facts (buffers,
 bindings, bytes), create/clear/destroy, that every truncate and copy a memory allows gives exactly what the next
-step would read at that length, that every refusal is the first memory's (its type, its line) and leaves every memory
+step would read at that length, that a relocation (into a free slot, an exchange) leaves every sequence reading what it
+read, that every refusal is the first memory's (its type, its line) and leaves every memory
 untouched (all bytes compared), state round trips through ``state_write``/``state_check``/``state_read``, and that a
 hand-off moves the valid bytes and cuts each buffer as its slicing spec says.
 
@@ -258,6 +259,36 @@ def test_every_copy_is_exact_or_refused_with_nothing_changed(kind):
         h.copy(src, dst, n)
         assert (dst.length, dst.pending) == (n, None) and same(view(h, src), src_view)
         assert n == 0 or same(dict(view(h, dst), state=state_of(h, dst)), seen[n], state=True)
+
+
+def test_every_relocation_keeps_every_sequence_or_is_refused_with_nothing_changed(kind):
+    """``relocate``: into a free slot, then an exchange with the sequence holding the target slot; each sequence is
+    the same object and its next step reads what it read before (its state, bookkeeping and checkpoints included);
+    a memory that cannot move its rows (double-buffered) refuses in one line and nothing changes."""
+    h = KINDS[kind]()
+    rng = np.random.default_rng(11)
+    a = _filled(h, rng)
+    b = h.create()
+    feed(h, b, 6, rng)
+    b.pending, b.pending_emitted = 9, True
+    before = {s.id: dict(view(h, s), state=state_of(h, s)) for s in (a, b)}
+    m, why = _first_refusal(h, lambda m: m.relocate_refusal())
+    if why is not None:
+        snapshot = everything(h)
+        with pytest.raises(m.refusal_error) as err:
+            h.relocate(a, 2)
+        assert str(err.value) == why and "\n" not in why and everything(h) == snapshot
+        return
+    assert h.relocate(a, 2) is None and (a.slot, b.slot) == (2, 1)          # into the free slot
+    assert h.relocate(a, 1) is b and (a.slot, b.slot) == (1, 2)             # an exchange with b
+    assert h.relocate(a, 1) is None and h.free_slots() == [0]               # where it is: nothing to do
+    for s in (a, b):
+        assert same(dict(view(h, s), state=state_of(h, s)), before[s.id], state=True), f"sequence {s.id} moved wrong"
+    assert (b.pending, b.pending_emitted) == (9, True)
+    feed(h, a, 1, rng)                                                      # the next step writes its new row
+    assert a.length == LENGTH + 1 and same(view(h, b), before[b.id])
+    with pytest.raises(RuntimeInputError, match="slot must be an int"):
+        h.relocate(a, SLOTS)
 
 
 def test_refusals_are_those_of_each_kind(kind):

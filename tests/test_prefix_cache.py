@@ -174,8 +174,8 @@ def test_ring_refusals_fall_back_to_a_whole_prefill(tmp_path):
 
 def test_lock_step_new_sequences_take_the_lowest_rows(own_fused_graph):
     """A lock-step step runs every row up to the highest one fed, kept rows below included: a new sequence takes
-    the lowest slot no sequence in use holds, and the kept sequence there moves to the highest free slot with its
-    positions, tokens, pending token and place in the LRU order; it is still found and reused."""
+    the lowest slot no sequence in use holds, and the kept sequence there moves to the highest free slot, the same
+    sequence with its positions, tokens, pending token and place in the LRU order; it is still found and reused."""
     sess = Session(own_fused_graph, max_sequences=3)
     assert sess.lockstep
     rec = Recorder()
@@ -184,26 +184,23 @@ def test_lock_step_new_sequences_take_the_lowest_rows(own_fused_graph):
     a = _kept(cache, P)
     a.pending, a.pending_emitted = 42, True
     kv_a = _kv(sess, a)
+    calls = len(rec.calls)
     new = cache.fresh()                                            # a leaves slot 0 for the highest free slot
-    moved = cache.in_slot(2)
-    assert new.slot == 0 and not a.alive and cache.kept == (moved,)
-    assert (moved.tokens, moved.length, moved.pending, moved.pending_emitted) == (P, len(P), 42, True)
-    got = _kv(sess, moved)
+    assert new.slot == 0 and a.alive and a.slot == 2 and cache.kept == (a,)
+    assert (a.tokens, a.length, a.pending, a.pending_emitted) == (P, len(P), 42, True)
+    got = _kv(sess, a)
     assert sorted(got) == sorted(kv_a) and all(np.array_equal(got[k], kv_a[k]) for k in got)
-    assert rec.held == {moved.id: P}                               # the listener: a's tokens under the new key
-    assert cache.lookup(P + [60]) == (moved, len(P))
+    assert len(rec.calls) == calls and rec.held == {a.id: P}      # the same sequence: nothing to tell
+    assert cache.lookup(P + [60]) == (a, len(P))
     sess.prefill(new, [70, 71, 72])
     rows = sess.timings.decode_rows
     sess.decode([(new, 73)])
     assert sess.timings.decode_rows - rows == 1                    # one row, not three
     cache.release(new)                                             # kept in slot 0, the most recently used
-    assert cache.kept == (moved, new)
     second = cache.fresh()                                         # new moves up to slot 1, keeping its place
-    new2 = cache.in_slot(1)
-    assert second.slot == 0 and cache.kept == (moved, new2) and new2.tokens == [70, 71, 72, 73][:new2.length]
-    third = cache.fresh()                                          # no free slot: the LRU (moved, slot 2) is
-    assert not moved.alive and third.slot == 1 and cache.in_slot(2) is not None   # evicted, new2 moves up
-    assert cache.kept == (cache.in_slot(2),) and cache.in_slot(2).tokens == new2.tokens
+    assert (second.slot, new.slot, a.slot, cache.kept) == (0, 1, 2, (a, new))
+    third = cache.fresh()                                          # no free slot: the LRU a (slot 2) is
+    assert not a.alive and (third.slot, new.slot, cache.kept) == (1, 2, (new,))   # evicted, new moves up
 
 
 def test_lock_step_moved_sequence_continues_as_before(own_fused_graph):
@@ -214,11 +211,11 @@ def test_lock_step_moved_sequence_continues_as_before(own_fused_graph):
     cache = PrefixCache(sess)
     a = _kept(cache, P)
     cache.fresh()                                                  # a moves from slot 0 to slot 2
-    moved = cache.in_slot(2)
+    assert a.slot == 2
     seq, n = cache.acquire(P + [want.tokens[0]])
-    assert (seq, n) == (moved, len(P))
+    assert (seq, n) == (a, len(P))
     [got] = sess.generate([(seq, [want.tokens[0]])], max_new_tokens=5, stop_tokens=[])
-    assert [want.tokens[0]] + got.tokens == want.tokens and not a.alive
+    assert [want.tokens[0]] + got.tokens == want.tokens
 
 
 def test_continuous_batching_keeps_kept_sequences_in_place(cb):
@@ -231,26 +228,26 @@ def test_continuous_batching_keeps_kept_sequences_in_place(cb):
 
 def test_lower_moves_a_sequence_in_use_into_the_lowest_open_row(own_fused_graph):
     """``lower``: a sequence in use moves into the lowest slot below it that no other sequence in use holds (a kept
-    one there first moves to a free slot), carrying its positions, tokens and pending token; else it stays."""
+    one there takes its row in exchange), the same sequences with their positions, tokens and pending tokens."""
     sess = Session(own_fused_graph, max_sequences=3)
-    rec = Recorder()
-    cache = PrefixCache(sess, listener=rec)
+    cache = PrefixCache(sess)
     a, b, c = cache.fresh(), cache.fresh(), cache.fresh()
     for seq, toks in ((a, P), (b, [90, 91, 92]), (c, [80, 81, 82, 83, 84])):
         sess.prefill(seq, toks)
     c.pending, c.pending_emitted = 7, True
-    cache.release(a)                                               # a kept in slot 0; no slot free
-    assert cache.lower(c) is c                                     # nowhere for a to go: c stays in slot 2
-    cache.release(b, keep=False)                                   # slot 1 free
-    kv_c = _kv(sess, c)
-    low = cache.lower(c)                                           # a moves up to slot 1, c down to slot 0
-    moved_a = cache.in_slot(1)
-    assert low.slot == 0 and not c.alive and moved_a.tokens == P and cache.kept == (moved_a,)
-    assert (low.tokens, low.pending, low.pending_emitted) == ([80, 81, 82, 83, 84], 7, True)
-    got = _kv(sess, low)
-    assert sorted(got) == sorted(kv_c) and all(np.array_equal(got[k], kv_c[k]) for k in got)
-    assert rec.held == {moved_a.id: P, low.id: [80, 81, 82, 83, 84]}
-    assert cache.lower(low) is low                                 # already the lowest row
+    kv_a, kv_c = _kv(sess, a), _kv(sess, c)
+    cache.lower(c)
+    assert c.slot == 2                                             # every slot below is in use: c stays
+    cache.release(a)                                               # a kept in slot 0, b still in use in slot 1
+    cache.lower(c)                                                 # c and a exchange rows
+    assert (c.slot, a.slot, b.slot, cache.kept, a.alive) == (0, 2, 1, (a,), True)
+    assert (c.tokens, c.pending, c.pending_emitted, a.tokens) == ([80, 81, 82, 83, 84], 7, True, P)
+    for seq, want in ((a, kv_a), (c, kv_c)):
+        got = _kv(sess, seq)
+        assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in got)
+    cache.release(b, keep=False)
+    cache.lower(c)
+    assert c.slot == 0                                             # already the lowest row
 
 
 def test_continuous_batching_never_lowers(cb):
@@ -258,4 +255,5 @@ def test_continuous_batching_never_lowers(cb):
     a, b = cache.fresh(), cache.fresh()
     cb.prefill(b, P)
     cache.release(a, keep=False)
-    assert cache.lower(b) is b and b.slot == 1
+    cache.lower(b)
+    assert b.slot == 1

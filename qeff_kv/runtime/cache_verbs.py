@@ -56,6 +56,11 @@ class CacheVerbsMixin:
         :meth:`~qeff_kv.runtime.memory.hybrid.HybridMemory.copy`."""
         self.cache.copy(src, dst, n)
 
+    def relocate(self, seq: Sequence, slot: int) -> Sequence | None:
+        """Move ``seq`` into ``slot`` (exchanging with the sequence there, returned); see
+        :meth:`~qeff_kv.runtime.memory.hybrid.HybridMemory.relocate`."""
+        return self.cache.relocate(seq, slot)
+
     # ------------------------------------------------------------------------------------ state
     def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
         """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state_file`."""

@@ -18,9 +18,10 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   one fed, and a kept row below a running one costs a row of every step (its attention over its whole length: a
   stream in slot 3 above three kept 1000-token sequences steps at 27.5 ms, in slot 0 at 5.9 ms, SmolLM2-135M int4).
   So a new sequence takes the lowest slot no sequence in use holds: a kept sequence there moves to the highest free
-  slot (``Session.copy`` of its positions; its pending token and LRU place kept, the listener told); and
-  :meth:`PrefixCache.lower` moves a running sequence down into the lowest row no request holds (the scheduler asks
-  for the top row's sequence before each step). Continuous batching runs only the rows fed: nothing moves there.
+  slot; and :meth:`PrefixCache.lower` moves a running sequence down into the lowest row no request holds, a kept
+  sequence there taking its row in exchange (the scheduler asks for the top row's sequence before each step). Both
+  are ``Session.relocate``: the same sequences, their rows moved, so nothing else (tokens, pending tokens, the LRU
+  order, the listener) changes. Continuous batching runs only the rows fed: nothing moves there.
 * **Capabilities**, decided once, here (:attr:`PrefixCache.copies`): a session always has the verbs
   (``reusable``, ``copy``, ``truncate``); what a memory kind cannot do for given positions is a refusal of the verb
   (a :class:`~qeff_kv.errors.QeffKvError`). A session whose ``copy`` is ``None`` (a memory without the verb)
@@ -84,7 +85,7 @@ class PrefixCache:
         self.copies = callable(session.copy)
         #: new sequences take the lowest rows (kept ones move up): a lock-step step runs every row up to the
         #: highest one fed, so a kept row below a running one costs a row of every step
-        self.low_rows = self.copies and session.lockstep
+        self.low_rows = bool(session.lockstep)
         #: prompt tokens :meth:`acquire` handed out as already held (not prefilled again)
         self.reused_tokens = 0
 
@@ -147,65 +148,31 @@ class PrefixCache:
 
     def _lowest_for_new(self) -> None:
         """Lock step runs every row up to the highest one fed, kept rows below included (each attends over its
-        whole length): so a kept sequence below the lowest free slot moves to the highest free slot (a copy of its
-        positions, its pending token and its place in the LRU order kept), and the new sequence takes the slot it
-        leaves. Nothing moves when the copy is refused (the new sequence then takes the lowest free slot)."""
+        whole length): so a kept sequence below the lowest free slot moves to the highest free slot
+        (``Session.relocate``: the same sequence, its rows moved), and the new sequence takes the slot it leaves.
+        Nothing moves on a refusal (the new sequence then takes the lowest free slot)."""
         free = self.session.cache.free_slots()
         below = [k for k in self._kept.values() if free and k.slot < free[0]]
         if below:
-            self._move_kept(min(below, key=lambda k: k.slot), free[-1])
+            self._relocate(min(below, key=lambda k: k.slot), free[-1])
 
-    def lower(self, seq: Sequence) -> Sequence:
+    def lower(self, seq: Sequence) -> None:
         """Move ``seq``, a sequence in use on a lock-step session, into the lowest slot below it that no other
-        sequence in use holds (a kept sequence there first moves to the highest free slot; with no free slot to
-        take it, the lowest free slot below ``seq``): the sequence now holding ``seq``'s positions, tokens and
-        pending token, or ``seq`` itself when nothing moved (no such slot, not lock step, a refused copy)."""
-        if not self.low_rows or seq.rope_marks:
-            return seq
-        free = self.session.cache.free_slots()
-        kept = {k.slot: k for k in self._kept.values()}
-        target = min((s for s in list(free) + list(kept) if s < seq.slot), default=None)
-        if target in kept:
-            spare = [s for s in free if s != target]
-            if not spare or not self._move_kept(kept[target], spare[-1]):
-                target = min((s for s in free if s < seq.slot), default=None)
-        if target is None:
-            return seq
-        dst = self._copy_to(seq, target)
-        if dst is None:
-            return seq
-        if self.reuse:
-            self._tell(dst.id, dst.tokens)
-        self.session.remove_sequence(seq)
-        if self.reuse:
-            self._tell(seq.id, ())
-        return dst
+        sequence in use holds: a free one, or a kept sequence's, which then takes ``seq``'s row in exchange
+        (``Session.relocate``: both stay the same sequences, with their tokens, pending tokens and LRU places).
+        Nothing moves when no such slot exists, off lock step, or on a refusal."""
+        if not self.low_rows:
+            return
+        open_slots = set(self.session.cache.free_slots()) | {k.slot for k in self._kept.values()}
+        target = min((s for s in open_slots if s < seq.slot), default=None)
+        if target is not None:
+            self._relocate(seq, target)
 
-    def _move_kept(self, src: Sequence, slot: int) -> bool:
-        """Move the kept ``src`` into the free ``slot``, its place in the LRU order kept; whether it moved."""
-        dst = self._copy_to(src, slot)
-        if dst is None:
-            return False
-        self._kept = collections.OrderedDict((dst.id, dst) if key == src.id else (key, k)
-                                             for key, k in self._kept.items())
-        self._tell(dst.id, dst.tokens)
-        self.session.remove_sequence(src)
-        self._tell(src.id, ())
-        return True
-
-    def _copy_to(self, src: Sequence, slot: int) -> Sequence | None:
-        """A new sequence in the free ``slot`` holding ``src``'s positions, tokens and pending token, or None when
-        the copy is refused (or ``src`` carries rope marks, which a copy does not move)."""
-        if src.rope_marks:
-            return None
-        dst = self.session.cache.create(slot=slot)
+    def _relocate(self, seq: Sequence, slot: int) -> None:
         try:
-            self.session.copy(src, dst, src.length)
-        except QeffKvError:
-            self.session.remove_sequence(dst)
-            return None
-        dst.pending, dst.pending_emitted = src.pending, src.pending_emitted
-        return dst
+            self.session.relocate(seq, slot)
+        except QeffKvError:   # a memory that cannot move its rows: everything stays where it is
+            pass
 
     def acquire(self, prompt: Seq[int], running: Iterable[Sequence] = ()) -> tuple[Sequence, int]:
         """The sequence to prefill ``prompt`` into and how many of its leading tokens it already holds (copied

@@ -58,8 +58,8 @@ from .prefill_turns import TURN_TOKENS, PrefillTurns
 from .engine import Engine, Finished, GenerationRequest, RequestHandle, TokenOut
 
 
-#: a running sequence moves down a lock-step row only with at least this many tokens left to make: the copy of
-#: its positions is paid once, the row it leaves is saved at every remaining step
+#: a running sequence moves down a lock-step row only with at least this many tokens left to make: moving its
+#: rows is paid once, the row it leaves is saved at every remaining step
 LOWER_MIN_LEFT = 8
 
 
@@ -459,11 +459,11 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
 
     def _lower_top_row(self) -> None:
         """Lock step runs every row up to the highest one fed: the running sequence in that row moves down into a
-        row no request holds (:meth:`~qeff_kv.runtime.prefix_cache.PrefixCache.lower`, a copy of its positions)
-        when it has at least :data:`LOWER_MIN_LEFT` tokens left to make; at most one move a step."""
+        row no request holds (:meth:`~qeff_kv.runtime.prefix_cache.PrefixCache.lower`: its rows move, exchanged
+        with a kept sequence's) when it has at least :data:`LOWER_MIN_LEFT` tokens left to make; at most one move a step."""
         top = max(self._running, key=lambda a: a.seq.slot)
         if top.budget - top.generated >= LOWER_MIN_LEFT:
-            top.seq = self.prefix_cache.lower(top.seq)
+            self.prefix_cache.lower(top.seq)
 
     def _speculative_step(self) -> None:
         """The decode step through :attr:`speculation`: each sequence gets one or more tokens, each emitted as

@@ -16,7 +16,9 @@ A memory holds, for every sequence slot of the session (``seq.slot``, the row of
 * the **verbs**: :meth:`truncate_refusal` / :meth:`truncate` (keep positions ``[0, n)``) and :meth:`copy_refusal` /
   :meth:`copy` (``dst`` becomes ``src``'s first ``n`` positions); a refusal is one line naming what is possible,
   raised by the hybrid as :attr:`refusal_error`; :meth:`reachable` lists the positions a rewind can reach when the
-  memory restricts them;
+  memory restricts them; :meth:`relocate_refusal` / :meth:`move_rows` (a sequence's rows into another slot, in
+  exchange with the sequence there: every row whole by default, :meth:`row_part` narrows it; per-sequence records
+  stay on the sequence or, like recurrent checkpoints, keyed by its id, so they move with it);
 * **bytes**: :attr:`capacity` (its buffers), :meth:`used` (holding valid data of live sequences),
   :attr:`bytes_per_position`, :attr:`bytes_per_sequence`, :meth:`valid_bytes` (what a hand-off of one sequence
   moves), :meth:`report` (its entries of ``Session.memory()``);
@@ -127,6 +129,30 @@ class Memory(ABC):
     def copy(self, src, dst, n: int) -> None:
         """Apply a copy every memory allowed: ``dst`` holds ``src``'s first ``n`` positions (``dst.length`` is still
         its old length)."""
+
+    def relocate_refusal(self) -> str | None:
+        """Why this memory cannot move a sequence's rows into another slot, or ``None``."""
+        if self.double_buffer:
+            return "its buffers are double-buffered (outputs not bound in place)"
+        return None
+
+    def row_part(self, name: str, seq, other) -> tuple:
+        """The part of a row of buffer ``name`` (after the slot axis) holding ``seq``'s and ``other``'s data: the
+        whole row."""
+        return ()
+
+    def move_rows(self, seq, slot: int, other) -> None:
+        """Apply a relocation every memory allowed: ``seq``'s rows into ``slot`` (``seq.slot`` is still the old
+        one); ``other``, the sequence in ``slot`` or ``None``, takes ``seq``'s old rows in exchange."""
+        for name, arr in self.arrays.items():
+            part = self.row_part(name, seq, other)
+            here, there = (seq.slot, *part), (slot, *part)
+            if other is None:   # into a free slot: one pass
+                arr[there] = arr[here]
+                continue
+            moving = arr[here].copy()
+            arr[here] = arr[there]
+            arr[there] = moving
 
     def reachable(self, seq) -> list[int] | None:
         """The positions a truncate or copy of ``seq`` can reach, ascending, when this memory restricts them to a

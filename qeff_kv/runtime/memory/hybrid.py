@@ -211,6 +211,26 @@ class HybridMemory:
         d.pending = None
         d.pending_emitted = False
 
+    def relocate(self, seq: Sequence | int, slot: int) -> Sequence | None:
+        """Move ``seq`` into ``slot``, its identity, positions, tokens and pending token unchanged: into a free slot
+        its rows move; with the sequence holding ``slot`` it exchanges rows and slots (that sequence is returned).
+        Lock step runs every row up to the highest one fed, so sequences in use are kept in the lowest rows this
+        way. A memory that cannot move its rows refuses in one line; nothing changes on a refusal."""
+        s = self.get(seq)
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_sequences:
+            raise RuntimeInputError(f"slot must be an int in [0, {self.max_sequences}), got {slot!r}")
+        slot = int(slot)
+        if slot == s.slot:
+            return None
+        other = next((o for o in self._seqs.values() if o.slot == slot), None)
+        self._refuse(lambda m: m.relocate_refusal())
+        for m in self.memories:
+            m.move_rows(s, slot, other)
+        if other is not None:
+            other.slot = s.slot
+        s.slot = slot
+        return other
+
     def rewind_points(self, seq: Sequence | int) -> list[int] | None:
         """The positions every memory lets ``seq`` be rewound (or copied) to, when some memory restricts them (a
         recurrent state: 0, its checkpoints, its length); ``None`` when none does (any position, within the

@@ -127,6 +127,11 @@ class PositionalMemory(Memory):
     def clear(self, seq) -> None:
         seq.written = seq.floor = 0
 
+    def row_part(self, name: str, seq, other) -> tuple:
+        """The positions written by either sequence (a ring's whole capacity at most): a relocation moves no more."""
+        end = max(seq.written, seq.length, 0 if other is None else max(other.written, other.length))
+        return (slice(None), slice(0, min(end, self.shapes[name][2])))
+
     # ------------------------------------------------------------------------------------ the ring rule
     def lowest_held(self, seq) -> int:
         """The lowest position every buffer of ``seq`` still holds (0 when nothing was overwritten or dropped)."""
