@@ -286,7 +286,9 @@ def speculative_counts(url: str) -> dict:
 def qeff_server(export: str, clients: int, args, log: Path) -> Server:
     port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "qeff-kv"), "serve", export, "--port", str(port),
-            "--max-sequences", str(clients), "--max-queue", "1024", "--no-prompt-reuse"]
+            "--max-sequences", str(clients), "--max-queue", "1024"]
+    if not args.prompt_reuse:
+        argv += ["--no-prompt-reuse"]
     if args.speculative and is_speculative(export):
         argv += ["--speculative", args.speculative]
     if args.threads:
@@ -324,6 +326,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", default=None, help="qeff-kv serve --prefill-chunk (N or auto)")
     ap.add_argument("--prefill-seq-len", type=int, default=None,
                     help="qeff-kv serve --prefill-seq-len (the prefill run's length, where the graph leaves it symbolic)")
+    ap.add_argument("--prompt-reuse", action="store_true",
+                    help="serve with prompt reuse on (the server's default; off by default here, so rounds compare)")
     ap.add_argument("--only-arrivals", action="store_true", help="skip the concurrency runs")
     ap.add_argument("--no-arrivals", action="store_true", help="skip the arrivals run")
     ap.add_argument("--quick", action="store_true",
