@@ -16,7 +16,7 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   rewind (a :class:`~qeff_kv.errors.QeffKvError`): the prompt is then prefilled whole, in the slot taken.
 * **Placement on a lock-step session** (:attr:`PrefixCache.low_rows`): a step runs every row up to the highest
   one fed, and a kept row below a running one costs a row of every step (its attention over its whole length: a
-  stream in slot 3 above three kept 1000-token sequences steps at 27.5 ms, in slot 0 at 5.9 ms, SmolLM2-135M int4).
+  stream in slot 7 above seven kept 1000-token sequences steps at 27.5 ms, in slot 0 at 5.9 ms, SmolLM2-135M int4).
   So a new sequence takes the lowest slot no sequence in use holds: a kept sequence there moves to the highest free
   slot; and :meth:`PrefixCache.lower` moves a running sequence down into the lowest row no request holds, a kept
   sequence there taking its row in exchange (the scheduler asks for the top row's sequence before each step). Both
