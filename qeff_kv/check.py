@@ -19,8 +19,10 @@ Rules, in order:
                       and value of one layer may not. Graph metadata ``qeff_kv.sliding_window``, when present,
                       is a positive integer ``W``, and a static axis 2 on a sliding layer's buffer equals ``W``.
                       A non-KV retained pair keeps its dtype and dims; ``image_idx`` and ``image_idx_output`` are
-                      int64 ``[1, 1]``. Output dims the exporter made up (``..._RetainedState_dim_<i>``) are first
-                      matched to the input (:mod:`qeff_kv.madeup_dims`); an unmatched batch axis passes with a note.
+                      int64 ``[1, 1]``. Output dims the exporter made up (``..._RetainedState_dim_<i>``) are matched
+                      to the input (:mod:`qeff_kv.madeup_dims`, the rule every rule sees): one the graph does not
+                      tie takes the input's batch axis or fixed size (said in a note), and fails against any
+                      other named axis.
 ``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
@@ -277,7 +279,7 @@ def _non_kv(layout: KVLayout, r: RuleResult) -> None:
 
 
 def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
-    unmatched: list[str] = []
+    taken: dict[str, list[int]] = {}   # made-up output dims the graph does not match, taken as the input's
     for p in layout.pairs:
         a, b = p.input, p.output
         if a.dtype != b.dtype:
@@ -291,22 +293,26 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
             continue
         made_up = layout.made_up.get(b.name, ())
         for i, (da, db) in enumerate(zip(a.shape, b.shape)):
-            if da == db:
-                continue
-            if i in made_up and i == 0:
-                unmatched.append(b.name)   # the batch axis: bound to the runtime's own buffer
-            elif i in made_up:
+            if i in made_up and da == db:
+                taken.setdefault(b.name, []).append(i)
+            elif i in made_up:   # left made up against a named axis of the input (madeup_dims)
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}, a dim "
                                "the exporter made up that neither the graph's scatter nor shape inference matches")
-            else:
+            elif da != db:
                 r.fail(a.name, f"{a.name} dim {i} is {_fmt_dim(da)} but {b.name} dim {i} is {_fmt_dim(db)}")
-    if unmatched and r.status != FAIL:
-        r.note = (f"batch axis of {', '.join(unmatched)} declared with a name the exporter made up; taken as the "
-                  "input's")
+    if taken and r.status != FAIL:
+        r.note = _taken_note(taken)
     state_rules.sliding_dims(layout, r)
     state_rules.latent_dims(layout, r)
     state_rules.recurrent_dims(layout, r)
     _non_kv(layout, r)
+
+
+def _taken_note(taken: dict[str, list[int]]) -> str:
+    if all(axes == [0] for axes in taken.values()):
+        return f"batch axis of {', '.join(taken)} declared with a name the exporter made up; taken as the input's"
+    dims = ", ".join(f"{n} (axes {_fmt_ints(axes)})" for n, axes in taken.items())
+    return f"dims of {dims} declared with names the exporter made up; taken as the input's"
 
 
 def _fmt_dim(d) -> str:

@@ -11,9 +11,16 @@ made-up dim of a retained output by what the graph itself says it is, from two s
 2. **shape inference** (``onnx.shape_inference``, with the made-up declarations cleared): a dim it infers as an
    int, or as a name a graph input uses, replaces the made-up one.
 
-What neither resolves stays as it was; :func:`resolve` reports which (output name -> axes), so ``check`` can
-accept an unresolved made-up batch axis (axis 0) and fail any other. Nothing here changes the file: it only
-corrects the I/O descriptors the layout is built from. Graphs without made-up dims cost nothing.
+What neither resolves is *unknown*: a name that says nothing about the size. It takes the paired input's dim where
+that dim binds both buffers at run time, whatever the graph computes: a fixed size (the peer's compile step
+specializes the output to it; TorchScript's ``Reshape<name>_dim_<k>`` on a recurrent state's ``[batch, 128, 4]``)
+or the batch axis (axis 0, bound to the runtime's own buffer). Against any other named axis of
+the input (``ctx_len``, ``sliding_window``: a size each run chooses) only the graph's structure can tie the output
+to it, so the made-up name stays. This is the one rule every ``check`` rule sees, for every state kind: the
+layout's outputs carry the taken dims. :func:`resolve` reports the axes the graph itself did not match (output
+name -> axes): taken from the input where the output now has the input's dim, still made up (``check`` fails
+them) where not. Nothing here changes the file: it only corrects the I/O descriptors the layout is built from.
+Graphs without made-up dims cost nothing.
 """
 
 from __future__ import annotations
@@ -96,7 +103,9 @@ def _inferred_shapes(model: ir.Model, names: set[str]) -> dict[str, tuple]:
 
 def resolve(model: ir.Model, inputs: list[TensorInfo],
             outputs: list[TensorInfo]) -> tuple[list[TensorInfo], dict[str, tuple[int, ...]]]:
-    """``(outputs with made-up dims matched, {output name: axes still made up})`` for the retained outputs."""
+    """``(outputs with made-up dims matched, {output name: axes the graph did not match})`` for the retained
+    outputs: of those axes, the ones the paired input binds (axis 0, a fixed size) carry the input's dim in the
+    returned outputs; the others keep their made-up name."""
     known = _input_dim_names(inputs)
     in_by_name = {t.name: t for t in inputs}
     todo = {t.name: made_up_axes(t, known) for t in outputs
@@ -128,5 +137,11 @@ def resolve(model: ir.Model, inputs: list[TensorInfo],
             else:
                 still.append(i)
         todo[name] = still
+    for name, axes in todo.items():   # what the graph does not say: the input's dim where the input binds it
+        paired = in_by_name[naming.retained_source(name)].shape
+        if paired is not None and len(paired) == len(shapes[name]):
+            for i in axes:
+                if i == 0 or isinstance(paired[i], int):
+                    shapes[name][i] = paired[i]
     fixed = [TensorInfo(t.name, t.dtype, tuple(shapes[t.name])) if t.name in shapes else t for t in outputs]
     return fixed, {n: tuple(a) for n, a in todo.items() if a}
