@@ -279,3 +279,25 @@ def build_vision_encoder(*, output: str = "vision_embeds", extra_output: str | N
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="qeff-kv-tests")
     model.ir_version = 8
     return model
+
+
+def torchscript_output(graph: onnx.GraphProto, name: str, declare: dict[int, object] | None = None) -> None:
+    """Route the graph output ``name`` through a ``Reshape`` to a shape computed at run time (``Abs(Shape(x))``: its
+    own shape, by an op shape inference does not propagate) and declare it with TorchScript's made-up dims
+    (``Reshape<name>_dim_<k>``), as torch's exporter does where it cannot tie an output dim to an input; ``declare``
+    sets some axes to a value instead (``{1: 7}``, ``{2: 'ctx_len'}``). The values computed stay the same."""
+    declare = declare or {}
+    inner = name + "_inner"
+    for n in graph.node:
+        n.output[:] = [inner if o == name else o for o in n.output]
+    graph.node.extend([helper.make_node("Shape", [inner], [name + "_shape"], name=f"shape_{name}"),
+                       helper.make_node("Abs", [name + "_shape"], [name + "_shape_abs"], name=f"abs_{name}"),
+                       helper.make_node("Reshape", [inner, name + "_shape_abs"], [name], name=f"Reshape_{name}")])
+    out = next(o for o in graph.output if o.name == name)
+    for k, d in enumerate(out.type.tensor_type.shape.dim):
+        value = declare.get(k, f"Reshape{name}_dim_{k}")
+        d.Clear()
+        if isinstance(value, int):
+            d.dim_value = value
+        else:
+            d.dim_param = value

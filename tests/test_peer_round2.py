@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
+import _kv_graphs as kvg
 from conftest import requires_torch
 from qeff_kv import check as qcheck
 from qeff_kv import graphio, naming
@@ -262,6 +263,39 @@ def test_recurrent_states_named_past_key_and_past_value_are_recurrent(fx, want, 
     s3 = Session(path, **session_kwargs("qwen3_5"))
     [g3] = s3.generate([(s3.load_state(saved), [P21[20]])], max_new_tokens=NEW, stop_tokens=[])
     assert g3.tokens == want[("qwen3_5_moe_vlm_hybrid", 21)]
+
+
+def test_dense_naming_with_torchscript_made_up_output_dims(fx, tmp_path):
+    """Issue 42: the dense-naming copy, prefixed VLLM, its recurrent states' retained outputs reshaped and declared
+    with TorchScript's ``Reshape<name>_dim_<k>`` (fixed input dims, no position axis): check passes with the prefix,
+    strips, checks plain and runs to the plain hybrid's tokens; a size that differs still fails in one line."""
+    dense = _dense_naming(fx / "qwen3_5_moe_vlm_hybrid_plain.onnx", tmp_path / "dense_naming.onnx")
+    rewrite(dense, tmp_path / "dense_vllm.onnx", prefix="VLLM")
+    outs = [f"past_{s}.{i}_VLLM_RetainedState" for i in range(3) for s in ("key", "value")]
+
+    def made_up(declare=None):
+        def edit(g):
+            for out in outs:
+                kvg.torchscript_output(g, out, (declare or {}).get(out))
+        return edit
+    path = _edit(tmp_path / "dense_vllm.onnx", tmp_path / "made_up.onnx", made_up())
+    assert graphio.layout_of(graphio.load(path)).made_up == {o: tuple(range(3 if "key" in o else 4)) for o in outs}
+    run = CliRunner().invoke
+    r = run(main, ["check", str(path), "--kv-cache-prefix", "VLLM"])
+    assert r.exit_code == 0 and r.output.splitlines()[-1] == "OK: 10 passed, 0 failed, 0 skipped", r.output
+    r = run(main, ["rewrite", str(path), "-o", str(tmp_path / "stripped.onnx"), "--strip-prefix"])
+    assert r.exit_code == 0, r.output
+    r = run(main, ["check", str(tmp_path / "stripped.onnx"), "--no-kv-cache-prefix"])
+    assert r.exit_code == 0, r.output
+    tokens = []
+    for graph in (fx / "qwen3_5_moe_vlm_hybrid_plain.onnx", tmp_path / "stripped.onnx"):
+        [g] = Session(graph, **session_kwargs("qwen3_5")).generate([P21], max_new_tokens=NEW, stop_tokens=[])
+        tokens.append(g.tokens)
+    assert tokens[1] == tokens[0]
+    bad = _edit(tmp_path / "dense_vllm.onnx", tmp_path / "bad.onnx", made_up({outs[1]: {2: 8}}))
+    r = run(main, ["check", str(bad)])
+    assert r.exit_code == 1 and r.output.splitlines()[-1] == "FAILED (pair-match): 9 passed, 1 failed, 0 skipped"
+    assert "past_value.0_VLLM dim 2 is 16 but past_value.0_VLLM_RetainedState dim 2 is 8" in r.output
 
 
 def test_ambiguous_state_is_refused_in_one_line(fx, tmp_path):
