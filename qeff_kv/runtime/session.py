@@ -39,7 +39,6 @@ generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decode_loop
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 import warnings
@@ -50,17 +49,20 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from .. import capture, graphio, naming
-from ..errors import ContractError, GraphReadError, RuntimeInputError
+from .. import graphio, naming
+from ..errors import ContractError, QeffKvError, RuntimeInputError
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import arguments
 from .arguments import check_session_args
 from . import ccl as ccl_mod
+from . import ep_proofs
+from . import executor as exec_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
 from . import positions as pos_mod
 from .memory import recurrent as rec_mod
 from . import ring as ring_mod
+from .batching import BATCH_INDEX
 from .cache import KVCache, Sequence
 from .graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
@@ -68,15 +70,9 @@ from .decode_loop import GenerationMixin
 from .cache_verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
-_ORT_QUIET = False
-
-
-def _quiet_onnxruntime() -> None:
-    """onnxruntime's default logger at severity 3 (error): its warnings never print above our one-line errors."""
-    global _ORT_QUIET
-    if not _ORT_QUIET:
-        ort.set_default_logger_severity(3)
-        _ORT_QUIET = True
+_quiet_onnxruntime = exec_mod.quiet_onnxruntime   # noqa: F401  (re-exported: runtime/vision.py)
+#: ``executor=``: what runs the graph (runtime/executor.py)
+EXECUTORS = ("onnxruntime", "reference")
 
 
 # ============================================================================================ session
@@ -99,6 +95,11 @@ class Session(GenerationMixin, CacheVerbsMixin):
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
+        device: ``"cpu"`` (default) or ``"cuda"``; providers: onnxruntime execution providers instead. Only the
+            ones :mod:`qeff_kv.runtime.ep_proofs` proves exact for the graph's kind are accepted (today the CPU's):
+            any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) before the graph is loaded.
+        executor: ``"onnxruntime"`` (default), or ``"reference"``: onnx's reference evaluator with strict index
+            checks (:class:`~qeff_kv.runtime.executor.ReferenceExecutor`; slow, for conformance proofs).
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
@@ -106,17 +107,19 @@ class Session(GenerationMixin, CacheVerbsMixin):
                  inplace: bool | None = None, threads: int | None = None,
                  providers: Seq[str] | None = None, sliding_window: int | None = None,
                  image_token_id: int | None = None, checkpoint_every: int | None = None,
-                 max_checkpoints: int | None = None):
-        # arguments first: nothing is read before they are valid
-        check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-                           max_sequences=max_sequences, inplace=inplace, threads=threads, providers=providers,
-                           sliding_window=sliding_window, image_token_id=image_token_id)
+                 max_checkpoints: int | None = None, device: str | None = None, executor: str = "onnxruntime"):
+        # arguments first: nothing is read before they are valid, no EP is used that is not proved
+        self.providers = check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+                                            max_sequences=max_sequences, inplace=inplace, threads=threads,
+                                            providers=providers, sliding_window=sliding_window,
+                                            image_token_id=image_token_id, device=device, executor=executor)
+        self.executor = executor
         asked = Requested(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, max_sequences=max_sequences,
                           inplace=inplace, sliding_window=sliding_window, image_token_id=image_token_id,
                           checkpoints=rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints))
         self.files = resolve_model(model)
         source, external = self._read_graph(asked)
-        self._sess = self._open_onnxruntime(source, external, threads, providers)
+        self._io = self._open_executor(source, external, threads)
         del source
         self._allocate()
         self._bind()
@@ -128,7 +131,12 @@ class Session(GenerationMixin, CacheVerbsMixin):
         inspected graph is freed on return: peak memory is one copy of the weights, not two."""
         ir_model = graphio.load(self.files.onnx_path)
         self._describe(ir_model, asked)
-        # onnxruntime-specific patch (in memory only)
+        self.graph_kind = ep_proofs.kind_of(ir_model.metadata_props.get(naming.TARGET_META))
+        ep_proofs.require(self.providers, self.graph_kind)   # before onnxruntime sees the graph
+        arguments.require_available(self.providers)
+        self.invalid_index_patch = {"gather": 0, "scatter": 0}
+        if self.executor != "onnxruntime" or self.providers != [ep_proofs.CPU]:
+            return str(self.files.onnx_path), False   # the patch below is for the CPU kernels only
         fix = OrtInvalidIndexPass()
         modified = fix(ir_model).modified
         self.invalid_index_patch = {"gather": fix.gather_constants, "scatter": fix.scatter_constants}
@@ -162,25 +170,17 @@ class Session(GenerationMixin, CacheVerbsMixin):
                                keep=mem.checkpoints.keep,
                                recurrent_double_buffer=self.graph.swaps_buffers)
 
-    def _open_onnxruntime(self, source: bytes | str, external: bool, threads: int | None,
-                          providers: Seq[str] | None) -> ort.InferenceSession:
-        """The onnxruntime session over ``source``; its load failure is one line naming the file."""
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = int(threads)
-        # Errors are ours to report, in one line: onnxruntime's own log lines stay quiet below "error".
-        so.log_severity_level = 3
-        _quiet_onnxruntime()
-        if external:
-            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                        str(self.files.onnx_path.parent.resolve()))
-        gc.collect()
-        try:
-            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-                return ort.InferenceSession(source, so, providers=list(providers or ["CPUExecutionProvider"]))
-        except Exception as exc:  # onnxruntime raises several pybind exception types
-            msg = " ".join(str(exc).split())[:400]
-            raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
+    def _open_executor(self, source: bytes | str, external: bool, threads: int | None) -> exec_mod.Executor:
+        """What runs the graph: onnxruntime on the session's (proved) providers, or onnx's reference evaluator."""
+        label = str(self.files.onnx_path)
+        if self.executor == "reference":
+            self._sess = None
+            limits = {"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences}
+            return exec_mod.ReferenceExecutor(self.files.onnx_path, limits)
+        folder = str(self.files.onnx_path.parent.resolve()) if external else None
+        self._sess = exec_mod.open_onnxruntime(source, label, threads=threads, providers=self.providers,
+                                               external_folder=folder)
+        return exec_mod.OrtExecutor(self._sess)
 
     def _allocate(self) -> None:
         """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
@@ -204,7 +204,6 @@ class Session(GenerationMixin, CacheVerbsMixin):
 
     def _bind(self) -> None:
         """Bind the buffers once: every KV pair (in place, or to its spare), a vision-language graph's images."""
-        self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
         if self.media is not None:
@@ -318,7 +317,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if self.graph.swaps_buffers:
             self._bind_kv()
         try:
-            self._sess.run_with_iobinding(self._io)
+            self._io.run()
+        except QeffKvError:
+            raise
         except Exception as exc:
             raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
         self.cache.swap()
