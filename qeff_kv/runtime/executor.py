@@ -146,6 +146,21 @@ def _strict_ops() -> list:
     return [Gather, GatherElements, GatherND, ScatterND, ScatterElements]
 
 
+def _strict_evaluator(model):
+    """onnx's reference evaluator over ``model`` with :func:`_strict_ops`, in its functions too (onnx builds a
+    function's evaluator with the evaluator's own class, without its ``new_ops``)."""
+    from onnx.reference import ReferenceEvaluator
+
+    ops = _strict_ops()
+
+    class StrictEvaluator(ReferenceEvaluator):
+        def __init__(self, proto, *args, **kwargs):
+            kwargs["new_ops"] = ops
+            super().__init__(proto, *args, **kwargs)
+
+    return StrictEvaluator(model)
+
+
 def _in_range(op: str, indices: np.ndarray, size: int) -> None:
     if indices.size and (indices.min() < -size or indices.max() >= size):
         bad = indices[(indices < -size) | (indices >= size)].flat[0]
@@ -180,10 +195,14 @@ class ReferenceExecutor(Executor):
 
     def __init__(self, path: str | os.PathLike, index_limits: dict[str, int]):
         import onnx
-        from onnx.reference import ReferenceEvaluator
 
         model = onnx.load(str(path))
-        self.evaluator = ReferenceEvaluator(model, new_ops=_strict_ops())
+        try:
+            self.evaluator = _strict_evaluator(model)
+        except (NotImplementedError, RuntimeError) as exc:   # an op outside the spec's operator sets
+            custom = sorted({f"{n.domain}.{n.op_type}" for n in model.graph.node if n.domain not in ("", "ai.onnx")})
+            raise ContractError(f"{path}: onnx's reference evaluator cannot run it (custom ops: "
+                                f"{', '.join(custom) or 'none'}; {' '.join(str(exc).split())[:160]})") from None
         self.output_names = [o.name for o in model.graph.output]
         self.index_limits = dict(index_limits)
         self.inputs: dict[str, ort.OrtValue] = {}
@@ -205,7 +224,12 @@ class ReferenceExecutor(Executor):
     def run(self) -> None:
         feeds = {n: v.numpy() for n, v in self.inputs.items()}
         self._check_feeds(feeds)
-        results = dict(zip(self.output_names, self.evaluator.run(None, feeds)))
+        try:
+            results = dict(zip(self.output_names, self.evaluator.run(None, feeds)))
+        except ContractError:
+            raise
+        except Exception as exc:   # numpy's errors inside an op
+            raise ContractError(f"onnx's reference evaluator failed: {' '.join(str(exc).split())[:300]}") from None
         for name, value in self.outputs.items():   # every result computed before any buffer is written
             out = np.asarray(results[name])
             if value is None:
