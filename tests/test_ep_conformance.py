@@ -241,3 +241,25 @@ def test_generate_and_serve_refuse_device_cuda(own_graph):
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
         "error: CUDAExecutionProvider is not proved exact for any graph kind: no run on it has compared tokens "
         "with the reference; run on the CPU (device 'cpu')")
+
+
+# ------------------------------------------------------------------------------------------------ the binding path
+@pytest.mark.parametrize("graph,rows", [("qeff_llama_default.onnx", 2), ("qeff_llama_cb_vllm.onnx", None)])
+def test_the_cpu_device_binds_the_state_once_as_input_and_retained_output(graph, rows, own_graphs):
+    """``device="cpu"``: every KV buffer is allocated once on the device and the same OrtValue is bound as the input
+    and its retained output (lock-step rows: views of it); the logits come back through their own bound buffer; a
+    decode loop moves no buffer."""
+    sess = Session(own_graphs.export(graph).out_dir, device="cpu", max_sequences=rows)
+    assert sess.device.name == "cpu" and sess.providers == [ep_proofs.CPU]
+    assert all(v.device_name() == "cpu" for _, v, _ in sess.cache.bindings())
+    before = sess.kv_data_pointers()
+    gens = sess.generate([PROMPT, PROMPT[:5]], max_new_tokens=4)
+    assert [len(g.tokens) for g in gens] == [4, 4]
+    assert sess.kv_data_pointers() == before
+    retained = sess.bound_output_pointers()
+    if sess.continuous_batching:   # the whole buffers, in place
+        assert {n: retained[f"{n}_RetainedState"] for n in before} == before
+    else:                          # lock step: the last step bound a view of the first rows, at the buffers' start
+        assert set(retained.values()) <= set(before.values())
+    logits_value = sess._io.get_outputs()[sess._out_order.index("logits")]
+    assert logits_value.data_ptr() in {v.data_ptr() for _, v in sess._logits.values()}

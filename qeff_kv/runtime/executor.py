@@ -4,7 +4,7 @@
 An executor has IOBinding's shape, so the session (and :mod:`.media`) binds through it as through onnxruntime's
 ``IOBinding``: ``bind_ortvalue_input``, ``bind_ortvalue_output``, ``bind_output(name, "cpu")`` (an output the
 executor allocates), ``get_outputs()`` (in the order first bound) and ``run()``. Every value the session binds is
-an ``OrtValue`` allocated once on the executor's device (:meth:`Executor.allocate`): the KV and recurrent state,
+an ``OrtValue`` allocated once on the session's device (:mod:`.device`): the KV and recurrent state,
 bound as both an input and its retained output, so a step writes the state where it is; the small inputs and the
 logits, which the session fills and reads without touching the state.
 
@@ -42,15 +42,7 @@ def quiet_onnxruntime() -> None:
 
 
 class Executor:
-    """Runs one graph over bound ``OrtValue`` objects (see the module docstring); ``device``: where they live."""
-
-    device = "cpu"
-
-    def allocate(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, ort.OrtValue]:
-        """A zeroed buffer on this executor's device: the host view the cache verbs use and the ``OrtValue``
-        bound to the graph (the same memory on the CPU)."""
-        array = np.zeros(shape, dtype)
-        return array, ort.OrtValue.ortvalue_from_numpy(array)
+    """Runs one graph over bound ``OrtValue`` objects (see the module docstring)."""
 
     def bind_ortvalue_input(self, name: str, value: ort.OrtValue) -> None:
         raise NotImplementedError

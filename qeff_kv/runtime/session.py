@@ -55,6 +55,7 @@ from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import arguments
 from .arguments import check_session_args
 from . import ccl as ccl_mod
+from . import device as device_mod
 from . import ep_proofs
 from . import executor as exec_mod
 from . import lockstep as lockstep_mod
@@ -134,6 +135,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.graph_kind = ep_proofs.kind_of(ir_model.metadata_props.get(naming.TARGET_META))
         ep_proofs.require(self.providers, self.graph_kind)   # before onnxruntime sees the graph
         arguments.require_available(self.providers)
+        self.device = device_mod.for_providers(self.providers)   # where every bound value lives
         self.invalid_index_patch = {"gather": 0, "scatter": 0}
         if self.executor != "onnxruntime" or self.providers != [ep_proofs.CPU]:
             return str(self.files.onnx_path), False   # the patch below is for the CPU kernels only
@@ -189,9 +191,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.cache = KVCache(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
                              double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
                              checkpoints=mem.checkpoints,
-                             recurrent_double_buffer=self.graph.swaps_buffers)
+                             recurrent_double_buffer=self.graph.swaps_buffers, device=self.device)
         self.cache.ctx_len = self.ctx_len   # lock step: idle rows write the last slot (see runtime/lockstep.py)
-        self._rows = lockstep_mod.RowViews(self.cache.arrays)   # batch-1 views of the rows, made on first use
+        self._rows = lockstep_mod.RowViews(self.cache.arrays, self.device)   # batch-1 row views, made on first use
         self._small: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._small_values: dict[tuple[int, int, int], dict[str, ort.OrtValue]] = {}
         self._logits: dict[tuple[int, int, int], tuple[np.ndarray, ort.OrtValue]] = {}
@@ -287,16 +289,15 @@ class Session(GenerationMixin, CacheVerbsMixin):
         key = (rows, seq_len, keep)
         arrays = self._small.get(key)
         if arrays is None:
-            arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
-                      "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64),
-                      **self.graph.batching.step_inputs(rows)}
+            shapes = {"input_ids": (rows, seq_len), "position_ids": pos_mod.shape(self.mrope, rows, seq_len),
+                      **{k: v.shape for k, v in self.graph.batching.step_inputs(rows).items()}}
             if self.speculative:
-                arrays[naming.LOGITS_TO_KEEP_INPUT] = np.zeros((keep, 1), np.int64)
-            self._small[key] = arrays
-            self._small_values[key] = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+                shapes[naming.LOGITS_TO_KEEP_INPUT] = (keep, 1)
+            pairs = {k: self.device.buffer(shape, np.int64) for k, shape in shapes.items()}
+            arrays = self._small[key] = {k: a for k, (a, _) in pairs.items()}
+            self._small_values[key] = {k: v for k, (_, v) in pairs.items()}
             if self._logits_prebound:
-                buf = np.zeros((rows, keep, self.vocab_size), self.logits_dtype)
-                self._logits[key] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
+                self._logits[key] = self.device.buffer((rows, keep, self.vocab_size), self.logits_dtype)
         if self._bound != key:
             for k, v in self._small_values[key].items():
                 self._io.bind_ortvalue_input(k, v)
