@@ -96,6 +96,17 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
         raise GraphReadError(f"{label}: onnxruntime cannot load it ({msg})") from None
 
 
+def open_executor(kind: str, source: bytes | str, path, *, external: bool, threads: int | None,
+                  providers: Seq[str], index_limits: dict[str, int]) -> tuple[Executor, ort.InferenceSession | None]:
+    """The executor of a session (``kind``: ``"onnxruntime"`` or ``"reference"``) over ``source`` (the graph at
+    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference)."""
+    if kind == "reference":
+        return ReferenceExecutor(path, index_limits), None
+    folder = str(path.parent.resolve()) if external else None
+    sess = open_onnxruntime(source, str(path), threads=threads, providers=providers, external_folder=folder)
+    return OrtExecutor(sess), sess
+
+
 # ============================================================================================ the reference
 def _strict_ops() -> list:
     """onnx reference implementations of the indexing ops that refuse what the spec leaves undefined."""

@@ -12,23 +12,25 @@ strategy (:mod:`qeff_kv.runtime.batching`) rather than flags of their own.
 Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
 range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
 
-How a run is bound (IOBinding):
+How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.executor`; every buffer from the
+session's device, :mod:`qeff_kv.runtime.device`; only execution providers :mod:`qeff_kv.runtime.ep_proofs` proves
+exact for the graph's kind are accepted, today the CPU's, refused in one line otherwise before loading):
 
 * one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
-  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`);
-* if the graph is in-place safe (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as
-  the input ``X`` and as the output ``X_RetainedState``: onnxruntime's ``ScatterND`` then updates the cache
-  where it is, without copying it; otherwise the outputs go to a second set of buffers and the two sets
-  swap after each run (correct, slower, and :attr:`Session.inplace` says so);
-* ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) live in preallocated
-  arrays, bound once per shape; a step only writes a few integers into them.
+  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`); if the graph is in-place safe
+  (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as the input ``X`` and the output
+  ``X_RetainedState`` (``ScatterND`` updates the cache where it is); otherwise the outputs go to a second set of
+  buffers and the sets swap after each run (correct, slower: :attr:`Session.inplace`);
+* ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) are buffers of their own,
+  bound once per shape; a step only writes a few integers into them, and never copies the state.
 
-Prefill runs in chunks of the graph's prefill length; the last chunk is right-padded with
-``position_ids = -1``. Padding rows of the peer's graphs write their key/value into slot ``ctx_len - 1`` of
-their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
-fill that slot: such a chunk runs unpadded, at its exact length. With ring buffers a chunk holds at most the
-smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks that
-never wrap the ring (:func:`qeff_kv.runtime.ring.within_ring`: up to its last slot, then one token at a time).
+Prefill runs in chunks of the graph's prefill length. Our own graphs run a short last chunk at its length (no
+padding: every index they meet stays in range and no scatter writes a slot twice, as the ONNX spec asks;
+``tests/test_ep_conformance.py``) unless the graph fixes ``seq_len``. The peer's graphs are right-padded with
+``position_ids = -1`` as its runner pads them: padding rows write slot ``ctx_len - 1`` of their own row (with the
+CPU-only patch :mod:`qeff_kv.passes.ort_invalid_index`, applied for onnxruntime's CPU EP only), so a padded chunk
+never fills that slot (such a chunk runs unpadded). With ring buffers a chunk holds at most the smallest ring
+capacity; the peer's ring graphs run unpadded chunks that never wrap the ring (:func:`.ring.within_ring`).
 A recurrent state the graph replaces whole (not updated in place: the peer's) gets a second buffer.
 
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
@@ -72,9 +74,6 @@ from .cache_verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
 _quiet_onnxruntime = exec_mod.quiet_onnxruntime   # noqa: F401  (re-exported: runtime/vision.py)
-#: ``executor=``: what runs the graph (runtime/executor.py)
-EXECUTORS = ("onnxruntime", "reference")
-
 
 # ============================================================================================ session
 class Session(GenerationMixin, CacheVerbsMixin):
@@ -120,7 +119,10 @@ class Session(GenerationMixin, CacheVerbsMixin):
                           checkpoints=rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints))
         self.files = resolve_model(model)
         source, external = self._read_graph(asked)
-        self._io = self._open_executor(source, external, threads)
+        # what runs the graph: onnxruntime on the (proved) providers, or onnx's strict reference evaluator
+        self._io, self._sess = exec_mod.open_executor(
+            executor, source, self.files.onnx_path, external=external, threads=threads, providers=self.providers,
+            index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences})
         del source
         self._allocate()
         self._bind()
@@ -171,18 +173,6 @@ class Session(GenerationMixin, CacheVerbsMixin):
                                double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
                                keep=mem.checkpoints.keep,
                                recurrent_double_buffer=self.graph.swaps_buffers)
-
-    def _open_executor(self, source: bytes | str, external: bool, threads: int | None) -> exec_mod.Executor:
-        """What runs the graph: onnxruntime on the session's (proved) providers, or onnx's reference evaluator."""
-        label = str(self.files.onnx_path)
-        if self.executor == "reference":
-            self._sess = None
-            limits = {"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences}
-            return exec_mod.ReferenceExecutor(self.files.onnx_path, limits)
-        folder = str(self.files.onnx_path.parent.resolve()) if external else None
-        self._sess = exec_mod.open_onnxruntime(source, label, threads=threads, providers=self.providers,
-                                               external_folder=folder)
-        return exec_mod.OrtExecutor(self._sess)
 
     def _allocate(self) -> None:
         """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
