@@ -93,7 +93,8 @@ def test_feeds_conform_on_every_memory_kind(family, kind, target, family_exports
 
 @pytest.fixture(scope="module")
 def extra_exports(family_models, tmp_path_factory):
-    """The latent cache (MLA) on both targets, and continuous batching of the latent, recurrent and ring kinds."""
+    """The latent cache (MLA) on both targets, continuous batching of the latent, recurrent and ring kinds, and of
+    a CCL graph (comp_ctx_lengths stepping 8 -> 16 -> 32 as the sequences grow)."""
     from qeff_kv.export import export_model
 
     root = tmp_path_factory.mktemp("conformance")
@@ -107,6 +108,7 @@ def extra_exports(family_models, tmp_path_factory):
                                                   continuous_batching=True, full_batch_size=2)),
                 "recurrent-cb": ("mamba2", dict(target="portable", continuous_batching=True, full_batch_size=2)),
                 "ring-cb": ("mistral_sw", dict(target="onnxruntime", continuous_batching=True, full_batch_size=2)),
+                "ccl-cb": ("llama", dict(target="portable", ccl="8,16", continuous_batching=True, full_batch_size=2)),
             }[name]
             cache[name] = export_model(family_models(family), root / name, ctx_len=CTX, prefill_seq_len=CHUNK,
                                        verify=False, **opts).out_dir
@@ -115,9 +117,11 @@ def extra_exports(family_models, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["latent-portable", "latent-cb", "recurrent-cb", "ring-cb"])
+@pytest.mark.parametrize("name", ["latent-portable", "latent-cb", "recurrent-cb", "ring-cb", "ccl-cb"])
 def test_feeds_conform_on_latent_and_batched_graphs(name, extra_exports):
     assert_conforms(extra_exports(name))
+    if name == "ccl-cb":
+        assert Session(extra_exports(name)).ccl.lengths == [8, 16, CTX]
 
 
 @pytest.mark.parametrize("graph", ["qeff_llama_cb_vllm.onnx", "own_llama_ort_cb_vllm.onnx"])
@@ -210,6 +214,15 @@ def test_an_unproved_provider_is_refused_naming_it_and_why(kwargs, own_graph, mo
     assert str(exc.value) == (f"{ep} is not proved exact for portable graphs: {ep_proofs.OFF_CPU['portable']}; "
                               "run on the CPU (device 'cpu')")
     assert made == []
+
+
+def test_the_vision_stage_refuses_an_unproved_device_before_reading(tmp_path):
+    from qeff_kv.runtime.vision import VisionStage
+
+    with pytest.raises(ProviderError) as exc:
+        VisionStage(tmp_path / "absent.onnx", device="cuda")
+    assert str(exc.value) == (f"CUDAExecutionProvider is not proved exact for vision graphs: "
+                              f"{ep_proofs.OFF_CPU['vision']}; run on the CPU (device 'cpu')")
 
 
 def test_the_proof_table():

@@ -251,6 +251,8 @@ class ReferenceExecutor(Executor):
             a = feeds.get(name)
             if a is None:
                 continue
+            if name == "position_ids" and a.ndim == 3:
+                a = a[0]   # multimodal RoPE: row 0 is the text position (the cache slot); rows 1-3 are RoPE's
             low = -1 if name == "position_ids" else 0
             if a.size and (a.min() < low or a.max() >= limit):
                 raise ContractError(f"{name} holds {int(a.min())}..{int(a.max())}; the graph takes [{low}, {limit})")
