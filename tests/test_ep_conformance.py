@@ -3,7 +3,7 @@ continuous batching (or lock-step rows) and the cache verbs (truncate, copy, rel
 CPU EP and once on onnx's reference evaluator (``Session(..., executor="reference")``: the spec's own semantics,
 with strict index checks: every Gather/GatherND/GatherElements/ScatterND/ScatterElements index in range, no
 scatter writing an index twice, every ``position_ids``/``batch_index`` feed in range), on tiny graphs of every
-memory kind (full, ring, latent, recurrent) and the portable and onnxruntime targets; the tokens must be equal and
+memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be equal and
 the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run: refused, so it
 stays refused off the CPU (runtime/ep_proofs.py), as every EP but the CPU's is.
 
@@ -79,14 +79,16 @@ def assert_conforms(model, **kwargs) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ every kind
 @pytest.mark.parametrize("target", ["portable", "onnxruntime"])
-@pytest.mark.parametrize("family,kind", [("llama", "full"), ("mistral_sw", "ring"), ("mamba2", "recurrent")])
+@pytest.mark.parametrize("family,kind", [("llama", "full"), ("mistral_sw", "ring"), ("mamba2", "recurrent"),
+                                         ("bamba", "hybrid")])
 def test_feeds_conform_on_every_memory_kind(family, kind, target, family_exports):
     """One sequence (lock step with two rows where the graph allows: full buffers) on the family matrix's
     exports: prefill in chunks, decode, truncate, and with two rows copy and relocate."""
     export = family_exports(family, target)
     sess = Session(export.out_dir)
     assert (bool(sess.rings.capacities), bool(sess.recurrent)) == {"full": (False, False), "ring": (True, False),
-                                                                   "recurrent": (False, True)}[kind]
+                                                                   "recurrent": (False, True), "hybrid": (False, True)}[kind]
+    assert bool(sess.cache.positional.names) == (kind != "recurrent")   # hybrid: attention KV and recurrent state
     rows = 2 if kind == "full" else 1   # lock step refuses rings and recurrent state
     assert_conforms(export.out_dir, max_sequences=rows)
 
