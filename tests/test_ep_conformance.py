@@ -3,8 +3,8 @@ continuous batching (or lock-step rows) and the cache verbs (truncate, copy, rel
 CPU EP and once on onnx's reference evaluator (``Session(..., executor="reference")``: the spec's own semantics,
 with strict index checks: every Gather/GatherND/GatherElements/ScatterND/ScatterElements index in range, no
 scatter writing an index twice, every ``position_ids``/``batch_index`` feed in range), on tiny graphs of every
-memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be equal and
-the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run: refused, so it
+memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be
+equal and the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run: refused, so it
 stays refused off the CPU (runtime/ep_proofs.py), as every EP but the CPU's is.
 
 Also here: the refusals of unproved execution providers (``ProviderError``, before anything is loaded), the
