@@ -4,8 +4,8 @@ CPU EP and once on onnx's reference evaluator (``Session(..., executor="referenc
 with strict index checks: every Gather/GatherND/GatherElements/ScatterND/ScatterElements index in range, no
 scatter writing an index twice, every ``position_ids``/``batch_index`` feed in range), on tiny graphs of every
 memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be
-equal and the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run: refused, so it
-stays refused off the CPU (runtime/ep_proofs.py), as every EP but the CPU's is.
+equal and the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run:
+refused, so it stays refused off the CPU (runtime/ep_proofs.py), as every EP but the CPU's is.
 
 Also here: the refusals of unproved execution providers (``ProviderError``, before anything is loaded), the
 CPU-only invalid-index patch, and that the strict evaluator does catch out-of-spec graphs (the peer's).
@@ -86,8 +86,8 @@ def test_feeds_conform_on_every_memory_kind(family, kind, target, family_exports
     exports: prefill in chunks, decode, truncate, and with two rows copy and relocate."""
     export = family_exports(family, target)
     sess = Session(export.out_dir)
-    assert (bool(sess.rings.capacities), bool(sess.recurrent)) == {"full": (False, False), "ring": (True, False),
-                                                                   "recurrent": (False, True), "hybrid": (False, True)}[kind]
+    expected = {"full": (False, False), "ring": (True, False), "recurrent": (False, True), "hybrid": (False, True)}
+    assert (bool(sess.rings.capacities), bool(sess.recurrent)) == expected[kind]
     assert bool(sess.cache.positional.names) == (kind != "recurrent")   # hybrid: attention KV and recurrent state
     rows = 2 if kind == "full" else 1   # lock step refuses rings and recurrent state
     assert_conforms(export.out_dir, max_sequences=rows)
@@ -201,7 +201,8 @@ def test_the_peers_graphs_are_out_of_spec_so_cpu_only(graph, message):
 
 
 # ------------------------------------------------------------------------------------------------ the refusals
-@pytest.mark.parametrize("kwargs", [dict(device="cuda"), dict(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]),
+@pytest.mark.parametrize("kwargs", [dict(device="cuda"),
+                                    dict(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]),
                                     dict(providers=["TensorrtExecutionProvider"])])
 def test_an_unproved_provider_is_refused_naming_it_and_why(kwargs, own_graph, monkeypatch):
     """Refused in one line before onnxruntime sees the graph (no InferenceSession is made), whatever this machine's
