@@ -84,6 +84,9 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
               help="Continue a sequence saved with --save-state.")
 @click.option("--select", default=None, metavar="REGEX",
               help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
+                   "exact there; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
@@ -99,7 +102,7 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
                  image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
                  checkpoint_every, max_checkpoints, max_sequences, temperature,
                  top_k, top_p, seed, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
-                 stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, threads,
+                 stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, device, threads,
                  no_inplace, speculative, speculative_k, as_json) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
     req = GenerateRequest(
@@ -111,7 +114,7 @@ def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=parse_logit_bias(logit_bias)),
         stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
-        select=select, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
+        select=select, device=device, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
         chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
         image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size,
         speculative=speculative, speculative_k=speculative_k)

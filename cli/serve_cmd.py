@@ -54,6 +54,9 @@ class ChunkType(click.ParamType):
 @click.option("--max-sequences", type=DIM, default=None,
               help="Sequences generated at once (slots of a continuous-batching graph, or rows in lock step on a "
                    "graph without batch_index; default: the export's full_batch_size, else 4).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
+                   "exact there; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--api-key", default=None, envvar="QEFF_KV_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 and /slots (or set QEFF_KV_API_KEY).")
@@ -135,7 +138,7 @@ class ChunkType(click.ParamType):
                    "--ray-address).")
 @click.option("--kv-hold-seconds", type=AsciiFloat(), default=60.0, show_default=True, metavar="S",
               help="With --kv-role producer|both: seconds a state no consumer took is held before it is freed.")
-def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue, max_request_bytes, drain_seconds,
+def serve_cmd(export_dir, host, port, max_sequences, device, threads, api_key, max_queue, max_request_bytes, drain_seconds,
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
@@ -157,6 +160,7 @@ def serve_cmd(export_dir, host, port, max_sequences, threads, api_key, max_queue
                                "--route, --prefill-resources and --decode-resources go with --disaggregate "
                                "(--ray-address also with --kv-role)")
     config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
+                         device=device,
                          api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
                          max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
                          prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,

@@ -53,6 +53,11 @@ class RuntimeInputError(QeffKvError):
     """Bad input to the runtime: capacity exceeded, unknown sequence, bad token ids, bad options."""
 
 
+class ProviderError(RuntimeInputError):
+    """An onnxruntime execution provider (or ``device``) the runtime has not proved exact for the graph's kind
+    (:mod:`qeff_kv.runtime.ep_proofs`): refused before the graph is loaded."""
+
+
 class RewindError(RuntimeInputError):
     """A rewind or copy that a sequence's memory cannot serve exactly (a recurrent state with no checkpoint at that
     position, a sliding-window ring that no longer holds the window): nothing was changed."""

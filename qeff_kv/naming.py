@@ -57,6 +57,8 @@ NON_KV_RETAINED: tuple[str, ...] = (
 #: Non-KV retained outputs that do not follow the ``_RetainedState`` rule (input -> output).
 NON_KV_OUTPUT_ALIASES: dict[str, str] = {IMAGE_IDX: "image_idx_output"}
 IMAGE_IDX_OUTPUT = NON_KV_OUTPUT_ALIASES[IMAGE_IDX]
+#: graph metadata: the export target that wrote the graph (absent from another exporter's graphs)
+TARGET_META = "qeff_kv.target"
 #: graph metadata of a vision-language language graph: its vision geometry as JSON (``image_token_id``,
 #: ``vision_size`` rows per image, ``hidden_size``, ``image_size``, ``channels``; patch-row models ``grid``,
 #: ``patch_dim``, ``spatial_merge_size``; ``bidirectional_images`` when an image must stay in one prefill chunk)

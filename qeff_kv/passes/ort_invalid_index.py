@@ -24,7 +24,10 @@ nothing else in the model changes. Constants are found by where their data goes,
   constant (the peer's non-batching graphs) already sends ``-1`` straight into ``ScatterND``: the same rule
   covers it.
 
-The pass modifies the in-memory model only. It replaces the *use* of a constant on an index path with a new
+The runtime applies it only when it runs the graph on onnxruntime's CPU EP (the kernels it is made for): the
+graphs it patches rely on what the ONNX spec leaves undefined (out-of-range indices; padded rows scattering into
+one slot), so no other EP is proved on them
+(:mod:`qeff_kv.runtime.ep_proofs`). The pass modifies the in-memory model only. It replaces the *use* of a constant on an index path with a new
 constant, so a constant value that also feeds something else keeps its value there. A constant that would
 reach both a gather and a scatter index is refused (no single value is right for both).
 """

@@ -1,6 +1,7 @@
 """The checks every public runtime entry point runs on its arguments before reading anything: wrong types, bools
 that are not bools, out-of-range integers and unknown onnxruntime providers are refused with one line naming the
-argument (:class:`~qeff_kv.errors.RuntimeInputError`), never a bare ``TypeError`` deep inside."""
+argument (:class:`~qeff_kv.errors.RuntimeInputError`), never a bare ``TypeError`` deep inside. Which execution
+providers a graph kind may run on is :mod:`.ep_proofs`'s (asked once the graph is read, before it is loaded)."""
 
 from __future__ import annotations
 
@@ -11,27 +12,39 @@ import onnxruntime as ort
 
 from .. import validate
 from ..errors import RuntimeInputError
+from . import ep_proofs
 
 
-def check_providers(providers) -> list[str] | None:
-    """``None`` or a list of provider names this onnxruntime has; an unknown one is refused in one line (onnxruntime
-    itself would fall back to the CPU with a multi-line warning)."""
-    if providers is None:
-        return None
-    if isinstance(providers, (str, bytes)) or not isinstance(providers, (list, tuple)) \
-            or not all(isinstance(p, str) for p in providers) or not providers:
+def check_providers(providers, device=None) -> list[str]:
+    """The providers a session runs on (``device``'s, ``"cpu"`` by default, or ``providers``), well formed; whether
+    they are proved for the graph is asked once it is read (:func:`.ep_proofs.require`), then whether this
+    onnxruntime has them (:func:`require_available`)."""
+    if device is not None and not isinstance(device, str):
+        raise RuntimeInputError(f"device must be a string ('cpu' or 'cuda'), got {device!r}")
+    if providers is not None and (isinstance(providers, (str, bytes)) or not isinstance(providers, (list, tuple))
+                                  or not all(isinstance(p, str) for p in providers) or not providers):
         raise RuntimeInputError(f"providers must be a list of onnxruntime provider names, got {providers!r}")
+    providers = ep_proofs.resolve(device, providers)
+    require_available(providers, known=True)
+    return providers
+
+
+def require_available(providers: list[str], known: bool = False) -> None:
+    """Each of ``providers`` present in this onnxruntime (``known``: at least a name onnxruntime knows, built here or
+    not); one missing is refused in one line (onnxruntime itself would fall back to the CPU with a multi-line
+    warning)."""
     available = ort.get_available_providers()
-    unknown = [p for p in providers if p not in available]
+    names = set(ort.get_all_providers()) | set(available) if known else available
+    unknown = [p for p in providers if p not in names]
     if unknown:
         raise RuntimeInputError(f"onnxruntime provider {unknown[0]!r} is not available here (available: "
                                 f"{', '.join(available)})")
-    return list(providers)
 
 
 def check_session_args(*, model, ctx_len, prefill_seq_len, max_sequences, inplace, threads, providers,
-                       sliding_window, image_token_id) -> None:
-    """The arguments of :class:`~qeff_kv.runtime.session.Session` (and what passes them on)."""
+                       sliding_window, image_token_id, device=None, executor="onnxruntime") -> list[str]:
+    """The arguments of :class:`~qeff_kv.runtime.session.Session` (and what passes them on); returns the
+    providers it runs on."""
     validate.path_like("model", model)
     for label, v in (("ctx_len", ctx_len), ("prefill_seq_len", prefill_seq_len), ("max_sequences", max_sequences),
                      ("sliding_window", sliding_window)):
@@ -39,7 +52,9 @@ def check_session_args(*, model, ctx_len, prefill_seq_len, max_sequences, inplac
     validate.optional_int("threads", threads, maximum=4096)
     validate.token_id("image_token_id", image_token_id)
     validate.flag("inplace", inplace, optional=True)
-    check_providers(providers)
+    if executor not in ("onnxruntime", "reference"):
+        raise RuntimeInputError(f"executor must be 'onnxruntime' or 'reference', got {executor!r}")
+    return check_providers(providers, device)
 
 
 def check_tokens(tokens, vocab_size: int | None) -> list[int]:

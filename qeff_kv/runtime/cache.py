@@ -3,7 +3,8 @@ buffers, the RoPE marks of its images and its recurrent states, allocated once.
 
 Buffers are allocated once, each at its own capacity (``max_sequences`` x ``ctx_len`` positions; a sliding-window
 ring buffer ``max_sequences`` x ``C`` slots, see :mod:`qeff_kv.runtime.ring`; a static axis as the graph fixes it;
-a recurrent state ``[max_sequences, ...]``), as numpy arrays wrapped by ``OrtValue`` objects that share their memory;
+a recurrent state ``[max_sequences, ...]``), on the session's device (:mod:`qeff_kv.runtime.device`: on the CPU,
+numpy arrays wrapped by ``OrtValue`` objects that share their memory);
 the session binds them to the graph. A graph that is not in-place safe gets a second set (``spare``), and the two
 sets swap after every run. Before anything is allocated, :meth:`KVCache.require_memory` refuses buffers that do not
 fit in the memory available.
@@ -42,11 +43,13 @@ class KVCache(HybridMemory):
         recurrent: the recurrent layers' buffer pairs (:func:`qeff_kv.runtime.memory.recurrent.split_pairs`).
         checkpoints: when the recurrent state is checkpointed (:class:`~qeff_kv.runtime.memory.recurrent.CheckpointPolicy`).
         recurrent_double_buffer: the recurrent states' own setting (default: ``double_buffer``).
+        device: where the buffers live (:mod:`qeff_kv.runtime.device`; default the CPU).
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
                  rings: RingSpec | None = None, recurrent: list[KVPair] | None = None,
-                 checkpoints: rec_mod.CheckpointPolicy | None = None, recurrent_double_buffer: bool | None = None):
+                 checkpoints: rec_mod.CheckpointPolicy | None = None, recurrent_double_buffer: bool | None = None,
+                 device=None):
         positive_int("max_sequences", max_sequences)
         rec_double = double_buffer if recurrent_double_buffer is None else bool(recurrent_double_buffer)
         positive_int("ctx_len", ctx_len)
@@ -56,10 +59,10 @@ class KVCache(HybridMemory):
                             rings=rings, recurrent=recurrent, keep=policy.keep, recurrent_double_buffer=rec_double)
         #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
         self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
-                                                 double_buffer=rec_double, policy=policy)
+                                                 double_buffer=rec_double, policy=policy, device=device)
         #: the KV buffers with a position axis (full, ring, latent)
         self.positional = PositionalMemory(pairs, max_sequences=max_sequences, ctx_len=ctx_len,
-                                           double_buffer=double_buffer, rings=rings)
+                                           double_buffer=double_buffer, rings=rings, device=device)
         #: the multimodal RoPE marks of the images each sequence holds
         self.marks = RopeMarks()
         super().__init__([self.positional, self.marks, self.recurrent], max_sequences=max_sequences,

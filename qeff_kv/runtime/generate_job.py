@@ -103,6 +103,8 @@ class GenerateRequest:
     load_state: str | None = None
     select: str | None = None
     threads: int | None = None
+    #: where the graph runs: "cpu", or "cuda" (refused until proved: runtime/ep_proofs.py)
+    device: str = "cpu"
     inplace: bool | None = None
     on_capacity: str = "error"
     #: Format each prompt as a user turn with the folder's chat template (optionally after a system turn).
@@ -282,7 +284,7 @@ def _max_sequences(req: GenerateRequest, files, prompts: list[list[int]]) -> int
 def _open_session(req: GenerateRequest, max_sequences: int | None) -> tuple[Session, VisionLanguageModel | None]:
     """The session (and the vision-language model around it, when images or a vision graph are involved)."""
     kwargs = dict(ctx_len=req.ctx_len, prefill_seq_len=req.prefill_seq_len, max_sequences=max_sequences,
-                  inplace=req.inplace, threads=req.threads, sliding_window=req.sliding_window,
+                  inplace=req.inplace, threads=req.threads, device=req.device, sliding_window=req.sliding_window,
                   image_token_id=req.image_token_id)
     if req.checkpoint_every is not None or req.max_checkpoints is not None:
         kwargs.update(checkpoint_every=req.checkpoint_every, max_checkpoints=req.max_checkpoints)

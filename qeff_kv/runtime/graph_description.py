@@ -157,7 +157,7 @@ class GraphDescription:
         return cls(name=name, layout=layout, batching=batching, memory=memory, dims=dims, media=media,
                    mrope=len(names_in["position_ids"].shape or ()) == 3, speculative=speculative,
                    speculative_tokens=speculative_tokens, ccl=ccl_mod.INPUT in names_in, ccl_listed=man.get("ccl"),
-                   own_graph="qeff_kv.target" in ir_model.metadata_props, inplace=inplace,
+                   own_graph=naming.TARGET_META in ir_model.metadata_props, inplace=inplace,
                    inplace_issues=tuple(issues), vocab_size=vocab_size, logits_dtype=logits_dtype,
                    eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])))
 

@@ -25,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import RuntimeInputError
+from . import device as device_mod
 
 
 def refusal(*, inplace: bool, rings, batch_dim, images: bool = False, recurrent: bool = False) -> str | None:
@@ -49,8 +50,9 @@ class RowViews:
     """``OrtValue`` views of each KV buffer's rows: batch-1 views of one row (a prefill) and views of the first
     ``k`` rows (a decode step of the rows in use), each made once."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    def __init__(self, arrays: dict[str, np.ndarray], device=None):
         self.arrays = arrays
+        self.device = device or device_mod.CPU
         self._views: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
 
     def row(self, slot: int) -> dict[str, ort.OrtValue]:
@@ -68,7 +70,7 @@ class RowViews:
                 view = arr[start:stop]
                 if not view.flags["C_CONTIGUOUS"]:  # pragma: no cover - rows of a C-ordered array are contiguous
                     raise RuntimeInputError(f"KV buffer {name!r} rows {start}..{stop - 1} are not contiguous")
-                views[name] = ort.OrtValue.ortvalue_from_numpy(view)
+                views[name] = self.device.wrap(view)
             self._views[(start, stop)] = views
         return self._views[(start, stop)]
 

@@ -12,23 +12,25 @@ strategy (:mod:`qeff_kv.runtime.batching`) rather than flags of their own.
 Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
 range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
 
-How a run is bound (IOBinding):
+How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.executor`; every buffer from the
+session's device, :mod:`qeff_kv.runtime.device`; only execution providers :mod:`qeff_kv.runtime.ep_proofs` proves
+exact for the graph's kind are accepted, today the CPU's, refused in one line otherwise before loading):
 
 * one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
-  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`);
-* if the graph is in-place safe (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as
-  the input ``X`` and as the output ``X_RetainedState``: onnxruntime's ``ScatterND`` then updates the cache
-  where it is, without copying it; otherwise the outputs go to a second set of buffers and the two sets
-  swap after each run (correct, slower, and :attr:`Session.inplace` says so);
-* ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) live in preallocated
-  arrays, bound once per shape; a step only writes a few integers into them.
+  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`); if the graph is in-place safe
+  (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as the input ``X`` and the output
+  ``X_RetainedState`` (``ScatterND`` updates the cache where it is); otherwise the outputs go to a second set of
+  buffers and the sets swap after each run (correct, slower: :attr:`Session.inplace`);
+* ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) are buffers of their own,
+  bound once per shape; a step only writes a few integers into them, and never copies the state.
 
-Prefill runs in chunks of the graph's prefill length; the last chunk is right-padded with
-``position_ids = -1``. Padding rows of the peer's graphs write their key/value into slot ``ctx_len - 1`` of
-their own row (see :mod:`qeff_kv.passes.ort_invalid_index`), so a padded chunk is never used when it would
-fill that slot: such a chunk runs unpadded, at its exact length. With ring buffers a chunk holds at most the
-smallest ring capacity; the peer's ring graphs (no ``qeff_kv.sliding_cache`` metadata) run unpadded chunks that
-never wrap the ring (:func:`qeff_kv.runtime.ring.within_ring`: up to its last slot, then one token at a time).
+Prefill runs in chunks of the graph's prefill length. Our own graphs run a short last chunk at its length (no
+padding: every index they meet stays in range and no scatter writes a slot twice, as the ONNX spec asks;
+``tests/test_ep_conformance.py``) unless the graph fixes ``seq_len``. The peer's graphs are right-padded with
+``position_ids = -1`` as its runner pads them: padding rows write slot ``ctx_len - 1`` of their own row (with the
+CPU-only patch :mod:`qeff_kv.passes.ort_invalid_index`, applied for onnxruntime's CPU EP only), so a padded chunk
+never fills that slot (such a chunk runs unpadded). With ring buffers a chunk holds at most the smallest ring
+capacity; the peer's ring graphs run unpadded chunks that never wrap the ring (:func:`.ring.within_ring`).
 A recurrent state the graph replaces whole (not updated in place: the peer's) gets a second buffer.
 
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
@@ -39,7 +41,6 @@ generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decode_loop
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 import warnings
@@ -50,17 +51,21 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from .. import capture, graphio, naming
-from ..errors import ContractError, GraphReadError, RuntimeInputError
+from .. import graphio, naming
+from ..errors import ContractError, QeffKvError, RuntimeInputError
 from ..passes.ort_invalid_index import OrtInvalidIndexPass
 from . import arguments
 from .arguments import check_session_args
 from . import ccl as ccl_mod
+from . import device as device_mod
+from . import ep_proofs
+from . import executor as exec_mod
 from . import lockstep as lockstep_mod
 from . import media as media_mod
 from . import positions as pos_mod
 from .memory import recurrent as rec_mod
 from . import ring as ring_mod
+from .batching import BATCH_INDEX
 from .cache import KVCache, Sequence
 from .graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
@@ -68,16 +73,7 @@ from .decode_loop import GenerationMixin
 from .cache_verbs import CacheVerbsMixin
 from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
-_ORT_QUIET = False
-
-
-def _quiet_onnxruntime() -> None:
-    """onnxruntime's default logger at severity 3 (error): its warnings never print above our one-line errors."""
-    global _ORT_QUIET
-    if not _ORT_QUIET:
-        ort.set_default_logger_severity(3)
-        _ORT_QUIET = True
-
+_quiet_onnxruntime = exec_mod.quiet_onnxruntime   # noqa: F401  (re-exported: runtime/vision.py)
 
 # ============================================================================================ session
 class Session(GenerationMixin, CacheVerbsMixin):
@@ -99,6 +95,11 @@ class Session(GenerationMixin, CacheVerbsMixin):
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
+        device: ``"cpu"`` (default) or ``"cuda"``; providers: onnxruntime execution providers instead. Only the
+            ones :mod:`qeff_kv.runtime.ep_proofs` proves exact for the graph's kind are accepted (today the CPU's):
+            any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) before the graph is loaded.
+        executor: ``"onnxruntime"`` (default), or ``"reference"``: onnx's reference evaluator with strict index
+            checks (:class:`~qeff_kv.runtime.executor.ReferenceExecutor`; slow, for conformance proofs).
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
@@ -106,17 +107,22 @@ class Session(GenerationMixin, CacheVerbsMixin):
                  inplace: bool | None = None, threads: int | None = None,
                  providers: Seq[str] | None = None, sliding_window: int | None = None,
                  image_token_id: int | None = None, checkpoint_every: int | None = None,
-                 max_checkpoints: int | None = None):
-        # arguments first: nothing is read before they are valid
-        check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-                           max_sequences=max_sequences, inplace=inplace, threads=threads, providers=providers,
-                           sliding_window=sliding_window, image_token_id=image_token_id)
+                 max_checkpoints: int | None = None, device: str | None = None, executor: str = "onnxruntime"):
+        # arguments first: nothing is read before they are valid, no EP is used that is not proved
+        self.providers = check_session_args(model=model, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
+                                            max_sequences=max_sequences, inplace=inplace, threads=threads,
+                                            providers=providers, sliding_window=sliding_window,
+                                            image_token_id=image_token_id, device=device, executor=executor)
+        self.executor = executor
         asked = Requested(ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, max_sequences=max_sequences,
                           inplace=inplace, sliding_window=sliding_window, image_token_id=image_token_id,
                           checkpoints=rec_mod.CheckpointPolicy.of(checkpoint_every, max_checkpoints))
         self.files = resolve_model(model)
         source, external = self._read_graph(asked)
-        self._sess = self._open_onnxruntime(source, external, threads, providers)
+        # what runs the graph: onnxruntime on the (proved) providers, or onnx's strict reference evaluator
+        self._io, self._sess = exec_mod.open_executor(
+            executor, source, self.files.onnx_path, external=external, threads=threads, providers=self.providers,
+            index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences})
         del source
         self._allocate()
         self._bind()
@@ -128,7 +134,13 @@ class Session(GenerationMixin, CacheVerbsMixin):
         inspected graph is freed on return: peak memory is one copy of the weights, not two."""
         ir_model = graphio.load(self.files.onnx_path)
         self._describe(ir_model, asked)
-        # onnxruntime-specific patch (in memory only)
+        self.graph_kind = ep_proofs.kind_of(ir_model.metadata_props.get(naming.TARGET_META))
+        ep_proofs.require(self.providers, self.graph_kind)   # before onnxruntime sees the graph
+        arguments.require_available(self.providers)
+        self.device = device_mod.for_providers(self.providers)   # where every bound value lives
+        self.invalid_index_patch = {"gather": 0, "scatter": 0}
+        if self.executor != "onnxruntime" or self.providers != [ep_proofs.CPU]:
+            return str(self.files.onnx_path), False   # the patch below is for the CPU kernels only
         fix = OrtInvalidIndexPass()
         modified = fix(ir_model).modified
         self.invalid_index_patch = {"gather": fix.gather_constants, "scatter": fix.scatter_constants}
@@ -162,26 +174,6 @@ class Session(GenerationMixin, CacheVerbsMixin):
                                keep=mem.checkpoints.keep,
                                recurrent_double_buffer=self.graph.swaps_buffers)
 
-    def _open_onnxruntime(self, source: bytes | str, external: bool, threads: int | None,
-                          providers: Seq[str] | None) -> ort.InferenceSession:
-        """The onnxruntime session over ``source``; its load failure is one line naming the file."""
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = int(threads)
-        # Errors are ours to report, in one line: onnxruntime's own log lines stay quiet below "error".
-        so.log_severity_level = 3
-        _quiet_onnxruntime()
-        if external:
-            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                        str(self.files.onnx_path.parent.resolve()))
-        gc.collect()
-        try:
-            with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-                return ort.InferenceSession(source, so, providers=list(providers or ["CPUExecutionProvider"]))
-        except Exception as exc:  # onnxruntime raises several pybind exception types
-            msg = " ".join(str(exc).split())[:400]
-            raise GraphReadError(f"{self.files.onnx_path}: onnxruntime cannot load it ({msg})") from None
-
     def _allocate(self) -> None:
         """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
         small inputs' and logits' arrays (made per step shape), the CCL feeder."""
@@ -189,9 +181,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.cache = KVCache(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
                              double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
                              checkpoints=mem.checkpoints,
-                             recurrent_double_buffer=self.graph.swaps_buffers)
+                             recurrent_double_buffer=self.graph.swaps_buffers, device=self.device)
         self.cache.ctx_len = self.ctx_len   # lock step: idle rows write the last slot (see runtime/lockstep.py)
-        self._rows = lockstep_mod.RowViews(self.cache.arrays)   # batch-1 views of the rows, made on first use
+        self._rows = lockstep_mod.RowViews(self.cache.arrays, self.device)   # batch-1 row views, made on first use
         self._small: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
         self._small_values: dict[tuple[int, int, int], dict[str, ort.OrtValue]] = {}
         self._logits: dict[tuple[int, int, int], tuple[np.ndarray, ort.OrtValue]] = {}
@@ -204,7 +196,6 @@ class Session(GenerationMixin, CacheVerbsMixin):
 
     def _bind(self) -> None:
         """Bind the buffers once: every KV pair (in place, or to its spare), a vision-language graph's images."""
-        self._io = self._sess.io_binding()
         self._out_order: list[str] = []
         self._bind_kv()
         if self.media is not None:
@@ -288,16 +279,15 @@ class Session(GenerationMixin, CacheVerbsMixin):
         key = (rows, seq_len, keep)
         arrays = self._small.get(key)
         if arrays is None:
-            arrays = {"input_ids": np.zeros((rows, seq_len), np.int64),
-                      "position_ids": np.zeros(pos_mod.shape(self.mrope, rows, seq_len), np.int64),
-                      **self.graph.batching.step_inputs(rows)}
+            shapes = {"input_ids": (rows, seq_len), "position_ids": pos_mod.shape(self.mrope, rows, seq_len),
+                      **{k: v.shape for k, v in self.graph.batching.step_inputs(rows).items()}}
             if self.speculative:
-                arrays[naming.LOGITS_TO_KEEP_INPUT] = np.zeros((keep, 1), np.int64)
-            self._small[key] = arrays
-            self._small_values[key] = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+                shapes[naming.LOGITS_TO_KEEP_INPUT] = (keep, 1)
+            pairs = {k: self.device.buffer(shape, np.int64) for k, shape in shapes.items()}
+            arrays = self._small[key] = {k: a for k, (a, _) in pairs.items()}
+            self._small_values[key] = {k: v for k, (_, v) in pairs.items()}
             if self._logits_prebound:
-                buf = np.zeros((rows, keep, self.vocab_size), self.logits_dtype)
-                self._logits[key] = (buf, ort.OrtValue.ortvalue_from_numpy(buf))
+                self._logits[key] = self.device.buffer((rows, keep, self.vocab_size), self.logits_dtype)
         if self._bound != key:
             for k, v in self._small_values[key].items():
                 self._io.bind_ortvalue_input(k, v)
@@ -318,7 +308,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if self.graph.swaps_buffers:
             self._bind_kv()
         try:
-            self._sess.run_with_iobinding(self._io)
+            self._io.run()
+        except QeffKvError:
+            raise
         except Exception as exc:
             raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
         self.cache.swap()

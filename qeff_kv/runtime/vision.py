@@ -31,6 +31,8 @@ from ..errors import ContractError, GraphReadError, RuntimeInputError
 from ..limits import positive_int
 from .media import IMAGE_INPUTS, Images, Prompt
 from .results import Generation
+from . import ep_proofs
+from .arguments import check_providers, require_available
 from .session import Session, _quiet_onnxruntime
 
 #: processor outputs that are not images: the prompt's own ids and masks (the runtime derives what it needs)
@@ -40,7 +42,11 @@ TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids
 class VisionStage:
     """The dual layout's vision graph: ``pixel_values`` (one image) -> ``vision_embeds [1, vision_size, hidden]``."""
 
-    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, providers: Seq[str] | None = None):
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, providers: Seq[str] | None = None,
+                 device: str | None = None):
+        providers = check_providers(providers, device)
+        ep_proofs.require(providers, "vision")   # before anything is read
+        require_available(providers)
         self.path = Path(path)
         if not self.path.is_file():
             raise GraphReadError(f"{self.path}: no such vision graph")
@@ -59,8 +65,7 @@ class VisionStage:
         _quiet_onnxruntime()
         try:
             with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-                self._sess = ort.InferenceSession(str(self.path), so,
-                                                  providers=list(providers or ["CPUExecutionProvider"]))
+                self._sess = ort.InferenceSession(str(self.path), so, providers=providers)
         except Exception as exc:
             raise GraphReadError(f"{self.path}: onnxruntime cannot load it ({' '.join(str(exc).split())[:300]})") \
                 from None
@@ -151,7 +156,8 @@ class VisionLanguageModel:
             path = self._vision_path(vision)
             if path is not None:
                 self.vision = VisionStage(path, threads=session_kwargs.get("threads"),
-                                          providers=session_kwargs.get("providers"))
+                                          providers=session_kwargs.get("providers"),
+                                          device=session_kwargs.get("device"))
                 if self.vision.out_dtype != np.dtype(media.input.dtype):
                     raise ContractError(f"{path}: vision_embeds is {self.vision.out_dtype}; the language graph takes "
                                         f"{media.input.dtype}")

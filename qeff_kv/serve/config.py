@@ -17,6 +17,8 @@ class ServeConfig:
     max_sequences: int | None = None
     #: onnxruntime intra-op threads (default: onnxruntime's choice)
     threads: int | None = None
+    #: where the graph runs: "cpu", or "cuda" (refused until proved: qeff_kv/runtime/ep_proofs.py)
+    device: str = "cpu"
     #: a bearer token every /v1 and /slots request must carry (``Authorization: Bearer KEY``); None: open
     api_key: str | None = None
     #: requests waiting for a sequence slot beyond which new ones get 429

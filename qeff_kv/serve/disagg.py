@@ -63,12 +63,12 @@ class PrefillWorker:
 
     def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
                  reuse_prompts: bool = True, kv_events: tuple | None = None, *, checkpoint_every: int | None = None,
-                 max_checkpoints: int | None = None):
+                 max_checkpoints: int | None = None, device: str = "cpu"):
         from .kv_events import open_publisher
         from .session_from_config import open_prefill_session
 
         cfg = ServeConfig(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, threads=threads,
-                          checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints)
+                          checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints, device=device)
         session = open_prefill_session(cfg, export)
         # --kv-events: (config, rank): this replica publishes on the endpoint's port + rank
         self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
@@ -428,7 +428,8 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     Dec = ray.remote(DecodeWorker).options(**opts["decode"])
     pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts,
                       kv_events=(config, i) if config.kv_events is not None else None,
-                      checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints)
+                      checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints,
+                      device=config.device)
            for i in range(config.prefill_replicas)]
     dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
 

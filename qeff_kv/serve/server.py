@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 from ..errors import Interrupted, RuntimeInputError
+from ..runtime import ep_proofs
 from .config import ServeConfig
 from .engine import Engine
 from .session_from_config import model_name_of, open_session
@@ -91,6 +92,7 @@ def check_max_n(config: ServeConfig, engine: Engine) -> int:
 def check_config(config: ServeConfig) -> None:
     """Refuse bad options before anything is loaded (one line each). Creates nothing: the state folder is made
     once the server is about to serve (:func:`serve`)."""
+    ep_proofs.require(ep_proofs.resolve(config.device, None))   # a device proved for no graph kind: refused now
     if config.state_dir is not None:
         if config.disaggregate:
             raise RuntimeInputError("--state-dir does not go with --disaggregate (slot actions need the local engine)")

@@ -37,7 +37,8 @@ def open_prefill_session(config: ServeConfig, export: str):
 def session_options(config: ServeConfig) -> dict:
     """The :class:`~qeff_kv.runtime.Session` keywords every serving session takes from ``config`` (the checkpoint
     options only where given: a graph without recurrent state takes none)."""
-    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads)
+    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads,
+              device=config.device)
     if config.checkpoint_every is not None or config.max_checkpoints is not None:
         kw.update(checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints)
     return kw

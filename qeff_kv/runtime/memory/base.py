@@ -43,6 +43,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...errors import RuntimeInputError, StateFileError
+from .. import device as device_mod
 
 def meta_int(text) -> int:
     """An integer of a state's metadata: ASCII digits (``int()`` also reads ``'١٤'``, ``'1_4'``, ``' 14'``);
@@ -68,16 +69,16 @@ class Memory(ABC):
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, np.dtype]
     double_buffer: bool = False
+    #: where its buffers live (:mod:`qeff_kv.runtime.device`; ``arrays`` are their host views)
+    device: device_mod.Device = device_mod.CPU
 
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
-        """One buffer of ``shape`` (and its spare when double-buffered), zeros, wrapped by ``OrtValue`` objects that
-        share its memory."""
+        """One buffer of ``shape`` (and its spare when double-buffered), zeros, on :attr:`device`: the ``OrtValue``
+        bound to the graph and its host view."""
         self.shapes[name], self.dtypes[name] = shape, dtype
-        self.arrays[name] = np.zeros(shape, dtype)
-        self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.arrays[name])
+        self.arrays[name], self.values[name] = self.device.buffer(shape, dtype)
         if self.double_buffer:
-            self.spare_arrays[name] = np.zeros(shape, dtype)
-            self.spare_values[name] = ort.OrtValue.ortvalue_from_numpy(self.spare_arrays[name])
+            self.spare_arrays[name], self.spare_values[name] = self.device.buffer(shape, dtype)
 
     # ------------------------------------------------------------------------------------ buffers
     @property

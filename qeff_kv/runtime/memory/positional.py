@@ -82,9 +82,10 @@ class PositionalMemory(Memory):
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,
-                 rings: RingSpec | None = None):
+                 rings: RingSpec | None = None, device=None):
         positive_int("max_sequences", max_sequences)
         positive_int("ctx_len", ctx_len)
+        self.device = device or self.device
         self.pairs = list(pairs)
         self.rings = rings if rings is not None else RingSpec()
         self.double_buffer = bool(double_buffer)

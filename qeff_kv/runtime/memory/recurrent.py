@@ -119,8 +119,9 @@ class RecurrentMemory(Memory):
     tensor_label = "recurrent tensor"
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, double_buffer: bool = False,
-                 policy: CheckpointPolicy | None = None):
+                 policy: CheckpointPolicy | None = None, device=None):
         positive_int("max_sequences", max_sequences)
+        self.device = device or self.device
         self.pairs = list(pairs)
         self.policy = policy or CheckpointPolicy()
         self.double_buffer = bool(double_buffer)
