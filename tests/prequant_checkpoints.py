@@ -122,21 +122,24 @@ class Checkpoint:
 
 
 def make_checkpoint(kind: str, root: Path, *, group: int = 32, sym: bool = False, act_order: bool = False,
-                    v1: bool = True, seed: int = 0, **overrides) -> Checkpoint:
-    """Write the int4 checkpoint ``root/<kind>-ckpt`` and its float reference ``root/<kind>-ref``."""
+                    v1: bool = True, seed: int = 0, arch: str = "llama", keep_float: tuple = (),
+                    **overrides) -> Checkpoint:
+    """Write the int4 checkpoint ``root/<kind>-ckpt`` and its float reference ``root/<kind>-ref``; the Linears
+    named in ``keep_float`` stay float16 (AWQ's ``modules_to_not_convert``, compressed-tensors' ``ignore``)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
     from hf_models import make_model_dir
 
-    src = make_model_dir("llama", root / "src", seed=seed, **overrides)
+    src = make_model_dir(arch, root / "src", seed=seed, **overrides)
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     rng = np.random.default_rng(seed + 100)
     stored, reference, linears = {}, {}, {}
     for key, t in model.state_dict().items():
         name = key[: -len(".weight")]
-        if key.endswith(".weight") and name.split("layers.")[-1].split(".", 1)[-1] in LINEARS:
+        if key.endswith(".weight") and name.split("layers.")[-1].split(".", 1)[-1] in LINEARS \
+                and name not in keep_float:
             ql = quantize(t.numpy(), group, sym, act_order, rng,
                           "bfloat16" if kind == "compressed-tensors" else "float16")
             linears[name] = ql
@@ -153,6 +156,9 @@ def make_checkpoint(kind: str, root: Path, *, group: int = 32, sym: bool = False
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(kind, group, sym, act_order, v1)
+    if keep_float:
+        cfg["quantization_config"]["modules_to_not_convert" if kind != "compressed-tensors" else "ignore"] = \
+            list(keep_float)
     cfg["torch_dtype"] = "float16"
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     model.load_state_dict(reference)

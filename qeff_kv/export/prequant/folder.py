@@ -58,15 +58,19 @@ def quantized_names(tensors: Tensors, scheme: PrequantScheme) -> list[str]:
     return [k[: -len(mark)] for k in tensors.where if k.endswith(mark)]
 
 
+def read_linear(tensors: Tensors, scheme: PrequantScheme, name: str) -> QuantizedLinear:
+    """The quantized Linear ``name`` (a module name), unpacked by its layout's reader."""
+    return READERS[scheme.format].read(name, tensors.numpy, scheme, tensors.has)
+
+
 def quantized_linears(tensors: Tensors, scheme: PrequantScheme) -> Iterator[QuantizedLinear]:
     """Every quantized Linear of the checkpoint, unpacked, one at a time."""
-    reader = READERS[scheme.format]
     names = quantized_names(tensors, scheme)
     if not names:
         raise ExportError(f"the config says {scheme.describe()}, but the checkpoint holds no "
-                          f"'*.{reader.MARK}' tensor")
+                          f"'*.{READERS[scheme.format].MARK}' tensor")
     for name in names:
-        yield reader.read(name, tensors.numpy, scheme, tensors.has)
+        yield read_linear(tensors, scheme, name)
 
 
 def float_state_dict(tensors: Tensors, scheme: PrequantScheme, dtype) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from ...errors import ExportError
 from . import PrequantScheme
 from .blocks import QuantizedLinear, pack_zero_points
-from .folder import Tensors, quantized_linears
+from .folder import Tensors, quantized_linears, read_linear
 
 
 def _hash(row: np.ndarray) -> bytes:
@@ -53,12 +54,19 @@ def apply(float_path: Path, folder: Path, scheme: PrequantScheme, accuracy_level
     from onnx import numpy_helper
 
     t0 = time.perf_counter()
-    linears: list[QuantizedLinear] = list(quantized_linears(Tensors(folder), scheme))
-    index: dict[bytes, tuple[int, int]] = {}
-    for li, ql in enumerate(linears):
+    tensors = Tensors(folder)
+    names: list[str] = []
+    index: dict[bytes, tuple[int, int]] = {}   # row hash -> (Linear, row): the Linears themselves are not kept
+    for li, ql in enumerate(quantized_linears(tensors, scheme)):
+        names.append(ql.name)
         w = ql.dequantize()
         for r in range(w.shape[0]):
             index.setdefault(_hash(w[r]), (li, r))
+        del ql, w
+
+    @lru_cache(maxsize=8)   # a packed weight reads a few Linears (Q/K/V, gate/up) at once: read again on demand
+    def linears(li: int) -> QuantizedLinear:
+        return read_linear(tensors, scheme, names[li])
     proto = onnx.load(str(float_path), load_external_data=True)
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
@@ -87,7 +95,7 @@ def apply(float_path: Path, folder: Path, scheme: PrequantScheme, accuracy_level
         used.add(node.input[1])
         taken_linears |= {li for li, _ in cols}
     if not taken_linears:
-        raise ExportError(f"no MatMul weight of the graph is one of the checkpoint's {len(linears)} int4 Linears "
+        raise ExportError(f"no MatMul weight of the graph is one of the checkpoint's {len(names)} int4 Linears "
                           "(the float graph does not hold their dequantized weights)")
     del graph.node[:]
     graph.node.extend(nodes)
@@ -97,13 +105,13 @@ def apply(float_path: Path, folder: Path, scheme: PrequantScheme, accuracy_level
     graph.initializer.extend(keep + new_inits)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
-    out = {"format": scheme.format, "scheme": scheme.to_json(), "linears": len(linears),
+    out = {"format": scheme.format, "scheme": scheme.to_json(), "linears": len(names),
            "linears_taken": len(taken_linears), "matmulnbits": n_nodes, "act_order_gathers": len(gathers),
-           "linears_not_taken": sorted(linears[li].name for li in set(range(len(linears))) - taken_linears),
+           "linears_not_taken": sorted(names[li] for li in set(range(len(names))) - taken_linears),
            "kept_float": sorted(kept_float)}
     if report is not None:
         report.update(out)
-    say(f"{scheme.format}: {len(taken_linears)} of the checkpoint's {len(linears)} int4 Linears became {n_nodes} "
+    say(f"{scheme.format}: {len(taken_linears)} of the checkpoint's {len(names)} int4 Linears became {n_nodes} "
         f"MatMulNBits with their own blocks (no requantization; {len(gathers)} act-order gathers) in "
         f"{time.perf_counter() - t0:.1f}s; float: {len(kept_float)} other MatMul weights")
     for name in out["linears_not_taken"][:3]:
@@ -118,9 +126,12 @@ def _replace(node, cols, linears, accuracy_level, gathers: dict, base: str):
 
     runs: list[list[int]] = []
     keys = []
+    key_of: dict[int, tuple] = {}
+    for li in {li for li, _ in cols}:
+        order = linears(li).order
+        key_of[li] = (None if order is None else order.tobytes(), linears(li).block)
     for j, (li, _) in enumerate(cols):
-        order = linears[li].order
-        key = (None if order is None else order.tobytes(), linears[li].block)
+        key = key_of[li]
         if runs and keys[-1] == key:
             runs[-1].append(j)
         else:
@@ -129,7 +140,7 @@ def _replace(node, cols, linears, accuracy_level, gathers: dict, base: str):
     nodes, inits = [], []
     outs = [node.output[0]] if len(runs) == 1 else [f"{base}_part{r}_out" for r in range(len(runs))]
     for r, run in enumerate(runs):
-        first = linears[cols[run[0]][0]]
+        first = linears(cols[run[0]][0])
         src = node.input[0]
         if first.order is not None:
             gkey = (src, keys[r][0])
@@ -153,12 +164,12 @@ def _matmulnbits(cols, linears, src: str, out: str, base: str, accuracy_level):
     import onnx
     from onnx import numpy_helper
 
-    k = linears[cols[0][0]].shape[1]
-    block = linears[cols[0][0]].block
+    k = linears(cols[0][0]).shape[1]
+    block = linears(cols[0][0]).block
     parts = {}
     for li in {li for li, _ in cols}:
         rows = np.array([r for l2, r in cols if l2 == li])
-        parts[li] = dict(zip(rows.tolist(), zip(*linears[li].matmulnbits_rows(rows))))
+        parts[li] = dict(zip(rows.tolist(), zip(*linears(li).matmulnbits_rows(rows))))
     packed = np.stack([parts[li][r][0] for li, r in cols])
     scales = np.stack([parts[li][r][1] for li, r in cols]).astype(np.float32)
     zeros = np.stack([parts[li][r][2] for li, r in cols]).astype(np.uint8)
