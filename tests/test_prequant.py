@@ -255,3 +255,24 @@ def test_gptq_v1_zero_point_that_wrapped_is_refused(tmp_path):
         gptq.read("m", lambda key: parts[key.split(".")[-1]], scheme)
     assert str(exc.value) == ("m: a GPTQ v1 zero point of 0 was stored as -1 (it reads back as 16, which no 4-bit "
                               "zero point holds); re-save the checkpoint in gptq_v2 format")
+
+
+@requires_torch
+def test_cli_exports_the_checkpoint_without_a_flag_and_refuses_portable_in_one_line(checkpoints, tmp_path):
+    from click.testing import CliRunner
+
+    from qeff_kv_cli.main import main
+
+    ck = checkpoints("ct-sym-g32")
+    res = CliRunner().invoke(main, ["export", str(ck.folder), "-o", str(tmp_path / "p"), "--ctx-len", str(CTX)])
+    assert res.exit_code == 2 and not (tmp_path / "p").exists()
+    assert res.stderr.strip() == (
+        f"error: {ck.folder.name} is a pre-quantized compressed-tensors (pack-quantized) int4, groups of 32, "
+        "symmetric checkpoint: its weights become onnxruntime's MatMulNBits, which the portable target cannot hold; "
+        "use --target onnxruntime or onnxruntime-fused")
+    res = CliRunner().invoke(main, ["export", str(ck.folder), "-o", str(tmp_path / "o"), "--ctx-len", str(CTX),
+                                    "--prefill-seq-len", str(CHUNK), "--target", "onnxruntime"])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["weights"]["prequantized"]["format"] == "compressed-tensors"
+    assert manifest["options"]["prequant"] == "compressed-tensors" and manifest["options"]["weights"] == "int4"
