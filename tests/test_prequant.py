@@ -73,7 +73,8 @@ REFUSALS = [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
      "an AWQ checkpoint with version 'gemv' is not read: only the GEMM packing (version 'gemm') is known exactly "
      "(GEMV and exllama/marlin/ipex layouts are kernel-specific)"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "exllama"}, "an AWQ checkpoint with version 'exllama' is not read"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "exllama"},
+     "an AWQ checkpoint with version 'exllama' is not read"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "a GPTQ checkpoint in format 'marlin' is not read: only the gptq (v1) and gptq_v2 layouts are known exactly "
      "(marlin, bitblas and exllama layouts are kernel-specific)"),
@@ -85,8 +86,8 @@ REFUSALS = [
      "read: only 'pack-quantized' int4 weights map onto MatMulNBits"),
     (_ct(num_bits=8), "a 8-bit compressed-tensors checkpoint is not read"),
     (_ct(strategy="tensor"), "compressed-tensors weights with strategy 'tensor' are not read (group or channel)"),
-    ({**_ct(), "config_groups": {"g": {"targets": ["Linear"], "weights": _ct()["config_groups"]["group_0"]["weights"],
-                                       "input_activations": {"num_bits": 8}}}},
+    ({**_ct(), "config_groups": {"g": {"targets": ["Linear"], "input_activations": {"num_bits": 8},
+                                       "weights": _ct()["config_groups"]["group_0"]["weights"]}}},
      "compressed-tensors config group 'g' quantizes activations too: only weight-only (W4A16) checkpoints map onto "
      "MatMulNBits"),
 ]
