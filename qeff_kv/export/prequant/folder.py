@@ -73,21 +73,25 @@ def quantized_linears(tensors: Tensors, scheme: PrequantScheme) -> Iterator[Quan
         yield read_linear(tensors, scheme, name)
 
 
-def float_state_dict(tensors: Tensors, scheme: PrequantScheme, dtype) -> dict:
-    """The model's state dict in ``dtype``: each quantized Linear's ``weight`` dequantized, the rest as stored."""
+def float_tensors(tensors: Tensors, scheme: PrequantScheme, dtype) -> Iterator[tuple[str, object]]:
+    """The model's tensors one at a time, ``(state-dict key, torch tensor in dtype)``: each quantized Linear's
+    ``weight`` dequantized, every other tensor as stored (a streaming loader takes them in this order)."""
     import torch
 
-    reader = READERS[scheme.format]
+    parts = READERS[scheme.format].ALL
     taken = set()
-    state = {}
     for ql in quantized_linears(tensors, scheme):
-        state[f"{ql.name}.weight"] = torch.from_numpy(ql.dequantize()).to(dtype)
-        taken |= {f"{ql.name}.{p}" for p in reader.ALL}
+        taken |= {f"{ql.name}.{p}" for p in parts}
+        yield f"{ql.name}.weight", torch.from_numpy(ql.dequantize()).to(dtype)
     for key in tensors.where:
         if key not in taken:
             t = tensors.torch(key)
-            state[key] = t.to(dtype) if t.is_floating_point() else t
-    return state
+            yield key, t.to(dtype) if t.is_floating_point() else t
+
+
+def float_state_dict(tensors: Tensors, scheme: PrequantScheme, dtype) -> dict:
+    """The model's state dict in ``dtype`` (:func:`float_tensors`)."""
+    return dict(float_tensors(tensors, scheme, dtype))
 
 
 def load_dequantized(folder: Path, config: dict, scheme: PrequantScheme, dtype, say):
