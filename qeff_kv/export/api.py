@@ -13,13 +13,13 @@ needs them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import capture, compile_config, graphio, naming  # noqa: F401 (compile_config: SpecFormat)
 from ..errors import ExportError
 from . import checkpoint as checkpoint_mod
-from . import family, graph_passes, publish, schemes, sources
+from . import family, graph_passes, prequant, publish, schemes, sources
 from . import options as opt
 from .publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
 from .sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
@@ -138,11 +138,19 @@ def resolve(model, *, kv_cache_prefix, ctx_len, weights, block_size, accuracy_le
         naming.validate_prefix(kv_cache_prefix)
     source = sources.resolve_source(model)
     config = source.config()
+    pq = prequant.detect(config) if source.kind == "folder" else None
+    if pq is not None:   # the checkpoint says int4 and its own blocks: no flag needed, contradicting ones refused
+        weights, block_size, accuracy_level = pq.resolve_flags(
+            weights=weights, block_size=block_size, accuracy_level=accuracy_level, target=kw.get("target"),
+            dtype=kw.get("dtype"), name=source.name)
+        kw["prequant"] = pq.format
     if ctx_len is None:
         ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
     options = opt.ExportOptions(ctx_len=ctx_len, kv_cache_prefix=kv_cache_prefix, single_graph=bool(single_graph),
                                 ccl=opt.parse_ccl(ccl, ctx_len, kw.get("prefill_seq_len")) if isinstance(ctx_len, int) else ccl, **kw,
                                 **schemes.resolve_options(weights, block_size, accuracy_level)).validate()
+    if pq is not None and options.block_size != pq.block_size:   # the checkpoint's blocks, not the default
+        options = replace(options, block_size=pq.block_size)
     if options.gguf_grid and source.kind != "gguf":
         raise ExportError(f"--gguf-grid takes the blocks of a GGUF file; {source.name} is a {source.kind} model")
     return source, config, options
@@ -186,7 +194,8 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
             onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
             save=lambda m, p: publish.save_graph(m, p, say),
             kv_batch=options.full_batch_size if options.continuous_batching else 1,
-            gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp))
+            gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp),
+            prequant=source.path if options.prequant else None)
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
     if weights_record is not None:
         records["weights"] = weights_record

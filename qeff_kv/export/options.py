@@ -75,6 +75,10 @@ class ExportOptions:
     #: ``--weights int4`` from a GGUF file: MatMul weights whose GGUF type fits MatMulNBits exactly take the
     #: GGUF's own blocks (:mod:`qeff_kv.export.gguf_grid`)
     gguf_grid: bool = False
+    #: a pre-quantized int4 checkpoint's format (``awq``, ``gptq``, ``compressed-tensors``; set by
+    #: :func:`~qeff_kv.export.api.resolve` from ``config.json``, never a flag): its own blocks become MatMulNBits
+    #: (:mod:`qeff_kv.export.prequant`)
+    prequant: str | None = None
 
     def validate(self) -> "ExportOptions":
         if self.kv_cache_prefix is not None:
@@ -139,6 +143,8 @@ class ExportOptions:
             del d["image_size"]
         if not d["gguf_grid"]:
             del d["gguf_grid"]   # exports without it keep their options hash
+        if d["prequant"] is None:
+            del d["prequant"]
         if d["mla_cache"] in (None, "full"):
             del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
         for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens"):

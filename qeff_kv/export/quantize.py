@@ -48,21 +48,28 @@ MAX_PERPLEXITY_RATIO = 2.0
 
 
 def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
-                    kv_batch: int = 1, gguf: Path | None = None, tokenizer=None) -> dict:
+                    kv_batch: int = 1, gguf: Path | None = None, tokenizer=None, prequant: Path | None = None) -> dict:
     """Replace the verified float graph at ``onnx_path`` (in the staging folder) by its quantized version.
 
     The quantized graph is written by ``save(model, path)`` into ``work``, checked against the float graph on the
     probe (:func:`compare_graphs`; the verification probe, or a fresh one when verification was skipped), then
     renamed over the float files. Returns the manifest's ``weights`` record. ``gguf``: with ``--gguf-grid``, the
     GGUF whose own 4-bit blocks become the MatMulNBits weights where they fit (:mod:`.gguf_grid`). ``tokenizer``:
-    a ``tokenizers.Tokenizer`` for :func:`natural_text_check` (None: only the probe is compared)."""
+    a ``tokenizers.Tokenizer`` for :func:`natural_text_check` (None: only the probe is compared). ``prequant``: the
+    pre-quantized checkpoint folder whose own int4 blocks become the MatMulNBits weights (:mod:`.prequant`)."""
     from .verify import make_probe
 
     scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
     work.mkdir(parents=True, exist_ok=True)
     qpath = work / onnx_path.name
     grid: dict = {}
-    model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
+    if prequant is not None:
+        from .prequant import graph as prequant_graph
+
+        model = prequant_graph.apply(onnx_path, prequant, prequant_graph.folder_scheme(prequant),
+                                     options.accuracy_level, say, grid)
+    else:
+        model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
     save(model, qpath)
     del model
     if probe is None:
@@ -99,6 +106,9 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
         record["check"]["status"] = natural["status"]
     if gguf is not None:
         record["gguf_grid"] = grid
+    if prequant is not None:   # the checkpoint's own blocks: no quantizer ran
+        record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
+                      f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
     return record
 
 

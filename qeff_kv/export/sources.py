@@ -25,6 +25,7 @@ from typing import Callable
 from .. import capture, fsutil, gguf_header
 from ..errors import ExportError, MissingDependencyError
 from . import options as opt
+from . import prequant
 from . import transformers_adapter as hf
 
 BUNDLED_NAME = "qeff-kv-tiny-llama"
@@ -174,6 +175,11 @@ class FolderSource(ModelSource):
 
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
         torch, transformers = hf.import_transformers()
+        scheme = prequant.detect(self.config())
+        if scheme is not None:   # AWQ/GPTQ/compressed-tensors int4: the dequantized weights, no quantizer package
+            from .prequant import folder
+
+            return folder.load_dequantized(self.path, self.config(), scheme, _torch_dtype(torch, options), say)
         say(f"loading {self.path}")
         vision = isinstance(self.config().get("vision_config"), dict)
         auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
