@@ -47,6 +47,9 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7}]
     ({"do_remote_prefill": True, "remote_engine_id": "e", "transfer_id": "t"}, "both", {"logprobs": 1},
      "logprobs do not go with kv_transfer_params.do_remote_prefill"),
     ("yes", "both", {}, "kv_transfer_params must be an object, got 'yes'"),
+    *[({"do_remote_prefill": True, "remote_engine_id": "e", "transfer_id": "t", "num_tokens": n}, "consumer", {},
+       f"kv_transfer_params.num_tokens must be the producer's integer (>= 1), got {n!r}")
+      for n in (-1, 0, "5", 5.0, True)],
 ])
 def test_kv_transfer_params_checked(params, role, body, message):
     from qeff_kv.serve.openai_io import APIError, parse
@@ -251,6 +254,27 @@ def test_producer_answer_names_the_held_state(pd, bytes_per_position):
     assert err["code"] == "kv_transfer_unavailable"
     assert err["message"] == (f"kv_transfer_params: producer {params['remote_engine_id']} holds no state "
                               f"{params['transfer_id']} (taken already, or freed after its hold time)")
+
+
+def test_a_refused_consumer_request_leaves_the_state_for_its_owner(pd):
+    """Issue 43: the same kv_transfer_params with another prompt of the same length is refused before anything is
+    taken (from the held state's metadata); the request they were made for then gets the state."""
+    prompt, other = [12, 13, 14, 15, 16], [12, 13, 14, 15, 99]
+    params = _post(pd["producer"], {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True}}).json()["kv_transfer_params"]
+    before = _stats(pd["consumer"])
+    body = {"max_tokens": 3, "ignore_eos": True, "temperature": 0, "kv_transfer_params": params}
+    for stranger in (other, other[:4]):
+        r = _post(pd["consumer"], dict(body, prompt=stranger, kv_transfer_params=dict(params, num_tokens=None)))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+        assert r.json()["error"]["message"] == (
+            f"kv_transfer_params (state {params['transfer_id']} of producer {params['remote_engine_id']}) holds "
+            f"another prompt (5 tokens) than this request's ({len(stranger)} tokens)")
+    owner = _post(pd["consumer"], dict(body, prompt=prompt)).json()
+    assert owner["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    after = _stats(pd["consumer"])
+    assert after["kv_take_refusals"] == before["kv_take_refusals"] + 2
+    assert after["kv_load_fallbacks"] == before["kv_load_fallbacks"]
 
 
 def test_held_state_freed_after_the_hold_time_and_the_consumer_falls_back(pd, ray_address):
