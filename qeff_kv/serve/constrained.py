@@ -20,8 +20,8 @@ its budget on blank lines inside a JSON value.
 Bounds (a hostile grammar must not stall other requests): llguidance's own limits are set, not left to its defaults
 (:data:`LIMITS`: per-step lexer fuel and Earley items bound each mask to a few milliseconds, the first step's fuel
 and the grammar's size bound compilation); :meth:`Grammars.compile` computes the first mask too (in the compiling
-thread, not the engine's), and a grammar that fails there, or that can match nothing (a schema that only
-references itself: ``{"$ref": "#"}``), is a :class:`ConstraintError`. A grammar that fails later (a limit met
+thread, not the engine's) and takes a trial first token on a copy; a grammar that fails there, or that can match
+nothing (a schema that only references itself: ``{"$ref": "#"}``), is a :class:`ConstraintError`. A grammar that fails later (a limit met
 mid-generation) marks its constraint :attr:`TokenConstraint.failed`, which the HTTP layer answers as the request's
 fault (``invalid_grammar``), never the server's.
 """
@@ -132,13 +132,17 @@ class Grammars:
         others[[t for t in self.eos_token_ids if t < others.size]] = False
         if not matcher.is_accepting() and not others.any():
             raise ConstraintError("the grammar matches no text (a schema or rule that only refers to itself?)")
+        if others.any():   # a trial step on a copy: a grammar over the limits mostly fails here, before any answer
+            trial = matcher.deep_copy()
+            if not trial.consume_token(int(np.flatnonzero(others)[0])) or trial.is_error():
+                raise ConstraintError(f"the grammar fails on its first token: {_first_line(trial.get_error())}")
         constraint.first = first
         return constraint
 
 
 def _first_line(message: str) -> str:
     """llguidance's message on one line: its text lines, without the source excerpts and ``^`` pointers."""
-    lines = [s.strip() for s in str(message).splitlines()]
+    lines = [s.strip() for s in str(message).replace("<non-verbose/>", "").splitlines()]
     lines = [s for s in lines if s and s.strip("^ ") and not re.match(r"^\d+\s*\|", s) and not s.startswith("|")]
     text = " ".join(lines)
     return (text[:400] + "...") if len(text) > 400 else text or "the grammar does not compile"
