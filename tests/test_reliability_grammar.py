@@ -372,3 +372,43 @@ def test_fuzzed_constrained_requests_never_5xx_and_answer_strict_json(served, fi
     for event in check(r):
         err = event.get("error")
         assert err is None or err["type"] == "invalid_request_error", event
+
+
+# ============================================================================================ 3. where it compiles
+def test_a_deep_grammar_compiles_on_the_big_stack_threads_without_killing_the_process():
+    """3,000 chained Lark rules overflow a default 8 MiB thread stack inside llguidance (a segfault: the whole
+    server gone); on the grammar threads it compiles. In a child process, so that a crash fails this test only."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tokenizer = Path(__file__).resolve().parents[1] / "fixtures" / "default-model" / "tokenizer.json"
+    code = f"""
+import asyncio
+from tokenizers import Tokenizer
+from qeff_kv.serve.constrained import GrammarSpec
+from qeff_kv.serve.structured_io import Constraints
+chain = {LARK_CHAIN!r}
+c = Constraints(Tokenizer.from_file({str(tokenizer)!r}), [0])
+got = asyncio.run(c.compile(GrammarSpec("lark", chain), "grammar"))
+print("ok", int(got.first.sum()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "2"], (r.returncode, r.stderr[-500:])
+
+
+def test_a_grammar_over_the_compile_time_is_a_400_naming_the_field():
+    from tokenizers import Tokenizer
+
+    from qeff_kv.serve.constrained import GrammarSpec
+    from qeff_kv.serve.openai_io import APIError
+    from qeff_kv.serve.structured_io import Constraints
+
+    tok = Tokenizer.from_file(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"
+                                  / "default-model" / "tokenizer.json"))
+    c = Constraints(tok, [0], timeout=1e-4)
+    with pytest.raises(APIError) as exc:
+        import asyncio
+        asyncio.run(c.compile(GrammarSpec("regex", "(a{1000}){1000}"), "guided_regex"))
+    assert (exc.value.param, exc.value.code) == ("guided_regex", "invalid_grammar")
+    assert exc.value.message == "guided_regex: the grammar did not compile within 0.0001 s"
