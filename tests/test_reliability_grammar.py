@@ -161,14 +161,19 @@ WORST = [
 ]
 
 
+HEAVY = [("/tokenize", {"prompt": "x" * (3 << 20)}),
+         (CHAT, {"messages": [{"role": "user", "content": "x"}] * 100_000, "max_tokens": 2}),
+         ("/detokenize", {"tokens": [5] * 500_000})]
+
+
 def test_worst_case_grammars_do_not_stall_a_running_stream(served):
     served.slow.delay = 0.04
     gaps, errors = [], []
 
     def flood():
         with httpx.Client(base_url=served.url, timeout=120) as c:
-            for body in WORST:
-                r = c.post(DONE, json=body)
+            for path, body in [(DONE, b) for b in WORST] + HEAVY:
+                r = c.post(path, json=body)
                 if r.status_code >= 500:
                     errors.append(r.text)
     try:
