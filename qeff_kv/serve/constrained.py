@@ -18,12 +18,12 @@ JSON is compiled with fixed separators (``", "`` and ``": "``, no free whitespac
 its budget on blank lines inside a JSON value.
 
 Bounds (a hostile grammar must not stall other requests): llguidance's own limits are set, not left to its defaults
-(:data:`LIMITS`: per-step lexer fuel and Earley items bound each mask to a few milliseconds, the first step's fuel
-and the grammar's size bound compilation); :meth:`Grammars.compile` computes the first mask too (in the compiling
-thread, not the engine's) and takes a trial first token on a copy; a grammar that fails there, or that can match
-nothing (a schema that only references itself: ``{"$ref": "#"}``), is a :class:`ConstraintError`. A grammar that fails later (a limit met
-mid-generation) marks its constraint :attr:`TokenConstraint.failed`, which the HTTP layer answers as the request's
-fault (``invalid_grammar``), never the server's.
+(:data:`LIMIT_SETTINGS`: per-step lexer fuel and Earley items bound each mask to a few milliseconds, the first
+step's fuel and the grammar's size bound compilation); :meth:`Grammars.compile` computes the first mask too (in
+the compiling thread, not the engine's) and takes a trial first token on a copy; a grammar that fails there, or
+that can match nothing (a schema that only references itself: ``{"$ref": "#"}``), is a :class:`ConstraintError`.
+A grammar that fails later (a limit met mid-generation) marks its constraint :attr:`TokenConstraint.failed`, which
+the HTTP layer answers as the request's fault (``invalid_grammar``), never the server's.
 """
 
 from __future__ import annotations

@@ -263,10 +263,6 @@ class Constraints:
             raise bad(f"{field}: the grammar cannot be compiled ({type(exc).__name__}: {str(exc)[:200]})", field,
                       "invalid_grammar") from None
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 def big_stack_pool(n: int, stack_bytes: int, name: str) -> ThreadPoolExecutor:
     """A pool of ``n`` threads, each with a ``stack_bytes`` stack: all started now, while the stack size is set
