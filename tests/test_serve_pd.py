@@ -351,6 +351,49 @@ def test_state_of_another_checkpoint_refused_in_one_line(pd, ray_address, own_gr
         producer.close()
 
 
+def test_the_holder_caps_evict_the_oldest_and_refuse_a_state_over_the_byte_cap(ray_address, own_cb_graph):
+    """Issue 43: a producer's holder keeps at most its count and byte caps: the oldest held state is dropped first,
+    a state larger alone than the byte cap is not held; both counted (``/health``, ``/metrics``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from qeff_kv.errors import KVLoadError
+    from qeff_kv.runtime import GREEDY, Session
+    from qeff_kv.serve.kv_connector import RayHoldConnector
+    from qeff_kv.serve.metrics import Metrics
+    from qeff_kv.serve.transfer import Prefiller
+
+    session = Session(own_cb_graph)
+    states = [Prefiller(session, reuse=False).run(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    cap = max(t.nbytes for t in states[1:])
+    producer = RayHoldConnector("producer", hold_seconds=30, max_states=1, max_bytes=cap)
+    try:
+        held = [producer.save("r1", states[1])]
+        held.append(producer.save("r2", states[2]))     # one state at most: r1's is dropped
+        assert states[0].nbytes > cap
+        with pytest.raises(KVLoadError, match="larger than the holder's cap"):
+            producer.save("r0", states[0])
+        stats = producer.holder_stats()
+        assert (stats["evicted"], stats["refused"], stats["holding"]) == (1, 1, 1)
+        assert producer.stats()["kv_hold_evictions"] == 1 and producer.stats()["kv_hold_refusals"] == 1
+        with pytest.raises(KVLoadError, match="holds no state"):   # the evicted one
+            producer.peek(held[0])
+        assert producer.peek(held[1])["valid_length"] == str(len(PROMPTS[2]))
+        text = generate_latest(Metrics(SimpleEngine(producer.stats()), CollectorRegistry()).registry).decode()
+        assert "\nqeff_kv_kv_hold_evictions_total 1.0" in text and "\nqeff_kv_kv_hold_refusals_total 1.0" in text
+    finally:
+        producer.close()
+
+
+class SimpleEngine:
+    """An engine whose stats are given (the metrics read nothing else of it here)."""
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def stats(self):
+        return dict(self._stats)
+
+
 # ============================================================================================ memory kinds
 def _collect(handle, timeout=120):
     from serve_helpers import collect
