@@ -300,7 +300,7 @@ def test_every_openai_request_field_is_honoured_or_refused(served, chat):
     ({"repeat_penalty": 1.1}, "repeat_penalty"), ({"mirostat": 1}, "mirostat"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"100000": -1}}, "messages"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"100000": -1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
 ])

@@ -47,6 +47,9 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7}]
     ({"do_remote_prefill": True, "remote_engine_id": "e", "transfer_id": "t"}, "both", {"logprobs": 1},
      "logprobs do not go with kv_transfer_params.do_remote_prefill"),
     ("yes", "both", {}, "kv_transfer_params must be an object, got 'yes'"),
+    *[({"do_remote_prefill": True, "remote_engine_id": "e", "transfer_id": "t", "num_tokens": n}, "consumer", {},
+       f"kv_transfer_params.num_tokens must be the producer's integer (>= 1), got {n!r}")
+      for n in (-1, 0, "5", 5.0, True)],
 ])
 def test_kv_transfer_params_checked(params, role, body, message):
     from qeff_kv.serve.openai_io import APIError, parse
@@ -253,6 +256,27 @@ def test_producer_answer_names_the_held_state(pd, bytes_per_position):
                               f"{params['transfer_id']} (taken already, or freed after its hold time)")
 
 
+def test_a_refused_consumer_request_leaves_the_state_for_its_owner(pd):
+    """Issue 43: the same kv_transfer_params with another prompt of the same length is refused before anything is
+    taken (from the held state's metadata); the request they were made for then gets the state."""
+    prompt, other = [12, 13, 14, 15, 16], [12, 13, 14, 15, 99]
+    params = _post(pd["producer"], {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True}}).json()["kv_transfer_params"]
+    before = _stats(pd["consumer"])
+    body = {"max_tokens": 3, "ignore_eos": True, "temperature": 0, "kv_transfer_params": params}
+    for stranger in (other, other[:4]):
+        r = _post(pd["consumer"], dict(body, prompt=stranger, kv_transfer_params=dict(params, num_tokens=None)))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+        assert r.json()["error"]["message"] == (
+            f"kv_transfer_params (state {params['transfer_id']} of producer {params['remote_engine_id']}) holds "
+            f"another prompt (5 tokens) than this request's ({len(stranger)} tokens)")
+    owner = _post(pd["consumer"], dict(body, prompt=prompt)).json()
+    assert owner["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    after = _stats(pd["consumer"])
+    assert after["kv_take_refusals"] == before["kv_take_refusals"] + 2
+    assert after["kv_load_fallbacks"] == before["kv_load_fallbacks"]
+
+
 def test_held_state_freed_after_the_hold_time_and_the_consumer_falls_back(pd, ray_address):
     import ray
 
@@ -325,6 +349,49 @@ def test_state_of_another_checkpoint_refused_in_one_line(pd, ray_address, own_gr
         assert "\n" not in msg
     finally:
         producer.close()
+
+
+def test_the_holder_caps_evict_the_oldest_and_refuse_a_state_over_the_byte_cap(ray_address, own_cb_graph):
+    """Issue 43: a producer's holder keeps at most its count and byte caps: the oldest held state is dropped first,
+    a state larger alone than the byte cap is not held; both counted (``/health``, ``/metrics``)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from qeff_kv.errors import KVLoadError
+    from qeff_kv.runtime import GREEDY, Session
+    from qeff_kv.serve.kv_connector import RayHoldConnector
+    from qeff_kv.serve.metrics import Metrics
+    from qeff_kv.serve.transfer import Prefiller
+
+    session = Session(own_cb_graph)
+    states = [Prefiller(session, reuse=False).run(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    cap = max(t.nbytes for t in states[1:])
+    producer = RayHoldConnector("producer", hold_seconds=30, max_states=1, max_bytes=cap)
+    try:
+        held = [producer.save("r1", states[1])]
+        held.append(producer.save("r2", states[2]))     # one state at most: r1's is dropped
+        assert states[0].nbytes > cap
+        with pytest.raises(KVLoadError, match="larger than the holder's cap"):
+            producer.save("r0", states[0])
+        stats = producer.holder_stats()
+        assert (stats["evicted"], stats["refused"], stats["holding"]) == (1, 1, 1)
+        assert producer.stats()["kv_hold_evictions"] == 1 and producer.stats()["kv_hold_refusals"] == 1
+        with pytest.raises(KVLoadError, match="holds no state"):   # the evicted one
+            producer.peek(held[0])
+        assert producer.peek(held[1])["valid_length"] == str(len(PROMPTS[2]))
+        text = generate_latest(Metrics(SimpleEngine(producer.stats()), CollectorRegistry()).registry).decode()
+        assert "\nqeff_kv_kv_hold_evictions_total 1.0" in text and "\nqeff_kv_kv_hold_refusals_total 1.0" in text
+    finally:
+        producer.close()
+
+
+class SimpleEngine:
+    """An engine whose stats are given (the metrics read nothing else of it here)."""
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def stats(self):
+        return dict(self._stats)
 
 
 # ============================================================================================ memory kinds

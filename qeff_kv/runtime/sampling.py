@@ -201,8 +201,9 @@ class Pick:
 
 
 def best_logprobs(lp: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
-    """The ``k`` largest entries of ``lp`` (a logprob row), most likely first, ties by lower token id."""
-    k = min(k, lp.size)
+    """The ``k`` largest entries of ``lp`` (a logprob row), most likely first, ties by lower token id; never an
+    excluded token (``-inf``: masked by a grammar): fewer than ``k`` when fewer may be chosen."""
+    k = min(k, int(np.isfinite(lp).sum()))
     if k <= 0:
         return ()
     idx = np.argpartition(-lp, k - 1)[:k]

@@ -183,6 +183,22 @@ def validate(session, state: KVState, where: str = "state") -> list:
     return _validate(session, state, where)
 
 
+def check_metadata(session, meta: dict, where: str = "state") -> None:
+    """The checks of :func:`validate` that need no tensors (KV contract, model, capacity): for a state still held
+    elsewhere, before it is taken."""
+    try:
+        if meta["kv_fingerprint"] != session.kv_fingerprint:
+            raise StateFileError(f"{where}: saved from a graph with another KV contract (prefix "
+                                 f"{meta.get('prefix') or '(none)'!r}; this graph's prefix is "
+                                 f"{session.prefix or '(none)'!r})")
+        _check_model(session, meta, where)
+        n = meta_int(meta["valid_length"])
+    except (KeyError, ValueError, TypeError):
+        raise StateFileError(f"{where}: malformed state metadata") from None
+    if n > session.ctx_len:
+        raise StateFileError(f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
+
+
 def _validate(session, state: KVState, where: str) -> list:
     """The container, the graph, the header; each memory's metadata; the file's own entries; each memory's
     tensors."""

@@ -27,6 +27,7 @@ from . import discovery, http_errors
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
+from .discovery import check_chat_size
 from .drain import DrainGate
 from .engine import Engine, GenerationRequest
 from .metrics import Metrics
@@ -49,6 +50,7 @@ class _Prepared:
     spec: object = None           # the structured-output grammar (constrained.GrammarSpec), or None
     field: str | None = None      # the field it came from
     parser: object = None         # the tool-call parser, with tools
+    tool_names: tuple = ()        # the names of the request's tools (calls to others are text)
     kv: KVAsk | None = None       # vLLM's P/D protocol (serve/pd.py): a producer's ask, a consumer's loaded state
 
 
@@ -145,6 +147,8 @@ class _Frontend:
     def prepare(self, body, chat: bool) -> _Prepared:
         """Check, render and tokenize a request, its structured-output field and tools (in a worker thread: none of
         it runs on the event loop)."""
+        if chat and isinstance(body, dict):
+            check_chat_size(body.get("messages"), self.app.state.text_limit, self.engine.ctx_len)
         p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n,
                   kv_role=getattr(getattr(self.engine, "connector", None), "role", None))
         spec, field = parse_structured(body)
@@ -152,8 +156,11 @@ class _Frontend:
         parser = self.tools().parser if tools is not None else None
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
+        check_logit_bias(p, self.engine)
         ids = self.prompt_ids(p, tools)
-        return _Prepared(p, ids, spec, field, parser, prepare_kv(self.engine, p, ids, structured=spec is not None))
+        names = tuple(t["function"]["name"] for t in tools.tools) if tools is not None else ()
+        return _Prepared(p, ids, spec, field, parser, names,
+                         prepare_kv(self.engine, p, ids, structured=spec is not None))
 
     def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None, kv: KVAsk | None = None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
@@ -197,7 +204,7 @@ class _Frontend:
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
         runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,
                     logprobs=Logprobs(self.token_text, chat, len(echo)) if p.logprobs is not None else None,
-                    tools=ToolStream(parser) if parser is not None else None)
+                    tools=ToolStream(parser, prep.tool_names) if parser is not None else None, grammar=constraint)
                 for h in handles]
         model = self.engine.model_name
         if p.stream:
@@ -298,6 +305,14 @@ def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await front.generate(request, chat=True)
+
+
+def check_logit_bias(p: Params, engine) -> None:
+    """``logit_bias`` ids inside the model's vocabulary (a 400 naming ``logit_bias``, not the prompt)."""
+    vocab = getattr(engine, "vocab_size", None) or getattr(getattr(engine, "session", None), "vocab_size", None)
+    outside = [t for t, _ in p.logit_bias if vocab and t >= vocab]
+    if outside:
+        raise bad(f"logit_bias: token id {outside[0]} is outside the model's vocabulary [0, {vocab})", "logit_bias")
 
 
 def _tool_request(body: dict, chat: bool, spec) -> ToolRequest | None:

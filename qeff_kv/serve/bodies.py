@@ -5,6 +5,8 @@
   refused the moment it passes the cap.
 * :func:`read_json`: the body parsed in a worker thread, with JSON nested too deeply (``RecursionError``) and
   strings no UTF-8 can carry (a lone surrogate such as ``"\\ud800"``) refused as a 400 naming where they are.
+* :func:`json_in_string`: JSON given inside a JSON string (a schema, a past tool call's ``arguments``) parsed with
+  the same refusals, plus a depth bound (:data:`MAX_INNER_DEPTH`), as a 400 naming the field;
 * :func:`encode_text`: tokenizing in the tokenizer's GIL-releasing batch call, so that other streams keep flowing
   while a long prompt is tokenized (``Tokenizer.encode`` holds the GIL for its whole run);
 * :func:`text_limit` / :func:`check_text_fits`: a prompt text too long to fit the context whatever it tokenizes to
@@ -24,6 +26,9 @@ from .openai_io import APIError, bad
 #: the default of ``--max-request-bytes``: far above any prompt a context holds, far below what stalls a server
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+#: the deepest nesting accepted in JSON given inside a string, and in a schema (no schema or argument object a
+#: person writes comes near it; deeper ones made Python's and llguidance's recursion fail)
+MAX_INNER_DEPTH = 64
 
 
 def too_large(limit: int) -> APIError:
@@ -81,6 +86,48 @@ def decode_json(raw: bytes):
             raise bad(f"{where or 'the body'} holds a lone UTF-16 surrogate (an escape like \\ud800 that is not "
                       "half of a pair); text must be valid Unicode", where.split("[")[0].split(".")[0] or None)
     return body
+
+
+def json_in_string(text: str, where: str):
+    """The JSON value of ``text`` (a string inside the request), or a 400 naming ``where``: not JSON, nested deeper
+    than :data:`MAX_INNER_DEPTH`, or holding a lone surrogate."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+        depth = MAX_INNER_DEPTH + 1
+    except ValueError as exc:
+        raise bad(f"{where} is not valid JSON ({exc})", where) from None
+    else:
+        depth = json_depth(value)
+    if depth > MAX_INNER_DEPTH:
+        raise bad(f"{where} is nested deeper than {MAX_INNER_DEPTH} levels", where)
+    check_encodable(value, where)
+    return value
+
+
+def check_encodable(value, where: str) -> None:
+    """A 400 naming ``where`` when a string in ``value`` holds a lone surrogate."""
+    bad_at = _unencodable(value, "")
+    if bad_at is not None:
+        raise bad(f"{where}{'.' + bad_at if bad_at else ''} holds a lone UTF-16 surrogate (an escape like \\ud800 "
+                  "that is not half of a pair); text must be valid Unicode", where)
+
+
+def json_depth(value) -> int:
+    """How deeply ``value`` nests objects and lists (0: a scalar); iterative (no recursion limit)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+        else:
+            deepest = max(deepest, d)
+            continue
+        deepest = max(deepest, d + 1)
+    return deepest
 
 
 def _unencodable(value, where: str) -> str | None:

@@ -5,7 +5,10 @@ request with that seed alone gives) and the ``logprobs`` objects of both routes.
 Logprobs are read from the logits the token was selected from, after ``logit_bias`` and the penalties and before
 temperature and the top-k / top-p / min-p truncation (:mod:`qeff_kv.runtime.sampling`); a token's ``token`` text
 is its own decoded text (a token holding part of a UTF-8 character shows U+FFFD; ``bytes`` are that text's
-UTF-8). Entries cover every token generated up to the one that completed a stop string (the stop string's text
+UTF-8). Under a grammar they are the allowed tokens' (the row renormalised over them, the distribution the token
+is drawn from), and ``top_logprobs`` lists allowed tokens only (fewer than asked when fewer are allowed). Every
+number is finite JSON: a logprob below :data:`LOGPROB_FLOOR` (or ``-inf``) is shown as that floor (OpenAI's
+-9999.0). Entries cover every token generated up to the one that completed a stop string (the stop string's text
 is cut from the content, not its tokens from the logprobs); a stop token (eos) has none, as it has no text.
 """
 
@@ -17,6 +20,8 @@ from ..runtime.sampling import SamplingParams
 from .defaults import SamplingDefaults
 from .openai_io import Params
 
+#: the smallest logprob shown (OpenAI's value for a token of no probability): JSON has no -Infinity
+LOGPROB_FLOOR = -9999.0
 #: seeds are 63-bit: choice i of seed s uses (s + i) mod 2**63
 _SEED_SPACE = 2 ** 63
 
@@ -43,6 +48,12 @@ def choice_samplings(first: SamplingParams, n: int) -> list[SamplingParams]:
 def max_tokens_of(p: Params, defaults: SamplingDefaults, room: int) -> int:
     want = p.max_tokens if p.max_tokens is not None else defaults.max_tokens
     return min(want or room, room)
+
+
+def _shown(logprob: float) -> float:
+    """A logprob as JSON can carry it: at least :data:`LOGPROB_FLOOR` (NaN too)."""
+    v = float(logprob)
+    return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class TokenText:
@@ -73,7 +84,7 @@ class Logprobs:
 
     def add(self, ev) -> None:
         if ev.logprob is not None:
-            self._entries.append((ev.token, ev.logprob, ev.top))
+            self._entries.append((ev.token, _shown(ev.logprob), tuple((t, _shown(v)) for t, v in ev.top)))
 
     def take(self) -> dict | None:
         part, self._taken = self._entries[self._taken:], len(self._entries)

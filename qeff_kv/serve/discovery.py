@@ -4,30 +4,74 @@
 "add_generation_prompt": true}`` (rendered through the export's chat template, as a chat request is; special
 tokens are then not added again), optional ``"model"`` and ``"return_token_strs"``; answers ``{"count",
 "max_model_len", "tokens"}`` (and ``"token_strs"``). ``POST /detokenize``: ``{"tokens": [ids]}``, answers
-``{"prompt": str}``. Both need the API key when the server has one.
+``{"prompt": str}``. Both need the API key when the server has one. Bounds as the completion routes have them: a
+text too long for the context is refused before it is tokenized (``context_length_exceeded``), a chat of more
+messages than the context has tokens before it is rendered, ``tokens`` of more ids than the context holds; the
+work runs in a worker thread with the tokenizer's GIL-releasing batch call (other streams keep flowing).
 
 CORS (``--allowed-origins``): off by default (no CORS headers: a browser page on another origin cannot call the
 server); with origins given (or ``*``), Starlette's CORS middleware answers OPTIONS preflights and adds the
-headers to every route.
+headers to every route; a refused preflight is a 400 in OpenAI's JSON shape (``code`` ``cors_refused``), and a
+500 (answered outside that middleware) gets the headers too (:func:`cors_headers`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import FastAPI, Request
 
 from ..errors import QeffKvError
-from .openai_io import _is_int, _messages, bad
+from .bodies import check_text_fits, encode_text
+from .openai_io import APIError, _is_int, _messages, bad
 
 
 def add_cors(app: FastAPI, origins: list[str] | None) -> None:
+    app.state.cors_origins = list(origins or [])
     if not origins:
         return
     from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import Response
 
-    app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+    class JsonCORS(CORSMiddleware):
+        """Starlette's CORS, its refused preflight answered in OpenAI's JSON shape."""
+
+        def preflight_response(self, request_headers):
+            answer = super().preflight_response(request_headers)
+            if answer.status_code < 400:
+                return answer
+            why = answer.body.decode("utf-8", "replace")
+            body = APIError(f"{why} (see --allowed-origins)", code="cors_refused").body()
+            headers = {k: v for k, v in answer.headers.items() if k.lower().startswith("access-control-")}
+            return Response(json.dumps(body, ensure_ascii=True), status_code=answer.status_code, headers=headers,
+                            media_type="application/json")
+
+    app.add_middleware(JsonCORS, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["*"], allow_credentials=False, max_age=600)
+
+
+def cors_headers(app, request) -> dict:
+    """The CORS headers an answer made outside the CORS middleware (a 500) carries for ``request``'s origin."""
+    origins = getattr(app.state, "cors_origins", None) or []
+    origin = request.headers.get("origin")
+    if origin is None or not ("*" in origins or origin in origins):
+        return {}
+    return {"Access-Control-Allow-Origin": "*" if "*" in origins else origin, "Vary": "Origin"}
+
+
+def check_chat_size(messages, limit: int | None, ctx_len: int) -> None:
+    """A chat too large for the context refused before it is checked message by message or rendered: more
+    messages than the context has tokens (each renders at least one), or more text than it can hold."""
+    if not isinstance(messages, list):
+        return
+    if len(messages) > ctx_len:
+        raise bad(f"messages holds {len(messages)} messages; the model's context of {ctx_len} tokens cannot hold "
+                  "them", "messages", "context_length_exceeded")
+    text = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if limit is not None and text > limit:
+        raise bad(f"messages hold {text} characters of text; the model's context of {ctx_len} tokens cannot hold "
+                  f"more than {limit}", "messages", "context_length_exceeded")
 
 
 def _check_model(body: dict, engine) -> None:
@@ -44,7 +88,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def tokenize(body, *, engine, text) -> dict:
+def tokenize(body, *, engine, text, limit: int | None = None) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_model(body, engine)
@@ -57,17 +101,20 @@ def tokenize(body, *, engine, text) -> dict:
     if "messages" in body:
         if text.chat_template is None:
             raise bad("this model has no chat template; tokenize a prompt", "messages")
+        check_chat_size(body["messages"], limit, engine.ctx_len)
         try:
             rendered = text.chat_template.render(_messages(body["messages"]),
                                                  add_generation_prompt=_flag(body, "add_generation_prompt", True))
         except QeffKvError as exc:
             raise bad(str(exc), "messages") from None
-        ids = text.tokenizer.encode(rendered, add_special_tokens=_flag(body, "add_special_tokens", False)).ids
+        check_text_fits(rendered, limit, engine.ctx_len, "messages")
+        ids = encode_text(text.tokenizer, rendered, add_special_tokens=_flag(body, "add_special_tokens", False))
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad(f"prompt must be a string, got {prompt!r}", "prompt")
-        ids = text.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True)).ids
+        check_text_fits(prompt, limit, engine.ctx_len, "prompt")
+        ids = encode_text(text.tokenizer, prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
     out = {"count": len(ids), "max_model_len": engine.ctx_len, "tokens": list(ids)}
     if _flag(body, "return_token_strs", False):
         out["token_strs"] = [text.tokenizer.id_to_token(t) for t in ids]
@@ -85,6 +132,9 @@ def detokenize(body, *, engine, text) -> dict:
     vocab = text.tokenizer.get_vocab_size(with_added_tokens=True)
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
         raise bad("tokens must be a list of token ids", "tokens")
+    if len(ids) > engine.ctx_len:
+        raise bad(f"tokens holds {len(ids)} ids; the model's context holds {engine.ctx_len}", "tokens",
+                  "context_length_exceeded")
     outside = [t for t in ids if not 0 <= t < vocab]
     if outside:
         raise bad(f"token id {outside[0]} is outside the tokenizer's vocabulary [0, {vocab})", "tokens")
@@ -96,7 +146,7 @@ def add_token_routes(app: FastAPI, *, engine, text, auth, json_body) -> None:
     async def tokenize_route(request: Request):
         auth(request)
         body = await json_body(request)   # tokenizing a large text runs in a worker thread, off the event loop
-        return await asyncio.to_thread(tokenize, body, engine=engine, text=text)
+        return await asyncio.to_thread(tokenize, body, engine=engine, text=text, limit=app.state.text_limit)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):

@@ -1,7 +1,8 @@
 """Every error the server answers, in OpenAI's JSON shape ``{"error": {message, type, param, code}}``.
 
 * :func:`install`: the app's exception handlers (:class:`~.openai_io.APIError`, Starlette's HTTP errors such as
-  404 and 405, request validation, and anything unexpected as a 500 without a traceback in the body);
+  404 and 405, request validation) and :class:`InternalErrors` (anything unexpected as a 500 without a traceback in
+  the body, with CORS headers, the connection kept);
 * :func:`send_error`: the same body sent straight on the ASGI channel, for middleware that answers before the
   app runs (a body too large, a server draining);
 * :class:`JsonErrorH11Protocol`: uvicorn's h11 protocol whose answer to a malformed request (two Content-Length
@@ -55,10 +56,38 @@ def install(app: FastAPI) -> None:
         return error_response(APIError(f"{where or 'the request'}: {first.get('msg', 'invalid')}",
                                        param=where or None))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                       type="server_error"))
+    app.add_middleware(InternalErrors)
+
+
+class InternalErrors:
+    """ASGI middleware (outside every other): anything unexpected before the answer started is a 500 in OpenAI's
+    shape, with the CORS headers the request's origin gets (:func:`~.discovery.cors_headers`), and the connection
+    stays open (Starlette's own handler re-raises, and uvicorn then closes it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:   # noqa: BLE001 - answered, not raised, when nothing was sent yet
+            if started:
+                raise
+            from .discovery import cors_headers
+
+            request = Request(scope)
+            answer = error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                             type="server_error"), headers=cors_headers(request.app, request))
+            await answer(scope, receive, send)
 
 
 async def send_error(send, exc: APIError, *, close: bool = False) -> None:

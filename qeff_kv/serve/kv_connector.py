@@ -56,6 +56,9 @@ DEFAULT_HOLD_SECONDS = 60.0
 #: seconds a consumer waits for a held state (finding the holder, taking the reference, fetching the bytes)
 LOAD_TIMEOUT = 30.0
 ROLES = ("producer", "consumer", "both")
+#: the most states one producer's holder keeps, and their bytes (oldest dropped first past either)
+MAX_HELD_STATES = 64
+MAX_HELD_BYTES = 1 << 30
 
 
 def holder_name(engine_id: str) -> str:
@@ -84,6 +87,13 @@ class KVConnector(ABC):
         """Prompt positions the remote state holds (0: none; vLLM's ``get_num_new_matched_tokens``)."""
         return 0
 
+    def peek(self, params) -> dict | None:
+        """The metadata of the state ``params`` names, without taking it (None: this transport cannot tell)."""
+        return None
+
+    def note_take_refused(self) -> None:
+        """A request refused against a held state's metadata (the state left held)."""
+
     # ---- worker side
     @abstractmethod
     def save(self, request_id: str, transfer: KVTransfer):
@@ -97,7 +107,7 @@ class KVConnector(ABC):
     def wait_load(self, pending, timeout: float = LOAD_TIMEOUT) -> KVTransfer:
         """The transfer of a pending load; :class:`~qeff_kv.errors.KVLoadError` when it cannot be had."""
 
-    def load(self, params, timeout: float = LOAD_TIMEOUT) -> KVTransfer:
+    def load(self, params, timeout: float = LOAD_TIMEOUT, tokens: str | None = None) -> KVTransfer:
         return self.wait_load(self.start_load(params), timeout)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -130,35 +140,59 @@ class InBandConnector(KVConnector):
 # ============================================================================================ Ray, held
 class KVHolder:
     """A producer's holder (an async Ray actor, one per producer, named :func:`holder_name`): transfer id ->
-    ``[ObjectRef]`` (in a list, so that Ray passes the reference, not the object), dropped when taken or after
-    its hold time."""
+    ``([ObjectRef], bytes, request id, metadata)`` (the reference in a list, so that Ray passes the reference, not
+    the object), dropped when taken, after its hold time, or (oldest first) past the caps."""
 
-    def __init__(self):
-        self._held: dict[str, tuple[list, int, str]] = {}
-        self.counts = {"held": 0, "taken": 0, "expired": 0, "missed": 0}
+    def __init__(self, max_states: int = MAX_HELD_STATES, max_bytes: int = MAX_HELD_BYTES):
+        self._held: dict[str, tuple[list, int, str, dict]] = {}   # insertion order: oldest first
+        self.max_states, self.max_bytes = int(max_states), int(max_bytes)
+        self.counts = {"held": 0, "taken": 0, "expired": 0, "missed": 0, "evicted": 0, "refused": 0,
+                       "take_refused": 0}
 
-    async def hold(self, tid: str, refs: list, seconds: float, nbytes: int, request_id: str) -> bool:
+    async def hold(self, tid: str, refs: list, seconds: float, nbytes: int, request_id: str,
+                   meta: dict | None = None) -> dict:
+        """Hold a state; ``{"held": bool, "evicted": n}`` (not held: larger alone than the byte cap)."""
         import asyncio
 
-        self._held[tid] = (refs, int(nbytes), request_id)
+        if int(nbytes) > self.max_bytes:
+            self.counts["refused"] += 1
+            return {"held": False, "evicted": 0}
+        evicted = 0
+        while self._held and (len(self._held) >= self.max_states or
+                              sum(h[1] for h in self._held.values()) + int(nbytes) > self.max_bytes):
+            self._held.pop(next(iter(self._held)))
+            evicted += 1
+        self.counts["evicted"] += evicted
+        self._held[tid] = (refs, int(nbytes), request_id, dict(meta or {}))
         self.counts["held"] += 1
         asyncio.get_running_loop().call_later(max(0.0, float(seconds)), self._expire, tid)
-        return True
+        return {"held": True, "evicted": evicted}
 
     def _expire(self, tid: str) -> None:
         if self._held.pop(tid, None) is not None:
             self.counts["expired"] += 1
 
-    async def take(self, tid: str):
-        got = self._held.pop(tid, None)
+    async def peek(self, tid: str):
+        """The held state's metadata (None: not held); nothing is taken."""
+        got = self._held.get(tid)
+        return None if got is None else got[3]
+
+    async def take(self, tid: str, tokens: str | None = None):
+        """``("taken", refs)``; ``("missed", None)`` when not held; ``("refused", None)`` when ``tokens`` (the
+        request's prompt, as the metadata spells it) is not the held state's: left held for its owner."""
+        got = self._held.get(tid)
         if got is None:
             self.counts["missed"] += 1
-            return None
+            return "missed", None
+        if tokens is not None and got[3].get("tokens") != tokens:
+            self.counts["take_refused"] += 1
+            return "refused", None
+        del self._held[tid]
         self.counts["taken"] += 1
-        return got[0]
+        return "taken", got[0]
 
     async def stats(self) -> dict:
-        return {**self.counts, "holding": len(self._held), "holding_bytes": sum(b for _, b, _ in self._held.values())}
+        return {**self.counts, "holding": len(self._held), "holding_bytes": sum(h[1] for h in self._held.values())}
 
 
 def _ray():
@@ -179,7 +213,8 @@ class RayHoldConnector(KVConnector):
     """
 
     def __init__(self, role: str = "both", *, engine_id: str | None = None, hold_seconds: float = DEFAULT_HOLD_SECONDS,
-                 host: str | None = None, port: int | None = None):
+                 host: str | None = None, port: int | None = None, max_states: int = MAX_HELD_STATES,
+                 max_bytes: int = MAX_HELD_BYTES):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self._ray = _ray()
@@ -191,14 +226,15 @@ class RayHoldConnector(KVConnector):
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self.counts = {"kv_saves": 0, "kv_save_bytes": 0, "kv_loads": 0, "kv_load_bytes": 0, "kv_load_failures": 0,
-                       "kv_load_fallbacks": 0, "kv_save_seconds": 0.0, "kv_load_seconds": 0.0}
+                       "kv_load_fallbacks": 0, "kv_save_seconds": 0.0, "kv_load_seconds": 0.0,
+                       "kv_hold_evictions": 0, "kv_hold_refusals": 0, "kv_take_refusals": 0}
         #: this connector started Ray in this process (its close() stops it)
         self.owns_ray = False
         self._holder = None
         if role in ("producer", "both"):
             actor = self._ray.remote(KVHolder).options(name=holder_name(self.engine_id), namespace=NAMESPACE,
                                                        num_cpus=0, max_restarts=0, lifetime=None)
-            self._holder = actor.remote()
+            self._holder = actor.remote(max_states, max_bytes)
             self._ray.get(self._holder.stats.remote(), timeout=LOAD_TIMEOUT)   # up before the first answer
 
     # ---- producer
@@ -207,10 +243,15 @@ class RayHoldConnector(KVConnector):
             raise KVLoadError("this server is a KV consumer: it holds no states (--kv-role producer or both)")
         tid = uuid.uuid4().hex
         ref = self._ray.put(transfer)
+        meta = {k: v for k, v in transfer.state.metadata.items() if k != "checksum"}
         # waited for: the hold is in place before the answer naming it leaves
-        self._ray.get(self._holder.hold.remote(tid, [ref], self.hold_seconds, transfer.nbytes, request_id),
-                      timeout=LOAD_TIMEOUT)
+        held = self._ray.get(self._holder.hold.remote(tid, [ref], self.hold_seconds, transfer.nbytes, request_id,
+                                                      meta), timeout=LOAD_TIMEOUT)
         with self._lock:
+            self.counts["kv_hold_evictions"] += held["evicted"]
+            if not held["held"]:
+                self.counts["kv_hold_refusals"] += 1
+                raise KVLoadError(f"a state of {transfer.nbytes} bytes is larger than the holder's cap")
             self.counts["kv_saves"] += 1
             self.counts["kv_save_bytes"] += transfer.nbytes
             self._sent.add(request_id)
@@ -223,23 +264,44 @@ class RayHoldConnector(KVConnector):
         n = params.get("num_tokens") if isinstance(params, dict) and params.get("do_remote_prefill") else 0
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
-    def start_load(self, params: dict):
-        ray = self._ray
-        engine, tid = params.get("remote_engine_id"), params.get("transfer_id")
+    def _holder_of(self, params: dict):
+        engine = params.get("remote_engine_id")
         try:
-            holder = ray.get_actor(holder_name(engine), namespace=NAMESPACE)
+            return self._ray.get_actor(holder_name(engine), namespace=NAMESPACE)
         except ValueError:
             raise KVLoadError(f"producer {engine} is gone (no KV holder of that engine in the Ray cluster)") from None
-        return tid, engine, holder.take.remote(tid)
+
+    def peek(self, params: dict, timeout: float = LOAD_TIMEOUT) -> dict:
+        """The metadata of the state ``params`` names, read without taking it; KVLoadError when not held."""
+        engine, tid = params.get("remote_engine_id"), params.get("transfer_id")
+        try:
+            meta = self._ray.get(self._holder_of(params).peek.remote(tid), timeout=timeout)
+        except KVLoadError:
+            raise
+        except Exception as exc:   # noqa: BLE001 - Ray's: the holder died, a timeout
+            raise KVLoadError(f"state {tid} of producer {engine} could not be read ({type(exc).__name__})") from None
+        if meta is None:
+            raise KVLoadError(f"producer {engine} holds no state {tid} (taken already, or freed after its hold time)")
+        return meta
+
+    def note_take_refused(self) -> None:
+        with self._lock:
+            self.counts["kv_take_refusals"] += 1
+
+    def start_load(self, params: dict, tokens: str | None = None):
+        return params.get("transfer_id"), params.get("remote_engine_id"), \
+            self._holder_of(params).take.remote(params.get("transfer_id"), tokens)
 
     def _timed(self, key: str, seconds: float) -> None:
         with self._lock:
             self.counts[key] += seconds
 
-    def load(self, params, timeout: float = LOAD_TIMEOUT) -> KVTransfer:
+    def load(self, params, timeout: float = LOAD_TIMEOUT, tokens: str | None = None) -> KVTransfer:
+        """Take and fetch the state; with ``tokens`` (the request's prompt as the metadata spells it) the holder
+        gives it only when they are the held state's."""
         t0 = time.perf_counter()
         try:
-            return super().load(params, timeout)
+            return self.wait_load(self.start_load(params, tokens), timeout)
         finally:
             self._timed("kv_load_seconds", time.perf_counter() - t0)
 
@@ -248,7 +310,9 @@ class RayHoldConnector(KVConnector):
         tid, engine, taking = pending
         t0 = time.monotonic()
         try:
-            refs = ray.get(taking, timeout=timeout)
+            status, refs = ray.get(taking, timeout=timeout)
+            if status == "refused":
+                raise KVLoadError(f"state {tid} of producer {engine} holds another prompt; left for its owner")
             if refs is None:
                 raise KVLoadError(f"producer {engine} holds no state {tid} (taken already, or freed after its hold "
                                   "time)")

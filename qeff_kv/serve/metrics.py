@@ -56,6 +56,11 @@ COUNTERS = {
     "qeff_kv_kv_load_fallbacks": ("kv_load_fallbacks", "Requests whose state could not be had, prefilled here."),
     "qeff_kv_kv_save_seconds": ("kv_save_seconds", "Seconds holding states: extract, object store, hold (producer)."),
     "qeff_kv_kv_load_seconds": ("kv_load_seconds", "Seconds taking states: find, take, fetch (consumer)."),
+    "qeff_kv_kv_hold_evictions": ("kv_hold_evictions",
+                                  "Held states dropped, oldest first, to keep the holder's count and byte caps."),
+    "qeff_kv_kv_hold_refusals": ("kv_hold_refusals", "States not held: larger alone than the holder's byte cap."),
+    "qeff_kv_kv_take_refusals": ("kv_take_refusals",
+                                 "Consumer requests refused against a held state's facts (left held for its owner)."),
 }
 
 

@@ -214,7 +214,8 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv
 def _kv_transfer(v, p: Params, kv_role: str | None) -> dict | None:
     """vLLM's ``kv_transfer_params`` (serve/pd.py): an object of :data:`KV_TRANSFER_KEYS`, on a server with a KV role
     that does what it asks: ``do_remote_decode`` (a producer: one token, not streamed, one choice) or
-    ``do_remote_prefill`` (a consumer: ``remote_engine_id`` and ``transfer_id`` strings, one choice, no logprobs)."""
+    ``do_remote_prefill`` (a consumer: ``remote_engine_id`` and ``transfer_id`` strings, ``num_tokens`` an integer >= 1
+and ``transfer_bytes`` >= 0 where given (not -1, 0, "5", 5.0 or true), one choice, no logprobs)."""
     param = "kv_transfer_params"
     if v is None:
         return None
@@ -247,6 +248,9 @@ def _kv_transfer(v, p: Params, kv_role: str | None) -> dict | None:
             if not isinstance(v.get(key), str) or not v[key] or len(v[key]) > 200:
                 raise bad(f"kv_transfer_params.{key} must be the string a producer answered, got {v.get(key)!r}",
                           param)
+        for key, lo in (("num_tokens", 1), ("transfer_bytes", 0)):
+            if v.get(key) is not None and (not _is_int(v[key]) or v[key] < lo):
+                raise bad(f"kv_transfer_params.{key} must be the producer's integer (>= {lo}), got {v[key]!r}", param)
         if p.logprobs is not None:
             raise bad("logprobs do not go with kv_transfer_params.do_remote_prefill (the first token was sampled "
                       "by the producer)", param)

@@ -7,7 +7,9 @@ holds the sequence's valid positions in Ray's object store; its answer carries a
 naming the held state (``do_remote_prefill: true``, ``remote_engine_id``, ``transfer_id``, ...). The proxy copies it
 into the original request and sends that to a **consumer**, which takes the state through Ray, checks it as a state
 file is checked (KV contract, model, shapes, capacity: a state of another checkpoint is refused in one line, 400),
-checks it holds this request's prompt, imports it into a free slot, reports the prompt as cached
+checks it holds this request's prompt (all of it, from the held state's metadata, before the state is taken: a
+refused request leaves it held for the request it was made for, and the holder gives it only to a request of
+the same prompt tokens), imports it into a free slot, reports the prompt as cached
 (``usage.prompt_tokens_details.cached_tokens``) and continues, streamed or not, from the producer's first token.
 
 A consumer that cannot get the state (the hold timed out, the producer is gone, the state was taken already)
@@ -76,8 +78,11 @@ def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAs
     if held and held != len(ids):
         raise bad(f"kv_transfer_params names a state of {held} positions; this request's prompt has {len(ids)} "
                   "tokens", "kv_transfer_params")
+    tokens = json.dumps(list(ids), separators=(",", ":"))   # as the state's metadata spells them
     try:
-        transfer = connector.load(kvp)
+        meta = connector.peek(kvp)   # nothing taken: a refusal below leaves the state for its owner
+        _check_held(engine.session, meta, tokens, len(ids), kvp, connector)
+        transfer = connector.load(kvp, tokens=tokens)
     except KVLoadError as exc:
         if kvp.get("kv_load_failure_policy") == "fail":
             raise APIError(f"kv_transfer_params: {exc}", status=410, param="kv_transfer_params",
@@ -88,11 +93,34 @@ def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAs
     return KVAsk(params=kvp, state=transfer.state)
 
 
+def _where(kvp: dict) -> str:
+    return f"kv_transfer_params (state {kvp['transfer_id']} of producer {kvp['remote_engine_id']})"
+
+
+def _check_held(session, meta: dict | None, tokens: str, n: int, kvp: dict, connector) -> None:
+    """The held state's metadata (None: the connector cannot read it without taking it) against this server's
+    graph and this request's prompt: a 400 before anything is taken."""
+    from ..runtime.state_file import check_metadata
+
+    if meta is None:
+        return
+    try:
+        check_metadata(session, meta, _where(kvp))
+        if meta.get("tokens") != tokens:
+            held = json.loads(meta.get("tokens") or "null")
+            raise StateFileError(f"{_where(kvp)} holds another prompt ({len(held) if isinstance(held, list) else 0} "
+                                 f"tokens) than this request's ({n} tokens)")
+    except (StateFileError, ValueError, RecursionError) as exc:
+        connector.note_take_refused()
+        raise bad(str(exc) if isinstance(exc, StateFileError) else f"{_where(kvp)}: malformed state metadata",
+                  "kv_transfer_params") from None
+
+
 def _check_state(session, state, ids: list[int], kvp: dict) -> None:
     """The loaded state goes into this server's graph (every check of a state file) and holds this prompt."""
     from ..runtime.state_file import validate
 
-    where = f"kv_transfer_params (state {kvp['transfer_id']} of producer {kvp['remote_engine_id']})"
+    where = _where(kvp)
     try:
         validate(session, state, where)
     except StateFileError as exc:

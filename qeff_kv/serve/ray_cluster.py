@@ -102,9 +102,12 @@ def join_or_start(ray, address: str | None) -> bool:
     if ray.is_initialized():
         return False
     kw = dict(include_dashboard=False, logging_level="warning", log_to_driver=False)
-    if not address:
-        with loopback_node(ray):
-            ray.init(num_cpus=os.cpu_count() or 2, _node_ip_address=LOOPBACK, **kw)
+    if not address:   # "local": a new instance, whatever a stale ray_current_cluster file or RAY_ADDRESS names
+        try:
+            with loopback_node(ray):
+                ray.init(address="local", num_cpus=os.cpu_count() or 2, _node_ip_address=LOOPBACK, **kw)
+        except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
+            raise RuntimeInputError(f"cannot start a local Ray instance ({one_line(exc)})") from None
         return True
     check_ray_address(address)
     try:

@@ -45,7 +45,7 @@ def choice(index: int, content: str, run: "Run", chat: bool) -> dict:
         return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
     message = {"role": "assistant", "content": content}
     if run.tools is not None:   # the calls parsed out of the text (the parser the template's facts chose)
-        content, calls = run.tools.parser.parse(content)
+        content, calls = run.tools.calls_in(content)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls_json(calls)
@@ -157,8 +157,10 @@ class Run:
     (a :class:`~.tool_io.ToolStream`), special tokens are kept in the text (tool-call markers may be special)."""
 
     def __init__(self, request, handle, params: Params, prompt_tokens: int, tokenizer, metrics: Metrics,
-                 arrival: float, background: set, logprobs: Logprobs | None = None, tools: ToolStream | None = None):
+                 arrival: float, background: set, logprobs: Logprobs | None = None, tools: ToolStream | None = None,
+                 grammar=None):
         self.request, self.handle, self.params = request, handle, params
+        self.grammar = grammar   # the request's constraint: its failure is the request's fault (400), not ours
         self.logprobs = logprobs
         self.tools = tools
         self.prompt_tokens = prompt_tokens
@@ -195,6 +197,10 @@ class Run:
     def error_object(self) -> APIError:
         if self.stopped_by_server:
             return shutting_down()
+        why = getattr(self.grammar, "failed", None)
+        if why is not None:
+            return APIError(f"the request's grammar failed while generating: {why}", param=None,
+                            code="invalid_grammar")
         return APIError(f"generation failed: {self.error}", status=500, type="server_error")
 
     def usage(self) -> dict:

@@ -13,7 +13,12 @@
   format's call(s) with arguments valid against the function's ``parameters`` (vLLM's rule); ``auto`` is free text
   whose calls, if any, are parsed afterwards.
 * :class:`ToolStream` turns the streamed text into content deltas (held back from a format's opening text on) and,
-  at the end, the calls.
+  at the end, the calls. Calls are only to offered tools: text whose parsed calls name a function not in the
+  request's ``tools`` is content, not calls.
+
+Bounds: at most :data:`MAX_TOOLS` tools (OpenAI's), each ``parameters`` within the schema bounds of
+:mod:`.structured_io`; a past call's ``arguments`` nested deeper than :data:`~.bodies.MAX_INNER_DEPTH` or holding a
+lone surrogate is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ import json
 import re
 from dataclasses import dataclass
 
+from .bodies import MAX_INNER_DEPTH, check_encodable, json_depth
 from .constrained import GrammarSpec
 from .openai_io import bad
+from .structured_io import check_schema_size
 from .toolcalls import ToolFacts, ToolParser, choose_parser
 
+#: the most tools in one request (OpenAI's limit)
+MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _PROBE_TOOL = {"type": "function", "function": {"name": "qeff_kv_probe_fn", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
@@ -58,6 +67,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
         return None
     if not isinstance(tools, list):
         raise bad("tools must be a list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools holds {len(tools)} tools; the limit is {MAX_TOOLS}", "tools")
     checked = [_tool(t, i) for i, t in enumerate(tools)]
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
@@ -92,6 +103,8 @@ def _tool(t, i: int) -> dict:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise bad(f"{where}.function.parameters must be a JSON schema object", where)
+    if params is not None:
+        check_schema_size(params, f"{where}.function.parameters")
     if fn.get("description") is not None and not isinstance(fn.get("description"), str):
         raise bad(f"{where}.function.description must be a string", where)
     out = {"name": name, "parameters": params or {"type": "object", "properties": {}}}
@@ -124,35 +137,50 @@ class ToolSupport:
         """The messages and the ``tools`` argument to render the chat template with."""
         tools = req.tools if req is not None else None
         if self.facts.template_renders_tools:
-            return [_native_message(m) for m in messages], tools
-        out = [_fallback_message(m, self.parser) for m in messages]
+            return [_native_message(m, i) for i, m in enumerate(messages)], tools
+        out = [_fallback_message(m, self.parser, i) for i, m in enumerate(messages)]
         if tools:
             out = _with_system(out, fallback_system_text(tools))
         return out, None
 
 
-def _arguments_object(arguments: str):
+def _arguments_object(arguments: str, where: str):
+    """A past call's ``arguments`` as the object the template renders (text that is not JSON stays text); a 400
+    naming ``where`` when nested too deeply or holding a lone surrogate."""
     try:
-        return json.loads(arguments)
+        value = json.loads(arguments)
+    except RecursionError:
+        value = None
+        depth = MAX_INNER_DEPTH + 1
     except ValueError:
         return arguments
+    else:
+        depth = json_depth(value)
+    if depth > MAX_INNER_DEPTH:
+        raise bad(f"{where} is nested deeper than {MAX_INNER_DEPTH} levels", where)
+    check_encodable(value, where)
+    return value
 
 
-def _native_message(m: dict) -> dict:
+def _call_arguments(m: dict, i: int) -> list:
+    return [_arguments_object(c["function"]["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
+            for j, c in enumerate(m["tool_calls"])]
+
+
+def _native_message(m: dict, i: int) -> dict:
     if m.get("tool_calls"):
-        calls = [{"type": "function", "id": c.get("id"),
-                  "function": {"name": c["function"]["name"],
-                               "arguments": _arguments_object(c["function"]["arguments"])}} for c in m["tool_calls"]]
+        calls = [{"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"], "arguments": a}}
+                 for c, a in zip(m["tool_calls"], _call_arguments(m, i))]
         return {**m, "content": m.get("content") or "", "tool_calls": calls}
     return m
 
 
-def _fallback_message(m: dict, parser: ToolParser) -> dict:
+def _fallback_message(m: dict, parser: ToolParser, i: int) -> dict:
     if m["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
     if m.get("tool_calls"):
-        calls = [{"name": c["function"]["name"], "arguments": _arguments_object(c["function"]["arguments"])}
-                 for c in m["tool_calls"]]
+        calls = [{"name": c["function"]["name"], "arguments": a}
+                 for c, a in zip(m["tool_calls"], _call_arguments(m, i))]
         text = "\n".join(s for s in (m.get("content") or "", parser.format_calls(calls)) if s)
         return {"role": "assistant", "content": text}
     return {k: v for k, v in m.items() if k in ("role", "content")}
@@ -184,8 +212,10 @@ class ToolStream:
     tail that could begin one); :meth:`finish` parses the whole text into calls, or releases the held text as
     content when it holds none."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, offered=None):
         self.parser = parser
+        #: the names of the request's tools (None: any name)
+        self.offered = None if offered is None else frozenset(offered)
         self.text = ""
         self.sent = 0          # characters of self.text emitted as content
         self.in_calls = False
@@ -210,9 +240,16 @@ class ToolStream:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
+    def calls_in(self, text: str) -> tuple[str, list]:
+        """``text`` parsed into content and calls; all of it content when a call names a function not offered."""
+        content, calls = self.parser.parse(text)
+        if calls and self.offered is not None and any(c.name not in self.offered for c in calls):
+            return text, []
+        return content, calls
+
     def finish(self) -> tuple[str, list]:
         """The content not yet emitted and the calls."""
-        content, calls = self.parser.parse(self.text)
+        content, calls = self.calls_in(self.text)
         if calls:
             return "", calls
         return self._emit_to(len(self.text)), []
