@@ -33,6 +33,7 @@ from .engine import Engine, GenerationRequest
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
 from .pd import KVAsk, answer_field, prepare as prepare_kv
+from .prefill import Turn, parse_turn, render as render_chat
 from .responses import Run, choice, collect, sse, usage
 from .structured_io import Constraints, parse_structured
 from .tool_io import ToolRequest, ToolStream, ToolSupport, parse_tools
@@ -81,9 +82,11 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
                       defaults=defaults if defaults is not None else SamplingDefaults(), max_n=max_n)
     http_errors.install(app)
     _add_plain_routes(app, front)
-    discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json)
+    discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json,
+                               tool_support=front.tools)
     _add_slot_routes(app, front)
     _add_generation_routes(app, front)
+    discovery.alias_without_v1(app)   # last: every /v1 route also without the prefix
     return app
 
 
@@ -125,14 +128,14 @@ class _Frontend:
                 "max_model_len": self.engine.ctx_len, "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
 
     # ------------------------------------------------------------------------------------ generation
-    def prompt_ids(self, p: Params, tools: ToolRequest | None = None) -> list[int]:
+    def prompt_ids(self, p: Params, tools: ToolRequest | None = None, turn: Turn = Turn()) -> list[int]:
         text, ctx_len = self.text, self.engine.ctx_len
         if p.messages is not None:
             if text.chat_template is None:
                 raise bad("this model has no chat template; use /v1/completions", "messages")
             try:
                 messages, listed = self.tools().prompt(p.messages, tools)
-                rendered = text.chat_template.render(messages, add_generation_prompt=True, tools=listed)
+                rendered = render_chat(text.chat_template, messages, turn, listed)
             except QeffKvError as exc:   # naming the template by its file name, not the server's folder
                 source = str(getattr(text.chat_template, "source", "") or "")
                 msg = str(exc).replace(source, Path(source).name) if source else str(exc)
@@ -157,7 +160,7 @@ class _Frontend:
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
         check_logit_bias(p, self.engine)
-        ids = self.prompt_ids(p, tools)
+        ids = self.prompt_ids(p, tools, parse_turn(body, p.messages) if chat else Turn())
         names = tuple(t["function"]["name"] for t in tools.tools) if tools is not None else ()
         return _Prepared(p, ids, spec, field, parser, names,
                          prepare_kv(self.engine, p, ids, structured=spec is not None))
@@ -263,8 +266,8 @@ def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:
     @app.get("/slots")
     async def list_slots(request: Request):
         front.auth(request)
-        try:
-            return engine.slots()
+        try:   # llama-server's is_processing beside our state
+            return [{**slot, "is_processing": slot.get("state") == "busy"} for slot in engine.slots()]
         except NotImplementedError as exc:
             raise APIError(str(exc), status=501, type="not_supported_error", code="slots_unsupported") from None
 

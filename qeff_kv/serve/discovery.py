@@ -1,10 +1,12 @@
 """Discovery and browser access: ``/tokenize`` and ``/detokenize`` (vLLM's shapes), and CORS.
 
 ``POST /tokenize``: ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
-"add_generation_prompt": true}`` (rendered through the export's chat template, as a chat request is; special
-tokens are then not added again), optional ``"model"`` and ``"return_token_strs"``; answers ``{"count",
-"max_model_len", "tokens"}`` (and ``"token_strs"``). ``POST /detokenize``: ``{"tokens": [ids]}``, answers
-``{"prompt": str}``. Both need the API key when the server has one. Bounds as the completion routes have them: a
+"add_generation_prompt": true, "continue_final_message": false, "tools": [...]}`` (rendered through the export's
+chat template exactly as a chat request is, tools and assistant prefill included; special tokens are then not added
+again), optional ``"model"`` and ``"return_token_strs"``; answers ``{"count", "max_model_len", "tokens",
+"token_strs"}`` (``token_strs`` null unless asked for, as vLLM answers). ``POST /detokenize``: ``{"tokens": [ids]}``, answers
+``{"prompt": str}``. Every ``/v1/...`` route is also served without the prefix (:func:`alias_without_v1`). Both need
+the API key when the server has one. Bounds as the completion routes have them: a
 text too long for the context is refused before it is tokenized (``context_length_exceeded``), a chat of more
 messages than the context has tokens before it is rendered, ``tokens`` of more ids than the context holds; the
 work runs in a worker thread with the tokenizer's GIL-releasing batch call (other streams keep flowing).
@@ -88,37 +90,55 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def tokenize(body, *, engine, text, limit: int | None = None) -> dict:
+#: the fields ``/tokenize`` reads (vLLM's)
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "tools", "return_token_strs")
+
+
+def tokenize(body, *, engine, text, limit: int | None = None, tool_support=None) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_model(body, engine)
-    unknown = set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                           "return_token_strs"}
+    unknown = set(body) - set(TOKENIZE_FIELDS)
     if unknown:
         raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /tokenize", sorted(unknown)[0])
     if ("prompt" in body) == ("messages" in body):
         raise bad("give exactly one of prompt and messages", "prompt")
     if "messages" in body:
-        if text.chat_template is None:
-            raise bad("this model has no chat template; tokenize a prompt", "messages")
-        check_chat_size(body["messages"], limit, engine.ctx_len)
-        try:
-            rendered = text.chat_template.render(_messages(body["messages"]),
-                                                 add_generation_prompt=_flag(body, "add_generation_prompt", True))
-        except QeffKvError as exc:
-            raise bad(str(exc), "messages") from None
+        rendered = _rendered_chat(body, engine, text, limit, tool_support)
         check_text_fits(rendered, limit, engine.ctx_len, "messages")
         ids = encode_text(text.tokenizer, rendered, add_special_tokens=_flag(body, "add_special_tokens", False))
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise bad(f"prompt must be a string, got {prompt!r}", "prompt")
+        if body.get("tools") not in (None, []) or body.get("continue_final_message") is not None:
+            raise bad("tools and continue_final_message go with messages", "tools")
         check_text_fits(prompt, limit, engine.ctx_len, "prompt")
         ids = encode_text(text.tokenizer, prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
-    out = {"count": len(ids), "max_model_len": engine.ctx_len, "tokens": list(ids)}
-    if _flag(body, "return_token_strs", False):
-        out["token_strs"] = [text.tokenizer.id_to_token(t) for t in ids]
-    return out
+    strs = [text.tokenizer.id_to_token(t) for t in ids] if _flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": engine.ctx_len, "tokens": list(ids), "token_strs": strs}
+
+
+def _rendered_chat(body: dict, engine, text, limit, tool_support) -> str:
+    """``messages`` (and ``tools``) rendered as a chat request renders them, prefill included."""
+    from .prefill import parse_turn, render
+    from .tool_io import parse_tools
+
+    if text.chat_template is None:
+        raise bad("this model has no chat template; tokenize a prompt", "messages")
+    check_chat_size(body["messages"], limit, engine.ctx_len)
+    messages = _messages(body["messages"])
+    turn = parse_turn(body, messages)
+    tools = parse_tools({"tools": body.get("tools")})
+    try:
+        if tool_support is not None:
+            messages, listed = tool_support().prompt(messages, tools)
+        else:
+            listed = tools.tools if tools is not None else None
+        return render(text.chat_template, messages, turn, listed)
+    except QeffKvError as exc:
+        raise bad(str(exc), "messages") from None
 
 
 def detokenize(body, *, engine, text) -> dict:
@@ -141,15 +161,29 @@ def detokenize(body, *, engine, text) -> dict:
     return {"prompt": text.tokenizer.decode(ids, skip_special_tokens=False)}
 
 
-def add_token_routes(app: FastAPI, *, engine, text, auth, json_body) -> None:
+def add_token_routes(app: FastAPI, *, engine, text, auth, json_body, tool_support=None) -> None:
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
         auth(request)
         body = await json_body(request)   # tokenizing a large text runs in a worker thread, off the event loop
-        return await asyncio.to_thread(tokenize, body, engine=engine, text=text, limit=app.state.text_limit)
+        return await asyncio.to_thread(tokenize, body, engine=engine, text=text, limit=app.state.text_limit,
+                                       tool_support=tool_support)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         auth(request)
         body = await json_body(request)
         return await asyncio.to_thread(detokenize, body, engine=engine, text=text)
+
+
+def alias_without_v1(app: FastAPI) -> None:
+    """Every ``/v1/...`` route also served as ``/...`` (llama-server serves both; an OpenAI client given a
+    ``base_url`` without ``/v1`` then works), unless that path is already a route of its own."""
+    from fastapi.routing import APIRoute
+
+    taken = {(r.path, m) for r in app.router.routes if isinstance(r, APIRoute) for m in r.methods}
+    for r in [r for r in app.router.routes if isinstance(r, APIRoute) and r.path.startswith("/v1/")]:
+        methods = [m for m in r.methods if (r.path[3:], m) not in taken]
+        if methods:
+            app.add_api_route(r.path[3:], r.endpoint, methods=methods, response_class=r.response_class,
+                              include_in_schema=False)

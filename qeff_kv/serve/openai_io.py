@@ -15,7 +15,8 @@ effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, `
 request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`). Structured output
 (``response_format`` and vLLM's / llama-server's extensions, :data:`STRUCTURED`) is read by :mod:`.structured_io`,
 tools (:data:`TOOLS`, chat only) by :mod:`.tool_io`; messages may carry an assistant's ``tool_calls`` and
-``role: "tool"`` results.
+``role: "tool"`` results; ``continue_final_message`` / ``add_generation_prompt`` (assistant prefill) are read by
+:mod:`.prefill`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ STRUCTURED = frozenset({"response_format", "structured_outputs", "guided_json", 
                         "guided_grammar", "json_schema", "grammar"})
 #: tool calls (read by :mod:`.tool_io`; chat only)
 TOOLS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
-HONOURED_CHAT = HONOURED | STRUCTURED | TOOLS | {"messages", "max_completion_tokens", "top_logprobs",
-                                                 "kv_transfer_params"}
+#: assistant prefill (read by :mod:`.prefill`; vLLM's names)
+PREFILL = frozenset({"continue_final_message", "add_generation_prompt"})
+HONOURED_CHAT = HONOURED | STRUCTURED | TOOLS | PREFILL | {"messages", "max_completion_tokens", "top_logprobs",
+                                                           "kv_transfer_params"}
 HONOURED_COMPLETIONS = HONOURED | STRUCTURED | {"prompt", "echo", "kv_transfer_params"}
 #: vLLM's P/D protocol (serve/pd.py): the keys of ``kv_transfer_params`` read (vLLM's names, then ours); any other
 #: key is refused
@@ -92,6 +95,15 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(message, param=param, code=code)
+
+
+def known_keys(obj: dict, keys, where: str) -> None:
+    """A 400 naming the path of the first key of ``obj`` not in ``keys`` (OpenAI's ``unknown_parameter``): a nested
+    object's unknown key is refused, never ignored."""
+    for key in obj:
+        if key not in keys:
+            raise bad(f"unknown parameter {where}.{key} (accepted there: {', '.join(keys)})", f"{where}.{key}",
+                      "unknown_parameter")
 
 
 @dataclass
@@ -315,8 +327,9 @@ def _output(body: dict, p: Params) -> None:
     if so is not None:
         if not isinstance(so, dict):
             raise bad(f"stream_options must be an object, got {so!r}", "stream_options")
+        known_keys(so, ("include_usage", "include_obfuscation"), "stream_options")
         for key, v in so.items():
-            if key not in ("include_usage", "include_obfuscation") or (v is not None and not isinstance(v, bool)):
+            if v is not None and not isinstance(v, bool):
                 raise bad(f"stream_options.{key}={v!r} is not supported (include_usage: true or false)",
                           "stream_options")
         if so.get("include_obfuscation"):

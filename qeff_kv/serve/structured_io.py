@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import QeffKvError
 from .bodies import MAX_INNER_DEPTH, check_encodable, json_depth, json_in_string
 from .constrained import GrammarSpec, lark_string
-from .openai_io import APIError, bad
+from .openai_io import APIError, bad, known_keys
+from .schemas import close_objects
 
 #: the most objects and lists in one schema (10,000 optional properties cost llguidance minutes of CPU)
 MAX_SCHEMA_NODES = 2000
@@ -82,20 +83,27 @@ def parse_structured(body: dict) -> tuple[GrammarSpec | None, str | None]:
 
 
 def _response_format(rf) -> GrammarSpec | None:
+    where = "response_format"
     if rf is None:
         return None
     if not isinstance(rf, dict):
-        raise bad(f"response_format must be an object, got {rf!r}", "response_format")
+        raise bad(f"response_format must be an object, got {rf!r}", where)
     kind = rf.get("type")
     if kind == "text":
+        known_keys(rf, ("type",), where)
         return None
-    if kind == "json_object":
+    if kind == "json_object":   # llama-server's ``schema`` beside it: JSON valid against that schema
+        known_keys(rf, ("type", "schema"), where)
+        if rf.get("schema") is not None:
+            return GrammarSpec("json_schema", _schema(rf["schema"], "response_format.schema"))
         return GrammarSpec("json_object")
     if kind == "json_schema":
+        known_keys(rf, ("type", "json_schema"), where)
         js = rf.get("json_schema")
         if not isinstance(js, dict):
             raise bad("response_format.json_schema must be an object with name and schema",
                       "response_format.json_schema")
+        known_keys(js, ("name", "schema", "strict", "description"), "response_format.json_schema")
         name = js.get("name")
         if not isinstance(name, str) or not name:
             raise bad("response_format.json_schema.name must be a non-empty string", "response_format.json_schema")
@@ -114,7 +122,7 @@ def _schema(schema, where: str) -> dict:
     if not isinstance(schema, dict):
         raise bad(f"{where} must be a JSON schema object, got {type(schema).__name__}", where)
     check_schema_size(schema, where)
-    return schema
+    return close_objects(schema)
 
 
 def check_schema_size(schema, where: str) -> None:

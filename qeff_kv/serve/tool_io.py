@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .bodies import MAX_INNER_DEPTH, check_encodable, json_depth
 from .constrained import GrammarSpec
-from .openai_io import bad
+from .openai_io import bad, known_keys
 from .structured_io import check_schema_size
 from .toolcalls import ToolFacts, ToolParser, choose_parser
 
@@ -83,6 +83,9 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if choice == "required":
         return ToolRequest(checked, "required", parallel=parallel is not False)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if isinstance(fn, dict):
+        known_keys(choice, ("type", "function"), "tool_choice")
+        known_keys(fn, ("name",), "tool_choice.function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise bad("tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": "
@@ -97,6 +100,10 @@ def _tool(t, i: int) -> dict:
     if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
         raise bad(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
     fn = t["function"]
+    known_keys(t, ("type", "function"), where)
+    known_keys(fn, ("name", "description", "parameters", "strict"), f"{where}.function")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise bad(f"{where}.function.strict must be true or false", f"{where}.function.strict")
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise bad(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}", where)

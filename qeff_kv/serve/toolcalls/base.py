@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..constrained import lark_json, lark_string
+from ..schemas import nested_parameters
 
 
 @dataclass(frozen=True)
@@ -39,17 +40,36 @@ class ToolFacts:
         return text in self.added_tokens
 
 
-def call_schema(tool: dict, args_key: str) -> dict:
-    """The JSON schema of one call object ``{"name": <const>, <args_key>: <parameters>}``."""
+def call_schema(tool: dict, args_key: str, index: int = 0) -> dict:
+    """The JSON schema of one call object ``{"name": <const>, <args_key>: <parameters>}``: the parameters closed
+    and, when they hold ``$ref`` pointers, placed in the root's ``$defs`` with the pointers rewritten
+    (:mod:`..schemas`)."""
     fn = tool["function"]
-    params = fn.get("parameters") or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
+    args, defs = nested_parameters(fn.get("parameters") or {"type": "object"}, index)
+    out = {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: args},
+           "required": ["name", args_key], "additionalProperties": False}
+    return {**out, "$defs": defs} if defs else out
 
 
 def any_call_schema(tools: list[dict], args_key: str) -> dict:
-    schemas = [call_schema(t, args_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    """One call to any of ``tools``; every tool's moved definitions in the root's ``$defs`` (see
+    :func:`with_defs_at_root` for a schema that nests this one)."""
+    schemas = [call_schema(t, args_key, i) for i, t in enumerate(tools)]
+    if len(schemas) == 1:
+        return schemas[0]
+    defs = {k: v for s in schemas for k, v in s.pop("$defs", {}).items()}
+    return {"anyOf": schemas, **({"$defs": defs} if defs else {})}
+
+
+def with_defs_at_root(schema: dict, inner: dict) -> dict:
+    """``schema`` (which nests ``inner``) with ``inner``'s ``$defs`` moved to its root, where the pointers look."""
+    if "$defs" not in inner:
+        return schema
+    return {**schema, "$defs": inner["$defs"]}
+
+
+def strip_defs(schema: dict) -> dict:
+    return {k: v for k, v in schema.items() if k != "$defs"}
 
 
 def marker(text: str, facts: ToolFacts) -> str:

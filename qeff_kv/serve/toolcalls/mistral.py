@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from .base import ToolFacts, ToolParser, any_call_schema, call_from_json, json_item, marker
+from .base import (ToolFacts, ToolParser, any_call_schema, call_from_json, json_item, marker, strip_defs,
+                   with_defs_at_root)
 
 TAG = "[TOOL_CALLS]"
 
@@ -38,9 +39,10 @@ class MistralParser(ToolParser):
 
     def forced_grammar(self, tools, several):
         call = any_call_schema(tools, "arguments")
-        items = {"type": "array", "items": call, "minItems": 1}
+        items = {"type": "array", "items": strip_defs(call), "minItems": 1}
         if not several:
             items["maxItems"] = 1
+        items = with_defs_at_root(items, call)
         return f"start: {marker(TAG, self.facts)} {json_item(items)}\n"
 
     def format_calls(self, calls):
