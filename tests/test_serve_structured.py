@@ -264,3 +264,63 @@ def test_random_small_schemas_always_give_valid_output(client):
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
 
     check()
+
+
+# --------------------------------------------------------------- issue 41: Pydantic tools with $defs, closed objects
+class Stop(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=16)
+    nights: int = pydantic.Field(ge=1, le=9)
+
+
+class Trip(pydantic.BaseModel):
+    """A trip: nested models, so the schema has $defs and $ref (instructor's default mode sends this as a tool)."""
+    start: Stop
+    stops: list[Stop] = pydantic.Field(min_length=1, max_length=2)
+
+
+def _declared_only(value, schema: dict, root: dict) -> None:
+    """Every object in ``value`` holds only the keys its (Pydantic) schema declares."""
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+    if isinstance(value, dict):
+        assert set(value) <= set(schema["properties"]), (value, schema)
+        for k, v in value.items():
+            _declared_only(v, schema["properties"][k], root)
+    elif isinstance(value, list):
+        for v in value:
+            _declared_only(v, schema["items"], root)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_with_defs_and_refs(client, choice):
+    """instructor's default mode / pydantic-ai's structured output: a Pydantic model with a nested model as a tool
+    (``$defs`` + ``$ref``), forced: the call validates against the model, and holds no undeclared key (the
+    schema says nothing about ``additionalProperties``)."""
+    schema = Trip.model_json_schema()
+    assert "$defs" in schema and "additionalProperties" not in json.dumps(schema)
+    tools = [{"type": "function", "function": {"name": "Trip", "description": "Plan a trip.", "parameters": schema}},
+             {"type": "function", "function": {"name": "City", "parameters": City.model_json_schema()}}]
+    tool_choice = {"type": "function", "function": {"name": "Trip"}} if choice == "named" else "required"
+    out = client.chat.completions.create(model="out", messages=_ask("Plan a trip from Paris to Rome."), tools=tools,
+                                         tool_choice=tool_choice, max_tokens=150, temperature=0)
+    assert out.choices[0].finish_reason == "tool_calls"
+    for call in out.choices[0].message.tool_calls:
+        args = json.loads(call.function.arguments)
+        model = Trip if call.function.name == "Trip" else City
+        model.model_validate(args)
+        _declared_only(args, model.model_json_schema(), model.model_json_schema())
+
+
+def test_every_format_takes_parameters_with_refs():
+    """The forced grammar of each tool-call format compiles with ``$defs`` parameters (the pointers resolve at the
+    root the format's schema has: a Mistral array nests the calls one level deeper)."""
+    from llguidance import LLMatcher
+
+    from qeff_kv.serve.toolcalls import PARSERS
+    from qeff_kv.serve.toolcalls.base import ToolFacts
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": Trip.model_json_schema()}} for n in "ab"]
+    for parser in PARSERS:
+        for several in (False, True):
+            lark = parser(ToolFacts()).forced_grammar(tools, several)
+            assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) == "", parser.name

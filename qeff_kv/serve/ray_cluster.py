@@ -19,6 +19,8 @@ RESOURCE_WAIT = 20.0
 LOOPBACK = "127.0.0.1"
 #: Ray's switch for a node address on the loopback interface (see :func:`loopback_node`)
 _RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: Ray's switch for token authentication (``token`` / ``disabled``)
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def ray_module():
@@ -110,12 +112,44 @@ def join_or_start(ray, address: str | None) -> bool:
             raise RuntimeInputError(f"cannot start a local Ray instance ({one_line(exc)})") from None
         return True
     check_ray_address(address)
+    token = use_cluster_token()
     try:
         with loopback_node(ray) if on_loopback(address) else contextlib.nullcontext():
             ray.init(address=address, **kw)
     except Exception as exc:   # noqa: BLE001 - Ray's own errors, many lines: one line of ours
-        raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({one_line(exc)})") from None
+        raise RuntimeInputError(f"--ray-address {address}: cannot join the cluster ({join_failure(exc, token)})") \
+            from None
     return False
+
+
+def use_cluster_token() -> bool:
+    """Token authentication as Ray's own CLI uses it (``ray start``, ``ray status``: Ray 2.60's
+    ``maybe_enable_token_auth_if_token_available``): with ``RAY_AUTH_MODE`` unset and a token found where Ray looks
+    (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), this process (and what it starts) uses it.
+    ``ray start --head`` turns token authentication on when that token exists, but ``ray.init`` given an explicit
+    address does not, so without this the join fails. True: token mode is on."""
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is not None:
+        return mode.lower() == "token"
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available as enable)
+    except ImportError:   # a Ray without token authentication
+        return False
+    return bool(enable(warn_if_disabled=False))
+
+
+def join_failure(exc: BaseException, token: bool) -> str:
+    """Why a join failed, in one line; naming token authentication (cause and fix) where it may be the cause."""
+    line = one_line(exc)
+    if not (isinstance(exc, ConnectionError) or any(w in line.lower() for w in ("auth", "connect"))):
+        return line
+    if token:
+        return (f"{line[:200]}; the cluster may have refused this machine's Ray token: use the cluster's own (copy "
+                "its ~/.ray/auth_token here, or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH)")
+    return (f"{line[:200]}; if the cluster uses token authentication (Ray 2.60's ray start --head turns it on when "
+            "~/.ray/auth_token exists), give this machine its token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            "~/.ray/auth_token")
 
 
 @contextlib.contextmanager
