@@ -105,6 +105,10 @@ class ChunkType(click.ParamType):
               help="Largest n (choices per request) accepted (default and maximum: the sequences run at once).")
 @click.option("--allowed-origins", default=None, metavar="ORIGINS",
               help="Browser origins allowed to call the server (CORS), comma-separated, or '*'; default: none.")
+@click.option("--allowed-local-media-path", type=click.Path(file_okay=False, path_type=str), default=None,
+              metavar="DIR",
+              help="Vision-language exports: image_url parts may name local files under DIR (file:// URLs); "
+                   "default: data: URLs only.")
 @click.option("--disaggregate", is_flag=True,
               help="Prefill and decode in separate Ray actors handing KV states over (needs ray).")
 @click.option("--prefill-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")
@@ -142,7 +146,8 @@ def serve_cmd(export_dir, host, port, max_sequences, device, threads, api_key, m
               state_dir, ctx_len,
               prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
               speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
-              allowed_origins, disaggregate, prefill_replicas, decode_replicas, prefill_export,
+              allowed_origins, allowed_local_media_path, disaggregate, prefill_replicas, decode_replicas,
+              prefill_export,
               ray_address, prefill_resources, decode_resources, kv_events, kv_events_block_size, kv_events_topic,
               kv_events_replay, route, kv_role, kv_hold_seconds) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
@@ -169,7 +174,7 @@ def serve_cmd(export_dir, host, port, max_sequences, device, threads, api_key, m
                          max_checkpoints=max_checkpoints, temperature=temperature, top_p=top_p, top_k=top_k,
                          min_p=min_p, repetition_penalty=repetition_penalty, max_tokens=max_tokens, max_n=max_n,
                          allowed_origins=[o.strip() for o in allowed_origins.split(",") if o.strip()]
-                         if allowed_origins else None,
+                         if allowed_origins else None, allowed_local_media_path=allowed_local_media_path,
                          disaggregate=disaggregate, prefill_replicas=prefill_replicas,
                          decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
                          prefill_resources=prefill_resources, decode_resources=decode_resources,

@@ -329,3 +329,20 @@ def family_exports(family_models, tmp_path_factory):
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep the export cache of every test away from the user's ~/.cache."""
     monkeypatch.setenv("QEFF_KV_HOME", str(tmp_path_factory.getbasetemp() / "qeff_kv_home"))
+
+
+@pytest.fixture(scope="session")
+def llava_cb_export(tmp_path_factory) -> Path:
+    """The tiny seeded Llava of tests/hf_models.py with its working processor (one 32x32 image: 16 ``<image>``
+    tokens), exported once per session for continuous batching (2 slots; ctx_len 64, prefill 8): what a server
+    runs images on (tests/test_serve_images.py)."""
+    if not HAS_TORCH:
+        pytest.skip("making the tiny Llava needs the [export] extra (torch, transformers)")
+    from hf_models import add_llava_processor, make_llava_dir
+
+    from qeff_kv.export import export_model
+
+    model_dir = make_llava_dir(tmp_path_factory.mktemp("llava-cb-model"))
+    add_llava_processor(model_dir)
+    return export_model(model_dir, tmp_path_factory.mktemp("llava-cb") / "llava", ctx_len=64, prefill_seq_len=8,
+                        continuous_batching=True, full_batch_size=2).out_dir

@@ -188,3 +188,12 @@ def test_defaults_without_a_generation_config_are_llama_servers(served, tmp_path
     d = resolve_defaults(tmp_path, {})                      # the model's authors chose: the rest OpenAI's
     assert (d.temperature, d.top_k, d.top_p, d.min_p) == (0.6, 0, 1.0, 0.0)
     assert d.source["top_p"] == "openai"
+
+
+def test_images_on_a_text_only_export_are_refused_in_one_line(served):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    r = _post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"] == "image_url parts need a vision-language export; this one is text-only"
+    assert err["param"] == "messages[0].content[0]"

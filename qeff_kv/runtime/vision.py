@@ -145,6 +145,19 @@ class VisionLanguageModel:
             if v is not None:
                 positive_int(label, v)
         self.session = Session(model, **session_kwargs)
+        self._attach(vision, image_size, vision_size, session_kwargs)
+
+    @classmethod
+    def around(cls, session: Session, **stage_kwargs) -> "VisionLanguageModel":
+        """The vision-language model of an open language ``session`` (a server's: its vision stage opened beside
+        it, with ``threads``, ``providers``, ``device`` from ``stage_kwargs``); the facts as the constructor finds
+        them with no ``vision``, ``image_size`` or ``vision_size`` given."""
+        model = cls.__new__(cls)
+        model.session = session
+        model._attach(None, None, None, stage_kwargs)
+        return model
+
+    def _attach(self, vision, image_size, vision_size, session_kwargs: dict) -> None:
         media = self.session.media
         if media is None:
             raise ContractError(f"{self.session.files.onnx_path}: a text decoder graph (no {naming.VISION_EMBEDS} or "

@@ -30,6 +30,7 @@ from .defaults import SamplingDefaults
 from .discovery import check_chat_size
 from .drain import DrainGate
 from .engine import Engine, GenerationRequest
+from .images import has_images, image_request
 from .metrics import Metrics
 from .openai_io import APIError, Params, bad, parse
 from .pd import KVAsk, answer_field, prepare as prepare_kv
@@ -53,6 +54,7 @@ class _Prepared:
     parser: object = None         # the tool-call parser, with tools
     tool_names: tuple = ()        # the names of the request's tools (calls to others are text)
     kv: KVAsk | None = None       # vLLM's P/D protocol (serve/pd.py): a producer's ask, a consumer's loaded state
+    images: object = None         # a vision-language prompt's images (serve/images.py), or None
 
 
 @dataclass
@@ -67,12 +69,13 @@ class TextFacts:
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
                registry=None, defaults: SamplingDefaults | None = None, max_n: int = 1,
                allowed_origins: list[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               drain=None) -> FastAPI:
+               drain=None, media_path: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one).
     ``defaults``: the sampling a request leaves out (default: OpenAI's); ``max_n``: the largest ``n`` accepted;
     ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers); ``max_request_bytes``: larger
     request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a :class:`~.drain.Drain` (SIGTERM
-    answers new requests 503 and lets running ones finish)."""
+    answers new requests 503 and lets running ones finish); ``media_path``: the folder ``image_url`` file URLs may
+    name (:mod:`.images`; None: data: URLs only)."""
     app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
     if drain is not None:
@@ -80,6 +83,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     discovery.add_cors(app, allowed_origins)
     front = _Frontend(app, engine, text, api_key=api_key, state_dir=state_dir, registry=registry,
                       defaults=defaults if defaults is not None else SamplingDefaults(), max_n=max_n)
+    front.media_path = media_path
     http_errors.install(app)
     _add_plain_routes(app, front)
     discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json,
@@ -93,6 +97,9 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
 class _Frontend:
     """What the routes share: the engine, the text facts, the sampling defaults, the API key check, the metrics,
     and the generation path (check, render and tokenize; submit; answer or stream)."""
+
+    #: the folder image_url file URLs may name (serve/images.py); None: data: URLs only
+    media_path: str | None = None
 
     def __init__(self, app: FastAPI, engine: Engine, text: TextFacts, *, api_key: str | None,
                  state_dir: str | Path | None, registry, defaults: SamplingDefaults, max_n: int):
@@ -160,12 +167,19 @@ class _Frontend:
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
         check_logit_bias(p, self.engine)
-        ids = self.prompt_ids(p, tools, parse_turn(body, p.messages) if chat else Turn())
+        turn, images = parse_turn(body, p.messages) if chat else Turn(), None
+        if chat and has_images(p.messages):   # the export's processor and vision stage, as generate --image runs them
+            ids, images = image_request(self.engine, p.messages, media_path=self.media_path, tools=tools,
+                                        generation_prompt=turn.add_generation_prompt,
+                                        kv_transfer=p.kv_transfer_params is not None)
+        else:
+            ids = self.prompt_ids(p, tools, turn)
         names = tuple(t["function"]["name"] for t in tools.tools) if tools is not None else ()
         return _Prepared(p, ids, spec, field, parser, names,
-                         prepare_kv(self.engine, p, ids, structured=spec is not None))
+                         prepare_kv(self.engine, p, ids, structured=spec is not None), images)
 
-    def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None, kv: KVAsk | None = None) -> list:
+    def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None, kv: KVAsk | None = None,
+               images=None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
         engine = self.engine
         if len(ids) > engine.ctx_len:
@@ -180,7 +194,7 @@ class _Frontend:
             request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults, room), sampling=first,
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
             logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
-            kv_transfer_params=kv.params if kv is not None else None)
+            kv_transfer_params=kv.params if kv is not None else None, images=images)
         try:
             if p.n == 1:
                 return [engine.submit(req)]
@@ -202,7 +216,7 @@ class _Frontend:
         p, ids, parser = prep.params, prep.ids, prep.parser
         constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv)
+        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv, prep.images)
         tokenizer = self.text.tokenizer
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
         runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,

@@ -58,6 +58,9 @@ class ServeConfig:
     max_n: int | None = None
     #: browser origins allowed by CORS ("*": any); None: CORS off
     allowed_origins: list[str] | None = None
+    #: vision-language exports: ``image_url`` parts may name local files under this folder (vLLM's
+    #: --allowed-local-media-path); None: data: URLs only
+    allowed_local_media_path: str | None = None
     # ---- disaggregated serving (Ray): prefill replicas hand KV states to decode replicas
     disaggregate: bool = False
     prefill_replicas: int = 1

@@ -129,6 +129,9 @@ def _rendered_chat(body: dict, engine, text, limit, tool_support) -> str:
         raise bad("this model has no chat template; tokenize a prompt", "messages")
     check_chat_size(body["messages"], limit, engine.ctx_len)
     messages = _messages(body["messages"])
+    if any(m.get("images") for m in messages):
+        raise bad("/tokenize does not take image_url parts (a chat completion does, on a vision-language export)",
+                  "messages")
     turn = parse_turn(body, messages)
     tools = parse_tools({"tools": body.get("tools")})
     try:

@@ -57,6 +57,9 @@ class GenerationRequest:
     #: vLLM's P/D protocol (serve/pd.py): ``do_remote_decode`` asks the engine's KV connector to hold the prefilled
     #: sequence when the request ends; ``do_remote_prefill`` comes with ``state`` (the loaded hand-off)
     kv_transfer_params: dict | None = None
+    #: a vision-language prompt's images (runtime.media.Images, made by the frontend): the prompt is prefilled in
+    #: one call with them bound, reuses no cached prefix and is not kept for reuse (its KV depends on the images)
+    images: object | None = None
 
 
 @dataclass(frozen=True)

@@ -374,22 +374,43 @@ def _messages(v) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: text only
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"{where}.content[{j}] must be a text part ({{\"type\": \"text\", \"text\": ...}})",
-                              f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
+        content, images = _content(m.get("content"), where)
         extra = _tool_fields(m, role, where)
+        if images:
+            extra["images"] = images
         if content is None and extra.get("tool_calls"):
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string, got {content!r}", f"{where}.content")
         out.append({"role": "system" if role == "developer" else role, "content": content, **extra})
     return out
+
+
+def _content(content, where: str) -> tuple:
+    """A message's content as text, and its ``image_url`` parts' URLs with their paths (``[(url, where)]``; read
+    by :mod:`.images`): content parts are text (joined) and images."""
+    if not isinstance(content, list):
+        return content, []
+    texts, images = [], []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            known_keys(part, ("type", "text"), at)
+            texts.append(part["text"])
+        elif kind == "image_url" and isinstance(part.get("image_url"), (dict, str)):
+            known_keys(part, ("type", "image_url"), at)
+            url = part["image_url"]
+            if isinstance(url, dict):
+                known_keys(url, ("url", "detail"), f"{at}.image_url")
+                url = url.get("url")
+            if not isinstance(url, str) or not url:
+                raise bad(f"{at}.image_url.url must be a data: URL or a file URL", f"{at}.image_url")
+            images.append((url, at))
+        else:
+            raise bad(f"{at} must be a text part ({{\"type\": \"text\", \"text\": ...}}) or an image part "
+                      f"({{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}})", f"{where}.content")
+    return "".join(texts), images
 
 
 def _tool_fields(m: dict, role: str, where: str) -> dict:

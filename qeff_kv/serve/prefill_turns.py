@@ -3,7 +3,8 @@
 Invariant: a turn feeds at most its budget of prompt tokens (``prefill_chunk``; ``auto``: what costs about
 :data:`AUTO_SHARE` of a decode step), oldest prompt first, and cuts a prompt only at a whole number of prefill
 lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and
-a served output does not depend on the load. A mixin of :class:`~.scheduler.Scheduler` (its state and helpers:
+a served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
+call, its images bound for all of it (as ``generate`` feeds it). A mixin of :class:`~.scheduler.Scheduler` (its state and helpers:
 ``session``, ``prefill_chunk``, ``auto_chunk``, ``_prefilling``, ``_running``, the moving averages, ``_finish``,
 ``_fork``, ``_first_token``, ``prefix_cache``).
 """
@@ -37,7 +38,8 @@ class PrefillTurns:
         left, fed = self._chunk_size(), 0
         while left > 0 and self._prefilling:
             a = self._prefilling[0]
-            n = self._share(len(a.todo), left, fed)
+            # a prompt with images: all of it in one call (its images are bound for the whole prompt)
+            n = len(a.todo) if a.req.images is not None else self._share(len(a.todo), left, fed)
             if n == 0:
                 return
             self._prefill_one_chunk(a, n)
@@ -55,10 +57,13 @@ class PrefillTurns:
     def _prefill_one_chunk(self, a, n: int) -> None:
         """Feed the next ``n`` prompt tokens of request ``a`` (the scheduler's ``_Active``); when its prompt is
         done, its choices fork and it selects its first token."""
+        images = a.req.images
         chunk = a.todo[:n]
         # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
         end = a.seq.length + len(a.todo)
         kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
+        if images is not None:
+            kw["images"] = images
         t0, runs = time.perf_counter(), self.session.timings.prefill_runs
         try:
             logits = self.session.prefill(a.seq, chunk, **kw)
@@ -72,7 +77,8 @@ class PrefillTurns:
         if a.todo:
             return
         self._prefilling.remove(a)
-        self.prefix_cache.held(a.seq)
+        if images is None:
+            self.prefix_cache.held(a.seq)
         if a.followers:
             self._fork(a, logits)
         self._first_token(a, logits)

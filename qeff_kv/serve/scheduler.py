@@ -262,7 +262,7 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
         if a.followers:
             self._release_followers(a, reason, error)
         held = self._hold_for_remote_decode(a, reason)   # before the sequence is kept or freed
-        self.prefix_cache.release(a.seq, keep)
+        self.prefix_cache.release(a.seq, keep and a.req.images is None)   # an image prompt's KV: not reused
         with self._lock:
             self._admitted -= 1
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error, held))
@@ -337,7 +337,7 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
     def _reuse(self, prompt: tuple[int, ...]) -> tuple[Sequence, int]:
         """A sequence to continue for ``prompt`` and how many of its positions are reused (running sequences'
         prompts are sources too)."""
-        return self.prefix_cache.acquire(prompt, [a.seq for a in self._running])
+        return self.prefix_cache.acquire(prompt, [a.seq for a in self._running if a.req.images is None])
 
     def _admit(self) -> None:
         while True:
@@ -385,7 +385,7 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
             picker.accept(seq.pending)
             self._emit_token(a, seq.pending)
             return a
-        seq, cached = self._reuse(req.prompt)
+        seq, cached = (self._take_slot(), 0) if req.images is not None else self._reuse(req.prompt)
         budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
         a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached, picker=picker)
         with self._lock:

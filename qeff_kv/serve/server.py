@@ -37,16 +37,28 @@ def build_engine(config: ServeConfig) -> Engine:
             from .pd import start_connector
 
             connector = start_connector(config)
-        return Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
-                         model_name=config.model_name or model_name_of(config.export_dir),
-                         prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events,
-                         connector=connector)
+        engine = Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
+                           model_name=config.model_name or model_name_of(config.export_dir),
+                           prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events,
+                           connector=connector)
+        engine.vision = open_vision(session, config)   # a vision-language export: images over HTTP (serve/images.py)
+        return engine
     except BaseException:
         if kv_events is not None:
             kv_events.close()
         if connector is not None:
             connector.close()
         raise
+
+
+def open_vision(session, config: ServeConfig):
+    """The vision-language model around a served language session (None for a text decoder): what turns a chat
+    request's images into the session's image inputs."""
+    if session.media is None:
+        return None
+    from ..runtime.vision import VisionLanguageModel
+
+    return VisionLanguageModel.around(session, threads=config.threads, device=config.device)
 
 
 def text_facts(config: ServeConfig):
@@ -220,7 +232,8 @@ def serve(config: ServeConfig, *, on_ready=None) -> None:
         drain = Drain(engine, DEFAULT_GRACE_S if config.drain_seconds is None else config.drain_seconds)
         app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir, drain=drain,
                          max_request_bytes=config.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                         defaults=defaults, max_n=max_n, allowed_origins=config.allowed_origins)
+                         defaults=defaults, max_n=max_n, allowed_origins=config.allowed_origins,
+                         media_path=config.allowed_local_media_path)
         server = draining_server(uvicorn_config(app), drain)
         if on_ready is not None:
             on_ready(engine)
