@@ -102,6 +102,22 @@ def test_llama_server_schema_in_json_object_is_honoured_and_closed(served):
         assert r.json()["choices"][0]["message"]["content"] == '{"a": "x"}', rf
 
 
+def test_the_compiled_grammar_refuses_an_undeclared_key(served):
+    """The grammar itself (llguidance, the tiny tokenizer): an undeclared key is not a valid continuation of a
+    schema that declares properties and says nothing of others; ``additionalProperties: true`` still allows it."""
+    from qeff_kv.serve.constrained import Grammars
+    from qeff_kv.serve.structured_io import parse_structured
+
+    grammars = Grammars(served.text.tokenizer, served.text.eos_token_ids)
+    props = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    for schema, extra_ok in ((props, False), ({**props, "additionalProperties": True}, True)):
+        spec, _ = parse_structured({"response_format": {"type": "json_object", "schema": schema}})
+        for text, ok in (('{"a": "x"}', True), ('{"a": "x", "b": "y"}', extra_ok)):
+            matcher = grammars.compile(spec).matcher
+            ids = _ids(served, text)
+            assert all(matcher.consume_token(t) for t in ids) is ok, (schema, text)
+
+
 def test_closed_objects_rule():
     from qeff_kv.serve.schemas import close_objects
 
