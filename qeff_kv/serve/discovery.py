@@ -4,11 +4,11 @@
 "add_generation_prompt": true, "continue_final_message": false, "tools": [...]}`` (rendered through the export's
 chat template exactly as a chat request is, tools and assistant prefill included; special tokens are then not added
 again), optional ``"model"`` and ``"return_token_strs"``; answers ``{"count", "max_model_len", "tokens",
-"token_strs"}`` (``token_strs`` null unless asked for, as vLLM answers). ``POST /detokenize``: ``{"tokens": [ids]}``, answers
-``{"prompt": str}``. Every ``/v1/...`` route is also served without the prefix (:func:`alias_without_v1`). Both need
-the API key when the server has one. Bounds as the completion routes have them: a
-text too long for the context is refused before it is tokenized (``context_length_exceeded``), a chat of more
-messages than the context has tokens before it is rendered, ``tokens`` of more ids than the context holds; the
+"token_strs"}`` (``token_strs`` null unless asked for, as vLLM answers). ``POST /detokenize``: ``{"tokens":
+[ids]}``, answers ``{"prompt": str}``. Every ``/v1/...`` route is also served without the prefix
+(:func:`alias_without_v1`). Both need the API key when the server has one. Bounds as the completion routes have
+them: a text too long for the context is refused before it is tokenized (``context_length_exceeded``), a chat of
+more messages than the context has tokens before it is rendered, ``tokens`` of more ids than the context holds; the
 work runs in a worker thread with the tokenizer's GIL-releasing batch call (other streams keep flowing).
 
 CORS (``--allowed-origins``): off by default (no CORS headers: a browser page on another origin cannot call the

@@ -2,11 +2,11 @@
 
 Invariant: a turn feeds at most its budget of prompt tokens (``prefill_chunk``; ``auto``: what costs about
 :data:`AUTO_SHARE` of a decode step), oldest prompt first, and cuts a prompt only at a whole number of prefill
-lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and
-a served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
-call, its images bound for all of it (as ``generate`` feeds it). A mixin of :class:`~.scheduler.Scheduler` (its state and helpers:
-``session``, ``prefill_chunk``, ``auto_chunk``, ``_prefilling``, ``_running``, the moving averages, ``_finish``,
-``_fork``, ``_first_token``, ``prefix_cache``).
+lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and a
+served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
+call, its images bound for all of it (as ``generate`` feeds it). A mixin of :class:`~.scheduler.Scheduler` (its
+state and helpers: ``session``, ``prefill_chunk``, ``auto_chunk``, ``_prefilling``, ``_running``, the moving
+averages, ``_finish``, ``_fork``, ``_first_token``, ``prefix_cache``).
 """
 
 from __future__ import annotations
