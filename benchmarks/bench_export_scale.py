@@ -13,7 +13,8 @@ run counts as verified when the manifest's ``verification.status`` is ``passed``
 onnxruntime_genai.models.builder -i CKPT -o OUT -p fp16|int4 -e cpu`` with ``--genai-python`` (a venv with the
 ``bench`` extra's onnxruntime-genai); the builder does not verify. A run whose tree passes ``--max-rss-gb`` is killed
 and recorded as such. Checkpoints are written first when missing (``--ckpt-root``); outputs are deleted after each
-run unless ``--keep``. Results merge into ``--json`` by (shape, exporter, precision); a markdown table is printed.
+run unless ``--keep``. Results merge into ``--json`` by (shape, exporter, precision, verify); a markdown table is
+printed (``--table``: the table of every run in ``--json``). Stage times of qeff-kv runs come from its progress lines.
 """
 
 from __future__ import annotations
@@ -118,11 +119,17 @@ def qeff_cmd(base: list[str], ckpt: Path, out: Path, precision: str, verify: boo
 def qeff_verified(out: Path, log: Path) -> str:
     """``passed`` / ``skipped`` / ``failed`` / ``none`` from the export's manifest and its log."""
     manifest = out / "manifest.json"
-    if manifest.is_file():
+    if manifest.is_file():  # written only by a run that finished
         status = (json.loads(manifest.read_text()).get("verification") or {}).get("status")
         if status:
             return status
     return "failed" if "verification failed" in log.read_text(errors="replace") else "none"
+
+
+def stages(log: Path) -> list[list]:
+    """qeff-kv's progress lines ``[  12.3s] what`` of a run's log, as ``[seconds, what]``."""
+    found = re.findall(r"^\[\s*([\d.]+)s\] (.*)$", log.read_text(errors="replace"), re.M)
+    return [[float(t), what] for t, what in found]
 
 
 def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: dict) -> dict:
@@ -142,7 +149,8 @@ def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: d
     res = run_measured(cmd, log, args.poll, int(args.max_rss_gb * GB), args.timeout)
     res["out_bytes"] = dir_bytes(out)
     if exporter == "qeff":
-        res["verified"] = qeff_verified(out, log) if res["rc"] == 0 else "none"
+        res["verified"] = qeff_verified(out, log)
+        res["stages"] = stages(log)
     else:
         res["verified"] = "not done by the builder"
         shutil.rmtree(args.work / "genai-cache", ignore_errors=True)
@@ -151,7 +159,8 @@ def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: d
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     res.update({"shape": shape, "release": make_checkpoint.RELEASES[shape], "exporter": exporter,
-                "precision": precision, "command": shlex.join(cmd), "ckpt_bytes": info["bytes"],
+                "precision": precision, "verify": (not args.skip_verify) if exporter == "qeff" else None,
+                "command": shlex.join(cmd), "ckpt_bytes": info["bytes"],
                 "params": info["params"], "peak_over_ckpt": round(res["peak_tree_rss_bytes"] / info["bytes"], 2),
                 "loadavg_1min_start": round(load0, 2), "loadavg_1min_end": round(os.getloadavg()[0], 2),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
@@ -159,6 +168,11 @@ def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: d
           f"({res['peak_over_ckpt']}x the checkpoint), rc {res['rc']}, verified: {res['verified']}"
           + (f", {res['killed']}" if res["killed"] else ""), flush=True)
     return res
+
+
+def run_key(r: dict) -> tuple:
+    """What a new run replaces in the results file: same shape, exporter, weights and verification choice."""
+    return r["shape"], r["exporter"], r["precision"], r.get("verify")
 
 
 def table(rows: list[dict]) -> str:
@@ -169,10 +183,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         tmax = f"{r['time_max_rss_bytes'] / GB:.2f}" if r.get("time_max_rss_bytes") else "-"
         rc = r["killed"] or str(r["rc"])
+        verified = r["verified"] if r.get("verify") is not False else "--no-verify"
         lines.append(f"| {r['release']} | {r['ckpt_bytes'] / GB:.2f} | {r['exporter']} | {r['precision']} | "
                      f"{r['wall_s']:.0f} | {r['cpu_s'] if r['cpu_s'] is not None else '-'} | "
                      f"{r['peak_tree_rss_bytes'] / GB:.2f} | {tmax} | {r['peak_over_ckpt']:.2f}x | "
-                     f"{r['out_bytes'] / GB:.2f} | {r['verified']} | {rc} |")
+                     f"{r['out_bytes'] / GB:.2f} | {verified} | {rc} |")
     return "\n".join(lines)
 
 
@@ -194,7 +209,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rss-gb", type=float, default=16.0, help="kill a run whose tree RSS passes this")
     ap.add_argument("--timeout", type=float, default=3600.0, help="kill a run after this many seconds")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "export_scale.json")
+    ap.add_argument("--table", action="store_true", help="print the table of every run in --json and stop")
     args = ap.parse_args(argv)
+    if args.table:
+        runs = json.loads(args.json.read_text())["runs"]
+        print(table(sorted(runs, key=lambda r: (r["params"], r["exporter"] != "qeff", r["precision"],
+                                                r.get("verify") is False))))
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     exporters = ["qeff", "genai"] if args.exporter == "both" else [args.exporter]
     if "genai" in exporters:
@@ -209,8 +230,8 @@ def main(argv=None) -> int:
         for exporter in exporters:
             for precision in args.precisions.split(","):
                 new.append(run_one(args, shape, exporter, precision, ckpt, info))
-    keys = {(r["shape"], r["exporter"], r["precision"]) for r in new}
-    runs = [r for r in old if (r["shape"], r["exporter"], r["precision"]) not in keys] + new
+    keys = {run_key(r) for r in new}
+    runs = [r for r in old if run_key(r) not in keys] + new
     args.json.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.json.with_suffix(".json.partial")
     tmp.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs, "
