@@ -59,17 +59,21 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 def run_measured(cmd: list[str], log: Path, poll: float, max_rss: int, timeout: float, env=None) -> dict:
-    """Run ``cmd`` under ``/usr/bin/time -v``, sampling the tree's RSS; returns wall, peaks, rc and time's report."""
+    """Run ``cmd`` under ``/usr/bin/time -v``, sampling the tree's RSS; returns wall, peaks (and when the tree's
+    peak came), rc, time's report and the tree's RSS once a second (``[seconds, GB]``)."""
     timefile = log.with_suffix(".time")
     full = ["/usr/bin/time", "-v", "-o", str(timefile)] + cmd
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        ps, peak, killed = psutil.Process(proc.pid), 0, None
+        ps, peak, peak_at, killed, timeline = psutil.Process(proc.pid), 0, 0.0, None, []
         while proc.poll() is None:
             rss = tree_rss(ps)
-            peak = max(peak, rss)
             elapsed = time.perf_counter() - start
+            if rss > peak:
+                peak, peak_at = rss, elapsed
+            if not timeline or elapsed - timeline[-1][0] >= 1.0:
+                timeline.append([round(elapsed, 1), round(rss / GB, 2)])
             if rss > max_rss or elapsed > timeout:
                 killed = (f"killed: tree RSS {rss / GB:.1f} GB over --max-rss-gb" if rss > max_rss
                           else f"killed: over --timeout {timeout:.0f} s")
@@ -86,7 +90,8 @@ def run_measured(cmd: list[str], log: Path, poll: float, max_rss: int, timeout: 
 
     maxrss_kb = field("Maximum resident set size (kbytes)")
     user, system = field("User time (seconds)"), field("System time (seconds)")
-    return {"wall_s": round(wall, 1), "peak_tree_rss_bytes": peak,
+    return {"wall_s": round(wall, 1), "peak_tree_rss_bytes": peak, "peak_at_s": round(peak_at, 1),
+            "rss_timeline_gb": timeline,
             "time_max_rss_bytes": int(maxrss_kb) * 1024 if maxrss_kb else None,
             "cpu_s": round(float(user) + float(system), 1) if user and system else None,
             "rc": proc.returncode, "killed": killed, "log": str(log)}
