@@ -6,13 +6,15 @@ on the same random-weight bf16 checkpoints (benchmarks/make_checkpoint.py), from
         --qeff-command "/work/main/.venv/bin/python -m qeff_kv_cli.main export"   # with PYTHONPATH=<other tree>
 
 Each export runs as a subprocess under ``/usr/bin/time -v``; a sampler sums the RSS of the process and all its
-descendants every ``--poll`` seconds (the process tree's peak; time's figure is the largest single process).
+descendants every ``--poll`` seconds (the process tree's peak; time's figure is the largest single process), and
+its anonymous part (RSS less file-backed pages, such as those of a memory-mapped checkpoint, which the kernel can
+drop under pressure).
 qeff-kv: ``fp16`` is ``--target portable --dtype float16``, ``int4`` is ``--target onnxruntime-fused --weights
 int4`` (float32 activations), both ``--verify`` (``--skip-verify``: ``--no-verify``) and ``--ctx-len 1024``; the
 run counts as verified when the manifest's ``verification.status`` is ``passed``. genai: ``python -m
 onnxruntime_genai.models.builder -i CKPT -o OUT -p fp16|int4 -e cpu`` with ``--genai-python`` (a venv with the
-``bench`` extra's onnxruntime-genai); the builder does not verify. A run whose tree passes ``--max-rss-gb`` is killed
-and recorded as such. Checkpoints are written first when missing (``--ckpt-root``); outputs are deleted after each
+``bench`` extra's onnxruntime-genai); the builder does not verify. A run whose tree's anonymous RSS passes
+``--max-rss-gb`` is killed and recorded as such. Checkpoints are written first when missing (``--ckpt-root``); outputs are deleted after each
 run unless ``--keep``. Results merge into ``--json`` by (shape, exporter, precision, verify); a markdown table is
 printed (``--table``: the table of every run in ``--json``). Stage times of qeff-kv runs come from its progress lines.
 """
@@ -43,39 +45,44 @@ QEFF_ARGS = {"fp16": ["--target", "portable", "--dtype", "float16"],
              "int4": ["--target", "onnxruntime-fused", "--weights", "int4"]}
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    """Sum of the RSS of ``proc`` and every descendant still alive."""
-    total = 0
+def tree_rss(proc: psutil.Process) -> tuple[int, int]:
+    """Sums over ``proc`` and every descendant still alive of the RSS and of its anonymous part (RSS less the
+    file-backed and shared pages: a memory-mapped checkpoint's pages count in RSS but the kernel can drop them)."""
+    total = anon = 0
     try:
         procs = [proc] + proc.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0
+        return 0, 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            info = p.memory_info()
         except psutil.Error:
-            pass
-    return total
+            continue
+        total += info.rss
+        anon += info.rss - getattr(info, "shared", 0)
+    return total, anon
 
 
 def run_measured(cmd: list[str], log: Path, poll: float, max_rss: int, timeout: float, env=None) -> dict:
     """Run ``cmd`` under ``/usr/bin/time -v``, sampling the tree's RSS; returns wall, peaks (and when the tree's
-    peak came), rc, time's report and the tree's RSS once a second (``[seconds, GB]``)."""
+    peak came), the anonymous part's peak, rc, time's report and the tree's RSS once a second
+    (``[seconds, RSS GB, anonymous GB]``). The run is killed when the anonymous part passes ``max_rss``."""
     timefile = log.with_suffix(".time")
     full = ["/usr/bin/time", "-v", "-o", str(timefile)] + cmd
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        ps, peak, peak_at, killed, timeline = psutil.Process(proc.pid), 0, 0.0, None, []
+        ps, peak, peak_anon, peak_at, killed, timeline = psutil.Process(proc.pid), 0, 0, 0.0, None, []
         while proc.poll() is None:
-            rss = tree_rss(ps)
+            rss, anon = tree_rss(ps)
             elapsed = time.perf_counter() - start
             if rss > peak:
                 peak, peak_at = rss, elapsed
+            peak_anon = max(peak_anon, anon)
             if not timeline or elapsed - timeline[-1][0] >= 1.0:
-                timeline.append([round(elapsed, 1), round(rss / GB, 2)])
-            if rss > max_rss or elapsed > timeout:
-                killed = (f"killed: tree RSS {rss / GB:.1f} GB over --max-rss-gb" if rss > max_rss
+                timeline.append([round(elapsed, 1), round(rss / GB, 2), round(anon / GB, 2)])
+            if anon > max_rss or elapsed > timeout:
+                killed = (f"killed: anonymous tree RSS {anon / GB:.1f} GB over --max-rss-gb" if anon > max_rss
                           else f"killed: over --timeout {timeout:.0f} s")
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -91,7 +98,7 @@ def run_measured(cmd: list[str], log: Path, poll: float, max_rss: int, timeout: 
     maxrss_kb = field("Maximum resident set size (kbytes)")
     user, system = field("User time (seconds)"), field("System time (seconds)")
     return {"wall_s": round(wall, 1), "peak_tree_rss_bytes": peak, "peak_at_s": round(peak_at, 1),
-            "rss_timeline_gb": timeline,
+            "peak_tree_anon_bytes": peak_anon, "rss_timeline_gb": timeline,
             "time_max_rss_bytes": int(maxrss_kb) * 1024 if maxrss_kb else None,
             "cpu_s": round(float(user) + float(system), 1) if user and system else None,
             "rc": proc.returncode, "killed": killed, "log": str(log)}
@@ -182,16 +189,17 @@ def run_key(r: dict) -> tuple:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
-    head = ("| shape | ckpt bf16 GB | exporter | weights | wall s | CPU s | peak RSS tree GB | time -v max RSS GB "
-            "| peak / ckpt | output GB | verified | rc |")
+    head = ("| shape | ckpt bf16 GB | exporter | weights | wall s | CPU s | peak RSS tree GB | of it anonymous GB "
+            "| time -v max RSS GB | peak / ckpt | output GB | verified | rc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         tmax = f"{r['time_max_rss_bytes'] / GB:.2f}" if r.get("time_max_rss_bytes") else "-"
         rc = r["killed"] or str(r["rc"])
+        anon = f"{r['peak_tree_anon_bytes'] / GB:.2f}" if r.get("peak_tree_anon_bytes") is not None else "-"
         verified = r["verified"] if r.get("verify") is not False else "--no-verify"
         lines.append(f"| {r['release']} | {r['ckpt_bytes'] / GB:.2f} | {r['exporter']} | {r['precision']} | "
                      f"{r['wall_s']:.0f} | {r['cpu_s'] if r['cpu_s'] is not None else '-'} | "
-                     f"{r['peak_tree_rss_bytes'] / GB:.2f} | {tmax} | {r['peak_over_ckpt']:.2f}x | "
+                     f"{r['peak_tree_rss_bytes'] / GB:.2f} | {anon} | {tmax} | {r['peak_over_ckpt']:.2f}x | "
                      f"{r['out_bytes'] / GB:.2f} | {verified} | {rc} |")
     return "\n".join(lines)
 
@@ -211,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-export-scale"), help="outputs and logs")
     ap.add_argument("--keep", action="store_true", help="keep the exported folders")
     ap.add_argument("--poll", type=float, default=0.2, help="RSS sampling period, seconds")
-    ap.add_argument("--max-rss-gb", type=float, default=16.0, help="kill a run whose tree RSS passes this")
+    ap.add_argument("--max-rss-gb", type=float, default=16.0,
+                    help="kill a run whose tree's anonymous RSS passes this (GB)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="kill a run after this many seconds")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "export_scale.json")
     ap.add_argument("--table", action="store_true", help="print the table of every run in --json and stop")
