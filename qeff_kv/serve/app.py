@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 
 from ..errors import QeffKvError, QueueFullError, UnavailableError
 from ..runtime import prompt_rows
-from . import discovery, http_errors
+from . import discovery, http_errors, openai_responses
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
@@ -303,7 +303,7 @@ def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:
 
 
 def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
-    """OpenAI's completions and chat completions."""
+    """OpenAI's completions, chat completions and responses (:mod:`.openai_responses`)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -312,6 +312,10 @@ def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await front.generate(request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await openai_responses.respond(front, request)
 
 
 def echo_only(rid: str, p: Params, ids: list[int], tokenizer, model: str):
