@@ -153,6 +153,24 @@ def test_prefill_rows_leaves_the_cache_of_a_plain_prefill(spec_export):
     np.testing.assert_allclose(s.decode({a: 5})[a], s.decode({b: 5})[b], atol=1e-5)
 
 
+def test_prefill_rows_on_a_lock_step_session(tmp_path, reference):
+    """A graph without batch_index serving several sequences (lock step): the prompt's row of the buffers."""
+    from qeff_kv.export import export_model
+    from qeff_kv.runtime import open_session
+    from qeff_kv.runtime.prompt_rows import log_softmax, prefill_rows
+
+    out = export_model(None, tmp_path / "spec1", ctx_len=64, prefill_seq_len=8, verify=False, speculative_tokens=2)
+    s = open_session(out.out_dir, max_sequences=2)
+    assert s.lockstep
+    other, seq = s.add_sequence(), s.add_sequence()
+    s.prefill(other, PROMPT_IDS[:5])
+    rows = prefill_rows(s, seq, PROMPT_IDS)
+    np.testing.assert_allclose(log_softmax(rows), reference, atol=2e-4)
+    # the other sequence's row is intact: its next step scores as transformers does on its 6 tokens
+    np.testing.assert_allclose(log_softmax(s.decode({other: PROMPT_IDS[5]})[other][None])[0], reference[5],
+                               atol=2e-4)
+
+
 def test_prefill_rows_refused_on_a_plain_graph(own_cb_graph):
     from qeff_kv.runtime import open_session
     from qeff_kv.runtime.prompt_rows import prefill_rows

@@ -5,8 +5,9 @@ An ordinary graph returns one row of logits per sequence (its last valid positio
 (exported with ``--speculative-tokens K``: a ``num_logits_to_keep`` input) returns the ``n`` rows ending at the
 last valid one for any ``n`` it is given, so a prefill chunk of ``c`` tokens asking for ``c`` rows gets the logits
 after each of them: no other export option is needed. :func:`prefill_rows` feeds a prompt in chunks of the
-graph's prefill length that way (the same chunks :meth:`Session.prefill` makes for a text decoder of this
-exporter), so the cache it leaves is the one a plain prefill leaves. :func:`unsupported` says why a session cannot.
+graph's prefill length that way (the same chunks, and on a lock-step session the same row views, that
+:meth:`Session.prefill` uses for a text decoder of this exporter), so the cache it leaves is the one a plain
+prefill leaves. :func:`unsupported` says why a session cannot.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def unsupported(session) -> str | None:
     if not session.speculative:
         return (f"the graph returns the logits of the last prompt position only; export it with {EXPORT_OPTION} "
                 "(a num_logits_to_keep input) for prompt logprobs")
-    why = ("a lock-step graph" if session.lockstep else "a fixed seq_len graph" if session.fixed_seq_len is not None
+    why = ("a fixed seq_len graph" if session.fixed_seq_len is not None
            else "a recurrent graph" if session.recurrent else "a vision-language graph" if session.media is not None
            else "another exporter's rings" if session._ring_within else None)
     return None if why is None else f"prompt logprobs are not computed on {why}"
