@@ -78,7 +78,7 @@ class _Active:
     picker: TokenPicker | None = None   # the row's logits pipeline and token history (runtime/sampling.py)
     #: other choices of the same prompt (OpenAI's n), parked until this one's prompt is prefilled, then forked
     followers: list["_Active"] = field(default_factory=list)
-    prompt_row: object = None           # prompt logprobs: the logits after the last prefilled token (next chunk's)
+    prompt_row: object = None           # prompt logprobs (no reuse): the logits after the last token prefilled
 
 
 class Scheduler(PrefillTurns, ChoiceForks, Engine):
@@ -386,7 +386,6 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
             picker.accept(seq.pending)
             self._emit_token(a, seq.pending)
             return a
-        # prompt logprobs score every prompt token: none is taken from a kept sequence
         seq, cached = self._reuse(req.prompt) if req.prompt_logprobs is None else (self._take_slot(), 0)
         budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
         a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached, picker=picker)
