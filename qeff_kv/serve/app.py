@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 
 from ..errors import QeffKvError, QueueFullError, UnavailableError
 from ..runtime import prompt_rows
-from . import discovery, http_errors, openai_responses
+from . import discovery, embeddings_api, http_errors, openai_responses
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
@@ -303,7 +303,8 @@ def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:
 
 
 def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
-    """OpenAI's completions, chat completions and responses (:mod:`.openai_responses`)."""
+    """OpenAI's completions, chat completions, responses (:mod:`.openai_responses`) and embeddings
+    (:mod:`.embeddings_api`)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -316,6 +317,10 @@ def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await openai_responses.respond(front, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await embeddings_api.respond(front, request)
 
 
 def echo_only(rid: str, p: Params, ids: list[int], tokenizer, model: str):
