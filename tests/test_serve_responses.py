@@ -130,6 +130,9 @@ def test_text_format_json_schema(client):
      "input[0]: items of type 'reasoning' are not supported (message, function_call, function_call_output)"),
     ({"tools": [{"type": "web_search"}]}, "tools", "tools[0]: only function tools are supported (got 'web_search')"),
     ({"text": {"format": {"type": "yaml"}}}, "text", None),
+    ({"stream": "yes"}, "stream", "stream must be true or false, got 'yes'"),
+    ({"instructions": ["x"]}, "instructions", "instructions must be a string"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "input[0].call_id must be a string"),
 ])
 def test_refusals(served, extra, param, message):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra}

@@ -86,6 +86,8 @@ def messages_of(body: dict) -> list[dict]:
         kind = it.get("type", "message") if isinstance(it, dict) else None
         if kind == "message" and it.get("role") in ("user", "system", "developer", "assistant"):
             msgs.append({"role": it["role"], "content": _text_of(it.get("content"), where)})
+        elif kind in ("function_call", "function_call_output") and not isinstance(it.get("call_id"), str):
+            raise bad(f"{where}.call_id must be a string", "input")
         elif kind == "function_call":
             call = {"id": it.get("call_id"), "type": "function",
                     "function": {"name": it.get("name"), "arguments": it.get("arguments")}}
@@ -106,6 +108,10 @@ def messages_of(body: dict) -> list[dict]:
 def chat_body(body: dict) -> dict:
     """The chat-completions request that answers ``body``."""
     check_fields(body)
+    if body.get("stream") not in (None, True, False):
+        raise bad(f"stream must be true or false, got {body['stream']!r}", "stream")
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise bad("instructions must be a string", "instructions")
     chat = {"messages": messages_of(body)}
     for src, dst in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
