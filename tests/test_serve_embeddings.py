@@ -41,7 +41,7 @@ def hidden_export(tmp_path_factory):
     from qeff_kv.export import export_model
 
     return export_model(None, tmp_path_factory.mktemp("emb") / "hid", ctx_len=64, prefill_seq_len=8, verify=False,
-                        hidden_states=True)
+                        hidden_states=True, speculative_tokens=2)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,20 @@ def test_embeddings_equal_transformers(served, own_graphs):
 
 
 def test_completions_still_served_beside_embeddings(served):
-    plain = served.client.completions.create(model="tiny-emb", prompt="abc", max_tokens=4, temperature=0)
+    """After an embedding, steps of other shapes (prompt logprobs' rows, two rows of lock step) run as before."""
+    import concurrent.futures
+
+    def ask(prompt):
+        return served.client.completions.create(model="tiny-emb", prompt=prompt, max_tokens=6, temperature=0,
+                                                echo=True, logprobs=1).choices[0]
+
+    before = [ask(p) for p in ("abc", "xyz xyz")]
     served.client.embeddings.create(model="tiny-emb", input=TEXT)
-    again = served.client.completions.create(model="tiny-emb", prompt="abc", max_tokens=4, temperature=0)
-    assert again.choices[0].text == plain.choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        after = list(pool.map(ask, ("abc", "xyz xyz")))
+    assert [a.text for a in after] == [b.text for b in before]
+    for a, b in zip(after, before):
+        np.testing.assert_allclose(a.logprobs.token_logprobs[1:], b.logprobs.token_logprobs[1:], atol=1e-5)
 
 
 @pytest.mark.parametrize("body, param, message", [

@@ -3,7 +3,8 @@
 :func:`embed` prefills a text into a new sequence (the plain prefill, its chunks and cache) and pools the graph's
 ``hidden_states`` output of the last chunk: the final (normed) hidden state of the text's **last token**
 (last-token pooling, as vLLM pools decoder embedding models), L2-normalised (as OpenAI's and vLLM's embeddings
-are). The output is bound only on the first call, so a session that never embeds runs exactly as before.
+are). The output is bound for that prefill only (then every output is bound again as the session binds them), so
+the graph's other runs, whatever their shapes, never write it.
 :func:`unsupported` says why a session cannot.
 """
 
@@ -23,6 +24,8 @@ def unsupported(session) -> str | None:
         return ("the graph has no hidden_states output; export it with --hidden-states for /v1/embeddings")
     if session.media is not None:
         return "embeddings are not computed on a vision-language graph"
+    if not hasattr(session._io, "clear_binding_outputs"):
+        return "embeddings need the onnxruntime executor"
     return None
 
 
@@ -35,10 +38,20 @@ def embed(session, seq, tokens: Seq[int]) -> np.ndarray:
     if session.cache.get(seq).length:
         raise RuntimeInputError("embed takes an empty sequence")
     name = naming.HIDDEN_STATES_OUTPUT
-    if name not in session._out_order:
-        session._bind_out(name, None)   # to the CPU, from now on (a [rows, 1, hidden] copy per step)
-    session.prefill(seq, tokens)
-    out = session._io.get_outputs()[session._out_order.index(name)].numpy()
+    session._bind_out(name, None)   # to the CPU, for this prefill's chunks
+    try:
+        session.prefill(seq, tokens)
+        out = session._io.get_outputs()[session._out_order.index(name)].numpy()
+    finally:
+        _unbind(session)
     vec = np.asarray(out, dtype=np.float64).reshape(-1, out.shape[-1])[-1]   # one row: the last token's
     norm = np.linalg.norm(vec)
     return (vec / norm if norm > 0 else vec).astype(np.float32)
+
+
+def _unbind(session) -> None:
+    """Every output bound again as :meth:`Session._bind` binds them, without ``hidden_states`` (onnxruntime's
+    IOBinding unbinds outputs only all together); the next step binds its logits again."""
+    session._io.clear_binding_outputs()
+    session._bind()
+    session._bound = None
