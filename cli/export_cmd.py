@@ -83,6 +83,9 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Speculative decoding (QEfficient's target language model): the graph takes num_logits_to_keep "
                    "and a decode step verifies up to K drafted tokens (K+1 tokens in, logits for each out); the "
                    "decode specialization has seq_len K+1. Use with 'qeff-kv generate --speculative'.")
+@click.option("--hidden-states", is_flag=True,
+              help="One more output, hidden_states: the final hidden state at the logits' rows (what 'qeff-kv "
+                   "serve' pools for /v1/embeddings). Text decoders only.")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
@@ -91,7 +94,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
            full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, gguf_grid,
-           sliding_cache, mla_cache, single_graph, image_size, speculative_tokens, verify, force, quiet):
+           sliding_cache, mla_cache, single_graph, image_size, speculative_tokens, hidden_states, verify, force, quiet):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
     result = export_model(
@@ -100,7 +103,7 @@ def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, con
         specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
         ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
         single_graph=single_graph, image_size=image_size, mla_cache=mla_cache, speculative_tokens=speculative_tokens,
-        gguf_grid=gguf_grid)
+        gguf_grid=gguf_grid, hidden_states=hidden_states)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

@@ -70,6 +70,9 @@ CCL_INPUT = "comp_ctx_lengths"
 #: a speculative-decoding ("target language model") graph's input: its length ``n`` (``[n, 1]``) is how many
 #: logits the step returns, those of the ``n`` rows ending at the last valid one (QEfficient's TLM contract)
 LOGITS_TO_KEEP_INPUT = "num_logits_to_keep"
+#: the last output of an export with ``hidden_states``: the final (normed) hidden state at the rows the logits are
+#: taken at, ``[batch, 1 or n, hidden]`` (what ``/v1/embeddings`` pools)
+HIDDEN_STATES_OUTPUT = "hidden_states"
 #: graph metadata: the ``K`` of a graph exported with ``--speculative-tokens K`` (decode steps of up to K+1 tokens)
 SPECULATIVE_META = "qeff_kv.speculative_tokens"
 

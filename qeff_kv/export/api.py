@@ -63,6 +63,7 @@ def export_model(
     mla_cache: str | None = None,
     speculative_tokens: int | None = None,
     gguf_grid: bool = False,
+    hidden_states: bool = False,
 ) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
 
@@ -92,6 +93,9 @@ def export_model(
     vocab]`` (``n = 1`` for prefill, ``K+1`` to verify ``K`` drafted tokens in one decode step); names, prefix and
     pairing are unchanged; the decode specialization has ``seq_len = K+1``.
 
+    ``hidden_states``: one more output, last, ``hidden_states`` ``[batch, 1 or n, hidden]``: the final (normed)
+    hidden state at the rows the logits are taken at (``/v1/embeddings`` pools it; text decoders only).
+
     ``gguf_grid``: with ``weights="int4"`` and a ``.gguf`` model, MatMul weights whose GGUF type maps onto
     MatMulNBits exactly (Q4_0) take the GGUF's own blocks; the rest are requantized and reported
     (:mod:`qeff_kv.export.gguf_grid`; the manifest's ``weights.gguf_grid``).
@@ -106,7 +110,8 @@ def export_model(
                                       target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
                                       image_size=image_size, weights=weights, block_size=block_size,
                                       accuracy_level=accuracy_level, mla_cache=mla_cache,
-                                      speculative_tokens=speculative_tokens, gguf_grid=bool(gguf_grid))
+                                      speculative_tokens=speculative_tokens, gguf_grid=bool(gguf_grid),
+                                      hidden_states=bool(hidden_states))
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format

@@ -72,6 +72,9 @@ class ExportOptions:
     #: speculative decoding (a "target language model" graph): the graph takes ``num_logits_to_keep`` and returns
     #: the logits of that many last rows, so a decode step verifies up to ``K`` drafted tokens (``K+1`` rows)
     speculative_tokens: int | None = None
+    #: one more output, last: the final hidden state at the logits' rows (``naming.HIDDEN_STATES_OUTPUT``;
+    #: embeddings); text decoders only
+    hidden_states: bool = False
     #: ``--weights int4`` from a GGUF file: MatMul weights whose GGUF type fits MatMulNBits exactly take the
     #: GGUF's own blocks (:mod:`qeff_kv.export.gguf_grid`)
     gguf_grid: bool = False
@@ -141,6 +144,8 @@ class ExportOptions:
             del d["single_graph"]
         if d["image_size"] is None:
             del d["image_size"]
+        if not d["hidden_states"]:
+            del d["hidden_states"]   # exports without it keep their options hash
         if not d["gguf_grid"]:
             del d["gguf_grid"]   # exports without it keep their options hash
         if d["prequant"] is None:

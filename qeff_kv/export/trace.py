@@ -144,6 +144,9 @@ def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:
         io.in_names.append(naming.LOGITS_TO_KEEP_INPUT)
         io.dyn[naming.LOGITS_TO_KEEP_INPUT] = {0: naming.LOGITS_TO_KEEP_INPUT}
         io.dyn["logits"] = {0: "batch_size", 1: naming.LOGITS_TO_KEEP_INPUT}
+    if options.hidden_states:   # the last output
+        io.out_names.append(naming.HIDDEN_STATES_OUTPUT)
+        io.dyn[naming.HIDDEN_STATES_OUTPUT] = dict(io.dyn["logits"])
 
 
 def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec, num_layers: int,
@@ -160,7 +163,10 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
     common = dict(target=target, facts=facts, ccl=options.ccl is not None,
                   speculative=options.speculative_tokens is not None, spec=spec)
     if vision is None:
-        return RetainedStateLM(model, num_layers, options.continuous_batching, **common).eval(), target
+        return RetainedStateLM(model, num_layers, options.continuous_batching, hidden=options.hidden_states,
+                               **common).eval(), target
+    if options.hidden_states:
+        raise ExportError("--hidden-states is for text decoders; this is a vision-language model")
     from . import vlm as vlm_mod
 
     return vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,

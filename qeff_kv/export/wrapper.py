@@ -53,7 +53,7 @@ class RetainedStateLM(torch.nn.Module):
     causal LM, for one :class:`~qeff_kv.export.targets.base.Target`."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, target: Target,
-                 facts, ccl: bool = False, speculative: bool = False, spec=None):
+                 facts, ccl: bool = False, speculative: bool = False, spec=None, hidden: bool = False):
         super().__init__()
         #: what each layer retains (:class:`~qeff_kv.statespec.StateSpec`), in graph order: how the KV inputs split
         #: into attention pairs and recurrent states (``None``: one key/value pair per layer)
@@ -69,6 +69,8 @@ class RetainedStateLM(torch.nn.Module):
         self.target = target
         #: the graph takes ``num_logits_to_keep`` last and returns that many rows of logits
         self.speculative = speculative
+        #: one more output, last: ``hidden_last`` (the final hidden state at the logits' rows; embeddings)
+        self.hidden = hidden
         # What the model's own forward does to the head's output (see ModelFacts): Cohere multiplies by
         # logit_scale, Granite divides by logits_scaling, Gemma2 soft-caps.
         self.logit_scale = facts.logit_scale
@@ -132,7 +134,7 @@ class RetainedStateLM(torch.nn.Module):
             logits = logits / self.logits_scaling
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return (logits, *self._retained(cache, rec))
+        return (logits, *self._retained(cache, rec), *((hidden_last,) if self.hidden else ()))
 
     def _split(self, flat: list) -> tuple[list, dict]:
         """The KV inputs as ``past[layer] = (key, value)`` (``None`` for a layer that does not attend) and

@@ -70,6 +70,7 @@ class OrtExecutor(Executor):
         self.bind_ortvalue_output = self._io.bind_ortvalue_output
         self.bind_output = self._io.bind_output
         self.get_outputs = self._io.get_outputs
+        self.clear_binding_outputs = self._io.clear_binding_outputs   # every output unbound (runtime/embeddings.py)
 
     def run(self) -> None:
         self.sess.run_with_iobinding(self._io)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import re
 import time
 import uuid
@@ -23,7 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from ..errors import QeffKvError, QueueFullError, UnavailableError
-from . import discovery, http_errors
+from ..runtime import prompt_rows
+from . import discovery, embeddings_api, http_errors, openai_responses
 from .bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from .choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from .defaults import SamplingDefaults
@@ -167,6 +169,7 @@ class _Frontend:
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
         check_logit_bias(p, self.engine)
+        check_prompt_logprobs(p, self.engine)
         turn, images = parse_turn(body, p.messages) if chat else Turn(), None
         if chat and has_images(p.messages):   # the export's processor and vision stage, as generate --image runs them
             ids, images = image_request(self.engine, p.messages, media_path=self.media_path, tools=tools,
@@ -194,7 +197,8 @@ class _Frontend:
             request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults, room), sampling=first,
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
             logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
-            kv_transfer_params=kv.params if kv is not None else None, images=images)
+            kv_transfer_params=kv.params if kv is not None else None, images=images,
+            prompt_logprobs=p.logprobs if p.echo else None)
         try:
             if p.n == 1:
                 return [engine.submit(req)]
@@ -216,11 +220,14 @@ class _Frontend:
         p, ids, parser = prep.params, prep.ids, prep.parser
         constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if p.max_tokens == 0 and p.logprobs is None:   # echo of the prompt alone: nothing to run
+            return echo_only(rid, p, ids, self.text.tokenizer, self.engine.model_name)
         handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv, prep.images)
         tokenizer = self.text.tokenizer
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
         runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,
-                    logprobs=Logprobs(self.token_text, chat, len(echo)) if p.logprobs is not None else None,
+                    logprobs=Logprobs(self.token_text, chat, 0 if p.echo else len(echo))
+                    if p.logprobs is not None else None,
                     tools=ToolStream(parser, prep.tool_names) if parser is not None else None, grammar=constraint)
                 for h in handles]
         model = self.engine.model_name
@@ -313,7 +320,8 @@ def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:
 
 
 def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
-    """OpenAI's completions and chat completions."""
+    """OpenAI's completions, chat completions, responses (:mod:`.openai_responses`) and embeddings
+    (:mod:`.embeddings_api`)."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -322,6 +330,37 @@ def _add_generation_routes(app: FastAPI, front: _Frontend) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await front.generate(request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await openai_responses.respond(front, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await embeddings_api.respond(front, request)
+
+
+def echo_only(rid: str, p: Params, ids: list[int], tokenizer, model: str):
+    """``max_tokens: 0`` with ``echo`` and no logprobs: the prompt's text, nothing generated (streamed: one chunk)."""
+    text = p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": "length"} for i in range(p.n)],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}}
+    if not p.stream:
+        return body
+    events = ["data: " + json.dumps({k: v for k, v in body.items() if k != "usage" or p.include_usage}) + "\n\n",
+              "data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")
+
+
+def check_prompt_logprobs(p: Params, engine) -> None:
+    """``echo`` + ``logprobs`` on a graph that returns the last position's logits only: a 400 naming the export
+    option that adds the others (:mod:`qeff_kv.runtime.prompt_rows`)."""
+    session = getattr(engine, "session", None)
+    if p.echo and p.logprobs is not None and session is not None:
+        why = prompt_rows.unsupported(session)
+        if why is not None:
+            raise bad(why, "logprobs")
 
 
 def check_logit_bias(p: Params, engine) -> None:

@@ -46,6 +46,8 @@ def choice_samplings(first: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 def max_tokens_of(p: Params, defaults: SamplingDefaults, room: int) -> int:
+    if p.max_tokens == 0:   # echo: the prompt only
+        return 0
     want = p.max_tokens if p.max_tokens is not None else defaults.max_tokens
     return min(want or room, room)
 
@@ -82,6 +84,11 @@ class Logprobs:
         self._taken = 0
         self._offset = offset   # completions' text_offset: where the completion starts (after an echoed prompt)
 
+    def add_prompt(self, entries) -> None:
+        """Prompt tokens' entries (:class:`~.engine.PromptLogprobs`; the first token's logprob None)."""
+        for t, lp, top in entries:
+            self._entries.append((t, None if lp is None else _shown(lp), tuple((a, _shown(v)) for a, v in top)))
+
     def add(self, ev) -> None:
         if ev.logprob is not None:
             self._entries.append((ev.token, _shown(ev.logprob), tuple((t, _shown(v)) for t, v in ev.top)))
@@ -103,7 +110,8 @@ class Logprobs:
             offsets.append(self._offset)
             self._offset += len(s)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self.text(a): b for a, b in top} for _, _, top in entries],
+                "top_logprobs": [None if lp is None else {self.text(a): b for a, b in top}
+                                 for _, lp, top in entries],
                 "text_offset": offsets}
 
     def _chat_item(self, token: int, logprob: float) -> dict:

@@ -38,7 +38,8 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 class GenerationRequest:
     """One request as an engine sees it (token ids; the frontend did the text).
 
-    ``max_tokens``: at most this many generated tokens (>= 1; an engine may end earlier at its capacity, with
+    ``max_tokens``: at most this many generated tokens (>= 1, or 0 with ``prompt_logprobs``: the prompt scored
+    only; an engine may end earlier at its capacity, with
     ``finish_reason == "length"``). ``state``: disaggregated serving: a sequence already prefilled by a prefill
     worker, admitted by ``session.import_state`` (its pending token is the first generated token), not by
     prefill; ``prompt`` then still holds the prompt's ids (for accounting).
@@ -60,6 +61,19 @@ class GenerationRequest:
     #: a vision-language prompt's images (runtime.media.Images, made by the frontend): the prompt is prefilled in
     #: one call with them bound, reuses no cached prefix and is not kept for reuse (its KV depends on the images)
     images: object | None = None
+    #: None: no prompt logprobs; else a :class:`PromptLogprobs` event (every prompt token's logprob and this many
+    #: alternatives) comes before the first token; needs a graph that returns every position's logits
+    #: (:mod:`qeff_kv.runtime.prompt_rows`)
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens (one event per prefill chunk, in order): ``entries`` ``((token, logprob or None,
+    ((token, logprob), ...)), ...)``; the prompt's first token has None (nothing precedes it). Raw model logprobs
+    (``log_softmax`` of the logits; no penalties, bias or temperature)."""
+
+    entries: tuple
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,7 @@ class Finished:
     kv_transfer_params: dict | None = None
 
 
-Event = Union[TokenOut, Finished]
+Event = Union[TokenOut, Finished, PromptLogprobs]
 
 
 class RequestHandle:
@@ -181,8 +195,9 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
     it cannot apply one (``constraint_refused``)."""
     if not isinstance(req, GenerationRequest):
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-        raise RuntimeInputError(f"max_tokens must be an int >= 1, got {req.max_tokens!r}")
+    least = 0 if req.prompt_logprobs is not None else 1
+    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < least:
+        raise RuntimeInputError(f"max_tokens must be an int >= {least}, got {req.max_tokens!r}")
     if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
                                      or not 0 <= req.logprobs <= MAX_TOP_LOGPROBS):
         raise RuntimeInputError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got {req.logprobs!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
+from ..runtime.prompt_rows import unsupported
 from .engine import Finished, GenerationRequest, RequestHandle, check_request
 
 
@@ -84,6 +85,10 @@ class ChoiceForks:
                           "structured output and forced tool calls are not supported with --speculative")
             if self.speculation is not None and (r.sampling.adjusts or r.logprobs is not None):
                 raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --speculative")
+            if r.prompt_logprobs is not None:
+                why = "prompt logprobs go with one choice (n = 1)" if len(reqs) > 1 else unsupported(self.session)
+                if why is not None:
+                    raise RuntimeInputError(why)
         handles = [RequestHandle(r.request_id, on_cancel=lambda h: self._wake.set()) for r in reqs]
         with self._lock:
             if self._closed:

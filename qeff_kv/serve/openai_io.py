@@ -7,7 +7,8 @@ is silently ignored. Honoured: ``model``, ``prompt`` (text, token ids, or a list
 ``max_tokens`` or ``max_completion_tokens``, ``temperature`` [0, 2], ``top_p`` (0, 1], ``seed``, ``stop`` (a
 string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream``, ``stream_options``
 (``include_usage``), ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: 0-5), ``logit_bias``
-(token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions), the
+(token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions; with ``logprobs`` the prompt
+tokens' logprobs too, on a graph exported with ``--speculative-tokens K``; ``max_tokens: 0`` with it), the
 vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``, and vLLM's
 ``kv_transfer_params`` (its P/D protocol, on a server with ``--kv-role``; :mod:`.pd`). Accepted with no
 effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, ``prompt_cache_key``,
@@ -120,7 +121,8 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     n: int = 1
-    #: None: no logprobs; else how many alternatives per token (0: the chosen token's only)
+    #: None: no logprobs; else how many alternatives per token (0: the chosen token's only); with ``echo``, the
+    #: prompt's tokens get theirs too (the first one None, as vLLM)
     logprobs: int | None = None
     echo: bool = False
     stop: list[str] = field(default_factory=list)
@@ -204,7 +206,7 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv
     _refuse_unsupported(body, chat)
     p = Params()
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    p.max_tokens = _int(body, mt, 1, ctx_len)
+    p.max_tokens = _int(body, mt, 1 if chat else 0, ctx_len)
     _sampling(body, p)
     n = _int(body, "n", 1)
     if n is not None and n > max_n:
@@ -216,8 +218,8 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv
         p.messages = _messages(body.get("messages"))
     else:
         p.echo = _bool(body, "echo")
-        if p.echo and p.logprobs is not None:
-            raise bad("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        if p.max_tokens == 0 and not p.echo:
+            raise bad("max_tokens 0 goes with echo (the prompt, scored with logprobs)", mt)
         _prompt(body.get("prompt", None), p)
     p.kv_transfer_params = _kv_transfer(body.get("kv_transfer_params"), p, kv_role)
     return p

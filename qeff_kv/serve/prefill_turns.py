@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from ..runtime.prompt_rows import log_softmax, prefill_rows
+from .engine import PromptLogprobs
+
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
 AUTO_SHARE = 0.9
 #: prompt tokens a turn feeds by default (rounded down to whole prefill lengths): vLLM's budget of batched tokens
@@ -66,7 +71,8 @@ class PrefillTurns:
             kw["images"] = images
         t0, runs = time.perf_counter(), self.session.timings.prefill_runs
         try:
-            logits = self.session.prefill(a.seq, chunk, **kw)
+            logits = (self.session.prefill(a.seq, chunk, **kw) if a.req.prompt_logprobs is None
+                      else self._scored_chunk(a, chunk))
         except Exception as exc:   # noqa: BLE001
             self._finish(a, "error", f"prefill failed: {exc}", keep=False)
             return
@@ -79,7 +85,31 @@ class PrefillTurns:
         self._prefilling.remove(a)
         if images is None:
             self.prefix_cache.held(a.seq)
+        if a.budget == 0:   # max_tokens 0 (prompt logprobs only): the prompt scored, nothing generated
+            self._finish(a, "length")
+            return
         if a.followers:
             self._fork(a, logits)
         self._first_token(a, logits)
 
+    def _scored_chunk(self, a, chunk: list[int]):
+        """Prefill ``chunk`` keeping every position's logits (:func:`~qeff_kv.runtime.prompt_rows.prefill_rows`),
+        emit its tokens' :class:`~.engine.PromptLogprobs`, and return the logits after its last token."""
+        rows = prefill_rows(self.session, a.seq, chunk)
+        scoring = rows[:-1] if a.prompt_row is None else np.concatenate([a.prompt_row[None], rows[:-1]])
+        a.handle.emit(PromptLogprobs(prompt_entries(scoring, chunk, a.req.prompt_logprobs,
+                                                    first=a.prompt_row is None)))
+        a.prompt_row = rows[-1]
+        return rows[-1]
+
+
+def prompt_entries(scoring, tokens: list[int], top: int, first: bool) -> tuple:
+    """``(token, logprob, top alternatives)`` for each of ``tokens``, scored by the rows ``scoring`` (one per token,
+    or one fewer with ``first``: the prompt's first token, which nothing precedes, gets None)."""
+    out = [(tokens[0], None, ())] if first else []
+    lps = log_softmax(scoring) if len(scoring) else scoring
+    for row, tok in zip(lps, tokens[1:] if first else tokens):
+        alts = np.argpartition(-row, top - 1)[:top] if top > 0 else []
+        alts = sorted(alts, key=lambda t: -row[t])
+        out.append((tok, float(row[tok]), tuple((int(t), float(row[t])) for t in alts)))
+    return tuple(out)

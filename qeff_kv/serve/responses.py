@@ -13,7 +13,7 @@ import time
 
 from .choices import Logprobs
 from .drain import shutting_down
-from .engine import Finished, TokenOut
+from .engine import Finished, PromptLogprobs, TokenOut
 from .metrics import Metrics
 from .openai_io import APIError, Params
 from .text import Detokenizer, StopMatcher
@@ -229,6 +229,10 @@ class Run:
                 if ev is None:
                     self.finish_reason = "cancelled"
                     return
+                if isinstance(ev, PromptLogprobs):
+                    if self.logprobs is not None:
+                        self.logprobs.add_prompt(ev.entries)
+                    continue
                 if isinstance(ev, TokenOut):
                     now = time.monotonic()
                     if not self.params.stream and now - checked > DISCONNECT_POLL_S:

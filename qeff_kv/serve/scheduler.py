@@ -78,6 +78,7 @@ class _Active:
     picker: TokenPicker | None = None   # the row's logits pipeline and token history (runtime/sampling.py)
     #: other choices of the same prompt (OpenAI's n), parked until this one's prompt is prefilled, then forked
     followers: list["_Active"] = field(default_factory=list)
+    prompt_row: object = None           # prompt logprobs (no reuse): the logits after the last token prefilled
 
 
 class Scheduler(PrefillTurns, ChoiceForks, Engine):
@@ -385,7 +386,8 @@ class Scheduler(PrefillTurns, ChoiceForks, Engine):
             picker.accept(seq.pending)
             self._emit_token(a, seq.pending)
             return a
-        seq, cached = (self._take_slot(), 0) if req.images is not None else self._reuse(req.prompt)
+        fresh = req.images is not None or req.prompt_logprobs is not None   # neither reuses a cached prefix
+        seq, cached = (self._take_slot(), 0) if fresh else self._reuse(req.prompt)
         budget = min(req.max_tokens, self.ctx_len - len(req.prompt) + 1)
         a = _Active(handle, req, seq, list(req.prompt[cached:]), budget, params, cached=cached, picker=picker)
         with self._lock:

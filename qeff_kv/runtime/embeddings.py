@@ -1,0 +1,57 @@
+"""Embeddings from a decoder export with the ``hidden_states`` output (``qeff-kv export --hidden-states``).
+
+:func:`embed` prefills a text into a new sequence (the plain prefill, its chunks and cache) and pools the graph's
+``hidden_states`` output of the last chunk: the final (normed) hidden state of the text's **last token**
+(last-token pooling, as vLLM pools decoder embedding models), L2-normalised (as OpenAI's and vLLM's embeddings
+are). The output is bound for that prefill only (then every output is bound again as the session binds them), so
+the graph's other runs, whatever their shapes, never write it.
+:func:`unsupported` says why a session cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import numpy as np
+
+from .. import naming
+from ..errors import RuntimeInputError
+
+
+def unsupported(session) -> str | None:
+    """Why ``session`` cannot embed, in one line; None when it can."""
+    if naming.HIDDEN_STATES_OUTPUT not in {t.name for t in session.graph.layout.outputs}:
+        return ("the graph has no hidden_states output; export it with --hidden-states for /v1/embeddings")
+    if session.media is not None:
+        return "embeddings are not computed on a vision-language graph"
+    if not hasattr(session._io, "clear_binding_outputs"):
+        return "embeddings need the onnxruntime executor"
+    return None
+
+
+def embed(session, seq, tokens: Seq[int]) -> np.ndarray:
+    """Prefill ``tokens`` into the empty sequence ``seq`` and return the L2-normalised final hidden state of the
+    last one, ``[hidden]`` (float32). The sequence keeps the prompt (the caller frees or keeps it)."""
+    why = unsupported(session)
+    if why is not None:
+        raise RuntimeInputError(why)
+    if session.cache.get(seq).length:
+        raise RuntimeInputError("embed takes an empty sequence")
+    name = naming.HIDDEN_STATES_OUTPUT
+    session._bind_out(name, None)   # to the CPU, for this prefill's chunks
+    try:
+        session.prefill(seq, tokens)
+        out = session._io.get_outputs()[session._out_order.index(name)].numpy()
+    finally:
+        _unbind(session)
+    vec = np.asarray(out, dtype=np.float64).reshape(-1, out.shape[-1])[-1]   # one row: the last token's
+    norm = np.linalg.norm(vec)
+    return (vec / norm if norm > 0 else vec).astype(np.float32)
+
+
+def _unbind(session) -> None:
+    """Every output bound again as :meth:`Session._bind` binds them, without ``hidden_states`` (onnxruntime's
+    IOBinding unbinds outputs only all together); the next step binds its logits again."""
+    session._io.clear_binding_outputs()
+    session._bind()
+    session._bound = None
