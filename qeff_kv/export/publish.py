@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -44,13 +46,38 @@ def staging(dest: Path):
 
 def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if total > opt.EXTERNAL_DATA_THRESHOLD:
-        say(f"writing {total / 1e9:.2f} GB of weights as external data")
+    on_disk = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    if total > opt.EXTERNAL_DATA_THRESHOLD or on_disk:   # (on_disk: a graph quantized from external data)
+        lazy = sum(isinstance(v.const_value, ir.LazyTensor) for v in model.graph.initializers.values())
+        say(f"writing {total / 1e9:.2f} GB of weights as external data"
+            + (f" ({lazy} tensors read from the checkpoint one at a time)" if lazy else ""))
         _inline_constant_attributes(model)
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024,
+                callback=progress_bar("weights", total) if sys.stderr.isatty() else None)
     else:
         # Materialise tensors and write deterministically (no timestamps, stable field order).
         graphio.save(model, path, source_dir=path.parent)
+
+
+def progress_bar(label: str, total_bytes: int):
+    """A callback for ``onnx_ir.save``: one line on the terminal (stderr), redrawn per tensor, with the bytes
+    written, the rate and the time left."""
+    start = time.monotonic()
+    done = [0]
+
+    def callback(tensor, info) -> None:
+        done[0] += tensor.nbytes
+        elapsed = time.monotonic() - start
+        frac = min(1.0, done[0] / max(1, total_bytes))
+        eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{label} [{bar:<30}] {frac:4.0%} tensor {info.index + 1}/{info.total} "
+                         f"{done[0] / 1e9:.2f}/{total_bytes / 1e9:.2f} GB, ETA {eta:4.0f}s")
+        if info.index + 1 >= info.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return callback
 
 
 def _inline_constant_attributes(model: ir.Model) -> None:
