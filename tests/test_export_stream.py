@@ -75,11 +75,17 @@ def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeyp
     assert new.manifest["verification"]["status"] == "passed"
 
 
-@pytest.mark.parametrize("target,weights", [("onnxruntime", "int8"), ("onnxruntime-fused", "int4")])
-def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights):
+@pytest.mark.parametrize("target,weights,external", [("onnxruntime", "int8", False),
+                                                     ("onnxruntime-fused", "int4", True)])
+def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights,
+                                                            external):
     """--weights packed as they are written (qeff_kv/export/quantize_stream.py): the same nodes, initializer names,
-    order and bytes as onnxruntime's whole-graph quantizer on the whole-model export."""
-    from qeff_kv.export import export_model, quantize
+    order and bytes as onnxruntime's whole-graph quantizer on the whole-model export. ``external``: every graph
+    written with external data (as a large model is), so the float weights are read memory-mapped."""
+    from qeff_kv.export import export_model, options, quantize
+
+    if external:
+        monkeypatch.setattr(options, "EXTERNAL_DATA_THRESHOLD", 0)
 
     kw = dict(ctx_len=32, prefill_seq_len=8, target=target, weights=weights)
     monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
@@ -90,6 +96,8 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
     notes: list[str] = []
     new = export_model(sharded_bf16, tmp_path / "new", progress=notes.append, **kw)
     assert any(n.endswith("(packed as they are written)") for n in notes)
+    assert not any("streaming is not possible" in n for n in notes)
+    assert (new.onnx_path.parent / (new.onnx_path.name + ".data")).is_file() == external
     digest = _graph_digest(new.onnx_path)
     assert any(n[0] == "MatMulNBits" for n in digest["nodes"])
     assert _graph_digest(old.onnx_path) == digest
@@ -173,6 +181,7 @@ def test_verification_that_cannot_fit_is_refused_up_front(sharded_bf16, tmp_path
     from qeff_kv.export import export_model
 
     monkeypatch.setattr(limits, "available_memory", lambda: 1 << 29)
+    # streamed: three of the largest tensors (the float32 embedding, 256 x 64) and the 1 GiB margin
     with pytest.raises(ExportError, match=r"^verification needs about 1\.0 GiB and 0\.5 GiB is available: free "
                                           r"memory, or pass --no-verify to export without verification"):
         export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8)

@@ -207,7 +207,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     vision = _vision_geometry(torch_model, options, facts)
     with contextlib.nullcontext() if streamed is None else streamed.weights():
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
-                                                                    copies=2 if streamed is None else 1)
+                                                                    streamed=streamed is not None)
     geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say, streamed)
     del torch_model
     verification = verify_mod.verify_export(onnx_path, vision_path, options, probe, reference, skipped, say)

@@ -50,7 +50,7 @@ def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
     if total > opt.EXTERNAL_DATA_THRESHOLD or on_disk:   # (on_disk: a graph quantized from external data)
         lazy = sum(isinstance(v.const_value, ir.LazyTensor) for v in model.graph.initializers.values())
         say(f"writing {total / 1e9:.2f} GB of weights as external data"
-            + (f" ({lazy} tensors read from the checkpoint one at a time)" if lazy else ""))
+            + (f" ({lazy} of them computed or read from the checkpoint as they are written)" if lazy else ""))
         _inline_constant_attributes(model)
         ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024,
                 callback=progress_bar("weights", total) if sys.stderr.isatty() else None)
@@ -59,23 +59,38 @@ def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
         graphio.save(model, path, source_dir=path.parent)
 
 
-def progress_bar(label: str, total_bytes: int):
-    """A callback for ``onnx_ir.save``: one line on the terminal (stderr), redrawn per tensor, with the bytes
-    written, the rate and the time left."""
+def ticker(label: str, total_bytes: int, count: int):
+    """``step(nbytes)``: one line on the terminal (stderr), redrawn per tensor, with the tensors and bytes done and
+    the time left; a no-op when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return lambda _nbytes: None
     start = time.monotonic()
-    done = [0]
+    done = [0, 0]
 
-    def callback(tensor, info) -> None:
-        done[0] += tensor.nbytes
-        elapsed = time.monotonic() - start
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        done[1] += 1
         frac = min(1.0, done[0] / max(1, total_bytes))
+        elapsed = time.monotonic() - start
         eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{label} [{bar:<30}] {frac:4.0%} tensor {info.index + 1}/{info.total} "
+        sys.stderr.write(f"\r{label} [{'#' * int(frac * 30):<30}] {frac:4.0%} tensor {done[1]}/{count} "
                          f"{done[0] / 1e9:.2f}/{total_bytes / 1e9:.2f} GB, ETA {eta:4.0f}s")
-        if info.index + 1 >= info.total:
+        if done[1] >= count:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+    return step
+
+
+def progress_bar(label: str, total_bytes: int):
+    """A callback for ``onnx_ir.save`` drawing :func:`ticker`."""
+    step = None
+
+    def callback(tensor, info) -> None:
+        nonlocal step
+        if step is None:
+            step = ticker(label, total_bytes, info.total)
+        step(tensor.nbytes)
 
     return callback
 

@@ -52,9 +52,8 @@ class _Blocks:
         if self.result is None:
             arr = self.weight.numpy()
             self.result = self.quantizer.qbits_block_quant(arr)
-            release = getattr(self.weight, "release", None)
-            if release is not None:   # the memory map of the float weight
-                release()
+            del arr
+            _release(self.weight)
         out = self.result[i]
         self.taken += 1
         if self.taken == self.parts:
@@ -232,9 +231,17 @@ class _Transposed:
         return np.ascontiguousarray(self.tensor.numpy().T)
 
     def release(self) -> None:
-        release = getattr(self.tensor, "release", None)
-        if release is not None:
+        _release(self.tensor)
+
+
+def _release(tensor) -> None:
+    """Unmap a memory-mapped float weight once it is quantized (kept mapped while a view of it lives)."""
+    release = getattr(tensor, "release", None)
+    if release is not None:
+        try:
             release()
+        except BufferError:
+            pass
 
 
 def _swap(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], new_out: ir.Value) -> None:

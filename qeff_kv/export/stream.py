@@ -339,10 +339,16 @@ def open_streamed(source, options, say) -> Streamed | None:
         say(f"streaming is not possible ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
             "loading the whole model")
         return None
+    from .publish import ticker
+
     names = {name: the_plan.key_of(t) for name, t in model.state_dict(keep_vars=True).items()}
+    step = ticker("identity", sum(p.numel() * p.element_size() for p in the_plan.params), len(the_plan.params))
 
     def resolve(name, t):
-        return torch.from_numpy(store.array(names[name], t.dtype)) if is_stand_in(t, the_plan) else t
+        if not is_stand_in(t, the_plan):
+            return t
+        step(t.numel() * t.element_size())
+        return torch.from_numpy(store.array(names[name], t.dtype))
 
     say(f"reading {len(set(the_plan.keys.values()))} checkpoint tensors one at a time (identity)")
     digests: dict[str, str] = {}
