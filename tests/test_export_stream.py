@@ -155,22 +155,26 @@ def test_streamed_reference_equals_the_loaded_model(sharded_bf16):
 
 
 def test_checkpoint_that_does_not_match_by_name_loads_whole(sharded_bf16, tmp_path):
-    """A checkpoint whose tensors are not the model's parameters by name: one line, then the whole-model path."""
-    import json
+    """A checkpoint whose tensors are not the model's parameters by name: one line, then the whole-model path
+    (which refuses it here: a parameter is missing)."""
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    from qeff_kv.errors import ExportError
     from qeff_kv.export import export_model
 
     bad = tmp_path / "renamed"
-    shutil.copytree(sharded_bf16, bad)
-    index = json.loads((bad / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {k.replace("model.norm.weight", "model.final_norm.weight"): v
-                           for k, v in index["weight_map"].items()}
-    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    bad.mkdir()
+    shutil.copy(sharded_bf16 / "config.json", bad / "config.json")
+    tensors = {}
+    for f in sorted(sharded_bf16.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     notes: list[str] = []
-    # (transformers finds the tensor in the shard files themselves)
-    r = export_model(bad, tmp_path / "e", ctx_len=32, prefill_seq_len=8, progress=notes.append)
-    assert r.manifest["verification"]["status"] == "passed"
+    with pytest.raises(ExportError, match=r"the weights do not match config.json: 1 tensors are missing"):
+        export_model(bad, tmp_path / "e", ctx_len=32, prefill_seq_len=8, progress=notes.append)
     assert ("streaming is not possible (parameter model.norm.weight is not a tensor of the checkpoint under that "
             "name): loading the whole model") in notes
 

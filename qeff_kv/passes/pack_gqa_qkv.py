@@ -12,7 +12,6 @@ slices) is left as it is.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
