@@ -8,6 +8,9 @@ the portable, onnxruntime, fused and quantized exports of one checkpoint accept 
 (their weight layouts differ: packed QKV, fused norms, int4 blocks), and exports of another checkpoint do not.
 See ``docs/state-files.md``.
 
+A streamed export (:mod:`.stream`) hashes the same bytes reading each tensor from the checkpoint in turn (the
+skeleton's stand-ins resolved one at a time), so both paths record the same identity.
+
 Cost: one SHA-256 pass over the weights in memory, nothing copied (each tensor's bytes are hashed through a
 view): 0.35 s for SmolLM2-135M's 538 MB in fp32 (about 1.5 GB/s on the 2-core test machine).
 """
