@@ -79,6 +79,10 @@ class VerificationError(ExportError):
     """An exported graph does not reproduce the model it came from (verification at export)."""
 
 
+class VerificationMemoryError(ExportError, MemoryLimitError):
+    """Verification on by default cannot fit in this machine's memory (refused up front, with the size needed)."""
+
+
 class QueueFullError(QeffKvError):
     """The server's admission queue is full (HTTP 429): the request was not accepted; retry later."""
 

@@ -89,12 +89,13 @@ def test_no_verify_and_memory_rule(tmp_path, monkeypatch):
 
     r = export_model(None, tmp_path / "a", ctx_len=16, prefill_seq_len=4, verify=False)
     assert r.manifest["verification"] == {"status": "skipped", "reason": "turned off (--no-verify)"}
-    notes = []
     monkeypatch.setattr(limits, "available_memory", lambda: 1 << 30)
-    r = export_model(None, tmp_path / "b", ctx_len=16, prefill_seq_len=4, progress=notes.append)
-    assert r.manifest["verification"]["status"] == "skipped"
-    assert r.manifest["verification"]["reason"].startswith("verification skipped: it needs about")
-    assert any(n.startswith("verification skipped") for n in notes)
+    # verification is on by default at every size: where it cannot fit, a one-line refusal, nothing written
+    with pytest.raises(ExportError, match=r"^verification needs about 1\.0 GiB and 1\.0 GiB is available: free "
+                                          r"memory, or pass --no-verify to export without verification "
+                                          r"\(recorded as skipped\)$"):
+        export_model(None, tmp_path / "b", ctx_len=16, prefill_seq_len=4)
+    assert not (tmp_path / "b" / "manifest.json").exists()
     r = export_model(None, tmp_path / "c", ctx_len=16, prefill_seq_len=4, verify=True)   # forced
     assert r.manifest["verification"]["status"] == "passed"
 

@@ -13,11 +13,12 @@ needs them.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import capture, compile_config, graphio, naming  # noqa: F401 (compile_config: SpecFormat)
-from ..errors import ExportError
+from ..errors import ExportError, VerificationError, VerificationMemoryError
 from . import checkpoint as checkpoint_mod
 from . import family, graph_passes, prequant, publish, schemes, sources
 from . import options as opt
@@ -172,14 +173,44 @@ def _cached(dest: Path, digest: str) -> ExportResult | None:
 
 
 def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progress, tmp: Path, onnx_path: Path) -> dict:
-    """The torch stages: load, checkpoint identity, the reference for verification, trace (language and vision
-    graphs), graph passes; then quantize and verify the staged graph. Returns ``geometry``, ``vision_path`` and
-    the manifest ``records`` of these stages."""
+    """The torch stages: load (whole, or as a skeleton whose weights stream from the checkpoint: :mod:`.stream`),
+    checkpoint identity, the reference for verification, trace (language and vision graphs), graph passes; then
+    quantize and verify the staged graph. Returns ``geometry``, ``vision_path`` and the manifest ``records``."""
+    from . import stream
+
+    streamed = stream.open_streamed(source, options, say)
+    if streamed is not None:
+        try:
+            return _build_from(source, options, verify, say, tmp, onnx_path, streamed)
+        except (VerificationError, VerificationMemoryError):
+            raise   # a verdict on the graph, or a refusal the whole model would meet with more memory: never retried
+        except Exception as exc:   # noqa: BLE001 - another failure of the streamed attempt: the whole path decides
+            say(f"streaming is not possible ({exc if isinstance(exc, stream.StreamRefused) else capture_line(exc)}): "
+                "loading the whole model")
+            shutil.rmtree(tmp / "raw", ignore_errors=True)   # the staged files are written again below
+            for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
+                old.unlink(missing_ok=True)
+    return _build_from(source, options, verify, say, tmp, onnx_path, None)
+
+
+def capture_line(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Progress, tmp: Path, onnx_path: Path,
+                streamed) -> dict:
+    """:func:`_build` with the model loaded whole (``streamed`` None) or as a streamed skeleton."""
+    import contextlib
+
     from . import quantize as quant_mod
     from . import verify as verify_mod
 
-    torch_model = source.load_torch_model(options, say)
-    ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
+    if streamed is None:
+        torch_model = source.load_torch_model(options, say)
+        ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
+    else:
+        torch_model, ckpt = streamed.model, streamed.record
     say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")
     # The loaded config carries the class defaults that config.json may omit (Cohere's logit_scale...): the
     # wrapper reads its facts from it; refusals before loading came from config.json.
@@ -189,8 +220,10 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     facts = family.ModelFacts.from_config(loaded)
     facts.require_exportable(options)
     vision = _vision_geometry(torch_model, options, facts)
-    probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision)
-    geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say)
+    with contextlib.nullcontext() if streamed is None else streamed.weights():
+        probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
+                                                                    streamed=streamed is not None)
+    geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say, streamed)
     del torch_model
     verification = verify_mod.verify_export(onnx_path, vision_path, options, probe, reference, skipped, say)
     weights_record = None
@@ -232,19 +265,26 @@ def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:
 
 
 def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, onnx_path: Path, ckpt: dict,
-                  say: Progress):
+                  say: Progress, streamed=None):
     """The trace and graph-passes stages: the language graph (and the dual layout's vision graph) traced, passed
-    and saved into the staging folder. Returns ``(geometry, vision_path)``."""
+    and saved into the staging folder. Returns ``(geometry, vision_path)``. ``streamed``: the skeleton's
+    :class:`~qeff_kv.export.stream.Streamed` (the graph is captured without weights, which are attached lazily)."""
+    import contextlib
+
     from . import trace
 
     say(f"tracing {facts.architecture} ({facts.num_layers} layers, ctx_len {options.ctx_len}, "
         f"prefill_seq_len {options.prefill_seq_len})")
     raw = tmp / "raw" / "model.onnx"
     raw.parent.mkdir()
-    with capture.library_output():   # torch prints the whole traced graph when an operator has no ONNX form
-        geometry = trace.trace_language(model, options, raw, facts, vision)
+    with capture.library_output(), \
+            contextlib.nullcontext({}) if streamed is None else streamed.recorded() as recorded:
+        # (torch prints the whole traced graph when an operator has no ONNX form)
+        geometry = trace.trace_language(model, options, raw, facts, vision, export_params=streamed is None)
     say("post-processing graph")
     ir_model = graphio.load(raw)
+    if streamed is not None:
+        streamed.attach(ir_model, recorded)
     graph_passes.finalize(ir_model, options, geometry)
     ir_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
     publish.save_graph(ir_model, onnx_path, say)

@@ -8,6 +8,9 @@ the portable, onnxruntime, fused and quantized exports of one checkpoint accept 
 (their weight layouts differ: packed QKV, fused norms, int4 blocks), and exports of another checkpoint do not.
 See ``docs/state-files.md``.
 
+A streamed export (:mod:`.stream`) hashes the same bytes reading each tensor from the checkpoint in turn (the
+skeleton's stand-ins resolved one at a time), so both paths record the same identity.
+
 Cost: one SHA-256 pass over the weights in memory, nothing copied (each tensor's bytes are hashed through a
 view): 0.35 s for SmolLM2-135M's 538 MB in fp32 (about 1.5 GB/s on the 2-core test machine).
 """
@@ -24,8 +27,12 @@ def identity_string(weights_sha256: str, dtype: str) -> str:
     return f"{weights_sha256}:{dtype}"
 
 
-def weights_sha256(model) -> tuple[str, int, int]:
-    """``(hex digest, tensors hashed, bytes hashed)`` of ``model.state_dict()`` (tied tensors once)."""
+def weights_sha256(model, resolve=None, digests: dict | None = None) -> tuple[str, int, int]:
+    """``(hex digest, tensors hashed, bytes hashed)`` of ``model.state_dict()`` (tied tensors once).
+
+    ``resolve(name, tensor)``: the real tensor behind ``tensor`` (a streaming export's stand-in, read from the
+    checkpoint one at a time; see :mod:`.stream`), else ``tensor`` itself. ``digests``: receives, per name
+    hashed, a digest of the tensor's dtype, shape and bytes (equal tensors, equal digests)."""
     import torch
 
     state = model.state_dict(keep_vars=False)
@@ -45,18 +52,27 @@ def weights_sha256(model) -> tuple[str, int, int]:
             continue
         if key is not None:
             seen.add(key)
+        header = f"|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|"
+        if resolve is not None:
+            t = resolve(name, t)
         flat = t.contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else flat
-        h.update(f"|{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(f"|{name}{header}".encode())
         if flat.numel():
             h.update(memoryview(raw.numpy()))
+        if digests is not None:
+            one = hashlib.sha256(header.encode())
+            if flat.numel():
+                one.update(memoryview(raw.numpy()))
+            digests[name] = one.hexdigest()
         count += 1
         nbytes += flat.numel() * flat.element_size()
     return h.hexdigest(), count, nbytes
 
 
-def checkpoint_record(model, dtype: str) -> dict:
-    """What the manifest records under ``checkpoint``: the identity and its parts."""
-    digest, count, nbytes = weights_sha256(model)
+def checkpoint_record(model, dtype: str, resolve=None, digests: dict | None = None) -> dict:
+    """What the manifest records under ``checkpoint``: the identity and its parts (``resolve``, ``digests``:
+    see :func:`weights_sha256`)."""
+    digest, count, nbytes = weights_sha256(model, resolve, digests)
     return {"identity": identity_string(digest, dtype), "weights_sha256": digest, "dtype": dtype,
             "tensors": count, "bytes": nbytes}

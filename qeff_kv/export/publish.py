@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -44,13 +46,53 @@ def staging(dest: Path):
 
 def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if total > opt.EXTERNAL_DATA_THRESHOLD:
-        say(f"writing {total / 1e9:.2f} GB of weights as external data")
+    on_disk = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    if total > opt.EXTERNAL_DATA_THRESHOLD or on_disk:   # (on_disk: a graph quantized from external data)
+        lazy = sum(isinstance(v.const_value, ir.LazyTensor) for v in model.graph.initializers.values())
+        say(f"writing {total / 1e9:.2f} GB of weights as external data"
+            + (f" ({lazy} of them computed or read from the checkpoint as they are written)" if lazy else ""))
         _inline_constant_attributes(model)
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024,
+                callback=progress_bar("weights", total) if sys.stderr.isatty() else None)
     else:
         # Materialise tensors and write deterministically (no timestamps, stable field order).
         graphio.save(model, path, source_dir=path.parent)
+
+
+def ticker(label: str, total_bytes: int, count: int):
+    """``step(nbytes)``: one line on the terminal (stderr), redrawn per tensor, with the tensors and bytes done and
+    the time left; a no-op when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return lambda _nbytes: None
+    start = time.monotonic()
+    done = [0, 0]
+
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        done[1] += 1
+        frac = min(1.0, done[0] / max(1, total_bytes))
+        elapsed = time.monotonic() - start
+        eta = elapsed * (1 - frac) / frac if frac > 0 else 0.0
+        sys.stderr.write(f"\r{label} [{'#' * int(frac * 30):<30}] {frac:4.0%} tensor {done[1]}/{count} "
+                         f"{done[0] / 1e9:.2f}/{total_bytes / 1e9:.2f} GB, ETA {eta:4.0f}s")
+        if done[1] >= count:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return step
+
+
+def progress_bar(label: str, total_bytes: int):
+    """A callback for ``onnx_ir.save`` drawing :func:`ticker`."""
+    step = None
+
+    def callback(tensor, info) -> None:
+        nonlocal step
+        if step is None:
+            step = ticker(label, total_bytes, info.total)
+        step(tensor.nbytes)
+
+    return callback
 
 
 def _inline_constant_attributes(model: ir.Model) -> None:

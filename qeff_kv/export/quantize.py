@@ -41,6 +41,9 @@ from .schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZ
 NATURAL_TEXT = ("The old lighthouse stood at the edge of the harbour, and every evening the keeper climbed its "
                 "narrow stairs to light the lamp. Ships coming home after long weeks at sea looked for its beam "
                 "before anything else, because it meant that the rocks were behind them and the town was near.")
+#: quantize as the weights are written (:mod:`.quantize_stream`) where it builds the same graph; False: the
+#: whole-graph quantizer always (for comparisons)
+STREAM = True
 #: at most this many of its tokens are read
 NATURAL_TOKENS = 48
 #: the quantized graph's perplexity on the paragraph may be at most this many times the float graph's
@@ -69,6 +72,11 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
         model = prequant_graph.apply(onnx_path, prequant, prequant_graph.folder_scheme(prequant),
                                      options.accuracy_level, say, grid)
     else:
+        from .quantize_stream import quantize_graph_streamed
+
+        model = quantize_graph_streamed(onnx_path, scheme, say, min_k(scheme.block_size), gguf) \
+            if STREAM else None
+    if model is None:
         model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
     save(model, qpath)
     del model

@@ -36,9 +36,12 @@ class GraphIO:
     dyn: dict[str, dict[int, str]] = field(default_factory=dict)
 
 
-def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision: dict | None = None) -> dict:
+def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision: dict | None = None, *,
+                   export_params: bool = True) -> dict:
     """Trace the wrapped model into ``path``; return the export's geometry (``state_spec`` included).
-    ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`)."""
+    ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`).
+    ``export_params=False``: the parameters stay graph inputs without data (the streaming export,
+    :mod:`.stream`, attaches them from the checkpoint)."""
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(text_cfg.num_hidden_layers)
     hf.find_decoder(model)
@@ -57,7 +60,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     io.args += kv
     _trailing_inputs(options, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
-    run_exporter(model, wrapper, target, io, path, num_layers if latent else None)
+    run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
     (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
                 "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
@@ -175,7 +178,8 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                                     grid=vision.get("grid"), **common).eval(), target
 
 
-def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None) -> None:
+def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None, *,
+                 export_params: bool = True) -> None:
     """``torch.onnx.export`` (TorchScript, opset 17) with the target's RoPE, the export symbolics and static MoE
     routing patched in (and, with ``latent_layers``, the absorbed MLA attention of :mod:`.mla`); a failure is one
     line naming the model."""
@@ -185,6 +189,7 @@ def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers:
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(io.args), str(path), dynamo=False, opset_version=opt.OPSET,
+                              export_params=export_params,
                               input_names=io.in_names, output_names=io.out_names, dynamic_axes=io.dyn,
                               do_constant_folding=True, custom_opsets=target.custom_opsets)
         except Exception as exc:  # tracing failures are model-specific; report them in one line

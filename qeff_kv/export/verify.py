@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import limits
 from ..chunking import plan_chunks
-from ..errors import ExportError, VerificationError
+from ..errors import ExportError, VerificationError, VerificationMemoryError
 from . import family
 from . import transformers_adapter as hf
 from .probe_runner import ProbeRunner, first_line
@@ -145,16 +145,21 @@ def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dty
                  spatial_merge_size=vision.get("spatial_merge_size"))
 
 
-def memory_allows(param_bytes: int) -> tuple[bool, str]:
-    """Whether a second copy of the weights fits comfortably in memory available now."""
+def memory_allows(need: int) -> tuple[bool, str]:
+    """Whether ``need`` bytes fit in the memory available now; else the one-line refusal naming both."""
     avail = limits.available_memory()
-    if avail is None:
+    if avail is None or need <= avail:
         return True, ""
-    need = 2 * param_bytes + MEMORY_MARGIN
-    if need <= avail:
-        return True, ""
-    return False, (f"verification skipped: it needs about {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB "
-                   f"is available (--verify forces it)")
+    return False, (f"verification needs about {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB is available: "
+                   f"free memory, or pass --no-verify to export without verification (recorded as skipped)")
+
+
+def verification_bytes(model, streamed: bool) -> int:
+    """What verification needs beyond the export itself: a model loaded whole is held beside onnxruntime's
+    session (two copies of the weights); a streamed model's reference holds one module's weights at a time and
+    the session reads the memory-mapped data file (three of the largest tensors). Plus :data:`MEMORY_MARGIN`."""
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    return (3 * max(sizes, default=0) if streamed else 2 * sum(sizes)) + MEMORY_MARGIN
 
 
 # ------------------------------------------------------------------------------------------- PyTorch side
@@ -287,17 +292,16 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
 
 
 # ------------------------------------------------------------------------------------- the export's stages
-def reference_for_export(model, options, verify: bool | None, say, vision: dict | None = None):
+def reference_for_export(model, options, verify: bool | None, say, vision: dict | None = None,
+                         streamed: bool = False):
     """``(probe, reference, why_skipped)``: the probe and the PyTorch reference on it, computed before tracing
     touches the model; or why not. ``vision``: a vision-language model's geometry (the probe then holds an image)."""
     if verify is False:
         return None, None, "turned off (--no-verify)"
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if verify is None:
-        ok, note = memory_allows(param_bytes)
+    if verify is None:   # on by default at every size; where it cannot fit, a refusal before the work
+        ok, note = memory_allows(verification_bytes(model, streamed))
         if not ok:
-            say(note)
-            return None, None, note
+            raise VerificationMemoryError(note)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
     facts = family.ModelFacts.from_config(model.config.to_dict())

@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._patterns import const_array as _const
+from ._patterns import const_info as _info
 
 _STANDARD = ("", "ai.onnx")
 _MS = "com.microsoft"
@@ -56,12 +57,12 @@ def _rank(v: ir.Value, depth: int = 0) -> int | None:
     if key in _SAME_SHAPE:
         return _rank(p.inputs[0], depth + 1)
     if key == ("", "MatMul") and len(p.inputs) > 1:
-        w = _const(p.inputs[1])
+        w = _info(p.inputs[1])
         a = _rank(p.inputs[0], depth + 1)
         return a if w is not None and w.ndim == 2 and a is not None and a >= 2 else None
     if key[0] == "" and p.op_type in _ELEMENTWISE and len(p.inputs) == 2:
         for mine, other in ((p.inputs[0], p.inputs[1]), (p.inputs[1], p.inputs[0])):
-            c = _const(other)
+            c = _info(other)
             r = _rank(mine, depth + 1) if c is not None and mine is not None else None
             if r is not None and c.ndim <= r:
                 return r
@@ -87,14 +88,14 @@ def _chain(v: ir.Value, axis: int, rank: int | None) -> list[tuple[ir.Value, int
                     and (allowzero is None or allowzero.value == 0)):
                 nxt = (src, axis, None)
         elif key == ("", "MatMul") and rank is not None and axis < rank - 1 and len(p.inputs) > 1:
-            w = _const(p.inputs[1])
+            w = _info(p.inputs[1])
             if w is not None and w.ndim == 2:   # [..., M, K] @ [K, N]: every axis but the last is A's
                 nxt = (src, axis, rank)
         elif key == (_MS, "GroupQueryAttention") and axis < 2:   # [B, S, ...] of its query
             nxt = (src, axis, 3)
         elif key[0] == "" and p.op_type in _ELEMENTWISE and rank is not None and len(p.inputs) == 2:
             for mine, other in ((p.inputs[0], p.inputs[1]), (p.inputs[1], p.inputs[0])):
-                c = _const(other)
+                c = _info(other)
                 if c is not None and mine is not None and c.ndim < rank and axis < rank - c.ndim:
                     nxt = (mine, axis, rank)
                     break

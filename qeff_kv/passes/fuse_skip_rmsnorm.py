@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._patterns import const_array as _const
+from ._patterns import const_info as _info
 from ._patterns import producer_op as _op
 
 _FLOAT = ir.DataType.FLOAT
@@ -41,7 +42,7 @@ def _match(out_mul: ir.Node):
     """Return ``(add, eps, weight, [nodes to remove])`` if ``out_mul`` ends the pattern above."""
     for i in (0, 1):
         weight = out_mul.inputs[i]
-        w = _const(weight)
+        w = _info(weight)
         cast1 = _op(out_mul.inputs[1 - i], "Cast")
         if w is None or w.ndim != 1 or w.dtype != "float32" or not _is_float_cast(cast1):
             continue

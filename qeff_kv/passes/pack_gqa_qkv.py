@@ -12,11 +12,12 @@ slices) is left as it is.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from ._patterns import concat_tensor
 from ._patterns import const_array as _const
+from ._patterns import const_info as _info
 from ._patterns import producer_op as _op
 
 
@@ -50,7 +51,7 @@ def _projection(v: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value | None, ir.No
         else:
             return None
     matmul = _op(src, "MatMul")
-    if matmul is None or _const(matmul.inputs[1]) is None or _const(matmul.inputs[1]).ndim != 2:
+    if matmul is None or _info(matmul.inputs[1]) is None or _info(matmul.inputs[1]).ndim != 2:
         return None
     h = matmul.inputs[0]
     concat = _op(inner.inputs[1], "Concat")
@@ -81,19 +82,19 @@ class PackGQAQKVPass(ir.passes.InPlacePass):
             if len(hs) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
                 continue
             h = parts[0][0]
-            weights = [_const(p[1]) for p in parts]
+            weights = [_info(p[1]) for p in parts]
             if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
                 continue
-            packed_w = ir.Value(name=f"{node.name or 'gqa'}.qkv_weight",
-                                const_value=ir.tensor(np.concatenate(weights, axis=1)))
+            wname = f"{node.name or 'gqa'}.qkv_weight"
+            packed_w = ir.Value(name=wname, const_value=concat_tensor([p[1] for p in parts], 1, wname))
             graph.register_initializer(packed_w)
             base = parts[0][3]
             matmul = ir.node("MatMul", [h, packed_w], name=f"{base.name}_qkv")
             graph.insert_before(node, matmul)
             packed = matmul.outputs[0]
             if biases[0] is not None:
-                packed_b = ir.Value(name=f"{node.name or 'gqa'}.qkv_bias",
-                                    const_value=ir.tensor(np.concatenate([_const(b) for b in biases])))
+                bname = f"{node.name or 'gqa'}.qkv_bias"
+                packed_b = ir.Value(name=bname, const_value=concat_tensor(biases, 0, bname))
                 graph.register_initializer(packed_b)
                 add = ir.node("Add", [packed, packed_b], name=f"{base.name}_qkv_bias")
                 graph.insert_before(node, add)

@@ -32,7 +32,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from ._patterns import const_array as _const
+from ._patterns import concat_tensor
+from ._patterns import const_info as _const
 
 _STANDARD = ("", "ai.onnx")
 _MS = "com.microsoft"
@@ -77,11 +78,6 @@ def _column_major(a: np.ndarray, n: int) -> bool:
     return (a.ndim >= 2 and a.shape[0] == n) or (a.ndim == 1 and a.size % n == 0)
 
 
-def _rows_first(a: np.ndarray, n: int) -> np.ndarray:
-    """``a`` with its first axis ``N`` (a 1-D ``[N * k]`` tensor as ``[N, k]``), to concatenate column groups."""
-    return a.reshape(n, -1) if a.ndim == 1 else a
-
-
 class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
     """Pack ``MatMul`` / ``MatMulNBits`` nodes that read the same input (see the module docstring).
 
@@ -119,8 +115,9 @@ class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
             common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=bool(self.packed))
 
-    def _register(self, graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-        v = ir.Value(name=name, const_value=ir.tensor(np.ascontiguousarray(array)))
+    def _register(self, graph: ir.Graph, name: str, array) -> ir.Value:
+        tensor = ir.tensor(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+        v = ir.Value(name=name, const_value=tensor)
         graph.register_initializer(v)
         return v
 
@@ -138,7 +135,8 @@ class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
     def _pack_matmuls(self, graph: ir.Graph, nodes: list[ir.Node]) -> None:
         weights = [_const(n.inputs[1]) for n in nodes]
         base = nodes[0].name or "MatMul"
-        w = self._register(graph, f"{base}_packed_weight", np.concatenate(weights, axis=1))
+        w = self._register(graph, f"{base}_packed_weight",
+                           concat_tensor([n.inputs[1] for n in nodes], 1, f"{base}_packed_weight"))
         packed = ir.node("MatMul", [nodes[0].inputs[0], w], name=f"{base}_packed")
         graph.insert_before(nodes[0], packed)
         self._split(graph, nodes, packed, [int(a.shape[1]) for a in weights])
@@ -150,10 +148,9 @@ class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
         for j, label in ((1, "B"), (2, "scales"), (3, "zero_points")):
             if j >= len(nodes[0].inputs) or nodes[0].inputs[j] is None:
                 break
-            parts = [_const(n.inputs[j]) for n in nodes]
-            one_d = parts[0].ndim == 1
-            cat = np.concatenate([_rows_first(p, n) for p, n in zip(parts, ns)], axis=0)
-            inputs.append(self._register(graph, f"{base}_packed_{label}", cat.reshape(-1) if one_d else cat))
+            name = f"{base}_packed_{label}"
+            inputs.append(self._register(graph, name, concat_tensor([n.inputs[j] for n in nodes], 0, name,
+                                                                    rows_of=ns)))
         attrs = {a.name: a.value for a in nodes[0].attributes.values()}
         attrs["N"] = sum(ns)
         packed = ir.node("MatMulNBits", inputs, attrs, domain=_MS, name=f"{base}_packed")

@@ -1,0 +1,194 @@
+"""The streaming export (issue 39, qeff_kv/export/stream.py): captured without the weights, each weight read from
+the checkpoint when the graph is written, verified with a reference that holds one module's weights at a time.
+
+Proofs: the graphs are the same as the whole-model path's (nodes, names, initializer bytes), from sharded bf16
+checkpoints too; the checkpoint store never has more than a few tensors alive at once while the model has many;
+the reference is the same as transformers' on the loaded model; verification that cannot fit is refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch
+
+pytestmark = requires_torch
+
+
+def _graph_digest(path):
+    """Nodes (op, domain, name, inputs, outputs, attributes), inputs, outputs and initializers (name -> dtype,
+    dims, sha256 of the bytes) of an ONNX file, external data read."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(path))
+    g = m.graph
+    nodes = [(n.op_type, n.domain, n.name, tuple(n.input), tuple(n.output),
+              tuple((a.name, onnx.helper.printable_attribute(a)) for a in n.attribute)) for n in g.node]
+    inits = [(t.name, t.data_type, tuple(t.dims), hashlib.sha256(numpy_helper.to_array(t).tobytes()).hexdigest())
+             for t in g.initializer]
+    return {"nodes": nodes, "initializers": inits, "inputs": [v.name for v in g.input],
+            "outputs": [v.name for v in g.output]}
+
+
+@pytest.fixture(scope="module")
+def sharded_bf16(tmp_path_factory):
+    """A tiny seeded Llama saved in bf16 over several shards (model.safetensors.index.json), untied head."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():   # norms away from 1.0 (two layers keep equal ones: the exporter merges equal tensors)
+        for i, layer in enumerate(model.model.layers):
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            if i > 0:
+                layer.post_attention_layernorm.weight.copy_(model.model.layers[0].post_attention_layernorm.weight)
+    out = tmp_path_factory.mktemp("stream") / "llama-bf16"
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="40KB")
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 2
+    return out
+
+
+@pytest.mark.parametrize("target,dtype", [("portable", "float32"), ("onnxruntime-fused", "float32"),
+                                          ("onnxruntime", "float16")])
+def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeypatch, target, dtype):
+    from qeff_kv.export import export_model
+
+    kw = dict(ctx_len=32, prefill_seq_len=8, target=target, dtype=dtype)
+    monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
+    old_notes: list[str] = []
+    old = export_model(sharded_bf16, tmp_path / "old", verify=False, progress=old_notes.append, **kw)
+    assert not any("without its weights" in n for n in old_notes)
+    monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "1")
+    notes: list[str] = []
+    new = export_model(sharded_bf16, tmp_path / "new", progress=notes.append, **kw)
+    assert any(n.startswith("building llama-bf16 without its weights") for n in notes)
+    assert _graph_digest(old.onnx_path) == _graph_digest(new.onnx_path)
+    assert old.manifest["checkpoint"] == new.manifest["checkpoint"]
+    assert new.manifest["verification"]["status"] == "passed"
+
+
+@pytest.mark.parametrize("target,weights,external", [("onnxruntime", "int8", False),
+                                                     ("onnxruntime-fused", "int4", True)])
+def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights,
+                                                            external):
+    """--weights packed as they are written (qeff_kv/export/quantize_stream.py): the same nodes, initializer names,
+    order and bytes as onnxruntime's whole-graph quantizer on the whole-model export. ``external``: every graph
+    written with external data (as a large model is), so the float weights are read memory-mapped."""
+    from qeff_kv.export import export_model, options, quantize
+
+    if external:
+        monkeypatch.setattr(options, "EXTERNAL_DATA_THRESHOLD", 0)
+
+    kw = dict(ctx_len=32, prefill_seq_len=8, target=target, weights=weights)
+    monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
+    monkeypatch.setattr(quantize, "STREAM", False)
+    old = export_model(sharded_bf16, tmp_path / "old", verify=False, **kw)
+    monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "1")
+    monkeypatch.setattr(quantize, "STREAM", True)
+    notes: list[str] = []
+    new = export_model(sharded_bf16, tmp_path / "new", progress=notes.append, **kw)
+    assert any(n.endswith("(packed as they are written)") for n in notes)
+    assert not any("streaming is not possible" in n for n in notes)
+    assert (new.onnx_path.parent / (new.onnx_path.name + ".data")).is_file() == external
+    digest = _graph_digest(new.onnx_path)
+    assert any(n[0] == "MatMulNBits" for n in digest["nodes"])
+    assert _graph_digest(old.onnx_path) == digest
+    assert old.manifest["weights"]["check"]["top1_agreement"] == new.manifest["weights"]["check"]["top1_agreement"]
+
+
+def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tmp_path, monkeypatch):
+    """An instrumented store: every tensor it hands out is counted while alive; the exporter (identity, the
+    verification reference, the lazy initializers, the fused target's packed weights) never holds more than a
+    few at once, while the model has many more."""
+    from qeff_kv.export import export_model, weights
+
+    stores = []
+    original = weights.CheckpointStore.__init__
+
+    def recording(self, folder):
+        original(self, folder)
+        stores.append(self)
+
+    monkeypatch.setattr(weights.CheckpointStore, "__init__", recording)
+    r = export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused")
+    assert r.manifest["verification"]["status"] == "passed"
+    (store,) = stores
+    tensors = len(store.keys())
+    assert tensors == 3 * 9 + 3
+    # every tensor read for the identity, again per reference step, and once more when written
+    assert store.reads >= tensors * 3
+    assert store.max_live <= 3   # the packed QKV weight reads its three parts together
+    assert store.live == 0
+
+
+def test_streamed_reference_equals_the_loaded_model(sharded_bf16):
+    """The skeleton with its weights streamed module by module gives transformers' own logits."""
+    import torch
+    import transformers
+
+    from qeff_kv.export import stream
+    from qeff_kv.export.weights import CheckpointStore
+
+    store = CheckpointStore(sharded_bf16)
+    skel = stream.skeleton(sharded_bf16, torch.float32)
+    plan = stream.plan(skel, store)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(sharded_bf16, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    ids = torch.tensor([[5, 17, 42, 99, 130, 7]])
+    with torch.no_grad(), stream.streamed_weights(skel, plan, store):
+        got = skel(input_ids=ids).logits
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert store.live == 0
+    # the skeleton's parameters hold one element per row, not the weights
+    standin = dict(skel.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    assert standin.shape == (128, 64) and standin.untyped_storage().nbytes() == 128 * 4
+
+
+def test_checkpoint_that_does_not_match_by_name_loads_whole(sharded_bf16, tmp_path):
+    """A checkpoint whose tensors are not the model's parameters by name: one line, then the whole-model path
+    (which refuses it here: a parameter is missing)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    bad = tmp_path / "renamed"
+    bad.mkdir()
+    shutil.copy(sharded_bf16 / "config.json", bad / "config.json")
+    tensors = {}
+    for f in sorted(sharded_bf16.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    notes: list[str] = []
+    with pytest.raises(ExportError, match=r"the weights do not match config.json: 1 tensors are missing"):
+        export_model(bad, tmp_path / "e", ctx_len=32, prefill_seq_len=8, progress=notes.append)
+    assert ("streaming is not possible (parameter model.norm.weight is not a tensor of the checkpoint under that "
+            "name): loading the whole model") in notes
+
+
+def test_verification_that_cannot_fit_is_refused_up_front(sharded_bf16, tmp_path, monkeypatch):
+    from qeff_kv import limits
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    monkeypatch.setattr(limits, "available_memory", lambda: 1 << 29)
+    # streamed: three of the largest tensors (the float32 embedding, 256 x 64) and the 1 GiB margin
+    with pytest.raises(ExportError, match=r"^verification needs about 1\.0 GiB and 0\.5 GiB is available: free "
+                                          r"memory, or pass --no-verify to export without verification"):
+        export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8)
+    assert not (tmp_path / "e").exists() or not (tmp_path / "e" / "manifest.json").exists()
+    r = export_model(sharded_bf16, tmp_path / "nv", ctx_len=32, prefill_seq_len=8, verify=False)
+    assert r.manifest["verification"] == {"status": "skipped", "reason": "turned off (--no-verify)"}
