@@ -88,15 +88,17 @@ def decode_json(raw: bytes):
     return body
 
 
-def json_in_string(text: str, where: str):
-    """The JSON value of ``text`` (a string inside the request), or a 400 naming ``where``: not JSON, nested deeper
-    than :data:`MAX_INNER_DEPTH`, or holding a lone surrogate."""
+def json_in_string(text: str, where: str, *, keep_text: bool = False):
+    """The JSON value of ``text`` (a string inside the request), or a 400 naming ``where``: not JSON (``keep_text``:
+    the text itself is returned instead), nested deeper than :data:`MAX_INNER_DEPTH`, or holding a lone surrogate."""
     try:
         value = json.loads(text)
     except RecursionError:
         value = None
         depth = MAX_INNER_DEPTH + 1
     except ValueError as exc:
+        if keep_text:
+            return text
         raise bad(f"{where} is not valid JSON ({exc})", where) from None
     else:
         depth = json_depth(value)

@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .bodies import MAX_INNER_DEPTH, check_encodable, json_depth
+from .bodies import json_in_string
 from .constrained import GrammarSpec
 from .openai_io import bad, known_keys
 from .structured_io import check_schema_size
@@ -154,19 +154,7 @@ class ToolSupport:
 def _arguments_object(arguments: str, where: str):
     """A past call's ``arguments`` as the object the template renders (text that is not JSON stays text); a 400
     naming ``where`` when nested too deeply or holding a lone surrogate."""
-    try:
-        value = json.loads(arguments)
-    except RecursionError:
-        value = None
-        depth = MAX_INNER_DEPTH + 1
-    except ValueError:
-        return arguments
-    else:
-        depth = json_depth(value)
-    if depth > MAX_INNER_DEPTH:
-        raise bad(f"{where} is nested deeper than {MAX_INNER_DEPTH} levels", where)
-    check_encodable(value, where)
-    return value
+    return json_in_string(arguments, where, keep_text=True)
 
 
 def _call_arguments(m: dict, i: int) -> list:
