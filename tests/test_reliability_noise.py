@@ -95,7 +95,7 @@ def test_an_operator_without_onnx_form_is_one_line_not_the_traced_graph(tmp_path
         def forward(self, x):
             return torch.linalg.svd(x)[0]
 
-    def trace(model, options, path, facts=None, vision=None):
+    def trace(model, options, path, facts=None, vision=None, **_kw):
         try:   # what trace.run_exporter does with torch.onnx.export's failures
             torch.onnx.export(NoOnnxForm(), (torch.zeros(4, 4),), str(path), dynamo=False, opset_version=17)
         except Exception as exc:

@@ -182,8 +182,12 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     if streamed is not None:
         try:
             return _build_from(source, options, verify, say, tmp, onnx_path, streamed)
-        except (VerificationError, VerificationMemoryError):
-            raise   # a verdict on the graph, or a refusal the whole model would meet with more memory: never retried
+        except VerificationMemoryError:
+            raise   # the whole model would need more memory still
+        except VerificationError as exc:   # a verdict on the streamed graph: never retried with the whole model (at
+            # the sizes streaming is for, it cannot load), never written
+            raise VerificationError(f"{exc} (a streamed export: {stream.STREAM_ENV}=0 loads the whole model "
+                                    "instead)") from None
         except Exception as exc:   # noqa: BLE001 - another failure of the streamed attempt: the whole path decides
             say(f"streaming is not possible ({exc if isinstance(exc, stream.StreamRefused) else capture_line(exc)}): "
                 "loading the whole model")

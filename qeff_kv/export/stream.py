@@ -283,6 +283,13 @@ def streamed_weights(model, the_plan: Plan, store):
 # ------------------------------------------------------------------------------------------- the load stage
 #: ``QEFF_KV_EXPORT_STREAM=0`` exports with the whole model loaded, as before streaming (for comparisons).
 STREAM_ENV = "QEFF_KV_EXPORT_STREAM"
+#: ``model_type`` -> why its streamed graph is not the model's (found by the family matrix: the streamed graph failed
+#: verification where the whole-model graph passes): these load whole, said in one line
+NOT_STREAMED = {
+    "diffllama": "its streamed graph's logits are not finite (differential attention's lambdas)",
+    "jetmoe": "its streamed graph differs from the model (mixture of attention heads and experts)",
+    "lfm2": "its streamed graph differs from the model (short-convolution mixer)",
+}
 
 
 @dataclass
@@ -324,6 +331,10 @@ def open_streamed(source, options, say) -> Streamed | None:
 
     if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
+        return None
+    why_not = NOT_STREAMED.get(str(source.config().get("model_type")))
+    if why_not is not None:
+        say(f"streaming is not possible ({source.config().get('model_type')}: {why_not}): loading the whole model")
         return None
     torch, _transformers = hf.import_transformers()   # the one-line refusal without the export extra
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
