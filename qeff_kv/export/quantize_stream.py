@@ -108,11 +108,7 @@ def quantize_streamed(model: ir.Model, scheme, min_k: int) -> int:
                                             (n, (kb + kpack - 1) // kpack)))
             graph.register_initializer(zp)
             inputs.append(zp)
-        attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
-        if scheme.accuracy_level:
-            attrs["accuracy_level"] = scheme.accuracy_level
-        new = ir.node("MatMulNBits", inputs, dict(sorted(attrs.items())), domain="com.microsoft",
-                      name=f"{node.name}_Q{bits}", num_outputs=1)
+        new = _matmul_nbits(node, inputs, k, n, bits, block, scheme)
         _swap(graph, node, [new], new.outputs[0])
         done += 1
     used = {id(v) for nd in graph for v in nd.inputs if v is not None}
@@ -191,11 +187,7 @@ def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
                 inputs = [node.inputs[0], q, s]
                 if len(node.inputs) > 2 and node.inputs[2] is not None:
                     inputs += [None, None, node.inputs[2]]
-                attrs = {"K": k, "N": rows, "bits": bits, "block_size": block}
-                if scheme.accuracy_level:
-                    attrs["accuracy_level"] = scheme.accuracy_level
-                new = ir.node("MatMulNBits", inputs, dict(sorted(attrs.items())), domain="com.microsoft",
-                              name=f"{node.name}_Q{bits}", num_outputs=1)
+                new = _matmul_nbits(node, inputs, k, rows, bits, block, scheme)
                 _swap(graph, node, [new], new.outputs[0])
             else:
                 pre = f"{node.name}_Q{bits}"
@@ -242,6 +234,15 @@ def _release(tensor) -> None:
             release()
         except BufferError:
             pass
+
+
+def _matmul_nbits(node, inputs, k: int, n: int, bits: int, block: int, scheme):
+    """The ``MatMulNBits`` node that replaces ``node`` (attributes in the whole-graph quantizer's order)."""
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+    if scheme.accuracy_level:
+        attrs["accuracy_level"] = scheme.accuracy_level
+    return ir.node("MatMulNBits", inputs, dict(sorted(attrs.items())), domain="com.microsoft",
+                   name=f"{node.name}_Q{bits}", num_outputs=1)
 
 
 def _swap(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], new_out: ir.Value) -> None:
