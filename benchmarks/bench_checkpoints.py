@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from qeff_kv.layout import KVPair, TensorInfo  # noqa: E402
+from qeff_kv.contract.layout import KVPair, TensorInfo  # noqa: E402
 from qeff_kv.runtime.memory.recurrent import DEFAULT_KEEP, CheckpointPolicy, RecurrentMemory  # noqa: E402
 
 

@@ -5,7 +5,7 @@
 
 ``C`` client threads submit the same seeded requests as ``bench_serve.py --clients C`` (prompts cut from
 fixtures/text/gettysburg.txt, greedy, every token up to the request's count) to a
-:class:`~qeff_kv.serve.scheduler.Scheduler` over one session (``--max-sequences C`` unless given, no prompt reuse
+:class:`~qeff_kv.serve.engine.scheduler.Scheduler` over one session (``--max-sequences C`` unless given, no prompt reuse
 unless ``--reuse``: with it, finished sequences stay kept in their slots, as ``qeff-kv serve`` keeps them). Printed per
 round: aggregate tokens/s and time to first token p50 / p99, then the engine's split: time in decode steps (steps,
 ms a step, rows a step run and rows that decoded a token), time in prefill (tokens/s), and the rest (sampling,
@@ -34,8 +34,8 @@ def jobs_for(export: str, clients: int, requests: int, args) -> list[list[tuple[
 
 def one_round(export: str, clients: int, jobs, args) -> dict:
     from qeff_kv.runtime import SamplingParams, Session
-    from qeff_kv.serve.engine import GenerationRequest, TokenOut
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.engine import GenerationRequest, TokenOut
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     from bench_serve import run_clients
 

@@ -21,8 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from qeff_kv import graphio  # noqa: E402
-from qeff_kv.passes import FoldLayoutPairsPass  # noqa: E402
+from qeff_kv.graph import graphio
+from qeff_kv.graph.passes import FoldLayoutPairsPass  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
 
 PROMPT = [1, 9690, 314, 253, 1345, 30, 2]   # a short fixed prompt; greedy decoding runs --new-tokens after it

@@ -105,7 +105,7 @@ def export(gguf_path: Path, out: Path, threads_env: dict, **kw) -> Path:
 
 def greedy(folder: Path, threads: int, new: int) -> list[list[int]]:
     from qeff_kv.runtime import Session
-    from qeff_kv.runtime.chat import chat_prompt_ids, load_chat_template
+    from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
     from qeff_kv.runtime.generate_job import load_tokenizer
 
     tok, tmpl = load_tokenizer(folder, required=True), load_chat_template(folder)
@@ -128,7 +128,7 @@ def main() -> None:
                     help="an fp32 export of --gguf already made (else one is made in --work)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gguf_grid.json")
     args = ap.parse_args()
-    from qeff_kv.export.gguf_grid import plan, summary_lines
+    from qeff_kv.export.weights.gguf_grid import plan, summary_lines
 
     args.work.mkdir(parents=True, exist_ok=True)
     res = {"gguf": str(args.gguf), "loadavg_start": [round(x, 2) for x in os.getloadavg()]}

@@ -6,8 +6,8 @@ For a prompt of ``--prompt-len`` tokens:
   (``transfer.extract``, an in-memory state with the identity check) and installing them into another session
   (``transfer.install``); for comparison the same with the full SHA-256 checksum of state files
   (``export_state`` + ``import_state``);
-* on Ray (a local instance): the real :class:`qeff_kv.serve.disagg.PrefillWorker` actor prefills, its
-  :class:`~qeff_kv.serve.transfer.KVTransfer` goes by reference through the object store to a receiving actor that
+* on Ray (a local instance): the real :class:`qeff_kv.serve.cluster.disagg.PrefillWorker` actor prefills, its
+  :class:`~qeff_kv.serve.cluster.transfer.KVTransfer` goes by reference through the object store to a receiving actor that
   installs it into its own session. Hand-off = the driver's wall time of the whole call chain minus the prefill
   itself: extraction, serialization into the object store, the transport, deserialization, validation, the
   copy into the decode buffers and the Ray call overheads.
@@ -33,8 +33,8 @@ def _median(xs):
 
 def in_process(args) -> dict:
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.runtime.state_file import export_state, import_state
-    from qeff_kv.serve.transfer import Prefiller, extract, install
+    from qeff_kv.runtime.memory.state_file import export_state, import_state
+    from qeff_kv.serve.cluster.transfer import Prefiller, extract, install
 
     pre = Session(args.export, ctx_len=args.ctx_len, threads=args.threads)
     dec = Session(args.decode_export or args.export, ctx_len=args.ctx_len, threads=args.threads)
@@ -74,7 +74,7 @@ def in_process(args) -> dict:
 def on_ray(args) -> dict:
     import ray
 
-    from qeff_kv.serve.disagg import PrefillWorker
+    from qeff_kv.serve.cluster.disagg import PrefillWorker
 
     class Receiver:
         def __init__(self, export, ctx_len, threads):
@@ -83,7 +83,7 @@ def on_ray(args) -> dict:
             self.session = Session(export, ctx_len=ctx_len, threads=threads)
 
         def install(self, transfer):
-            from qeff_kv.serve.transfer import install
+            from qeff_kv.serve.cluster.transfer import install
 
             t0 = time.perf_counter()
             seq = install(self.session, transfer)
@@ -126,9 +126,9 @@ def ttft(args) -> dict:
 
     from qeff_kv.runtime import GREEDY, Session
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
-    from qeff_kv.serve.engine import GenerationRequest
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.engine.engine import GenerationRequest
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     def measure(engine, vocab) -> list[float]:
         out = []

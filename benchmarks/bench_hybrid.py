@@ -12,7 +12,7 @@ Two models of the same width (hidden 1024, 8 layers, MLP 2816, vocabulary 2048, 
   [32, 64, 128]`` do not depend on the context.
 
 Each is exported once on the ``onnxruntime`` target (``ctx_len`` is a symbolic axis, so one graph serves every ctx).
-Bytes per sequence are read from the graph (``qeff_kv.buffers``). The decode step is timed at the last position of
+Bytes per sequence are read from the graph (``qeff_kv.tools.buffers``). The decode step is timed at the last position of
 a cache of ``ctx`` slots (position ``ctx - 1``: every slot attended), every buffer (KV and state) random and bound
 in place through IOBinding as the runtime binds them, median of ``--steps`` steps after one warm-up, 2 threads.
 """
@@ -65,7 +65,7 @@ def export(src: Path, work: Path, name: str, ctx: int) -> Path:
 
 
 def sizes(onnx_path: Path, ctx: int) -> dict:
-    from qeff_kv.buffers import buffers_report
+    from qeff_kv.tools.buffers import buffers_report
 
     rep = buffers_report(onnx_path, ctx_len=ctx).to_json()
     return {"bytes_per_sequence": rep["bytes_per_sequence"], "kv_bytes_per_token": rep["bytes_per_token"],
@@ -77,7 +77,7 @@ def step_times(onnx_path: Path, ctx: int, steps: int, threads: int) -> list[floa
     import numpy as np
     import onnxruntime as ort
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     layout = graphio.layout_of(graphio.load(onnx_path))
     so = ort.SessionOptions()

@@ -20,7 +20,7 @@ import socket
 import statistics
 import time
 
-from qeff_kv.serve.kv_events import KVEventPublisher
+from qeff_kv.serve.cluster.kv_events import KVEventPublisher
 
 
 def _port() -> int:

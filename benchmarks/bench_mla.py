@@ -16,7 +16,7 @@ Two exports of the same checkpoint on the ``onnxruntime`` target (attention over
   ``kv_b_proj`` into 128 heads of keys (192) and values (128) at every step;
 * ``--mla-cache latent``: ``compressed_kv.{i}`` / ``k_pe.{i}``, attention absorbed (never expanded).
 
-Bytes per token are read from the graphs (``qeff_kv.buffers``), with the expanded per-head cache that a
+Bytes per token are read from the graphs (``qeff_kv.tools.buffers``), with the expanded per-head cache that a
 conventional KV export keeps (``heads * (qk_nope + qk_rope + v_head)`` values per layer, the peer's default for
 this model: contract section 11) beside them. The decode step is timed at the last position of a cache of
 ``ctx`` slots (position ``ctx - 1``: every slot attended), with the buffers bound in place through onnxruntime's
@@ -69,8 +69,8 @@ def export(src: Path, work: Path, mode: str, ctx: int) -> Path:
 
 
 def bytes_per_token(onnx_path: Path) -> dict:
-    from qeff_kv import graphio
-    from qeff_kv.buffers import bytes_per_token as per_token
+    from qeff_kv.graph import graphio
+    from qeff_kv.tools.buffers import bytes_per_token as per_token
 
     layout = graphio.layout_of(graphio.load(onnx_path))
     return {"graph": per_token(layout), "stems": layout.stems}
@@ -81,7 +81,7 @@ def step_times(onnx_path: Path, ctx: int, steps: int, threads: int) -> list[floa
     import numpy as np
     import onnxruntime as ort
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     layout = graphio.layout_of(graphio.load(onnx_path))
     so = ort.SessionOptions()

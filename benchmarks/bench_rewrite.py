@@ -2,10 +2,10 @@
 
 Compares, each in a fresh subprocess (so peak RSS is the operation's own):
 
-* ``ours-same-folder``   qeff_kv.rewrite.rewrite(src, <same folder>/out.onnx, prefix="VLLM")
+* ``ours-same-folder``   qeff_kv.tools.rewrite.rewrite(src, <same folder>/out.onnx, prefix="VLLM")
 * ``ours-other-folder``  the same into another folder (the data file is cloned or copied beside the output,
                          in the kernel; a sparse file stays sparse, so this is measured on a dense file too)
-* ``ours-check``         qeff_kv.check.check(src) (all rules, onnx checker included)
+* ``ours-check``         qeff_kv.tools.check.rules.check(src) (all rules, onnx checker included)
 * ``naive``              onnx.load(src) (loads every weight) + rename the KV names + onnx.save(...) with
                          external data (writes every weight again)
 
@@ -45,7 +45,7 @@ def build(folder: Path, total_bytes: int, layers: int = LAYERS, dense: bool = Fa
     and past_key.i / past_value.i each updated by ScatterND into its _RetainedState output."""
     from onnx import TensorProto, helper
 
-    from qeff_kv import naming
+    from qeff_kv.contract import naming
 
     d = int(math.sqrt(total_bytes / layers / 4))
     per = d * d * 4
@@ -101,9 +101,9 @@ def _vm(field: str) -> int:
 def child(variant: str, src: str, dst: str) -> None:
     import onnx  # noqa: F401  (imports before the clock: both variants import onnx)
 
-    from qeff_kv import check as qcheck
-    from qeff_kv import naming
-    from qeff_kv.rewrite import rewrite
+    from qeff_kv.tools.check import rules as qcheck
+    from qeff_kv.contract import naming
+    from qeff_kv.tools.rewrite import rewrite
 
     rss0 = _vm("VmRSS")
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def main() -> None:
         "results": rows,
     }
     sys.path.insert(0, str(HERE.parent))
-    from qeff_kv import fsutil
+    from qeff_kv.support import fsutil
 
     fsutil.write_json(args.output, result)
     print(f"wrote {args.output}")

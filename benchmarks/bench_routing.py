@@ -1,7 +1,7 @@
 """Prefix-aware routing across prefill replicas against routing by load (issue 32, item 3).
 
 ``--prefill-replicas`` (4) prefill replicas and one decode replica of ``qeff-kv serve --disaggregate`` (the
-:class:`~qeff_kv.serve.disagg.DisaggregatedEngine`, driven in process: no HTTP in the way), one onnxruntime
+:class:`~qeff_kv.serve.cluster.disagg.DisaggregatedEngine`, driven in process: no HTTP in the way), one onnxruntime
 thread each. The workload: ``--system-prompts`` (8) random system prompts of ``--system-len`` tokens, each with
 ``--questions`` (8) random questions of ``--question-len`` tokens, all 64 requests in one seeded random order,
 ``--clients`` (4) at a time, ``--max-tokens`` (4) greedy tokens each. Each route runs on fresh replicas (cold
@@ -61,8 +61,8 @@ def workload(args, vocab: int) -> list[tuple[int, list[int]]]:
 def run_route(args, export: str, route: str, reqs) -> dict:
     from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
-    from qeff_kv.serve.engine import Finished, GenerationRequest, TokenOut
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.engine.engine import Finished, GenerationRequest, TokenOut
 
     eng = start_disaggregated(ServeConfig(export, disaggregate=True, prefill_replicas=args.prefill_replicas,
                                           decode_replicas=1, threads=1, route=route, max_queue=256))

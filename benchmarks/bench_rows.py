@@ -142,7 +142,7 @@ def op_times(trace_file: str, windows, steps: int, runs_made: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- 2. MatMulNBits
 def matmulnbits_shapes(export: str) -> list[tuple[int, int]]:
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
     from qeff_kv.runtime.model_files import resolve_model
 
     model = graphio.load(resolve_model(export).onnx_path)
@@ -193,7 +193,7 @@ def fp16_kv_graph(export: str, path: Path) -> None:
     """The export's graph with every GroupQueryAttention's cache in float16 (see the module docstring)."""
     import onnx_ir as ir
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
     from qeff_kv.runtime.model_files import resolve_model
 
     model = graphio.load(resolve_model(export).onnx_path)
@@ -230,7 +230,7 @@ def raw_steps(onnx_path: str, kv_dtype, rows: int, ctx: int, threads: int, steps
     """A decode step of ``rows`` rows at position ``ctx`` with plain onnxruntime, the KV bound in place."""
     import onnxruntime as ort
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads

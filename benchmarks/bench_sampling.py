@@ -1,4 +1,4 @@
-"""Cost of one row's token selection (qeff_kv.runtime.sampling) on a vocabulary the size of SmolLM2's.
+"""Cost of one row's token selection (qeff_kv.runtime.decoding.sampling) on a vocabulary the size of SmolLM2's.
 
     python benchmarks/bench_sampling.py [--vocab 49152] [--tokens 300] [--rounds 5]
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from qeff_kv.runtime.sampling import SamplingParams, TokenPicker, probabilities
+from qeff_kv.runtime.decoding.sampling import SamplingParams, TokenPicker, probabilities
 
 CASES = {
     "greedy (fast path)": (SamplingParams(), None),

@@ -181,7 +181,7 @@ def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None,
     from tokenizers import Tokenizer
 
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.text import Detokenizer
+    from qeff_kv.serve.http.text import Detokenizer
 
     tok = Tokenizer.from_file(str(Path(export) / "tokenizer.json"))
     session = Session(export, max_sequences=1, threads=threads, prefill_seq_len=prefill_seq_len)

@@ -85,8 +85,8 @@ def serve_replay(export: str, port: int, step_ms: float) -> None:
     import uvicorn
     from tokenizers import Tokenizer
 
-    from qeff_kv.serve.app import TextFacts, create_app
-    from qeff_kv.serve.engine import Engine, Finished, RequestHandle, TokenOut
+    from qeff_kv.serve.http.app import TextFacts, create_app
+    from qeff_kv.serve.engine.engine import Engine, Finished, RequestHandle, TokenOut
 
     class Replay(Engine):
         model_name, ctx_len, max_sequences = "replay", 1 << 20, 1

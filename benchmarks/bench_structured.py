@@ -130,7 +130,7 @@ def run(url: str, model: str, n_constrained: int, seconds: float) -> dict:
 def compile_times(export: str, repeat: int) -> dict:
     from tokenizers import Tokenizer
 
-    from qeff_kv.serve.constrained import Grammars, GrammarSpec
+    from qeff_kv.serve.structured.constrained import Grammars, GrammarSpec
 
     tok = Tokenizer.from_file(str(Path(export) / "tokenizer.json"))
     eos = json.loads((Path(export) / "manifest.json").read_text()).get("eos_token_id")
@@ -163,8 +163,8 @@ def sampling_times(grammars, repeat: int) -> dict:
     constrained row adds to a decode step; an unconstrained row pays nothing new."""
     import numpy as np
 
-    from qeff_kv.runtime.sampling import SamplingParams, sample
-    from qeff_kv.serve.constrained import GrammarSpec
+    from qeff_kv.runtime.decoding.sampling import SamplingParams, sample
+    from qeff_kv.serve.structured.constrained import GrammarSpec
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=1.0, seed=1)

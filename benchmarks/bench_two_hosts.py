@@ -4,8 +4,8 @@ link between them.
 The two hosts are the two network namespaces of ``tests/_two_hosts.py`` (a veth pair, 10.213.0.1 and 10.213.0.2,
 a Ray head node with resource ``qeffkv_prefill`` and a worker node with ``qeffkv_decode``; one CPU each). Inside the
 head's namespace this script runs again (``--inside``) as a Ray driver: the real
-:class:`qeff_kv.serve.disagg.PrefillWorker` (placed by ``qeffkv_prefill`` on the head) prefills a ``--prompt-len``
-prompt, and its :class:`~qeff_kv.serve.transfer.KVTransfer` goes by reference to a receiving actor on the worker node
+:class:`qeff_kv.serve.cluster.disagg.PrefillWorker` (placed by ``qeffkv_prefill`` on the head) prefills a ``--prompt-len``
+prompt, and its :class:`~qeff_kv.serve.cluster.transfer.KVTransfer` goes by reference to a receiving actor on the worker node
 (``qeffkv_decode``) that installs it into its own session, as a decode replica does; then, for comparison, the same
 with the receiver on the head beside the prefill replica (one host: the same cluster, load and code). Per hand-off:
 
@@ -47,7 +47,7 @@ class Receiver:
         self.session = Session(export, ctx_len=ctx_len, threads=threads)
 
     def install(self, transfer):
-        from qeff_kv.serve.transfer import install
+        from qeff_kv.serve.cluster.transfer import install
 
         t0 = time.perf_counter()
         seq = install(self.session, transfer)
@@ -79,7 +79,7 @@ def _measure(args, pre_opts: dict, rec_opts: dict) -> dict:
     import ray
 
     from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.disagg import PrefillWorker
+    from qeff_kv.serve.cluster.disagg import PrefillWorker
 
     pre = ray.remote(PrefillWorker).options(**pre_opts).remote(args.export, args.ctx_len, None, args.threads)
     rec = ray.remote(Receiver).options(**rec_opts).remote(args.export, args.ctx_len, args.threads)

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     from qeff_kv.runtime import VisionLanguageModel
-    from qeff_kv.runtime.media import Images
+    from qeff_kv.runtime.multimodal.media import Images
 
     source = build_model(args.work)
     folder = export(source, args.work)

@@ -6,8 +6,8 @@ import time
 
 import click
 
-from qeff_kv import graphio
-from qeff_kv.buffers import format_buffer_table
+from qeff_kv.graph import graphio
+from qeff_kv.tools.buffers import format_buffer_table
 from qeff_kv.export import export_model
 
 from .params import ACCURACY_LEVEL, DIM

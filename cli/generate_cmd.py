@@ -10,7 +10,7 @@ import json
 import click
 
 from qeff_kv.runtime.generate_job import GenerateRequest, parse_ids, parse_logit_bias, run_generate
-from qeff_kv.runtime.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import SamplingParams
 
 from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 

@@ -8,7 +8,8 @@ import threading
 
 import click
 
-from qeff_kv import __version__, capture
+from qeff_kv import __version__
+from qeff_kv.support import capture
 from qeff_kv.errors import QeffKvError
 
 

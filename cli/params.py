@@ -12,8 +12,8 @@ import re
 
 import click
 
-from qeff_kv.compile_config import PRECISIONS
-from qeff_kv.limits import MAX_DIM, MAX_INT64
+from qeff_kv.tools.compile_config import PRECISIONS
+from qeff_kv.support.limits import MAX_DIM, MAX_INT64
 
 _INT = re.compile(r"-?[0-9]+")
 _FLOAT = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")

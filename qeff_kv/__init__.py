@@ -6,5 +6,5 @@ Importing this package never imports torch.
 
 __version__ = "0.1.0"
 
-from . import naming  # noqa: E402,F401
-from .errors import QeffKvError  # noqa: E402,F401
+from qeff_kv.contract import naming  # noqa: E402,F401
+from qeff_kv.errors import QeffKvError  # noqa: E402,F401

@@ -55,7 +55,7 @@ class RuntimeInputError(QeffKvError):
 
 class ProviderError(RuntimeInputError):
     """An onnxruntime execution provider (or ``device``) the runtime has not proved exact for the graph's kind
-    (:mod:`qeff_kv.runtime.ep_proofs`): refused before the graph is loaded."""
+    (:mod:`qeff_kv.runtime.execution.ep_proofs`): refused before the graph is loaded."""
 
 
 class RewindError(RuntimeInputError):

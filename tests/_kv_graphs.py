@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qeff_kv import naming
+from qeff_kv.contract import naming
 
 KV_DIMS = ["batch_size", 2, "ctx_len", 4]
 SW_DIMS = ["batch_size", 2, "sliding_window", 4]

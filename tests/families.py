@@ -220,7 +220,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 #: Recurrent and hybrid families (contract section 12): their recurrent mixers run qeff-kv's own traced step
-#: (``qeff_kv/export/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an
+#: (``qeff_kv/export/modeling/recurrent.py``: ``gated_delta``, ``short_conv``); a linear/conv layer before and after an
 #: attention layer.
 _GATED_DELTA = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=3,
@@ -302,7 +302,7 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
 #: tests/test_families.py proves every cell.
 EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
 EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}
-#: onnxruntime-fused refusals, from the config (qeff_kv/export/family.py, ModelFacts.fused_refusal)
+#: onnxruntime-fused refusals, from the config (qeff_kv/export/facts/family.py, ModelFacts.fused_refusal)
 EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
 EXPECT["nemotron_h"] = {t: "refused: NemotronHForCausalLM has layers without any state" for t in TARGETS}
 EXPECT["deepseek_v3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "

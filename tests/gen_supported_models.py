@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from families import EXPECT, FAMILIES, RECURRENT_FAMILIES, TARGETS  # noqa: E402
 
-from qeff_kv.export.recurrent_facts import RECURRENT_REFUSALS  # noqa: E402  (no torch)
+from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS  # noqa: E402  (no torch)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
 
@@ -122,7 +122,7 @@ REFUSED_RECURRENT_HEADER = """
 
 Refused from `config.json` before anything is loaded, on every target, in one line
 (`<architecture>: <why>; qeff-kv does not export it`); the reasons are `RECURRENT_REFUSALS` in
-`qeff_kv/export/recurrent_facts.py`, each proved by `tests/test_recurrent_refusals.py` on the config transformers writes
+`qeff_kv/export/facts/recurrent_facts.py`, each proved by `tests/test_recurrent_refusals.py` on the config transformers writes
 for the family. A vision-language wrapper over recurrent text layers (Qwen3.5, Qwen3.5-MoE, LFM2-VL, LFM3-VL) is
 refused with the name of its text model, which is what qeff-kv exports.
 

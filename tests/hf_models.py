@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qeff_kv import naming
-from qeff_kv.layout import KVLayout, TensorInfo, dtype_from_ort
+from qeff_kv.contract import naming
+from qeff_kv.contract.layout import KVLayout, TensorInfo, dtype_from_ort
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.15, bos_token_id=1,

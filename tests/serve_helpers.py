@@ -54,7 +54,7 @@ class LiveServer:
     def __init__(self, engine, text, **app_kwargs):
         import uvicorn
 
-        from qeff_kv.serve.app import create_app
+        from qeff_kv.serve.http.app import create_app
         from qeff_kv.serve.server import uvicorn_config
 
         self.engine = engine
@@ -79,7 +79,7 @@ class LiveServer:
 
 def collect(handle, timeout: float = 120):
     """The token ids and the ``Finished`` event of a request handle's stream (every event checked for its kind)."""
-    from qeff_kv.serve.engine import Finished, TokenOut
+    from qeff_kv.serve.engine.engine import Finished, TokenOut
 
     toks, fin = [], None
     for ev in handle.iter_sync(timeout=timeout):

@@ -24,8 +24,10 @@ from hypothesis import strategies as st
 
 import _kv_graphs as kg
 from conftest import HAS_TORCH, requires_torch
-from qeff_kv import errors, fsutil, graphio, limits
-from qeff_kv.compile_config import custom_io_yaml
+from qeff_kv import errors
+from qeff_kv.support import fsutil, limits
+from qeff_kv.graph import graphio
+from qeff_kv.tools.compile_config import custom_io_yaml
 from qeff_kv.errors import MemoryLimitError, QeffKvError, RuntimeInputError, StateFileError
 from qeff_kv_cli.main import main
 
@@ -373,7 +375,7 @@ def test_quiet_export_of_a_folder_prints_nothing_on_stderr(hf_dir, tmp_path):
 @requires_torch
 def test_api_raises_typed_errors(tiny, tmp_path):
     from qeff_kv.runtime import Session, load_state
-    from qeff_kv.runtime.state_file import import_state
+    from qeff_kv.runtime.memory.state_file import import_state
 
     with pytest.raises(RuntimeInputError, match="model must be a path"):
         Session(None)

@@ -8,8 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 import _kv_graphs as kvg
-from qeff_kv import graphio, naming
-from qeff_kv.buffers import (RegexError, buffers_report, format_buffer_table, regex_selection,
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.tools.buffers import (RegexError, buffers_report, format_buffer_table, regex_selection,
                              write_compile_config_for_graph)
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv_cli.main import main
@@ -269,7 +270,7 @@ def test_compile_config_sliding_window_flat_and_named(tmp_path):
 
 def test_compile_config_library_sliding_window_argument(tmp_path):
     """The exporter passes the model's window; a graph without ring buffers writes no sliding_window symbol."""
-    from qeff_kv.compile_config import write_compile_config
+    from qeff_kv.tools.compile_config import write_compile_config
 
     layout = graphio.layout_of(graphio.load(_sliding_graph(tmp_path, window=None)))
     write_compile_config(layout, tmp_path / "a", prefill_seq_len=4, ctx_len=32, sliding_window=6, ccl=[16, 32])

@@ -54,7 +54,7 @@ def _folder(tmp_path: Path, *, template: str | None = TEMPLATE, jinja_file: bool
 
 
 def _ours(folder: Path, text: str, system: str | None = None) -> list[int]:
-    from qeff_kv.runtime.chat import chat_prompt_ids, load_chat_template
+    from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
     from qeff_kv.runtime.generate_job import load_tokenizer
 
     return chat_prompt_ids(load_tokenizer(folder, required=True), load_chat_template(folder), text, system)
@@ -75,14 +75,14 @@ def test_same_ids_as_transformers_apply_chat_template(tmp_path, jinja_file):
 
 
 def test_rendered_text(tmp_path):
-    from qeff_kv.runtime.chat import load_chat_template
+    from qeff_kv.runtime.text.chat import load_chat_template
 
     text = load_chat_template(_folder(tmp_path)).render([{"role": "user", "content": " hi "}])
     assert text == '<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{"note": "é<&>"}'
 
 
 def test_template_errors_are_one_line(tmp_path):
-    from qeff_kv.runtime.chat import load_chat_template
+    from qeff_kv.runtime.text.chat import load_chat_template
 
     tmpl = load_chat_template(_folder(tmp_path))
     with pytest.raises(RuntimeInputError, match=r"chat template failed \(TemplateError: unknown role tool\)$"):

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 import _kv_graphs as kvg
-from qeff_kv import check as qcheck
-from qeff_kv import naming
+from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.contract import naming
 from qeff_kv.errors import ExternalDataError, GraphReadError, PrefixError
-from qeff_kv.testing import assert_kv_selected_by, assert_retained_state_graph
+from qeff_kv.tools.testing import assert_kv_selected_by, assert_retained_state_graph
 from qeff_kv_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -368,7 +368,7 @@ def test_no_torch_import(graphs, tmp_path):
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "import qeff_kv.rewrite, qeff_kv.check, qeff_kv.buffers, qeff_kv.testing\n"
+        "import qeff_kv.tools.rewrite, qeff_kv.tools.check.rules, qeff_kv.tools.buffers, qeff_kv.tools.testing\n"
         "from qeff_kv_cli.main import main\n"
         f"src = {str(graphs / 'qeff_llama_vllm.onnx')!r}\n"
         "r = CliRunner()\n"

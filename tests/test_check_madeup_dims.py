@@ -1,5 +1,5 @@
 """Retained outputs declared with dims the exporter made up (issue 42): one rule for every ``check`` rule and every
-state kind (:mod:`qeff_kv.madeup_dims`). A made-up dim the graph's scatter and shape inference leave open is
+state kind (:mod:`qeff_kv.graph.madeup_dims`). A made-up dim the graph's scatter and shape inference leave open is
 unknown: it takes the paired input's batch axis or fixed size, and fails only against another named axis; a real
 mismatch (two sizes, two names, a size and a name) still fails in one line.
 
@@ -18,9 +18,10 @@ from click.testing import CliRunner
 
 import _kv_graphs as kvg
 import _recurrent_graph as rg
-from qeff_kv import check as qcheck
-from qeff_kv import graphio, naming
-from qeff_kv.buffers import buffers_report
+from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.tools.buffers import buffers_report
 from qeff_kv.runtime import Session
 from qeff_kv_cli.main import main
 

@@ -124,7 +124,8 @@ def test_longrope_graph_follows_transformers_per_forward_pass_across_the_thresho
     import transformers
 
     from hf_models import PlainLoop
-    from qeff_kv.export import export_model, family
+    from qeff_kv.export import export_model
+    from qeff_kv.export.facts import family
 
     d = _longrope_16(monkeypatch, tmp_path)
     monkeypatch.setattr(family, "_longrope_threshold", lambda text, model_type: None)
@@ -172,7 +173,7 @@ def test_rotate_half_kind_is_measured_from_the_modeling_code():
     from transformers.models.glm import modeling_glm
     from transformers.models.llama import modeling_llama
 
-    from qeff_kv.export import rope
+    from qeff_kv.export.modeling import rope
 
     assert rope.rotate_half_kind(modeling_llama.rotate_half) == "split-half"
     assert rope.rotate_half_kind(modeling_cohere.rotate_half) == "interleaved"
@@ -187,7 +188,7 @@ def test_repeat_interleave_keeps_later_negative_dims(tmp_path):
     import onnxruntime as ort
     import torch
 
-    from qeff_kv.export import graph_ops
+    from qeff_kv.export.modeling import graph_ops
 
     class M(torch.nn.Module):
         def forward(self, x, f):

@@ -33,7 +33,7 @@ def hybrid_graph(tmp_path_factory):
 
 def _run(engine, rid, prompt, n=5):
     from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.engine import Finished, GenerationRequest, TokenOut
+    from qeff_kv.serve.engine.engine import Finished, GenerationRequest, TokenOut
 
     evs = list(engine.submit(GenerationRequest(rid, tuple(prompt), n, GREEDY, frozenset())).iter_sync(timeout=120))
     assert isinstance(evs[-1], Finished) and all(isinstance(e, TokenOut) for e in evs[:-1]), evs[-1]
@@ -44,8 +44,8 @@ def _run(engine, rid, prompt, n=5):
 def _single_host(graph, **options):
     """(tokens, cached tokens) of BASE then OTHER on a single-host Scheduler with the same options."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.scheduler import Scheduler
-    from qeff_kv.serve.session_from_config import open_session
+    from qeff_kv.serve.engine.scheduler import Scheduler
+    from qeff_kv.serve.engine.session_from_config import open_session
 
     sched = Scheduler(open_session(ServeConfig(str(graph), **options)))
     try:
@@ -59,7 +59,7 @@ def test_checkpoint_options_reach_the_prefill_replicas(hybrid_graph):
     on a single host with the same options (without them no checkpoint at or below 11 is kept but 0: nothing is
     reused); the tokens are the single host's."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
 
     ref = _single_host(hybrid_graph, **CKPT)
     assert [cached for _, cached in ref] == [0, 8]
@@ -82,8 +82,8 @@ def _moved(graph) -> int:
     states and their checkpoints)."""
     from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.session_from_config import open_prefill_session
-    from qeff_kv.serve.transfer import Prefiller
+    from qeff_kv.serve.engine.session_from_config import open_prefill_session
+    from qeff_kv.serve.cluster.transfer import Prefiller
 
     pre = Prefiller(open_prefill_session(ServeConfig(str(graph), **CKPT), str(graph)))
     return sum(pre.run(rid, p, GREEDY).nbytes for rid, p in (("a", BASE), ("b", OTHER)))
@@ -92,7 +92,7 @@ def _moved(graph) -> int:
 def test_resources_the_cluster_lacks_are_one_line(hybrid_graph):
     from qeff_kv.errors import RuntimeInputError
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
 
     for kw, msg in [({"prefill_resources": {"qeffkv_nowhere": 1}},
                      r"^--prefill-resources: 1 prefill replica\(s\) need 1 of 'qeffkv_nowhere'; the Ray cluster has 0 "

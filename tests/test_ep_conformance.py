@@ -22,8 +22,8 @@ from conftest import HAS_PEER, PEER_MISSING, PEER_DIR
 from families import CHUNK, CTX
 from qeff_kv.errors import ContractError, ProviderError
 from qeff_kv.runtime import Session
-from qeff_kv.runtime import ep_proofs
-from qeff_kv.runtime.executor import ReferenceExecutor
+from qeff_kv.runtime.execution import ep_proofs
+from qeff_kv.runtime.execution.executor import ReferenceExecutor
 
 PROMPT = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21]   # chunks of 4: 4, 4, 3 (the last unpadded)
 STEPS = 3
@@ -220,7 +220,7 @@ def test_an_unproved_provider_is_refused_naming_it_and_why(kwargs, own_graph, mo
 
 
 def test_the_vision_stage_refuses_an_unproved_device_before_reading(tmp_path):
-    from qeff_kv.runtime.vision import VisionStage
+    from qeff_kv.runtime.multimodal.vision import VisionStage
 
     with pytest.raises(ProviderError) as exc:
         VisionStage(tmp_path / "absent.onnx", device="cuda")

@@ -9,9 +9,10 @@ import onnx
 import pytest
 
 from conftest import requires_torch
-from qeff_kv import graphio, naming
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
 from qeff_kv.errors import ExportError
-from qeff_kv.inplace import inplace_issues
+from qeff_kv.graph.inplace import inplace_issues
 
 pytestmark = [requires_torch]
 

@@ -93,7 +93,7 @@ def _run_without_torch(code: str) -> subprocess.CompletedProcess:
 
 def test_library_and_non_export_commands_work_without_torch(graphs):
     code = (
-        "import qeff_kv, qeff_kv.export, qeff_kv.rewrite, qeff_kv.check, qeff_kv.buffers, qeff_kv.runtime\n"
+        "import qeff_kv, qeff_kv.export, qeff_kv.tools.rewrite, qeff_kv.tools.check.rules, qeff_kv.tools.buffers, qeff_kv.runtime\n"
         "from click.testing import CliRunner\n"
         "from qeff_kv_cli.main import main\n"
         f"r = CliRunner().invoke(main, ['buffers', {str(graphs / 'qeff_llama_vllm.onnx')!r}])\n"

@@ -44,7 +44,7 @@ def test_vision_language_refusal_in_the_cli_is_one_line(tmp_path):
 
 
 def test_sliding_window_in_text_config_is_read():
-    from qeff_kv.export.family import ModelFacts
+    from qeff_kv.export.facts.family import ModelFacts
 
     facts = ModelFacts.from_config({"architectures": ["X"], "text_config": {
         "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2}})

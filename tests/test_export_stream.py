@@ -1,4 +1,4 @@
-"""The streaming export (issue 39, qeff_kv/export/stream.py): captured without the weights, each weight read from
+"""The streaming export (issue 39, qeff_kv/export/weights/stream.py): captured without the weights, each weight read from
 the checkpoint when the graph is written, verified with a reference that holds one module's weights at a time.
 
 Proofs: the graphs are the same as the whole-model path's (nodes, names, initializer bytes), from sharded bf16
@@ -79,10 +79,11 @@ def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeyp
                                                      ("onnxruntime-fused", "int4", True)])
 def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights,
                                                             external):
-    """--weights packed as they are written (qeff_kv/export/quantize_stream.py): the same nodes, initializer names,
+    """--weights packed as they are written (qeff_kv/export/weights/quantize_stream.py): the same nodes, initializer names,
     order and bytes as onnxruntime's whole-graph quantizer on the whole-model export. ``external``: every graph
     written with external data (as a large model is), so the float weights are read memory-mapped."""
-    from qeff_kv.export import export_model, options, quantize
+    from qeff_kv.export import export_model, options
+    from qeff_kv.export.weights import quantize
 
     if external:
         monkeypatch.setattr(options, "EXTERNAL_DATA_THRESHOLD", 0)
@@ -108,7 +109,8 @@ def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tm
     """An instrumented store: every tensor it hands out is counted while alive; the exporter (identity, the
     verification reference, the lazy initializers, the fused target's packed weights) never holds more than a
     few at once, while the model has many more."""
-    from qeff_kv.export import export_model, weights
+    from qeff_kv.export import export_model
+    from qeff_kv.export.weights import checkpoint_store as weights
 
     stores = []
     original = weights.CheckpointStore.__init__
@@ -134,8 +136,8 @@ def test_streamed_reference_equals_the_loaded_model(sharded_bf16):
     import torch
     import transformers
 
-    from qeff_kv.export import stream
-    from qeff_kv.export.weights import CheckpointStore
+    from qeff_kv.export.weights import stream
+    from qeff_kv.export.weights.checkpoint_store import CheckpointStore
 
     store = CheckpointStore(sharded_bf16)
     skel = stream.skeleton(sharded_bf16, torch.float32)
@@ -180,7 +182,7 @@ def test_checkpoint_that_does_not_match_by_name_loads_whole(sharded_bf16, tmp_pa
 
 
 def test_verification_that_cannot_fit_is_refused_up_front(sharded_bf16, tmp_path, monkeypatch):
-    from qeff_kv import limits
+    from qeff_kv.support import limits
     from qeff_kv.errors import ExportError
     from qeff_kv.export import export_model
 

@@ -1,4 +1,4 @@
-"""Family facts (qeff_kv/export/family.py) proved from config dicts alone: no torch, no weights.
+"""Family facts (qeff_kv/export/facts/family.py) proved from config dicts alone: no torch, no weights.
 
 Each fact the exporter asks instead of ``model_type == ...`` is read here from a config shaped like the
 family's own ``config.json``, and each onnxruntime-fused refusal is checked word for word.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from qeff_kv.export.family import ModelFacts
+from qeff_kv.export.facts.family import ModelFacts
 from qeff_kv.export.options import ExportOptions
 
 

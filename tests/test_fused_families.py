@@ -96,9 +96,9 @@ def _attr(node, name, default):
 @pytest.mark.parametrize("name", list(EXACT))
 def test_fused_family_matches_transformers_in_place(name, exports, refs):
     from hf_models import PlainLoop
-    from qeff_kv import graphio
-    from qeff_kv.check import check
-    from qeff_kv.inplace import inplace_issues
+    from qeff_kv.graph import graphio
+    from qeff_kv.tools.check.rules import check
+    from qeff_kv.graph.inplace import inplace_issues
     from qeff_kv.runtime import Session
 
     r = exports[name]
@@ -120,8 +120,8 @@ def test_fused_family_matches_transformers_in_place(name, exports, refs):
 def test_fused_family_gqa_nodes_express_the_model(name, exports, family_dirs):
     import json
 
-    from qeff_kv import graphio
-    from qeff_kv.export.family import ModelFacts
+    from qeff_kv.graph import graphio
+    from qeff_kv.export.facts.family import ModelFacts
 
     want = EXACT[name]
     config = json.loads((family_dirs[name] / "config.json").read_text())
@@ -158,7 +158,7 @@ def test_fused_refusal_is_one_line_from_the_config(name, family_dirs, tmp_path):
 @pytest.mark.parametrize("name", ORT_TARGET)
 def test_onnxruntime_target_soft_capping_and_sinks(name, family_dirs, refs, tmp_path):
     from hf_models import PlainLoop
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
     from qeff_kv.export import export_model
 
     r = export_model(family_dirs[name], tmp_path / name, ctx_len=CTX, prefill_seq_len=CHUNK, target="onnxruntime")

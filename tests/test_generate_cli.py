@@ -145,7 +145,7 @@ def test_readme_flow_on_the_bundled_default(own_vllm_graph):
 
 def test_penalty_and_bias_options_equal_the_session(graphs):
     from qeff_kv.runtime import Session
-    from qeff_kv.runtime.sampling import SamplingParams
+    from qeff_kv.runtime.decoding.sampling import SamplingParams
 
     banned = graphs.llama_a[0]
     r = run(graphs / "qeff_llama_vllm.onnx", "--prompt-ids", A, "--max-new-tokens", 8, "--ctx-len", 16,

@@ -17,8 +17,8 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from qeff_kv.errors import ExportError  # noqa: E402
-from qeff_kv.export.gguf_grid import FITS, WHY_NOT, plan  # noqa: E402
-from qeff_kv.export.quantize import quantize_graph  # noqa: E402
+from qeff_kv.export.weights.gguf_grid import FITS, WHY_NOT, plan  # noqa: E402
+from qeff_kv.export.weights.quantize import quantize_graph  # noqa: E402
 from qeff_kv.export.schemes import WeightScheme  # noqa: E402
 
 K = 96                      # three blocks of 32 along K

@@ -1,5 +1,5 @@
 """The resolved description of a graph (qeff_kv/runtime/graph_description.py) and the batching strategies
-(qeff_kv/runtime/batching.py): each batching mode resolved from the graphs that have it, the memory kinds, the
+(qeff_kv/runtime/decoding/batching.py): each batching mode resolved from the graphs that have it, the memory kinds, the
 refusals in one line, and the session reading what it is from the description."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 
 import _recurrent_graph as rg
 from _kv_graphs import build
-from qeff_kv import graphio
+from qeff_kv.graph import graphio
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.runtime import Session
-from qeff_kv.runtime.batching import ContinuousBatching, LockStep, OneSequence
-from qeff_kv.runtime.lockstep import RowViews
+from qeff_kv.runtime.decoding.batching import ContinuousBatching, LockStep, OneSequence
+from qeff_kv.runtime.decoding.lockstep import RowViews
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model

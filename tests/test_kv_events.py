@@ -21,7 +21,7 @@ zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (the [serve] extra
 msgpack = pytest.importorskip("msgpack", reason="KV events need msgpack (the [serve] extra)")
 
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
-from qeff_kv.serve.kv_events import (BlockTable, KVEventPublisher, block_hash, block_hashes,  # noqa: E402
+from qeff_kv.serve.cluster.kv_events import (BlockTable, KVEventPublisher, block_hash, block_hashes,  # noqa: E402
                                      check_endpoint)
 from serve_helpers import LiveServer, free_port  # noqa: E402
 
@@ -84,7 +84,7 @@ def test_block_hash_is_the_documented_formula_and_chained():
 
 
 def test_block_hash_is_stable_across_processes():
-    code = ("from qeff_kv.serve.kv_events import block_hashes; "
+    code = ("from qeff_kv.serve.cluster.kv_events import block_hashes; "
             "print(block_hashes(list(range(100, 164)), 16))")
     outs = []
     for seed in ("1", "2"):
@@ -251,7 +251,7 @@ def test_prefill_replica_publishes_on_its_port(own_cb_graph):
     """--disaggregate: prefill replica i binds PORT + i and says its rank; the prefill worker's reuse drives it."""
     from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import PrefillWorker
+    from qeff_kv.serve.cluster.disagg import PrefillWorker
 
     port = free_port()
     config = ServeConfig(export_dir=str(own_cb_graph), kv_events=f"tcp://127.0.0.1:{port - 1}",

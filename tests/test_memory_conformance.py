@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
-from qeff_kv.layout import KVPair, TensorInfo
+from qeff_kv.contract.layout import KVPair, TensorInfo
 from qeff_kv.runtime import KVCache
 from qeff_kv.runtime.memory import (CheckpointPolicy, HybridMemory, Memory, PositionalMemory, RecurrentMemory,
                                     RopeMarks)
 from qeff_kv.runtime.memory.rope_marks import RopeMark
-from qeff_kv.runtime.ring import RingSpec
+from qeff_kv.runtime.memory.ring import RingSpec
 
 SLOTS, CTX, WINDOW, RING = 3, 16, 4, 5
 POLICY = CheckpointPolicy(every=4, keep=3)
@@ -382,7 +382,7 @@ def test_a_sessions_hand_off_is_what_its_memories_say(graph, tmp_path):
     from test_runtime_ring import PROMPT, ring_graph
 
     from qeff_kv.runtime import Session
-    from qeff_kv.serve import transfer
+    from qeff_kv.serve.cluster import transfer
 
     path = ring_graph(tmp_path / "ring") if graph == "ring" else rg.save(tmp_path / "hybrid.onnx")
     kw = {"ctx_len": 32} if graph == "ring" else {"ctx_len": 32, "prefill_seq_len": 4, "checkpoint_every": 4}

@@ -1,4 +1,4 @@
-"""Mixture-of-experts export (qeff_kv/export/moe.py): every token is routed at run time, by data.
+"""Mixture-of-experts export (qeff_kv/export/modeling/moe.py): every token is routed at run time, by data.
 
 Per MoE family of tests/families.py (one tiny seeded model and one export per family for the module):
 
@@ -100,7 +100,7 @@ def _router_choices(model, ids) -> list[list[set[int]]]:
     """Per experts module, per token: the expert ids transformers' router chose (forward pre-hooks)."""
     import torch
 
-    from qeff_kv.export import moe
+    from qeff_kv.export.modeling import moe
 
     seen: list[list[set[int]]] = []
     hooks = [m.register_forward_pre_hook(lambda _m, args: seen.append([set(r.tolist()) for r in args[1]]))
@@ -152,7 +152,8 @@ def test_routing_fixed_by_the_tracing_input_is_refused(moe_models, moe_root, mon
     """With transformers' ``eager`` experts (a loop over the experts a batch hits) the trace would bake in
     the tracing input's experts: the export refuses it and writes nothing."""
     from qeff_kv.errors import ExportError
-    from qeff_kv.export import export_model, moe
+    from qeff_kv.export import export_model
+    from qeff_kv.export.modeling import moe
 
     monkeypatch.setattr(moe, "GATHERED_EXPERTS", "eager")
     out = moe_root / "mixtral-eager"
@@ -163,7 +164,7 @@ def test_routing_fixed_by_the_tracing_input_is_refused(moe_models, moe_root, mon
 
 
 def test_static_routing_restores_the_models_choice(moe_models):
-    from qeff_kv.export import moe
+    from qeff_kv.export.modeling import moe
 
     model = _hf(moe_models("qwen2_moe"))
     modules = moe.experts_modules(model)
@@ -184,8 +185,8 @@ def test_zero_compute_experts_are_routed_by_data(family_exports):
     import transformers
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
 
-    from qeff_kv import graphio
-    from qeff_kv.export import moe
+    from qeff_kv.graph import graphio
+    from qeff_kv.export.modeling import moe
 
     cfg = transformers.LongcatFlashConfig(**FAMILIES["longcat_flash"].config_kwargs())
     torch.manual_seed(0)
@@ -212,7 +213,7 @@ def test_experts_split_by_python_counts_are_routed_by_data(family_models):
     import torch
     import transformers
 
-    from qeff_kv.export import moe_split
+    from qeff_kv.export.modeling import moe_split
 
     model = transformers.AutoModelForCausalLM.from_pretrained(family_models("jetmoe"), dtype=torch.float32).eval()
     found = moe_split.split_experts_modules(model)

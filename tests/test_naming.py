@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qeff_kv import naming
+from qeff_kv.contract import naming
 from qeff_kv.errors import PrefixError, QeffKvError
 
 ASCII_PREFIX = st.from_regex(r"[A-Za-z0-9]{1,64}", fullmatch=True).filter(lambda p: "RetainedState" not in p)

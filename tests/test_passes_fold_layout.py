@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from qeff_kv.passes import FoldLayoutPairsPass
+from qeff_kv.graph.passes import FoldLayoutPairsPass
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((8, 12)).astype(np.float32)

@@ -10,9 +10,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from qeff_kv import graphio
-from qeff_kv.inplace import inplace_issues
-from qeff_kv.passes import RemovePassThroughPass
+from qeff_kv.graph import graphio
+from qeff_kv.graph.inplace import inplace_issues
+from qeff_kv.graph.passes import RemovePassThroughPass
 
 FLOAT, F16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
 KV_SHAPE = ["batch_size", 2, "ctx_len", 4]

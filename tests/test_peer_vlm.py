@@ -18,11 +18,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import requires_torch
-from qeff_kv import check as qcheck
-from qeff_kv import naming
-from qeff_kv.buffers import buffers_report, write_compile_config_for_graph
+from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.contract import naming
+from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.rewrite import rewrite
+from qeff_kv.tools.rewrite import rewrite
 from qeff_kv_cli.main import main
 
 TOKEN = 397                      # image_token_index of both tiny Llava models
@@ -237,8 +237,9 @@ def test_single_graph_round_tripped_through_rewrite_runs_exactly(fx, want, tmp_p
 def test_an_image_token_never_sits_alone_in_a_chunk(fx, want, monkeypatch):
     """The peer's merge keeps the text embedding when seq_len == 1: a last chunk of one image token (unpadded: at
     the capacity) takes a token from the chunk before it. The plain plan would get other tokens."""
-    from qeff_kv.chunking import plan_chunks
-    from qeff_kv.runtime import VisionLanguageModel, media
+    from qeff_kv.contract.chunking import plan_chunks
+    from qeff_kv.runtime import VisionLanguageModel
+    from qeff_kv.runtime.multimodal import media
 
     def run():
         vlm = VisionLanguageModel(fx / SINGLE32, image_token_id=TOKEN, ctx_len=ONE_TOKEN_CTX,

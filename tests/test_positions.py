@@ -1,5 +1,5 @@
-"""Multimodal RoPE bookkeeping without a model: ``qeff_kv.mrope`` (rows and per-image marks) and
-``qeff_kv.runtime.positions`` (position_ids, marks through rewinds and state files). Property tests: the per-image
+"""Multimodal RoPE bookkeeping without a model: ``qeff_kv.contract.mrope`` (rows and per-image marks) and
+``qeff_kv.runtime.multimodal.positions`` (position_ids, marks through rewinds and state files). Property tests: the per-image
 marks agree with the rows ``prompt_positions`` computes, whatever the text and images around them."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from qeff_kv import mrope
+from qeff_kv.contract import mrope
 from qeff_kv.errors import StateFileError
-from qeff_kv.runtime import positions
+from qeff_kv.runtime.multimodal import positions
 
 IMAGE = 99
 

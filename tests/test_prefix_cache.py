@@ -9,7 +9,7 @@ import pytest
 
 import _recurrent_graph as rg
 from qeff_kv.runtime import Session
-from qeff_kv.runtime.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
+from qeff_kv.runtime.memory.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 
 P = [5, 17, 3, 29, 11, 40, 7, 23, 2, 31]   # 10 tokens
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import requires_torch
 from qeff_kv.errors import ExportError
-from qeff_kv.export import prequant
+from qeff_kv.export.weights import prequant
 
 PROMPT = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21]
 CTX, CHUNK, NEW = 32, 4, 8
@@ -120,7 +120,7 @@ def checkpoints(tmp_path_factory):
 @requires_torch
 @pytest.mark.parametrize("name", list(CASES))
 def test_unpacking_gives_the_integers_the_checkpoint_packed(checkpoints, name):
-    from qeff_kv.export.prequant.folder import Tensors, quantized_linears
+    from qeff_kv.export.weights.prequant.folder import Tensors, quantized_linears
 
     ck = checkpoints(name)
     scheme = prequant.detect(json.loads((ck.folder / "config.json").read_text()))
@@ -160,7 +160,7 @@ def test_matmulnbits_dequantizes_to_the_checkpoints_weights_bit_for_bit(checkpoi
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from qeff_kv.export.prequant import graph
+    from qeff_kv.export.weights.prequant import graph
 
     ck = checkpoints(name)
     a, b = ck.linears["model.layers.0.self_attn.q_proj"], ck.linears["model.layers.0.self_attn.k_proj"]
@@ -245,7 +245,7 @@ def test_export_refusals_name_the_checkpoint_and_the_flag(checkpoints):
 def test_gptq_v1_zero_point_that_wrapped_is_refused(tmp_path):
     from prequant_checkpoints import Quantized, gptq_tensors
 
-    from qeff_kv.export.prequant import gptq
+    from qeff_kv.export.weights.prequant import gptq
 
     k, n = 32, 8
     ql = Quantized(np.zeros((n, k), np.uint8), np.zeros((n, 1), np.uint8), np.ones((n, 1), np.float32),

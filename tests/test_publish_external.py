@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from qeff_kv import graphio
+from qeff_kv.graph import graphio
 from qeff_kv.export import options as opt
 from qeff_kv.export import publish
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch
-from qeff_kv import graphio
+from qeff_kv.graph import graphio
 from qeff_kv.errors import ExportError
 
 pytestmark = [requires_torch]
@@ -53,7 +53,7 @@ def _greedy(path, prompt=PROMPT, new=NEW):
 
 @pytest.mark.parametrize("key", ["int4", "int8", "int8-ort"])
 def test_quantized_graph_structure(exports, key):
-    from qeff_kv.check import check
+    from qeff_kv.tools.check.rules import check
 
     r = exports[key]
     model = graphio.load(r.onnx_path)

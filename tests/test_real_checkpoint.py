@@ -83,7 +83,7 @@ def _hf_chat_ids(tok, question: str) -> list[int]:
 @real
 def test_chat_template_renders_like_transformers(export, hf):
     """Our jinja2 renderer on the export folder's files gives transformers' apply_chat_template ids."""
-    from qeff_kv.runtime.chat import chat_prompt_ids, load_chat_template
+    from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
     from qeff_kv.runtime.generate_job import load_tokenizer
 
     _model, tok = hf
@@ -130,7 +130,7 @@ def test_longer_greedy_continuation_matches_transformers(export, hf):
 @real
 def test_tied_embedding_is_stored_once(export, hf):
     """The export's weights are the float32 parameters, the tied embedding/head matrix counted once."""
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     model, _tok = hf
     vocab, hidden = model.config.vocab_size, model.config.hidden_size

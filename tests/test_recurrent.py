@@ -47,7 +47,7 @@ def bamba_cb(family_models, tmp_path_factory):
 # ------------------------------------------------------------------------------------------- no torch needed
 def test_recurrent_facts_from_the_config():
     """Which layers run the mixer and which attend, and the state geometry, come from config.json."""
-    from qeff_kv.export.family import ModelFacts
+    from qeff_kv.export.facts.family import ModelFacts
 
     def facts(**cfg):
         return ModelFacts.from_config({"architectures": ["X"], **cfg}).recurrent
@@ -89,7 +89,7 @@ def test_check_refuses_a_position_axis_on_a_recurrent_buffer(tmp_path):
     import _kv_graphs as kvg
     import onnx
 
-    from qeff_kv.check import check
+    from qeff_kv.tools.check.rules import check
 
     path = tmp_path / "bad.onnx"
     onnx.save(kvg.build(1, stems=["conv_state", "recurrent_state"],
@@ -108,7 +108,7 @@ def test_check_recurrent_state_needs_its_conv_state(tmp_path):
     import _kv_graphs as kvg
     import onnx
 
-    from qeff_kv.check import check
+    from qeff_kv.tools.check.rules import check
 
     onnx.save(kvg.build(1, stems=["recurrent_state"]), tmp_path / "half.onnx")
     report = check(tmp_path / "half.onnx")
@@ -147,7 +147,7 @@ def test_session_exact_on_long_prompts(name, family_exports, long_refs):
 @requires_torch
 def test_falcon_h1_layers_keep_both_kinds(family_exports):
     """A parallel-hybrid layer records a positional and a recurrent entry; the graph retains both."""
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     result = family_exports("falcon_h1", "portable")
     spec = graphio.layout_of(graphio.load(result.onnx_path)).state_spec
@@ -161,9 +161,9 @@ def test_falcon_h1_layers_keep_both_kinds(family_exports):
 def test_cb_names_check_buffers_compile_config(bamba_cb, long_refs, tmp_path):
     """Continuous batching by batch_index: two sequences at different lengths decode together, each exact; the
     names are the peer's with the prefix; check passes; buffers and compile-config carry the recurrent pairs."""
-    from qeff_kv import graphio
-    from qeff_kv.buffers import buffers_report, write_compile_config_for_graph
-    from qeff_kv.check import check
+    from qeff_kv.graph import graphio
+    from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
+    from qeff_kv.tools.check.rules import check
     from qeff_kv.runtime import Session
 
     graph = graphio.load(bamba_cb.onnx_path)
@@ -225,7 +225,7 @@ def test_padding_leaves_the_states_untouched(bamba_cb):
     import numpy as np
     import onnxruntime as ort
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     layout = graphio.layout_of(graphio.load(bamba_cb.onnx_path))
     sess = ort.InferenceSession(str(bamba_cb.onnx_path), providers=["CPUExecutionProvider"])

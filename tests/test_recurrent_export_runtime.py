@@ -107,7 +107,7 @@ def test_rewind_copy_and_refusal_on_the_export(bamba):
 
 def test_state_file_and_handoff_on_the_export(bamba, tmp_path):
     from qeff_kv.runtime import SamplingParams
-    from qeff_kv.serve import transfer
+    from qeff_kv.serve.cluster import transfer
 
     _, export = bamba
     a = _session(export, max_sequences=1)
@@ -132,8 +132,8 @@ def test_state_file_and_handoff_on_the_export(bamba, tmp_path):
 
 def test_scheduler_reuse_on_the_export(bamba):
     from qeff_kv.runtime import SamplingParams
-    from qeff_kv.serve.engine import Finished, GenerationRequest
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.engine import Finished, GenerationRequest
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     _, export = bamba
 

@@ -15,7 +15,7 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv  # noqa: E402
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet  # noqa: E402
 
-from qeff_kv.export import gated_delta, short_conv  # noqa: E402
+from qeff_kv.export.modeling import gated_delta, short_conv
 
 HIDDEN = 48
 GDN = dict(hidden_size=HIDDEN, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -199,8 +199,8 @@ def test_whole_model_with_routed_mixers_equals_transformers(name):
     from families import RECURRENT_FAMILIES
     from transformers import DynamicCache
 
-    from qeff_kv.export import recurrent
-    from qeff_kv.export.family import ModelFacts
+    from qeff_kv.export.modeling import recurrent
+    from qeff_kv.export.facts.family import ModelFacts
 
     fam = RECURRENT_FAMILIES[name]
     cfg = getattr(transformers, fam.config_class)(**fam.config_kwargs())

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export.family import ModelFacts
-from qeff_kv.export.recurrent_facts import RECURRENT_REFUSALS
+from qeff_kv.export.facts.family import ModelFacts
+from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS
 
 transformers = pytest.importorskip("transformers")
 

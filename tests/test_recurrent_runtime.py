@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import _recurrent_graph as rg
 from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
 from qeff_kv.runtime import Session
-from qeff_kv.runtime import state_file as state_mod
+from qeff_kv.runtime.memory import state_file as state_mod
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.function_scoped_fixture])
@@ -273,7 +273,7 @@ def test_state_of_another_shape_or_graph_is_refused(sess, short_conv_graph, tmp_
 # ------------------------------------------------------------------------------------------------- hand-off
 def test_handoff_equals_a_single_host(sess, hybrid_graph):
     from qeff_kv.runtime import SamplingParams
-    from qeff_kv.serve import transfer
+    from qeff_kv.serve.cluster import transfer
 
     prompt = [11, 2, 33, 4, 25, 6, 17, 8, 39, 10, 1]
     pre = transfer.Prefiller(_session(hybrid_graph, max_sequences=2))
@@ -319,8 +319,8 @@ def test_scheduler_reuses_the_longest_prefix_that_ends_at_a_checkpoint(hybrid_gr
     sequence (or at its whole length); with none, the prompt is prefilled from scratch. Tokens equal a fresh
     session's."""
     from qeff_kv.runtime import SamplingParams
-    from qeff_kv.serve.engine import Finished, GenerationRequest, TokenOut
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.engine import Finished, GenerationRequest, TokenOut
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     def run(sched, i, prompt, n):
         h = sched.submit(GenerationRequest(str(i), tuple(prompt), n, SamplingParams(), frozenset()))
@@ -418,7 +418,7 @@ def test_lock_step_is_refused_with_recurrent_state(tmp_path):
 
 def test_serve_config_sets_the_checkpoints(hybrid_graph):
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.session_from_config import open_session
+    from qeff_kv.serve.engine.session_from_config import open_session
 
     s = open_session(ServeConfig(str(hybrid_graph), ctx_len=CTX, prefill_seq_len=CHUNK, max_sequences=2,
                                  checkpoint_every=5, max_checkpoints=2))
@@ -433,7 +433,7 @@ def test_a_pair_with_another_recurrent_geometry_is_refused(hybrid_graph, tmp_pat
     states differ (here another conv kernel) is refused at start-up, and so is a state file between them."""
     import onnx
 
-    from qeff_kv.serve.transfer import facts, pair_refusal
+    from qeff_kv.serve.cluster.transfer import facts, pair_refusal
 
     m = rg.build()
     for vi in list(m.graph.input) + list(m.graph.output):
@@ -450,7 +450,7 @@ def test_a_pair_with_another_recurrent_geometry_is_refused(hybrid_graph, tmp_pat
 
 
 def test_speculative_decoding_is_refused_on_recurrent_state(hybrid_graph):
-    from qeff_kv.runtime.speculative import PromptLookup, SpeculativeDecoder
+    from qeff_kv.runtime.decoding.speculative import PromptLookup, SpeculativeDecoder
 
     s = _session(hybrid_graph, max_sequences=1)
     s.speculative, s.speculative_tokens = True, 4   # as a recurrent graph with num_logits_to_keep would be

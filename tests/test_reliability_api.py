@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _kv_graphs as kg
-from qeff_kv import buffers, check, errors, rewrite, validate
+from qeff_kv.tools import buffers, rewrite
+from qeff_kv.tools.check import rules as check
+from qeff_kv import errors
+from qeff_kv.support import validate
 from qeff_kv.export import export_model
 from qeff_kv.runtime import Session, VisionLanguageModel
 from qeff_kv.runtime.generate_job import GenerateRequest, run_generate

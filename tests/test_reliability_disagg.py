@@ -20,7 +20,7 @@ from qeff_kv.errors import UnavailableError
 # ------------------------------------------------------------------------------------------ without Ray
 def test_a_prefill_export_with_a_smaller_context_is_refused(own_vllm_graph):
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.transfer import facts, pair_refusal
+    from qeff_kv.serve.cluster.transfer import facts, pair_refusal
 
     dec = facts(Session(own_vllm_graph))
     pre = dict(dec, ctx_len=dec["ctx_len"] // 2)
@@ -59,7 +59,7 @@ class _FakeRay:
 
 
 def test_restarts_are_budgeted_per_window():
-    from qeff_kv.serve.replicas import ReplicaWatch
+    from qeff_kv.serve.cluster.replicas import ReplicaWatch
 
     ray, pre, dec = _FakeRay(), _FakeActor(), _FakeActor()
     watch = ReplicaWatch(ray, {"prefill": [pre], "decode": [dec]}, budget=2, window=0.5)
@@ -86,7 +86,7 @@ def test_restarts_are_budgeted_per_window():
 
 
 def test_a_replica_unreachable_too_long_is_stopped():
-    from qeff_kv.serve.replicas import ReplicaWatch
+    from qeff_kv.serve.cluster.replicas import ReplicaWatch
 
     ray, pre = _FakeRay(), _FakeActor()
     watch = ReplicaWatch(ray, {"prefill": [pre]}, unreachable=0.3)
@@ -115,7 +115,7 @@ def test_a_ray_address_nothing_answers_is_one_line_at_once(own_cb_graph):
 def engine(own_vllm_graph, own_cb_graph):
     ray = pytest.importorskip("ray", reason="disaggregated serving needs the [ray] extra (ray)")
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
 
     owns = not ray.is_initialized()
     if owns:
@@ -143,7 +143,7 @@ def test_health_answers_at_once_while_a_replica_restarts_and_a_crash_loop_is_a_5
     TestClient = pytest.importorskip("fastapi.testclient").TestClient
     import ray
 
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
     from qeff_kv.serve.config import ServeConfig
     from qeff_kv.serve.server import text_facts
 
@@ -175,7 +175,7 @@ def test_health_answers_at_once_while_a_replica_restarts_and_a_crash_loop_is_a_5
         r = tc.post("/v1/completions", json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
     with pytest.raises(UnavailableError):
-        from qeff_kv.runtime.sampling import GREEDY
-        from qeff_kv.serve.engine import GenerationRequest
+        from qeff_kv.runtime.decoding.sampling import GREEDY
+        from qeff_kv.serve.engine.engine import GenerationRequest
 
         engine.submit(GenerationRequest("x", (5, 6), 2, GREEDY, frozenset()))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qeff_kv import gguf_header
+from qeff_kv.export.weights import gguf_header
 from qeff_kv.errors import ExportError
 from qeff_kv.export.sources import resolve_source
 from test_bad_inputs import cli, one_error, tree

@@ -111,7 +111,7 @@ def test_logprobs_under_a_grammar_are_finite_json_over_the_allowed_tokens(served
 def test_best_logprobs_never_lists_excluded_tokens():
     import numpy as np
 
-    from qeff_kv.runtime.sampling import SamplingParams, TokenPicker
+    from qeff_kv.runtime.decoding.sampling import SamplingParams, TokenPicker
 
     allowed = np.zeros(10, dtype=bool)
     allowed[[2, 7]] = True
@@ -244,8 +244,8 @@ def test_forced_tool_with_a_self_referencing_schema_is_refused(served):
 
 
 def test_a_grammar_failing_mid_generation_is_invalid_grammar_not_server_error():
-    from qeff_kv.serve.constrained import GrammarFailure, TokenConstraint
-    from qeff_kv.serve.responses import Run
+    from qeff_kv.serve.structured.constrained import GrammarFailure, TokenConstraint
+    from qeff_kv.serve.http.responses import Run
 
     class Broken:
         def is_error(self):
@@ -284,9 +284,9 @@ def test_tokenize_and_detokenize_are_bounded_before_the_work(served):
 
 # ============================================================================================ 8. accepted nonsense
 def test_a_call_to_a_function_not_offered_is_text():
-    from qeff_kv.serve.tool_io import ToolStream
-    from qeff_kv.serve.toolcalls import ToolFacts
-    from qeff_kv.serve.toolcalls.hermes import HermesParser
+    from qeff_kv.serve.structured.tool_io import ToolStream
+    from qeff_kv.serve.structured.toolcalls import ToolFacts
+    from qeff_kv.serve.structured.toolcalls.hermes import HermesParser
 
     text = '<tool_call>\n{"name": "evil", "arguments": {}}\n</tool_call>'
     s = ToolStream(HermesParser(ToolFacts()), offered=["get_weather"])
@@ -391,8 +391,8 @@ def test_a_deep_grammar_compiles_on_the_big_stack_threads_without_killing_the_pr
     code = f"""
 import asyncio
 from tokenizers import Tokenizer
-from qeff_kv.serve.constrained import GrammarSpec
-from qeff_kv.serve.structured_io import Constraints
+from qeff_kv.serve.structured.constrained import GrammarSpec
+from qeff_kv.serve.structured.structured_io import Constraints
 chain = {LARK_CHAIN!r}
 c = Constraints(Tokenizer.from_file({str(tokenizer)!r}), [0])
 got = asyncio.run(c.compile(GrammarSpec("lark", chain), "grammar"))
@@ -405,9 +405,9 @@ print("ok", int(got.first.sum()))
 def test_a_grammar_over_the_compile_time_is_a_400_naming_the_field():
     from tokenizers import Tokenizer
 
-    from qeff_kv.serve.constrained import GrammarSpec
-    from qeff_kv.serve.openai_io import APIError
-    from qeff_kv.serve.structured_io import Constraints
+    from qeff_kv.serve.structured.constrained import GrammarSpec
+    from qeff_kv.serve.http.openai_io import APIError
+    from qeff_kv.serve.structured.structured_io import Constraints
 
     tok = Tokenizer.from_file(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"
                                   / "default-model" / "tokenizer.json"))

@@ -1,6 +1,6 @@
 """Issue 43, classes 6 and 7 below the HTTP layer: the P/D holder's take against the request (a refusal leaves the
 state), its count and byte caps (oldest first; a state larger than the cap not held), the consumer's checks before
-anything is taken (:func:`qeff_kv.serve.pd.prepare` with a recording connector), and a local Ray instance started
+anything is taken (:func:`qeff_kv.serve.cluster.pd.prepare` with a recording connector), and a local Ray instance started
 as such whatever a stale ``ray_current_cluster`` file names. No Ray needed: the holder's methods run in asyncio,
 and Ray itself is a recording stand-in (the live P/D tests are in tests/test_serve_pd.py)."""
 
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from qeff_kv.errors import KVLoadError, RuntimeInputError
-from qeff_kv.serve.kv_connector import KVConnector, KVHolder
-from qeff_kv.serve.openai_io import APIError, Params
+from qeff_kv.serve.cluster.kv_connector import KVConnector, KVHolder
+from qeff_kv.serve.http.openai_io import APIError, Params
 
 TOKENS = json.dumps([1, 2, 3], separators=(",", ":"))
 
@@ -80,7 +80,7 @@ class _Recording(KVConnector):
 
 
 def _consumer(meta, ids, **kvp):
-    from qeff_kv.serve.pd import prepare
+    from qeff_kv.serve.cluster.pd import prepare
 
     session = SimpleNamespace(kv_fingerprint="kv", checkpoint="", model_fingerprint="m", ctx_len=64, prefix="")
     engine = SimpleNamespace(connector=_Recording(meta), session=session)
@@ -133,7 +133,7 @@ class _FakeRay:
 
 
 def test_a_local_ray_instance_is_started_as_such():
-    from qeff_kv.serve.ray_cluster import join_or_start
+    from qeff_kv.serve.cluster.ray_cluster import join_or_start
 
     ray = _FakeRay()
     assert join_or_start(ray, None) is True

@@ -143,7 +143,7 @@ def test_a_huge_prompt_refused_does_not_stall_another_stream(served):
 def test_a_template_running_to_its_budget_does_not_stall_another_stream(served, tmp_path):
     """A chat template that loops until its 2 s budget stops it is refused (400) while another stream's gaps stay
     short: rendering runs in a worker thread."""
-    from qeff_kv.runtime.chat import ChatTemplate
+    from qeff_kv.runtime.text.chat import ChatTemplate
 
     slow = ChatTemplate(tmp_path / "t.jinja", "{% for i in range(4000) %}{% for j in range(4000) %}{% endfor %}"
                                               "{% endfor %}", {})
@@ -233,9 +233,9 @@ def test_a_vanishing_temperature_acts_as_greedy(served, temperature):
 # ------------------------------------------------------------------------------------------ item 10
 def test_a_burst_of_slots_plus_queue_is_all_accepted(own_cb_graph):
     from qeff_kv.runtime import Session
-    from qeff_kv.runtime.sampling import GREEDY
-    from qeff_kv.serve.engine import GenerationRequest
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.runtime.decoding.sampling import GREEDY
+    from qeff_kv.serve.engine.engine import GenerationRequest
+    from qeff_kv.serve.engine.scheduler import Scheduler
     from qeff_kv.errors import QueueFullError
 
     for queue in (0, 2):

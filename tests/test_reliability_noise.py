@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import requires_torch
-from qeff_kv import capture
+from qeff_kv.support import capture
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session
 from test_bad_inputs import cli, one_error, tree

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qeff_kv.compile_config import resolve_speculative, specializations
+from qeff_kv.tools.compile_config import resolve_speculative, specializations
 from qeff_kv.errors import RuntimeInputError
 
 

@@ -21,7 +21,7 @@ def int4(tmp_path_factory):
 
 
 def test_an_int4_export_with_a_tokenizer_is_measured_on_natural_text(int4):
-    from qeff_kv.export.quantize import MAX_PERPLEXITY_RATIO, NATURAL_TEXT
+    from qeff_kv.export.weights.quantize import MAX_PERPLEXITY_RATIO, NATURAL_TEXT
 
     res, lines = int4
     chk = res.manifest["weights"]["check"]
@@ -54,7 +54,7 @@ def _broken_copy(src, dst, scale):
 
 def test_the_check_fails_a_graph_that_degrades_the_text(tmp_path):
     from qeff_kv.export import export_model
-    from qeff_kv.export.quantize import MAX_PERPLEXITY_RATIO, natural_text_check
+    from qeff_kv.export.weights.quantize import MAX_PERPLEXITY_RATIO, natural_text_check
 
     res = export_model(None, tmp_path / "tiny", ctx_len=64, prefill_seq_len=8, target="onnxruntime")
     ids = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21, 8, 30]

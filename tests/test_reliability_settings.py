@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import _kv_graphs as kg
 from conftest import requires_torch
-from qeff_kv.compile_config import specializations
+from qeff_kv.tools.compile_config import specializations
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session
 from test_bad_inputs import cli, one_error, tree
@@ -82,7 +82,7 @@ def test_ccl_values_below_the_prefill_length_are_refused(tmp_path, smallest):
 
 
 def test_ccl_auto_leaves_out_values_below_the_prefill_length():
-    from qeff_kv.compile_config import auto_ccl, parse_ccl
+    from qeff_kv.tools.compile_config import auto_ccl, parse_ccl
 
     assert auto_ccl(4096, 1000) == (1024, 2048, 4096)
     assert parse_ccl("auto", 4096, prefill_seq_len=600) == (1024, 2048, 4096)
@@ -110,7 +110,7 @@ def test_export_options_for_another_kind_of_model_are_refused(tmp_path, kwargs, 
 
 @requires_torch
 def test_int4_with_a_block_larger_than_every_matrix_quantizes_nothing_and_is_refused(own_graphs):
-    from qeff_kv.export.quantize import WeightScheme, quantize_graph
+    from qeff_kv.export.weights.quantize import WeightScheme, quantize_graph
 
     float_graph = own_graphs / "own_llama_ort_cb_vllm.onnx"
     model = onnx.load(str(float_graph))

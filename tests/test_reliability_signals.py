@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_torch
-from qeff_kv import fsutil
+from qeff_kv.support import fsutil
 from qeff_kv.errors import ExportError
 
 QEFF_KV = Path(sys.executable).with_name("qeff-kv")

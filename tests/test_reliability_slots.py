@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qeff_kv.errors import QeffKvError, StateFileError
-from qeff_kv.runtime.sampling import GREEDY
-from qeff_kv.serve.engine import Finished, GenerationRequest
+from qeff_kv.runtime.decoding.sampling import GREEDY
+from qeff_kv.serve.engine.engine import Finished, GenerationRequest
 
 PROMPT = (5, 9, 13, 2, 7, 11, 3, 8, 6)
 
@@ -29,7 +29,7 @@ PROMPT = (5, 9, 13, 2, 7, 11, 3, 8, 6)
 @pytest.fixture(scope="module")
 def sched(own_cb_graph):
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     engine = Scheduler(Session(own_cb_graph))
     yield engine
@@ -98,7 +98,7 @@ def _rewrite(path, edit) -> None:
     """Rewrite a state file with ``edit(metadata)`` applied and a checksum recomputed (a forger's file)."""
     from safetensors.numpy import save
 
-    from qeff_kv.runtime import state_file as state_mod
+    from qeff_kv.runtime.memory import state_file as state_mod
 
     s = state_mod.read_state(path)
     meta = dict(s.metadata)
@@ -109,7 +109,7 @@ def _rewrite(path, edit) -> None:
 
 # ------------------------------------------------------------------------------------------ item 7: one file, checksum
 def test_a_save_is_one_file_with_its_tokens_under_the_checksum(sched, folder):
-    from qeff_kv.runtime import state_file as state_mod
+    from qeff_kv.runtime.memory import state_file as state_mod
 
     _, path = _saved(sched, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["s.safetensors"]
@@ -208,8 +208,8 @@ def _once(fn):
 
 
 def _inject(monkeypatch, sched, step: str) -> None:
-    from qeff_kv.runtime import state_file as state_mod
-    from qeff_kv.serve import slots as slots_mod
+    from qeff_kv.runtime.memory import state_file as state_mod
+    from qeff_kv.serve.engine import slots as slots_mod
 
     cache = sched.session.cache
     if step == "read":
@@ -260,8 +260,8 @@ SAVE_STEPS = ["export_state", "fsync", "write"]
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(step=st.sampled_from(SAVE_STEPS), existing=st.booleans())
 def test_every_failing_save_leaves_the_slot_and_the_folder_as_they_were(sched, folder, monkeypatch, step, existing):
-    from qeff_kv import fsutil
-    from qeff_kv.runtime import state_file as state_mod
+    from qeff_kv.support import fsutil
+    from qeff_kv.runtime.memory import state_file as state_mod
 
     slot, path = _saved(sched, folder, "q.safetensors")
     if not existing:

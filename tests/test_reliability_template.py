@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.runtime import template_budget
-from qeff_kv.runtime.chat import ChatTemplate
+from qeff_kv.runtime.text import template_budget
+from qeff_kv.runtime.text.chat import ChatTemplate
 
 pytest.importorskip("jinja2")
 

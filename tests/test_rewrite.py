@@ -19,11 +19,12 @@ from onnx import numpy_helper
 
 import _kv_graphs as kvg
 from conftest import ALL_GRAPHS
-from qeff_kv import check as qcheck
-from qeff_kv import fsutil, naming
+from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.support import fsutil
+from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, ExternalDataError, GraphReadError, PrefixError, RewriteError
-from qeff_kv.passes import SetKVPrefixPass
-from qeff_kv.rewrite import rewrite
+from qeff_kv.graph.passes import SetKVPrefixPass
+from qeff_kv.tools.rewrite import rewrite
 from qeff_kv_cli.main import main
 
 INT32_MAX = 2**31 - 1
@@ -37,7 +38,7 @@ def digest(path: Path) -> str:
 
 
 def graph_prefix(path: Path) -> str | None:
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     return graphio.layout_of(graphio.load(path)).prefix
 

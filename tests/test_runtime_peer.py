@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import OWN_GRAPHS, PEER_GRAPHS, PROMPT_A, PROMPT_B
-from qeff_kv import graphio
-from qeff_kv.passes.ort_invalid_index import INVALID_INDEX, OrtInvalidIndexPass
+from qeff_kv.graph import graphio
+from qeff_kv.graph.passes.ort_invalid_index import INVALID_INDEX, OrtInvalidIndexPass
 from qeff_kv.runtime import Session
 
 
@@ -160,7 +160,7 @@ def test_external_data_graph_runs(graphs, tmp_path):
 def test_scatter_constant_choice_matters_for_padded_cb_prefill(peer_dir, monkeypatch):
     """The peer's workaround (every INT32_MAX -> 0) scatters padding rows' NaN into slot 0 of the sequence;
     ours (-1 for the scatter constant) puts it in slot ctx_len-1, beyond the valid length."""
-    import qeff_kv.passes.ort_invalid_index as mod
+    import qeff_kv.graph.passes.ort_invalid_index as mod
 
     s = _open(peer_dir / "qeff_llama_cb_vllm.onnx")
     seq = s.add_sequence()

@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from qeff_kv import naming
+from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError, StateFileError
 from qeff_kv.runtime import KVCache, Session, export_state, import_state, read_state
-from qeff_kv.runtime.state_file import _checksum
+from qeff_kv.runtime.memory.state_file import _checksum
 
 V = 16
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]   # 14 tokens: more than two windows of 6

@@ -7,7 +7,7 @@ import pytest
 
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import Session
-from qeff_kv.runtime.sampling import SamplingParams, probabilities, sample
+from qeff_kv.runtime.decoding.sampling import SamplingParams, probabilities, sample
 
 from conftest import PROMPT_A as A
 
@@ -75,7 +75,7 @@ def test_session_sampling(graphs):
 
 
 # ------------------------------------------------------------------------------------------ the logits pipeline
-from qeff_kv.runtime.sampling import TokenPicker, log_softmax  # noqa: E402
+from qeff_kv.runtime.decoding.sampling import TokenPicker, log_softmax  # noqa: E402
 
 
 def test_plain_picker_is_the_fast_path():

@@ -416,7 +416,7 @@ def test_slot_refusals(served, path, body, status, param):
 def test_slots_need_a_state_dir(served):
     from fastapi.testclient import TestClient
 
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
 
     app = create_app(served.engine, text=served.text)   # same engine, no --state-dir
     with TestClient(app) as tc:

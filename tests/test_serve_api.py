@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import LiveServer, SlowDecode, chat_export  # noqa: E402
 
-from qeff_kv.runtime.sampling import SamplingParams  # noqa: E402
+from qeff_kv.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 #: the export's generation_config.json: what a request that gives no sampling fields gets
 GEN_CONFIG = {"temperature": 0.8, "top_p": 0.9, "top_k": 7, "max_new_tokens": 6, "do_sample": True}
@@ -341,7 +341,7 @@ def test_defaults_are_used(served, run_alone):
 
 def test_flags_override_generation_config(tmp_path):
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.serve.defaults import resolve_defaults
+    from qeff_kv.serve.engine.defaults import resolve_defaults
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
     d = resolve_defaults(tmp_path, {"temperature": 0.2, "top_p": None})
@@ -383,7 +383,7 @@ def test_cors_off_by_default_and_preflight_when_on(served):
            "Access-Control-Request-Headers": "authorization,content-type"}
     off = httpx.options(served.url + "/v1/chat/completions", headers=pre, timeout=10)
     assert "access-control-allow-origin" not in off.headers
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
     from starlette.testclient import TestClient
 
     app = create_app(served.engine, text=served.text, allowed_origins=["http://page.example"])

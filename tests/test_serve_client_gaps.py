@@ -105,8 +105,8 @@ def test_llama_server_schema_in_json_object_is_honoured_and_closed(served):
 def test_the_compiled_grammar_refuses_an_undeclared_key(served):
     """The grammar itself (llguidance, the tiny tokenizer): an undeclared key is not a valid continuation of a
     schema that declares properties and says nothing of others; ``additionalProperties: true`` still allows it."""
-    from qeff_kv.serve.constrained import Grammars
-    from qeff_kv.serve.structured_io import parse_structured
+    from qeff_kv.serve.structured.constrained import Grammars
+    from qeff_kv.serve.structured.structured_io import parse_structured
 
     grammars = Grammars(served.text.tokenizer, served.text.eos_token_ids)
     props = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
@@ -119,7 +119,7 @@ def test_the_compiled_grammar_refuses_an_undeclared_key(served):
 
 
 def test_closed_objects_rule():
-    from qeff_kv.serve.schemas import close_objects
+    from qeff_kv.serve.structured.schemas import close_objects
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
                                                "c": {"type": "object"},
@@ -190,7 +190,7 @@ def test_routes_without_v1(served):
 
 
 def test_defaults_without_a_generation_config_are_llama_servers(served, tmp_path):
-    from qeff_kv.serve.defaults import resolve_defaults
+    from qeff_kv.serve.engine.defaults import resolve_defaults
 
     shown = httpx.get(served.url + "/v1/models", timeout=10).json()["data"][0]["sampling_defaults"]
     assert {k: shown[k] for k in ("temperature", "top_k", "top_p", "min_p")} == \

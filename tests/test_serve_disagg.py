@@ -1,8 +1,8 @@
-"""Disaggregated prefill/decode (issue 18, part 5): the KV transfer (``qeff_kv/serve/transfer.py``) and the Ray
-engine (``qeff_kv/serve/disagg.py``).
+"""Disaggregated prefill/decode (issue 18, part 5): the KV transfer (``qeff_kv/serve/cluster/transfer.py``) and the Ray
+engine (``qeff_kv/serve/cluster/disagg.py``).
 
 The transfer moves exactly the valid positions of the selected buffers and the decode side continues with the
-tokens of one uninterrupted run (a single-host :class:`~qeff_kv.serve.scheduler.Scheduler`). The Ray tests share
+tokens of one uninterrupted run (a single-host :class:`~qeff_kv.serve.engine.scheduler.Scheduler`). The Ray tests share
 ONE local Ray instance (2 CPUs) for the whole test session (``ray_local``) and skip with a reason where ray does
 not import.
 """
@@ -24,7 +24,7 @@ NEW = 6
 
 def _request(rid, prompt, sampling=None, state=None, max_tokens=NEW):
     from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.engine import GenerationRequest
+    from qeff_kv.serve.engine.engine import GenerationRequest
 
     return GenerationRequest(rid, tuple(prompt), max_tokens, sampling or GREEDY, frozenset(), state)
 
@@ -39,7 +39,7 @@ def _collect(handle, timeout=120):
 def reference(own_cb_graph):
     """Tokens of a single-host Scheduler on the decode export: prompt -> (greedy tokens, seeded tokens)."""
     from qeff_kv.runtime import SamplingParams, Session
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     sched = Scheduler(Session(own_cb_graph), reuse_prompts=False)
     try:
@@ -58,8 +58,8 @@ def test_transfer_moves_only_the_valid_positions_and_continues_exactly(own_vllm_
     """Prefill on the portable export, decode on the continuous-batching one: bytes moved are the valid
     positions' bytes; the decode Scheduler continues with the tokens of a single-host run."""
     from qeff_kv.runtime import SamplingParams, Session
-    from qeff_kv.serve.scheduler import Scheduler
-    from qeff_kv.serve.transfer import Prefiller, valid_bytes
+    from qeff_kv.serve.engine.scheduler import Scheduler
+    from qeff_kv.serve.cluster.transfer import Prefiller, valid_bytes
 
     pre = Session(own_vllm_graph)
     prefiller = Prefiller(pre)     # one slot: a prompt run again continues the kept sequence (truncated)
@@ -94,8 +94,8 @@ def test_in_memory_state_is_checked_by_identity_and_never_read_as_a_file(own_vll
 
     from qeff_kv.errors import StateFileError
     from qeff_kv.runtime import GREEDY, Session, read_state
-    from qeff_kv.runtime.state_file import KVState
-    from qeff_kv.serve.transfer import Prefiller, install
+    from qeff_kv.runtime.memory.state_file import KVState
+    from qeff_kv.serve.cluster.transfer import Prefiller, install
 
     sess = Session(own_vllm_graph)
     t = Prefiller(sess, reuse=False).run("r", PROMPTS[0], GREEDY)
@@ -125,7 +125,7 @@ def test_ring_transfer_moves_the_slots_the_rings_hold(family_exports):
     """A prompt longer than the window: each ring buffer ships its C slots, each full-length buffer n positions."""
     from families import SW
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.serve.transfer import Prefiller, install, valid_bytes
+    from qeff_kv.serve.cluster.transfer import Prefiller, install, valid_bytes
 
     sess = Session(family_exports("gemma2_sw", "onnxruntime").out_dir)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 120, size=3 * SW)]
@@ -147,7 +147,7 @@ def test_prefill_worker_reuses_kept_prefixes(own_cb_graph):
     """Prompts sharing prefixes: the prefill worker starts each from a kept sequence (truncated, or its prefix
     copied into a free slot) and the decode side continues with the tokens of each prompt run alone."""
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.serve.transfer import Prefiller, install
+    from qeff_kv.serve.cluster.transfer import Prefiller, install
 
     pre, dec = Session(own_cb_graph), Session(own_cb_graph)
     prefiller = Prefiller(pre)
@@ -171,7 +171,7 @@ def test_prefill_worker_reuses_kept_prefixes(own_cb_graph):
 
 def test_pair_of_different_checkpoints_refused(own_vllm_graph, own_graphs):
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.transfer import facts, pair_refusal
+    from qeff_kv.serve.cluster.transfer import facts, pair_refusal
 
     llama = facts(Session(own_vllm_graph))
     qwen = facts(Session(own_graphs.export("qeff_qwen2_vllm.onnx").out_dir))
@@ -197,7 +197,7 @@ def engines(ray_local, own_vllm_graph, own_cb_graph):
     """``get(decode_export, prefill_export)``: a DisaggregatedEngine (1 prefill + 1 decode replica), at most one
     alive at a time (its two actors take the instance's 2 CPUs)."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
 
     live: dict = {}
 
@@ -219,7 +219,7 @@ def test_disaggregated_tokens_equal_a_single_host_run(engines, reference, own_vl
     """Greedy and seeded requests, all in flight together: each gets the single-host Scheduler's tokens; the
     hand-offs moved exactly the prompts' valid positions."""
     from qeff_kv.runtime import SamplingParams, Session
-    from qeff_kv.serve.disagg import DisaggregatedEngine
+    from qeff_kv.serve.cluster.disagg import DisaggregatedEngine
 
     eng = engines()
     assert isinstance(eng, DisaggregatedEngine) and eng.ctx_len == 64
@@ -266,7 +266,7 @@ def test_cancel_mid_stream_stops_the_decode_replica(engines):
     """A request cancelled while it streams ends "cancelled", and its replica stops decoding it and frees it."""
     import time
 
-    from qeff_kv.serve.engine import Finished, TokenOut
+    from qeff_kv.serve.engine.engine import Finished, TokenOut
 
     eng = engines(ctx_len=256)
     ray = pytest.importorskip("ray")
@@ -290,7 +290,7 @@ def test_cancel_mid_stream_stops_the_decode_replica(engines):
 def test_killed_decode_replica_fails_its_request_and_the_next_succeeds(engines, reference):
     """ray.kill on the decode replica mid-stream: that request ends with an error (no hang), Ray restarts the
     replica, and the next request gets the single-host tokens."""
-    from qeff_kv.serve.engine import Finished, TokenOut
+    from qeff_kv.serve.engine.engine import Finished, TokenOut
 
     eng = engines(ctx_len=256)   # room for a long stream, so the kill lands while it runs
     ray = pytest.importorskip("ray")
@@ -345,9 +345,9 @@ def test_through_the_http_app(engines, own_cb_graph):
     or not; cancelling a request (the client goes away) frees it on the replica."""
     TestClient = pytest.importorskip("fastapi.testclient", reason="needs the [serve] extra").TestClient
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.scheduler import Scheduler
     from qeff_kv.serve.server import text_facts
 
     eng = engines()

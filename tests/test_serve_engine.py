@@ -12,9 +12,9 @@ import pytest
 
 from qeff_kv.errors import QueueFullError, RuntimeInputError
 from qeff_kv.runtime import SamplingParams, Session
-from qeff_kv.serve.engine import Finished, GenerationRequest, TokenOut
-from qeff_kv.serve.scheduler import Scheduler
-from qeff_kv.serve.text import Detokenizer, StopMatcher
+from qeff_kv.serve.engine.engine import Finished, GenerationRequest, TokenOut
+from qeff_kv.serve.engine.scheduler import Scheduler
+from qeff_kv.serve.http.text import Detokenizer, StopMatcher
 
 
 def _req(i, prompt, n, **kw):

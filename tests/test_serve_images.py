@@ -109,7 +109,7 @@ def _refused(served, messages, needle: str, param_prefix: str = "messages"):
 
 
 def test_refusals(served, media, monkeypatch):
-    from qeff_kv.serve import images
+    from qeff_kv.serve.http import images
 
     _refused(served, _ask(media["outside"].as_uri()), "not a file under the server's --allowed-local-media-path")
     _refused(served, _ask((media["allowed"] / ".." / "outside.png").as_uri()), "--allowed-local-media-path")

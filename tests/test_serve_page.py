@@ -604,7 +604,7 @@ def test_markdown_renderer_cases(stub, browser):
 
 
 def test_the_pages_token_limit_is_the_servers_constant():
-    from qeff_kv.serve.defaults import PAGE_MAX_TOKENS
+    from qeff_kv.serve.engine.defaults import PAGE_MAX_TOKENS
 
     page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
     assert f"const PAGE_MAX_TOKENS = {PAGE_MAX_TOKENS};" in page
@@ -614,7 +614,7 @@ def test_the_pages_token_limit_is_the_servers_constant():
 def test_the_page_sends_its_token_limit_when_the_server_has_none(stub, browser):
     """An empty max-tokens field and no server default: the page sends its own limit (serve/defaults.py's), so a
     small model sampling at the server's defaults cannot run for minutes."""
-    from qeff_kv.serve.defaults import PAGE_MAX_TOKENS
+    from qeff_kv.serve.engine.defaults import PAGE_MAX_TOKENS
 
     stub.model_extra = {"sampling_defaults": {"temperature": 0.8, "max_tokens": None}}
     stub.answer = "fine"

@@ -1,5 +1,5 @@
-"""vLLM's P/D protocol between separate servers (issue 32, item 1; ``qeff_kv/serve/pd.py``, the connector of
-``qeff_kv/serve/kv_connector.py``): two ``qeff-kv serve`` processes, a producer and a consumer joined to ONE Ray
+"""vLLM's P/D protocol between separate servers (issue 32, item 1; ``qeff_kv/serve/cluster/pd.py``, the connector of
+``qeff_kv/serve/cluster/kv_connector.py``): two ``qeff-kv serve`` processes, a producer and a consumer joined to ONE Ray
 cluster (started once by this module in the test process, or the session's one where it already runs), driven by
 ``tests/pd_proxy.py`` (vLLM's toy proxy protocol), answer as one server does, without the consumer prefilling.
 """
@@ -52,7 +52,7 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7}]
       for n in (-1, 0, "5", 5.0, True)],
 ])
 def test_kv_transfer_params_checked(params, role, body, message):
-    from qeff_kv.serve.openai_io import APIError, parse
+    from qeff_kv.serve.http.openai_io import APIError, parse
 
     req = {"prompt": [5, 6], "max_tokens": 1, **body, "kv_transfer_params": params}
     with pytest.raises(APIError) as exc:
@@ -61,7 +61,7 @@ def test_kv_transfer_params_checked(params, role, body, message):
 
 
 def test_kv_transfer_params_accepted_and_vllm_nulls_allowed():
-    from qeff_kv.serve.openai_io import parse
+    from qeff_kv.serve.http.openai_io import parse
 
     ask = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
            "remote_host": None, "remote_port": None}
@@ -79,7 +79,7 @@ def ray_address():
     """The Ray cluster of the test session: the one already running in this process, else one started here (on
     127.0.0.1 only) and stopped at the end of the module."""
     ray = pytest.importorskip("ray", reason="the P/D protocol needs the [ray] extra (ray)")
-    from qeff_kv.serve.ray_cluster import loopback_node
+    from qeff_kv.serve.cluster.ray_cluster import loopback_node
 
     owns = not ray.is_initialized()
     if owns:
@@ -280,7 +280,7 @@ def test_a_refused_consumer_request_leaves_the_state_for_its_owner(pd):
 def test_held_state_freed_after_the_hold_time_and_the_consumer_falls_back(pd, ray_address):
     import ray
 
-    from qeff_kv.serve.kv_connector import NAMESPACE, holder_name
+    from qeff_kv.serve.cluster.kv_connector import NAMESPACE, holder_name
 
     prompt = [9, 8, 7, 6, 5, 4, 3]
     ask = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -332,8 +332,8 @@ def test_producer_gone_falls_back_or_fails_as_asked(pd):
 def test_state_of_another_checkpoint_refused_in_one_line(pd, ray_address, own_graphs):
     """This process holds a state of the tiny Qwen2 export as a producer would: the (Llama) consumer refuses it."""
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.serve.kv_connector import RayHoldConnector
-    from qeff_kv.serve.transfer import Prefiller
+    from qeff_kv.serve.cluster.kv_connector import RayHoldConnector
+    from qeff_kv.serve.cluster.transfer import Prefiller
 
     qwen = Session(own_graphs.export("qeff_qwen2_vllm.onnx").out_dir)
     prompt = PROMPTS[2]
@@ -358,9 +358,9 @@ def test_the_holder_caps_evict_the_oldest_and_refuse_a_state_over_the_byte_cap(r
 
     from qeff_kv.errors import KVLoadError
     from qeff_kv.runtime import GREEDY, Session
-    from qeff_kv.serve.kv_connector import RayHoldConnector
-    from qeff_kv.serve.metrics import Metrics
-    from qeff_kv.serve.transfer import Prefiller
+    from qeff_kv.serve.cluster.kv_connector import RayHoldConnector
+    from qeff_kv.serve.http.metrics import Metrics
+    from qeff_kv.serve.cluster.transfer import Prefiller
 
     session = Session(own_cb_graph)
     states = [Prefiller(session, reuse=False).run(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
@@ -405,9 +405,9 @@ def _hand_off_through_schedulers(make_session, prompts):
     """A producer Scheduler and a consumer Scheduler, each with its RayHoldConnector (this process is the Ray
     driver): do_remote_decode, load, admit; the consumer's tokens equal a single Scheduler's."""
     from qeff_kv.runtime import GREEDY, SamplingParams
-    from qeff_kv.serve.engine import GenerationRequest
-    from qeff_kv.serve.kv_connector import RayHoldConnector
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.engine import GenerationRequest
+    from qeff_kv.serve.cluster.kv_connector import RayHoldConnector
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     producer = Scheduler(make_session(), connector=RayHoldConnector("producer", hold_seconds=30))
     consumer = Scheduler(make_session(), connector=RayHoldConnector("consumer"))

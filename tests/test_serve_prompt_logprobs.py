@@ -4,7 +4,7 @@ input), as lm-evaluation-harness's loglikelihood requests need. Through the offi
 prompt token's logprob equal to transformers' ``log_softmax`` on the same weights (the prompt longer than a prefill
 chunk, so chunk boundaries are crossed), the first one null (as vLLM), the top alternatives the reference's best;
 ``max_tokens: 0``; streamed equal to not streamed; the one-line refusals on a graph without the rows, for ``n > 1``
-and for ``max_tokens: 0`` without ``echo``; :func:`~qeff_kv.runtime.prompt_rows.prefill_rows` leaves the cache a
+and for ``max_tokens: 0`` without ``echo``; :func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows` leaves the cache a
 plain prefill leaves.
 """
 
@@ -142,7 +142,7 @@ def test_refusals(served, own_cb_graph, tmp_path):
 
 def test_prefill_rows_leaves_the_cache_of_a_plain_prefill(spec_export):
     from qeff_kv.runtime import open_session
-    from qeff_kv.runtime.prompt_rows import prefill_rows
+    from qeff_kv.runtime.decoding.prompt_rows import prefill_rows
 
     s = open_session(spec_export.out_dir)
     a, b = s.add_sequence(), s.add_sequence()
@@ -157,7 +157,7 @@ def test_prefill_rows_on_a_lock_step_session(tmp_path, reference):
     """A graph without batch_index serving several sequences (lock step): the prompt's row of the buffers."""
     from qeff_kv.export import export_model
     from qeff_kv.runtime import open_session
-    from qeff_kv.runtime.prompt_rows import log_softmax, prefill_rows
+    from qeff_kv.runtime.decoding.prompt_rows import log_softmax, prefill_rows
 
     out = export_model(None, tmp_path / "spec1", ctx_len=64, prefill_seq_len=8, verify=False, speculative_tokens=2)
     s = open_session(out.out_dir, max_sequences=2)
@@ -173,7 +173,7 @@ def test_prefill_rows_on_a_lock_step_session(tmp_path, reference):
 
 def test_prefill_rows_refused_on_a_plain_graph(own_cb_graph):
     from qeff_kv.runtime import open_session
-    from qeff_kv.runtime.prompt_rows import prefill_rows
+    from qeff_kv.runtime.decoding.prompt_rows import prefill_rows
 
     s = open_session(own_cb_graph)
     with pytest.raises(RuntimeInputError, match=r"^the graph returns the logits of the last prompt position only; "

@@ -1,5 +1,5 @@
 """Prefix-aware routing across the disaggregated engine's prefill replicas (issue 32, item 3):
-``qeff_kv/serve/routing.py`` and its use by ``DisaggregatedEngine`` (``--route prefix|load``).
+``qeff_kv/serve/cluster/routing.py`` and its use by ``DisaggregatedEngine`` (``--route prefix|load``).
 
 The router's index of what each replica holds is mirrored from the replicas' own reports; its answers equal the
 replica's own ``longest_prefix`` (checked here in one process and across Ray). On Ray (2 prefill replicas, 1 decode
@@ -26,7 +26,7 @@ NEW = 4
 
 def _request(rid, prompt, max_tokens=NEW):
     from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.engine import GenerationRequest
+    from qeff_kv.serve.engine.engine import GenerationRequest
 
     return GenerationRequest(rid, tuple(prompt), max_tokens, GREEDY, frozenset(), None)
 
@@ -39,7 +39,7 @@ def _collect(handle, timeout=120):
 
 # ============================================================================================ the router alone
 def _router(n=2, mode="prefix", min_reuse=2):
-    from qeff_kv.serve.routing import PrefixRouter
+    from qeff_kv.serve.cluster.routing import PrefixRouter
 
     return PrefixRouter(n, min_reuse=min_reuse, mode=mode)
 
@@ -112,9 +112,9 @@ def _mirror(session, prompts, asked):
     ``longest_prefix`` changes nothing and equals the tokens the run reuses; after it, the router's answer for
     every prompt of ``asked`` equals the prefiller's."""
     from qeff_kv.runtime import GREEDY
-    from qeff_kv.serve.routing import PrefixRouter, report
-    from qeff_kv.runtime.prefix_cache import MIN_REUSE
-    from qeff_kv.serve.transfer import Prefiller
+    from qeff_kv.serve.cluster.routing import PrefixRouter, report
+    from qeff_kv.runtime.memory.prefix_cache import MIN_REUSE
+    from qeff_kv.serve.cluster.transfer import Prefiller
 
     pre = Prefiller(session)
     router = PrefixRouter(1, min_reuse=MIN_REUSE)
@@ -134,7 +134,7 @@ def _mirror(session, prompts, asked):
 def test_prefiller_longest_prefix_is_what_run_reuses_and_the_index_mirrors_it(own_cb_graph):
     """3 slots: the fourth distinct prompt evicts the oldest; the index follows (reports replace it)."""
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.transfer import Prefiller
+    from qeff_kv.serve.cluster.transfer import Prefiller
 
     rng = np.random.default_rng(5)
     prompts = [SYSTEM + q for q in QUESTIONS] + [OTHER, OTHER[:3] + [9], [7, 8, 9, 10], [60, 61, 62, 63],
@@ -179,7 +179,7 @@ def ray_session():
 def routed(ray_session, own_cb_graph):
     """``get(route)``: a DisaggregatedEngine with 2 prefill replicas and 1 decode replica, one alive at a time."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.disagg import start_disaggregated
+    from qeff_kv.serve.cluster.disagg import start_disaggregated
 
     live: dict = {}
 
@@ -201,7 +201,7 @@ def routed(ray_session, own_cb_graph):
 def single_host(own_cb_graph):
     """prompt -> greedy tokens of a single-host Scheduler on the same export."""
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     sched = Scheduler(Session(own_cb_graph), reuse_prompts=False)
     out = {}
@@ -257,7 +257,7 @@ def test_prefix_routing_sends_questions_to_the_replica_holding_the_system_prompt
 
 def test_metrics_and_stats_json_count_routing(routed, own_cb_graph):
     TestClient = pytest.importorskip("fastapi.testclient", reason="needs the [serve] extra").TestClient
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
     from qeff_kv.serve.config import ServeConfig
     from qeff_kv.serve.server import text_facts
 

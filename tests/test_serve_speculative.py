@@ -26,9 +26,9 @@ httpx = pytest.importorskip("httpx")
 
 from click.testing import CliRunner  # noqa: E402
 
-from qeff_kv.check import check  # noqa: E402
+from qeff_kv.tools.check.rules import check  # noqa: E402
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
-from qeff_kv.runtime.sampling import SamplingParams  # noqa: E402
+from qeff_kv.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from serve_helpers import LiveServer, chat_export  # noqa: E402
 
 K = 4
@@ -250,9 +250,9 @@ def test_draft_export_drafter_equals_plain_decoding(served, reference, own_graph
 
     from qeff_kv.export.sources import TOKENIZER_FILES, bundled_model_dir
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.engine import GenerationRequest, TokenOut
-    from qeff_kv.serve.scheduler import Scheduler
-    from qeff_kv.serve.speculative_step import Speculation, open_drafting
+    from qeff_kv.serve.engine.engine import GenerationRequest, TokenOut
+    from qeff_kv.serve.engine.scheduler import Scheduler
+    from qeff_kv.serve.engine.speculative_step import Speculation, open_drafting
 
     root = tmp_path_factory.mktemp("draft")
     model = transformers.AutoModelForCausalLM.from_pretrained(own_graphs.llama_hf)

@@ -316,8 +316,8 @@ def test_every_format_takes_parameters_with_refs():
     root the format's schema has: a Mistral array nests the calls one level deeper)."""
     from llguidance import LLMatcher
 
-    from qeff_kv.serve.toolcalls import PARSERS
-    from qeff_kv.serve.toolcalls.base import ToolFacts
+    from qeff_kv.serve.structured.toolcalls import PARSERS
+    from qeff_kv.serve.structured.toolcalls.base import ToolFacts
 
     tools = [{"type": "function", "function": {"name": n, "parameters": Trip.model_json_schema()}} for n in "ab"]
     for parser in PARSERS:

@@ -95,7 +95,7 @@ def test_verification_catches_a_missing_window(family_models, tmp_path, monkeypa
     """The probe is longer than the window: a graph that forgot the window is refused, nothing written."""
     from qeff_kv.errors import VerificationError
     from qeff_kv.export import export_model
-    from qeff_kv.export.family import ModelFacts
+    from qeff_kv.export.facts.family import ModelFacts
 
     monkeypatch.setattr(ModelFacts, "windowed_layers", lambda self, options: ())
     with pytest.raises(VerificationError, match="^verification failed after "):
@@ -107,7 +107,7 @@ def test_verification_catches_a_missing_window(family_models, tmp_path, monkeypa
 def test_prefix_and_rewrite_keep_the_sliding_axes(family_exports, tmp_path):
     """`--kv-cache-prefix` on a ring graph renames the KV values only; dims (sliding_window / ctx_len) are kept,
     and stripping the prefix again gives back the original I/O exactly."""
-    from qeff_kv.rewrite import rewrite
+    from qeff_kv.tools.rewrite import rewrite
 
     src = family_exports("gemma2_sw", "onnxruntime").onnx_path
     before = _kv_dims(src)

@@ -14,14 +14,14 @@ pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from qeff_kv import graphio  # noqa: E402
-from qeff_kv.buffers import buffers_report, write_compile_config_for_graph  # noqa: E402
-from qeff_kv.check import check  # noqa: E402
+from qeff_kv.graph import graphio
+from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph  # noqa: E402
+from qeff_kv.tools.check.rules import check  # noqa: E402
 from qeff_kv.errors import ExportError, RuntimeInputError  # noqa: E402
 from qeff_kv.export import export_model  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
-from qeff_kv.runtime.sampling import SamplingParams  # noqa: E402
-from qeff_kv.runtime.speculative import DraftModel, PromptLookup, SpeculativeDecoder, score  # noqa: E402
+from qeff_kv.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from qeff_kv.runtime.decoding.speculative import DraftModel, PromptLookup, SpeculativeDecoder, score  # noqa: E402
 from qeff_kv_cli.main import main as cli  # noqa: E402
 
 from hf_models import hf_greedy, make_model_dir  # noqa: E402

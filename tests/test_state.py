@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from qeff_kv.errors import RuntimeInputError, StateFileError
 from qeff_kv.runtime import Session, read_state
-from qeff_kv.runtime.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import SamplingParams
 
 from conftest import PROMPT_A as A
 

@@ -1,4 +1,4 @@
-"""The per-layer state spec (qeff_kv/statespec.py): written by the exporter into ``qeff_kv.state_spec``, derived
+"""The per-layer state spec (qeff_kv/contract/statespec.py): written by the exporter into ``qeff_kv.state_spec``, derived
 from names and shapes for graphs without it, read by the layout (check, buffers, compile-config, the runtime's
 rings), and checked against the graph's buffers."""
 
@@ -11,8 +11,9 @@ import pytest
 
 import _kv_graphs
 from conftest import requires_torch
-from qeff_kv import graphio, naming, statespec
-from qeff_kv.check import check
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming, statespec
+from qeff_kv.tools.check.rules import check
 from qeff_kv.errors import ContractError
 
 

@@ -16,15 +16,15 @@ import pytest
 pytest.importorskip("llguidance")
 
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
-from qeff_kv.runtime.sampling import SamplingParams, sample  # noqa: E402
-from qeff_kv.serve.constrained import ConstraintError, Grammars, GrammarSpec  # noqa: E402
-from qeff_kv.serve.openai_io import APIError  # noqa: E402
-from qeff_kv.serve.structured_io import parse_structured  # noqa: E402
-from qeff_kv.serve.tool_io import ToolStream, ToolSupport, parse_tools  # noqa: E402
-from qeff_kv.serve.toolcalls import ToolFacts, choose_parser  # noqa: E402
-from qeff_kv.serve.toolcalls.hermes import HermesParser  # noqa: E402
-from qeff_kv.serve.toolcalls.llama3_json import Llama3JsonParser  # noqa: E402
-from qeff_kv.serve.toolcalls.mistral import MistralParser  # noqa: E402
+from qeff_kv.runtime.decoding.sampling import SamplingParams, sample  # noqa: E402
+from qeff_kv.serve.structured.constrained import ConstraintError, Grammars, GrammarSpec  # noqa: E402
+from qeff_kv.serve.http.openai_io import APIError  # noqa: E402
+from qeff_kv.serve.structured.structured_io import parse_structured  # noqa: E402
+from qeff_kv.serve.structured.tool_io import ToolStream, ToolSupport, parse_tools  # noqa: E402
+from qeff_kv.serve.structured.toolcalls import ToolFacts, choose_parser  # noqa: E402
+from qeff_kv.serve.structured.toolcalls.hermes import HermesParser  # noqa: E402
+from qeff_kv.serve.structured.toolcalls.llama3_json import Llama3JsonParser  # noqa: E402
+from qeff_kv.serve.structured.toolcalls.mistral import MistralParser  # noqa: E402
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "default-model" / "tokenizer.json"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -208,7 +208,7 @@ def test_tool_stream_holds_the_calls_and_releases_plain_text():
 
 
 def test_fallback_prompt_for_a_template_without_tools(tokenizer):
-    from qeff_kv.runtime.chat import ChatTemplate
+    from qeff_kv.runtime.text.chat import ChatTemplate
 
     plain = ChatTemplate(Path("t"), "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
     support = ToolSupport(tokenizer, plain)
@@ -228,7 +228,7 @@ def test_fallback_prompt_for_a_template_without_tools(tokenizer):
 
 
 def test_a_template_with_tools_gets_them(tokenizer):
-    from qeff_kv.runtime.chat import ChatTemplate
+    from qeff_kv.runtime.text.chat import ChatTemplate
 
     tmpl = ChatTemplate(Path("t"), "{% if tools %}TOOLS:{{ tools | tojson }}{% endif %}"
                                    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
@@ -244,7 +244,7 @@ def test_a_template_with_tools_gets_them(tokenizer):
 
 
 def test_engines_that_cannot_apply_a_grammar_refuse_it():
-    from qeff_kv.serve.engine import GenerationRequest, check_request
+    from qeff_kv.serve.engine.engine import GenerationRequest, check_request
 
     req = GenerationRequest("r", (1, 2), 4, SamplingParams(), frozenset(), constraint=object())
     check_request(req, ctx_len=16, vocab_size=10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import requires_torch
-from qeff_kv import graphio
+from qeff_kv.graph import graphio
 
 pytestmark = [requires_torch]
 

@@ -73,9 +73,9 @@ def _single_host(own_cb_graph) -> list:
     from fastapi.testclient import TestClient
 
     from qeff_kv.runtime import Session
-    from qeff_kv.serve.app import create_app
+    from qeff_kv.serve.http.app import create_app
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.scheduler import Scheduler
+    from qeff_kv.serve.engine.scheduler import Scheduler
     from qeff_kv.serve.server import text_facts
 
     sched = Scheduler(Session(own_cb_graph), reuse_prompts=False, model_name="tiny")

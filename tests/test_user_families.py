@@ -115,7 +115,7 @@ def test_complex_rope_is_measured_per_heads_axis():
     import torch
     import transformers
 
-    from qeff_kv.export import rope
+    from qeff_kv.export.modeling import rope
 
     def rotary_and_apply(name):
         fam = FAMILIES[name]

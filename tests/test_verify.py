@@ -84,7 +84,7 @@ def test_decode_only_breakage_is_named_by_step():
 
 
 def test_no_verify_and_memory_rule(tmp_path, monkeypatch):
-    from qeff_kv import limits
+    from qeff_kv.support import limits
     from qeff_kv.export import export_model
 
     r = export_model(None, tmp_path / "a", ctx_len=16, prefill_seq_len=4, verify=False)

@@ -117,8 +117,8 @@ def test_single_layout_names(llava_exports):
 
 @pytest.mark.parametrize("single", [False, True], ids=["dual", "single"])
 def test_prefix_only_on_language_kv_and_check_passes(single, llava_exports):
-    from qeff_kv import naming
-    from qeff_kv.check import check
+    from qeff_kv.contract import naming
+    from qeff_kv.tools.check.rules import check
 
     res = llava_exports("onnxruntime", single)
     ins, outs = _io(res.onnx_path)
@@ -131,7 +131,8 @@ def test_prefix_only_on_language_kv_and_check_passes(single, llava_exports):
 def test_verification_uses_the_image(llava, tmp_path, monkeypatch):
     """A language graph that ignores the image rows is refused at export."""
     from qeff_kv.errors import VerificationError
-    from qeff_kv.export import export_model, vlm
+    from qeff_kv.export import export_model
+    from qeff_kv.export.modeling import vlm
 
     monkeypatch.setattr(vlm, "merge_image_rows",
                         lambda text, ids, pos, rows, idx, tok: (text, idx))
@@ -175,7 +176,7 @@ def _g3_prompt(tok: int) -> list[int]:
 @pytest.mark.parametrize("target", ["portable", "onnxruntime"])
 def test_gemma3_parity_with_bidirectional_images(target, single, gemma3, tmp_path):
     from hf_models import LLAVA_IMAGE_TOKEN, PlainLoop, hf_vlm_greedy, llava_image
-    from qeff_kv.chunking import plan_chunks
+    from qeff_kv.contract.chunking import plan_chunks
     from qeff_kv.export import export_model
 
     res = export_model(gemma3, tmp_path / "o", ctx_len=G3_CTX, prefill_seq_len=G3_CHUNK, target=target,
@@ -201,7 +202,8 @@ def test_gemma3_parity_with_bidirectional_images(target, single, gemma3, tmp_pat
 
 def test_gemma3_verification_needs_the_bidirectional_mask(gemma3, tmp_path, monkeypatch):
     from qeff_kv.errors import VerificationError
-    from qeff_kv.export import export_model, vlm
+    from qeff_kv.export import export_model
+    from qeff_kv.export.modeling import vlm
 
     monkeypatch.setattr(vlm, "image_blocks", lambda ids, pos, tok: None)   # a causal mask only
     with pytest.raises(VerificationError, match="^verification failed after "):
@@ -240,7 +242,7 @@ def _q_prompt(tok: int) -> list[int]:
 
 
 def _mrope_greedy(loop, prompt, image_token, new, chunk):
-    from qeff_kv.mrope import graph_positions, prompt_positions
+    from qeff_kv.contract.mrope import graph_positions, prompt_positions
 
     rows, delta = prompt_positions(prompt, image_token, [Q_GRID], 2)
     logits = None
@@ -283,7 +285,7 @@ def test_qwen25vl_parity_with_multimodal_rope(target, single, qwen, tmp_path):
 
 def test_qwen25vl_verification_needs_the_multimodal_rows(qwen, tmp_path, monkeypatch):
     """Text positions on every RoPE row (what a runner unaware of multimodal RoPE would feed) fail verification."""
-    from qeff_kv import mrope
+    from qeff_kv.contract import mrope
     from qeff_kv.errors import VerificationError
     from qeff_kv.export import export_model
 

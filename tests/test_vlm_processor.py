@@ -1,4 +1,4 @@
-"""Image files + a prompt -> a vision-language export's inputs (``qeff_kv.runtime.processor.image_prompt``), with
+"""Image files + a prompt -> a vision-language export's inputs (``qeff_kv.runtime.multimodal.processor.image_prompt``), with
 the processor the exporter copies into the export folder.
 
 The model is the tiny seeded Llava of tests/hf_models.py with a working ``LlavaProcessor`` (``add_llava_processor``):
@@ -83,7 +83,7 @@ def test_export_copies_the_processor_files(llava, exported):
 @requires_torch
 def test_plain_prompt_expands_the_image_like_transformers(llava, exported, png):
     from hf_models import LLAVA_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(exported, "a cat", [png[0]])
     assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS
@@ -98,7 +98,7 @@ def test_plain_prompt_expands_the_image_like_transformers(llava, exported, png):
 @requires_torch
 def test_chat_prompt_renders_the_template(llava, exported, png):
     from hf_models import LLAVA_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(exported, PROMPT, [png[0]], chat=True, system="be brief")
     assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS
@@ -117,7 +117,7 @@ def test_chat_prompt_renders_the_template(llava, exported, png):
 @requires_transformers
 def test_several_images_in_order(processor_only, png):
     from hf_models import LLAVA_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(processor_only, "a cat", list(png))
     assert ids.count(LLAVA_IMAGE_TOKEN) == 2 * IMAGE_ROWS
@@ -133,7 +133,7 @@ def test_several_images_in_order(processor_only, png):
 @requires_transformers
 def test_image_processor_nested_in_processor_config(processor_only, png, tmp_path):
     """transformers 5 saves the image processor inside processor_config.json, without preprocessor_config.json."""
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     folder = tmp_path / "nested"
     shutil.copytree(processor_only, folder)
@@ -148,7 +148,7 @@ def test_image_processor_nested_in_processor_config(processor_only, png, tmp_pat
 @requires_transformers
 def test_missing_or_unreadable_image_is_one_line(processor_only, tmp_path):
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     missing = tmp_path / "nope.png"
     with pytest.raises(RuntimeInputError) as exc:
@@ -165,7 +165,7 @@ def test_missing_or_unreadable_image_is_one_line(processor_only, tmp_path):
 @requires_transformers
 def test_folder_without_image_processor(processor_only, png, tmp_path):
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     folder = tmp_path / "text-only"
     folder.mkdir()
@@ -180,7 +180,7 @@ def test_folder_without_image_processor(processor_only, png, tmp_path):
 @requires_transformers
 def test_other_refusals_are_one_line(processor_only, png):
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     with pytest.raises(RuntimeInputError, match="^no image given$"):
         image_prompt(processor_only, "a cat", [])
@@ -196,7 +196,7 @@ def test_other_refusals_are_one_line(processor_only, png):
 @pytest.mark.parametrize("hidden", ["transformers", "PIL"])
 def test_missing_dependency(hidden, monkeypatch, tmp_path):
     from qeff_kv.errors import MissingDependencyError
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     monkeypatch.setitem(__import__("sys").modules, hidden, None)
     with pytest.raises(MissingDependencyError) as exc:
@@ -255,7 +255,7 @@ def test_cli_generate_resizes_to_the_patch_grid_of_the_export(tmp_path_factory, 
 
     from hf_models import QWEN_IMAGE_TOKEN, add_qwen25vl_processor, make_qwen25vl_dir
     from qeff_kv.export import export_model
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
     from qeff_kv_cli.main import main
 
     model_dir = make_qwen25vl_dir(tmp_path_factory.mktemp("qwen"))
@@ -327,7 +327,7 @@ def test_qwen_image_size_gives_the_traced_grid(qwen_processor, png):
     """A 48x40 photo, resized to the export's 16x16: a 1x4x4 patch grid, 4 image tokens between vision start/end,
     the same arrays as transformers' image processor on the photo resized alike."""
     from hf_models import QWEN_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(qwen_processor, "w9 w10", [png[0]], image_size=16, vision=QWEN_VISION)
     assert ids == [148] + [QWEN_IMAGE_TOKEN] * 4 + [149, 9, 10]
@@ -354,7 +354,7 @@ def test_qwen_without_image_size_the_photo_keeps_its_own_grid(qwen_processor, pn
     """Why the resize: the Qwen2-VL image processor picks the grid from the photo's size (48x40 -> 1x10x12), not
     the grid the export was traced for."""
     from hf_models import QWEN_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(qwen_processor, "w9 w10", [png[0]], vision=QWEN_VISION)
     assert arrays["image_grid_thw"].tolist() == [[1, 10, 12]] != [[1, 4, 4]]
@@ -370,7 +370,7 @@ def test_image_size_overrides_the_processors_pixel_bounds(qwen_processor, png, t
 
     import transformers
 
-    from qeff_kv.runtime.processor import exact_size_kwargs, image_prompt
+    from qeff_kv.runtime.multimodal.processor import exact_size_kwargs, image_prompt
 
     folder = tmp_path / "min1024"
     shutil.copytree(qwen_processor, folder)
@@ -396,7 +396,7 @@ def test_image_size_on_a_fixed_size_processor(processor_only, png):
     """Llava's CLIP processor has no pixel bounds: image_size only resizes the image first (to 32x32, the size it
     crops to, so the arrays are the processor's on the resized image)."""
     from hf_models import LLAVA_IMAGE_TOKEN
-    from qeff_kv.runtime.processor import image_prompt
+    from qeff_kv.runtime.multimodal.processor import image_prompt
 
     ids, arrays = image_prompt(processor_only, "a cat", [png[0]], image_size=32)
     assert ids.count(LLAVA_IMAGE_TOKEN) == IMAGE_ROWS and arrays["pixel_values"].shape == (1, 3, 32, 32)
@@ -414,7 +414,7 @@ def test_image_size_on_a_fixed_size_processor(processor_only, png):
 def test_image_sizes_of(png, tmp_path):
     from hf_models import write_png
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime.processor import image_sizes_of
+    from qeff_kv.runtime.multimodal.processor import image_sizes_of
 
     small = write_png(tmp_path / "small.png", size=(16, 24))
     assert image_sizes_of([png[0], small]) == [(48, 40), (16, 24)]

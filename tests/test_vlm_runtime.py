@@ -417,7 +417,7 @@ def test_single_layout_decode_skips_the_vision_encoder(name, exports):
     peer's plain form and must encode them."""
     import onnxruntime as ort
 
-    from qeff_kv import graphio
+    from qeff_kv.graph import graphio
 
     gated = exports(name, "onnxruntime", single=True)
     plain = exports(name, "portable", single=True)

@@ -17,12 +17,12 @@ from onnx import TensorProto
 
 import _kv_graphs as kvg
 from conftest import requires_torch
-from qeff_kv import check as qcheck
-from qeff_kv import naming
-from qeff_kv.buffers import buffers_report, write_compile_config_for_graph
-from qeff_kv.compile_config import specializations, vision_specializations, vision_symbols
+from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.contract import naming
+from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
+from qeff_kv.tools.compile_config import specializations, vision_specializations, vision_symbols
 from qeff_kv.errors import ContractError, RewriteError, RuntimeInputError
-from qeff_kv.rewrite import rewrite
+from qeff_kv.tools.rewrite import rewrite
 from qeff_kv_cli.main import main
 
 RULE_IDS = ["kv-present", "pairing", "pair-match", "layers", "prefix", "regex-exact", "regex-substring",

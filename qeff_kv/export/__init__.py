@@ -3,7 +3,7 @@
 Importing this package does not import torch; :func:`export_model` does, after validating its options.
 """
 
-from .api import BUNDLED_NAME, MANIFEST_FILE, ExportResult, bundled_model_dir, export_model
-from .options import ExportOptions
+from qeff_kv.export.api import BUNDLED_NAME, MANIFEST_FILE, ExportResult, bundled_model_dir, export_model
+from qeff_kv.export.options import ExportOptions
 
 __all__ = ["export_model", "ExportResult", "ExportOptions", "bundled_model_dir", "BUNDLED_NAME", "MANIFEST_FILE"]

@@ -17,13 +17,18 @@ import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import capture, compile_config, graphio, naming  # noqa: F401 (compile_config: SpecFormat)
-from ..errors import ExportError, VerificationError, VerificationMemoryError
-from . import checkpoint as checkpoint_mod
-from . import family, graph_passes, prequant, publish, schemes, sources
-from . import options as opt
-from .publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
-from .sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
+from qeff_kv.support import capture
+from qeff_kv.tools import compile_config
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryError
+from qeff_kv.export import checkpoint as checkpoint_mod
+from qeff_kv.export.facts import family
+from qeff_kv.export import graph_passes, publish, schemes, sources
+from qeff_kv.export.weights import prequant
+from qeff_kv.export import options as opt
+from qeff_kv.export.publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
+from qeff_kv.export.sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
 
 DEFAULT_PREFILL_SEQ_LEN = 32
 DEFAULT_MAX_CTX_LEN = 4096
@@ -99,7 +104,7 @@ def export_model(
 
     ``gguf_grid``: with ``weights="int4"`` and a ``.gguf`` model, MatMul weights whose GGUF type maps onto
     MatMulNBits exactly (Q4_0) take the GGUF's own blocks; the rest are requantized and reported
-    (:mod:`qeff_kv.export.gguf_grid`; the manifest's ``weights.gguf_grid``).
+    (:mod:`qeff_kv.export.weights.gguf_grid`; the manifest's ``weights.gguf_grid``).
     """
     opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
                    continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
@@ -176,7 +181,7 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     """The torch stages: load (whole, or as a skeleton whose weights stream from the checkpoint: :mod:`.stream`),
     checkpoint identity, the reference for verification, trace (language and vision graphs), graph passes; then
     quantize and verify the staged graph. Returns ``geometry``, ``vision_path`` and the manifest ``records``."""
-    from . import stream
+    from qeff_kv.export.weights import stream
 
     streamed = stream.open_streamed(source, options, say)
     if streamed is not None:
@@ -207,8 +212,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     """:func:`_build` with the model loaded whole (``streamed`` None) or as a streamed skeleton."""
     import contextlib
 
-    from . import quantize as quant_mod
-    from . import verify as verify_mod
+    from qeff_kv.export.weights import quantize as quant_mod
+    from qeff_kv.export import verify as verify_mod
 
     if streamed is None:
         torch_model = source.load_torch_model(options, say)
@@ -263,7 +268,7 @@ def _tokenizer_of(source, tmp: Path):
 def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:
     if not facts.vision_language:
         return None
-    from . import vlm
+    from qeff_kv.export.modeling import vlm
 
     return vlm.vision_geometry(model, options.image_size)
 
@@ -272,10 +277,10 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
                   say: Progress, streamed=None):
     """The trace and graph-passes stages: the language graph (and the dual layout's vision graph) traced, passed
     and saved into the staging folder. Returns ``(geometry, vision_path)``. ``streamed``: the skeleton's
-    :class:`~qeff_kv.export.stream.Streamed` (the graph is captured without weights, which are attached lazily)."""
+    :class:`~qeff_kv.export.weights.stream.Streamed` (the graph is captured without weights, which are attached lazily)."""
     import contextlib
 
-    from . import trace
+    from qeff_kv.export import trace
 
     say(f"tracing {facts.architecture} ({facts.num_layers} layers, ctx_len {options.ctx_len}, "
         f"prefill_seq_len {options.prefill_seq_len})")
@@ -295,7 +300,7 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
     del ir_model
     if "vision" not in geometry or options.single_graph:
         return geometry, None
-    from . import vlm
+    from qeff_kv.export.modeling import vlm
 
     say("tracing the vision encoder")
     vision_path = onnx_path.with_name(vision_onnx_name(onnx_path.name))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..naming import CHECKPOINT_META as METADATA_KEY  # noqa: F401 (the runtime reads the same key)
+from qeff_kv.contract.naming import CHECKPOINT_META as METADATA_KEY  # noqa: F401 (the runtime reads the same key)
 
 
 def identity_string(weights_sha256: str, dtype: str) -> str:

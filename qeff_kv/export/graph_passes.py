@@ -1,5 +1,5 @@
 """The graph-passes stage: the raw traced graph made deterministic and final (metadata, exact output shapes,
-the IR version onnxruntime loads), then the onnx_ir passes of :mod:`qeff_kv.passes` the target asks for, then the
+the IR version onnxruntime loads), then the onnx_ir passes of :mod:`qeff_kv.graph.passes` the target asks for, then the
 prefix. Each pass is one file with its invariant; this module only says which run, in which order."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import json
 
 import onnx_ir as ir
 
-from .. import __version__, naming
-from ..passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
+from qeff_kv import __version__
+from qeff_kv.contract import naming
+from qeff_kv.graph.passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
                       PackSharedInputMatMulsPass,
                       RemovePassThroughPass, SetKVPrefixPass)
-from . import options as opt
-from . import targets
+from qeff_kv.export import options as opt
+from qeff_kv.export import targets
 
 #: passes a target may ask for (``TargetInfo.passes``) -> (the pass, the dtypes it applies to)
 TARGET_PASSES = {
@@ -42,9 +43,9 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     if geometry.get("sliding_window"):
         model.metadata_props[naming.SLIDING_WINDOW_META] = str(geometry["sliding_window"])
         model.metadata_props[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
-    if geometry.get("state_spec") is not None:   # what each layer retains (qeff_kv.statespec)
+    if geometry.get("state_spec") is not None:   # what each layer retains (qeff_kv.contract.statespec)
         model.metadata_props[naming.STATE_SPEC_META] = geometry["state_spec"].dumps()
-    if geometry.get("mla"):   # MLA's latent cache: the expanded cache's geometry (qeff_kv.buffers)
+    if geometry.get("mla"):   # MLA's latent cache: the expanded cache's geometry (qeff_kv.tools.buffers)
         model.metadata_props[naming.MLA_META] = json.dumps(geometry["mla"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         model.metadata_props[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)

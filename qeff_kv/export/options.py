@@ -11,11 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import compile_config, naming, validate
-from ..errors import ExportError
-from ..limits import positive_int
-from . import targets
-from .schemes import check_scheme
+from qeff_kv.tools import compile_config
+from qeff_kv.contract import naming
+from qeff_kv.support import validate
+from qeff_kv.errors import ExportError
+from qeff_kv.support.limits import positive_int
+from qeff_kv.export import targets
+from qeff_kv.export.schemes import check_scheme
 
 DTYPES = ("float32", "float16")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
@@ -76,11 +78,11 @@ class ExportOptions:
     #: embeddings); text decoders only
     hidden_states: bool = False
     #: ``--weights int4`` from a GGUF file: MatMul weights whose GGUF type fits MatMulNBits exactly take the
-    #: GGUF's own blocks (:mod:`qeff_kv.export.gguf_grid`)
+    #: GGUF's own blocks (:mod:`qeff_kv.export.weights.gguf_grid`)
     gguf_grid: bool = False
     #: a pre-quantized int4 checkpoint's format (``awq``, ``gptq``, ``compressed-tensors``; set by
     #: :func:`~qeff_kv.export.api.resolve` from ``config.json``, never a flag): its own blocks become MatMulNBits
-    #: (:mod:`qeff_kv.export.prequant`)
+    #: (:mod:`qeff_kv.export.weights.prequant`)
     prequant: str | None = None
 
     def validate(self) -> "ExportOptions":
@@ -179,7 +181,7 @@ MLA_CACHES = ("full", "latent")
 
 def check_mla_cache(options: "ExportOptions") -> None:
     """``--mla-cache``: one of :data:`MLA_CACHES`; ``latent`` only where the target and the other options allow
-    it (one line each). Whether the model has MLA is a family fact (:meth:`~qeff_kv.export.family.ModelFacts.refusal`)."""
+    it (one line each). Whether the model has MLA is a family fact (:meth:`~qeff_kv.export.facts.family.ModelFacts.refusal`)."""
     if options.mla_cache not in (None, *MLA_CACHES):
         raise ExportError(f"mla_cache must be one of {', '.join(MLA_CACHES)}, got {options.mla_cache!r}")
     if options.mla_cache != "latent":
@@ -194,13 +196,13 @@ def check_mla_cache(options: "ExportOptions") -> None:
 
 
 def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
-    """:func:`qeff_kv.compile_config.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
+    """:func:`qeff_kv.tools.compile_config.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
     are refused: their prefill specialization could not hold a chunk)."""
     return compile_config.check_ccl(values, ctx_len, error=ExportError, prefill_seq_len=prefill_seq_len)
 
 
 def parse_ccl(value, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
-    """:func:`qeff_kv.compile_config.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
+    """:func:`qeff_kv.tools.compile_config.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
     ``prefill_seq_len``)."""
     return compile_config.parse_ccl(value, ctx_len, error=ExportError,
                                     prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)

@@ -1,5 +1,5 @@
 """The plainest correct runner of a retained-state graph in onnxruntime, shared by verification
-(:mod:`qeff_kv.export.verify`) and the quantizer's check (:mod:`qeff_kv.export.quantize`): numpy buffers fed back
+(:mod:`qeff_kv.export.verify`) and the quantizer's check (:mod:`qeff_kv.export.weights.quantize`): numpy buffers fed back
 after every step, sized from the graph's own layout. No torch."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import capture, graphio, naming
-from ..errors import VerificationError
+from qeff_kv.support import capture
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.errors import VerificationError
 
 
 class ProbeRunner:
@@ -64,7 +66,7 @@ class ProbeRunner:
         other graphs give their one row)."""
         positions = np.array([pos], dtype=np.int64)
         if rope_rows is not None:   # [4, 1, S]: text positions over the multimodal RoPE rows
-            from ..mrope import graph_positions
+            from qeff_kv.contract.mrope import graph_positions
 
             positions = graph_positions(pos, rope_rows)
         feeds = {"input_ids": np.array([ids], dtype=np.int64), "position_ids": positions, **self.kv, **self.extra}

@@ -14,8 +14,12 @@ from typing import Callable
 
 import onnx_ir as ir
 
-from .. import __version__, compile_config, fsutil, graphio, naming
-from . import options as opt
+from qeff_kv import __version__
+from qeff_kv.tools import compile_config
+from qeff_kv.support import fsutil
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.export import options as opt
 
 MANIFEST_FILE = "manifest.json"
 PARAMS_FILE = "export_params.json"

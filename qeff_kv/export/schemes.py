@@ -1,12 +1,12 @@
 """Weight schemes of ``--weights int4|int8``: names, defaults and the one-line refusals, checked before anything
 is loaded. No torch, no onnxruntime: :mod:`qeff_kv.export.options` validates with it, and
-:mod:`qeff_kv.export.quantize` quantizes with it."""
+:mod:`qeff_kv.export.weights.quantize` quantizes with it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ExportError
+from qeff_kv.errors import ExportError
 
 SCHEMES = {"int4": 4, "int8": 8}
 #: measured on SmolLM2-135M (docs/performance.md): decode speed and NLL of block 32 vs 64 vs 128

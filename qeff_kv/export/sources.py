@@ -22,11 +22,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from .. import capture, fsutil, gguf_header
-from ..errors import ExportError, MissingDependencyError
-from . import options as opt
-from . import prequant
-from . import transformers_adapter as hf
+from qeff_kv.support import capture, fsutil
+from qeff_kv.export.weights import gguf_header
+from qeff_kv.errors import ExportError, MissingDependencyError
+from qeff_kv.export import options as opt
+from qeff_kv.export.weights import prequant
+from qeff_kv.export import transformers_adapter as hf
 
 BUNDLED_NAME = "qeff-kv-tiny-llama"
 BUNDLED_SEED = 0
@@ -35,7 +36,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json")
 #: Processor files of a vision-language model, copied the same way: the image processor
 #: (``preprocessor_config.json``; transformers 5 nests it in ``processor_config.json`` instead) and the
-#: processor's own settings (image token, patch size...). ``qeff_kv.runtime.processor`` reads them.
+#: processor's own settings (image token, patch size...). ``qeff_kv.runtime.multimodal.processor`` reads them.
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 GGUF_MAGIC = b"GGUF"
 GGUF_INSTALL = "pip install 'qeff-kv[gguf]'"
@@ -177,7 +178,7 @@ class FolderSource(ModelSource):
         torch, transformers = hf.import_transformers()
         scheme = prequant.detect(self.config())
         if scheme is not None:   # AWQ/GPTQ/compressed-tensors int4: the dequantized weights, no quantizer package
-            from .prequant import folder
+            from qeff_kv.export.weights.prequant import folder
 
             return folder.load_dequantized(self.path, self.config(), scheme, _torch_dtype(torch, options), say)
         say(f"loading {self.path}")

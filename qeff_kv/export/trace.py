@@ -1,8 +1,8 @@
 """The trace stage: the loaded model, wrapped for its target, through the TorchScript exporter into one raw graph.
 
-:func:`trace_language` reads as its steps: what each layer writes (:func:`~qeff_kv.export.caches.probe_kv_shapes`)
-and so retains (:func:`~qeff_kv.statespec.for_export`), the graph's inputs in the peer's order
-(:class:`GraphIO`: token inputs, the vision inputs of :func:`~qeff_kv.export.vlm.language_inputs`, the KV buffers,
+:func:`trace_language` reads as its steps: what each layer writes (:func:`~qeff_kv.export.modeling.caches.probe_kv_shapes`)
+and so retains (:func:`~qeff_kv.contract.statespec.for_export`), the graph's inputs in the peer's order
+(:class:`GraphIO`: token inputs, the vision inputs of :func:`~qeff_kv.export.modeling.vlm.language_inputs`, the KV buffers,
 ``comp_ctx_lengths``, ``batch_index``), the target (:mod:`qeff_kv.export.targets`) and the wrapper, then
 :func:`run_exporter`.
 """
@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
-from .. import limits, naming, statespec
-from ..errors import ExportError
-from . import caches, mla, moe, rope, targets
-from . import recurrent as recurrent_mod
-from . import transformers_adapter as hf
-from . import options as opt
-from .caches import SlidingPlan
-from .wrapper import RetainedStateLM
+from qeff_kv.support import limits
+from qeff_kv.contract import naming, statespec
+from qeff_kv.errors import ExportError
+from qeff_kv.export.modeling import caches, mla, moe, rope
+from qeff_kv.export import targets
+from qeff_kv.export.modeling import recurrent as recurrent_mod
+from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export import options as opt
+from qeff_kv.export.modeling.caches import SlidingPlan
+from qeff_kv.export.wrapper import RetainedStateLM
 
 
 @dataclass
@@ -39,7 +41,7 @@ class GraphIO:
 def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision: dict | None = None, *,
                    export_params: bool = True) -> dict:
     """Trace the wrapped model into ``path``; return the export's geometry (``state_spec`` included).
-    ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.vlm.vision_geometry`).
+    ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.modeling.vlm.vision_geometry`).
     ``export_params=False``: the parameters stay graph inputs without data (the streaming export,
     :mod:`.stream`, attaches them from the checkpoint)."""
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -54,7 +56,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
     if vision is not None:   # contract section 6: the peer's input and output order
-        from . import vlm as vlm_mod
+        from qeff_kv.export.modeling import vlm as vlm_mod
 
         vision = vlm_mod.language_inputs(io, vision, facts, options, next(model.parameters()).dtype)
     io.args += kv
@@ -170,7 +172,7 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                                **common).eval(), target
     if options.hidden_states:
         raise ExportError("--hidden-states is for text decoders; this is a vision-language model")
-    from . import vlm as vlm_mod
+    from qeff_kv.export.modeling import vlm as vlm_mod
 
     return vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
                                     image_token_id=facts.image_token_id, single_graph=options.single_graph,

@@ -49,7 +49,7 @@ import re
 import sys
 import warnings
 
-from ..errors import MissingDependencyError, UnsupportedVersionError
+from qeff_kv.errors import MissingDependencyError, UnsupportedVersionError
 
 #: the transformers releases the test suite passed on (the family matrix exact on each)
 TESTED = ("5.23.0", "5.24.0")

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import limits
-from ..chunking import plan_chunks
-from ..errors import ExportError, VerificationError, VerificationMemoryError
-from . import family
-from . import transformers_adapter as hf
-from .probe_runner import ProbeRunner, first_line
+from qeff_kv.support import limits
+from qeff_kv.contract.chunking import plan_chunks
+from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryError
+from qeff_kv.export.facts import family
+from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export.probe_runner import ProbeRunner, first_line
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
 DECODE_STEPS = 4
@@ -56,7 +56,7 @@ class Probe:
     #: the model's image tokens attend to each other both ways: no prefill chunk splits an image
     image_blocks: bool = False
     #: models that take patch rows (Qwen2.5-VL): the image's patch grid ``[t, h, w]``; their language graph
-    #: takes multimodal RoPE rows (:mod:`qeff_kv.mrope`)
+    #: takes multimodal RoPE rows (:mod:`qeff_kv.contract.mrope`)
     grid: list[int] | None = None
     spatial_merge_size: int | None = None
 
@@ -64,7 +64,7 @@ class Probe:
         """``(rows [3, len(prompt)], delta)`` of multimodal RoPE, or ``None``."""
         if self.grid is None:
             return None
-        from ..mrope import prompt_positions
+        from qeff_kv.contract.mrope import prompt_positions
 
         return prompt_positions(self.prompt, self.image_token, [self.grid], self.spatial_merge_size)
 
@@ -171,7 +171,7 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
         return _whole_sequence_run(model, probe)
     import torch
 
-    from .family import needs_image_sizes
+    from qeff_kv.export.facts.family import needs_image_sizes
 
     t0 = time.perf_counter()
     with torch.no_grad():

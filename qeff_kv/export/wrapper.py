@@ -19,17 +19,17 @@ import contextlib
 
 import torch
 
-from . import recurrent
-from . import transformers_adapter as hf
-from .caches import SlidingPlan
-from .graph_ops import HeadGemm, LengthOf
-from .masks import fill_padding_rows
-from .targets.base import StepInputs, Target
+from qeff_kv.export.modeling import recurrent
+from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export.modeling.caches import SlidingPlan
+from qeff_kv.export.modeling.graph_ops import HeadGemm, LengthOf
+from qeff_kv.export.modeling.masks import fill_padding_rows
+from qeff_kv.export.targets.base import StepInputs, Target
 
 
 def output_head(head: torch.nn.Module, hidden_last: torch.Tensor, rows: bool = False) -> torch.Tensor:
     """``[B, 1, H] -> [B, 1, V]`` through the model's output head; a plain ``nn.Linear`` head becomes one
-    ``Gemm(transB=1)`` on ``[B, H]`` (see :class:`~qeff_kv.export.graph_ops.HeadGemm`), any other head module is
+    ``Gemm(transB=1)`` on ``[B, H]`` (see :class:`~qeff_kv.export.modeling.graph_ops.HeadGemm`), any other head module is
     called as is. ``rows``: ``[B, n, H] -> [B, n, V]`` (the Gemm on ``[B*n, H]``)."""
     if type(head) is torch.nn.Linear:
         if rows:
@@ -55,10 +55,10 @@ class RetainedStateLM(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, target: Target,
                  facts, ccl: bool = False, speculative: bool = False, spec=None, hidden: bool = False):
         super().__init__()
-        #: what each layer retains (:class:`~qeff_kv.statespec.StateSpec`), in graph order: how the KV inputs split
+        #: what each layer retains (:class:`~qeff_kv.contract.statespec.StateSpec`), in graph order: how the KV inputs split
         #: into attention pairs and recurrent states (``None``: one key/value pair per layer)
         self.spec = spec
-        #: the recurrent mixers' facts (:class:`~qeff_kv.export.recurrent_facts.RecurrentFacts`), ``None`` without
+        #: the recurrent mixers' facts (:class:`~qeff_kv.export.facts.recurrent_facts.RecurrentFacts`), ``None`` without
         self.recurrent = facts.recurrent
         self.lm = model
         self.num_layers = num_layers
@@ -88,8 +88,8 @@ class RetainedStateLM(torch.nn.Module):
         """The traced step: ``rest`` is the KV inputs (then ``comp_ctx_lengths``, then ``batch_index``).
         ``inputs_embeds`` ``[B, S, H]`` (vision-language graphs: text embeddings with image rows merged in)
         replaces the embedding of ``input_ids``; a padded row takes its sequence's last valid row's, as its id
-        and position do (:func:`~qeff_kv.export.masks.fill_padding`). ``blocks [B, S]``: bidirectional image
-        blocks for every mask (:func:`~qeff_kv.export.masks.build_attention_mask`). ``rope_rows [3, B, S]``:
+        and position do (:func:`~qeff_kv.export.modeling.masks.fill_padding`). ``blocks [B, S]``: bidirectional image
+        blocks for every mask (:func:`~qeff_kv.export.modeling.masks.build_attention_mask`). ``rope_rows [3, B, S]``:
         multimodal RoPE positions; the decoder then gets ``position_ids [4, B, S]`` (the text positions first, as
         transformers' Qwen2.5-VL takes them), padded rows repeating their sequence's last valid row."""
         pad_rows = self.target.fills_padding

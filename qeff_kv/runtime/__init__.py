@@ -9,15 +9,15 @@ Needs only numpy, onnx_ir and onnxruntime (no torch, no transformers); ``tokeniz
 See ``docs/runtime.md``.
 """
 
-from .cache import KVCache, Sequence
-from .sampling import GREEDY, SamplingParams, sample
-from .model_files import ModelFiles, resolve_model
-from .ring import RingSpec
-from .session import Generation, Session, TokenEvent, Timings, open_session
-from .state_file import KVState, export_state, import_state, load_state, read_state, save_state
-from .media import Images, Prompt
-from .vision import VisionLanguageModel, VisionStage
-from .speculative import DraftModel, PromptLookup, SpeculativeDecoder
+from qeff_kv.runtime.cache import KVCache, Sequence
+from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, sample
+from qeff_kv.runtime.model_files import ModelFiles, resolve_model
+from qeff_kv.runtime.memory.ring import RingSpec
+from qeff_kv.runtime.session import Generation, Session, TokenEvent, Timings, open_session
+from qeff_kv.runtime.memory.state_file import KVState, export_state, import_state, load_state, read_state, save_state
+from qeff_kv.runtime.multimodal.media import Images, Prompt
+from qeff_kv.runtime.multimodal.vision import VisionLanguageModel, VisionStage
+from qeff_kv.runtime.decoding.speculative import DraftModel, PromptLookup, SpeculativeDecoder
 
 __all__ = [
     "DraftModel", "GREEDY", "Generation", "Images", "KVCache", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",

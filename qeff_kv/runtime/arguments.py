@@ -10,9 +10,9 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
-from .. import validate
-from ..errors import RuntimeInputError
-from . import ep_proofs
+from qeff_kv.support import validate
+from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.execution import ep_proofs
 
 
 def check_providers(providers, device=None) -> list[str]:

@@ -2,8 +2,8 @@
 buffers, the RoPE marks of its images and its recurrent states, allocated once.
 
 Buffers are allocated once, each at its own capacity (``max_sequences`` x ``ctx_len`` positions; a sliding-window
-ring buffer ``max_sequences`` x ``C`` slots, see :mod:`qeff_kv.runtime.ring`; a static axis as the graph fixes it;
-a recurrent state ``[max_sequences, ...]``), on the session's device (:mod:`qeff_kv.runtime.device`: on the CPU,
+ring buffer ``max_sequences`` x ``C`` slots, see :mod:`qeff_kv.runtime.memory.ring`; a static axis as the graph fixes it;
+a recurrent state ``[max_sequences, ...]``), on the session's device (:mod:`qeff_kv.runtime.execution.device`: on the CPU,
 numpy arrays wrapped by ``OrtValue`` objects that share their memory);
 the session binds them to the graph. A graph that is not in-place safe gets a second set (``spare``), and the two
 sets swap after every run. Before anything is allocated, :meth:`KVCache.require_memory` refuses buffers that do not
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import KVPair
-from ..limits import positive_int, require_memory
-from .memory import recurrent as rec_mod
-from .memory.hybrid import HybridMemory, Sequence
-from .memory.positional import PositionalMemory, buffer_bytes, capacity_of
-from .memory.rope_marks import RopeMarks
-from .ring import RingSpec
+from qeff_kv.contract.layout import KVPair
+from qeff_kv.support.limits import positive_int, require_memory
+from qeff_kv.runtime.memory import recurrent as rec_mod
+from qeff_kv.runtime.memory.hybrid import HybridMemory, Sequence
+from qeff_kv.runtime.memory.positional import PositionalMemory, buffer_bytes, capacity_of
+from qeff_kv.runtime.memory.rope_marks import RopeMarks
+from qeff_kv.runtime.memory.ring import RingSpec
 
 __all__ = ["KVCache", "Sequence"]
 
@@ -35,15 +35,15 @@ class KVCache(HybridMemory):
     """Fixed-capacity buffers of every memory of a graph plus the slot bookkeeping of the sequences stored in them.
 
     Args:
-        pairs: the graph's positional KV pairs (from :class:`qeff_kv.layout.KVLayout`), in graph input order.
+        pairs: the graph's positional KV pairs (from :class:`qeff_kv.contract.layout.KVLayout`), in graph input order.
         max_sequences: size of the batch axis.
         ctx_len: capacity in positions of every sequence (of each full-length buffer).
         double_buffer: allocate a second set of buffers (graphs that are not in-place safe).
-        rings: the sliding-window ring buffers and their capacities (:func:`qeff_kv.runtime.ring.resolve`).
+        rings: the sliding-window ring buffers and their capacities (:func:`qeff_kv.runtime.memory.ring.resolve`).
         recurrent: the recurrent layers' buffer pairs (:func:`qeff_kv.runtime.memory.recurrent.split_pairs`).
         checkpoints: when the recurrent state is checkpointed (:class:`~qeff_kv.runtime.memory.recurrent.CheckpointPolicy`).
         recurrent_double_buffer: the recurrent states' own setting (default: ``double_buffer``).
-        device: where the buffers live (:mod:`qeff_kv.runtime.device`; default the CPU).
+        device: where the buffers live (:mod:`qeff_kv.runtime.execution.device`; default the CPU).
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,

@@ -1,6 +1,6 @@
 """The session's cache verbs: :class:`~qeff_kv.runtime.session.Session`'s public names for what its memory does
 (sequences, rewind, copy, bytes, state files), each one line forwarding to the hybrid ``session.cache``
-(:class:`~qeff_kv.runtime.cache.KVCache`, :mod:`qeff_kv.runtime.memory`) or to :mod:`~qeff_kv.runtime.state_file`;
+(:class:`~qeff_kv.runtime.cache.KVCache`, :mod:`qeff_kv.runtime.memory`) or to :mod:`~qeff_kv.runtime.memory.state_file`;
 and what is bound, for diagnostics. Kept beside the session so that ``session.py`` holds only what binds and runs
 the graph."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import naming
-from .cache import Sequence
+from qeff_kv.contract import naming
+from qeff_kv.runtime.cache import Sequence
 
 
 class CacheVerbsMixin:
@@ -63,20 +63,20 @@ class CacheVerbsMixin:
 
     # ------------------------------------------------------------------------------------ state
     def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
-        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.state_file`."""
-        from .state_file import export_state
+        """The in-memory state of ``seq`` (for hand-off); see :mod:`qeff_kv.runtime.memory.state_file`."""
+        from qeff_kv.runtime.memory.state_file import export_state
         return export_state(self, seq, select=select, checksum=checksum)
 
     def import_state(self, state, seq: Sequence | None = None) -> Sequence:
-        from .state_file import import_state
+        from qeff_kv.runtime.memory.state_file import import_state
         return import_state(self, state, seq=seq)
 
     def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
-        from .state_file import save_state
+        from qeff_kv.runtime.memory.state_file import save_state
         return save_state(self, seq, path, select=select)
 
     def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
-        from .state_file import load_state
+        from qeff_kv.runtime.memory.state_file import load_state
         return load_state(self, path, seq=seq)
 
     # ------------------------------------------------------------------------------------ introspection

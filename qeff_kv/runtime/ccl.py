@@ -15,7 +15,7 @@ import bisect
 import numpy as np
 import onnxruntime as ort
 
-from .. import naming
+from qeff_kv.contract import naming
 
 INPUT = naming.CCL_INPUT
 

@@ -14,8 +14,8 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from .. import naming
-from ..errors import RuntimeInputError
+from qeff_kv.contract import naming
+from qeff_kv.errors import RuntimeInputError
 
 
 def unsupported(session) -> str | None:

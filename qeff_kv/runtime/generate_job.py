@@ -14,16 +14,16 @@ from typing import Callable
 
 import numpy as np
 
-from .. import fsutil
-from ..errors import MissingDependencyError, RuntimeInputError
-from .chat import chat_prompt_ids, load_chat_template
-from ..limits import MAX_INT64
-from .. import validate
-from ..validate import integer_array
-from .sampling import SamplingParams
-from .model_files import resolve_model
-from .session import Session, TokenEvent
-from .vision import VisionLanguageModel
+from qeff_kv.support import fsutil
+from qeff_kv.errors import MissingDependencyError, RuntimeInputError
+from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
+from qeff_kv.support.limits import MAX_INT64
+from qeff_kv.support import validate
+from qeff_kv.support.validate import integer_array
+from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.model_files import resolve_model
+from qeff_kv.runtime.session import Session, TokenEvent
+from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
 
 
 def parse_ids(text: str) -> list[int]:
@@ -121,7 +121,7 @@ class GenerateRequest:
     image_size: int | None = None
     vision_size: int | None = None
     #: speculative decoding (a graph exported with --speculative-tokens K): ``"lookup"`` (prompt lookup) or the
-    #: path of a draft export (a smaller model of the same tokenizer); see :mod:`qeff_kv.runtime.speculative`
+    #: path of a draft export (a smaller model of the same tokenizer); see :mod:`qeff_kv.runtime.decoding.speculative`
     speculative: str | None = None
     #: drafts per verification step with ``speculative`` (default and maximum: the graph's K; needed on a graph that
     #: records no K, the peer's target graphs)
@@ -149,9 +149,9 @@ def _image_requests(req: GenerateRequest, files, prompts: list[list[int]]) -> tu
         if req.image_inputs or req.prompt_ids or len(req.prompts) != 1:
             raise RuntimeInputError("--image goes with exactly one --prompt (no --prompt-ids, no --image-inputs); "
                                     "for several prompts give --prompt-ids with one --image-inputs each")
-        from .. import graphio
-        from .media import vision_facts
-        from .processor import image_prompt, image_sizes_of
+        from qeff_kv.graph import graphio
+        from qeff_kv.runtime.multimodal.media import vision_facts
+        from qeff_kv.runtime.multimodal.processor import image_prompt, image_sizes_of
 
         vision = vision_facts(graphio.layout_of(graphio.load(files.onnx_path)), files.manifest)
         # an export traced for one patch grid takes images of one size: resized to it, and said so
@@ -346,7 +346,7 @@ def _check_speculative(req: GenerateRequest) -> None:
 
 def _speculative(req: GenerateRequest, session: Session, requests: list, stops: list[int], on_token):
     """One request decoded speculatively: ``([Generation], stats as JSON)``."""
-    from .speculative import SpeculativeDecoder, make_drafter
+    from qeff_kv.runtime.decoding.speculative import SpeculativeDecoder, make_drafter
 
     decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads), k=req.speculative_k)
     gen = decoder.generate(requests[0], max_new_tokens=req.max_new_tokens, sampling=req.sampling,

@@ -11,7 +11,7 @@ allocated. It says
   exporter's, fed within the ring) and the recurrent states (updated in place, or replaced whole: the peer's),
   with the checkpoint policy;
 * the **dimensions** (:class:`Dims`): the buffers' ``ctx_len``, the prefill chunk, a fixed ``seq_len``, the slots;
-* **media** (a vision-language graph's image inputs, :class:`~qeff_kv.runtime.media.LanguageMedia`), multimodal
+* **media** (a vision-language graph's image inputs, :class:`~qeff_kv.runtime.multimodal.media.LanguageMedia`), multimodal
   RoPE, **speculation** (``num_logits_to_keep`` and its ``K``), ``comp_ctx_lengths``, the logits, and whether the
   buffers are bound **in place**.
 
@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .. import graphio, naming
-from ..errors import ContractError, RuntimeInputError
-from ..inplace import inplace_issues
-from ..layout import KVLayout, KVPair
-from ..limits import positive_int
-from . import ccl as ccl_mod
-from . import lockstep as lockstep_mod
-from . import media as media_mod
-from .memory import recurrent as rec_mod
-from . import ring as ring_mod
-from .batching import BATCH_INDEX, ContinuousBatching, LockStep, OneSequence
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.errors import ContractError, RuntimeInputError
+from qeff_kv.graph.inplace import inplace_issues
+from qeff_kv.contract.layout import KVLayout, KVPair
+from qeff_kv.support.limits import positive_int
+from qeff_kv.runtime import ccl as ccl_mod
+from qeff_kv.runtime.decoding import lockstep as lockstep_mod
+from qeff_kv.runtime.multimodal import media as media_mod
+from qeff_kv.runtime.memory import recurrent as rec_mod
+from qeff_kv.runtime.memory import ring as ring_mod
+from qeff_kv.runtime.decoding.batching import BATCH_INDEX, ContinuousBatching, LockStep, OneSequence
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
 DEFAULT_PREFILL_SEQ_LEN = 32
@@ -64,7 +65,7 @@ class Memory:
     recurrent: tuple[KVPair, ...]    # recurrent states (conv_state/recurrent_state: none)
     rings: ring_mod.RingSpec         # the sliding-window rings and their capacities
     #: another exporter's rings (not our ``qeff_kv.sliding_cache=ring`` export): no prefill chunk wraps them
-    #: (:func:`~qeff_kv.runtime.ring.within_ring`), and no chunk into them is padded
+    #: (:func:`~qeff_kv.runtime.memory.ring.within_ring`), and no chunk into them is padded
     ring_within: bool
     #: recurrent states the graph replaces whole (the peer's): they get a second buffer, the rest stays in place
     replaced_states: bool

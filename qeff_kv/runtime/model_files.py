@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from .. import fsutil, naming
-from ..errors import GraphReadError, RuntimeInputError
-from ..layout import KVLayout
+from qeff_kv.support import fsutil
+from qeff_kv.contract import naming
+from qeff_kv.errors import GraphReadError, RuntimeInputError
+from qeff_kv.contract.layout import KVLayout
 
 MANIFEST = "manifest.json"
 #: ``metadata_props`` key under which an export records its checkpoint identity (``qeff_kv.export.checkpoint``).

@@ -2,23 +2,23 @@
 
 Works with any graph that follows the retained-state contract — ours, and the peer's (QEfficient), prefixed
 or not, continuous-batching (a ``batch_index`` input) or not. KV pairs come from
-:class:`qeff_kv.layout.KVLayout` (the naming contract), never from hard-coded names.
+:class:`qeff_kv.contract.layout.KVLayout` (the naming contract), never from hard-coded names.
 
 What the graph is (its batching mode, memory kinds, media, speculation, sizes, in-place binding) is resolved once
 when the session opens it, with every refusal: :attr:`Session.graph`, a
 :class:`~qeff_kv.runtime.graph_description.GraphDescription`. ``prefill`` and ``decode`` ask it and its batching
-strategy (:mod:`qeff_kv.runtime.batching`) rather than flags of their own.
+strategy (:mod:`qeff_kv.runtime.decoding.batching`) rather than flags of their own.
 
 Positions: a sequence of length ``n`` holds its tokens at cache positions ``[0, n)`` (half-open; every
 range in this package is half-open). Feeding ``k`` tokens writes positions ``[n, n + k)``.
 
-How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.executor`; every buffer from the
-session's device, :mod:`qeff_kv.runtime.device`; only execution providers :mod:`qeff_kv.runtime.ep_proofs` proves
+How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.execution.executor`; every buffer from the
+session's device, :mod:`qeff_kv.runtime.execution.device`; only execution providers :mod:`qeff_kv.runtime.execution.ep_proofs` proves
 exact for the graph's kind are accepted, today the CPU's, refused in one line otherwise before loading):
 
 * one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
-  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.ring`); if the graph is in-place safe
-  (:func:`qeff_kv.inplace.inplace_issues`), the same ``OrtValue`` is bound as the input ``X`` and the output
+  sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.memory.ring`); if the graph is in-place safe
+  (:func:`qeff_kv.graph.inplace.inplace_issues`), the same ``OrtValue`` is bound as the input ``X`` and the output
   ``X_RetainedState`` (``ScatterND`` updates the cache where it is); otherwise the outputs go to a second set of
   buffers and the sets swap after each run (correct, slower: :attr:`Session.inplace`);
 * ``logits`` and the small inputs (``input_ids``, ``position_ids``, ``batch_index``) are buffers of their own,
@@ -28,15 +28,15 @@ Prefill runs in chunks of the graph's prefill length. Our own graphs run a short
 padding: every index they meet stays in range and no scatter writes a slot twice, as the ONNX spec asks;
 ``tests/test_ep_conformance.py``) unless the graph fixes ``seq_len``. The peer's graphs are right-padded with
 ``position_ids = -1`` as its runner pads them: padding rows write slot ``ctx_len - 1`` of their own row (with the
-CPU-only patch :mod:`qeff_kv.passes.ort_invalid_index`, applied for onnxruntime's CPU EP only), so a padded chunk
+CPU-only patch :mod:`qeff_kv.graph.passes.ort_invalid_index`, applied for onnxruntime's CPU EP only), so a padded chunk
 never fills that slot (such a chunk runs unpadded). With ring buffers a chunk holds at most the smallest ring
 capacity; the peer's ring graphs run unpadded chunks that never wrap the ring (:func:`.ring.within_ring`).
 A recurrent state the graph replaces whole (not updated in place: the peer's) gets a second buffer.
 
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
-(:mod:`qeff_kv.runtime.media`, bound in place; the images come from :mod:`qeff_kv.runtime.vision`) and, with
-multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.positions`). Requests and the
-generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decode_loop`'s.
+(:mod:`qeff_kv.runtime.multimodal.media`, bound in place; the images come from :mod:`qeff_kv.runtime.multimodal.vision`) and, with
+multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.multimodal.positions`). Requests and the
+generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decoding.decode_loop`'s.
 """
 
 from __future__ import annotations
@@ -51,27 +51,28 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from .. import graphio, naming
-from ..errors import ContractError, QeffKvError, RuntimeInputError
-from ..passes.ort_invalid_index import OrtInvalidIndexPass
-from . import arguments
-from .arguments import check_session_args
-from . import ccl as ccl_mod
-from . import device as device_mod
-from . import ep_proofs
-from . import executor as exec_mod
-from . import lockstep as lockstep_mod
-from . import media as media_mod
-from . import positions as pos_mod
-from .memory import recurrent as rec_mod
-from . import ring as ring_mod
-from .batching import BATCH_INDEX
-from .cache import KVCache, Sequence
-from .graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
-from .model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
-from .decode_loop import GenerationMixin
-from .cache_verbs import CacheVerbsMixin
-from .results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
+from qeff_kv.graph.passes.ort_invalid_index import OrtInvalidIndexPass
+from qeff_kv.runtime import arguments
+from qeff_kv.runtime.arguments import check_session_args
+from qeff_kv.runtime import ccl as ccl_mod
+from qeff_kv.runtime.execution import device as device_mod
+from qeff_kv.runtime.execution import ep_proofs
+from qeff_kv.runtime.execution import executor as exec_mod
+from qeff_kv.runtime.decoding import lockstep as lockstep_mod
+from qeff_kv.runtime.multimodal import media as media_mod
+from qeff_kv.runtime.multimodal import positions as pos_mod
+from qeff_kv.runtime.memory import recurrent as rec_mod
+from qeff_kv.runtime.memory import ring as ring_mod
+from qeff_kv.runtime.decoding.batching import BATCH_INDEX
+from qeff_kv.runtime.cache import KVCache, Sequence
+from qeff_kv.runtime.graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
+from qeff_kv.runtime.model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
+from qeff_kv.runtime.decoding.decode_loop import GenerationMixin
+from qeff_kv.runtime.cache_verbs import CacheVerbsMixin
+from qeff_kv.runtime.results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
 _quiet_onnxruntime = exec_mod.quiet_onnxruntime   # noqa: F401  (re-exported: runtime/vision.py)
 
@@ -91,15 +92,15 @@ class Session(GenerationMixin, CacheVerbsMixin):
         sliding_window: the window ``W`` of a graph with sliding-window ring buffers (axis ``sliding_window``)
             when neither its metadata nor its manifest records it.
         image_token_id: the image token of a vision-language graph whose metadata and manifest do not record it
-            (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision.VisionLanguageModel`.
+            (another exporter's); images themselves come from :class:`qeff_kv.runtime.multimodal.vision.VisionLanguageModel`.
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
         device: ``"cpu"`` (default) or ``"cuda"``; providers: onnxruntime execution providers instead. Only the
-            ones :mod:`qeff_kv.runtime.ep_proofs` proves exact for the graph's kind are accepted (today the CPU's):
+            ones :mod:`qeff_kv.runtime.execution.ep_proofs` proves exact for the graph's kind are accepted (today the CPU's):
             any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) before the graph is loaded.
         executor: ``"onnxruntime"`` (default), or ``"reference"``: onnx's reference evaluator with strict index
-            checks (:class:`~qeff_kv.runtime.executor.ReferenceExecutor`; slow, for conformance proofs).
+            checks (:class:`~qeff_kv.runtime.execution.executor.ReferenceExecutor`; slow, for conformance proofs).
     """
 
     def __init__(self, model: str | os.PathLike, *, ctx_len: int | None = None,
@@ -236,7 +237,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         rest = {k: v for k, v in memory_or_graph.items() if k not in mem}
         self.graph = replace(self.graph, memory=replace(self.graph.memory, **mem), **rest)
 
-    #: a speculative-decoding graph (``num_logits_to_keep``): :func:`qeff_kv.runtime.speculative.score` verifies
+    #: a speculative-decoding graph (``num_logits_to_keep``): :func:`qeff_kv.runtime.decoding.speculative.score` verifies
     #: drafted tokens in one step; ``speculative_tokens`` is its ``K`` (graph metadata or manifest, else None)
     speculative = property(lambda self: self.graph.speculative,
                            lambda self, v: self._redescribe(speculative=bool(v)))
@@ -342,7 +343,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 checkpoint: bool | Seq[int] = True) -> np.ndarray:
         """Append ``tokens`` to ``seq``'s cache (positions ``[length, length + len(tokens))``) in prefill chunks.
 
-        ``images``: the prompt's images, for a vision-language graph (:mod:`qeff_kv.runtime.vision`); their count
+        ``images``: the prompt's images, for a vision-language graph (:mod:`qeff_kv.runtime.multimodal.vision`); their count
         of image rows must equal the prompt's image tokens. Returns the logits ``[vocab]`` after the last token.
         Clears any pending token. With recurrent state, chunks end at multiples of ``checkpoint_every`` (each takes
         a checkpoint) and at the prompt boundary: ``checkpoint=True`` takes one at the end of this call and one

@@ -18,7 +18,7 @@ converse), ``Gather`` data (axis 0, rank 2: an embedding table) axis -1. Tables 
 ``cos``/``sin`` caches: their indices do not come from ``input_ids``) are not checkpoint weights and are left out,
 as is anything read otherwise and every initializer under 1024 elements (norm weights, biases). Cost: one load of
 the graph and one pass over its weights, in numpy (no torch), once per session, at its first state export or at a
-load that the other identities do not settle (:mod:`qeff_kv.runtime.state_file`).
+load that the other identities do not settle (:mod:`qeff_kv.runtime.memory.state_file`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The options of ``qeff-kv serve`` as one dataclass: the CLI fills it, :func:`qeff_kv.serve.server.build_engine`
-and :func:`qeff_kv.serve.disagg.start_disaggregated` read it."""
+and :func:`qeff_kv.serve.cluster.disagg.start_disaggregated` read it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ServeConfig:
     max_sequences: int | None = None
     #: onnxruntime intra-op threads (default: onnxruntime's choice)
     threads: int | None = None
-    #: where the graph runs: "cpu", or "cuda" (refused until proved: qeff_kv/runtime/ep_proofs.py)
+    #: where the graph runs: "cpu", or "cuda" (refused until proved: qeff_kv/runtime/execution/ep_proofs.py)
     device: str = "cpu"
     #: a bearer token every /v1 and /slots request must carry (``Authorization: Bearer KEY``); None: open
     api_key: str | None = None
@@ -76,7 +76,7 @@ class ServeConfig:
     #: where the replay ROUTER socket binds, or None (no replay)
     kv_events_replay: str | None = None
     #: how a request's prefill replica is chosen: "prefix" (the one holding the longest prefix of its prompt, else
-    #: the least loaded) or "load" (the least loaded); see qeff_kv.serve.routing
+    #: the least loaded) or "load" (the least loaded); see qeff_kv.serve.cluster.routing
     route: str = "prefix"
     #: Ray custom resources each prefill / decode replica asks for ({"qeffkv_prefill": 1}): with nodes started with
     #: ``ray start --resources``, this places the replicas on chosen nodes (e.g. prefill and decode on two hosts)

@@ -5,25 +5,25 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from ..errors import Interrupted, RuntimeInputError
-from ..runtime import ep_proofs
-from .config import ServeConfig
-from .engine import Engine
-from .session_from_config import model_name_of, open_session
+from qeff_kv.errors import Interrupted, RuntimeInputError
+from qeff_kv.runtime.execution import ep_proofs
+from qeff_kv.serve.config import ServeConfig
+from qeff_kv.serve.engine.engine import Engine
+from qeff_kv.serve.engine.session_from_config import model_name_of, open_session
 
 def build_engine(config: ServeConfig) -> Engine:
     """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregate``."""
     if config.disaggregate:
-        from .disagg import start_disaggregated
+        from qeff_kv.serve.cluster.disagg import start_disaggregated
 
         return start_disaggregated(config)
-    from .kv_events import open_publisher
-    from .scheduler import Scheduler
+    from qeff_kv.serve.cluster.kv_events import open_publisher
+    from qeff_kv.serve.engine.scheduler import Scheduler
 
     session = open_session(config)
     speculation = None
     if config.speculative is not None:
-        from .speculative_step import Speculation, open_drafting, refusal
+        from qeff_kv.serve.engine.speculative_step import Speculation, open_drafting, refusal
 
         why = refusal(session)   # before a draft export is opened
         if why is not None:
@@ -34,7 +34,7 @@ def build_engine(config: ServeConfig) -> Engine:
     connector = None
     try:
         if config.kv_role is not None:   # vLLM's P/D protocol (serve/pd.py): after the session opened, before serving
-            from .pd import start_connector
+            from qeff_kv.serve.cluster.pd import start_connector
 
             connector = start_connector(config)
         engine = Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
@@ -56,17 +56,17 @@ def open_vision(session, config: ServeConfig):
     request's images into the session's image inputs."""
     if session.media is None:
         return None
-    from ..runtime.vision import VisionLanguageModel
+    from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
 
     return VisionLanguageModel.around(session, threads=config.threads, device=config.device)
 
 
 def text_facts(config: ServeConfig):
     """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids."""
-    from ..runtime.chat import load_chat_template
-    from ..runtime.generate_job import load_tokenizer
-    from ..runtime.model_files import resolve_model
-    from .app import TextFacts
+    from qeff_kv.runtime.text.chat import load_chat_template
+    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.model_files import resolve_model
+    from qeff_kv.serve.http.app import TextFacts
 
     files = resolve_model(config.export_dir)
     if not (files.folder / "tokenizer.json").is_file():
@@ -83,8 +83,8 @@ def text_facts(config: ServeConfig):
 
 def sampling_defaults(config: ServeConfig):
     """The sampling defaults: the serve flags over the export's generation_config.json over OpenAI's."""
-    from ..runtime.model_files import resolve_model
-    from .defaults import resolve_defaults
+    from qeff_kv.runtime.model_files import resolve_model
+    from qeff_kv.serve.engine.defaults import resolve_defaults
 
     flags = {k: getattr(config, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                              "max_tokens")}
@@ -124,7 +124,7 @@ def check_config(config: ServeConfig) -> None:
         raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode plainly)")
     if config.speculative_k is not None and config.speculative is None:
         raise RuntimeInputError("--speculative-k goes with --speculative")
-    from .kv_events import check_options
+    from qeff_kv.serve.cluster.kv_events import check_options
 
     check_options(config)
     check_kv_role(config)
@@ -132,7 +132,7 @@ def check_config(config: ServeConfig) -> None:
 
 def check_kv_role(config: ServeConfig) -> None:
     """``--kv-role`` (vLLM's P/D protocol) with its options; not with the in-process disaggregated engine."""
-    from .kv_connector import ROLES
+    from qeff_kv.serve.cluster.kv_connector import ROLES
 
     if config.kv_role is None:
         return
@@ -202,7 +202,7 @@ def uvicorn_config(app, **kw):
     """uvicorn's settings for the app: its h11 protocol answering malformed requests in OpenAI's error shape."""
     import uvicorn
 
-    from .http_errors import JsonErrorH11Protocol
+    from qeff_kv.serve.http.http_errors import JsonErrorH11Protocol
 
     kw.setdefault("log_level", "warning")
     kw.setdefault("timeout_graceful_shutdown", 5)
@@ -214,10 +214,10 @@ def uvicorn_config(app, **kw):
 def serve(config: ServeConfig, *, on_ready=None) -> None:
     """Run the server until SIGTERM or SIGINT, which drain it (:mod:`.drain`), then close the engine and raise
     :class:`~qeff_kv.errors.Interrupted`."""
-    from .. import fsutil
-    from .app import create_app
-    from .bodies import DEFAULT_MAX_REQUEST_BYTES
-    from .drain import DEFAULT_GRACE_S, Drain, draining_server, exit_code
+    from qeff_kv.support import fsutil
+    from qeff_kv.serve.http.app import create_app
+    from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES
+    from qeff_kv.serve.http.drain import DEFAULT_GRACE_S, Drain, draining_server, exit_code
 
     check_config(config)
     text = text_facts(config)

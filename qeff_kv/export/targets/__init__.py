@@ -31,7 +31,7 @@ class TargetInfo:
     #: attention runs as onnxruntime's GroupQueryAttention: the model's attention must be expressible by it
     #: (``ModelFacts.fused_refusal``)
     group_query_attention: bool = False
-    #: graph passes after tracing, in order (class names of :mod:`qeff_kv.passes`; see ``graph_passes.py``)
+    #: graph passes after tracing, in order (class names of :mod:`qeff_kv.graph.passes`; see ``graph_passes.py``)
     passes: tuple[str, ...] = ()
     #: a single vision-language graph skips its vision encoder on decode steps (an ``If`` on ``image_idx``)
     gates_vision_encoder: bool = False

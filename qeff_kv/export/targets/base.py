@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..caches import SlidingPlan
-from .. import transformers_adapter as hf
+from qeff_kv.export.modeling.caches import SlidingPlan
+from qeff_kv.export import transformers_adapter as hf
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 GQA appends the step's keys and values to the retained buffers in place (when the runtime binds one buffer as
 past and present), masks causally over the filled slots itself (``local_window_size`` on sliding layers) and,
-where the model's RoPE is one it can express (:func:`~qeff_kv.export.rope.rotary_caches`), rotates q and k
+where the model's RoPE is one it can express (:func:`~qeff_kv.export.modeling.rope.rotary_caches`), rotates q and k
 itself: the model's ``apply_rotary_pos_emb`` then passes them through unrotated
 (:func:`rotary_pass_through`). Families whose attention code calls torch SDPA directly (Falcon) reach GQA
 through :func:`sdpa_to_gqa`. No continuous batching (GQA has no ``batch_index``), no CCL, no ring buffers;
@@ -15,11 +15,11 @@ import contextlib
 
 import torch
 
-from ...errors import ExportError
-from .. import transformers_adapter as hf
-from ..graph_ops import GroupQueryAttentionOp, SplitHeads
-from ..rope import RotaryCaches, compact_rotary, patch_modeling_function, rotary_caches
-from .base import Step, StepInputs, Target, decoder_module
+from qeff_kv.errors import ExportError
+from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export.modeling.graph_ops import GroupQueryAttentionOp, SplitHeads
+from qeff_kv.export.modeling.rope import RotaryCaches, compact_rotary, patch_modeling_function, rotary_caches
+from qeff_kv.export.targets.base import Step, StepInputs, Target, decoder_module
 
 FUSED_ATTENTION = "qeff_kv_fused"
 

@@ -3,7 +3,7 @@
 Attention reads only the first ``max(position_ids) + 1`` slots (with CCL, the smaller of that and
 ``len(comp_ctx_lengths)``): a data-dependent ``Slice`` of the scattered buffer, so a step costs time in proportion
 to the valid length, not the capacity; ring layers read only the ring slots that can hold a position. Attention
-runs as grouped-query attention in standard ops (:class:`~qeff_kv.export.graph_ops.GroupedAttentionOp`, keys and
+runs as grouped-query attention in standard ops (:class:`~qeff_kv.export.modeling.graph_ops.GroupedAttentionOp`, keys and
 values never repeated) and ``rotate_half`` with static sizes. Same names, pairing and in-place safety as portable.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import transformers_adapter as hf
-from ..caches import RetainedStateCache, attended_length
-from ..graph_ops import GroupedAttentionOp
-from ..masks import build_attention_mask, fill_padding
-from ..rope import compact_rotary
-from .base import Step, StepInputs, Target, decoder_module
+from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export.modeling.caches import RetainedStateCache, attended_length
+from qeff_kv.export.modeling.graph_ops import GroupedAttentionOp
+from qeff_kv.export.modeling.masks import build_attention_mask, fill_padding
+from qeff_kv.export.modeling.rope import compact_rotary
+from qeff_kv.export.targets.base import Step, StepInputs, Target, decoder_module
 
 GROUPED_ATTENTION = "qeff_kv_grouped"
 

@@ -8,9 +8,9 @@ the graph output, so in-place safety is unchanged.
 
 from __future__ import annotations
 
-from ..caches import RetainedStateCache
-from ..masks import build_attention_mask, fill_padding
-from .base import Step, StepInputs, Target
+from qeff_kv.export.modeling.caches import RetainedStateCache
+from qeff_kv.export.modeling.masks import build_attention_mask, fill_padding
+from qeff_kv.export.targets.base import Step, StepInputs, Target
 
 
 class PortableTarget(Target):

@@ -4,11 +4,11 @@ and their checkpoints), the RoPE marks of images (:mod:`.rope_marks`, a memory w
 holds the sequence table and applies every verb to all of them (:mod:`.hybrid`). See docs/architecture.md, "The
 runtime's memory"."""
 
-from .base import Memory
-from .hybrid import HybridMemory, Sequence
-from .positional import PositionalMemory
-from .recurrent import CheckpointPolicy, RecurrentMemory
-from .rope_marks import RopeMarks
+from qeff_kv.runtime.memory.base import Memory
+from qeff_kv.runtime.memory.hybrid import HybridMemory, Sequence
+from qeff_kv.runtime.memory.positional import PositionalMemory
+from qeff_kv.runtime.memory.recurrent import CheckpointPolicy, RecurrentMemory
+from qeff_kv.runtime.memory.rope_marks import RopeMarks
 
 __all__ = ["CheckpointPolicy", "HybridMemory", "Memory", "PositionalMemory", "RecurrentMemory", "RopeMarks",
            "Sequence"]

@@ -1,6 +1,6 @@
 """The memory interface: what every kind of retained state a session keeps (attention KV, a ring, a recurrent
 state, the RoPE marks of images) answers, so that the hybrid (:mod:`.hybrid`) composes them without knowing which
-kinds it holds, and a state file (:mod:`qeff_kv.runtime.state_file`) or a hand-off (:mod:`qeff_kv.serve.transfer`)
+kinds it holds, and a state file (:mod:`qeff_kv.runtime.memory.state_file`) or a hand-off (:mod:`qeff_kv.serve.cluster.transfer`)
 asks them for their part without branching on a kind.
 
 The shape is llama.cpp's ``llama_memory_i`` (``seq_rm``, ``seq_cp``, ``state_write``, ``state_read``) with one
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from ...errors import RuntimeInputError, StateFileError
-from .. import device as device_mod
+from qeff_kv.errors import RuntimeInputError, StateFileError
+from qeff_kv.runtime.execution import device as device_mod
 
 def meta_int(text) -> int:
     """An integer of a state's metadata: ASCII digits (``int()`` also reads ``'١٤'``, ``'1_4'``, ``' 14'``);
@@ -69,7 +69,7 @@ class Memory(ABC):
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, np.dtype]
     double_buffer: bool = False
-    #: where its buffers live (:mod:`qeff_kv.runtime.device`; ``arrays`` are their host views)
+    #: where its buffers live (:mod:`qeff_kv.runtime.execution.device`; ``arrays`` are their host views)
     device: device_mod.Device = device_mod.CPU
 
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:

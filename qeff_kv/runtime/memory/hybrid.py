@@ -11,8 +11,8 @@ changed in any memory. Only when none refuses is the verb applied to every memor
 record (length, tokens, pending token). llama.cpp's hybrid lets one memory succeed where the other fails; this one
 does not.
 
-The hybrid knows no file format: a state file (:mod:`qeff_kv.runtime.state_file`) or a hand-off
-(:mod:`qeff_kv.serve.transfer`) asks it for every memory's part (:meth:`HybridMemory.state_write`,
+The hybrid knows no file format: a state file (:mod:`qeff_kv.runtime.memory.state_file`) or a hand-off
+(:mod:`qeff_kv.serve.cluster.transfer`) asks it for every memory's part (:meth:`HybridMemory.state_write`,
 :meth:`~HybridMemory.state_check`, :meth:`~HybridMemory.state_read`, :meth:`~HybridMemory.valid_bytes`,
 :meth:`~HybridMemory.slicing_specs`), and it asks each memory in turn. The session's composition (positional, RoPE
 marks, recurrent) is :class:`qeff_kv.runtime.cache.KVCache`.
@@ -26,10 +26,10 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
-from ...errors import RuntimeInputError
-from ...limits import positive_int
-from .base import Memory
-from .rope_marks import RopeMark
+from qeff_kv.errors import RuntimeInputError
+from qeff_kv.support.limits import positive_int
+from qeff_kv.runtime.memory.base import Memory
+from qeff_kv.runtime.memory.rope_marks import RopeMark
 
 
 @dataclass(eq=False)

@@ -3,7 +3,7 @@
 
 Every buffer is ``[max_sequences, heads, capacity, head_dim]``: ``ctx_len`` positions (a ``full`` buffer, and MLA's
 ``latent`` pair ``compressed_kv``/``k_pe``: position ``p`` in slot ``p``), a sliding-window ring's ``C`` slots
-(position ``p`` in slot ``p % C``, see :mod:`qeff_kv.runtime.ring`), or a static axis as the graph fixes it.
+(position ``p`` in slot ``p % C``, see :mod:`qeff_kv.runtime.memory.ring`), or a static axis as the graph fixes it.
 A sequence's positions ``[0, length)`` are valid; a truncate moves only the length (no data is copied or cleared:
 the graph masks every position past the one it computes, so stale data is never read).
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import RuntimeInputError, StateFileError
-from ...layout import KVPair
-from ...limits import MAX_DIM, positive_int
-from ..ring import RingSpec, held
-from .base import Memory, meta_int
+from qeff_kv.errors import RuntimeInputError, StateFileError
+from qeff_kv.contract.layout import KVPair
+from qeff_kv.support.limits import MAX_DIM, positive_int
+from qeff_kv.runtime.memory.ring import RingSpec, held
+from qeff_kv.runtime.memory.base import Memory, meta_int
 
 #: the peer's dims of a KV slice: the sequence's row, every head, positions from ctx_start, every head_dim
 SLICE_DIMS = ("batch_index", 0, "ctx_start", 0)
@@ -78,7 +78,7 @@ class PositionalMemory(Memory):
         max_sequences: rows of each buffer.
         ctx_len: capacity of a full-length buffer.
         double_buffer: a second set of buffers (a graph that is not in-place safe); the sets swap after every run.
-        rings: the sliding-window facts (:func:`qeff_kv.runtime.ring.resolve`).
+        rings: the sliding-window facts (:func:`qeff_kv.runtime.memory.ring.resolve`).
     """
 
     def __init__(self, pairs: list[KVPair], *, max_sequences: int, ctx_len: int, double_buffer: bool = False,

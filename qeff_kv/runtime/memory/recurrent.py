@@ -33,10 +33,10 @@ from typing import Iterable
 
 import numpy as np
 
-from ...errors import RewindError, RuntimeInputError, StateFileError
-from ...layout import KVPair
-from ...limits import positive_int
-from .base import Memory
+from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
+from qeff_kv.contract.layout import KVPair
+from qeff_kv.support.limits import positive_int
+from qeff_kv.runtime.memory.base import Memory
 
 #: checkpoint every this many positions, unless the session says otherwise
 DEFAULT_EVERY = 256

@@ -1,7 +1,7 @@
 """RoPE marks: a memory without buffers, for multimodal RoPE (Qwen2-VL, Qwen2.5-VL).
 
 A text token at position ``n`` of a sequence has RoPE position ``n + delta`` on the rows 1-3 of ``position_ids``,
-where ``delta`` is fixed by the images before it (:func:`qeff_kv.mrope.prompt_positions`); an image's own tokens take
+where ``delta`` is fixed by the images before it (:func:`qeff_kv.contract.mrope.prompt_positions`); an image's own tokens take
 the rows of its patch grid. A sequence records one :class:`RopeMark` per image it holds (``seq.rope_marks``): where
 the image's tokens are and the ``delta`` of the text after it.
 
@@ -9,7 +9,7 @@ It fits the memory interface (:mod:`.base`) as a memory with no buffers whose re
 own: a truncate or copy keeps the marks of the images before the new length, one that would cut an image is refused
 (the text after a cut image has no RoPE position transformers would agree on), and a state carries the marks as the
 metadata ``rope_marks`` (JSON ``[[start, end, delta], ...]``, absent when there are none). The session writes
-``position_ids`` from :func:`delta` (:mod:`qeff_kv.runtime.positions`).
+``position_ids`` from :func:`delta` (:mod:`qeff_kv.runtime.multimodal.positions`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ...errors import StateFileError
-from .base import Memory
+from qeff_kv.errors import StateFileError
+from qeff_kv.runtime.memory.base import Memory
 
 
 @dataclass(frozen=True)

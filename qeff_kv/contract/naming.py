@@ -1,0 +1,330 @@
+"""The retained-state naming contract: the one module that spells buffer names.
+
+Facts (see ``docs/naming.md``, the single reference):
+
+* A KV buffer of layer ``i`` is an input ``<stem>.<i>`` paired with an output ``<stem>.<i>_RetainedState``.
+  Pairing is by exact name: an output ``X_RetainedState`` is retained against the input ``X``.
+* With a prefix ``P`` the names are ``<stem>.<i>_P`` and ``<stem>.<i>_P_RetainedState``.
+* KV stems: ``past_key`` and ``past_value`` (what we export), plus ``compressed_kv``, ``k_pe`` (MLA) and
+  ``conv_state``, ``recurrent_state`` (hybrid models) found in peer graphs. Stems match exactly, never by
+  ``startswith("past_")``.
+* Retained buffers that are not KV (``vision_embeds``...) are never prefixed.
+* A prefix is 1-64 ASCII characters from ``[A-Za-z0-9]``; serving regexes select on it.
+
+Nothing outside this module writes ``_RetainedState`` or parses a buffer name.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from qeff_kv.errors import PrefixError
+
+#: Stems that qeff-kv exports (one key and one value buffer per layer).
+EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
+#: Every stem a prefix applies to: ours plus those of peer graphs (MLA, hybrid/linear attention).
+KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
+#: MLA's compressed (latent) cache, contract section 11: ``compressed_kv [batch, 1, ctx_len, kv_lora_rank]`` and
+#: ``k_pe [batch, 1, ctx_len, qk_rope_head_dim]`` per layer, exported with ``--mla-cache latent``.
+LATENT_STEMS: tuple[str, ...] = ("compressed_kv", "k_pe")
+#: Stems whose axis 2 is usually a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none. Whether
+#: a given buffer has one follows from its shapes, not its stem (the peer's Qwen3.5 dense keeps recurrent states as
+#: ``past_key``/``past_value``): :func:`qeff_kv.contract.statespec.recurrent_buffers`.
+POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
+#: A recurrent (Mamba2 / gated-delta-net / short-conv) layer's state, contract section 12: ``conv_state.{i}``
+#: ``[batch, conv_dim, conv_kernel]`` and ``recurrent_state.{i}`` ``[batch, heads, head_dim, state_dim]``; only axis 0
+#: is dynamic, no position axis: every token overwrites it, so it cannot be cut by position.
+RECURRENT_STEMS: tuple[str, ...] = ("conv_state", "recurrent_state")
+#: The suffix that pairs an output with the input of the same base name.
+RETAINED_SUFFIX = "_RetainedState"
+#: Vision-language graphs (contract section 6): the dual layout's image rows (language-graph input, vision-graph
+#: output), the single layout's image input, and the image-row counter chained across prefill chunks.
+VISION_EMBEDS = "vision_embeds"
+PIXEL_VALUES = "pixel_values"
+IMAGE_IDX = "image_idx"
+#: Retained buffers that are not KV caches: never prefixed, never selected as KV.
+NON_KV_RETAINED: tuple[str, ...] = (
+    VISION_EMBEDS,
+    PIXEL_VALUES,
+    "deepstack_features",
+    IMAGE_IDX,
+    "past_repetition_penalty_buffer",
+    "past_presence_penalty_buffer",
+)
+#: Non-KV retained outputs that do not follow the ``_RetainedState`` rule (input -> output).
+NON_KV_OUTPUT_ALIASES: dict[str, str] = {IMAGE_IDX: "image_idx_output"}
+IMAGE_IDX_OUTPUT = NON_KV_OUTPUT_ALIASES[IMAGE_IDX]
+#: graph metadata: the export target that wrote the graph (absent from another exporter's graphs)
+TARGET_META = "qeff_kv.target"
+#: graph metadata of a vision-language language graph: its vision geometry as JSON (``image_token_id``,
+#: ``vision_size`` rows per image, ``hidden_size``, ``image_size``, ``channels``; patch-row models ``grid``,
+#: ``patch_dim``, ``spatial_merge_size``; ``bidirectional_images`` when an image must stay in one prefill chunk)
+VISION_META = "qeff_kv.vision"
+
+#: The optional compute-context-length input (contract section 9): int64, 1-D, its length limits attention.
+#: Not a buffer: never prefixed, never retained; its one dynamic axis has the same name.
+CCL_INPUT = "comp_ctx_lengths"
+#: a speculative-decoding ("target language model") graph's input: its length ``n`` (``[n, 1]``) is how many
+#: logits the step returns, those of the ``n`` rows ending at the last valid one (QEfficient's TLM contract)
+LOGITS_TO_KEEP_INPUT = "num_logits_to_keep"
+#: the last output of an export with ``hidden_states``: the final (normed) hidden state at the rows the logits are
+#: taken at, ``[batch, 1 or n, hidden]`` (what ``/v1/embeddings`` pools)
+HIDDEN_STATES_OUTPUT = "hidden_states"
+#: graph metadata: the ``K`` of a graph exported with ``--speculative-tokens K`` (decode steps of up to K+1 tokens)
+SPECULATIVE_META = "qeff_kv.speculative_tokens"
+
+#: Axis 2 of a KV buffer: ``ctx_len`` for a full-length cache, ``sliding_window`` for a sliding-window layer's
+#: ring buffer (contract section 7; position ``p`` lives in slot ``p % capacity``). The peer uses both names.
+CTX_DIM = "ctx_len"
+SLIDING_DIM = "sliding_window"
+#: Graph metadata keys of our exports for models with sliding layers: the window ``W`` and how the sliding
+#: layers keep their cache (``ring``: ``[.., sliding_window, ..]`` buffers; ``full``: ``ctx_len`` buffers, the
+#: window applied in attention).
+SLIDING_WINDOW_META = "qeff_kv.sliding_window"
+SLIDING_CACHE_META = "qeff_kv.sliding_cache"
+#: Graph metadata key of an MLA export with a latent cache (JSON: ``heads``, ``qk_nope_head_dim``,
+#: ``qk_rope_head_dim``, ``v_head_dim``, ``kv_lora_rank``): what the expanded per-head cache would hold.
+MLA_META = "qeff_kv.mla"
+#: Graph metadata key of the per-layer state spec (JSON, :mod:`qeff_kv.contract.statespec`): what each layer retains.
+STATE_SPEC_META = "qeff_kv.state_spec"
+#: graph metadata key of the checkpoint identity recorded at export (written by the exporter, read by the runtime)
+CHECKPOINT_META = "qeff_kv.checkpoint"
+
+MAX_PREFIX_LEN = 64
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+_LAYER = r"(?:0|[1-9][0-9]*)"
+_BASE_RE = re.compile(r"(?P<stem>" + "|".join(map(re.escape, KV_STEMS)) + r")\.(?P<layer>" + _LAYER + r")"
+                      r"(?:_(?P<prefix>[A-Za-z0-9]+))?")
+
+
+# --------------------------------------------------------------------------------------------- prefixes
+def _describe_char(ch: str) -> str:
+    try:
+        uname = unicodedata.name(ch)
+    except ValueError:
+        uname = f"U+{ord(ch):04X}"
+    return f"{ch!r} ({uname})"
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a valid KV-cache prefix, else raise :class:`PrefixError`.
+
+    Valid: a ``str`` of 1-64 ASCII letters or digits. ``str.isalnum()`` is not enough (it accepts ``é``,
+    ``²``, full-width letters and Arabic-Indic digits, which serving regexes written in ASCII never match).
+    A prefix containing ``RetainedState`` is refused too: it would make the input name of a prefixed buffer
+    read as the retained output of an unprefixed one.
+    """
+    if not isinstance(prefix, str):
+        raise PrefixError(f"KV-cache prefix must be a string, got {type(prefix).__name__} {prefix!r}")
+    if prefix == "":
+        raise PrefixError("KV-cache prefix is empty; it must be 1-64 ASCII letters or digits")
+    if len(prefix) > MAX_PREFIX_LEN:
+        raise PrefixError(
+            f"KV-cache prefix is {len(prefix)} characters long; at most {MAX_PREFIX_LEN} are allowed")
+    for ch in prefix:
+        if not ("a" <= ch <= "z" or "A" <= ch <= "Z" or "0" <= ch <= "9"):
+            if ch.isspace():
+                why = "whitespace"
+            elif not ch.isascii() and ch.isalnum():
+                why = "a non-ASCII letter or digit"
+            else:
+                why = "not a letter or digit"
+            raise PrefixError(
+                f"KV-cache prefix {prefix!r} contains {_describe_char(ch)}: {why}; "
+                "only ASCII letters and digits [A-Za-z0-9] are allowed")
+    if "RetainedState" in prefix:
+        raise PrefixError(
+            f"KV-cache prefix {prefix!r} contains 'RetainedState', which would make input names read as "
+            "retained outputs")
+    assert _PREFIX_RE.fullmatch(prefix)
+    return prefix
+
+
+def is_valid_prefix(prefix: object) -> bool:
+    try:
+        validate_prefix(prefix)
+    except PrefixError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------- names
+@dataclass(frozen=True, order=True)
+class KVName:
+    """A parsed KV buffer name: ``<stem>.<layer>[_<prefix>][_RetainedState]``."""
+
+    stem: str
+    layer: int
+    prefix: str | None = None
+    retained: bool = False
+
+    @property
+    def base(self) -> str:
+        """The input name of this buffer's pair."""
+        return kv_input_name(self.stem, self.layer, self.prefix)
+
+    @property
+    def name(self) -> str:
+        return retained_name(self.base) if self.retained else self.base
+
+    def with_prefix(self, prefix: str | None) -> "KVName":
+        if prefix is not None:
+            validate_prefix(prefix)
+        return KVName(self.stem, self.layer, prefix, self.retained)
+
+    def __str__(self) -> str:  # pragma: no cover - convenience
+        return self.name
+
+
+def kv_input_name(stem: str, layer: int, prefix: str | None = None) -> str:
+    """``past_key.3`` or, with a prefix, ``past_key.3_VLLM``."""
+    if stem not in KV_STEMS:
+        raise ValueError(f"unknown KV stem {stem!r}; known stems: {', '.join(KV_STEMS)}")
+    if not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int, got {layer!r}")
+    base = f"{stem}.{layer}"
+    if prefix is not None:
+        base = f"{base}_{validate_prefix(prefix)}"
+    return base
+
+
+def kv_retained_name(stem: str, layer: int, prefix: str | None = None) -> str:
+    """``past_key.3_RetainedState`` or ``past_key.3_VLLM_RetainedState``."""
+    return retained_name(kv_input_name(stem, layer, prefix))
+
+
+def retained_name(input_name: str) -> str:
+    """The output name retained against ``input_name`` (the pairing rule)."""
+    return input_name + RETAINED_SUFFIX
+
+
+def retained_source(output_name: str) -> str | None:
+    """The input an output is retained against, or ``None`` if the output is not retained."""
+    if output_name.endswith(RETAINED_SUFFIX) and len(output_name) > len(RETAINED_SUFFIX):
+        return output_name[: -len(RETAINED_SUFFIX)]
+    for src, alias in NON_KV_OUTPUT_ALIASES.items():
+        if output_name == alias:
+            return src
+    return None
+
+
+def is_retained_output(name: str) -> bool:
+    return retained_source(name) is not None
+
+
+def parse_kv_name(name: str) -> KVName | None:
+    """Parse a KV buffer name into (stem, layer, prefix, retained), or ``None`` if it is not one.
+
+    ``past_key.0_RetainedState`` is the unprefixed retained output, never a buffer with prefix
+    ``RetainedState``. Stems match exactly (``past_repetition_penalty_buffer`` is not KV).
+    """
+    retained = name.endswith(RETAINED_SUFFIX)
+    base = name[: -len(RETAINED_SUFFIX)] if retained else name
+    m = _BASE_RE.fullmatch(base)
+    if m is None:
+        return None
+    prefix = m.group("prefix")
+    if prefix is not None and not is_valid_prefix(prefix):
+        return None
+    return KVName(m.group("stem"), int(m.group("layer")), prefix, retained)
+
+
+def is_kv_name(name: str) -> bool:
+    return parse_kv_name(name) is not None
+
+
+def non_kv_retained_base(name: str) -> str | None:
+    """If ``name`` is a known non-KV retained buffer (input or output), its input name; else ``None``."""
+    src = retained_source(name)
+    base = src if src is not None else name
+    return base if base in NON_KV_RETAINED else None
+
+
+def rename_kv(name: str, prefix: str | None) -> str:
+    """The same KV buffer name with ``prefix`` (``None`` strips it). Raises ``ValueError`` if not KV."""
+    parsed = parse_kv_name(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a KV buffer name")
+    return parsed.with_prefix(prefix).name
+
+
+# --------------------------------------------------------------------------------------------- regexes
+def exact_regex(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> str:
+    """The exact selection regex: ``^(past_key|past_value)\\.\\d+_P(_RetainedState)?$``.
+
+    Without a prefix: ``^(past_key|past_value)\\.\\d+(_RetainedState)?$``.
+    """
+    alt = "|".join(re.escape(s) for s in stems)
+    mid = "" if prefix is None else "_" + validate_prefix(prefix)
+    return rf"^({alt})\.\d+{mid}({re.escape(RETAINED_SUFFIX)})?$"
+
+
+def substring_regex(prefix: str) -> str:
+    """The substring regex ``.*P.*`` that vLLM-QAIC uses to select the KV buffers of prefix ``P``."""
+    return f".*{re.escape(validate_prefix(prefix))}.*"
+
+
+def legacy_regexes(stems: Sequence[str] = EXPORT_STEMS) -> list[str]:
+    """vLLM-QAIC's legacy (unprefixed) selection: ``past_key.*`` and ``past_value.*``."""
+    return [f"{re.escape(s)}.*" for s in stems]
+
+
+def canonical_regexes(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> dict[str, str | list[str]]:
+    """The canonical selection regexes for a graph with ``prefix`` (``None``: unprefixed)."""
+    if prefix is None:
+        return {"exact": exact_regex(None, stems), "legacy": legacy_regexes(stems)}
+    return {"exact": exact_regex(prefix, stems), "substring": substring_regex(prefix)}
+
+
+def regex_selects(regex: str, name: str) -> bool:
+    """Whether a serving framework's regex selects ``name`` (``re.fullmatch`` semantics, like ``^...$``)."""
+    return re.fullmatch(regex, name) is not None
+
+
+def select(regex: str, names: Iterable[str]) -> list[str]:
+    """The names that ``regex`` selects, in the order given."""
+    pat = re.compile(regex)
+    return [n for n in names if pat.fullmatch(n) is not None]
+
+
+# --------------------------------------------------------------------------------------------- checks
+#: Stems that come together in one layer (key with value; MLA's latent with its rope part; a hybrid layer's
+#: convolution state with its recurrent state). ``check`` requires what :data:`STEM_REQUIRES` says of each member.
+STEM_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("past_key", "past_value"), ("compressed_kv", "k_pe"), ("conv_state", "recurrent_state"))
+
+#: What each stem needs beside it in its layer (``check``'s ``layers`` rule): key and value need each other, so do
+#: MLA's latent and rope parts; a recurrent state needs its convolution state, but a convolution state may stand
+#: alone (a short-convolution layer, LFM2, keeps only ``conv_state``).
+STEM_REQUIRES: dict[str, tuple[str, ...]] = {
+    "past_key": ("past_value",), "past_value": ("past_key",), "compressed_kv": ("k_pe",), "k_pe": ("compressed_kv",),
+    "conv_state": (), "recurrent_state": ("conv_state",)}
+
+_KV_LIKE_RE = re.compile(r"(?:" + "|".join(map(re.escape, KV_STEMS)) + r")\.[0-9]")
+
+
+def looks_like_kv(name: str) -> bool:
+    """Whether ``name`` starts like a KV buffer (``<stem>.<digit>``) whether or not it parses as one.
+
+    ``check`` reports names for which this is true but :func:`parse_kv_name` is ``None`` (``past_key.0_a-b``,
+    ``past_key.01``): a serving regex or the pairing rule would treat them inconsistently.
+    """
+    return _KV_LIKE_RE.match(name) is not None
+
+
+def prefixed_non_kv(name: str) -> tuple[str, str] | None:
+    """If ``name`` is a known non-KV retained buffer that carries a prefix (``vision_embeds_P`` or
+    ``vision_embeds_P_RetainedState``), return ``(base, P)``; else ``None``. Non-KV buffers are never prefixed."""
+    if name in NON_KV_OUTPUT_ALIASES.values():
+        return None
+    base = name[: -len(RETAINED_SUFFIX)] if name.endswith(RETAINED_SUFFIX) else name
+    for known in NON_KV_RETAINED:
+        if base.startswith(known + "_"):
+            rest = base[len(known) + 1:]
+            if rest and all(c.isascii() and c.isalnum() for c in rest):
+                return known, rest
+    return None

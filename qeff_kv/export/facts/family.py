@@ -1,0 +1,477 @@
+"""Family quirks as facts read from a model's ``config.json``, in one place. No torch here.
+
+The exporter never asks ``model_type == ...``: it asks these facts. Each fact names the config fields it
+reads and is proved by a test in ``tests/test_family_facts.py`` (and, end to end, by the family matrix in
+``tests/test_families.py``). Where a target cannot express a model, :meth:`ModelFacts.refusal` says so from
+the config alone, before anything is loaded or traced.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from qeff_kv.errors import ExportError
+from qeff_kv.export import targets
+from qeff_kv.export.facts.config_values import first_of, int_or_none
+from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
+
+
+def text_config(config: dict) -> dict:
+    """The language model's section of a config: ``text_config`` for multimodal configs, else the config."""
+    sub = config.get("text_config")
+    return sub if isinstance(sub, dict) else config
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the exporter needs to know about a model family, read from its config."""
+
+    architecture: str
+    #: the config describes a vision-language model (``vision_config`` present)
+    vision_language: bool
+    num_layers: int
+    #: sliding-window size, and which layers use it (empty: none)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    #: logits multiplied by this (Cohere's ``logit_scale``)
+    logit_scale: float | None = None
+    #: logits divided by this (Granite's ``logits_scaling``; MiniCPM3's ``hidden_size / dim_model_base``)
+    logits_scaling: float | None = None
+    #: final logits soft-capped: ``tanh(x / c) * c`` (Gemma2's ``final_logit_softcapping``)
+    final_logit_softcapping: float | None = None
+    #: attention scores soft-capped (Gemma2's ``attn_logit_softcapping``)
+    attn_logit_softcapping: float | None = None
+    #: ``model_type`` of the language model's config
+    model_type: str = ""
+    #: the layers that apply rotary position embeddings, for a model that uses RoPE (see :func:`_rope_layers`)
+    rope_layers: tuple[int, ...] = ()
+    #: how the model's attention is computed (see :data:`ATTENTION_CODE`): ``"interface"`` (transformers'
+    #: AttentionInterface), ``"sdpa"`` (its own code calling torch's scaled_dot_product_attention) or
+    #: ``"eager"`` (its own code only)
+    attention_code: str = "interface"
+    #: ALiBi position biases instead of position embeddings (Falcon's ``alibi``)
+    alibi: bool = False
+    #: multi-head latent attention: keys and values of different head sizes (``kv_lora_rank``, ``v_head_dim``)
+    latent_attention: bool = False
+    #: MLA's compressed cache width (``kv_lora_rank``, DeepSeek-V2/V3), ``None`` without MLA: what
+    #: ``--mla-cache latent`` needs
+    kv_lora_rank: int | None = None
+    #: attention adds learned per-head sink logits to the softmax (GPT-OSS; see :data:`ATTENTION_SINK_MODEL_TYPES`)
+    attention_sinks: bool = False
+    #: RoPE variants the config selects (``rope_parameters``, or the older ``rope_scaling``; one per layer type
+    #: where they differ): ``"default"``, ``"linear"``, ``"llama3"``, ``"yarn"``, ``"longrope"``, ``"dynamic"``...
+    rope_types: tuple[str, ...] = ()
+    #: ``max_position_embeddings``: where transformers' dynamic-NTK RoPE starts rescaling (see :meth:`refusal`)
+    max_position_embeddings: int | None = None
+    #: longrope: the sequence length beyond which the long factors replace the short ones (the effective
+    #: ``original_max_position_embeddings``, see :func:`_longrope_threshold`); ``None`` without longrope
+    longrope_threshold: int | None = None
+    #: vision-language: the token id whose positions take image rows (``image_token_id``/``image_token_index``)
+    image_token_id: int | None = None
+    #: vision-language: multimodal RoPE (``mrope_section`` in the RoPE parameters: Qwen2-VL, Qwen2.5-VL)
+    mrope: bool = False
+    #: vision-language: the language model has cross-attention layers fed by the image (Mllama)
+    cross_attention: bool = False
+    #: vision-language: image tokens attend to each other bidirectionally (Gemma3, PaliGemma: the model's
+    #: forward builds its mask from ``token_type_ids``; see :data:`BIDIRECTIONAL_IMAGE_MODEL_TYPES`)
+    bidirectional_images: bool = False
+    #: chunked attention (Llama4's ``attention_chunk_size``): these layers (``layer_types`` ``"chunked_attention"``)
+    #: attend only within their query's chunk of ``attention_chunk`` positions
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    #: attention temperature tuning on NoPE layers (Llama4's ``attn_temperature_tuning``): queries scaled from
+    #: position ``floor_scale - 1`` on, counted by transformers from its cache's length (see :meth:`refusal`)
+    temperature_floor: int | None = None
+    #: ``model_type`` of the whole config (a vision-language wrapper's own; ``model_type`` is its language model's)
+    top_model_type: str = ""
+    #: recurrent / hybrid models: the mixer, its layers and its state geometry (:mod:`.recurrent_facts`);
+    #: ``None`` for attention-only models
+    recurrent: RecurrentFacts | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelFacts":
+        text = text_config(config)
+        num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers", default=0))
+        window, sliding = _sliding(text, num_layers)
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        return cls(
+            architecture=str((config.get("architectures") or ["?"])[0]),
+            vision_language=isinstance(config.get("vision_config"), dict),
+            num_layers=num_layers,
+            sliding_window=window,
+            sliding_layers=sliding,
+            # Falcon-H1 multiplies its logits by lm_head_multiplier (as Cohere by logit_scale)
+            logit_scale=_float_or_none(first_of(text, "logit_scale", "lm_head_multiplier")),
+            logits_scaling=_logits_scaling(text),
+            final_logit_softcapping=_float_or_none(text.get("final_logit_softcapping")),
+            attn_logit_softcapping=_float_or_none(text.get("attn_logit_softcapping")),
+            model_type=model_type,
+            rope_layers=_rope_layers(text, num_layers, window, sliding),
+            attention_code=ATTENTION_CODE.get(model_type, "interface"),
+            alibi=bool(text.get("alibi")) or model_type in _ALWAYS_ALIBI,
+            latent_attention=_latent_attention(text),
+            kv_lora_rank=int_or_none(text.get("kv_lora_rank")) or None,
+            attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
+            rope_types=_rope_types(text),
+            max_position_embeddings=int_or_none(first_of(text, "max_position_embeddings", "n_positions")),
+            longrope_threshold=_longrope_threshold(text, model_type),
+            image_token_id=int_or_none(first_of(config, "image_token_id", "image_token_index")),
+            mrope=_has_mrope(text),
+            cross_attention=bool(text.get("cross_attention_layers")),
+            bidirectional_images=str(config.get("model_type")) in BIDIRECTIONAL_IMAGE_MODEL_TYPES,
+            **_chunked(text, num_layers),
+            top_model_type=str(config.get("model_type") or ""),
+            recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
+        )
+
+    # ---------------------------------------------------------------------------------------- refusals
+    def refusal(self, options) -> str | None:
+        """Why this model cannot be exported with ``options`` (one line), or ``None``."""
+        reason = self.recurrent_refusal()
+        if reason is not None:
+            return reason
+        if self.vision_language:
+            reason = self.vision_refusal()
+            if reason is not None:
+                return reason
+            for flag, value in (("--weights", options.weights), ("--ccl", options.ccl),
+                                ("--speculative-tokens", getattr(options, "speculative_tokens", None))):
+                if value is not None:
+                    return f"{flag} is not supported for vision-language exports yet"
+        elif getattr(options, "single_graph", False):
+            return "--single-graph is for vision-language models; this is a text decoder"
+        elif getattr(options, "image_size", None) is not None:   # settings that would do nothing are refused
+            return "--image-size is for vision-language models; this is a text decoder"
+        if self.recurrent is not None:
+            reason = self.recurrent.refusal(options)
+            if reason is not None:
+                return reason
+        if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
+            return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
+        if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:
+            return (f"--mla-cache latent is for models with multi-head latent attention (kv_lora_rank); "
+                    f"{self.architecture} has none")
+        if self.ring_layers(options) and options.prefill_seq_len > int(self.sliding_window):
+            # A chunk longer than the ring would write two of its positions into one slot in one ScatterND.
+            return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "
+                    f"{self.sliding_window}: a prefill chunk must fit in the sliding layers' ring buffers; "
+                    f"export with --prefill-seq-len {self.sliding_window} or less")
+        if self.ring_layers(options) and getattr(options, "speculative_tokens", None) is not None:
+            return ("--speculative-tokens with ring buffers: rewinding rejected drafts needs slots a ring has "
+                    "overwritten; export with --sliding-cache full")
+        if ("dynamic" in self.rope_types and self.max_position_embeddings
+                and options.ctx_len > self.max_position_embeddings):
+            # transformers recomputes dynamic-NTK frequencies in a Python branch once a forward pass reaches
+            # beyond max_position_embeddings: a traced graph would keep the unscaled ones (silently wrong).
+            return (f"this model uses dynamic RoPE scaling, which rescales beyond max_position_embeddings "
+                    f"{self.max_position_embeddings} in Python (a traced graph cannot follow); export with "
+                    f"--ctx-len {self.max_position_embeddings} or less")
+        if self.longrope_threshold is not None and options.ctx_len > self.longrope_threshold:
+            # The graph picks short/long factors per forward pass as transformers' rotary module does, but
+            # keys already in the cache keep theirs; transformers' generate recomputes the whole cache with the
+            # long factors when the sequence first grows past the threshold (Phi-3), which a retained cache cannot.
+            return (f"this model uses longrope RoPE scaling, whose factors switch once a sequence is longer than "
+                    f"original_max_position_embeddings {self.longrope_threshold} (transformers then recomputes "
+                    f"the whole cache); export with --ctx-len {self.longrope_threshold} or less")
+        if self.temperature_floor is not None and options.ctx_len >= self.temperature_floor:
+            # Llama4 scales NoPE layers' queries by log1p(floor((p + 1) / floor_scale)): transformers counts p from
+            # its cache's length, which a retained cache's graph does not have (it would stay at scale 1).
+            return (f"{self.architecture} scales the queries of its NoPE layers from position "
+                    f"{self.temperature_floor - 1} on (attn_temperature_tuning, floor_scale "
+                    f"{self.temperature_floor}), counting positions from the cache length, which a retained-state "
+                    f"graph does not have; export with --ctx-len {self.temperature_floor - 1} or less")
+        if (self.chunked_layers and options.ctx_len > self.attention_chunk
+                and targets.info(options.target).group_query_attention):
+            return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
+                    f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
+                    f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
+        # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
+        # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
+        if targets.info(options.target).group_query_attention:
+            return self.fused_refusal()
+        return None
+
+    def recurrent_refusal(self) -> str | None:
+        """Why qeff-kv does not export this recurrent or linear-attention family (one line, from
+        :data:`RECURRENT_REFUSALS`), or ``None``."""
+        for model_type in (self.model_type, self.top_model_type):
+            reason = RECURRENT_REFUSALS.get(str(model_type))
+            if reason is not None:
+                return f"{self.architecture}: {reason}; qeff-kv does not export it"
+        if self.vision_language and self.model_type in RECURRENT_TEXT_MODEL_TYPES:
+            return (f"{self.architecture}: a vision-language model over recurrent layers is not exported yet; "
+                    f"export its text model ({self.model_type})")
+        return None
+
+    def vision_refusal(self) -> str | None:
+        """Why qeff-kv cannot export this vision-language model yet (one line), or ``None``.
+
+        Supported: an image encoder whose projected features replace the image-token embeddings one row per
+        token (``get_image_features`` plus an ``image_token_id``: Llava, Gemma3, Qwen2.5-VL), over a language
+        model with 1-D or multimodal (``[4, batch, seq_len]``) positions."""
+        name = self.architecture
+        if self.image_token_id is None:
+            return f"{name}: the config has no image_token_id (or image_token_index); cannot merge image rows"
+        if self.cross_attention:
+            return (f"{name} attends to the image through cross-attention layers; qeff-kv does not export it "
+                    f"yet")
+        return None
+
+    def fused_refusal(self) -> str | None:
+        """Why onnxruntime's GroupQueryAttention cannot compute this model's attention, or ``None``."""
+        cannot = f"--target onnxruntime-fused cannot express {self.architecture}'s"
+        if self.attention_code == "eager":
+            return (f"{cannot} attention (computed by its own code, not through transformers' attention "
+                    f"interface or SDPA); use --target onnxruntime")
+        if self.alibi:
+            return f"{cannot} ALiBi position biases (GroupQueryAttention has no ALiBi); use --target onnxruntime"
+        limit = FUSED_ATTENTION_LIMITS.get(self.model_type)
+        if limit is not None:
+            return f"{cannot} {limit}; use --target onnxruntime"
+        if self.latent_attention:
+            return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
+                    f"use --target onnxruntime")
+        if self.vision_language and self.bidirectional_images:
+            return (f"{cannot} attention within an image both ways (GroupQueryAttention masks causally); "
+                    f"use --target onnxruntime")
+        return None
+
+    def ring_layers(self, options) -> tuple[int, ...]:
+        """The layers whose KV cache is a ring buffer of ``sliding_window`` slots (contract section 7): the
+        sliding layers, when ``ctx_len`` exceeds the window (below it the window never binds), the target
+        writes its cache with ScatterND and ``--sliding-cache full`` was not asked for. The fused target keeps
+        full-length buffers and windows attention in GroupQueryAttention (``local_window_size``)."""
+        if not self.sliding_layers or options.ctx_len <= int(self.sliding_window):
+            return ()
+        if not targets.info(options.target).ring_buffers or getattr(options, "sliding_cache", None) == "full":
+            return ()
+        return self.sliding_layers
+
+    def windowed_layers(self, options) -> tuple[int, ...]:
+        """Sliding layers with full-length buffers whose window binds (``ctx_len`` above it): their attention
+        mask (or GroupQueryAttention's ``local_window_size``) applies the window."""
+        if not self.sliding_layers or options.ctx_len <= int(self.sliding_window) or self.ring_layers(options):
+            return ()
+        return self.sliding_layers
+
+    def sliding_cache(self, options) -> str | None:
+        """How the sliding layers keep their cache with ``options``: ``"ring"`` (``sliding_window`` slots),
+        ``"full"`` (``ctx_len`` slots, the window applied by attention), ``None`` without sliding layers."""
+        if not self.sliding_layers:
+            return None
+        return "ring" if self.ring_layers(options) else "full"
+
+    def require_exportable(self, options) -> None:
+        reason = self.refusal(options)
+        if reason is not None:
+            raise ExportError(reason)
+
+
+#: vision-language families whose forward makes each image's tokens attend to each other both ways (from
+#: ``token_type_ids``; transformers 5.23 ``create_masks_for_vision_model``), by the top-level ``model_type``
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = frozenset({"gemma3", "paligemma", "gemma3n"})
+
+
+def _has_mrope(text: dict) -> bool:
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("type") == "mrope"
+                                       or rope.get("rope_type") == "mrope"):
+            return True
+    return False
+
+
+def _chunked(text: dict, num_layers: int) -> dict:
+    """Chunked attention layers (``layer_types`` ``"chunked_attention"`` with ``attention_chunk_size``) and the
+    NoPE attention temperature threshold (``attn_temperature_tuning`` with ``floor_scale``, where a layer has no
+    RoPE: ``no_rope_layers`` 0), as :class:`ModelFacts` fields."""
+    out: dict = {}
+    chunk = int_or_none(text.get("attention_chunk_size"))
+    layer_types = text.get("layer_types")
+    if chunk and isinstance(layer_types, list):
+        layers = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "chunked_attention")
+        if layers:
+            out.update(attention_chunk=chunk, chunked_layers=layers)
+    flags = text.get("no_rope_layers")
+    floor = int_or_none(text.get("floor_scale"))
+    if text.get("attn_temperature_tuning") and floor and isinstance(flags, list) and not all(flags[:num_layers]):
+        out["temperature_floor"] = floor
+    return out
+
+
+def _rope_types(text: dict) -> tuple[str, ...]:
+    """The RoPE variants of ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older configs), either one
+    set of parameters or one per layer type (Gemma3: ``{"sliding_attention": {...}, "full_attention": {...}}``);
+    ``rope_type`` (or the older ``type``) names the variant, ``"default"`` when absent. Sorted, unique."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return ()
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    sets = per_type if per_type and not ({"rope_type", "type"} & set(rope)) else [rope]
+    return tuple(sorted({str(p.get("rope_type") or p.get("type") or "default") for p in sets}))
+
+
+#: config classes with a top-level ``original_max_position_embeddings`` field of their own, and its default:
+#: transformers gives that field priority over ``rope_parameters`` (``standardize_rope_params``), default included
+_OWN_ORIGINAL_MAX_POSITIONS: dict[str, int] = {"phi3": 4096, "phi4_multimodal": 4096}
+
+
+def _longrope_threshold(text: dict, model_type: str) -> int | None:
+    """The effective ``original_max_position_embeddings`` of a longrope config, as transformers 5.23 settles it:
+    one global set of RoPE parameters takes the config's top-level field when present (or when the config class
+    has one: Phi-3's defaults to 4096), else its own value, else ``max_position_embeddings``; per-layer-type sets
+    take their own value, else ``max_position_embeddings``. The smallest over longrope sets; ``None`` without."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return None
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    nested = bool(per_type) and not ({"rope_type", "type"} & set(rope))
+    sets = [p for p in (per_type if nested else [rope]) if (p.get("rope_type") or p.get("type")) == "longrope"]
+    if not sets:
+        return None
+    max_pos = int_or_none(text.get("max_position_embeddings"))
+    if not nested:
+        top = int_or_none(text.get("original_max_position_embeddings"))
+        if top is None:
+            top = _OWN_ORIGINAL_MAX_POSITIONS.get(model_type)
+        if top is not None:
+            return top
+    values = [int_or_none(p.get("original_max_position_embeddings")) for p in sets]
+    values = [v if v is not None else max_pos for v in values]
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def _logits_scaling(text: dict) -> float | None:
+    """What the logits are divided by: ``logits_scaling`` (Granite), else ``hidden_size / dim_model_base``
+    (MiniCPM3 divides the hidden states by it before its bias-free output head, a property of its config class
+    that ``config.json`` does not carry)."""
+    value = _float_or_none(text.get("logits_scaling"))
+    base = _float_or_none(text.get("dim_model_base"))
+    hidden = _float_or_none(text.get("hidden_size"))
+    if value is None and base and hidden:
+        value = hidden / base
+    return value
+
+
+def _float_or_none(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _sliding(text: dict, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """Sliding window and the layers that use it, from ``sliding_window``, ``layer_types``,
+    ``use_sliding_window``, ``sliding_window_pattern`` and ``max_window_layers``."""
+    window = text.get("sliding_window")
+    if not window or text.get("use_sliding_window") is False:
+        return None, ()
+    window = int(window)
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return window, tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    pattern = text.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return window, tuple(i for i in range(num_layers) if (i + 1) % pattern != 0)
+    return window, tuple(range(num_layers))
+
+
+#: Decoder families whose attention does not go through transformers' AttentionInterface, by ``model_type``
+#: (read from transformers 5.23's modeling code): ``"sdpa"`` calls ``torch.nn.functional.
+#: scaled_dot_product_attention`` itself when the attention implementation is "sdpa" (Falcon); ``"eager"``
+#: computes attention in its own code whatever the implementation (causal LMs with neither
+#: ``_supports_attention_backend`` nor ``_supports_sdpa``). Every other family: ``"interface"``.
+ATTENTION_CODE: dict[str, str] = {
+    "falcon": "sdpa",
+    **{t: "eager" for t in ("gptj", "codegen", "gpt_neo", "bloom", "mpt", "gpt_neox_japanese", "xglm",
+                            "openai-gpt")},
+}
+#: ``model_type`` values whose attention adds learned per-head sink logits to the softmax (a ``sinks``
+#: parameter in transformers 5.23); their configs carry no field that says so, so the type is the fact
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4",
+                                        "flint", "deepseek_v4", "openai_privacy_filter"})
+#: attention GroupQueryAttention cannot compute, by ``model_type`` (transformers 5.23's modeling code): what
+#: the layer does instead, for the fused target's refusal
+FUSED_ATTENTION_LIMITS: dict[str, str] = {
+    # DiffLlamaAttention calls attention twice per layer, each time over one half of the values repeated, and
+    # subtracts the two (lambda-weighted): GQA appends the values it is given to the cache, so cannot do either
+    "diffllama": ("differential attention (two attention maps over the two halves of the values, subtracted; "
+                  "GroupQueryAttention attends over the cached values once)"),
+    # JetMoeAttention repeats its key/value heads in tiled order (head h reads kv head h % Hkv) for the query heads
+    # of its top-k routed attention experts, after the cache update: GQA groups heads the other way and appends
+    # the keys it is given
+    "jetmoe": ("mixture of attention heads (routed query experts over key/value heads repeated in tiled order "
+               "after the cache update)"),
+}
+#: families that always use ALiBi (no config switch)
+_ALWAYS_ALIBI = frozenset({"bloom", "mpt"})
+#: families that rotate only their sliding-window layers when a window is configured, by ``model_type``, and
+#: what they rotate without a window (transformers 5.23): ``"all"`` where the code reads ``sliding_window is
+#: None or is_sliding`` (Exaone4, ExaoneMoe, Kolibri1), ``"none"`` where only a layer with a window rotates
+#: (Cohere2, Flint, AFMoE)
+_ROPE_ON_SLIDING_LAYERS_ONLY: dict[str, str] = {"exaone4": "all", "exaone_moe": "all", "kolibri1": "all",
+                                                "cohere2": "none", "flint": "none", "afmoe": "none"}
+
+
+def _rope_layers(text: dict, num_layers: int, window: int | None, sliding: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers that apply RoPE, of the attention layers (:func:`_attention_layers`: a recurrent layer never
+    does): ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE), ``layer_rope_theta``
+    (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
+    :data:`_ROPE_ON_SLIDING_LAYERS_ONLY`, else every layer."""
+    attention = set(_attention_layers(text, num_layers))
+    return tuple(i for i in _rope_layers_of_config(text, num_layers, window, sliding) if i in attention)
+
+
+def _attention_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers that attend: where ``layer_types`` (or a ``layers_block_type`` list) names each layer, those
+    whose type is an attention type (``full_attention``, ``sliding_attention``, ``attention``...) and not
+    ``linear_attention`` (a gated delta net: Qwen3-Next, Qwen3.5) nor ``conv``/``mamba``/``mlp``/``moe``
+    (LFM2's short conv, the Mamba2 hybrids, NemotronH's MLP layers); else every layer."""
+    types = text.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        types = text.get("layers_block_type")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        return tuple(range(num_layers))
+    return tuple(i for i in range(num_layers)
+                 if "attention" in str(types[i]) and str(types[i]) != "linear_attention")
+
+
+def _rope_layers_of_config(text: dict, num_layers: int, window: int | None,
+                           sliding: tuple[int, ...]) -> tuple[int, ...]:
+    flags = text.get("no_rope_layers")
+    if isinstance(flags, list) and len(flags) >= num_layers:
+        return tuple(i for i in range(num_layers) if flags[i])
+    thetas = text.get("layer_rope_theta")
+    if isinstance(thetas, list) and len(thetas) >= num_layers:
+        return tuple(i for i in range(num_layers) if thetas[i])
+    without_window = _ROPE_ON_SLIDING_LAYERS_ONLY.get(str(text.get("model_type")))
+    if without_window is not None:
+        if window:
+            return sliding
+        return tuple(range(num_layers)) if without_window == "all" else ()
+    return tuple(range(num_layers))
+
+
+def _latent_attention(text: dict) -> bool:
+    """Keys and values of different head sizes: MLA (``kv_lora_rank``), or ``v_head_dim`` other than the key's
+    ``qk_nope_head_dim + qk_rope_head_dim`` / ``head_dim``."""
+    if text.get("kv_lora_rank"):
+        return True
+    v = text.get("v_head_dim")
+    if v is None:
+        return False
+    if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
+        return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
+
+
+def needs_image_sizes(model) -> bool:
+    """The model's image encoder requires each image's size (``image_sizes`` without a default: Pixtral-style
+    encoders, Mistral3); Llava's optional one stays unused."""
+    param = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+    return param is not None and param.default is inspect.Parameter.empty

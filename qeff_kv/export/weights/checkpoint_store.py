@@ -1,0 +1,106 @@
+"""The checkpoint's tensors, one at a time: a folder's safetensors files (sharded with
+``model.safetensors.index.json`` or not).
+
+Each tensor is read with one positioned read of its bytes (the safetensors layout: an 8-byte little-endian header
+length, a JSON header naming each tensor's dtype, shape and byte range, then the data), not through a memory map:
+mapped pages of a 16 GB checkpoint would stay in the exporter's resident set as they are touched, while a read
+buffer is freed with its tensor.
+
+:class:`CheckpointStore` answers a tensor's shape and dtype from the file headers, and hands out one tensor at a
+time converted to the export dtype (:meth:`CheckpointStore.array`): a bf16 checkpoint is never copied whole, in
+float32 or otherwise. Every array handed out is counted while it is alive (:attr:`CheckpointStore.live`,
+:attr:`CheckpointStore.max_live`): the streaming exporter's bound on the tensors it holds at once is measured, not
+assumed (tests/test_export_stream.py).
+
+No torch at import time (torch reads bf16, which numpy cannot).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from qeff_kv.errors import ExportError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+#: safetensors dtype names -> torch dtype attribute names
+_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """``(offset of the data, {name: {"dtype", "shape", "data_offsets"}})`` of a safetensors file."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if size <= 0 or size > 100 * 2**20:
+                raise ValueError(f"header length {size}")
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{path}: unreadable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+class CheckpointStore:
+    """The tensors of the safetensors files of ``folder``, by checkpoint key."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._where: dict[str, tuple[Path, int, dict]] = {}
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ExportError(f"{index}: unreadable safetensors index ({exc})") from None
+            paths = [self.folder / f for f in files]
+        else:
+            paths = sorted(self.folder.glob("*.safetensors"))
+        for path in paths:
+            start, header = read_header(path)
+            for key, info in header.items():
+                if info.get("dtype") not in _DTYPES:
+                    raise ExportError(f"{path}: tensor {key} has dtype {info.get('dtype')!r}, which is not read")
+                self._where.setdefault(key, (path, start, info))
+        self.live = 0
+        self.max_live = 0
+        self.reads = 0
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._where[key][2]["shape"])
+
+    def torch_tensor(self, key: str, dtype):
+        """The tensor ``key`` as a torch tensor of ``dtype`` (uncounted: :meth:`array` is the counted door)."""
+        import torch
+
+        path, start, info = self._where[key]
+        begin, end = (int(x) for x in info["data_offsets"])
+        buf = bytearray(end - begin)
+        with open(path, "rb") as fh:
+            fh.seek(start + begin)
+            if fh.readinto(buf) != len(buf):
+                raise ExportError(f"{path}: truncated (tensor {key} lies past the end of the file)")
+        t = torch.frombuffer(buf, dtype=getattr(torch, _DTYPES[info["dtype"]])) if buf else \
+            torch.empty(0, dtype=getattr(torch, _DTYPES[info["dtype"]]))
+        return t.reshape(self.shape(key)).to(dtype)
+
+    def array(self, key: str, dtype) -> np.ndarray:
+        """The tensor ``key`` converted to the torch ``dtype``, as a contiguous numpy array (counted while alive)."""
+        arr = np.ascontiguousarray(self.torch_tensor(key, dtype).numpy())
+        self.reads += 1
+        self.live += 1
+        self.max_live = max(self.max_live, self.live)
+        weakref.finalize(arr, self._release)
+        return arr
+
+    def _release(self) -> None:
+        self.live -= 1

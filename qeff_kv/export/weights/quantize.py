@@ -1,0 +1,422 @@
+"""Weight-only quantization of an exported onnxruntime graph (``--weights int4|int8``).
+
+Runs after the float graph was verified against PyTorch. MatMul weights become onnxruntime's
+``com.microsoft::MatMulNBits`` through onnxruntime's own quantizer
+(:class:`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`, round-to-nearest, symmetric,
+blocks along K). The vocabulary-sized weights are done here with the same kernel
+(:meth:`DefaultWeightOnlyQuantizer.qbits_block_quant`):
+
+* the output head ``Gemm(transB=1)`` reading ``[vocab, hidden]`` becomes ``MatMulNBits(K=hidden, N=vocab)``:
+  its packed weight ``[vocab, hidden/block, block*bits/8]`` is the row-major layout of the embedding table;
+* the embedding lookup ``Gather`` becomes ``GatherBlockQuantized`` (uint8 data, ``bits``, ``quantize_axis=2``)
+  reading **the same packed initializer**, so a tied embedding stays stored once. Its scales are the head's
+  ``[vocab, hidden/block]`` scales through a ``Reshape`` to ``[vocab, hidden/block, 1]`` (the op wants the rank
+  of its data; onnxruntime folds that Reshape at load), and a ``Reshape`` restores ``[..., hidden]``.
+
+Symmetric quantization has no zero-point tensors: both ops then use the default zero point ``2^(bits-1)``.
+KV inputs, outputs, pairing and the in-place updaters are untouched (only weight readers change).
+
+The quantized graph is checked loosely (:func:`compare_graphs`): it must load and run the probe, and its top-1
+agreement with the float graph and max logit difference are recorded in the manifest. The probe's random tokens
+say little about quality, so when the export has a tokenizer both graphs also read :data:`NATURAL_TEXT` (a fixed
+English paragraph, teacher-forced: :func:`natural_text_check`); a quantized graph whose perplexity on it exceeds
+:data:`MAX_PERPLEXITY_RATIO` times the float graph's gets a loud warning and the manifest's check says
+``"failed"`` (the export is kept: the user chooses whether to use it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qeff_kv.errors import ExportError, VerificationError  # noqa: F401 (ExportError re-raised by callers)
+from qeff_kv.export.probe_runner import ProbeRunner, first_line
+from qeff_kv.export.schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, SCHEMES,  # noqa: F401
+                      WeightScheme, check_scheme, resolve_options)
+
+#: the paragraph both graphs read (teacher-forced) when the export has a tokenizer
+NATURAL_TEXT = ("The old lighthouse stood at the edge of the harbour, and every evening the keeper climbed its "
+                "narrow stairs to light the lamp. Ships coming home after long weeks at sea looked for its beam "
+                "before anything else, because it meant that the rocks were behind them and the town was near.")
+#: quantize as the weights are written (:mod:`.quantize_stream`) where it builds the same graph; False: the
+#: whole-graph quantizer always (for comparisons)
+STREAM = True
+#: at most this many of its tokens are read
+NATURAL_TOKENS = 48
+#: the quantized graph's perplexity on the paragraph may be at most this many times the float graph's
+MAX_PERPLEXITY_RATIO = 2.0
+
+
+def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
+                    kv_batch: int = 1, gguf: Path | None = None, tokenizer=None, prequant: Path | None = None) -> dict:
+    """Replace the verified float graph at ``onnx_path`` (in the staging folder) by its quantized version.
+
+    The quantized graph is written by ``save(model, path)`` into ``work``, checked against the float graph on the
+    probe (:func:`compare_graphs`; the verification probe, or a fresh one when verification was skipped), then
+    renamed over the float files. Returns the manifest's ``weights`` record. ``gguf``: with ``--gguf-grid``, the
+    GGUF whose own 4-bit blocks become the MatMulNBits weights where they fit (:mod:`.gguf_grid`). ``tokenizer``:
+    a ``tokenizers.Tokenizer`` for :func:`natural_text_check` (None: only the probe is compared). ``prequant``: the
+    pre-quantized checkpoint folder whose own int4 blocks become the MatMulNBits weights (:mod:`.prequant`)."""
+    from qeff_kv.export.verify import make_probe
+
+    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    work.mkdir(parents=True, exist_ok=True)
+    qpath = work / onnx_path.name
+    grid: dict = {}
+    if prequant is not None:
+        from qeff_kv.export.weights.prequant import graph as prequant_graph
+
+        model = prequant_graph.apply(onnx_path, prequant, prequant_graph.folder_scheme(prequant),
+                                     options.accuracy_level, say, grid)
+    else:
+        from qeff_kv.export.weights.quantize_stream import quantize_graph_streamed
+
+        model = quantize_graph_streamed(onnx_path, scheme, say, min_k(scheme.block_size), gguf) \
+            if STREAM else None
+    if model is None:
+        model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
+    save(model, qpath)
+    del model
+    if probe is None:
+        probe = make_probe(vocab_size, options.ctx_len, options.prefill_seq_len)
+    say(f"checking the {scheme.scheme} graph against the float graph ({len(probe.prompt)}-token probe)")
+    agreement = compare_graphs(onnx_path, qpath, probe, ctx_len=options.ctx_len, kv_batch=kv_batch,
+                               ccl=options.ccl)
+    say(f"{scheme.scheme}: top-1 agreement with the float graph {agreement.top1_agreement:.0%} over "
+        f"{agreement.steps} steps, max |logit difference| {agreement.max_abs_logit_diff:.3g}")
+    natural = None
+    if tokenizer is not None:
+        ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
+        natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
+                                     ccl=options.ccl, slot=probe.slot)
+        say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
+            f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
+            f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
+        if natural["status"] != "passed":
+            say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
+                f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
+                "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
+                "--block-size)")
+    float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
+        old.unlink(missing_ok=True)
+    for f in sorted(work.iterdir()):
+        f.replace(onnx_path.parent / f.name)
+    record = scheme.to_json()
+    record["float_graph_bytes"] = float_bytes
+    record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    record["check"] = agreement.to_json()
+    if natural is not None:
+        record["check"]["natural_text"] = natural
+        record["check"]["status"] = natural["status"]
+    if gguf is not None:
+        record["gguf_grid"] = grid
+    if prequant is not None:   # the checkpoint's own blocks: no quantizer ran
+        record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
+                      f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
+    return record
+
+
+def min_k(block_size: int) -> int:
+    """MatMul weights with fewer input features than this stay float (one block at least)."""
+    return block_size
+
+
+# ------------------------------------------------------------------------------------------ quantization
+def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, *, gguf: Path | None = None,
+                   grid_report: dict | None = None):
+    """The float graph at ``float_path`` with quantized weights, as an ``onnx_ir`` model (not yet written).
+    ``gguf``: take the MatMulNBits blocks of the weights whose GGUF type fits from that file (``grid_report``
+    receives what fitted and what did not, :func:`.gguf_grid.plan`)."""
+    import logging
+
+    import onnx
+    import onnx_ir as ir
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    proto = onnx.load(str(float_path), load_external_data=True)
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    # Name every node (the quantizer excludes by name) and keep small or non-constant MatMuls as they are.
+    exclude = []
+    for i, node in enumerate(graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+        if node.op_type == "MatMul":
+            w = inits.get(node.input[1]) if len(node.input) > 1 else None
+            if w is None or len(w.dims) != 2 or w.dims[0] < min_k(scheme.block_size) \
+                    or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                exclude.append(node.name)
+    grid = None
+    if gguf is not None:
+        from onnx import numpy_helper
+
+        from qeff_kv.export.weights import gguf_grid
+
+        weights = {}
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.name not in exclude and node.input[1] in inits:
+                w = inits[node.input[1]]
+                if w.data_type == onnx.TensorProto.FLOAT:
+                    weights[node.input[1]] = numpy_helper.to_array(w)
+        grid = gguf_grid.plan(weights, gguf)
+        del weights
+        for line in gguf_grid.summary_lines(grid.report):
+            say(line)
+        if grid_report is not None:
+            grid_report.update(grid.report)
+        exclude += [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] in grid.fitted]
+    if scheme.algorithm == "hqq":
+        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=scheme.bits,
+                                           op_types_to_quantize=("MatMul",))
+    else:
+        cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+                                               accuracy_level=scheme.accuracy_level or None,
+                                               op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    quantizer = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=cfg)
+    quantizer.process()
+    proto = quantizer.model.model
+    if grid is not None and grid.fitted:
+        _apply_grid(proto, grid, scheme)
+    n_matmul = 0
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            n_matmul += 1
+            if scheme.accuracy_level and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", scheme.accuracy_level))
+    vcfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=True,
+                                            accuracy_level=scheme.accuracy_level or None,
+                                            op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    table_blocks = None
+    if grid is not None:
+        def table_blocks(name, table):   # the GGUF's own blocks of a vocabulary table, where they fit
+            got = grid.rows.table_blocks(table)
+            if grid_report is not None:
+                grid_report.setdefault("tables", {})[name] = (
+                    {"taken": True, "gguf_type": got[3], "bits": got[2]} if got is not None else {"taken": False})
+            return got
+    n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg), table_blocks)
+    if grid is not None and grid_report is not None:
+        for name, how in grid_report.get("tables", {}).items():
+            say(f"--gguf-grid: vocabulary table {name} takes the GGUF's own {how['gguf_type']} blocks ({how['bits']} "
+                "bits)" if how["taken"] else f"--gguf-grid: vocabulary table {name} is not on a GGUF grid that "
+                "fits (Q4_0 or Q8_0 rows): quantized by the ordinary int4 path")
+    if n_matmul + n_vocab == 0:   # a setting that does nothing is refused, not recorded as done
+        ks = [int(inits[n.input[1]].dims[0]) for n in graph.node if n.op_type == "MatMul" and len(n.input) > 1
+              and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
+        raise ExportError(f"--weights {scheme.scheme} --block-size {scheme.block_size} quantizes no weight matrix: "
+                          f"the largest has {max(ks, default=0)} input features, fewer than one block; use a "
+                          f"smaller --block-size")
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "
+        f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s")
+    return ir.serde.deserialize_model(proto)
+
+
+def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
+    """Replace the MatMuls whose weights fit the GGUF grid by MatMulNBits built from the GGUF's blocks."""
+    from qeff_kv.export.weights import gguf_grid
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    nodes = list(proto.graph.node)
+    used: set[str] = set()
+    for i, node in enumerate(nodes):
+        if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in grid.fitted:
+            k, n = (int(d) for d in inits[node.input[1]].dims)
+            new, new_inits = gguf_grid.matmulnbits_node(node, node.input[1], grid.fitted[node.input[1]], grid.rows,
+                                                       k, n, scheme.accuracy_level)
+            nodes[i] = new
+            used.add(node.input[1])
+            proto.graph.initializer.extend(new_inits)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    still = {x for nd in nodes for x in nd.input}
+    keep = [t for t in proto.graph.initializer if t.name not in used or t.name in still]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+
+
+def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks=None) -> int:
+    """The head ``Gemm(transB=1)`` -> ``MatMulNBits`` and the embedding ``Gather`` -> ``GatherBlockQuantized``,
+    sharing one packed initializer when they read the same (tied) table. Returns the tables quantized.
+    ``table_blocks(name, table)``: ``(packed, scales, bits, type)`` taken from elsewhere (the GGUF's own blocks,
+    ``--gguf-grid``), or None to quantize the table here."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for idx, name in enumerate(node.input):
+            if name in inits:
+                readers.setdefault(name, []).append((node, idx))
+
+    def is_head(node, idx):
+        if node.op_type != "Gemm" or idx != 1:
+            return False
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+                and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 1.0))
+
+    def is_lookup(node, idx):
+        if node.op_type != "Gather" or idx != 0:
+            return False
+        return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
+
+    block = scheme.block_size
+    done = 0
+    new_nodes: dict[int, list] = {}   # id(node) -> replacement nodes
+    for name, uses in readers.items():
+        t = inits[name]
+        if len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT or t.dims[1] < min_k(block):
+            continue
+        if not all(is_head(n, i) or is_lookup(n, i) for n, i in uses):
+            continue
+        table = numpy_helper.to_array(t)
+        rows, k = table.shape
+        if k % block:
+            continue  # GatherBlockQuantized reads whole blocks; such a table stays float
+        bits = scheme.bits
+        got = table_blocks(name, table) if table_blocks is not None else None
+        if got is not None:
+            packed, scales, bits, _type = got
+        else:
+            packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
+        kb = packed.shape[1]
+        qname, sname = f"{name}_Q{bits}", f"{name}_scales"
+        graph.initializer.extend([numpy_helper.from_array(packed, qname),
+                                  numpy_helper.from_array(scales.astype(table.dtype), sname)])
+        need_s3 = any(is_lookup(n, i) for n, i in uses)
+        if need_s3:
+            graph.initializer.append(numpy_helper.from_array(np.array([rows, kb, 1], np.int64), f"{name}_scales_shape"))
+            graph.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{name}_row_shape"))
+        first_lookup = True
+        for node, _idx in uses:
+            if is_head(node, 1) and node.input[1] == name:
+                inputs = [node.input[0], qname, sname]
+                if len(node.input) > 2 and node.input[2]:
+                    inputs += ["", "", node.input[2]]  # zero_points, g_idx absent; bias
+                kw = {"K": k, "N": rows, "bits": bits, "block_size": block}
+                if scheme.accuracy_level:
+                    kw["accuracy_level"] = scheme.accuracy_level
+                new_nodes[id(node)] = [helper.make_node("MatMulNBits", inputs, list(node.output),
+                                                        name=f"{node.name}_Q{bits}", domain="com.microsoft", **kw)]
+            else:
+                pre = f"{node.name}_Q{bits}"
+                out = node.output[0]
+                repl = []
+                s3 = f"{name}_scales_3d"
+                if first_lookup:
+                    repl.append(helper.make_node("Reshape", [sname, f"{name}_scales_shape"], [s3],
+                                                 name=f"{name}_scales_reshape"))
+                    first_lookup = False
+                # [..., kb, block] -> [..., hidden]: Shape(indices) ++ [hidden]
+                repl += [
+                    helper.make_node("GatherBlockQuantized", [qname, node.input[1], s3], [f"{pre}_blocks"],
+                                     name=pre, domain="com.microsoft", gather_axis=0, quantize_axis=2,
+                                     block_size=block, bits=bits),
+                    helper.make_node("Shape", [node.input[1]], [f"{pre}_ishape"], name=f"{pre}_ishape"),
+                    helper.make_node("Concat", [f"{pre}_ishape", f"{name}_row_shape"], [f"{pre}_oshape"],
+                                     name=f"{pre}_oshape", axis=0),
+                    helper.make_node("Reshape", [f"{pre}_blocks", f"{pre}_oshape"], [out], name=f"{pre}_reshape"),
+                ]
+                new_nodes[id(node)] = repl
+        graph.initializer.remove(t)
+        done += 1
+    if new_nodes:
+        nodes = []
+        for node in graph.node:
+            nodes.extend(new_nodes.get(id(node), [node]))
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return done
+
+
+# ------------------------------------------------------------------------------------------ loose check
+@dataclass
+class Agreement:
+    steps: int
+    top1_agreement: float
+    max_abs_logit_diff: float
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"status": "passed", "against": "float graph", "steps": self.steps,
+                "top1_agreement": round(self.top1_agreement, 4),
+                "max_abs_logit_diff": float(f"{self.max_abs_logit_diff:.4g}"), "seconds": round(self.seconds, 3)}
+
+
+def compare_graphs(float_path: Path, quant_path: Path, probe, *, ctx_len: int, kv_batch: int = 1,
+                   ccl=None) -> Agreement:
+    """Run both graphs on ``probe`` (decode teacher-forced with the float graph's greedy tokens): the quantized
+    graph must load, run and give finite logits; report its top-1 agreement and max logit difference."""
+    t0 = time.perf_counter()
+    runs = []
+    tokens: list[int] = []
+    for label, path in (("float", float_path), ("quantized", quant_path)):
+        try:
+            runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
+            logits = []
+            prompt, chunk = probe.prompt, probe.chunk
+            last = None
+            for start in range(0, len(prompt), chunk):
+                part = prompt[start:start + chunk]
+                pad = chunk - len(part) if start + chunk <= ctx_len else 0
+                last = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot)
+            logits.append(last)
+            pos = len(prompt)
+            for k in range(probe.decode_steps):
+                if label == "float":
+                    tokens.append(int(np.argmax(logits[-1])))
+                logits.append(runner.step([tokens[k]], [pos], probe.slot))
+                pos += 1
+            del runner
+        except Exception as exc:
+            raise VerificationError(f"the {label} graph could not run the probe ({first_line(exc)})") from None
+        runs.append(logits)
+    ref, got = runs
+    for i, g in enumerate(got):
+        if not np.all(np.isfinite(g)):
+            raise VerificationError(f"the quantized graph's logits are not finite at step {i + 1}")
+    agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(ref, got)) / len(ref)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
+    return Agreement(steps=len(ref), top1_agreement=agree, max_abs_logit_diff=diff,
+                     seconds=time.perf_counter() - t0)
+
+
+def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1,
+                       ccl=None, slot: int = 0) -> dict:
+    """Both graphs read ``ids`` one token at a time; per position, does the quantized graph's top-1 token equal the
+    float graph's, and how likely does each find the text's next token (perplexity)."""
+    if len(ids) < 2:
+        return {"status": "passed", "tokens": len(ids), "top1_agreement": 1.0, "perplexity_float": 1.0,
+                "perplexity_quantized": 1.0, "perplexity_ratio": 1.0, "threshold": MAX_PERPLEXITY_RATIO}
+    rows = {}
+    for label, path in (("float", float_path), ("quantized", quant_path)):
+        try:
+            runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
+            rows[label] = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
+            del runner
+        except Exception as exc:
+            raise VerificationError(f"the {label} graph could not read the natural-text check "
+                                    f"({first_line(exc)})") from None
+    nll = {}
+    for label, x in rows.items():
+        if not np.all(np.isfinite(x)):
+            raise VerificationError(f"the {label} graph's logits on natural text are not finite")
+        m = x.max(axis=1, keepdims=True)
+        lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+        nll[label] = float(np.mean(lse - x[np.arange(len(ids) - 1), ids[1:]]))
+    ratio = float(np.exp(nll["quantized"] - nll["float"]))
+    agree = float(np.mean(rows["float"].argmax(axis=1) == rows["quantized"].argmax(axis=1)))
+    return {"status": "passed" if ratio <= MAX_PERPLEXITY_RATIO else "failed", "tokens": len(ids),
+            "top1_agreement": round(agree, 4), "perplexity_float": float(f"{np.exp(nll['float']):.5g}"),
+            "perplexity_quantized": float(f"{np.exp(nll['quantized']):.5g}"),
+            "perplexity_ratio": float(f"{ratio:.4g}"), "threshold": MAX_PERPLEXITY_RATIO}

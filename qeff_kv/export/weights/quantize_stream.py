@@ -1,0 +1,283 @@
+"""``--weights int4|int8`` as the weights stream: the same graph as :func:`.quantize.quantize_graph` (onnxruntime's
+``MatMulNBitsQuantizer`` over the whole graph, then the vocabulary tables), built on the float graph's
+memory-mapped external data without loading it, each packed weight computed when it is written.
+
+Equivalence with the whole-graph quantizer, node for node and byte for byte (tests/test_export_stream.py):
+
+* nodes without a name get ``<op_type>_<index>`` first, as there;
+* each 2-D MatMul weight with ``K >= block_size`` (float32/float16, an initializer) becomes ``MatMulNBits`` named
+  ``<node>_Q<bits>`` reading ``<weight>_Q<bits>`` and ``<weight>_scales`` (and ``<weight>_zero_points`` when
+  asymmetric), attributes ``K``, ``N``, ``bits``, ``block_size`` (and ``accuracy_level`` when set): what
+  onnxruntime's ``DefaultWeightOnlyQuantizer.quantize_matmul`` writes for a 2-D weight; the blocks come from its
+  own kernel (``qbits_block_quant``) on the same float array, so the bytes are its bytes;
+* the new initializers follow the old ones in node order, the float weights no node reads any more are dropped,
+  and ``com.microsoft`` opset 1 is imported;
+* the vocabulary tables go through :func:`.quantize._quantize_vocab_weights` on a proto that holds every node and
+  only the tables' own initializers (the float MatMul weights stay on disk).
+
+Graphs it does not cover (subgraphs: a single-graph VLM's gated encoder; HQQ; ``--gguf-grid``; weights of more
+than two dimensions) go through the whole-graph quantizer: :func:`supports` says which.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+def supports(model: ir.Model, scheme, gguf) -> bool:
+    """Whether :func:`quantize_streamed` builds the same graph as the whole-graph quantizer for this model."""
+    if gguf is not None or scheme.algorithm == "hqq":
+        return False
+    for node in model.graph:
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return False
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and len(node.inputs) > 1:
+            w = node.inputs[1]
+            if w is not None and w.const_value is not None and len(w.const_value.shape) > 2:
+                return False
+    return True
+
+
+class _Blocks:
+    """One weight's packed blocks, scales and zero points, computed once when the first of them is written and
+    dropped when the last one is."""
+
+    def __init__(self, weight: ir.TensorProtocol, quantizer, parts: int):
+        self.weight, self.quantizer, self.parts = weight, quantizer, parts
+        self.result = None
+        self.taken = 0
+
+    def get(self, i: int) -> np.ndarray:
+        if self.result is None:
+            arr = self.weight.numpy()
+            self.result = self.quantizer.qbits_block_quant(arr)
+            del arr
+            _release(self.weight)
+        out = self.result[i]
+        self.taken += 1
+        if self.taken == self.parts:
+            self.result = None
+        return out
+
+
+def _lazy(blocks: _Blocks, i: int, name: str, dtype: ir.DataType, shape: tuple) -> ir.LazyTensor:
+    return ir.LazyTensor(lambda: ir.tensor(blocks.get(i), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
+def quantize_streamed(model: ir.Model, scheme, min_k: int) -> int:
+    """Replace each eligible MatMul of ``model`` (loaded with its external data unread) by ``MatMulNBits`` with
+    lazily packed weights. Returns how many."""
+    import logging
+
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
+    graph = model.graph
+    for i, node in enumerate(graph):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+    cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+                                           accuracy_level=scheme.accuracy_level or None,
+                                           op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    quantizer = mnq.DefaultWeightOnlyQuantizer(cfg)
+    bits, block = scheme.bits, scheme.block_size
+    done = 0
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        w = node.inputs[1]
+        t = w.const_value if w is not None and w.is_initializer() else None
+        if t is None or len(t.shape) != 2 or int(t.shape[0]) < min_k \
+                or t.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        kpack = 8 // bits
+        kb = (k + block - 1) // block
+        blob = (block + kpack - 1) // kpack
+        blocks = _Blocks(t, quantizer, 2 if scheme.symmetric else 3)
+        q = ir.Value(name=f"{w.name}_Q{bits}", const_value=_lazy(blocks, 0, f"{w.name}_Q{bits}", ir.DataType.UINT8,
+                                                                 (n, kb, blob)))
+        s = ir.Value(name=f"{w.name}_scales", const_value=_lazy(blocks, 1, f"{w.name}_scales", t.dtype, (n, kb)))
+        inputs = [node.inputs[0], q, s]
+        graph.register_initializer(q)
+        graph.register_initializer(s)
+        if not scheme.symmetric:
+            zp = ir.Value(name=f"{w.name}_zero_points",
+                          const_value=_lazy(blocks, 2, f"{w.name}_zero_points", ir.DataType.UINT8,
+                                            (n, (kb + kpack - 1) // kpack)))
+            graph.register_initializer(zp)
+            inputs.append(zp)
+        new = _matmul_nbits(node, inputs, k, n, bits, block, scheme)
+        _swap(graph, node, [new], new.outputs[0])
+        done += 1
+    used = {id(v) for nd in graph for v in nd.inputs if v is not None}
+    for name, v in list(graph.initializers.items()):
+        if id(v) not in used and not v.is_graph_output():
+            del graph.initializers[name]
+    model.opset_imports.setdefault("com.microsoft", 1)
+    return done
+
+
+def _attr(node: ir.Node, name: str, default):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _is_head(node: ir.Node, idx: int) -> bool:
+    if node.op_type != "Gemm" or idx != 1:
+        return False
+    return (_attr(node, "transB", 0) == 1 and _attr(node, "transA", 0) == 0 and _attr(node, "alpha", 1.0) == 1.0
+            and (len(node.inputs) < 3 or node.inputs[2] is None or _attr(node, "beta", 1.0) == 1.0))
+
+
+def _is_lookup(node: ir.Node, idx: int) -> bool:
+    return node.op_type == "Gather" and idx == 0 and _attr(node, "axis", 0) == 0
+
+
+def _const(name: str, arr: np.ndarray) -> ir.Value:
+    return ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+
+
+def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
+    """:func:`.quantize._quantize_vocab_weights` on the ir model, the tables' blocks computed when written: the
+    head ``Gemm(transB=1)`` -> ``MatMulNBits``, the embedding ``Gather`` -> ``GatherBlockQuantized`` over the same
+    packed initializer. Returns the tables quantized."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    graph = model.graph
+    vcfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=True,
+                                            accuracy_level=scheme.accuracy_level or None,
+                                            op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    quantizer = mnq.DefaultWeightOnlyQuantizer(vcfg)
+    readers: dict[str, list] = {}
+    for node in graph:
+        for idx, v in enumerate(node.inputs):
+            if v is not None and v.is_initializer():
+                readers.setdefault(v.name, []).append((node, idx))
+    block, bits = scheme.block_size, scheme.bits
+    kpack = 8 // bits
+    done = 0
+    for name, uses in readers.items():
+        value = graph.initializers[name]
+        t = value.const_value
+        if len(t.shape) != 2 or t.dtype != ir.DataType.FLOAT or int(t.shape[1]) < min_k:
+            continue
+        if not all(_is_head(n, i) or _is_lookup(n, i) for n, i in uses):
+            continue
+        rows, k = int(t.shape[0]), int(t.shape[1])
+        if k % block:
+            continue
+        kb = k // block
+        blocks = _Blocks(_Transposed(t), quantizer, 2)
+        qname, sname = f"{name}_Q{bits}", f"{name}_scales"
+        q = ir.Value(name=qname, const_value=_lazy(blocks, 0, qname, ir.DataType.UINT8,
+                                                   (rows, kb, (block + kpack - 1) // kpack)))
+        s = ir.Value(name=sname, const_value=_lazy(blocks, 1, sname, ir.DataType.FLOAT, (rows, kb)))
+        graph.register_initializer(q)
+        graph.register_initializer(s)
+        if any(_is_lookup(n, i) for n, i in uses):
+            s_shape = _const(f"{name}_scales_shape", np.array([rows, kb, 1], np.int64))
+            row_shape = _const(f"{name}_row_shape", np.array([k], np.int64))
+            graph.register_initializer(s_shape)
+            graph.register_initializer(row_shape)
+        s3 = None
+        for node, _idx in uses:
+            if _is_head(node, 1) and node.inputs[1] is value:
+                inputs = [node.inputs[0], q, s]
+                if len(node.inputs) > 2 and node.inputs[2] is not None:
+                    inputs += [None, None, node.inputs[2]]
+                new = _matmul_nbits(node, inputs, k, rows, bits, block, scheme)
+                _swap(graph, node, [new], new.outputs[0])
+            else:
+                pre = f"{node.name}_Q{bits}"
+                repl = []
+                if s3 is None:
+                    reshape = ir.node("Reshape", [s, s_shape], name=f"{name}_scales_reshape", num_outputs=1)
+                    reshape.outputs[0].name = f"{name}_scales_3d"
+                    s3 = reshape.outputs[0]
+                    repl.append(reshape)
+                gbq = ir.node("GatherBlockQuantized", [q, node.inputs[1], s3],
+                              dict(sorted({"gather_axis": 0, "quantize_axis": 2, "block_size": block,
+                                           "bits": bits}.items())), domain="com.microsoft", name=pre, num_outputs=1)
+                gbq.outputs[0].name = f"{pre}_blocks"
+                shape = ir.node("Shape", [node.inputs[1]], name=f"{pre}_ishape", num_outputs=1)
+                shape.outputs[0].name = f"{pre}_ishape"
+                concat = ir.node("Concat", [shape.outputs[0], row_shape], {"axis": 0}, name=f"{pre}_oshape",
+                                 num_outputs=1)
+                concat.outputs[0].name = f"{pre}_oshape"
+                out = ir.node("Reshape", [gbq.outputs[0], concat.outputs[0]], name=f"{pre}_reshape", num_outputs=1)
+                _swap(graph, node, repl + [gbq, shape, concat, out], out.outputs[0])
+        del graph.initializers[name]
+        done += 1
+    return done
+
+
+class _Transposed:
+    """A ``[rows, k]`` table read as ``[k, rows]`` (the layout the kernel quantizes along ``k``)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def numpy(self) -> np.ndarray:
+        return np.ascontiguousarray(self.tensor.numpy().T)
+
+    def release(self) -> None:
+        _release(self.tensor)
+
+
+def _release(tensor) -> None:
+    """Unmap a memory-mapped float weight once it is quantized (kept mapped while a view of it lives)."""
+    release = getattr(tensor, "release", None)
+    if release is not None:
+        try:
+            release()
+        except BufferError:
+            pass
+
+
+def _matmul_nbits(node, inputs, k: int, n: int, bits: int, block: int, scheme):
+    """The ``MatMulNBits`` node that replaces ``node`` (attributes in the whole-graph quantizer's order)."""
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+    if scheme.accuracy_level:
+        attrs["accuracy_level"] = scheme.accuracy_level
+    return ir.node("MatMulNBits", inputs, dict(sorted(attrs.items())), domain="com.microsoft",
+                   name=f"{node.name}_Q{bits}", num_outputs=1)
+
+
+def _swap(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], new_out: ir.Value) -> None:
+    """``new_nodes`` in the place of ``node``, ``new_out`` taking the name and readers of its output."""
+    old = node.outputs[0]
+    for n in new_nodes:
+        graph.insert_before(node, n)
+    if old.type is not None:
+        new_out.type, new_out.shape = old.type, old.shape
+    old.replace_all_uses_with(new_out, replace_graph_outputs=True)
+    name = old.name
+    graph.remove(node, safe=True)
+    new_out.name = name
+
+
+def quantize_graph_streamed(float_path, scheme, say, min_k: int, gguf=None):
+    """The quantized graph of the float graph at ``float_path`` as an ir model whose packed weights are computed
+    when it is written; ``None`` where :func:`supports` says the whole-graph quantizer must do it."""
+    import time
+
+    from qeff_kv.errors import ExportError
+
+    t0 = time.perf_counter()
+    model = ir.load(str(float_path))
+    if not supports(model, scheme, gguf):
+        return None
+    ks = [int(n.inputs[1].const_value.shape[0]) for n in model.graph if n.op_type == "MatMul" and len(n.inputs) > 1
+          and n.inputs[1] is not None and n.inputs[1].is_initializer() and len(n.inputs[1].const_value.shape) == 2]
+    n_matmul = quantize_streamed(model, scheme, min_k)
+    n_vocab = quantize_vocab_streamed(model, scheme, min_k)
+    if n_matmul + n_vocab == 0:   # a setting that does nothing is refused, not recorded as done
+        raise ExportError(f"--weights {scheme.scheme} --block-size {scheme.block_size} quantizes no weight matrix: "
+                          f"the largest has {max(ks, default=0)} input features, fewer than one block; use a "
+                          f"smaller --block-size")
+    say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "
+        f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s "
+        "(packed as they are written)")
+    return model

@@ -1,0 +1,245 @@
+"""Generation over a :class:`~qeff_kv.runtime.session.Session`: requests planned and checked before anything runs,
+then prefilled one by one and decoded together, token by token (:meth:`GenerationMixin.stream`).
+
+The session supplies the low level this builds on: ``prefill``, ``decode``, ``cache``, ``ctx_len``,
+``max_sequences``, ``graph`` (its :class:`~qeff_kv.runtime.graph_description.GraphDescription`), ``media`` (a vision-language graph's image inputs) and ``_check_tokens`` (:func:`.arguments.check_tokens`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Sequence as Seq
+
+import numpy as np
+
+from qeff_kv.support import validate
+from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.multimodal import media as media_mod
+from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.results import Generation, TokenEvent
+from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, TokenPicker
+
+
+class GenerationMixin:
+    """``stream`` and ``generate`` for :class:`~qeff_kv.runtime.session.Session`."""
+
+    def _needed(self, seq: Sequence, prompt_len: int, max_new: int) -> int:
+        """Positions ``seq`` will hold after generating ``max_new`` tokens from ``prompt_len`` more tokens."""
+        if max_new == 0:
+            return seq.length + prompt_len
+        first_free = prompt_len > 0 or (seq.pending is not None and not seq.pending_emitted)
+        return seq.length + prompt_len + max_new - (1 if first_free else 0)
+
+    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
+               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
+               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
+        """Generate for several requests together, yielding each token as it is produced.
+
+        A request is a list of prompt token ids (a new sequence), a :class:`~qeff_kv.runtime.multimodal.media.Prompt` (token
+        ids with their images), an existing :class:`Sequence` (continue it from its pending token, e.g. after
+        :func:`load_state`), or ``(sequence, more_tokens or Prompt)``. Every check
+        (capacity, slots, token ids) runs when ``stream`` is called, before anything runs; the returned iterator
+        does the work. ``on_capacity="stop"`` shortens a request that would exceed the capacity instead of
+        refusing it (``finish_reason == "capacity"``).
+        """
+        prompts = self._check_stream_args(prompts, max_new_tokens, sampling, on_capacity)
+        params = (sampling or GREEDY).resolved()
+        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
+        # ---- plan and validate everything first
+        plan, images = self._plan_requests(prompts)
+        self._check_slots(plan)
+        budgets = self._budgets(plan, max_new_tokens, on_capacity)
+        for (s, toks), imgs in zip(plan, images):
+            if self.media is not None:
+                self.media.check(toks, imgs, self.prefill_seq_len)
+            elif imgs is not None:
+                raise RuntimeInputError("images were given but the graph is a text decoder")
+        return self._iterate(plan, budgets, params, stops, max_new_tokens,
+                             results if results is not None else [], images)
+
+    @staticmethod
+    def _check_stream_args(prompts, max_new_tokens, sampling, on_capacity) -> list:
+        """``prompts`` as a list, once every argument of :meth:`stream` is known to be of its kind."""
+        if on_capacity not in ("error", "stop"):
+            raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise RuntimeInputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise RuntimeInputError(
+                f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0.7)) or None, got {sampling!r}")
+        if isinstance(prompts, np.ndarray):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
+            raise RuntimeInputError(f"prompts must be a list of requests (lists of token ids or sequences), got "
+                                    f"{type(prompts).__name__}")
+        return list(prompts)
+
+    def _plan_requests(self, prompts: list) -> tuple[list[tuple[Sequence | None, list[int]]],
+                                                    list[media_mod.Images | None]]:
+        """Each request as ``(its sequence or None for a new one, the tokens to prefill)``, and its images."""
+        plan: list[tuple[Sequence | None, list[int]]] = []
+        images: list[media_mod.Images | None] = []
+        for req in prompts:
+            req, more_images = self._unwrap(req)
+            images.append(more_images)
+            if isinstance(req, Sequence):
+                plan.append((self.cache.get(req), []))
+            elif isinstance(req, tuple) and len(req) == 2 and isinstance(req[0], Sequence):
+                s = self.cache.get(req[0])
+                more = self._check_tokens(req[1])
+                # A pending token the caller has seen is part of the text: it goes in first. One never
+                # shown (a prefill-only run) is replaced by the caller's tokens.
+                if more and s.pending is not None and s.pending_emitted:
+                    more = [s.pending] + more
+                    if images[-1] is not None:
+                        images[-1] = images[-1].after_text(1)
+                plan.append((s, more))
+            else:
+                toks = self._check_tokens(req)
+                if not toks:
+                    raise RuntimeInputError("a prompt is empty; give at least one token")
+                plan.append((None, toks))
+        return plan, images
+
+    def _check_slots(self, plan: list[tuple[Sequence | None, list[int]]]) -> None:
+        """Refuse more new sequences than free slots, and a sequence given twice."""
+        new_count = sum(1 for s, _ in plan if s is None)
+        if new_count > len(self.cache.free_slots()):
+            raise RuntimeInputError(
+                f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
+                f"{self.max_sequences} slots are free" + self.graph.batching.slots_hint)
+        ids = [s.id for s, _ in plan if s is not None]
+        if len(set(ids)) != len(ids):
+            raise RuntimeInputError("a sequence appears twice in one request")
+
+    def _budgets(self, plan: list[tuple[Sequence | None, list[int]]], max_new_tokens: int, on_capacity: str
+                 ) -> list[int]:
+        """New tokens each request may make: ``max_new_tokens``, or with ``on_capacity="stop"`` what the capacity
+        leaves (a request that does not fit is refused in one line either way)."""
+        budgets = []
+        for i, (s, toks) in enumerate(plan):
+            probe = s if s is not None else Sequence(-1, -1)
+            if s is not None and not toks and s.pending is None:
+                raise RuntimeInputError(
+                    f"sequence {s.id} has no pending token to continue from; give it more tokens")
+            need = self._needed(probe, len(toks), max_new_tokens)
+            budget = max_new_tokens
+            if need > self.ctx_len:
+                if on_capacity == "error":
+                    raise RuntimeInputError(
+                        f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_new_tokens} new tokens "
+                        f"need {need} positions; the capacity is ctx_len={self.ctx_len}")
+                budget = max(0, max_new_tokens - (need - self.ctx_len))
+                if self._needed(probe, len(toks), budget) > self.ctx_len:
+                    raise RuntimeInputError(
+                        f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
+                        f"ctx_len={self.ctx_len}")
+            budgets.append(budget)
+        return budgets
+
+    @staticmethod
+    def _unwrap(req):
+        """``(request with a Prompt's token ids, its images)``."""
+        if isinstance(req, media_mod.Prompt):
+            return list(req.tokens), req.images
+        if isinstance(req, tuple) and len(req) == 2 and isinstance(req[1], media_mod.Prompt):
+            return (req[0], list(req[1].tokens)), req[1].images
+        return req, None
+
+    def _iterate(self, plan, budgets, params, stops, max_new_tokens, gens: list[Generation],
+                 images) -> Iterator[TokenEvent]:
+        gens.clear()
+        for (s, toks), budget in zip(plan, budgets):
+            gens.append(Generation(s if s is not None else self.cache.create(), [], len(toks)))
+        # one picker per request: the token history its penalties read (prompt = what the sequence holds + toks)
+        pickers = [TokenPicker(params, list(g.sequence.tokens) + list(toks)) for g, (_, toks) in zip(gens, plan)]
+        active: list[int] = []
+        for i, ((_, toks), gen) in enumerate(zip(plan, gens)):
+            seq = gen.sequence
+            if toks:
+                logits = self.prefill(seq, toks, images[i])
+                seq.pending = pickers[i].pick(logits, seq.length).token
+                pickers[i].accept(seq.pending)
+                seq.pending_emitted = False
+            if max_new_tokens == 0:
+                gen.finish_reason = "prefill"
+                continue
+            if budgets[i] == 0:
+                gen.finish_reason = "capacity"
+                continue
+            if not seq.pending_emitted:
+                tok = seq.pending
+                seq.pending_emitted = True
+                gen.tokens.append(tok)
+                yield TokenEvent(i, tok, seq)
+                if self._finished(gen, budgets[i], stops, max_new_tokens):
+                    continue
+            active.append(i)
+        while active:
+            step = [(gens[i].sequence, gens[i].sequence.pending) for i in active]
+            out = self.decode(step)
+            still = []
+            for i in active:
+                seq = gens[i].sequence
+                tok = pickers[i].pick(out[seq], seq.length).token
+                pickers[i].accept(tok)
+                seq.pending = tok
+                seq.pending_emitted = True
+                gens[i].tokens.append(tok)
+                self.timings.decode_tokens += 1
+                yield TokenEvent(i, tok, seq)
+                if not self._finished(gens[i], budgets[i], stops, max_new_tokens):
+                    still.append(i)
+            active = still
+
+    @staticmethod
+    def _finished(gen: Generation, budget: int, stops: set[int], max_new: int) -> bool:
+        if gen.tokens and gen.tokens[-1] in stops:
+            gen.finish_reason = "stop"
+            return True
+        if len(gen.tokens) >= budget:
+            gen.finish_reason = "length" if budget >= max_new else "capacity"
+            return True
+        return False
+
+    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
+                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
+        """Run :meth:`stream` to the end; one :class:`Generation` per request, in order.
+
+        ``prompts`` may also be a single list of token ids (one request).
+        """
+        validate.callable_or_none("callback", callback)
+        if isinstance(prompts, np.ndarray):
+            if prompts.ndim not in (1, 2):
+                raise RuntimeInputError(f"prompts as an array must be 1-D (one prompt) or 2-D (one per row), got "
+                                        f"shape {prompts.shape}")
+            prompts = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
+        if isinstance(prompts, (list, tuple)) and prompts and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [list(prompts)]
+        results: list[Generation] = []
+        for ev in self.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                              stop_tokens=stop_tokens, on_capacity=on_capacity, results=results):
+            if callback is not None:
+                callback(ev)
+        return results
+
+    def warm_up(self) -> None:
+        """Run once each step shape a served load starts with, so that the first requests do not pay
+        onnxruntime's first-run costs (its memory arena grows at the first step of a larger shape: 0.36-0.77 s for
+        the first 8-row step of SmolLM2-135M int4, 4 ms once warm): a prefill of one prefill length, and a
+        decode step over every slot, in sequences made for it and removed after. Only on a session holding no
+        sequence (every slot it writes is free, and a new sequence starts empty); the timings start again."""
+        if self.cache.sequences:
+            raise RuntimeInputError("warm_up runs on a session without sequences; remove them first")
+        seqs = [self.add_sequence() for _ in range(self.max_sequences)]
+        try:
+            width = min(self.prefill_seq_len, self.ctx_len - 1)
+            self.prefill(seqs[0], [0] * width)
+            for seq in seqs[1:]:
+                self.prefill(seq, [0])
+            self.decode([(seq, 0) for seq in seqs])
+        finally:
+            for seq in seqs:
+                self.remove_sequence(seq)
+        self.timings = type(self.timings)()

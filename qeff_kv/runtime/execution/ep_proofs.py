@@ -1,0 +1,108 @@
+"""Which onnxruntime execution provider (EP) is proved exact for which graph kind: the one table the runtime asks
+before it loads a graph, and the one-line refusals it gives (:class:`~qeff_kv.errors.ProviderError`).
+
+A graph *kind* is the target that wrote it (``portable``, ``onnxruntime``, ``onnxruntime-fused``: graph metadata
+``qeff_kv.target``), ``peer`` (another exporter's graph: no target recorded) or ``vision`` (a dual layout's vision
+encoder). *Proved* means: the runtime's own feeds, on that EP, give the reference tokens (greedy; transformers on
+the same weights), by a test in the suite. An EP that is not proved for a kind is refused before anything is
+loaded: a wrong answer that passes is the worst outcome, and onnxruntime accepts any EP it has without a word
+(measured on an H100: the CUDA EP answers wrong tokens through ``Session``, on the portable and the fused graph).
+
+What is proved today (each row has its test, named in :data:`PROVED`):
+
+* the CPU EP, every kind: the family matrix and the runtime's parity tests compare tokens with transformers;
+* no other EP. What is known about each kind off the CPU is :data:`OFF_CPU` (said in the refusal): the portable and
+  onnxruntime targets' feeds stay inside the ONNX spec (``tests/test_ep_conformance.py`` runs the runtime's feeds
+  through onnx's reference evaluator with strict index checks and gets the CPU's tokens), which is what a proof on
+  a GPU builds on, but no token comparison has run on another EP; the fused target uses onnxruntime contrib ops
+  that the reference evaluator cannot run (and gave wrong tokens on CUDA); the peer's graphs need the CPU-only
+  patch of their invalid gather/scatter indices (:mod:`qeff_kv.graph.passes.ort_invalid_index`).
+
+A new proof is one entry in :data:`PROVED` (with the test that proves it) and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from qeff_kv.errors import ProviderError
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+#: ``device=`` (``--device``) -> the EP it runs on
+DEVICES = {"cpu": CPU, "cuda": CUDA}
+KINDS = ("portable", "onnxruntime", "onnxruntime-fused", "peer", "vision")
+
+#: (EP, graph kind) -> the test that proves it exact
+PROVED: dict[tuple[str, str], str] = {
+    (CPU, "portable"): "tests/test_families.py (tokens equal to transformers)",
+    (CPU, "onnxruntime"): "tests/test_families.py (tokens equal to transformers)",
+    (CPU, "onnxruntime-fused"): "tests/test_fused_families.py (tokens equal to transformers)",
+    (CPU, "peer"): "tests/test_runtime_parity.py (the peer's reference tokens)",
+    (CPU, "vision"): "tests/test_vlm_runtime.py (tokens equal to transformers)",
+}
+
+#: graph kind -> what is known of it on an EP other than the CPU's (why it is not proved there)
+OFF_CPU: dict[str, str] = {
+    "portable": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) but no "
+                 "run on this EP has compared its tokens"),
+    "onnxruntime": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) but no "
+                    "run on this EP has compared its tokens"),
+    "onnxruntime-fused": ("its onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization) "
+                          "follow the CPU kernels' semantics, which the ONNX reference cannot check, and it gave "
+                          "wrong tokens on CUDA"),
+    "peer": ("another exporter's graph relies on a CPU-only patch of its out-of-range gather/scatter indices "
+             "(INT32_MAX)"),
+    "vision": "no run on this EP has compared the image embeddings",
+}
+
+
+def proved(provider: str, kind: str) -> bool:
+    """Whether ``provider`` is proved exact for graphs of ``kind``."""
+    return (provider, kind) in PROVED
+
+
+def refusal(provider: str, kind: str | None = None) -> str | None:
+    """Why ``provider`` is refused for ``kind`` (``None``: for every kind it may meet before the graph is read), or
+    ``None`` when it is proved."""
+    kinds = KINDS if kind is None else (kind,)
+    missing = [k for k in kinds if not proved(provider, k)]
+    if not missing:
+        return None
+    if kind is None and len(missing) < len(KINDS):
+        return None   # proved for some kind: the graph decides (require(..., kind) once it is read)
+    if kind is None:
+        return (f"{provider} is not proved exact for any graph kind: no run on it has compared tokens with the "
+                "reference; run on the CPU (device 'cpu')")
+    return f"{provider} is not proved exact for {kind} graphs: {OFF_CPU[kind]}; run on the CPU (device 'cpu')"
+
+
+def resolve(device: str | None, providers: Seq[str] | None) -> list[str]:
+    """The EPs a session runs on, from ``device`` (``"cpu"`` when neither is given) or ``providers``; one line when
+    they disagree or name an unknown device. Proofs are checked by :func:`require`."""
+    if device is not None and device not in DEVICES:
+        raise ProviderError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if providers is None:
+        return [DEVICES[device or "cpu"]]
+    if device is not None and DEVICES[device] != providers[0]:
+        raise ProviderError(f"device {device!r} runs on {DEVICES[device]}, but providers start with "
+                            f"{providers[0]}; give one of them")
+    return list(providers)
+
+
+def require(providers: Seq[str], kind: str | None = None) -> None:
+    """Refuse, in one line naming the EP and why, any of ``providers`` not proved for ``kind`` (``None``: before the
+    graph is read, an EP proved for no kind at all)."""
+    for p in providers:
+        why = refusal(p, kind)
+        if why is not None:
+            raise ProviderError(why)
+
+
+def kind_of(target: str | None, *, vision: bool = False) -> str:
+    """The graph kind of a graph whose metadata records ``target`` (``None``: another exporter's)."""
+    if vision:
+        return "vision"
+    if target is None:
+        return "peer"
+    return target if target in KINDS else "peer"

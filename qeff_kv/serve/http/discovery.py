@@ -1,0 +1,192 @@
+"""Discovery and browser access: ``/tokenize`` and ``/detokenize`` (vLLM's shapes), and CORS.
+
+``POST /tokenize``: ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
+"add_generation_prompt": true, "continue_final_message": false, "tools": [...]}`` (rendered through the export's
+chat template exactly as a chat request is, tools and assistant prefill included; special tokens are then not added
+again), optional ``"model"`` and ``"return_token_strs"``; answers ``{"count", "max_model_len", "tokens",
+"token_strs"}`` (``token_strs`` null unless asked for, as vLLM answers). ``POST /detokenize``: ``{"tokens":
+[ids]}``, answers ``{"prompt": str}``. Every ``/v1/...`` route is also served without the prefix
+(:func:`alias_without_v1`). Both need the API key when the server has one. Bounds as the completion routes have
+them: a text too long for the context is refused before it is tokenized (``context_length_exceeded``), a chat of
+more messages than the context has tokens before it is rendered, ``tokens`` of more ids than the context holds; the
+work runs in a worker thread with the tokenizer's GIL-releasing batch call (other streams keep flowing).
+
+CORS (``--allowed-origins``): off by default (no CORS headers: a browser page on another origin cannot call the
+server); with origins given (or ``*``), Starlette's CORS middleware answers OPTIONS preflights and adds the
+headers to every route; a refused preflight is a 400 in OpenAI's JSON shape (``code`` ``cors_refused``), and a
+500 (answered outside that middleware) gets the headers too (:func:`cors_headers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+
+from qeff_kv.errors import QeffKvError
+from qeff_kv.serve.http.bodies import check_text_fits, encode_text
+from qeff_kv.serve.http.openai_io import APIError, _is_int, _messages, bad
+
+
+def add_cors(app: FastAPI, origins: list[str] | None) -> None:
+    app.state.cors_origins = list(origins or [])
+    if not origins:
+        return
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.responses import Response
+
+    class JsonCORS(CORSMiddleware):
+        """Starlette's CORS, its refused preflight answered in OpenAI's JSON shape."""
+
+        def preflight_response(self, request_headers):
+            answer = super().preflight_response(request_headers)
+            if answer.status_code < 400:
+                return answer
+            why = answer.body.decode("utf-8", "replace")
+            body = APIError(f"{why} (see --allowed-origins)", code="cors_refused").body()
+            headers = {k: v for k, v in answer.headers.items() if k.lower().startswith("access-control-")}
+            return Response(json.dumps(body, ensure_ascii=True), status_code=answer.status_code, headers=headers,
+                            media_type="application/json")
+
+    app.add_middleware(JsonCORS, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["*"], allow_credentials=False, max_age=600)
+
+
+def cors_headers(app, request) -> dict:
+    """The CORS headers an answer made outside the CORS middleware (a 500) carries for ``request``'s origin."""
+    origins = getattr(app.state, "cors_origins", None) or []
+    origin = request.headers.get("origin")
+    if origin is None or not ("*" in origins or origin in origins):
+        return {}
+    return {"Access-Control-Allow-Origin": "*" if "*" in origins else origin, "Vary": "Origin"}
+
+
+def check_chat_size(messages, limit: int | None, ctx_len: int) -> None:
+    """A chat too large for the context refused before it is checked message by message or rendered: more
+    messages than the context has tokens (each renders at least one), or more text than it can hold."""
+    if not isinstance(messages, list):
+        return
+    if len(messages) > ctx_len:
+        raise bad(f"messages holds {len(messages)} messages; the model's context of {ctx_len} tokens cannot hold "
+                  "them", "messages", "context_length_exceeded")
+    text = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if limit is not None and text > limit:
+        raise bad(f"messages hold {text} characters of text; the model's context of {ctx_len} tokens cannot hold "
+                  f"more than {limit}", "messages", "context_length_exceeded")
+
+
+def _check_model(body: dict, engine) -> None:
+    model = body.get("model")
+    if model is not None and model != engine.model_name:
+        raise bad(f"the model {model!r} does not exist; this server serves {engine.model_name!r}", "model",
+                  "model_not_found")
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise bad(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+#: the fields ``/tokenize`` reads (vLLM's)
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "tools", "return_token_strs")
+
+
+def tokenize(body, *, engine, text, limit: int | None = None, tool_support=None) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(body, engine)
+    unknown = set(body) - set(TOKENIZE_FIELDS)
+    if unknown:
+        raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /tokenize", sorted(unknown)[0])
+    if ("prompt" in body) == ("messages" in body):
+        raise bad("give exactly one of prompt and messages", "prompt")
+    if "messages" in body:
+        rendered = _rendered_chat(body, engine, text, limit, tool_support)
+        check_text_fits(rendered, limit, engine.ctx_len, "messages")
+        ids = encode_text(text.tokenizer, rendered, add_special_tokens=_flag(body, "add_special_tokens", False))
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise bad(f"prompt must be a string, got {prompt!r}", "prompt")
+        if body.get("tools") not in (None, []) or body.get("continue_final_message") is not None:
+            raise bad("tools and continue_final_message go with messages", "tools")
+        check_text_fits(prompt, limit, engine.ctx_len, "prompt")
+        ids = encode_text(text.tokenizer, prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+    strs = [text.tokenizer.id_to_token(t) for t in ids] if _flag(body, "return_token_strs", False) else None
+    return {"count": len(ids), "max_model_len": engine.ctx_len, "tokens": list(ids), "token_strs": strs}
+
+
+def _rendered_chat(body: dict, engine, text, limit, tool_support) -> str:
+    """``messages`` (and ``tools``) rendered as a chat request renders them, prefill included."""
+    from qeff_kv.serve.http.prefill import parse_turn, render
+    from qeff_kv.serve.structured.tool_io import parse_tools
+
+    if text.chat_template is None:
+        raise bad("this model has no chat template; tokenize a prompt", "messages")
+    check_chat_size(body["messages"], limit, engine.ctx_len)
+    messages = _messages(body["messages"])
+    if any(m.get("images") for m in messages):
+        raise bad("/tokenize does not take image_url parts (a chat completion does, on a vision-language export)",
+                  "messages")
+    turn = parse_turn(body, messages)
+    tools = parse_tools({"tools": body.get("tools")})
+    try:
+        if tool_support is not None:
+            messages, listed = tool_support().prompt(messages, tools)
+        else:
+            listed = tools.tools if tools is not None else None
+        return render(text.chat_template, messages, turn, listed)
+    except QeffKvError as exc:
+        raise bad(str(exc), "messages") from None
+
+
+def detokenize(body, *, engine, text) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(body, engine)
+    unknown = set(body) - {"model", "tokens"}
+    if unknown:
+        raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /detokenize", sorted(unknown)[0])
+    ids = body.get("tokens")
+    vocab = text.tokenizer.get_vocab_size(with_added_tokens=True)
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise bad("tokens must be a list of token ids", "tokens")
+    if len(ids) > engine.ctx_len:
+        raise bad(f"tokens holds {len(ids)} ids; the model's context holds {engine.ctx_len}", "tokens",
+                  "context_length_exceeded")
+    outside = [t for t in ids if not 0 <= t < vocab]
+    if outside:
+        raise bad(f"token id {outside[0]} is outside the tokenizer's vocabulary [0, {vocab})", "tokens")
+    return {"prompt": text.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def add_token_routes(app: FastAPI, *, engine, text, auth, json_body, tool_support=None) -> None:
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        auth(request)
+        body = await json_body(request)   # tokenizing a large text runs in a worker thread, off the event loop
+        return await asyncio.to_thread(tokenize, body, engine=engine, text=text, limit=app.state.text_limit,
+                                       tool_support=tool_support)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        auth(request)
+        body = await json_body(request)
+        return await asyncio.to_thread(detokenize, body, engine=engine, text=text)
+
+
+def alias_without_v1(app: FastAPI) -> None:
+    """Every ``/v1/...`` route also served as ``/...`` (llama-server serves both; an OpenAI client given a
+    ``base_url`` without ``/v1`` then works), unless that path is already a route of its own."""
+    from fastapi.routing import APIRoute
+
+    taken = {(r.path, m) for r in app.router.routes if isinstance(r, APIRoute) for m in r.methods}
+    for r in [r for r in app.router.routes if isinstance(r, APIRoute) and r.path.startswith("/v1/")]:
+        methods = [m for m in r.methods if (r.path[3:], m) not in taken]
+        if methods:
+            app.add_api_route(r.path[3:], r.endpoint, methods=methods, response_class=r.response_class,
+                              include_in_schema=False)

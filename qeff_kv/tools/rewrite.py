@@ -1,0 +1,149 @@
+"""``qeff-kv rewrite``: add, change or strip the KV-cache prefix of a retained-state ONNX file.
+
+Loads the graph with :func:`qeff_kv.graph.graphio.load` (external weights stay on disk, never read), runs
+:class:`~qeff_kv.graph.passes.SetKVPrefixPass`, and writes the result atomically with :func:`qeff_kv.graph.graphio.save`.
+Every refusal is raised as a typed :class:`~qeff_kv.errors.QeffKvError` before anything is written:
+
+* an invalid prefix, or both/neither of ``prefix`` and ``strip``;
+* no output path, or an output path that is the input (or a hard link to it) without ``in_place``;
+* a file that is missing, not ONNX or truncated; external data that is absolute or escapes the folder;
+* a graph with no KV buffers, unpaired KV buffers, or mixed prefixes (unless ``allow_mixed``);
+* a prefix that would create a name that already exists, or that occurs in a non-KV input/output name;
+* an output that would overwrite an external-data file, or a different file already sitting where the
+  external data has to be copied beside the output.
+
+External data is never read into memory: in the same folder the new graph refers to the same data file; in
+another folder the data file is cloned (reflink) or copied in the kernel (constant memory, holes kept).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qeff_kv.support import fsutil, validate
+from qeff_kv.graph import graphio
+from qeff_kv.contract import naming
+from qeff_kv.errors import ExternalDataError, RewriteError
+from qeff_kv.graph.passes import SetKVPrefixPass
+
+
+@dataclass
+class RewriteResult:
+    """What a rewrite did."""
+
+    source: Path
+    output: Path
+    old_prefixes: list[str | None]
+    prefix: str | None
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    #: External-data files (relative locations) the output refers to.
+    external_data: list[str] = field(default_factory=list)
+    #: ``"none"`` (no external data), ``"referenced"`` (same folder: the output points at the same files) or
+    #: ``"copied"`` (other folder: cloned/copied beside the output; never hard-linked, which onnx refuses).
+    external_data_action: str = "none"
+    written: bool = True
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.renamed)
+
+    def to_json(self) -> dict:
+        return {
+            "source": str(self.source), "output": str(self.output),
+            "old_prefixes": list(self.old_prefixes), "prefix": self.prefix,
+            "renamed": [{"from": a, "to": b} for a, b in self.renamed],
+            "external_data": list(self.external_data), "external_data_action": self.external_data_action,
+            "written": self.written,
+        }
+
+    def summary(self) -> str:
+        what = ("stripped the KV-cache prefix" if self.prefix is None
+                else f"set the KV-cache prefix to {self.prefix!r}")
+        olds = ", ".join("(none)" if p is None else repr(p) for p in self.old_prefixes)
+        line = f"{what} (was {olds}): renamed {len(self.renamed)} input/output names; wrote {self.output}"
+        if not self.written:
+            line = f"{what}: nothing to rename; {self.output} left as it was"
+        if self.external_data_action == "copied":
+            line += f"; external data copied beside it ({', '.join(self.external_data)})"
+        elif self.external_data_action == "referenced":
+            line += f"; external data referenced in place ({', '.join(self.external_data)})"
+        return line
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, prefix: str | None = None,
+            strip: bool = False, in_place: bool = False, allow_mixed: bool = False) -> RewriteResult:
+    """Rewrite the KV-cache prefix of the graph at ``src`` into ``dst`` (or ``src`` itself with ``in_place``).
+
+    Exactly one of ``prefix`` (add or change to it) and ``strip=True`` (remove any prefix) must be given.
+    ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes them uniform.
+    """
+    # ------------------------------------------------------------------ arguments (nothing read yet)
+    validate.path_like("src", src, error=RewriteError)
+    validate.path_like("dst", dst, optional=True, error=RewriteError)
+    for label, v in (("strip", strip), ("in_place", in_place), ("allow_mixed", allow_mixed)):
+        validate.flag(label, v, error=RewriteError)
+    if strip and prefix is not None:
+        raise RewriteError("give either a prefix or strip, not both")
+    if not strip and prefix is None:
+        raise RewriteError("nothing to do: give a prefix to set, or strip=True to remove the prefix")
+    new_prefix = None if strip else naming.validate_prefix(prefix)
+    src = Path(src)
+    if in_place:
+        if dst is not None and not _same_path(src, Path(dst)):
+            raise RewriteError(f"in-place rewrite of {src} cannot also write to another file {dst}")
+        dst_path = src
+    else:
+        if dst is None:
+            raise RewriteError("no output file given (use -o OUTPUT, or --in-place to rewrite the input)")
+        dst_path = Path(dst)
+        if dst_path.exists() and dst_path.is_dir():
+            raise RewriteError(f"output {dst_path} is a folder; give a file name")
+        fsutil.check_output_file(dst_path)  # a folder, FIFO, device node or a path below a file: refused
+        if src.exists() and dst_path.exists() and _same_path(src, dst_path):
+            raise RewriteError(f"output {dst_path} is the input file; pass --in-place to rewrite it")
+
+    # ------------------------------------------------------------------ read and plan
+    model = graphio.load(src)
+    layout = graphio.layout_of(model)
+    old_prefixes = layout.prefixes
+    externals = sorted({str(t.location) for t in graphio.external_tensors(model)})
+    src_dir, dst_dir = src.parent.resolve(), dst_path.parent.resolve()
+    for location in externals:
+        data_src = (src_dir / location)
+        if dst_path.exists() and _same_path(dst_path, data_src):
+            raise RewriteError(f"output {dst_path} is the external-data file {location!r} of the input")
+        if dst_dir != src_dir:
+            data_dst = dst_dir / location
+            if data_dst.resolve() == dst_path.resolve():
+                raise RewriteError(f"output {dst_path} would overwrite the external data {location!r} it needs")
+            if data_dst.exists() and not (_same_path(data_src, data_dst)
+                                          or graphio._same_content(data_src, data_dst)):
+                raise ExternalDataError(
+                    f"{data_dst} already exists and is not the external data of the input model; "
+                    "refusing to overwrite it (choose another output folder)")
+
+    before = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
+    SetKVPrefixPass(new_prefix, allow_mixed=allow_mixed)(model)  # raises before mutating on refusal
+    after = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
+    renamed = [(a, b) for a, b in zip(before, after) if a != b]
+
+    result = RewriteResult(
+        source=src, output=dst_path, old_prefixes=old_prefixes, prefix=new_prefix, renamed=renamed,
+        external_data=externals,
+        external_data_action="none" if not externals else ("referenced" if src_dir == dst_dir else "copied"))
+    if in_place and not renamed:
+        result.written = False
+        return result
+    graphio.save(model, dst_path, source_dir=src.parent)
+    return result
