@@ -279,3 +279,29 @@ def test_the_cpu_device_binds_the_state_once_as_input_and_retained_output(graph,
         assert set(retained.values()) <= set(before.values())
     logits_value = sess._io.get_outputs()[sess._out_order.index("logits")]
     assert logits_value.data_ptr() in {v.data_ptr() for _, v in sess._logits.values()}
+
+
+def test_the_measurement_hook_passes_an_unproved_ep_with_a_warning(own_graph, monkeypatch):
+    """``QEFF_KV_MEASURE_UNPROVED_EP=1`` (benchmarks/gpu_check.py, issue 40's GPU half): the refusal becomes a
+    RuntimeWarning naming the EP and why, and the buffers stay in host memory; the next check still runs (here the
+    EP is absent from this onnxruntime). Any other value keeps the refusal."""
+    import onnxruntime as ort
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime import device
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CPU])
+    providers = [ep_proofs.CUDA, ep_proofs.CPU]
+    monkeypatch.setenv(ep_proofs.MEASURE_ENV, "1")
+    assert device.for_providers(providers) is device.CPU
+    with pytest.warns(RuntimeWarning) as warned, pytest.raises(RuntimeInputError) as exc:
+        Session(own_graph, providers=providers)
+    assert type(exc.value) is RuntimeInputError and str(exc.value) == (
+        "onnxruntime provider 'CUDAExecutionProvider' is not available here (available: CPUExecutionProvider)")
+    why = ep_proofs.refusal(ep_proofs.CUDA, "portable")
+    assert [str(w.message) for w in warned if w.category is RuntimeWarning] == [
+        f"QEFF_KV_MEASURE_UNPROVED_EP=1: running an unproved EP for a measurement: {why}"]
+    monkeypatch.setenv(ep_proofs.MEASURE_ENV, "yes")
+    with pytest.raises(ProviderError, match="^CUDAExecutionProvider is not proved exact for portable graphs"):
+        Session(own_graph, providers=providers)
+    with pytest.raises(ProviderError, match="buffers on its device are not implemented"):
+        device.for_providers(providers)

@@ -11,7 +11,9 @@ On the CPU (:data:`CPU`, the only device implemented) the host view *is* the buf
 array's memory, so the verbs (truncate, copy, relocate, state files, hand-off) work on the bytes in place. A
 device whose memory the host cannot address (CUDA) would give the verbs staging copies, moving bytes to the host
 only where a verb needs them; it is not implemented, and ``device="cuda"`` is refused before this is reached
-(:mod:`.ep_proofs`: no graph kind is proved exact on that EP).
+(:mod:`.ep_proofs`: no graph kind is proved exact on that EP). Under the EP proofs' measurement hook
+(:func:`.ep_proofs.measuring`) a session on another EP keeps its buffers here, in host memory, and onnxruntime
+copies them to and from the EP's device.
 """
 
 from __future__ import annotations
@@ -47,6 +49,6 @@ CPU = Device("cpu", ep_proofs.CPU)
 
 def for_providers(providers: list[str]) -> Device:
     """The device of a session on ``providers`` (already proved, :func:`.ep_proofs.require`)."""
-    if providers[0] == ep_proofs.CPU:
+    if providers[0] == ep_proofs.CPU or ep_proofs.measuring():
         return CPU
     raise ProviderError(f"{providers[0]}: buffers on its device are not implemented (only the CPU's)")

@@ -19,10 +19,16 @@ What is proved today (each row has its test, named in :data:`PROVED`):
   patch of their invalid gather/scatter indices (:mod:`qeff_kv.graph.passes.ort_invalid_index`).
 
 A new proof is one entry in :data:`PROVED` (with the test that proves it) and nothing else.
+
+The one way past a refusal is a measurement hook, for gathering the proof itself (``benchmarks/gpu_check.py``):
+the environment variable :data:`MEASURE_ENV` set to ``1`` lets :func:`require` pass an unproved EP, with a
+``RuntimeWarning`` naming it, and the session keeps its buffers in host memory (:mod:`.device`). Never for serving.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Sequence as Seq
 
 from qeff_kv.errors import ProviderError
@@ -55,6 +61,15 @@ OFF_CPU: dict[str, str] = {
              "(INT32_MAX)"),
     "vision": "no run on this EP has compared the image embeddings",
 }
+
+
+#: the measurement hook (module docstring): ``QEFF_KV_MEASURE_UNPROVED_EP=1`` runs an unproved EP, with a warning
+MEASURE_ENV = "QEFF_KV_MEASURE_UNPROVED_EP"
+
+
+def measuring() -> bool:
+    """Whether the measurement hook is on (:data:`MEASURE_ENV` is ``"1"``)."""
+    return os.environ.get(MEASURE_ENV) == "1"
 
 
 def proved(provider: str, kind: str) -> bool:
@@ -92,10 +107,13 @@ def resolve(device: str | None, providers: Seq[str] | None) -> list[str]:
 
 def require(providers: Seq[str], kind: str | None = None) -> None:
     """Refuse, in one line naming the EP and why, any of ``providers`` not proved for ``kind`` (``None``: before the
-    graph is read, an EP proved for no kind at all)."""
+    graph is read, an EP proved for no kind at all); with the measurement hook on, warn instead."""
     for p in providers:
         why = refusal(p, kind)
-        if why is not None:
+        if why is not None and measuring():
+            warnings.warn(f"{MEASURE_ENV}=1: running an unproved EP for a measurement: {why}", RuntimeWarning,
+                          stacklevel=3)
+        elif why is not None:
             raise ProviderError(why)
 
 
