@@ -292,7 +292,7 @@ def probes(ep: str, device: str) -> dict:
 
 # ============================================================================================ main
 def run_case(path: Path, ep: str, device: str, reference: dict | None) -> dict:
-    from qeff_kv.runtime import ep_proofs
+    from qeff_kv.runtime.execution import ep_proofs
 
     res: dict = {}
     on_ep = [ep, CPU] if ep != CPU else [CPU]

@@ -287,7 +287,7 @@ def test_the_measurement_hook_passes_an_unproved_ep_with_a_warning(own_graph, mo
     EP is absent from this onnxruntime). Any other value keeps the refusal."""
     import onnxruntime as ort
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime import device
+    from qeff_kv.runtime.execution import device
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CPU])
     providers = [ep_proofs.CUDA, ep_proofs.CPU]
