@@ -12,7 +12,7 @@ import sys
 import click
 
 from qeff_kv.tools import buffers as _buffers
-from qeff_kv.tools.check import rules as _check
+from qeff_kv.tools import check as _check
 from qeff_kv.tools import rewrite as _rewrite
 
 from .params import DIM, PRECISION, SLIDING_WINDOW

@@ -163,7 +163,7 @@ def test_slice_limits_attention(exports):
 
 
 def test_check_passes(exports):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     _, ccl, _ = exports
     report = check(ccl.onnx_path)

@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 import _kv_graphs as kvg
 from conftest import requires_torch
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
 from qeff_kv.tools.buffers import buffers_report

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import _kv_graphs as kg
 from qeff_kv.tools import buffers, rewrite
-from qeff_kv.tools.check import rules as check
+from qeff_kv.tools import check as check
 from qeff_kv import errors
 from qeff_kv.support import validate
 from qeff_kv.export import export_model

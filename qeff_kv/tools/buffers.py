@@ -398,7 +398,7 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     graph (a ``num_logits_to_keep`` input) takes ``speculative_tokens`` ``K`` (default: its metadata): its decode
     specialization runs ``K+1`` tokens.
     """
-    from qeff_kv.tools.check import rules as _check
+    from qeff_kv.tools import check as _check
     from qeff_kv.tools.compile_config import check_precision, check_vision_precision, parse_ccl, specializations
 
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
