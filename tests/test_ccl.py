@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from qeff_kv.errors import ExportError  # noqa: E402
 from qeff_kv.export import export_model  # noqa: E402
-from qeff_kv.tools.compile_config import auto_ccl  # noqa: E402
+from qeff_kv.contract.ccl import auto_ccl  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
 from qeff_kv.runtime.ccl import allowed_lengths  # noqa: E402
 

@@ -472,7 +472,7 @@ COMPILE = {
 def test_compile_config_writes_what_the_peers_compile_step_expects(fx, graph, tmp_path):
     """custom_io for every prefixed state buffer (recurrent states too; vision_embeds at its own dtype), the
     specializations with num_logits_to_keep (K given: the graph records none) and sliding_window."""
-    from qeff_kv.tools.buffers import write_compile_config_for_graph
+    from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
 
     extra, want = COMPILE[graph]
     kw = {"prefill_seq_len": 16, "ctx_len": CTX, **extra}

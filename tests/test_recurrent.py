@@ -162,7 +162,8 @@ def test_cb_names_check_buffers_compile_config(bamba_cb, long_refs, tmp_path):
     """Continuous batching by batch_index: two sequences at different lengths decode together, each exact; the
     names are the peer's with the prefix; check passes; buffers and compile-config carry the recurrent pairs."""
     from qeff_kv.graph import graphio
-    from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
+    from qeff_kv.tools.buffers import buffers_report
+    from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
     from qeff_kv.tools.check import check
     from qeff_kv.runtime import Session
 
