@@ -155,6 +155,13 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         at.append(f"sliding_window={sliding_window}")
     bytes_col = "bytes/seq" + (f" @{','.join(at)}" if at else "")
     lines = _table(["layer", "kind", "input", "retained", "dtype", "shape", "capacity", bytes_col], rows)
+    lines.append(_summary_line(layout, ctx_len, sliding_window))
+    lines += _notes(layout, sliding_window)
+    return "\n".join(lines) + "\n"
+
+
+def _summary_line(layout: KVLayout, ctx_len: int | None, sliding_window: int | None) -> str:
+    """Pairs, layers, prefix and the bytes per sequence (or which option would give them)."""
     total = total_bytes_per_sequence(layout, ctx_len, sliding_window)
     ps = layout.prefixes
     prefix = "mixed: " + ", ".join("(none)" if p is None else p for p in ps) if len(ps) > 1 else (
@@ -166,11 +173,17 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         need = []
         if ctx_len is None and any(p.bytes_per_sequence(None, sliding_window or 1) is None for p in layout.pairs):
             need.append("--ctx-len N")
-        if sliding and sliding_window is None:
+        if layout.has_sliding and sliding_window is None:
             need.append("--sliding-window N")
         if need:
             summary += f"; pass {' and '.join(need)} for bytes per sequence"
-    lines.append(summary)
+    return summary
+
+
+def _notes(layout: KVLayout, sliding_window: int | None) -> list[str]:
+    """The lines under the summary: per-token bytes, recurrent state, sliding layers, speculative decoding,
+    unpaired and non-KV retained buffers, the vision-language kind."""
+    lines = []
     per_token = _per_token_line(layout)
     if per_token is not None:
         lines.append(per_token)
@@ -179,7 +192,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         layers = sorted({p.layer for p in layout.recurrent_pairs})
         lines.append(f"recurrent state bytes per sequence (constant in ctx_len, layers "
                      f"{', '.join(map(str, layers))}): {human_bytes(state)} ({state} bytes)")
-    if sliding:
+    if layout.has_sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
     if layout.speculative:
@@ -197,7 +210,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         lines.append("non-KV retained buffers: none")
     if kind is not None:
         lines.append(f"{multimodal.describe_kind(kind)}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _non_kv_rows(layout: KVLayout) -> list[tuple[str | None, str | None]]:

@@ -188,23 +188,8 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     With ``speculative_tokens`` ``K`` (a speculative-decoding graph, QEfficient's TLM): every entry carries
     ``num_logits_to_keep`` (1 for prefill) and decode runs ``seq_len = K+1`` with ``num_logits_to_keep = K+1``.
     """
-    for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
-        positive_int(label, v)
-    if full_batch_size is not None:
-        positive_int("full_batch_size", full_batch_size)
-    check_sliding_window(sliding_window)
-    if prefill_seq_len > ctx_len:
-        raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
-    if fmt not in ("flat", "named"):
-        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
-    if full_batch_size is not None:
-        prefill = {"batch_size": "1", "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len),
-                   "full_batch_size": str(full_batch_size)}
-        decode = {"batch_size": str(full_batch_size), "seq_len": "1", "ctx_len": str(ctx_len),
-                  "full_batch_size": str(full_batch_size)}
-    else:
-        prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
-        decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    _check_spec_arguments(prefill_seq_len, ctx_len, batch_size, full_batch_size, sliding_window, fmt)
+    prefill, decode = _prefill_and_decode(prefill_seq_len, ctx_len, batch_size, full_batch_size)
     if sliding_window is not None:
         prefill, decode = (_after_ctx_len(d, naming.SLIDING_DIM, str(sliding_window)) for d in (prefill, decode))
     if vision_symbols:
@@ -218,18 +203,47 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                                     f"positions does not fit ctx_len {ctx_len}")
         prefill = {**prefill, naming.LOGITS_TO_KEEP_INPUT: "1"}
         decode = {**decode, "seq_len": width, naming.LOGITS_TO_KEEP_INPUT: width}
-    if ccl:
-        for v in ccl:
-            positive_int(naming.CCL_INPUT, v)
-        if min(ccl) < prefill_seq_len:
-            raise RuntimeInputError(ccl_below_prefill(min(ccl), prefill_seq_len))
-        entries = [(f"Prefill_ccl{v}", {**prefill, naming.CCL_INPUT: str(v)}) for v in ccl]
-        entries += [(f"Decode_ccl{v}", {**decode, naming.CCL_INPUT: str(v)}) for v in ccl]
-    else:
-        entries = [("Prefill", prefill), ("Decode", decode)]
+    entries = _ccl_entries(prefill, decode, ccl, prefill_seq_len) if ccl else [("Prefill", prefill), ("Decode", decode)]
     if fmt == "flat":
         return {"specializations": [sym for _, sym in entries]}
     return {"specializations": [{"name": name, "symbols": sym} for name, sym in entries]}
+
+
+def _check_spec_arguments(prefill_seq_len, ctx_len, batch_size, full_batch_size, sliding_window, fmt) -> None:
+    for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
+        positive_int(label, v)
+    if full_batch_size is not None:
+        positive_int("full_batch_size", full_batch_size)
+    check_sliding_window(sliding_window)
+    if prefill_seq_len > ctx_len:
+        raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
+    if fmt not in ("flat", "named"):
+        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
+
+
+def _prefill_and_decode(prefill_seq_len: int, ctx_len: int, batch_size: int,
+                        full_batch_size: int | None) -> tuple[dict, dict]:
+    """The two base entries; under continuous batching prefill runs one sequence, decode ``full_batch_size``."""
+    if full_batch_size is not None:
+        prefill = {"batch_size": "1", "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len),
+                   "full_batch_size": str(full_batch_size)}
+        decode = {"batch_size": str(full_batch_size), "seq_len": "1", "ctx_len": str(ctx_len),
+                  "full_batch_size": str(full_batch_size)}
+    else:
+        prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
+        decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    return prefill, decode
+
+
+def _ccl_entries(prefill: dict, decode: dict, ccl, prefill_seq_len: int) -> list[tuple[str, dict]]:
+    """One prefill per compute-context length, then one decode per length, each with ``comp_ctx_lengths``."""
+    for v in ccl:
+        positive_int(naming.CCL_INPUT, v)
+    if min(ccl) < prefill_seq_len:
+        raise RuntimeInputError(ccl_below_prefill(min(ccl), prefill_seq_len))
+    entries = [(f"Prefill_ccl{v}", {**prefill, naming.CCL_INPUT: str(v)}) for v in ccl]
+    entries += [(f"Decode_ccl{v}", {**decode, naming.CCL_INPUT: str(v)}) for v in ccl]
+    return entries
 
 
 def _after_ctx_len(d: dict, key: str, value: str) -> dict:
