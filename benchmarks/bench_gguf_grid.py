@@ -106,7 +106,7 @@ def export(gguf_path: Path, out: Path, threads_env: dict, **kw) -> Path:
 def greedy(folder: Path, threads: int, new: int) -> list[list[int]]:
     from qeff_kv.runtime import Session
     from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
-    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.text.tokenizer import load_tokenizer
 
     tok, tmpl = load_tokenizer(folder, required=True), load_chat_template(folder)
     s = Session(folder, threads=threads)

@@ -5,7 +5,7 @@ Compares, each in a fresh subprocess (so peak RSS is the operation's own):
 * ``ours-same-folder``   qeff_kv.tools.rewrite.rewrite(src, <same folder>/out.onnx, prefix="VLLM")
 * ``ours-other-folder``  the same into another folder (the data file is cloned or copied beside the output,
                          in the kernel; a sparse file stays sparse, so this is measured on a dense file too)
-* ``ours-check``         qeff_kv.tools.check.rules.check(src) (all rules, onnx checker included)
+* ``ours-check``         qeff_kv.tools.check.check(src) (all rules, onnx checker included)
 * ``naive``              onnx.load(src) (loads every weight) + rename the KV names + onnx.save(...) with
                          external data (writes every weight again)
 
@@ -101,7 +101,7 @@ def _vm(field: str) -> int:
 def child(variant: str, src: str, dst: str) -> None:
     import onnx  # noqa: F401  (imports before the clock: both variants import onnx)
 
-    from qeff_kv.tools.check import rules as qcheck
+    from qeff_kv.tools import check as qcheck
     from qeff_kv.contract import naming
     from qeff_kv.tools.rewrite import rewrite
 

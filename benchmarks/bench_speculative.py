@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from qeff_kv.runtime import Session  # noqa: E402
 from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template  # noqa: E402
-from qeff_kv.runtime.generate_job import load_tokenizer  # noqa: E402
+from qeff_kv.runtime.text.tokenizer import load_tokenizer  # noqa: E402
 from qeff_kv.runtime.decoding.speculative import PromptLookup, SpeculativeDecoder  # noqa: E402
 
 

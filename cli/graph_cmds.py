@@ -12,7 +12,8 @@ import sys
 import click
 
 from qeff_kv.tools import buffers as _buffers
-from qeff_kv.tools.check import rules as _check
+from qeff_kv.tools import check as _check
+from qeff_kv.tools import compile_from_graph as _compile_from_graph
 from qeff_kv.tools import rewrite as _rewrite
 
 from .params import DIM, PRECISION, SLIDING_WINDOW
@@ -150,7 +151,7 @@ def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: 
     language graph the vision program's custom_io_vision.yaml and specializations_vision.json are written beside
     them when its vision graph is known (--vision-model, or the export's manifest).
     """
-    paths = _buffers.write_compile_config_for_graph(
+    paths = _compile_from_graph.write_compile_config_for_graph(
         model, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len, batch_size=batch_size,
         full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl,  # type: ignore[arg-type]
         sliding_window=sliding_window, img_size=img_size, vision_size=vision_size,

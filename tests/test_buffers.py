@@ -10,8 +10,8 @@ from click.testing import CliRunner
 import _kv_graphs as kvg
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
-from qeff_kv.tools.buffers import (RegexError, buffers_report, format_buffer_table, regex_selection,
-                             write_compile_config_for_graph)
+from qeff_kv.tools.buffers import RegexError, buffers_report, format_buffer_table, regex_selection
+from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv_cli.main import main
 

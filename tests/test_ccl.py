@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from qeff_kv.errors import ExportError  # noqa: E402
 from qeff_kv.export import export_model  # noqa: E402
-from qeff_kv.tools.compile_config import auto_ccl  # noqa: E402
+from qeff_kv.contract.ccl import auto_ccl  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
 from qeff_kv.runtime.ccl import allowed_lengths  # noqa: E402
 
@@ -163,7 +163,7 @@ def test_slice_limits_attention(exports):
 
 
 def test_check_passes(exports):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     _, ccl, _ = exports
     report = check(ccl.onnx_path)

@@ -55,7 +55,7 @@ def _folder(tmp_path: Path, *, template: str | None = TEMPLATE, jinja_file: bool
 
 def _ours(folder: Path, text: str, system: str | None = None) -> list[int]:
     from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
-    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.text.tokenizer import load_tokenizer
 
     return chat_prompt_ids(load_tokenizer(folder, required=True), load_chat_template(folder), text, system)
 

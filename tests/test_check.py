@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import _kv_graphs as kvg
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExternalDataError, GraphReadError, PrefixError
 from qeff_kv.tools.testing import assert_kv_selected_by, assert_retained_state_graph

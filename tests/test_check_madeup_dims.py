@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import _kv_graphs as kvg
 import _recurrent_graph as rg
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
 from qeff_kv.tools.buffers import buffers_report

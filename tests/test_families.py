@@ -27,7 +27,7 @@ CELLS = [(name, t) for name in FAMILIES for t in TARGETS]
 @pytest.mark.parametrize("name,target", CELLS, ids=[f"{n}-{t}" for n, t in CELLS])
 def test_family_cell(name, target, family_exports, family_refs):
     from hf_models import PlainLoop
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
     from qeff_kv.errors import ExportError
 
     expected = EXPECT[name][target]

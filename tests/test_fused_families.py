@@ -97,7 +97,7 @@ def _attr(node, name, default):
 def test_fused_family_matches_transformers_in_place(name, exports, refs):
     from hf_models import PlainLoop
     from qeff_kv.graph import graphio
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
     from qeff_kv.graph.inplace import inplace_issues
     from qeff_kv.runtime import Session
 

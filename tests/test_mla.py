@@ -164,7 +164,7 @@ def test_handoff_with_serving_regex(exports, refs):
 def test_rewrite_prefix_of_a_latent_graph(exports, refs, tmp_path):
     """``rewrite`` renames the latent pair like any KV pair; the state spec and the tokens stay."""
     from hf_models import PlainLoop
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
     from qeff_kv.tools.rewrite import rewrite
 
     out = tmp_path / "kvc.onnx"
@@ -178,7 +178,7 @@ def test_rewrite_prefix_of_a_latent_graph(exports, refs, tmp_path):
 
 def test_check_buffers_compile_config(exports, tmp_path):
     from qeff_kv.tools.buffers import buffers_report
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
     from qeff_kv_cli.main import main as cli
 
     path = exports["cb"].onnx_path
@@ -213,7 +213,7 @@ def _latent_graph(tmp_path, **kw):
 
 
 def test_check_latent_rules(tmp_path):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     ok = check(_latent_graph(tmp_path))
     assert ok.ok, ok.format_text()

@@ -181,7 +181,7 @@ def _packed_copy(export, dst) -> tuple[object, PackSharedInputMatMulsPass]:
 @requires_torch
 @pytest.mark.parametrize("key,op", [("float", "MatMul"), ("int4", "MatMulNBits")])
 def test_packed_export_tokens_equal_unpacked(unpacked, key, op, tmp_path):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     path, p = _packed_copy(unpacked[key], tmp_path / key)
     layers = 2
@@ -195,7 +195,7 @@ def test_packed_export_tokens_equal_unpacked(unpacked, key, op, tmp_path):
 
 @requires_torch
 def test_shipped_int4_export_is_packed(unpacked):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     shipped = graphio.load(unpacked["shipped"].onnx_path)
     plain = graphio.load(unpacked["int4"].onnx_path)

@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 import _kv_graphs as kvg
 from conftest import requires_torch
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
 from qeff_kv.tools.buffers import buffers_report
@@ -472,7 +472,7 @@ COMPILE = {
 def test_compile_config_writes_what_the_peers_compile_step_expects(fx, graph, tmp_path):
     """custom_io for every prefixed state buffer (recurrent states too; vision_embeds at its own dtype), the
     specializations with num_logits_to_keep (K given: the graph records none) and sliding_window."""
-    from qeff_kv.tools.buffers import write_compile_config_for_graph
+    from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
 
     extra, want = COMPILE[graph]
     kw = {"prefill_seq_len": 16, "ctx_len": CTX, **extra}

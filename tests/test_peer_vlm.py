@@ -18,9 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import requires_torch
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
-from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
+from qeff_kv.tools.buffers import buffers_report
+from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.tools.rewrite import rewrite
 from qeff_kv_cli.main import main

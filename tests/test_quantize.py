@@ -53,7 +53,7 @@ def _greedy(path, prompt=PROMPT, new=NEW):
 
 @pytest.mark.parametrize("key", ["int4", "int8", "int8-ort"])
 def test_quantized_graph_structure(exports, key):
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     r = exports[key]
     model = graphio.load(r.onnx_path)

@@ -84,7 +84,7 @@ def _hf_chat_ids(tok, question: str) -> list[int]:
 def test_chat_template_renders_like_transformers(export, hf):
     """Our jinja2 renderer on the export folder's files gives transformers' apply_chat_template ids."""
     from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
-    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.text.tokenizer import load_tokenizer
 
     _model, tok = hf
     folder = export.out_dir

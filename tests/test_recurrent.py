@@ -89,7 +89,7 @@ def test_check_refuses_a_position_axis_on_a_recurrent_buffer(tmp_path):
     import _kv_graphs as kvg
     import onnx
 
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     path = tmp_path / "bad.onnx"
     onnx.save(kvg.build(1, stems=["conv_state", "recurrent_state"],
@@ -108,7 +108,7 @@ def test_check_recurrent_state_needs_its_conv_state(tmp_path):
     import _kv_graphs as kvg
     import onnx
 
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     onnx.save(kvg.build(1, stems=["recurrent_state"]), tmp_path / "half.onnx")
     report = check(tmp_path / "half.onnx")
@@ -162,8 +162,9 @@ def test_cb_names_check_buffers_compile_config(bamba_cb, long_refs, tmp_path):
     """Continuous batching by batch_index: two sequences at different lengths decode together, each exact; the
     names are the peer's with the prefix; check passes; buffers and compile-config carry the recurrent pairs."""
     from qeff_kv.graph import graphio
-    from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.buffers import buffers_report
+    from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
+    from qeff_kv.tools.check import check
     from qeff_kv.runtime import Session
 
     graph = graphio.load(bamba_cb.onnx_path)

@@ -57,7 +57,7 @@ def _expected_buffers(name: str, prefix: str = "") -> list[str]:
 @pytest.mark.parametrize("name,target", CELLS, ids=[f"{n}-{t}" for n, t in CELLS])
 def test_recurrent_family_exact(name, target, family_exports, recurrent_refs):
     from hf_models import PlainLoop
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     result = family_exports(name, target)
     if isinstance(result, BaseException):

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _kv_graphs as kg
-from qeff_kv.tools import buffers, rewrite
-from qeff_kv.tools.check import rules as check
+from qeff_kv.tools import buffers, compile_from_graph, rewrite
+from qeff_kv.tools import check as check
 from qeff_kv import errors
 from qeff_kv.support import validate
 from qeff_kv.export import export_model
@@ -71,7 +71,7 @@ def _cases(f):
         (lambda: check.check(g, skip_checker="no"), R, "skip_checker must be True or False, got 'no'"),
         (lambda: buffers.buffers_report(5), R, "path must be a path (str or os.PathLike), got int 5"),
         (lambda: buffers.buffers_report(g, regex=5), R, "regex must be a string, got int 5"),
-        (lambda: buffers.write_compile_config_for_graph(g, 5, prefill_seq_len=8, ctx_len=64), R,
+        (lambda: compile_from_graph.write_compile_config_for_graph(g, 5, prefill_seq_len=8, ctx_len=64), R,
          "out_dir must be a path (str or os.PathLike), got int 5"),
     ]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import _kv_graphs as kg
 from qeff_kv.support import validate
-from qeff_kv.tools.compile_config import parse_ccl
+from qeff_kv.contract.ccl import parse_ccl
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime.generate_job import parse_ids
 from test_bad_inputs import cli, one_error, tree

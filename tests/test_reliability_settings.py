@@ -82,7 +82,7 @@ def test_ccl_values_below_the_prefill_length_are_refused(tmp_path, smallest):
 
 
 def test_ccl_auto_leaves_out_values_below_the_prefill_length():
-    from qeff_kv.tools.compile_config import auto_ccl, parse_ccl
+    from qeff_kv.contract.ccl import auto_ccl, parse_ccl
 
     assert auto_ccl(4096, 1000) == (1024, 2048, 4096)
     assert parse_ccl("auto", 4096, prefill_seq_len=600) == (1024, 2048, 4096)

@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 import _kv_graphs as kvg
 from conftest import ALL_GRAPHS
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.support import fsutil
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, ExternalDataError, GraphReadError, PrefixError, RewriteError

@@ -294,7 +294,7 @@ def test_cancel_waiting_and_close(own_cb_graph):
 
 # ------------------------------------------------------------------------------------------ text
 def test_detokenizer_streams_multibyte_text_whole(own_cb_graph):
-    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(own_cb_graph, required=True)
     text = "naïve café — 東京 🚀 ok"

@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from click.testing import CliRunner  # noqa: E402
 
-from qeff_kv.tools.check.rules import check  # noqa: E402
+from qeff_kv.tools.check import check  # noqa: E402
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
 from qeff_kv.runtime.decoding.sampling import SamplingParams  # noqa: E402
 from serve_helpers import LiveServer, chat_export  # noqa: E402

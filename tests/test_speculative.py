@@ -15,8 +15,9 @@ pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from qeff_kv.graph import graphio
-from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph  # noqa: E402
-from qeff_kv.tools.check.rules import check  # noqa: E402
+from qeff_kv.tools.buffers import buffers_report  # noqa: E402
+from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph  # noqa: E402
+from qeff_kv.tools.check import check  # noqa: E402
 from qeff_kv.errors import ExportError, RuntimeInputError  # noqa: E402
 from qeff_kv.export import export_model  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402

@@ -13,7 +13,7 @@ import _kv_graphs
 from conftest import requires_torch
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming, statespec
-from qeff_kv.tools.check.rules import check
+from qeff_kv.tools.check import check
 from qeff_kv.errors import ContractError
 
 

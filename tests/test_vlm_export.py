@@ -118,7 +118,7 @@ def test_single_layout_names(llava_exports):
 @pytest.mark.parametrize("single", [False, True], ids=["dual", "single"])
 def test_prefix_only_on_language_kv_and_check_passes(single, llava_exports):
     from qeff_kv.contract import naming
-    from qeff_kv.tools.check.rules import check
+    from qeff_kv.tools.check import check
 
     res = llava_exports("onnxruntime", single)
     ins, outs = _io(res.onnx_path)

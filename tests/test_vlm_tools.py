@@ -17,9 +17,10 @@ from onnx import TensorProto
 
 import _kv_graphs as kvg
 from conftest import requires_torch
-from qeff_kv.tools.check import rules as qcheck
+from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
-from qeff_kv.tools.buffers import buffers_report, write_compile_config_for_graph
+from qeff_kv.tools.buffers import buffers_report
+from qeff_kv.tools.compile_from_graph import write_compile_config_for_graph
 from qeff_kv.tools.compile_config import specializations, vision_specializations, vision_symbols
 from qeff_kv.errors import ContractError, RewriteError, RuntimeInputError
 from qeff_kv.tools.rewrite import rewrite

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qeff_kv.tools import compile_config
+from qeff_kv.contract import ccl as ccl_values
 from qeff_kv.contract import naming
 from qeff_kv.support import validate
 from qeff_kv.errors import ExportError
@@ -196,16 +196,16 @@ def check_mla_cache(options: "ExportOptions") -> None:
 
 
 def check_ccl(values, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
-    """:func:`qeff_kv.tools.compile_config.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
+    """:func:`qeff_kv.contract.ccl.check_ccl` raising :class:`ExportError` (values below ``prefill_seq_len``
     are refused: their prefill specialization could not hold a chunk)."""
-    return compile_config.check_ccl(values, ctx_len, error=ExportError, prefill_seq_len=prefill_seq_len)
+    return ccl_values.check_ccl(values, ctx_len, error=ExportError, prefill_seq_len=prefill_seq_len)
 
 
 def parse_ccl(value, ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
-    """:func:`qeff_kv.tools.compile_config.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
+    """:func:`qeff_kv.contract.ccl.parse_ccl` raising :class:`ExportError` (``"auto"`` leaves out values below
     ``prefill_seq_len``)."""
-    return compile_config.parse_ccl(value, ctx_len, error=ExportError,
-                                    prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
+    return ccl_values.parse_ccl(value, ctx_len, error=ExportError,
+                                prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
 
 
 def hashed_params(config: dict, options: ExportOptions, weights_fingerprint: str | None) -> dict:

@@ -226,11 +226,9 @@ def _whole_sequence_run(model, probe: Probe) -> Reference:
 
 
 # --------------------------------------------------------------------------------------- onnxruntime side
-def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
-                 kv_batch: int = 1, ccl=None, vision_path: Path | None = None) -> VerificationResult:
-    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
-    A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first."""
-    t0 = time.perf_counter()
+def _open_runner(onnx_path: Path, probe: Probe, *, ctx_len: int, kv_batch: int, ccl, vision_path) -> ProbeRunner:
+    """The probe runner on the graph (with the probe's image, run through ``vision_path``); onnxruntime refusing
+    the graph is a failed verification."""
     try:
         runner = ProbeRunner(onnx_path, ctx_len, kv_batch, ccl)
         if probe.pixel_values is not None:
@@ -240,36 +238,42 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
     except Exception as exc:  # onnxruntime refuses the graph: that is a failed verification too
         raise VerificationError(f"verification failed: onnxruntime cannot load the exported graph "
                                 f"({first_line(exc)})") from None
-    rtol = RTOL.get(dtype, RTOL["float16"])
-    worst, worst_tol = 0.0, 0.0
+    return runner
+
+
+def _run_probe(runner: ProbeRunner, probe: Probe, ref: Reference, ctx_len: int) -> list[tuple[str, np.ndarray]]:
+    """The prompt in chunks, then the reference's decode tokens: ``(label, logits)`` per step compared."""
     prompt, chunk = probe.prompt, probe.chunk
     logits = None
-    try:
-        plan = plan_chunks(prompt, chunk, run_token=probe.image_token, keep_runs_whole=probe.image_blocks,
-                           error=VerificationError)
-        mrope = probe.rope_rows()
-        for start, count in plan:
-            part = prompt[start:start + count]
-            pad = chunk - len(part) if start + chunk <= ctx_len else 0
-            rows = None if mrope is None else mrope[0][:, start:start + count]
-            logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot,
-                                 rows)
-        steps = [("the prompt", logits)]
-        pos = len(prompt)
-        if probe.pixel_values is not None:   # decode merges nothing: -1, as qeff-kv's runtime feeds it
-            runner.extra["image_idx"] = np.full((1, 1), -1, dtype=np.int64)
-        every_row = getattr(runner, "keeps_logits", False)
-        if every_row:   # speculative decoding: the decode tokens in one step, every row's logits
-            fed = ref.tokens[:probe.decode_steps]
-            every = runner.step_rows(fed, list(range(pos, pos + len(fed))), probe.slot, None, keep=len(fed))
-            steps += [(f"verification row {k + 1} of {len(fed)}", row) for k, row in enumerate(every)]
-        for k in range(0 if every_row else probe.decode_steps):
-            rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
-            steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))
-            pos += 1
-    except Exception as exc:
-        raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "
-                                f"({first_line(exc)})") from None
+    plan = plan_chunks(prompt, chunk, run_token=probe.image_token, keep_runs_whole=probe.image_blocks,
+                       error=VerificationError)
+    mrope = probe.rope_rows()
+    for start, count in plan:
+        part = prompt[start:start + count]
+        pad = chunk - len(part) if start + chunk <= ctx_len else 0
+        rows = None if mrope is None else mrope[0][:, start:start + count]
+        logits = runner.step(part + [0] * pad, list(range(start, start + len(part))) + [-1] * pad, probe.slot,
+                             rows)
+    steps = [("the prompt", logits)]
+    pos = len(prompt)
+    if probe.pixel_values is not None:   # decode merges nothing: -1, as qeff-kv's runtime feeds it
+        runner.extra["image_idx"] = np.full((1, 1), -1, dtype=np.int64)
+    every_row = getattr(runner, "keeps_logits", False)
+    if every_row:   # speculative decoding: the decode tokens in one step, every row's logits
+        fed = ref.tokens[:probe.decode_steps]
+        every = runner.step_rows(fed, list(range(pos, pos + len(fed))), probe.slot, None, keep=len(fed))
+        steps += [(f"verification row {k + 1} of {len(fed)}", row) for k, row in enumerate(every)]
+    for k in range(0 if every_row else probe.decode_steps):
+        rows = None if mrope is None else np.full((3, 1), pos + mrope[1], dtype=np.int64)
+        steps.append((f"decode step {k + 1}", runner.step([ref.tokens[k]], [pos], probe.slot, rows)))
+        pos += 1
+    return steps
+
+
+def _compare(steps: list, ref: Reference, rtol: float) -> tuple[float, float]:
+    """Each step's logits against PyTorch's (finite, within tolerance, the same greedy token); the worst
+    difference and its tolerance."""
+    worst, worst_tol = 0.0, 0.0
     for (label, got), want in zip(steps, ref.logits):
         tol = rtol * max(1.0, float(np.max(np.abs(want))))
         if not np.all(np.isfinite(got)):
@@ -285,6 +289,23 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
         if want[token] < float(np.max(want)) - tol:
             raise VerificationError(f"verification failed after {label}: greedy token {token}, PyTorch "
                                     f"{int(np.argmax(want))}")
+    return worst, worst_tol
+
+
+def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
+                 kv_batch: int = 1, ccl=None, vision_path: Path | None = None) -> VerificationResult:
+    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
+    A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first."""
+    t0 = time.perf_counter()
+    runner = _open_runner(onnx_path, probe, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, vision_path=vision_path)
+    rtol = RTOL.get(dtype, RTOL["float16"])
+    prompt, chunk = probe.prompt, probe.chunk
+    try:
+        steps = _run_probe(runner, probe, ref, ctx_len)
+    except Exception as exc:
+        raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "
+                                f"({first_line(exc)})") from None
+    worst, worst_tol = _compare(steps, ref, rtol)
     return VerificationResult(status="passed", steps=len(steps), prompt_len=len(prompt), chunk=chunk,
                               max_abs_diff=float(f"{worst:.3g}"),
                               tolerance=float(f"{(worst_tol or rtol):.3g}"),

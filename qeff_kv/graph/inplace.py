@@ -157,40 +157,11 @@ def _follow(model: ir.Model, x: ir.Value, target: ir.Value, where: str, depth: i
                 continue
             updater = IN_PLACE_UPDATERS.get(("" if _std(node) else node.domain, node.op_type))
             if updater is not None:
-                out_idx = updater.get(idx)
-                if out_idx is not None and out_idx < len(node.outputs) and node.outputs[out_idx] is target:
-                    if via:
-                        entries.append((f"updated by {label}{through}, not directly", None))
-                    else:
-                        updates += 1
-                        deps.extend(v for v in node.inputs if v is not None)
-                elif out_idx is not None:
-                    entries.append((f"updated by {label}{through}, whose output is not the retained output itself",
-                                    node))
-                else:
-                    entries.append((f"read as input {idx} by {label}{through}, not as the buffer it updates", node))
+                updates += _updater_use(node, idx, updater, target, label, through, entries, deps)
                 continue
             fn = _function_of(model, node)
             if fn is not None:
-                outs = [j for j, o in enumerate(node.outputs) if o is target]
-                if not outs:
-                    entries.append((f"read by function call {label}{through}, which does not produce the "
-                                    "retained output", None))
-                    continue
-                if idx >= len(fn.inputs):
-                    entries.append((f"passed to {label}{through} beyond its declared inputs", None))
-                    continue
-                if via:
-                    entries.append((f"updated by {label}{through}, not directly", None))
-                    continue
-                sub = _follow(model, fn.inputs[idx], fn.outputs[outs[0]], f" in function {fn.name}", depth + 1)
-                updates += sub.updates
-                entries.extend((p, None) for p in sub.problems)
-                if sub.deps:
-                    # the caller's arguments whose parameters the body's updater depends on
-                    _, reached = _ancestors(model, sub.deps, depth + 1)
-                    deps.extend(node.inputs[k] for k, p in enumerate(fn.inputs)
-                                if id(p) in reached and k < len(node.inputs) and node.inputs[k] is not None)
+                updates += _function_use(model, node, fn, idx, target, label, through, where, depth, entries, deps)
                 continue
             entries.append((f"read by {label}{through} besides its update", node))
         if value.is_graph_output() and value is not target:
@@ -200,6 +171,49 @@ def _follow(model: ir.Model, x: ir.Value, target: ir.Value, where: str, depth: i
         before_update, _ = _ancestors(model, deps, depth)
     problems = [msg for msg, reader in entries if reader is None or id(reader) not in before_update]
     return _Walk(updates, problems, deps if updates == 1 else [])
+
+
+def _updater_use(node: ir.Node, idx: int, updater: dict, target: ir.Value, label: str, through: str,
+                 entries: list, deps: list) -> int:
+    """An in-place updater reading the buffer (or a view of it, ``through``): 1 when it is the buffer's own update
+    into ``target`` (its inputs join ``deps``), else 0 and an entry saying why not."""
+    out_idx = updater.get(idx)
+    if out_idx is not None and out_idx < len(node.outputs) and node.outputs[out_idx] is target:
+        if through:
+            entries.append((f"updated by {label}{through}, not directly", None))
+            return 0
+        deps.extend(v for v in node.inputs if v is not None)
+        return 1
+    if out_idx is not None:
+        entries.append((f"updated by {label}{through}, whose output is not the retained output itself", node))
+    else:
+        entries.append((f"read as input {idx} by {label}{through}, not as the buffer it updates", node))
+    return 0
+
+
+def _function_use(model: ir.Model, node: ir.Node, fn, idx: int, target: ir.Value, label: str, through: str,
+                  where: str, depth: int, entries: list, deps: list) -> int:
+    """A function call reading the buffer: the body is followed from the parameter to the output that is
+    ``target``; returns the updates found there (the caller's arguments the body's updater depends on join
+    ``deps``)."""
+    outs = [j for j, o in enumerate(node.outputs) if o is target]
+    if not outs:
+        entries.append((f"read by function call {label}{through}, which does not produce the retained output", None))
+        return 0
+    if idx >= len(fn.inputs):
+        entries.append((f"passed to {label}{through} beyond its declared inputs", None))
+        return 0
+    if through:
+        entries.append((f"updated by {label}{through}, not directly", None))
+        return 0
+    sub = _follow(model, fn.inputs[idx], fn.outputs[outs[0]], f" in function {fn.name}", depth + 1)
+    entries.extend((p, None) for p in sub.problems)
+    if sub.deps:
+        # the caller's arguments whose parameters the body's updater depends on
+        _, reached = _ancestors(model, sub.deps, depth + 1)
+        deps.extend(node.inputs[k] for k, p in enumerate(fn.inputs)
+                    if id(p) in reached and k < len(node.inputs) and node.inputs[k] is not None)
+    return sub.updates
 
 
 def inplace_issues(model: ir.Model, layout: KVLayout) -> list[InplaceIssue]:

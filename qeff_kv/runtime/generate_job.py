@@ -1,6 +1,6 @@
 """One call behind ``qeff-kv generate``: open a session, run the requests, save or load state, report.
 
-Also the optional tokenizer (``tokenizer.json`` beside the graph, read with the ``tokenizers`` package).
+The optional tokenizer is :func:`qeff_kv.runtime.text.tokenizer.load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Callable
 import numpy as np
 
 from qeff_kv.support import fsutil
-from qeff_kv.errors import MissingDependencyError, RuntimeInputError
+from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.text.chat import chat_prompt_ids, load_chat_template
+from qeff_kv.runtime.text.tokenizer import load_tokenizer
 from qeff_kv.support.limits import MAX_INT64
 from qeff_kv.support import validate
 from qeff_kv.support.validate import integer_array
@@ -59,27 +60,6 @@ def parse_logit_bias(items) -> tuple[tuple[int, float], ...]:
             raise RuntimeInputError(f"--logit-bias {item!r}: the bias must be a number in [-100, 100]")
         out[int(tok)] = value
     return tuple(sorted(out.items()))
-
-
-def load_tokenizer(folder: Path, *, required: bool):
-    """The ``tokenizers.Tokenizer`` of ``folder/tokenizer.json``, or ``None`` when not required and absent."""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        if required:
-            raise RuntimeInputError(
-                f"--prompt needs a tokenizer, and {folder} has no tokenizer.json; give --prompt-ids instead")
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        if required:
-            raise MissingDependencyError(
-                "--prompt needs the 'tokenizers' package (pip install tokenizers); or give --prompt-ids") from None
-        return None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:
-        raise RuntimeInputError(f"{path}: cannot be read as a tokenizer ({exc})") from None
 
 
 @dataclass

@@ -64,7 +64,7 @@ def open_vision(session, config: ServeConfig):
 def text_facts(config: ServeConfig):
     """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids."""
     from qeff_kv.runtime.text.chat import load_chat_template
-    from qeff_kv.runtime.generate_job import load_tokenizer
+    from qeff_kv.runtime.text.tokenizer import load_tokenizer
     from qeff_kv.runtime.model_files import resolve_model
     from qeff_kv.serve.http.app import TextFacts
 

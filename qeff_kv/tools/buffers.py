@@ -7,7 +7,8 @@
   the graph metadata ``qeff_kv.sliding_window`` or given by the caller), the non-KV retained buffers, the
   canonical regexes for the graph's prefix and, with a regex, exactly which I/O
   names it selects and whether that equals the KV set.
-* :func:`write_compile_config_for_graph` writes ``custom_io.yaml``/``specializations.json`` for an existing graph.
+* :func:`resolve_graph`: the graph an export folder's manifest names (``compile-config``'s from-graph half is
+  :mod:`qeff_kv.tools.compile_from_graph`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from qeff_kv.graph import graphio
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
-from qeff_kv.tools.compile_config import SpecFormat, check_sliding_window, resolve_sliding_window, write_compile_config
+from qeff_kv.tools.compile_config import check_sliding_window, resolve_sliding_window
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
 from qeff_kv.contract.layout import KVLayout, KVPair, itemsize
 
@@ -154,6 +155,13 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         at.append(f"sliding_window={sliding_window}")
     bytes_col = "bytes/seq" + (f" @{','.join(at)}" if at else "")
     lines = _table(["layer", "kind", "input", "retained", "dtype", "shape", "capacity", bytes_col], rows)
+    lines.append(_summary_line(layout, ctx_len, sliding_window))
+    lines += _notes(layout, sliding_window)
+    return "\n".join(lines) + "\n"
+
+
+def _summary_line(layout: KVLayout, ctx_len: int | None, sliding_window: int | None) -> str:
+    """Pairs, layers, prefix and the bytes per sequence (or which option would give them)."""
     total = total_bytes_per_sequence(layout, ctx_len, sliding_window)
     ps = layout.prefixes
     prefix = "mixed: " + ", ".join("(none)" if p is None else p for p in ps) if len(ps) > 1 else (
@@ -165,11 +173,17 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         need = []
         if ctx_len is None and any(p.bytes_per_sequence(None, sliding_window or 1) is None for p in layout.pairs):
             need.append("--ctx-len N")
-        if sliding and sliding_window is None:
+        if layout.has_sliding and sliding_window is None:
             need.append("--sliding-window N")
         if need:
             summary += f"; pass {' and '.join(need)} for bytes per sequence"
-    lines.append(summary)
+    return summary
+
+
+def _notes(layout: KVLayout, sliding_window: int | None) -> list[str]:
+    """The lines under the summary: per-token bytes, recurrent state, sliding layers, speculative decoding,
+    unpaired and non-KV retained buffers, the vision-language kind."""
+    lines = []
     per_token = _per_token_line(layout)
     if per_token is not None:
         lines.append(per_token)
@@ -178,7 +192,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         layers = sorted({p.layer for p in layout.recurrent_pairs})
         lines.append(f"recurrent state bytes per sequence (constant in ctx_len, layers "
                      f"{', '.join(map(str, layers))}): {human_bytes(state)} ({state} bytes)")
-    if sliding:
+    if layout.has_sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
     if layout.speculative:
@@ -196,7 +210,7 @@ def format_buffer_table(layout: KVLayout, ctx_len: int | None = None, sliding_wi
         lines.append("non-KV retained buffers: none")
     if kind is not None:
         lines.append(f"{multimodal.describe_kind(kind)}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _non_kv_rows(layout: KVLayout) -> list[tuple[str | None, str | None]]:
@@ -361,128 +375,3 @@ def resolve_graph(path: str | os.PathLike) -> Path:
     if not isinstance(man, dict) or not isinstance(man.get("onnx"), str) or not man["onnx"]:
         raise ContractError(f"{man_path} names no graph (no \"onnx\" entry)")
     return path / man["onnx"]
-
-
-# ------------------------------------------------------------------------------------------------ compile
-def _kv_batch_dim(layout: KVLayout) -> str | int | None:
-    for p in layout.pairs:
-        if p.input.shape:
-            return p.input.shape[0]
-    return None
-
-
-def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                                   prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
-                                   full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                                   precision: str = "float16", ccl=None,
-                                   sliding_window: int | None = None, img_size: int | None = None,
-                                   vision_size: int | None = None, vision_batch_size: int = 1,
-                                   max_num_images: int | None = None, vision_precision: str | None = None,
-                                   vision_model: str | os.PathLike | None = None,
-                                   speculative_tokens: int | None = None) -> list[Path]:
-    """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
-
-    A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
-    without it refuses one. A graph with a ``comp_ctx_lengths`` input needs ``ccl`` (the compute-context
-    lengths, or ``"auto"``); a graph without it refuses one. A graph with sliding-window ring buffers (a KV axis 2
-    named ``sliding_window``) needs its window: ``sliding_window`` or the graph metadata ``qeff_kv.sliding_window``
-    (refused in one line when neither is there, or when they differ); a graph without that axis refuses
-    ``sliding_window``.
-
-    A vision-language graph (contract section 6) takes ``img_size`` and, in the dual layout, ``vision_size``
-    (default: the export's ``manifest.json`` beside it when it names this graph, else a static graph axis; refused
-    in one line when unknown), ``vision_batch_size`` (default 1) and ``max_num_images``; ``vision_model`` is the
-    dual layout's vision graph (default: the manifest's ``vision_onnx``), which adds ``custom_io_vision.yaml``
-    and ``specializations_vision.json``. A vision encoder graph given as ``path`` is refused (give the language
-    graph, and this one as ``vision_model``); a text graph refuses the vision settings. A speculative-decoding
-    graph (a ``num_logits_to_keep`` input) takes ``speculative_tokens`` ``K`` (default: its metadata): its decode
-    specialization runs ``K+1`` tokens.
-    """
-    from qeff_kv.tools.check import rules as _check
-    from qeff_kv.tools.compile_config import check_precision, check_vision_precision, parse_ccl, specializations
-
-    # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
-    # passes every check rule.
-    validate.path_like("path", path)
-    validate.path_like("out_dir", out_dir)
-    validate.path_like("vision_model", vision_model, optional=True)
-    check_precision(precision)
-    check_vision_precision(vision_precision)
-    for label, v in (("img_size", img_size), ("vision_size", vision_size), ("vision_batch_size", vision_batch_size),
-                     ("max_num_images", max_num_images)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise RuntimeInputError(f"{label} must be a positive integer, got {v!r}")
-    ccl = parse_ccl(ccl, ctx_len, prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
-    check_sliding_window(sliding_window)
-    specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                    ccl=ccl, sliding_window=sliding_window)
-    layout = graphio.layout_of(graphio.load(path))
-    if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
-        raise ContractError(f"{path} is a {multimodal.describe_kind(multimodal.VISION_ENCODER)}; give the language "
-                            "graph as MODEL and this one as --vision-model")
-    report = _check.check(path)
-    if not report.ok:
-        rule = report.rule(report.failed[0])
-        first = rule.violations[0].message if rule.violations else "failed"
-        raise ContractError(f"{path} fails check rule {rule.id!r} ({first}); run 'qeff-kv check {path}'; "
-                            "no compile files written")
-    layout = graphio.layout_of(graphio.load(path))
-    layout.require_valid()
-    cb = _kv_batch_dim(layout) == "full_batch_size"
-    if cb and full_batch_size is None:
-        raise RuntimeInputError(
-            f"{path} is a continuous-batching graph (KV batch axis 'full_batch_size'); give --full-batch-size")
-    if not cb and full_batch_size is not None:
-        raise RuntimeInputError(
-            f"{path} is not a continuous-batching graph (no KV batch axis 'full_batch_size'); "
-            "--full-batch-size does not apply")
-    has_ccl = any(t.name == naming.CCL_INPUT for t in layout.inputs)
-    if has_ccl and ccl is None:
-        raise RuntimeInputError(f"{path} takes {naming.CCL_INPUT}: give --ccl L1,L2,... (or auto) for its "
-                                "compute-context-length specializations")
-    if ccl is not None and not has_ccl:
-        raise RuntimeInputError(f"{path} has no {naming.CCL_INPUT} input; --ccl does not apply")
-    if full_batch_size is not None and (not isinstance(full_batch_size, int) or full_batch_size < 1):
-        raise RuntimeInputError(f"full_batch_size must be a positive integer, got {full_batch_size!r}")
-    if sliding_window is not None and not layout.has_sliding:
-        raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
-                                "--sliding-window does not apply")
-    window = resolve_sliding_window(layout, sliding_window, required=True)
-    if window is not None and layout.has_sliding:
-        # the ring holds `window` slots: a longer prefill chunk cannot be written to it, and a capacity below the
-        # window would make the ring larger than the whole context
-        if prefill_seq_len > window:
-            raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than the sliding window {window} of "
-                                    f"{path}'s ring buffers: a prefill chunk must fit in the ring; give "
-                                    f"--prefill-seq-len {window} or less")
-        if ctx_len < window:
-            raise RuntimeInputError(f"ctx_len {ctx_len} is smaller than the sliding window {window} of {path}'s ring "
-                                    f"buffers; give --ctx-len {window} or more")
-    kind = multimodal.graph_kind(layout)
-    vision = None
-    if kind is not None:
-        man = multimodal.manifest_beside(path) or {}
-        mvis = man.get("vision") if isinstance(man.get("vision"), dict) else {}
-        for label, given, key in (("img_size", img_size, "image_size"), ("vision_size", vision_size, "vision_size")):
-            if given is not None and mvis.get(key) is not None and given != mvis[key]:
-                raise RuntimeInputError(f"{label} {given} differs from the export's {multimodal.MANIFEST} "
-                                        f"vision.{key} = {mvis[key]} (the graph was traced for it)")
-        vision = {k: v for k, v in (("image_size", img_size if img_size is not None else mvis.get("image_size")),
-                                    ("vision_size", vision_size if vision_size is not None
-                                     else mvis.get("vision_size")),
-                                    ("grid", mvis.get("grid"))) if v is not None}
-        if vision_model is None and kind == multimodal.DUAL and isinstance(man.get("vision_onnx"), str):
-            vision_model = Path(path).parent / man["vision_onnx"]
-    elif img_size is not None or vision_size is not None or vision_model is not None or max_num_images is not None:
-        raise RuntimeInputError(f"{path} has no {multimodal.VISION_EMBEDS} or {multimodal.PIXEL_VALUES} input: it is "
-                                "not a vision-language graph, so --img-size/--vision-size/--vision-model/"
-                                "--max-num-images do not apply")
-    elif vision_precision is not None or vision_batch_size != 1:
-        raise RuntimeInputError(f"{path} is not a vision-language graph; --vision-precision/--vision-batch-size "
-                                "do not apply")
-    return write_compile_config(layout, out_dir, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
-                                batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
-                                precision=precision, ccl=ccl, sliding_window=sliding_window, vision=vision,
-                                vision_graph=vision_model, vision_batch_size=vision_batch_size,
-                                max_num_images=max_num_images, vision_precision=vision_precision,
-                                speculative_tokens=speculative_tokens)

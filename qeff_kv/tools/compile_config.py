@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Literal, Sequence as Seq
 
 from qeff_kv.support import fsutil
 from qeff_kv.graph import graphio
 from qeff_kv.contract import multimodal, naming
-from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
+from qeff_kv.errors import ContractError, RuntimeInputError
+from qeff_kv.contract.ccl import ccl_below_prefill
 from qeff_kv.contract.layout import KVLayout
 from qeff_kv.support.limits import positive_int
-
-_ASCII_DIGITS = re.compile(r"[0-9]+")
 
 SpecFormat = Literal["flat", "named"]
 CUSTOM_IO_FILE = "custom_io.yaml"
@@ -190,23 +188,8 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
     With ``speculative_tokens`` ``K`` (a speculative-decoding graph, QEfficient's TLM): every entry carries
     ``num_logits_to_keep`` (1 for prefill) and decode runs ``seq_len = K+1`` with ``num_logits_to_keep = K+1``.
     """
-    for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
-        positive_int(label, v)
-    if full_batch_size is not None:
-        positive_int("full_batch_size", full_batch_size)
-    check_sliding_window(sliding_window)
-    if prefill_seq_len > ctx_len:
-        raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
-    if fmt not in ("flat", "named"):
-        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
-    if full_batch_size is not None:
-        prefill = {"batch_size": "1", "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len),
-                   "full_batch_size": str(full_batch_size)}
-        decode = {"batch_size": str(full_batch_size), "seq_len": "1", "ctx_len": str(ctx_len),
-                  "full_batch_size": str(full_batch_size)}
-    else:
-        prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
-        decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    _check_spec_arguments(prefill_seq_len, ctx_len, batch_size, full_batch_size, sliding_window, fmt)
+    prefill, decode = _prefill_and_decode(prefill_seq_len, ctx_len, batch_size, full_batch_size)
     if sliding_window is not None:
         prefill, decode = (_after_ctx_len(d, naming.SLIDING_DIM, str(sliding_window)) for d in (prefill, decode))
     if vision_symbols:
@@ -220,18 +203,47 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                                     f"positions does not fit ctx_len {ctx_len}")
         prefill = {**prefill, naming.LOGITS_TO_KEEP_INPUT: "1"}
         decode = {**decode, "seq_len": width, naming.LOGITS_TO_KEEP_INPUT: width}
-    if ccl:
-        for v in ccl:
-            positive_int(naming.CCL_INPUT, v)
-        if min(ccl) < prefill_seq_len:
-            raise RuntimeInputError(ccl_below_prefill(min(ccl), prefill_seq_len))
-        entries = [(f"Prefill_ccl{v}", {**prefill, naming.CCL_INPUT: str(v)}) for v in ccl]
-        entries += [(f"Decode_ccl{v}", {**decode, naming.CCL_INPUT: str(v)}) for v in ccl]
-    else:
-        entries = [("Prefill", prefill), ("Decode", decode)]
+    entries = _ccl_entries(prefill, decode, ccl, prefill_seq_len) if ccl else [("Prefill", prefill), ("Decode", decode)]
     if fmt == "flat":
         return {"specializations": [sym for _, sym in entries]}
     return {"specializations": [{"name": name, "symbols": sym} for name, sym in entries]}
+
+
+def _check_spec_arguments(prefill_seq_len, ctx_len, batch_size, full_batch_size, sliding_window, fmt) -> None:
+    for label, v in (("prefill_seq_len", prefill_seq_len), ("ctx_len", ctx_len), ("batch_size", batch_size)):
+        positive_int(label, v)
+    if full_batch_size is not None:
+        positive_int("full_batch_size", full_batch_size)
+    check_sliding_window(sliding_window)
+    if prefill_seq_len > ctx_len:
+        raise RuntimeInputError(f"prefill_seq_len {prefill_seq_len} is larger than ctx_len {ctx_len}")
+    if fmt not in ("flat", "named"):
+        raise RuntimeInputError(f"unknown specializations format {fmt!r}; use 'flat' or 'named'")
+
+
+def _prefill_and_decode(prefill_seq_len: int, ctx_len: int, batch_size: int,
+                        full_batch_size: int | None) -> tuple[dict, dict]:
+    """The two base entries; under continuous batching prefill runs one sequence, decode ``full_batch_size``."""
+    if full_batch_size is not None:
+        prefill = {"batch_size": "1", "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len),
+                   "full_batch_size": str(full_batch_size)}
+        decode = {"batch_size": str(full_batch_size), "seq_len": "1", "ctx_len": str(ctx_len),
+                  "full_batch_size": str(full_batch_size)}
+    else:
+        prefill = {"batch_size": str(batch_size), "seq_len": str(prefill_seq_len), "ctx_len": str(ctx_len)}
+        decode = {"batch_size": str(batch_size), "seq_len": "1", "ctx_len": str(ctx_len)}
+    return prefill, decode
+
+
+def _ccl_entries(prefill: dict, decode: dict, ccl, prefill_seq_len: int) -> list[tuple[str, dict]]:
+    """One prefill per compute-context length, then one decode per length, each with ``comp_ctx_lengths``."""
+    for v in ccl:
+        positive_int(naming.CCL_INPUT, v)
+    if min(ccl) < prefill_seq_len:
+        raise RuntimeInputError(ccl_below_prefill(min(ccl), prefill_seq_len))
+    entries = [(f"Prefill_ccl{v}", {**prefill, naming.CCL_INPUT: str(v)}) for v in ccl]
+    entries += [(f"Decode_ccl{v}", {**decode, naming.CCL_INPUT: str(v)}) for v in ccl]
+    return entries
 
 
 def _after_ctx_len(d: dict, key: str, value: str) -> dict:
@@ -397,73 +409,3 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     for path, content in files:  # everything computed first: a refusal writes nothing
         fsutil.write_text(path, content)
     return [p for p, _ in files]
-
-
-# ------------------------------------------------------------------------------------ compute context length
-#: ``--ccl auto`` starts at this many slots (or at ctx_len when it is smaller)
-CCL_AUTO_START = 512
-
-
-def auto_ccl(ctx_len: int, prefill_seq_len: int | None = None) -> tuple[int, ...]:
-    """``--ccl auto``: powers of two from ``min(ctx_len, 512)`` up to ``ctx_len``, always ending at ``ctx_len``
-    (4096 -> 512, 1024, 2048, 4096; 3000 -> 512, 1024, 2048, 3000; 256 -> 256); values below
-    ``prefill_seq_len`` are left out (their prefill specialization could not hold a chunk)."""
-    v = min(ctx_len, CCL_AUTO_START)
-    out = []
-    while v < ctx_len:
-        if prefill_seq_len is None or v >= prefill_seq_len:
-            out.append(v)
-        v *= 2
-    return tuple(out + [ctx_len])
-
-
-def check_ccl(values, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputError,
-              prefill_seq_len: int | None = None) -> tuple[int, ...]:
-    """Raise a one-line ``error`` unless ``values`` is a strictly increasing list of positive ints
-    at most ``ctx_len`` (and, given ``prefill_seq_len``, at least it: each value has a prefill specialization,
-    which must hold a whole chunk); return it as a tuple."""
-    vals = list(values)
-    if not vals:
-        raise error("--ccl needs at least one value")
-    for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise error(f"--ccl values must be positive integers, got {v!r}")
-        if v <= 0:
-            raise error(f"--ccl values must be positive integers, got {v}")
-    for a, b in zip(vals, vals[1:]):
-        if b <= a:
-            raise error(f"--ccl must be strictly increasing (sorted, no duplicates), got "
-                              f"{','.join(str(v) for v in vals)}")
-    if vals[-1] > ctx_len:
-        raise error(f"--ccl value {vals[-1]} is larger than ctx_len {ctx_len}")
-    if prefill_seq_len is not None and vals[0] < prefill_seq_len:
-        raise error(ccl_below_prefill(vals[0], prefill_seq_len))
-    return tuple(vals)
-
-
-def ccl_below_prefill(value: int, prefill_seq_len: int) -> str:
-    return (f"--ccl value {value} is smaller than prefill_seq_len {prefill_seq_len}: its prefill specialization "
-            f"could not hold a {prefill_seq_len}-token chunk; give values of {prefill_seq_len} or more")
-
-
-def parse_ccl(value, ctx_len: int, *, error: type[QeffKvError] = RuntimeInputError,
-              prefill_seq_len: int | None = None) -> tuple[int, ...] | None:
-    """``None``, ``"auto"``, ``"512,1024"`` or a list of ints -> a checked tuple (or ``None``). ``"auto"`` leaves
-    out values below ``prefill_seq_len``; a given list is checked against it later (:func:`check_ccl` with
-    ``prefill_seq_len``, :func:`specializations`), after the options that refuse CCL altogether."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() == "auto":
-            return auto_ccl(ctx_len, prefill_seq_len)
-        parts = [p.strip() for p in text.split(",")] if text else []
-        vals = []
-        for p in parts:
-            if not _ASCII_DIGITS.fullmatch(p):  # int() also takes '١٦', '1_0', '+5': refused
-                raise error(f"--ccl values must be positive integers, got {p!r}")
-            vals.append(int(p))
-        return check_ccl(vals, ctx_len, error=error)
-    if isinstance(value, (list, tuple)):
-        return check_ccl(value, ctx_len, error=error)
-    raise error(f"--ccl must be 'auto' or a list of integers, got {value!r}")

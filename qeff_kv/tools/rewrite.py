@@ -81,6 +81,45 @@ def _same_path(a: Path, b: Path) -> bool:
         return False
 
 
+def _output_path(src: Path, dst, in_place: bool) -> Path:
+    """Where the rewritten graph goes: ``src`` itself in place, else ``dst`` (refused when it is a folder or the
+    input)."""
+    if in_place:
+        if dst is not None and not _same_path(src, Path(dst)):
+            raise RewriteError(f"in-place rewrite of {src} cannot also write to another file {dst}")
+        return src
+    if dst is None:
+        raise RewriteError("no output file given (use -o OUTPUT, or --in-place to rewrite the input)")
+    dst_path = Path(dst)
+    if dst_path.exists() and dst_path.is_dir():
+        raise RewriteError(f"output {dst_path} is a folder; give a file name")
+    fsutil.check_output_file(dst_path)  # a folder, FIFO, device node or a path below a file: refused
+    if src.exists() and dst_path.exists() and _same_path(src, dst_path):
+        raise RewriteError(f"output {dst_path} is the input file; pass --in-place to rewrite it")
+    return dst_path
+
+
+def _external_data(model, src: Path, dst_path: Path) -> list[str]:
+    """The external-data files of ``src`` (refused when writing ``dst_path`` would overwrite one, or would copy
+    one over a different file of the same name)."""
+    externals = sorted({str(t.location) for t in graphio.external_tensors(model)})
+    src_dir, dst_dir = src.parent.resolve(), dst_path.parent.resolve()
+    for location in externals:
+        data_src = (src_dir / location)
+        if dst_path.exists() and _same_path(dst_path, data_src):
+            raise RewriteError(f"output {dst_path} is the external-data file {location!r} of the input")
+        if dst_dir != src_dir:
+            data_dst = dst_dir / location
+            if data_dst.resolve() == dst_path.resolve():
+                raise RewriteError(f"output {dst_path} would overwrite the external data {location!r} it needs")
+            if data_dst.exists() and not (_same_path(data_src, data_dst)
+                                          or graphio._same_content(data_src, data_dst)):
+                raise ExternalDataError(
+                    f"{data_dst} already exists and is not the external data of the input model; "
+                    "refusing to overwrite it (choose another output folder)")
+    return externals
+
+
 def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, prefix: str | None = None,
             strip: bool = False, in_place: bool = False, allow_mixed: bool = False) -> RewriteResult:
     """Rewrite the KV-cache prefix of the graph at ``src`` into ``dst`` (or ``src`` itself with ``in_place``).
@@ -99,39 +138,14 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
         raise RewriteError("nothing to do: give a prefix to set, or strip=True to remove the prefix")
     new_prefix = None if strip else naming.validate_prefix(prefix)
     src = Path(src)
-    if in_place:
-        if dst is not None and not _same_path(src, Path(dst)):
-            raise RewriteError(f"in-place rewrite of {src} cannot also write to another file {dst}")
-        dst_path = src
-    else:
-        if dst is None:
-            raise RewriteError("no output file given (use -o OUTPUT, or --in-place to rewrite the input)")
-        dst_path = Path(dst)
-        if dst_path.exists() and dst_path.is_dir():
-            raise RewriteError(f"output {dst_path} is a folder; give a file name")
-        fsutil.check_output_file(dst_path)  # a folder, FIFO, device node or a path below a file: refused
-        if src.exists() and dst_path.exists() and _same_path(src, dst_path):
-            raise RewriteError(f"output {dst_path} is the input file; pass --in-place to rewrite it")
+    dst_path = _output_path(src, dst, in_place)
 
     # ------------------------------------------------------------------ read and plan
     model = graphio.load(src)
     layout = graphio.layout_of(model)
     old_prefixes = layout.prefixes
-    externals = sorted({str(t.location) for t in graphio.external_tensors(model)})
+    externals = _external_data(model, src, dst_path)
     src_dir, dst_dir = src.parent.resolve(), dst_path.parent.resolve()
-    for location in externals:
-        data_src = (src_dir / location)
-        if dst_path.exists() and _same_path(dst_path, data_src):
-            raise RewriteError(f"output {dst_path} is the external-data file {location!r} of the input")
-        if dst_dir != src_dir:
-            data_dst = dst_dir / location
-            if data_dst.resolve() == dst_path.resolve():
-                raise RewriteError(f"output {dst_path} would overwrite the external data {location!r} it needs")
-            if data_dst.exists() and not (_same_path(data_src, data_dst)
-                                          or graphio._same_content(data_src, data_dst)):
-                raise ExternalDataError(
-                    f"{data_dst} already exists and is not the external data of the input model; "
-                    "refusing to overwrite it (choose another output folder)")
 
     before = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
     SetKVPrefixPass(new_prefix, allow_mixed=allow_mixed)(model)  # raises before mutating on refusal

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
-from qeff_kv.tools.check import rules as _check
+from qeff_kv.tools import check as _check
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
 
@@ -28,7 +28,7 @@ def assert_retained_state_graph(path: str | os.PathLike, *, prefix: object = ANY
     """Run ``qeff-kv check`` on ``path`` and raise ``AssertionError`` listing every failing rule.
 
     ``prefix``: ``ANY`` (default) accepts any single prefix, a string requires it, ``None`` requires an
-    unprefixed graph. ``ignore``: rule ids not to enforce (see :data:`qeff_kv.tools.check.rules.RULES`).
+    unprefixed graph. ``ignore``: rule ids not to enforce (see :data:`qeff_kv.tools.check.RULES`).
     ``num_layers``: also require this many layers. Returns the report when everything passes.
     """
     ignore = set(ignore)

@@ -129,6 +129,24 @@ class ModelFacts:
     # ---------------------------------------------------------------------------------------- refusals
     def refusal(self, options) -> str | None:
         """Why this model cannot be exported with ``options`` (one line), or ``None``."""
+        for check in (self._kind_refusal, self._cache_refusal, self._rope_refusal):   # in order, first one wins
+            reason = check(options)
+            if reason is not None:
+                return reason
+        if (self.chunked_layers and options.ctx_len > self.attention_chunk
+                and targets.info(options.target).group_query_attention):
+            return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
+                    f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
+                    f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
+        # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
+        # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
+        if targets.info(options.target).group_query_attention:
+            return self.fused_refusal()
+        return None
+
+    def _kind_refusal(self, options) -> str | None:
+        """A recurrent family, or options that do not fit a vision-language model, a text decoder or this
+        recurrent model."""
         reason = self.recurrent_refusal()
         if reason is not None:
             return reason
@@ -148,6 +166,10 @@ class ModelFacts:
             reason = self.recurrent.refusal(options)
             if reason is not None:
                 return reason
+        return None
+
+    def _cache_refusal(self, options) -> str | None:
+        """Cache options this model's attention cannot take (sliding cache, latent MLA cache, ring buffers)."""
         if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
             return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
         if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:
@@ -161,6 +183,10 @@ class ModelFacts:
         if self.ring_layers(options) and getattr(options, "speculative_tokens", None) is not None:
             return ("--speculative-tokens with ring buffers: rewinding rejected drafts needs slots a ring has "
                     "overwritten; export with --sliding-cache full")
+        return None
+
+    def _rope_refusal(self, options) -> str | None:
+        """A context length past where this model's position scaling switches in Python (a graph cannot)."""
         if ("dynamic" in self.rope_types and self.max_position_embeddings
                 and options.ctx_len > self.max_position_embeddings):
             # transformers recomputes dynamic-NTK frequencies in a Python branch once a forward pass reaches
@@ -182,15 +208,6 @@ class ModelFacts:
                     f"{self.temperature_floor - 1} on (attn_temperature_tuning, floor_scale "
                     f"{self.temperature_floor}), counting positions from the cache length, which a retained-state "
                     f"graph does not have; export with --ctx-len {self.temperature_floor - 1} or less")
-        if (self.chunked_layers and options.ctx_len > self.attention_chunk
-                and targets.info(options.target).group_query_attention):
-            return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
-                    f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
-                    f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
-        # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
-        # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
-        if targets.info(options.target).group_query_attention:
-            return self.fused_refusal()
         return None
 
     def recurrent_refusal(self) -> str | None:

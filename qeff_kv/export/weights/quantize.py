@@ -66,18 +66,7 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     work.mkdir(parents=True, exist_ok=True)
     qpath = work / onnx_path.name
     grid: dict = {}
-    if prequant is not None:
-        from qeff_kv.export.weights.prequant import graph as prequant_graph
-
-        model = prequant_graph.apply(onnx_path, prequant, prequant_graph.folder_scheme(prequant),
-                                     options.accuracy_level, say, grid)
-    else:
-        from qeff_kv.export.weights.quantize_stream import quantize_graph_streamed
-
-        model = quantize_graph_streamed(onnx_path, scheme, say, min_k(scheme.block_size), gguf) \
-            if STREAM else None
-    if model is None:
-        model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
+    model = _quantized_model(onnx_path, options, scheme, say, gguf=gguf, prequant=prequant, grid=grid)
     save(model, qpath)
     del model
     if probe is None:
@@ -89,22 +78,9 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
         f"{agreement.steps} steps, max |logit difference| {agreement.max_abs_logit_diff:.3g}")
     natural = None
     if tokenizer is not None:
-        ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
-        natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
-                                     ccl=options.ccl, slot=probe.slot)
-        say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
-            f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
-            f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
-        if natural["status"] != "passed":
-            say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
-                f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
-                "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
-                "--block-size)")
-    float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
-    for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
-        old.unlink(missing_ok=True)
-    for f in sorted(work.iterdir()):
-        f.replace(onnx_path.parent / f.name)
+        natural = _natural_check(onnx_path, qpath, tokenizer, options, scheme, say, kv_batch=kv_batch,
+                                 slot=probe.slot)
+    float_bytes = _replace_float_graph(onnx_path, work)
     record = scheme.to_json()
     record["float_graph_bytes"] = float_bytes
     record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
@@ -118,6 +94,51 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
         record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
                       f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
     return record
+
+
+def _quantized_model(onnx_path: Path, options, scheme: WeightScheme, say, *, gguf, prequant, grid: dict):
+    """The quantized model: from a pre-quantized checkpoint's own blocks, else streamed where that builds the
+    same graph, else onnxruntime's whole-graph quantizer (``grid`` receives the GGUF/checkpoint report)."""
+    if prequant is not None:
+        from qeff_kv.export.weights.prequant import graph as prequant_graph
+
+        model = prequant_graph.apply(onnx_path, prequant, prequant_graph.folder_scheme(prequant),
+                                     options.accuracy_level, say, grid)
+    else:
+        from qeff_kv.export.weights.quantize_stream import quantize_graph_streamed
+
+        model = quantize_graph_streamed(onnx_path, scheme, say, min_k(scheme.block_size), gguf) \
+            if STREAM else None
+    if model is None:
+        model = quantize_graph(onnx_path, scheme, say, gguf=gguf, grid_report=grid)
+    return model
+
+
+def _natural_check(onnx_path: Path, qpath: Path, tokenizer, options, scheme: WeightScheme, say, *, kv_batch: int,
+                   slot) -> dict:
+    """:func:`natural_text_check` on :data:`NATURAL_TEXT`, said (loudly when it fails)."""
+    ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
+    natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
+                                 ccl=options.ccl, slot=slot)
+    say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
+        f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
+        f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
+    if natural["status"] != "passed":
+        say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
+            f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
+            "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
+            "--block-size)")
+    return natural
+
+
+def _replace_float_graph(onnx_path: Path, work: Path) -> int:
+    """Move the quantized files of ``work`` over the float graph's; returns the float graph's bytes."""
+    float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
+        old.unlink(missing_ok=True)
+    for f in sorted(work.iterdir()):
+        f.replace(onnx_path.parent / f.name)
+    return float_bytes
 
 
 def min_k(block_size: int) -> int:
@@ -142,43 +163,12 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, 
     proto = onnx.load(str(float_path), load_external_data=True)
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
-    # Name every node (the quantizer excludes by name) and keep small or non-constant MatMuls as they are.
-    exclude = []
-    for i, node in enumerate(graph.node):
-        if not node.name:
-            node.name = f"{node.op_type}_{i}"
-        if node.op_type == "MatMul":
-            w = inits.get(node.input[1]) if len(node.input) > 1 else None
-            if w is None or len(w.dims) != 2 or w.dims[0] < min_k(scheme.block_size) \
-                    or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-                exclude.append(node.name)
+    exclude = _excluded_matmuls(graph, inits, scheme)
     grid = None
     if gguf is not None:
-        from onnx import numpy_helper
-
-        from qeff_kv.export.weights import gguf_grid
-
-        weights = {}
-        for node in graph.node:
-            if node.op_type == "MatMul" and node.name not in exclude and node.input[1] in inits:
-                w = inits[node.input[1]]
-                if w.data_type == onnx.TensorProto.FLOAT:
-                    weights[node.input[1]] = numpy_helper.to_array(w)
-        grid = gguf_grid.plan(weights, gguf)
-        del weights
-        for line in gguf_grid.summary_lines(grid.report):
-            say(line)
-        if grid_report is not None:
-            grid_report.update(grid.report)
+        grid = _gguf_plan(graph, inits, exclude, gguf, say, grid_report)
         exclude += [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] in grid.fitted]
-    if scheme.algorithm == "hqq":
-        cfg = mnq.HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=scheme.bits,
-                                           op_types_to_quantize=("MatMul",))
-    else:
-        cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric,
-                                               accuracy_level=scheme.accuracy_level or None,
-                                               op_types_to_quantize=("MatMul",), bits=scheme.bits)
-    quantizer = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=cfg)
+    quantizer = mnq.MatMulNBitsQuantizer(proto, nodes_to_exclude=exclude, algo_config=_matmul_config(mnq, scheme))
     quantizer.process()
     proto = quantizer.model.model
     if grid is not None and grid.fitted:
@@ -192,14 +182,7 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, 
     vcfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=True,
                                             accuracy_level=scheme.accuracy_level or None,
                                             op_types_to_quantize=("MatMul",), bits=scheme.bits)
-    table_blocks = None
-    if grid is not None:
-        def table_blocks(name, table):   # the GGUF's own blocks of a vocabulary table, where they fit
-            got = grid.rows.table_blocks(table)
-            if grid_report is not None:
-                grid_report.setdefault("tables", {})[name] = (
-                    {"taken": True, "gguf_type": got[3], "bits": got[2]} if got is not None else {"taken": False})
-            return got
+    table_blocks = _gguf_table_blocks(grid, grid_report) if grid is not None else None
     n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg), table_blocks)
     if grid is not None and grid_report is not None:
         for name, how in grid_report.get("tables", {}).items():
@@ -217,6 +200,67 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, 
     say(f"quantized {n_matmul} MatMul weights and {n_vocab} vocabulary-sized weights to {scheme.scheme} "
         f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s")
     return ir.serde.deserialize_model(proto)
+
+
+def _excluded_matmuls(graph, inits: dict, scheme: WeightScheme) -> list[str]:
+    """Name every node (the quantizer excludes by name); the MatMuls kept as they are: small or non-constant."""
+    import onnx
+
+    exclude = []
+    for i, node in enumerate(graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+        if node.op_type == "MatMul":
+            w = inits.get(node.input[1]) if len(node.input) > 1 else None
+            if w is None or len(w.dims) != 2 or w.dims[0] < min_k(scheme.block_size) \
+                    or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                exclude.append(node.name)
+    return exclude
+
+
+def _gguf_plan(graph, inits: dict, exclude: list[str], gguf: Path, say, grid_report: dict | None):
+    """``--gguf-grid``: which float MatMul weights take the GGUF's own blocks (:func:`.gguf_grid.plan`), said and
+    recorded in ``grid_report``."""
+    import onnx
+    from onnx import numpy_helper
+
+    from qeff_kv.export.weights import gguf_grid
+
+    weights = {}
+    for node in graph.node:
+        if node.op_type == "MatMul" and node.name not in exclude and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if w.data_type == onnx.TensorProto.FLOAT:
+                weights[node.input[1]] = numpy_helper.to_array(w)
+    grid = gguf_grid.plan(weights, gguf)
+    del weights
+    for line in gguf_grid.summary_lines(grid.report):
+        say(line)
+    if grid_report is not None:
+        grid_report.update(grid.report)
+    return grid
+
+
+def _matmul_config(mnq, scheme: WeightScheme):
+    """onnxruntime's quantizer configuration for the MatMul weights."""
+    if scheme.algorithm == "hqq":
+        return mnq.HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=scheme.bits,
+                                            op_types_to_quantize=("MatMul",))
+    return mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+                                            accuracy_level=scheme.accuracy_level or None,
+                                            op_types_to_quantize=("MatMul",), bits=scheme.bits)
+
+
+def _gguf_table_blocks(grid, grid_report: dict | None):
+    """``table_blocks(name, table)`` for :func:`_quantize_vocab_weights`: the GGUF's own blocks of a vocabulary
+    table, where they fit (recorded in ``grid_report["tables"]``)."""
+    def table_blocks(name, table):
+        got = grid.rows.table_blocks(table)
+        if grid_report is not None:
+            grid_report.setdefault("tables", {})[name] = (
+                {"taken": True, "gguf_type": got[3], "bits": got[2]} if got is not None else {"taken": False})
+        return got
+    return table_blocks
 
 
 def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
@@ -248,7 +292,7 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks
     ``table_blocks(name, table)``: ``(packed, scales, bits, type)`` taken from elsewhere (the GGUF's own blocks,
     ``--gguf-grid``), or None to quantize the table here."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
@@ -257,19 +301,6 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks
         for idx, name in enumerate(node.input):
             if name in inits:
                 readers.setdefault(name, []).append((node, idx))
-
-    def is_head(node, idx):
-        if node.op_type != "Gemm" or idx != 1:
-            return False
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
-                and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 1.0))
-
-    def is_lookup(node, idx):
-        if node.op_type != "Gather" or idx != 0:
-            return False
-        return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
-
     block = scheme.block_size
     done = 0
     new_nodes: dict[int, list] = {}   # id(node) -> replacement nodes
@@ -277,57 +308,12 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks
         t = inits[name]
         if len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT or t.dims[1] < min_k(block):
             continue
-        if not all(is_head(n, i) or is_lookup(n, i) for n, i in uses):
+        if not all(_is_head(n, i) or _is_lookup(n, i) for n, i in uses):
             continue
         table = numpy_helper.to_array(t)
-        rows, k = table.shape
-        if k % block:
+        if table.shape[1] % block:
             continue  # GatherBlockQuantized reads whole blocks; such a table stays float
-        bits = scheme.bits
-        got = table_blocks(name, table) if table_blocks is not None else None
-        if got is not None:
-            packed, scales, bits, _type = got
-        else:
-            packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
-        kb = packed.shape[1]
-        qname, sname = f"{name}_Q{bits}", f"{name}_scales"
-        graph.initializer.extend([numpy_helper.from_array(packed, qname),
-                                  numpy_helper.from_array(scales.astype(table.dtype), sname)])
-        need_s3 = any(is_lookup(n, i) for n, i in uses)
-        if need_s3:
-            graph.initializer.append(numpy_helper.from_array(np.array([rows, kb, 1], np.int64), f"{name}_scales_shape"))
-            graph.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{name}_row_shape"))
-        first_lookup = True
-        for node, _idx in uses:
-            if is_head(node, 1) and node.input[1] == name:
-                inputs = [node.input[0], qname, sname]
-                if len(node.input) > 2 and node.input[2]:
-                    inputs += ["", "", node.input[2]]  # zero_points, g_idx absent; bias
-                kw = {"K": k, "N": rows, "bits": bits, "block_size": block}
-                if scheme.accuracy_level:
-                    kw["accuracy_level"] = scheme.accuracy_level
-                new_nodes[id(node)] = [helper.make_node("MatMulNBits", inputs, list(node.output),
-                                                        name=f"{node.name}_Q{bits}", domain="com.microsoft", **kw)]
-            else:
-                pre = f"{node.name}_Q{bits}"
-                out = node.output[0]
-                repl = []
-                s3 = f"{name}_scales_3d"
-                if first_lookup:
-                    repl.append(helper.make_node("Reshape", [sname, f"{name}_scales_shape"], [s3],
-                                                 name=f"{name}_scales_reshape"))
-                    first_lookup = False
-                # [..., kb, block] -> [..., hidden]: Shape(indices) ++ [hidden]
-                repl += [
-                    helper.make_node("GatherBlockQuantized", [qname, node.input[1], s3], [f"{pre}_blocks"],
-                                     name=pre, domain="com.microsoft", gather_axis=0, quantize_axis=2,
-                                     block_size=block, bits=bits),
-                    helper.make_node("Shape", [node.input[1]], [f"{pre}_ishape"], name=f"{pre}_ishape"),
-                    helper.make_node("Concat", [f"{pre}_ishape", f"{name}_row_shape"], [f"{pre}_oshape"],
-                                     name=f"{pre}_oshape", axis=0),
-                    helper.make_node("Reshape", [f"{pre}_blocks", f"{pre}_oshape"], [out], name=f"{pre}_reshape"),
-                ]
-                new_nodes[id(node)] = repl
+        _quantize_table(graph, name, table, uses, scheme, quantizer, table_blocks, new_nodes)
         graph.initializer.remove(t)
         done += 1
     if new_nodes:
@@ -337,6 +323,92 @@ def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks
         graph.ClearField("node")
         graph.node.extend(nodes)
     return done
+
+
+def _is_head(node, idx) -> bool:
+    """``node`` reads the table as an output head: ``Gemm(transB=1)`` with no scaling, as input 1."""
+    from onnx import helper
+
+    if node.op_type != "Gemm" or idx != 1:
+        return False
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+            and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 1.0))
+
+
+def _is_lookup(node, idx) -> bool:
+    """``node`` reads the table as an embedding lookup: ``Gather`` on axis 0, as input 0."""
+    from onnx import helper
+
+    if node.op_type != "Gather" or idx != 0:
+        return False
+    return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
+
+
+def _quantize_table(graph, name: str, table: np.ndarray, uses: list, scheme: WeightScheme, quantizer, table_blocks,
+                    new_nodes: dict) -> None:
+    """One table's packed blocks and scales as initializers, and its readers' replacements in ``new_nodes``."""
+    from onnx import numpy_helper
+
+    rows, k = table.shape
+    bits = scheme.bits
+    got = table_blocks(name, table) if table_blocks is not None else None
+    if got is not None:
+        packed, scales, bits, _type = got
+    else:
+        packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
+    kb = packed.shape[1]
+    qname, sname = f"{name}_Q{bits}", f"{name}_scales"
+    graph.initializer.extend([numpy_helper.from_array(packed, qname),
+                              numpy_helper.from_array(scales.astype(table.dtype), sname)])
+    if any(_is_lookup(n, i) for n, i in uses):
+        graph.initializer.append(numpy_helper.from_array(np.array([rows, kb, 1], np.int64), f"{name}_scales_shape"))
+        graph.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{name}_row_shape"))
+    first_lookup = True
+    for node, _idx in uses:
+        if _is_head(node, 1) and node.input[1] == name:
+            new_nodes[id(node)] = [_head_node(node, qname, sname, k, rows, bits, scheme)]
+        else:
+            new_nodes[id(node)] = _lookup_nodes(node, name, qname, sname, bits, scheme.block_size, first_lookup)
+            first_lookup = False
+
+
+def _head_node(node, qname: str, sname: str, k: int, rows: int, bits: int, scheme: WeightScheme):
+    """``MatMulNBits(K=hidden, N=vocab)`` in place of the head's ``Gemm`` (its bias kept)."""
+    from onnx import helper
+
+    inputs = [node.input[0], qname, sname]
+    if len(node.input) > 2 and node.input[2]:
+        inputs += ["", "", node.input[2]]  # zero_points, g_idx absent; bias
+    kw = {"K": k, "N": rows, "bits": bits, "block_size": scheme.block_size}
+    if scheme.accuracy_level:
+        kw["accuracy_level"] = scheme.accuracy_level
+    return helper.make_node("MatMulNBits", inputs, list(node.output), name=f"{node.name}_Q{bits}",
+                            domain="com.microsoft", **kw)
+
+
+def _lookup_nodes(node, name: str, qname: str, sname: str, bits: int, block: int, first_lookup: bool) -> list:
+    """``GatherBlockQuantized`` in place of the lookup's ``Gather``, reshaped back to ``[..., hidden]``; the first
+    lookup of a table also reshapes its scales to ``[vocab, hidden/block, 1]``."""
+    from onnx import helper
+
+    pre = f"{node.name}_Q{bits}"
+    out = node.output[0]
+    repl = []
+    s3 = f"{name}_scales_3d"
+    if first_lookup:
+        repl.append(helper.make_node("Reshape", [sname, f"{name}_scales_shape"], [s3], name=f"{name}_scales_reshape"))
+    # [..., kb, block] -> [..., hidden]: Shape(indices) ++ [hidden]
+    repl += [
+        helper.make_node("GatherBlockQuantized", [qname, node.input[1], s3], [f"{pre}_blocks"],
+                         name=pre, domain="com.microsoft", gather_axis=0, quantize_axis=2,
+                         block_size=block, bits=bits),
+        helper.make_node("Shape", [node.input[1]], [f"{pre}_ishape"], name=f"{pre}_ishape"),
+        helper.make_node("Concat", [f"{pre}_ishape", f"{name}_row_shape"], [f"{pre}_oshape"],
+                         name=f"{pre}_oshape", axis=0),
+        helper.make_node("Reshape", [f"{pre}_blocks", f"{pre}_oshape"], [out], name=f"{pre}_reshape"),
+    ]
+    return repl
 
 
 # ------------------------------------------------------------------------------------------ loose check

@@ -190,27 +190,34 @@ def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
                 new = _matmul_nbits(node, inputs, k, rows, bits, block, scheme)
                 _swap(graph, node, [new], new.outputs[0])
             else:
-                pre = f"{node.name}_Q{bits}"
-                repl = []
-                if s3 is None:
-                    reshape = ir.node("Reshape", [s, s_shape], name=f"{name}_scales_reshape", num_outputs=1)
-                    reshape.outputs[0].name = f"{name}_scales_3d"
-                    s3 = reshape.outputs[0]
-                    repl.append(reshape)
-                gbq = ir.node("GatherBlockQuantized", [q, node.inputs[1], s3],
-                              dict(sorted({"gather_axis": 0, "quantize_axis": 2, "block_size": block,
-                                           "bits": bits}.items())), domain="com.microsoft", name=pre, num_outputs=1)
-                gbq.outputs[0].name = f"{pre}_blocks"
-                shape = ir.node("Shape", [node.inputs[1]], name=f"{pre}_ishape", num_outputs=1)
-                shape.outputs[0].name = f"{pre}_ishape"
-                concat = ir.node("Concat", [shape.outputs[0], row_shape], {"axis": 0}, name=f"{pre}_oshape",
-                                 num_outputs=1)
-                concat.outputs[0].name = f"{pre}_oshape"
-                out = ir.node("Reshape", [gbq.outputs[0], concat.outputs[0]], name=f"{pre}_reshape", num_outputs=1)
-                _swap(graph, node, repl + [gbq, shape, concat, out], out.outputs[0])
+                repl, s3 = _lookup_nodes(node, name, q, s, s3, s_shape, row_shape, bits, block)
+                _swap(graph, node, repl, repl[-1].outputs[0])
         del graph.initializers[name]
         done += 1
     return done
+
+
+def _lookup_nodes(node: ir.Node, name: str, q: ir.Value, s: ir.Value, s3: ir.Value | None, s_shape: ir.Value,
+                  row_shape: ir.Value, bits: int, block: int) -> tuple[list[ir.Node], ir.Value]:
+    """``GatherBlockQuantized`` in place of the lookup's ``Gather``, reshaped back to ``[..., hidden]``; the table's
+    first lookup also reshapes its scales to ``[vocab, hidden/block, 1]`` (``s3``, returned for the next)."""
+    pre = f"{node.name}_Q{bits}"
+    repl = []
+    if s3 is None:
+        reshape = ir.node("Reshape", [s, s_shape], name=f"{name}_scales_reshape", num_outputs=1)
+        reshape.outputs[0].name = f"{name}_scales_3d"
+        s3 = reshape.outputs[0]
+        repl.append(reshape)
+    gbq = ir.node("GatherBlockQuantized", [q, node.inputs[1], s3],
+                  dict(sorted({"gather_axis": 0, "quantize_axis": 2, "block_size": block,
+                               "bits": bits}.items())), domain="com.microsoft", name=pre, num_outputs=1)
+    gbq.outputs[0].name = f"{pre}_blocks"
+    shape = ir.node("Shape", [node.inputs[1]], name=f"{pre}_ishape", num_outputs=1)
+    shape.outputs[0].name = f"{pre}_ishape"
+    concat = ir.node("Concat", [shape.outputs[0], row_shape], {"axis": 0}, name=f"{pre}_oshape", num_outputs=1)
+    concat.outputs[0].name = f"{pre}_oshape"
+    out = ir.node("Reshape", [gbq.outputs[0], concat.outputs[0]], name=f"{pre}_reshape", num_outputs=1)
+    return repl + [gbq, shape, concat, out], s3
 
 
 class _Transposed:

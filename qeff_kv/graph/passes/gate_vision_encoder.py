@@ -38,76 +38,95 @@ class GateVisionEncoderPass(ir.passes.InPlacePass):
         pixels, image_idx = inputs.get(naming.PIXEL_VALUES), inputs.get(naming.IMAGE_IDX)
         if pixels is None or image_idx is None:
             return ir.passes.PassResult(model, modified=False)
-        nodes = list(g)
-        order = {id(n): i for i, n in enumerate(nodes)}
-        outputs = set(id(v) for v in g.outputs)
-        # values that depend on no graph input: initializers and what constant nodes compute from them
-        static = set(id(v) for v in g.initializers.values())
-        cone_values = {id(pixels)}
-        cone: list[ir.Node] = []
-        for n in nodes:
-            ins = [v for v in n.inputs if v is not None]
-            if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in n.attributes.values()):
-                continue   # a node with subgraphs is neither constant nor moved
-            if all(id(v) in static for v in ins):   # no inputs, or constant ones
-                static.update(id(o) for o in n.outputs)
-                continue
-            if any(id(v) in cone_values for v in ins) and all(id(v) in cone_values or id(v) in static for v in ins):
-                cone.append(n)
-                cone_values.update(id(o) for o in n.outputs)
-        in_cone = set(id(n) for n in cone)
-        # what a graph output is computed from (the retained pixels' copies) stays outside, ancestors included
-        stack = [o.producer() for o in g.outputs if o.producer() is not None and id(o.producer()) in in_cone]
-        in_cone.difference_update(id(n) for n in stack)
-        while stack:
-            n = stack.pop()
-            for v in n.inputs:
-                p = v.producer() if v is not None else None
-                if p is not None and id(p) in in_cone:
-                    in_cone.discard(id(p))
-                    stack.append(p)
-        cone = [n for n in cone if id(n) in in_cone]
-        if not cone:
+        cone = _encoder_cone(g, pixels)
+        plan = _gate_plan(g, cone, pixels) if cone else None
+        if plan is None:
             return ir.passes.PassResult(model, modified=False)
-        boundary = [o for n in cone for o in n.outputs
-                    if any(id(u.node) not in in_cone for u in o.uses()) or id(o) in outputs]
-        consumers = [u.node for b in boundary for u in b.uses() if id(u.node) not in in_cone]
-        if not boundary or not consumers or any(id(n) not in order for n in consumers):
-            return ir.passes.PassResult(model, modified=False)   # (a reader inside another node's subgraph)
-        first = min(consumers, key=lambda n: order[id(n)])
-        if max(order[id(n)] for n in cone) > order[id(first)]:
-            return ir.passes.PassResult(model, modified=False)
-        if len(boundary) != 1:
-            return ir.passes.PassResult(model, modified=False)
-        [rows] = boundary
-        shape = _flat_width(rows)
-        dtype = _cast_to(rows) or pixels.dtype
-        if shape is None:   # else every reader flattens them: Reshape(rows, [-1, W])
-            widths = {_reshape_width(n) for n in consumers}
-            shape = widths.pop() if len(widths) == 1 else None
-            dtype = pixels.dtype
-        if shape is None or dtype is None or not dtype.is_floating_point():
-            return ir.passes.PassResult(model, modified=False)
-        zeros = np.zeros((1, shape), dtype=dtype.numpy())
-
-        g.remove(cone, safe=False)
-        then_branch = ir.Graph((), [rows], nodes=cone, name="vision_encoder")
-        fill = ir.node("Constant", [], attributes={"value": ir.tensor(zeros)}, name="no_image_rows")
-        fill.outputs[0].name, fill.outputs[0].dtype = f"{rows.name}_none", dtype
-        else_branch = ir.Graph((), [fill.outputs[0]], nodes=[fill], name="no_image")
-        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.zeros((1, 1), np.int64))},
-                       name="image_idx_zero")
-        cond = ir.node("GreaterOrEqual", [image_idx, zero.outputs[0]], name="merges_images")
-        gate = ir.node("If", [cond.outputs[0]], attributes={"then_branch": then_branch, "else_branch": else_branch},
-                       num_outputs=1, name="vision_encoder_gate")
-        gated = gate.outputs[0]
-        gated.name, gated.dtype = f"{rows.name}_gated", dtype
-        for u in list(rows.uses()):
-            if id(u.node) not in in_cone and u.node is not gate:
-                u.node.replace_input_with(u.idx, gated)
-        g.insert_before(first, [zero, cond, gate])
+        _insert_gate(g, cone, image_idx, *plan)
         self.gated = len(cone)
         return ir.passes.PassResult(model, modified=True)
+
+
+def _encoder_cone(g: ir.Graph, pixels: ir.Value) -> list[ir.Node]:
+    """The nodes computed from ``pixels`` and constants alone, in graph order, less what a graph output is computed
+    from (the retained pixels' copies stay outside, ancestors included)."""
+    # values that depend on no graph input: initializers and what constant nodes compute from them
+    static = set(id(v) for v in g.initializers.values())
+    cone_values = {id(pixels)}
+    cone: list[ir.Node] = []
+    for n in g:
+        ins = [v for v in n.inputs if v is not None]
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in n.attributes.values()):
+            continue   # a node with subgraphs is neither constant nor moved
+        if all(id(v) in static for v in ins):   # no inputs, or constant ones
+            static.update(id(o) for o in n.outputs)
+            continue
+        if any(id(v) in cone_values for v in ins) and all(id(v) in cone_values or id(v) in static for v in ins):
+            cone.append(n)
+            cone_values.update(id(o) for o in n.outputs)
+    in_cone = set(id(n) for n in cone)
+    stack = [o.producer() for o in g.outputs if o.producer() is not None and id(o.producer()) in in_cone]
+    in_cone.difference_update(id(n) for n in stack)
+    while stack:
+        n = stack.pop()
+        for v in n.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and id(p) in in_cone:
+                in_cone.discard(id(p))
+                stack.append(p)
+    return [n for n in cone if id(n) in in_cone]
+
+
+def _gate_plan(g: ir.Graph, cone: list[ir.Node], pixels: ir.Value):
+    """``(rows, first reader, W, dtype)`` when the encoder ends in one value of flattened width ``W`` read only
+    after the encoder, else ``None`` (the graph is left unchanged)."""
+    order = {id(n): i for i, n in enumerate(g)}
+    outputs = set(id(v) for v in g.outputs)
+    in_cone = set(id(n) for n in cone)
+    boundary = [o for n in cone for o in n.outputs
+                if any(id(u.node) not in in_cone for u in o.uses()) or id(o) in outputs]
+    consumers = [u.node for b in boundary for u in b.uses() if id(u.node) not in in_cone]
+    if not boundary or not consumers or any(id(n) not in order for n in consumers):
+        return None   # (a reader inside another node's subgraph)
+    first = min(consumers, key=lambda n: order[id(n)])
+    if max(order[id(n)] for n in cone) > order[id(first)]:
+        return None
+    if len(boundary) != 1:
+        return None
+    [rows] = boundary
+    shape = _flat_width(rows)
+    dtype = _cast_to(rows) or pixels.dtype
+    if shape is None:   # else every reader flattens them: Reshape(rows, [-1, W])
+        widths = {_reshape_width(n) for n in consumers}
+        shape = widths.pop() if len(widths) == 1 else None
+        dtype = pixels.dtype
+    if shape is None or dtype is None or not dtype.is_floating_point():
+        return None
+    return rows, first, shape, dtype
+
+
+def _insert_gate(g: ir.Graph, cone: list[ir.Node], image_idx: ir.Value, rows: ir.Value, first: ir.Node,
+                 shape: int, dtype) -> None:
+    """Move ``cone`` into the ``then`` branch of an ``If`` on ``image_idx >= 0`` (``else``: one zero row), read in
+    the rows' place, before ``first``."""
+    in_cone = set(id(n) for n in cone)
+    zeros = np.zeros((1, shape), dtype=dtype.numpy())
+    g.remove(cone, safe=False)
+    then_branch = ir.Graph((), [rows], nodes=cone, name="vision_encoder")
+    fill = ir.node("Constant", [], attributes={"value": ir.tensor(zeros)}, name="no_image_rows")
+    fill.outputs[0].name, fill.outputs[0].dtype = f"{rows.name}_none", dtype
+    else_branch = ir.Graph((), [fill.outputs[0]], nodes=[fill], name="no_image")
+    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.zeros((1, 1), np.int64))},
+                   name="image_idx_zero")
+    cond = ir.node("GreaterOrEqual", [image_idx, zero.outputs[0]], name="merges_images")
+    gate = ir.node("If", [cond.outputs[0]], attributes={"then_branch": then_branch, "else_branch": else_branch},
+                   num_outputs=1, name="vision_encoder_gate")
+    gated = gate.outputs[0]
+    gated.name, gated.dtype = f"{rows.name}_gated", dtype
+    for u in list(rows.uses()):
+        if id(u.node) not in in_cone and u.node is not gate:
+            u.node.replace_input_with(u.idx, gated)
+    g.insert_before(first, [zero, cond, gate])
 
 
 def _reshape_width(node: ir.Node) -> int | None:

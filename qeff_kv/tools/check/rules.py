@@ -39,31 +39,15 @@ Rules, in order:
                       state no updater writes (replaced whole, the peer's) passes with a note.
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
-A graph with sliding-window ring buffers (or the metadata ``qeff_kv.sliding_window``) adds
-``"sliding_window"`` (``W`` from the metadata, ``null`` if absent or invalid) and ``"sliding_layers"`` (layer
-indices whose buffers have axis 2 ``sliding_window``) at the end of the JSON; other graphs' JSON is unchanged.
-
-A vision-language graph (contract section 6) adds ``"vision_language"``: ``"dual"`` (the language graph of the
-dual layout), ``"single"`` or ``"vision-encoder"`` at the end of the JSON; other graphs' JSON is unchanged.
-
-The optional input ``comp_ctx_lengths`` (compute context length, contract section 9) is known: it is not a
-KV buffer, no rule is about it, and the report says the graph has it (``"comp_ctx_lengths": true`` at the end
-of the JSON, present only then).
-A rule that attention is really limited by its length may come later.
-
-So is ``num_logits_to_keep`` (a speculative-decoding graph, QEfficient's "target language model"): the report
-says so (``"num_logits_to_keep": {"speculative_tokens": K}`` at the end of the JSON, ``K`` from the graph
-metadata or ``null``; present only then).
-
 Reading the file can fail (missing, not ONNX, truncated, unsafe external data): that raises a typed error
 (exit 2), it is not a rule failure (exit 1).
+
+The verdicts and their renderings are in :mod:`qeff_kv.tools.check.report`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -73,174 +57,10 @@ from qeff_kv.graph import graphio
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.check import state_rules as state_rules
+from qeff_kv.tools.check.report import ANY, FAIL, PASS, RULES, CheckReport, RuleResult, fmt_ints, fmt_prefix
 from qeff_kv.errors import GraphReadError
 from qeff_kv.graph.inplace import inplace_issues
 from qeff_kv.contract.layout import KVLayout
-
-SCHEMA = "qeff-kv.check/1"
-
-#: Rule id -> one-line description. Ids are stable: CI configurations and JSON consumers key on them.
-RULES: dict[str, str] = {
-    "kv-present": "the graph has KV buffers",
-    "pairing": "every X_RetainedState output has input X and every KV input X has output X_RetainedState "
-               "(non-KV retained inputs too; image_idx -> image_idx_output chained in a vision-language graph)",
-    "pair-match": "a KV input and its retained output have the same dtype, rank, dims and dim names "
-                  "(axis 2 ctx_len or sliding_window; sliding sizes equal the graph's window; MLA's compressed_kv "
-                  "and k_pe share batch, head and ctx axes); non-KV retained pairs too (image_idx: int64 [1, 1])",
-    "layers": "layers 0..N-1 are contiguous and every layer has key and value (each stem group complete)",
-    "prefix": "one valid prefix on every KV buffer, equal to the expected prefix when given",
-    "regex-exact": "the exact selection regex selects exactly the KV buffers",
-    "regex-substring": "the serving regex (.*P.*, or legacy past_key.*/past_value.*) selects exactly the KV buffers",
-    "non-kv-unprefixed": "non-KV retained buffers carry no prefix",
-    "inplace": "each KV input is updated in place into its retained output; every other reader runs before the update",
-    "onnx-checker": "onnx.checker.check_model passes",
-}
-
-PASS, FAIL, SKIP = "pass", "fail", "skip"
-
-
-class _Any:
-    def __repr__(self) -> str:  # pragma: no cover - cosmetic
-        return "ANY"
-
-
-#: ``expected_prefix`` default: accept whatever single prefix the graph has.
-ANY = _Any()
-
-
-@dataclass(frozen=True)
-class Violation:
-    rule: str
-    buffer: str | None
-    message: str
-
-    def to_json(self) -> dict:
-        return {"rule": self.rule, "buffer": self.buffer, "message": self.message}
-
-
-@dataclass
-class RuleResult:
-    id: str
-    status: str = PASS
-    violations: list[Violation] = field(default_factory=list)
-    note: str | None = None
-
-    @property
-    def description(self) -> str:
-        return RULES[self.id]
-
-    def fail(self, buffer: str | None, message: str) -> None:
-        self.status = FAIL
-        self.violations.append(Violation(self.id, buffer, message))
-
-    def skip(self, note: str) -> None:
-        self.status = SKIP
-        self.note = note
-
-    def to_json(self) -> dict:
-        return {"id": self.id, "description": self.description, "status": self.status, "note": self.note,
-                "violations": [v.to_json() for v in self.violations]}
-
-
-@dataclass
-class CheckReport:
-    model: str
-    prefix: str | None
-    prefixes: list[str | None]
-    expected_prefix: object
-    num_layers: int
-    rules: list[RuleResult]
-    #: the graph takes ``comp_ctx_lengths`` (CCL, contract section 9)
-    ccl: bool = False
-    #: a speculative-decoding graph (a ``num_logits_to_keep`` input) and its ``K`` (metadata, else ``None``)
-    speculative: bool = False
-    speculative_tokens: int | None = None
-    #: layers with sliding-window ring buffers (axis 2 ``sliding_window``)
-    sliding_layers: list[int] = field(default_factory=list)
-    #: ``W`` from graph metadata ``qeff_kv.sliding_window`` (``None``: absent or not a positive integer)
-    sliding_window: int | None = None
-    #: the graph carries the metadata ``qeff_kv.sliding_window`` (valid or not)
-    sliding_meta: bool = False
-    #: ``"dual"``, ``"single"`` or ``"vision-encoder"`` for a vision-language graph (contract section 6), else None
-    vision_language: str | None = None
-
-    @property
-    def sliding(self) -> bool:
-        return bool(self.sliding_layers) or self.sliding_meta
-
-    @property
-    def ok(self) -> bool:
-        return all(r.status != FAIL for r in self.rules)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.ok else 1
-
-    @property
-    def failed(self) -> list[str]:
-        return [r.id for r in self.rules if r.status == FAIL]
-
-    @property
-    def violations(self) -> list[Violation]:
-        return [v for r in self.rules for v in r.violations]
-
-    def rule(self, rule_id: str) -> RuleResult:
-        for r in self.rules:
-            if r.id == rule_id:
-                return r
-        raise KeyError(rule_id)
-
-    def to_json(self) -> dict:
-        exp = self.expected_prefix
-        return {
-            "schema": SCHEMA,
-            "model": self.model,
-            "ok": self.ok,
-            "prefix": self.prefix,
-            "prefixes": list(self.prefixes),
-            "expected_prefix": None if exp is ANY else {"prefix": exp},
-            "num_layers": self.num_layers,
-            "summary": {s: sum(1 for r in self.rules if r.status == s) for s in (PASS, FAIL, SKIP)},
-            "failed": self.failed,
-            "rules": [r.to_json() for r in self.rules],
-            # only on graphs that have the input: the key set of schema /1 stays as it was for the others
-            **({naming.CCL_INPUT: True} if self.ccl else {}),
-            **({naming.LOGITS_TO_KEEP_INPUT: {"speculative_tokens": self.speculative_tokens}}
-               if self.speculative else {}),
-            **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
-               if self.sliding else {}),
-            **({"vision_language": self.vision_language} if self.vision_language else {}),
-        }
-
-    def to_json_text(self) -> str:
-        return json.dumps(self.to_json(), indent=2) + "\n"
-
-    def format_text(self) -> str:
-        width = max(len(r) for r in RULES)
-        lines = [f"{self.model}: prefix {_fmt_prefix(self.prefix) if len(self.prefixes) <= 1 else 'mixed'}, "
-                 f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
-                 + (f", {naming.LOGITS_TO_KEEP_INPUT} input (speculative decoding, "
-                    f"K={self.speculative_tokens if self.speculative_tokens is not None else 'unknown'})"
-                    if self.speculative else "")
-                 + (f", sliding-window layers {_fmt_ints(self.sliding_layers) or 'none'} "
-                    f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
-                    if self.sliding else "")
-                 + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")]
-        for r in self.rules:
-            lines.append(f"  {r.status.upper():4}  {r.id:<{width}}  {r.description}")
-            if r.note:
-                lines.append(f"        {'':<{width}}  ({r.note})")
-            for v in r.violations:
-                where = f" {v.buffer}" if v.buffer else ""
-                lines.append(f"        {'':<{width}}  - [{v.rule}{where}] {v.message}")
-        s = self.to_json()["summary"]
-        verdict = "OK" if self.ok else f"FAILED ({', '.join(self.failed)})"
-        lines.append(f"{verdict}: {s['pass']} passed, {s['fail']} failed, {s['skip']} skipped")
-        return "\n".join(lines) + "\n"
-
-
-def _fmt_prefix(p: str | None) -> str:
-    return "(none)" if p is None else repr(p)
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -313,7 +133,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
 def _taken_note(taken: dict[str, list[int]]) -> str:
     if all(axes == [0] for axes in taken.values()):
         return f"batch axis of {', '.join(taken)} declared with a name the exporter made up; taken as the input's"
-    dims = ", ".join(f"{n} (axes {_fmt_ints(axes)})" for n, axes in taken.items())
+    dims = ", ".join(f"{n} (axes {fmt_ints(axes)})" for n, axes in taken.items())
     return f"dims of {dims} declared with names the exporter made up; taken as the input's"
 
 
@@ -339,7 +159,7 @@ def _rule_layers(layout: KVLayout, r: RuleResult) -> None:
     layers = sorted({k.layer for k in parsed})
     missing = sorted(set(range(layers[-1] + 1)) - set(layers)) if layers else []
     for i in missing:
-        r.fail(None, f"layer {i} has no KV buffers (layers present: {_fmt_ints(layers)}; expected 0..{layers[-1]})")
+        r.fail(None, f"layer {i} has no KV buffers (layers present: {fmt_ints(layers)}; expected 0..{layers[-1]})")
     stems_at: dict[int, set[str]] = {}
     example: dict[tuple[int, str], str] = {}
     for k in parsed:
@@ -364,9 +184,6 @@ def _rule_layers(layout: KVLayout, r: RuleResult) -> None:
                                f"({example[(layer, present[0])]} has no companion)")
 
 
-def _fmt_ints(xs: list[int]) -> str:
-    return ", ".join(str(x) for x in xs)
-
 
 def _rule_prefix(layout: KVLayout, r: RuleResult, expected: object) -> None:
     for name in layout.io_names:
@@ -384,14 +201,14 @@ def _rule_prefix(layout: KVLayout, r: RuleResult, expected: object) -> None:
             ref = max(prefixes, key=lambda p: counts[p])  # first-seen wins ties
         for n, k in parsed:
             if k.prefix != ref:
-                r.fail(n, f"{n} has prefix {_fmt_prefix(k.prefix)} but other KV buffers have "
-                          f"{_fmt_prefix(ref)} (mixed prefixes: {', '.join(_fmt_prefix(p) for p in prefixes)})")
+                r.fail(n, f"{n} has prefix {fmt_prefix(k.prefix)} but other KV buffers have "
+                          f"{fmt_prefix(ref)} (mixed prefixes: {', '.join(fmt_prefix(p) for p in prefixes)})")
         if expected is not ANY and expected not in counts:
-            r.fail(None, f"expected prefix {_fmt_prefix(expected)} (found {', '.join(_fmt_prefix(p) for p in prefixes)})")
+            r.fail(None, f"expected prefix {fmt_prefix(expected)} (found {', '.join(fmt_prefix(p) for p in prefixes)})")
         return
     if expected is not ANY and prefixes and prefixes[0] != expected:
         first = parsed[0][0]
-        r.fail(first, f"KV buffers carry prefix {_fmt_prefix(prefixes[0])} but {_fmt_prefix(expected)} is "
+        r.fail(first, f"KV buffers carry prefix {fmt_prefix(prefixes[0])} but {fmt_prefix(expected)} is "
                       f"expected (e.g. {first})")
 
 

@@ -51,24 +51,64 @@ def apply(float_path: Path, folder: Path, scheme: PrequantScheme, accuracy_level
     written); ``report`` receives what was taken and what stayed float."""
     import onnx
     import onnx_ir as ir
-    from onnx import numpy_helper
 
     t0 = time.perf_counter()
     tensors = Tensors(folder)
+    names, index = _row_index(tensors, scheme)
+
+    @lru_cache(maxsize=8)   # a packed weight reads a few Linears (Q/K/V, gate/up) at once: read again on demand
+    def linears(li: int) -> QuantizedLinear:
+        return read_linear(tensors, scheme, names[li])
+    proto = onnx.load(str(float_path), load_external_data=True)
+    nodes, new_inits, used, gathers, taken_linears, kept_float, n_nodes = _replaced_nodes(proto.graph, index,
+                                                                                         linears, accuracy_level)
+    if not taken_linears:
+        raise ExportError(f"no MatMul weight of the graph is one of the checkpoint's {len(names)} int4 Linears "
+                          "(the float graph does not hold their dequantized weights)")
+    graph = proto.graph
+    del graph.node[:]
+    graph.node.extend(nodes)
+    still = {x for nd in nodes for x in nd.input}
+    keep = [t for t in graph.initializer if t.name not in used or t.name in still]
+    del graph.initializer[:]
+    graph.initializer.extend(keep + new_inits)
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    out = {"format": scheme.format, "scheme": scheme.to_json(), "linears": len(names),
+           "linears_taken": len(taken_linears), "matmulnbits": n_nodes, "act_order_gathers": len(gathers),
+           "linears_not_taken": sorted(names[li] for li in set(range(len(names))) - taken_linears),
+           "kept_float": sorted(kept_float)}
+    if report is not None:
+        report.update(out)
+    say(f"{scheme.format}: {len(taken_linears)} of the checkpoint's {len(names)} int4 Linears became {n_nodes} "
+        f"MatMulNBits with their own blocks (no requantization; {len(gathers)} act-order gathers) in "
+        f"{time.perf_counter() - t0:.1f}s; float: {len(kept_float)} other MatMul weights")
+    for name in out["linears_not_taken"][:3]:
+        say(f"{scheme.format}: {name} is not a MatMul weight of the graph: its dequantized weight stays float there")
+    return ir.serde.deserialize_model(proto)
+
+
+def _row_index(tensors: Tensors, scheme: PrequantScheme) -> tuple[list[str], dict[bytes, tuple[int, int]]]:
+    """The quantized Linears' names, and each dequantized row's hash -> ``(Linear, row)`` (the Linears themselves
+    are not kept)."""
     names: list[str] = []
-    index: dict[bytes, tuple[int, int]] = {}   # row hash -> (Linear, row): the Linears themselves are not kept
+    index: dict[bytes, tuple[int, int]] = {}
     for li, ql in enumerate(quantized_linears(tensors, scheme)):
         names.append(ql.name)
         w = ql.dequantize()
         for r in range(w.shape[0]):
             index.setdefault(_hash(w[r]), (li, r))
         del ql, w
+    return names, index
 
-    @lru_cache(maxsize=8)   # a packed weight reads a few Linears (Q/K/V, gate/up) at once: read again on demand
-    def linears(li: int) -> QuantizedLinear:
-        return read_linear(tensors, scheme, names[li])
-    proto = onnx.load(str(float_path), load_external_data=True)
-    graph = proto.graph
+
+def _replaced_nodes(graph, index: dict, linears, accuracy_level: int | None):
+    """The graph's nodes with every float MatMul whose weight columns are all checkpoint rows replaced:
+    ``(nodes, new initializers, replaced weight names, act-order gathers, Linears taken, weights kept float,
+    MatMulNBits built)``."""
+    import onnx
+    from onnx import numpy_helper
+
     inits = {t.name: t for t in graph.initializer}
     nodes, new_inits, used, gathers = [], [], set(), {}
     taken_linears: set[int] = set()
@@ -94,29 +134,7 @@ def apply(float_path: Path, folder: Path, scheme: PrequantScheme, accuracy_level
         n_nodes += sum(1 for nd in built if nd.op_type == "MatMulNBits")
         used.add(node.input[1])
         taken_linears |= {li for li, _ in cols}
-    if not taken_linears:
-        raise ExportError(f"no MatMul weight of the graph is one of the checkpoint's {len(names)} int4 Linears "
-                          "(the float graph does not hold their dequantized weights)")
-    del graph.node[:]
-    graph.node.extend(nodes)
-    still = {x for nd in nodes for x in nd.input}
-    keep = [t for t in graph.initializer if t.name not in used or t.name in still]
-    del graph.initializer[:]
-    graph.initializer.extend(keep + new_inits)
-    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
-        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
-    out = {"format": scheme.format, "scheme": scheme.to_json(), "linears": len(names),
-           "linears_taken": len(taken_linears), "matmulnbits": n_nodes, "act_order_gathers": len(gathers),
-           "linears_not_taken": sorted(names[li] for li in set(range(len(names))) - taken_linears),
-           "kept_float": sorted(kept_float)}
-    if report is not None:
-        report.update(out)
-    say(f"{scheme.format}: {len(taken_linears)} of the checkpoint's {len(names)} int4 Linears became {n_nodes} "
-        f"MatMulNBits with their own blocks (no requantization; {len(gathers)} act-order gathers) in "
-        f"{time.perf_counter() - t0:.1f}s; float: {len(kept_float)} other MatMul weights")
-    for name in out["linears_not_taken"][:3]:
-        say(f"{scheme.format}: {name} is not a MatMul weight of the graph: its dequantized weight stays float there")
-    return ir.serde.deserialize_model(proto)
+    return nodes, new_inits, used, gathers, taken_linears, kept_float, n_nodes
 
 
 def _replace(node, cols, linears, accuracy_level, gathers: dict, base: str):
