@@ -17,6 +17,7 @@ from qeff_kv.runtime.multimodal import media as media_mod
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.results import Generation, TokenEvent
 from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, TokenPicker
+from qeff_kv.runtime.decoding.stopping import check_stop
 
 
 class GenerationMixin:
@@ -163,8 +164,8 @@ class GenerationMixin:
             if max_new_tokens == 0:
                 gen.finish_reason = "prefill"
                 continue
-            if budgets[i] == 0:
-                gen.finish_reason = "capacity"
+            if budgets[i] == 0:   # max_new_tokens > 0: the capacity left no room
+                gen.finish_reason = check_stop(None, 0, 0, stops, asked=max_new_tokens)
                 continue
             if not seq.pending_emitted:
                 tok = seq.pending
@@ -193,13 +194,9 @@ class GenerationMixin:
 
     @staticmethod
     def _finished(gen: Generation, budget: int, stops: set[int], max_new: int) -> bool:
-        if gen.tokens and gen.tokens[-1] in stops:
-            gen.finish_reason = "stop"
-            return True
-        if len(gen.tokens) >= budget:
-            gen.finish_reason = "length" if budget >= max_new else "capacity"
-            return True
-        return False
+        """The stop rule (:func:`~qeff_kv.runtime.decoding.stopping.check_stop`) after ``gen``'s last token."""
+        gen.finish_reason = check_stop(gen.tokens[-1], len(gen.tokens), budget, stops, asked=max_new)
+        return gen.finish_reason is not None
 
     def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",

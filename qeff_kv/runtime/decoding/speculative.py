@@ -33,6 +33,7 @@ from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.results import Generation
 from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, sample
+from qeff_kv.runtime.decoding.stopping import check_stop, draft_limit
 
 
 def score(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
@@ -330,8 +331,8 @@ class SpeculativeDecoder:
         gen.tokens.append(tok)
         t0 = time.perf_counter()
         width = self.k                             # the draft length now (adaptive)
-        while tok not in stops and len(gen.tokens) < max_new_tokens:
-            k = min(width, max_new_tokens - len(gen.tokens) - 1)
+        while check_stop(tok, len(gen.tokens), max_new_tokens, stops) is None:
+            k = min(width, draft_limit(max_new_tokens - len(gen.tokens)))
             t_draft = time.perf_counter()
             draft = self.drafter.draft(seq.tokens + [tok], k)[:k] if k > 0 else []
             stats.draft_s += time.perf_counter() - t_draft
@@ -356,7 +357,7 @@ class SpeculativeDecoder:
         stats.decode_tokens = len(gen.tokens) - 1
         s.timings.decode_tokens += stats.decode_tokens
         seq.pending, seq.pending_emitted = tok, True
-        gen.finish_reason = "stop" if tok in stops else "length"
+        gen.finish_reason = check_stop(tok, len(gen.tokens), max_new_tokens, stops)
         return gen
 
 

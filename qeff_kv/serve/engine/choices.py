@@ -45,11 +45,10 @@ def choice_samplings(first: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(first, seed=(first.seed + i) % _SEED_SPACE) for i in range(n)]
 
 
-def max_tokens_of(p: Params, defaults: SamplingDefaults, room: int) -> int:
-    if p.max_tokens == 0:   # echo: the prompt only
-        return 0
-    want = p.max_tokens if p.max_tokens is not None else defaults.max_tokens
-    return min(want or room, room)
+def max_tokens_of(p: Params, defaults: SamplingDefaults) -> int | None:
+    """What the request asks for: its ``max_tokens`` (0: echo, the prompt only), else the server's default; None:
+    no limit asked. The engine decides the budget from it once (:func:`~qeff_kv.runtime.decoding.stopping.token_budget`)."""
+    return p.max_tokens if p.max_tokens is not None else defaults.max_tokens
 
 
 def _shown(logprob: float) -> float:

@@ -39,15 +39,15 @@ class GenerationRequest:
     """One request as an engine sees it (token ids; the frontend did the text).
 
     ``max_tokens``: at most this many generated tokens (>= 1, or 0 with ``prompt_logprobs``: the prompt scored
-    only; an engine may end earlier at its capacity, with
-    ``finish_reason == "length"``). ``state``: disaggregated serving: a sequence already prefilled by a prefill
+    only; None: as many as the context leaves); an engine may end earlier at its capacity, with
+    ``finish_reason == "length"`` (the budget: :func:`~qeff_kv.runtime.decoding.stopping.token_budget`). ``state``: disaggregated serving: a sequence already prefilled by a prefill
     worker, admitted by ``session.import_state`` (its pending token is the first generated token), not by
     prefill; ``prompt`` then still holds the prompt's ids (for accounting).
     """
 
     request_id: str
     prompt: tuple[int, ...]
-    max_tokens: int
+    max_tokens: int | None
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     state: "KVState | None" = None
@@ -196,8 +196,9 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
     if not isinstance(req, GenerationRequest):
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
     least = 0 if req.prompt_logprobs is not None else 1
-    if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < least:
-        raise RuntimeInputError(f"max_tokens must be an int >= {least}, got {req.max_tokens!r}")
+    if req.max_tokens is not None and (isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int)
+                                       or req.max_tokens < least):
+        raise RuntimeInputError(f"max_tokens must be an int >= {least} or None, got {req.max_tokens!r}")
     if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
                                      or not 0 <= req.logprobs <= MAX_TOP_LOGPROBS):
         raise RuntimeInputError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got {req.logprobs!r}")

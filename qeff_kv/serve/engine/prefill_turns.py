@@ -4,9 +4,12 @@ Invariant: a turn feeds at most its budget of prompt tokens (``prefill_chunk``; 
 :data:`AUTO_SHARE` of a decode step), oldest prompt first, and cuts a prompt only at a whole number of prefill
 lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and a
 served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
-call, its images bound for all of it (as ``generate`` feeds it). A mixin of :class:`~.scheduler.Scheduler` (its
-state and helpers: ``session``, ``prefill_chunk``, ``auto_chunk``, ``_prefilling``, ``_running``, the moving
-averages, ``_finish``, ``_fork``, ``_first_token``, ``prefix_cache``).
+call, its images bound for all of it (as ``generate`` feeds it).
+
+:class:`PrefillTurns` is one object per :class:`~.scheduler.Scheduler`: it holds the requests still prefilling
+(:attr:`~PrefillTurns.queue`, oldest first), the turn's size and the moving averages ``auto`` reads, and reaches the
+scheduler it serves through its public face only (``session``, ``running``, ``prefix_cache``, ``finish``,
+``prompt_done``, ``count``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 
 import numpy as np
 
+from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.decoding.prompt_rows import log_softmax, prefill_rows
 from qeff_kv.serve.engine.engine import PromptLogprobs
 
@@ -26,28 +30,56 @@ TURN_TOKENS = 512
 
 
 class PrefillTurns:
-    """The prompt tokens a turn feeds, for :class:`~.scheduler.Scheduler`."""
+    """The prompt tokens each turn feeds, for ``sched`` (a :class:`~.scheduler.Scheduler`; see the module
+    docstring). ``prefill_chunk``: prompt tokens per turn (None: :data:`TURN_TOKENS` in whole prefill lengths), or
+    ``"auto"``: while sequences are running, as many tokens as cost :data:`AUTO_SHARE` of a decode step
+    (measured), so a running stream's step at most about doubles; the full prefill length when nothing runs."""
 
-    def _chunk_size(self) -> int:
-        if not (self.auto_chunk and self._running and self._decode_s and self._prefill_tok_s):
-            return self.prefill_chunk
-        n = int(AUTO_SHARE * self._decode_s / self._prefill_tok_s)
-        return max(1, min(self.session.prefill_seq_len, n))
+    def __init__(self, sched, prefill_chunk: int | str | None = None):
+        if prefill_chunk is not None and prefill_chunk != "auto" and (
+                isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
+        self.sched = sched
+        self.auto = prefill_chunk == "auto"
+        S = sched.session.prefill_seq_len
+        #: prompt tokens fed per turn (the most, with ``auto``)
+        self.chunk = (S if self.auto else max(S, TURN_TOKENS // S * S) if prefill_chunk is None
+                      else prefill_chunk)
+        #: requests whose prompt is still being fed, oldest first
+        self.queue: list = []
+        self.decode_s: float | None = None       # moving averages: one decode step, one prefill token
+        self.prefill_tok_s: float | None = None
 
-    @staticmethod
-    def _average(old: float | None, new: float) -> float:
-        return new if old is None else 0.8 * old + 0.2 * new
+    def enqueue(self, a) -> None:
+        """``a`` (an :class:`~.active.Active` with ``todo`` to feed) prefills after the requests already here."""
+        self.queue.append(a)
 
-    def _prefill_turn(self) -> None:
+    def drop(self, a) -> None:
+        """``a`` ends: it leaves the queue, if it is in it."""
+        if a in self.queue:
+            self.queue.remove(a)
+
+    def note_decode(self, seconds: float) -> None:
+        """A decode step took ``seconds`` (what ``auto`` sizes a turn by)."""
+        self.decode_s = _average(self.decode_s, seconds)
+
+    def chunk_size(self) -> int:
+        """Prompt tokens the next turn feeds."""
+        if not (self.auto and self.sched.running and self.decode_s and self.prefill_tok_s):
+            return self.chunk
+        n = int(AUTO_SHARE * self.decode_s / self.prefill_tok_s)
+        return max(1, min(self.sched.session.prefill_seq_len, n))
+
+    def turn(self) -> None:
         """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones."""
-        left, fed = self._chunk_size(), 0
-        while left > 0 and self._prefilling:
-            a = self._prefilling[0]
+        left, fed = self.chunk_size(), 0
+        while left > 0 and self.queue:
+            a = self.queue[0]
             # a prompt with images: all of it in one call (its images are bound for the whole prompt)
             n = len(a.todo) if a.req.images is not None else self._share(len(a.todo), left, fed)
             if n == 0:
                 return
-            self._prefill_one_chunk(a, n)
+            self._feed(a, n)
             left, fed = left - n, fed + n
 
     def _share(self, todo: int, left: int, fed: int) -> int:
@@ -56,51 +88,50 @@ class PrefillTurns:
         only when it is the turn's whole budget (``--prefill-chunk`` below the prefill length, or ``auto``)."""
         if todo <= left:
             return todo
-        S = self.session.prefill_seq_len
+        S = self.sched.session.prefill_seq_len
         return left // S * S if left >= S or fed else left
 
-    def _prefill_one_chunk(self, a, n: int) -> None:
-        """Feed the next ``n`` prompt tokens of request ``a`` (the scheduler's ``_Active``); when its prompt is
-        done, its choices fork and it selects its first token."""
+    def _feed(self, a, n: int) -> None:
+        """Feed the next ``n`` prompt tokens of request ``a``; when its prompt is done, the scheduler takes it on
+        (its choices fork and it selects its first token)."""
+        session = self.sched.session
         images = a.req.images
         chunk = a.todo[:n]
         # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
         end = a.seq.length + len(a.todo)
-        kw = {"checkpoint": (end - 1, end)} if self.session.recurrent else {}
+        kw = {"checkpoint": (end - 1, end)} if session.recurrent else {}
         if images is not None:
             kw["images"] = images
-        t0, runs = time.perf_counter(), self.session.timings.prefill_runs
+        t0, runs = time.perf_counter(), session.timings.prefill_runs
         try:
-            logits = (self.session.prefill(a.seq, chunk, **kw) if a.req.prompt_logprobs is None
+            logits = (session.prefill(a.seq, chunk, **kw) if a.req.prompt_logprobs is None
                       else self._scored_chunk(a, chunk))
         except Exception as exc:   # noqa: BLE001
-            self._finish(a, "error", f"prefill failed: {exc}", keep=False)
+            self.sched.finish(a, "error", f"prefill failed: {exc}", keep=False)
             return
-        self._prefill_tok_s = self._average(self._prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
+        self.prefill_tok_s = _average(self.prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
         del a.todo[:len(chunk)]
-        with self._lock:
-            self._stats["prefill_chunks"] += self.session.timings.prefill_runs - runs
+        self.sched.count("prefill_chunks", session.timings.prefill_runs - runs)
         if a.todo:
             return
-        self._prefilling.remove(a)
+        self.queue.remove(a)
         if images is None:
-            self.prefix_cache.held(a.seq)
-        if a.budget == 0:   # max_tokens 0 (prompt logprobs only): the prompt scored, nothing generated
-            self._finish(a, "length")
-            return
-        if a.followers:
-            self._fork(a, logits)
-        self._first_token(a, logits)
+            self.sched.prefix_cache.held(a.seq)
+        self.sched.prompt_done(a, logits)
 
     def _scored_chunk(self, a, chunk: list[int]):
         """Prefill ``chunk`` keeping every position's logits (:func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows`),
         emit its tokens' :class:`~.engine.PromptLogprobs`, and return the logits after its last token."""
-        rows = prefill_rows(self.session, a.seq, chunk)
+        rows = prefill_rows(self.sched.session, a.seq, chunk)
         scoring = rows[:-1] if a.prompt_row is None else np.concatenate([a.prompt_row[None], rows[:-1]])
         a.handle.emit(PromptLogprobs(prompt_entries(scoring, chunk, a.req.prompt_logprobs,
                                                     first=a.prompt_row is None)))
         a.prompt_row = rows[-1]
         return rows[-1]
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 def prompt_entries(scoring, tokens: list[int], top: int, first: bool) -> tuple:

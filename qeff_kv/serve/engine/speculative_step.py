@@ -9,8 +9,9 @@ Each running sequence has its own drafter (:class:`~qeff_kv.runtime.decoding.spe
 One step, for every running sequence together:
 
 1. each sequence drafts up to its current width (adaptive as in
-   :class:`~qeff_kv.runtime.decoding.speculative.SpeculativeDecoder`), never more than its remaining ``max_tokens`` minus
-   one (so a run never passes the limit: the cut happens in the draft) nor past the capacity;
+   :class:`~qeff_kv.runtime.decoding.speculative.SpeculativeDecoder`), never more than what is left of its budget
+   minus one (:func:`~qeff_kv.runtime.decoding.stopping.draft_limit`: a run never crosses the budget, the cut
+   happens in the draft) nor past the capacity;
 2. if nobody drafted, one plain decode step; else one verification step of the speculative graph
    (:func:`~qeff_kv.runtime.decoding.speculative.score_rows`: one row per sequence, padded to the widest);
 3. each row keeps its drafts while they equal the pick of plain decoding (greedy or the seeded draw at that
@@ -33,6 +34,7 @@ from pathlib import Path
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.decoding.sampling import sample
 from qeff_kv.runtime.decoding.speculative import DraftModel, Drafter, PromptLookup, accept, drafts_per_step, score_rows
+from qeff_kv.runtime.decoding.stopping import draft_limit
 
 
 class Drafting(ABC):
@@ -144,13 +146,13 @@ class _Track:
 @dataclass
 class Row:
     """One running sequence in a step: its key (the scheduler's request), sequence, token to feed, resolved
-    sampling, tokens it may still produce (>= 1) and stop tokens."""
+    sampling, tokens left in its budget (>= 1) and stop tokens."""
 
     key: object
     seq: object
     last: int
     params: object
-    limit: int
+    left: int
     stops: frozenset
 
 
@@ -188,14 +190,15 @@ class Speculation:
             return dict(self.counts)
 
     def step(self, rows: list[Row]) -> list[list[int]]:
-        """One step for ``rows``: the tokens each produces (at least one; at most its ``limit``)."""
+        """One step for ``rows``: the tokens each produces (at least one; at most its ``left``; a stop token only
+        last)."""
         s = self.session
         drafts: list[list[int]] = []
         for r in rows:
             track = self._tracks.get(r.key)
             if track is None:
                 track = self._tracks[r.key] = _Track(self.drafting.drafter(), self.k)
-            k = min(track.width, r.limit - 1, s.ctx_len - r.seq.length - 1)
+            k = min(track.width, draft_limit(r.left), s.ctx_len - r.seq.length - 1)
             drafts.append(track.drafter.draft(r.seq.tokens + [r.last], k)[:k] if k > 0 else [])
         # every row writes the widest row's positions (padding): stay inside each row's capacity
         room = min(s.ctx_len - r.seq.length for r in rows)

@@ -188,13 +188,12 @@ class _Frontend:
         if len(ids) > engine.ctx_len:
             raise bad(f"the prompt has {len(ids)} tokens; the model's context holds {engine.ctx_len}", param,
                       "context_length_exceeded")
-        room = engine.ctx_len - len(ids) + 1
         try:
             first = sampling_of(p, self.defaults)
         except QeffKvError as exc:
             raise bad(str(exc)) from None
         req = GenerationRequest(
-            request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults, room), sampling=first,
+            request_id=rid, prompt=tuple(ids), max_tokens=max_tokens_of(p, self.defaults), sampling=first,
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
             logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
             kv_transfer_params=kv.params if kv is not None else None, images=images,
