@@ -46,9 +46,10 @@ class GateVisionEncoderPass(InvariantPass):
         then, other = gate.attributes["then_branch"].value, gate.attributes["else_branch"].value
         if cond is None or cond.inputs[0] is None or cond.inputs[0].name != naming.IMAGE_IDX:
             self.violated(f"the gate's condition does not read {naming.IMAGE_IDX}")
-        if len(then) != self.gated or then.outputs[0].dtype != other.outputs[0].dtype:
-            self.violated(f"the then branch holds {len(then)} nodes (gated {self.gated}), its rows "
-                          f"{then.outputs[0].dtype} and the else branch's {other.outputs[0].dtype}")
+        rows, zeros, gated = then.outputs[0].dtype, other.outputs[0].dtype, gate.outputs[0].dtype
+        if len(then) != self.gated or zeros != gated or rows not in (None, gated):
+            self.violated(f"the then branch holds {len(then)} nodes (gated {self.gated}), its rows {rows}, the else "
+                          f"branch's {zeros}, the gate's {gated}")
         if not gate.outputs[0].uses():
             self.violated("nothing reads the gated rows")
 
