@@ -78,22 +78,18 @@ def export_single(model: Path, work: Path, gated: bool) -> Path:
     out = work / ("llava-geometry-ort-single" + ("" if gated else "-plain"))
     if (out / "manifest.json").exists():
         return out
-    import onnx_ir as ir
+    import dataclasses
 
-    from qeff_kv.export import api, export_model
+    from qeff_kv.export import export_model, targets
 
-    class NoGate:
-        def __call__(self, m):
-            return ir.passes.PassResult(m, modified=False)
-
-    saved = api.GateVisionEncoderPass
-    if not gated:
-        api.GateVisionEncoderPass = NoGate
+    saved = targets.REGISTRY["onnxruntime"]
+    if not gated:   # the target's registry entry without the gate: the pipeline leaves GateVisionEncoderPass out
+        targets.REGISTRY["onnxruntime"] = dataclasses.replace(saved, gates_vision_encoder=False)
     try:
         return export_model(model, out, ctx_len=1024, prefill_seq_len=256, target="onnxruntime",
                             single_graph=True).out_dir
     finally:
-        api.GateVisionEncoderPass = saved
+        targets.REGISTRY["onnxruntime"] = saved
 
 
 def decode_ms(session, seq) -> float:

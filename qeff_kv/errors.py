@@ -33,6 +33,11 @@ class RewriteError(QeffKvError):
     """A requested rewrite would break the graph (name collision, prefix caught by the substring regex...)."""
 
 
+class PassInvariantError(QeffKvError):
+    """A graph pass left the graph breaking the invariant its docstring states (a pass's ``ensures``): the graph is
+    not used or written."""
+
+
 class ExternalDataError(QeffKvError):
     """An external-data reference is unsafe (absolute, escapes the model folder) or cannot be followed."""
 

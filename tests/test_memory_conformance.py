@@ -29,6 +29,8 @@ from qeff_kv.contract.layout import KVPair, TensorInfo
 from qeff_kv.runtime import KVCache
 from qeff_kv.runtime.memory import (CheckpointPolicy, HybridMemory, Memory, PositionalMemory, RecurrentMemory,
                                     RopeMarks)
+from qeff_kv.contract import statespec
+from qeff_kv.runtime.memory import registry
 from qeff_kv.runtime.memory.rope_marks import RopeMark
 from qeff_kv.runtime.memory.ring import RingSpec
 
@@ -177,6 +179,19 @@ def test_every_memory_is_the_interface_and_counts_its_buffers(mem):
         assert m.used([]) == 0
     assert mem.memory_capacity == mem.bytes_per_sequence * SLOTS
     assert mem.memory()["capacity"] == mem.memory_capacity and mem.memory()["used"] == 0
+
+
+def test_every_kind_of_the_state_spec_has_a_memory_and_a_builder_here():
+    """The registry (qeff_kv/runtime/memory/registry.py) holds every kind the state spec names, each memory is
+    the one this suite builds for that kind, and the hybrid's order is positional, RoPE marks, recurrent."""
+    assert set(registry.MEMORY_OF) == set(statespec.KINDS) <= set(KINDS)
+    for kind, cls in registry.MEMORY_OF.items():
+        assert kind in cls.kinds and {type(m) for m in KINDS[kind]().memories} == {cls}
+    cache = KVCache(FULL, max_sequences=SLOTS, ctx_len=CTX)
+    assert [type(m) for m in cache.memories] == [PositionalMemory, RopeMarks, RecurrentMemory]
+    with pytest.raises(RuntimeInputError, match=r"^no memory of the runtime holds state kind 'sink' \(held: full, "
+                                                r"ring, latent, recurrent\)$"):
+        registry.memory_of("sink")
 
 
 def test_swap_exchanges_the_two_sets_of_a_double_buffered_memory():

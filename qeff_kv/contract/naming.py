@@ -92,6 +92,17 @@ MLA_META = "qeff_kv.mla"
 STATE_SPEC_META = "qeff_kv.state_spec"
 #: graph metadata key of the checkpoint identity recorded at export (written by the exporter, read by the runtime)
 CHECKPOINT_META = "qeff_kv.checkpoint"
+#: graph metadata: the exporter version that wrote the graph (``qeff_kv.export.options.EXPORTER_VERSION``)
+EXPORTER_VERSION_META = "qeff_kv.exporter_version"
+#: graph metadata: ``true``/``false``, the graph was exported with ``--continuous-batching``
+CONTINUOUS_BATCHING_META = "qeff_kv.continuous_batching"
+#: graph metadata of a single vision-language graph whose vision encoder runs only where ``image_idx >= 0``
+#: (:class:`qeff_kv.graph.passes.GateVisionEncoderPass`): the value :data:`VISION_ENCODER_GATED`
+VISION_ENCODER_META = "qeff_kv.vision_encoder"
+VISION_ENCODER_GATED = "gated"
+#: key of an in-memory model's ``ir.Model.meta`` (never written): the file it was loaded from
+#: (:func:`qeff_kv.graph.graphio.load`), so that saving beside it can find its external data
+SOURCE_PATH_META = "qeff_kv.source_path"
 
 MAX_PREFIX_LEN = 64
 

@@ -1,6 +1,8 @@
 """The graph-passes stage: the raw traced graph made deterministic and final (metadata, exact output shapes,
-the IR version onnxruntime loads), then the onnx_ir passes of :mod:`qeff_kv.graph.passes` the target asks for, then the
-prefix. Each pass is one file with its invariant; this module only says which run, in which order."""
+the IR version onnxruntime loads), then one ``ir.passes.Sequential`` of onnx_ir passes (:func:`pipeline`): the
+passes every export runs, the target's own (``TargetInfo.passes``), the vision-encoder gate, the prefix. Each pass
+is one file of :mod:`qeff_kv.graph.passes` with its invariant, checked by its ``ensures``; this module only says
+which run, in which order."""
 
 from __future__ import annotations
 
@@ -10,23 +12,46 @@ import onnx_ir as ir
 
 from qeff_kv import __version__
 from qeff_kv.contract import naming
-from qeff_kv.graph.passes import (FoldLayoutPairsPass, FuseSkipRMSNormPass, GateVisionEncoderPass, PackGQAQKVPass,
-                      PackSharedInputMatMulsPass,
-                      RemovePassThroughPass, SetKVPrefixPass)
+from qeff_kv.errors import QeffKvError
 from qeff_kv.export import options as opt
 from qeff_kv.export import targets
+from qeff_kv.graph.passes import GateVisionEncoderPass, RemovePassThroughPass, SetKVPrefixPass
 
-#: passes a target may ask for (``TargetInfo.passes``) -> (the pass, the dtypes it applies to)
-TARGET_PASSES = {
-    "PackGQAQKVPass": (PackGQAQKVPass, ("float32", "float16")),
-    "FuseSkipRMSNormPass": (FuseSkipRMSNormPass, ("float32",)),
-    "FoldLayoutPairsPass": (FoldLayoutPairsPass, ("float32", "float16")),
-    "PackSharedInputMatMulsPass": (PackSharedInputMatMulsPass, ("float32", "float16")),
-}
+
+class Pipeline(ir.passes.Sequential):
+    """``ir.passes.Sequential`` that lets a pass's typed refusal (:class:`~qeff_kv.errors.QeffKvError`: a prefix
+    the graph cannot take, a broken invariant) out as it is, where onnx_ir wraps every error in a ``PassError``."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        try:
+            return super().call(model)
+        except ir.passes.PassError as exc:
+            cause = exc.__cause__
+            while cause is not None and not isinstance(cause, QeffKvError):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            raise cause from None
+
+
+def pipeline(options: opt.ExportOptions) -> Pipeline:
+    """The passes an export with ``options`` runs on its decoder graph, in order: no-op nodes between a KV update
+    and its retained output removed (the in-place rule), the target's passes that apply to the dtype, the gate of a
+    single vision-language graph's encoder where the target gates it, the KV-cache prefix when one is asked for."""
+    target = targets.info(options.target)
+    passes: list[ir.passes.PassBase] = [RemovePassThroughPass()]
+    passes += [cls() for cls in target.passes if options.dtype in cls.dtypes]
+    if options.single_graph and target.gates_vision_encoder:
+        # decode steps (image_idx -1 from qeff-kv's runtime) skip the vision encoder; the portable target keeps the
+        # peer's plain graph (accelerator compilers may not take an If)
+        passes.append(GateVisionEncoderPass())
+    if options.kv_cache_prefix is not None:
+        passes.append(SetKVPrefixPass(options.kv_cache_prefix))
+    return Pipeline(*passes)
 
 
 def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> None:
-    """Deterministic metadata, the IR version onnxruntime loads, exact output shapes, then the prefix."""
+    """Deterministic metadata, the IR version onnxruntime loads, exact output shapes, then the passes."""
     model.ir_version = opt.IR_VERSION
     model.producer_name = "qeff-kv"
     model.producer_version = __version__
@@ -35,29 +60,27 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     logits = model.graph.outputs[0]
     rows = 1 if options.speculative_tokens is None else naming.LOGITS_TO_KEEP_INPUT
     logits.shape = ir.Shape(["batch_size", rows, geometry["vocab_size"]])
+    _metadata(model, options, geometry)
+    passes = pipeline(options)
+    passes(model)
+    if any(isinstance(p, GateVisionEncoderPass) and p.gated for p in passes.passes):
+        model.metadata_props[naming.VISION_ENCODER_META] = naming.VISION_ENCODER_GATED   # runs where image_idx >= 0
+
+
+def _metadata(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> None:
+    """The graph metadata the runtime and the tools read back (keys: :mod:`qeff_kv.contract.naming`)."""
+    meta = model.metadata_props
     if options.speculative_tokens is not None:   # decode steps verify up to K drafted tokens (K+1 rows)
-        model.metadata_props[naming.SPECULATIVE_META] = str(options.speculative_tokens)
-    model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
-    model.metadata_props["qeff_kv.continuous_batching"] = str(bool(options.continuous_batching)).lower()
-    model.metadata_props["qeff_kv.target"] = options.target
+        meta[naming.SPECULATIVE_META] = str(options.speculative_tokens)
+    meta[naming.EXPORTER_VERSION_META] = str(opt.EXPORTER_VERSION)
+    meta[naming.CONTINUOUS_BATCHING_META] = str(bool(options.continuous_batching)).lower()
+    meta[naming.TARGET_META] = options.target
     if geometry.get("sliding_window"):
-        model.metadata_props[naming.SLIDING_WINDOW_META] = str(geometry["sliding_window"])
-        model.metadata_props[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
+        meta[naming.SLIDING_WINDOW_META] = str(geometry["sliding_window"])
+        meta[naming.SLIDING_CACHE_META] = str(geometry["sliding_cache"])
     if geometry.get("state_spec") is not None:   # what each layer retains (qeff_kv.contract.statespec)
-        model.metadata_props[naming.STATE_SPEC_META] = geometry["state_spec"].dumps()
+        meta[naming.STATE_SPEC_META] = geometry["state_spec"].dumps()
     if geometry.get("mla"):   # MLA's latent cache: the expanded cache's geometry (qeff_kv.tools.buffers)
-        model.metadata_props[naming.MLA_META] = json.dumps(geometry["mla"], sort_keys=True)
+        meta[naming.MLA_META] = json.dumps(geometry["mla"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
-        model.metadata_props[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
-    RemovePassThroughPass()(model)  # no-op nodes between a KV update and its retained output (in-place rule)
-    target = targets.info(options.target)
-    for name in target.passes:   # the target's own passes (see qeff_kv.export.targets.REGISTRY)
-        if options.dtype in TARGET_PASSES[name][1]:
-            TARGET_PASSES[name][0]()(model)
-    if options.single_graph and target.gates_vision_encoder:
-        # decode steps (image_idx -1 from qeff-kv's runtime) skip the vision encoder; the portable target keeps the
-        # peer's plain graph (accelerator compilers may not take an If)
-        if GateVisionEncoderPass()(model).modified:
-            model.metadata_props["qeff_kv.vision_encoder"] = "gated"   # runs only where image_idx >= 0
-    if options.kv_cache_prefix is not None:
-        SetKVPrefixPass(options.kv_cache_prefix)(model)
+        meta[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)

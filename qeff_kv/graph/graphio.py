@@ -17,6 +17,7 @@ import onnx_ir as ir
 from qeff_kv.support import fsutil
 from qeff_kv.graph import madeup_dims
 from qeff_kv.errors import ExternalDataError, GraphReadError
+from qeff_kv.contract import naming
 from qeff_kv.contract.layout import KVLayout, TensorInfo, dtype_from_onnx
 
 #: Highest IR version the supported onnxruntime (1.31) loads.
@@ -101,7 +102,7 @@ def load(path: str | os.PathLike) -> ir.Model:
                 f"{path}: initializer {t.name!r} needs bytes up to {end} of {t.location!r}, which has only "
                 f"{sizes[data_path]} (truncated external data)")
     ir.external_data.set_base_dir(model.graph, model_dir)
-    model.meta["qeff_kv.source_path"] = str(path)
+    model.meta[naming.SOURCE_PATH_META] = str(path)
     return model
 
 
@@ -155,7 +156,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
     externals = external_tensors(model)
     if externals:
         if source_dir is None:
-            src = model.meta.get("qeff_kv.source_path")
+            src = model.meta.get(naming.SOURCE_PATH_META)
             source_dir = Path(src).parent if src else path.parent
         source_dir = Path(source_dir).resolve()
         dest_dir = path.parent.resolve()
@@ -173,7 +174,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
                 # A copy (reflink where the file system can), never a hard link: onnx refuses to load external
                 # data files with several links, which would break the new model and the original.
                 fsutil.clone_or_copy(src_file, dst_file)
-    model.meta.pop("qeff_kv.source_path", None)
+    model.meta.pop(naming.SOURCE_PATH_META, None)
     proto = ir.serde.serialize_model(model)
     fsutil.write_bytes(path, proto.SerializeToString(deterministic=True))
     return path

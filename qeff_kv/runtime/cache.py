@@ -23,6 +23,7 @@ import numpy as np
 from qeff_kv.contract.layout import KVPair
 from qeff_kv.support.limits import positive_int, require_memory
 from qeff_kv.runtime.memory import recurrent as rec_mod
+from qeff_kv.runtime.memory import registry
 from qeff_kv.runtime.memory.hybrid import HybridMemory, Sequence
 from qeff_kv.runtime.memory.positional import PositionalMemory, buffer_bytes, capacity_of
 from qeff_kv.runtime.memory.rope_marks import RopeMarks
@@ -57,16 +58,17 @@ class KVCache(HybridMemory):
         policy = checkpoints or rec_mod.CheckpointPolicy()
         self.require_memory(pairs, max_sequences=max_sequences, ctx_len=ctx_len, double_buffer=double_buffer,
                             rings=rings, recurrent=recurrent, keep=policy.keep, recurrent_double_buffer=rec_double)
-        #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
-        self.recurrent = rec_mod.RecurrentMemory(list(recurrent or []), max_sequences=max_sequences,
-                                                 double_buffer=rec_double, policy=policy, device=device)
+        settings = registry.Settings(max_sequences, ctx_len, double_buffer, rings, policy, rec_double, device)
+        # the memory of each kind (registry.MEMORY_OF), in the hybrid's order; the positional pairs are of the
+        # kinds full, ring and latent (one memory)
+        memories = registry.build({"full": list(pairs), "recurrent": list(recurrent or [])}, settings)
         #: the KV buffers with a position axis (full, ring, latent)
-        self.positional = PositionalMemory(pairs, max_sequences=max_sequences, ctx_len=ctx_len,
-                                           double_buffer=double_buffer, rings=rings, device=device)
+        self.positional = memories[PositionalMemory]
         #: the multimodal RoPE marks of the images each sequence holds
-        self.marks = RopeMarks()
-        super().__init__([self.positional, self.marks, self.recurrent], max_sequences=max_sequences,
-                         ctx_len=ctx_len)
+        self.marks = memories[RopeMarks]
+        #: the recurrent part (empty for a graph without recurrent layers: every verb then passes through)
+        self.recurrent = memories[rec_mod.RecurrentMemory]
+        super().__init__(list(memories.values()), max_sequences=max_sequences, ctx_len=ctx_len)
 
     # ------------------------------------------------------------------ the positional memory's buffers, by name
     pairs = property(lambda self: self.positional.pairs)

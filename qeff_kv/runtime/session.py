@@ -147,7 +147,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.invalid_index_patch = {"gather": fix.gather_constants, "scatter": fix.scatter_constants}
         if not modified:
             return str(self.files.onnx_path), False
-        ir_model.meta.pop("qeff_kv.source_path", None)
+        ir_model.meta.pop(naming.SOURCE_PATH_META, None)
         proto = ir.serde.serialize_model(ir_model)
         external = bool(graphio.external_tensors(ir_model))
         del ir_model

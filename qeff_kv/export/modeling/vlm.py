@@ -261,5 +261,5 @@ def finalize_vision(model: ir.Model, options: opt.ExportOptions, vision: dict) -
     model.producer_version = __version__
     model.doc_string = None
     model.graph.name = "qeff_kv_vision"
-    model.metadata_props["qeff_kv.exporter_version"] = str(opt.EXPORTER_VERSION)
-    model.metadata_props["qeff_kv.target"] = options.target
+    model.metadata_props[naming.EXPORTER_VERSION_META] = str(opt.EXPORTER_VERSION)
+    model.metadata_props[naming.TARGET_META] = options.target

@@ -6,14 +6,19 @@ which cache object the trace uses, what the attention mask is, and how RoPE is t
 
 Adding a target: a module here with a :class:`Target` subclass named ``TARGET``, and one entry in
 :data:`REGISTRY` (its module and what options validation, the family facts and the graph passes need to know
-before torch is imported: :class:`TargetInfo`). Importing this package does not import torch; :func:`get`
-imports the module asked for.
+before torch is imported: :class:`TargetInfo`, whose ``passes`` are the classes of :mod:`qeff_kv.graph.passes`
+the target runs; :func:`qeff_kv.export.graph_passes.pipeline` makes them one ``ir.passes.Sequential``).
+Importing this package does not import torch; :func:`get` imports the module asked for.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from qeff_kv.graph.passes import FoldLayoutPairsPass, FuseSkipRMSNormPass, PackGQAQKVPass, PackSharedInputMatMulsPass
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,9 @@ class TargetInfo:
     #: attention runs as onnxruntime's GroupQueryAttention: the model's attention must be expressible by it
     #: (``ModelFacts.fused_refusal``)
     group_query_attention: bool = False
-    #: graph passes after tracing, in order (class names of :mod:`qeff_kv.graph.passes`; see ``graph_passes.py``)
-    passes: tuple[str, ...] = ()
+    #: the target's own graph passes after tracing, in order (classes of :mod:`qeff_kv.graph.passes`, each run
+    #: where the export's dtype is one of its ``dtypes``; see :func:`qeff_kv.export.graph_passes.pipeline`)
+    passes: tuple[type[ir.passes.PassBase], ...] = ()
     #: a single vision-language graph skips its vision encoder on decode steps (an ``If`` on ``image_idx``)
     gates_vision_encoder: bool = False
 
@@ -43,7 +49,7 @@ REGISTRY: dict[str, TargetInfo] = {
     "onnxruntime": TargetInfo("onnxruntime", gates_vision_encoder=True),
     "onnxruntime-fused": TargetInfo(
         "fused", ring_buffers=False, group_query_attention=True, gates_vision_encoder=True,
-        passes=("PackGQAQKVPass", "FuseSkipRMSNormPass", "FoldLayoutPairsPass", "PackSharedInputMatMulsPass"),
+        passes=(PackGQAQKVPass, FuseSkipRMSNormPass, FoldLayoutPairsPass, PackSharedInputMatMulsPass),
         refuses={
             "continuous_batching": "--target onnxruntime-fused does not support --continuous-batching "
                                    "(GroupQueryAttention has no batch_index); use --target onnxruntime",

@@ -1,4 +1,7 @@
-"""Graph rewrites as onnx_ir passes, one per module; each module's docstring states its invariant."""
+"""Graph rewrites as onnx_ir passes, one per module; each module's docstring states its invariant and the pass's
+``ensures`` checks it (:class:`~qeff_kv.graph.passes._invariants.InvariantPass`, a violation raising
+:class:`~qeff_kv.errors.PassInvariantError`). The exporter runs them as one ``ir.passes.Sequential`` per export
+(:func:`qeff_kv.export.graph_passes.pipeline`)."""
 
 from qeff_kv.graph.passes.fold_layout_pairs import FoldLayoutPairsPass
 from qeff_kv.graph.passes.fuse_skip_rmsnorm import FuseSkipRMSNormPass

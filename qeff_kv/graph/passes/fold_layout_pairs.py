@@ -31,6 +31,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from qeff_kv.graph.passes._invariants import InvariantPass, label
 from qeff_kv.graph.passes._patterns import const_array as _const
 from qeff_kv.graph.passes._patterns import const_info as _info
 
@@ -166,11 +167,34 @@ def _plain_reshape(node: ir.Node) -> bool:
             and (allowzero is None or allowzero.value == 0))
 
 
-class FoldLayoutPairsPass(ir.passes.InPlacePass):
+def _pair(second: ir.Node, graph: ir.Graph) -> ir.Node | None:
+    """The node ``first`` of a pair ``first -> second`` of one op type in ``graph`` whose intermediate value has
+    ``second`` as its one reader and is not a graph output, else ``None``."""
+    if second.graph is not graph or not second.inputs or second.inputs[0] is None:
+        return None
+    mid = second.inputs[0]
+    first = mid.producer()
+    if (first is None or first.graph is not graph or mid.is_graph_output() or len(mid.uses()) != 1
+            or first.op_type != second.op_type or first.inputs[0] is None):
+        return None
+    return first
+
+
+def _transpose_pair(first: ir.Node | None, second: ir.Node) -> bool:
+    """A ``Transpose -> Transpose`` pair of standard ops with permutations of one rank: always folded."""
+    if first is None or second.op_type != "Transpose" or first.domain not in _STANDARD or \
+            second.domain not in _STANDARD:
+        return False
+    p, q = first.attributes.get("perm"), second.attributes.get("perm")
+    return p is not None and q is not None and len(p.value) == len(q.value)
+
+
+class FoldLayoutPairsPass(InvariantPass):
     """Fold ``Reshape -> Reshape`` and ``Transpose -> Transpose`` pairs (see the module docstring).
 
     After :meth:`call`, :attr:`removed` counts the pairs that became their input and :attr:`merged` the pairs
-    that became one node."""
+    that became one node. ``ensures``: the graph inputs and outputs are unchanged and no ``Transpose -> Transpose``
+    pair is left (a ``Reshape`` pair is folded only where provable, so one may stay)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -181,12 +205,8 @@ class FoldLayoutPairsPass(ir.passes.InPlacePass):
         self.removed = self.merged = 0
         graph = model.graph
         for second in list(graph):
-            if second.graph is not graph or not second.inputs or second.inputs[0] is None:
-                continue
-            mid = second.inputs[0]
-            first = mid.producer()
-            if (first is None or first.graph is not graph or mid.is_graph_output() or len(mid.uses()) != 1
-                    or first.op_type != second.op_type or first.inputs[0] is None):
+            first = _pair(second, graph)
+            if first is None:
                 continue
             if second.op_type == "Reshape" and _plain_reshape(first) and _plain_reshape(second):
                 self._reshapes(graph, first, second)
@@ -195,6 +215,12 @@ class FoldLayoutPairsPass(ir.passes.InPlacePass):
         if self.removed + self.merged:   # the shape chains that fed a folded Reshape have no reader left
             common_passes.RemoveUnusedNodesPass()(model)
         return ir.passes.PassResult(model, modified=(self.removed + self.merged) > 0)
+
+    def check(self, model: ir.Model) -> None:
+        graph = model.graph
+        left = [label(n) for n in graph if _transpose_pair(_pair(n, graph), n)]
+        if left:
+            self.violated(f"the Transpose pairs ending in {', '.join(left)} are left unfolded")
 
     def _reshapes(self, graph: ir.Graph, first: ir.Node, second: ir.Node) -> None:
         x, b = first.inputs[0], second.inputs[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from qeff_kv.graph.passes._invariants import InvariantPass, label
 from qeff_kv.graph.passes._patterns import const_array as _const
 from qeff_kv.graph.passes._patterns import const_info as _info
 from qeff_kv.graph.passes._patterns import producer_op as _op
@@ -82,18 +83,27 @@ def _match(out_mul: ir.Node):
     return None
 
 
-class FuseSkipRMSNormPass(ir.passes.InPlacePass):
-    """Fuse residual add + float32 RMSNorm into SkipSimplifiedLayerNormalization (onnxruntime contrib op)."""
+def _matches(graph: ir.Graph):
+    """``(Mul node, match)`` for every node of ``graph`` (not its subgraphs) that ends the pattern."""
+    for node in list(graph):
+        if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or node.graph is None:
+            continue
+        found = _match(node)
+        if found is not None:
+            yield node, found
+
+
+class FuseSkipRMSNormPass(InvariantPass):
+    """Fuse residual add + float32 RMSNorm into SkipSimplifiedLayerNormalization (onnxruntime contrib op).
+
+    ``ensures``: the graph inputs and outputs are unchanged and no node of the graph still ends the pattern."""
+
+    dtypes = ("float32",)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
-        for node in list(graph):
-            if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or node.graph is None:
-                continue
-            found = _match(node)
-            if found is None:
-                continue
+        for node, found in _matches(graph):   # lazily: each match is made on the graph as fused so far
             add, eps, weight, cast0, _pattern = found
             y, s = node.outputs[0], add.outputs[0]
             # Outputs 1 and 2 (mean, inverse standard deviation) are optional and not produced.
@@ -114,4 +124,9 @@ class FuseSkipRMSNormPass(ir.passes.InPlacePass):
             common_passes.RemoveUnusedNodesPass()(model)
             common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=modified)
+
+    def check(self, model: ir.Model) -> None:
+        left = [label(node) for node, _ in _matches(model.graph)]
+        if left:
+            self.violated(f"the RMSNorm ending in {', '.join(left)} is still unfused")
 

@@ -22,15 +22,36 @@ import numpy as np
 import onnx_ir as ir
 
 from qeff_kv.contract import naming
+from qeff_kv.graph.passes._invariants import InvariantPass
 from qeff_kv.graph.passes._patterns import const_array as _const
 
 
-class GateVisionEncoderPass(ir.passes.InPlacePass):
-    """See the module docstring. ``gated`` is the number of nodes moved into the ``If``."""
+class GateVisionEncoderPass(InvariantPass):
+    """See the module docstring. ``gated`` is the number of nodes moved into the ``If``. ``ensures``: the graph
+    inputs and outputs are unchanged and, where it gated, one ``If`` on ``image_idx`` holds the ``gated`` nodes,
+    its two branches give rows of one dtype, and the graph reads them."""
 
     def __init__(self):
         super().__init__()
         self.gated = 0
+
+    def check(self, model: ir.Model) -> None:
+        if not self.gated:
+            return
+        gates = [n for n in model.graph if n.op_type == "If" and n.name == "vision_encoder_gate"]
+        if len(gates) != 1:
+            self.violated(f"{len(gates)} vision_encoder_gate nodes, expected one")
+        gate = gates[0]
+        cond = gate.inputs[0].producer()
+        then, other = gate.attributes["then_branch"].value, gate.attributes["else_branch"].value
+        if cond is None or cond.inputs[0] is None or cond.inputs[0].name != naming.IMAGE_IDX:
+            self.violated(f"the gate's condition does not read {naming.IMAGE_IDX}")
+        rows, zeros, gated = then.outputs[0].dtype, other.outputs[0].dtype, gate.outputs[0].dtype
+        if len(then) != self.gated or zeros != gated or rows not in (None, gated):
+            self.violated(f"the then branch holds {len(then)} nodes (gated {self.gated}), its rows {rows}, the else "
+                          f"branch's {zeros}, the gate's {gated}")
+        if not gate.outputs[0].uses():
+            self.violated("nothing reads the gated rows")
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         g = model.graph

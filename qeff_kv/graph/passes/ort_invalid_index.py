@@ -40,6 +40,7 @@ import numpy as np
 import onnx_ir as ir
 
 from qeff_kv.errors import ContractError
+from qeff_kv.graph.passes._invariants import InvariantPass
 
 #: The peer's "invalid index" value.
 INVALID_INDEX = 2**31 - 1
@@ -102,10 +103,11 @@ def _const_array(value: ir.Value) -> np.ndarray | None:
     return np.asarray(arr)
 
 
-class OrtInvalidIndexPass(ir.passes.InPlacePass):
+class OrtInvalidIndexPass(InvariantPass):
     """Replace INT32_MAX invalid-index constants on GatherND/ScatterND index paths (see module docstring).
 
     After :meth:`call`, :attr:`gather_constants` and :attr:`scatter_constants` count what was replaced.
+    ``ensures``: the graph inputs and outputs are unchanged and no invalid-index constant reaches an index input.
     """
 
     def __init__(self) -> None:
@@ -224,8 +226,7 @@ class OrtInvalidIndexPass(ir.passes.InPlacePass):
                 self.scatter_constants += 1
         return ir.passes.PassResult(model, modified=bool(hits))
 
-    def ensures(self, model: ir.Model) -> None:
+    def check(self, model: ir.Model) -> None:
         left = self.find(model)
         if left:
-            raise ir.passes.PostconditionError(
-                f"after OrtInvalidIndexPass: {len(left)} invalid-index constants still reach GatherND/ScatterND")
+            self.violated(f"{len(left)} invalid-index constants still reach GatherND/ScatterND indices")

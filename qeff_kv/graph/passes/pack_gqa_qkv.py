@@ -15,6 +15,7 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from qeff_kv.graph.passes._invariants import InvariantPass, label
 from qeff_kv.graph.passes._patterns import concat_tensor
 from qeff_kv.graph.passes._patterns import const_array as _const
 from qeff_kv.graph.passes._patterns import const_info as _info
@@ -65,26 +66,37 @@ def _projection(v: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value | None, ir.No
     return h, matmul.inputs[1], bias, matmul
 
 
-class PackGQAQKVPass(ir.passes.InPlacePass):
-    """Pack the three projections of each matching GroupQueryAttention node into one MatMul."""
+def _packable(node: ir.Node) -> list | None:
+    """The three projections of a GroupQueryAttention node the pass packs (one ``h``, weights of one ``K`` and
+    dtype, biases on all three or none), else ``None``."""
+    if node.domain != "com.microsoft" or node.op_type != "GroupQueryAttention" or len(node.inputs) < 3:
+        return None
+    parts = [_projection(v) for v in node.inputs[:3]]
+    if any(p is None for p in parts):
+        return None
+    biases = [p[2] for p in parts]
+    if len({id(p[0]) for p in parts}) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
+        return None
+    weights = [_info(p[1]) for p in parts]
+    if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+        return None
+    return parts
+
+
+class PackGQAQKVPass(InvariantPass):
+    """Pack the three projections of each matching GroupQueryAttention node into one MatMul.
+
+    ``ensures``: the graph inputs and outputs are unchanged and no GroupQueryAttention node is left that the pass
+    would pack."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
         for node in list(graph):
-            if node.domain != "com.microsoft" or node.op_type != "GroupQueryAttention" or len(node.inputs) < 3:
+            parts = _packable(node)
+            if parts is None:
                 continue
-            parts = [_projection(v) for v in node.inputs[:3]]
-            if any(p is None for p in parts):
-                continue
-            hs = {id(p[0]) for p in parts}
-            biases = [p[2] for p in parts]
-            if len(hs) != 1 or (any(b is None for b in biases) and any(b is not None for b in biases)):
-                continue
-            h = parts[0][0]
-            weights = [_info(p[1]) for p in parts]
-            if len({w.shape[0] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
-                continue
+            h, biases = parts[0][0], [p[2] for p in parts]
             wname = f"{node.name or 'gqa'}.qkv_weight"
             packed_w = ir.Value(name=wname, const_value=concat_tensor([p[1] for p in parts], 1, wname))
             graph.register_initializer(packed_w)
@@ -108,3 +120,8 @@ class PackGQAQKVPass(ir.passes.InPlacePass):
             common_passes.RemoveUnusedFunctionsPass()(model)
             common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=modified)
+
+    def check(self, model: ir.Model) -> None:
+        left = [label(n) for n in model.graph if _packable(n) is not None]
+        if left:
+            self.violated(f"GroupQueryAttention {', '.join(left)} still reads three separate projections")

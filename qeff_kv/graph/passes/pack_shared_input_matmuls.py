@@ -32,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from qeff_kv.graph.passes._invariants import InvariantPass, label
 from qeff_kv.graph.passes._patterns import concat_tensor
 from qeff_kv.graph.passes._patterns import const_info as _const
 
@@ -78,10 +79,28 @@ def _column_major(a: np.ndarray, n: int) -> bool:
     return (a.ndim >= 2 and a.shape[0] == n) or (a.ndim == 1 and a.size % n == 0)
 
 
-class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
+def _groups(graph: ir.Graph) -> list[list[ir.Node]]:
+    """The packable nodes of ``graph`` grouped by the input they read and their kind (groups of one included)."""
+    groups: dict[tuple, list[ir.Node]] = {}
+    for node in graph:
+        if node.op_type == "MatMul" and node.domain in _STANDARD:
+            key = _matmul_key(node)
+        elif node.op_type == "MatMulNBits" and node.domain == _MS:
+            key = _nbits_key(node)
+        else:
+            continue
+        out = node.outputs[0]
+        if key is None or out.is_graph_output() or not out.uses():
+            continue
+        groups.setdefault((id(node.inputs[0]),) + key, []).append(node)
+    return list(groups.values())
+
+
+class PackSharedInputMatMulsPass(InvariantPass):
     """Pack ``MatMul`` / ``MatMulNBits`` nodes that read the same input (see the module docstring).
 
-    After :meth:`call`, :attr:`packed` lists the number of nodes in each packed group."""
+    After :meth:`call`, :attr:`packed` lists the number of nodes in each packed group. ``ensures``: the graph
+    inputs and outputs are unchanged and no two packable nodes read the same input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,19 +109,7 @@ class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.packed = []
         graph = model.graph
-        groups: dict[tuple, list[ir.Node]] = {}
-        for node in graph:
-            if node.op_type == "MatMul" and node.domain in _STANDARD:
-                key = _matmul_key(node)
-            elif node.op_type == "MatMulNBits" and node.domain == _MS:
-                key = _nbits_key(node)
-            else:
-                continue
-            out = node.outputs[0]
-            if key is None or out.is_graph_output() or not out.uses():
-                continue
-            groups.setdefault((id(node.inputs[0]),) + key, []).append(node)
-        for nodes in groups.values():
+        for nodes in _groups(graph):
             if len(nodes) < 2:
                 continue
             if nodes[0].op_type == "MatMul":
@@ -114,6 +121,11 @@ class PackSharedInputMatMulsPass(ir.passes.InPlacePass):
             common_passes.RemoveUnusedNodesPass()(model)
             common_passes.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=bool(self.packed))
+
+    def check(self, model: ir.Model) -> None:
+        left = [", ".join(label(n) for n in nodes) for nodes in _groups(model.graph) if len(nodes) > 1]
+        if left:
+            self.violated(f"the nodes {'; '.join(left)} still read one input separately")
 
     def _register(self, graph: ir.Graph, name: str, array) -> ir.Value:
         tensor = ir.tensor(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array

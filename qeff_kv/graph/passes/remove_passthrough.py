@@ -30,6 +30,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from qeff_kv.graph.graphio import layout_of
+from qeff_kv.graph.passes._invariants import InvariantPass
 from qeff_kv.graph.passes._patterns import const_array as _const
 
 _STANDARD = ("", "ai.onnx")
@@ -122,10 +123,22 @@ def _is_passthrough(node: ir.Node, depth: int = 0) -> bool:
     return False
 
 
-class RemovePassThroughPass(ir.passes.InPlacePass):
+def _removable(out: ir.Value, graph: ir.Graph) -> ir.Node | None:
+    """The node producing graph output ``out`` when it provably returns an input that can take its place."""
+    node = out.producer()
+    if node is None or node.graph is not graph or not _is_passthrough(node):
+        return None
+    src = node.inputs[0]
+    if src.is_graph_input() or src.is_graph_output() or src.is_initializer() or src.const_value is not None:
+        return None
+    return node
+
+
+class RemovePassThroughPass(InvariantPass):
     """Remove provable no-op nodes between KV updates and their retained graph outputs.
 
-    After :meth:`call`, :attr:`removed` counts the nodes removed.
+    After :meth:`call`, :attr:`removed` counts the nodes removed. ``ensures``: the graph inputs and outputs are
+    unchanged and no retained KV output is still produced by a removable no-op.
     """
 
     def __init__(self) -> None:
@@ -139,14 +152,8 @@ class RemovePassThroughPass(ir.passes.InPlacePass):
         for index, out in enumerate(list(graph.outputs)):
             if out.name not in retained:
                 continue
-            while True:
-                node = out.producer()
-                if node is None or node.graph is not graph or not _is_passthrough(node):
-                    break
+            while (node := _removable(out, graph)) is not None:
                 src = node.inputs[0]
-                if (src.is_graph_input() or src.is_graph_output() or src.is_initializer()
-                        or src.const_value is not None):
-                    break
                 name, dtype, shape = out.name, out.dtype, out.shape
                 graph.outputs[index] = src
                 out.replace_all_uses_with(src)        # every other reader reads the input instead
@@ -158,3 +165,9 @@ class RemovePassThroughPass(ir.passes.InPlacePass):
                 out = src
                 self.removed += 1
         return ir.passes.PassResult(model, modified=self.removed > 0)
+
+    def check(self, model: ir.Model) -> None:
+        retained = {p.output_name for p in layout_of(model).pairs}
+        left = [out.name for out in model.graph.outputs if out.name in retained and _removable(out, model.graph)]
+        if left:
+            self.violated(f"the retained outputs {', '.join(left)} are still produced by a no-op node")

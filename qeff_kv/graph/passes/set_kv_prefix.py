@@ -20,16 +20,23 @@ import onnx_ir as ir
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.errors import ContractError, RewriteError
 from qeff_kv.graph.graphio import layout_of
+from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
 
 
-class SetKVPrefixPass(ir.passes.InPlacePass):
+class SetKVPrefixPass(InvariantPass):
     """Rename the KV buffers of the main graph to carry ``prefix`` (``None`` strips any prefix).
 
     Args:
         prefix: the new prefix, validated by :func:`qeff_kv.contract.naming.validate_prefix`; ``None`` to strip.
         allow_mixed: accept a graph whose KV buffers carry different prefixes (the rewrite makes them
             uniform). Off by default: mixed prefixes usually mean a graph was already edited by hand.
+
+    ``ensures``: every KV buffer is paired and carries exactly the prefix, and every other graph input and output
+    is as it was (name, dtype, shape, order).
     """
+
+    keeps_io = False   # the KV buffers are renamed; every other input and output is checked by :meth:`check`
+    _others: tuple | None = None
 
     def __init__(self, prefix: str | None, *, allow_mixed: bool = False):
         super().__init__()
@@ -90,12 +97,22 @@ class SetKVPrefixPass(ir.passes.InPlacePass):
             v.name = new
         return ir.passes.PassResult(model, modified=bool(kv_values))
 
-    def ensures(self, model: ir.Model) -> None:
+    def requires(self, model: ir.Model) -> None:
+        super().requires(model)
+        self._others = _non_kv(model)
+
+    def check(self, model: ir.Model) -> None:
         layout = layout_of(model)
         if layout.unpaired_inputs or layout.unpaired_outputs or layout.prefixes != [self.prefix]:
-            raise ir.passes.PostconditionError(
-                f"after SetKVPrefixPass: prefixes {layout.prefixes}, unpaired "
-                f"{layout.unpaired_inputs + layout.unpaired_outputs}")
+            self.violated(f"prefixes {layout.prefixes}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
+        if self._others is not None and _non_kv(model) != self._others:
+            self.violated("it changed a graph input or output that is not a KV buffer")
+
+
+def _non_kv(model: ir.Model) -> tuple:
+    """The graph inputs and outputs that are not KV buffers, as :func:`io_signature` gives them."""
+    return tuple(tuple(v for v in values if naming.parse_kv_name(v[0] or "") is None)
+                 for values in io_signature(model))
 
 
 def _all_value_names(graph: ir.Graph, exclude: set[int]) -> set[str]:

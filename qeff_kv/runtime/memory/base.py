@@ -57,6 +57,8 @@ class Memory(ABC):
     """One kind of retained state (see the module docstring). Subclasses set the buffer dicts in ``__init__``
     (empty for a memory without buffers) and implement the abstract methods."""
 
+    #: the state spec's kinds this memory holds (set by :func:`qeff_kv.runtime.memory.registry.holds`)
+    kinds: tuple[str, ...] = ()
     #: the error class the hybrid raises with this memory's refusals
     refusal_error: type[Exception] = RuntimeInputError
     #: how messages name a tensor of this memory's state part
@@ -71,6 +73,12 @@ class Memory(ABC):
     double_buffer: bool = False
     #: where its buffers live (:mod:`qeff_kv.runtime.execution.device`; ``arrays`` are their host views)
     device: device_mod.Device = device_mod.CPU
+
+    @classmethod
+    def build(cls, pairs: list, settings) -> "Memory":
+        """The memory of ``pairs`` (of the kinds it holds) for a session with ``settings``
+        (:class:`qeff_kv.runtime.memory.registry.Settings`)."""
+        raise NotImplementedError
 
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
         """One buffer of ``shape`` (and its spare when double-buffered), zeros, on :attr:`device`: the ``OrtValue``

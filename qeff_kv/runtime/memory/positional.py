@@ -31,6 +31,7 @@ from qeff_kv.contract.layout import KVPair
 from qeff_kv.support.limits import MAX_DIM, positive_int
 from qeff_kv.runtime.memory.ring import RingSpec, held
 from qeff_kv.runtime.memory.base import Memory, meta_int
+from qeff_kv.runtime.memory.registry import Settings, holds
 
 #: the peer's dims of a KV slice: the sequence's row, every head, positions from ctx_start, every head_dim
 SLICE_DIMS = ("batch_index", 0, "ctx_start", 0)
@@ -70,6 +71,7 @@ def copy_slots(capacity: int | None, n: int, lowest: int) -> np.ndarray | slice:
     return np.arange(max(lowest, n - capacity, 0), n) % capacity
 
 
+@holds("full", "ring", "latent", order=0)
 class PositionalMemory(Memory):
     """The buffers of ``pairs`` (graph order), each at its own capacity, and the ring rules.
 
@@ -105,6 +107,11 @@ class PositionalMemory(Memory):
             self.capacities[p.input_name] = capacity_of(p, ctx_len, self.rings)
             self._allocate(p.input_name, (int(max_sequences), heads, self.capacities[p.input_name], head_dim),
                            np.dtype(p.input.dtype))
+
+    @classmethod
+    def build(cls, pairs: list[KVPair], settings: Settings) -> "PositionalMemory":
+        return cls(pairs, max_sequences=settings.max_sequences, ctx_len=settings.ctx_len,
+                   double_buffer=settings.double_buffer, rings=settings.rings, device=settings.device)
 
     # ------------------------------------------------------------------------------------ rows
     def read(self, seq, name: str, length: int | None = None) -> np.ndarray:

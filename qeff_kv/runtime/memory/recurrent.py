@@ -37,6 +37,7 @@ from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
 from qeff_kv.contract.layout import KVPair
 from qeff_kv.support.limits import positive_int
 from qeff_kv.runtime.memory.base import Memory
+from qeff_kv.runtime.memory.registry import Settings, holds
 
 #: checkpoint every this many positions, unless the session says otherwise
 DEFAULT_EVERY = 256
@@ -105,6 +106,7 @@ def checkpoint_key(position: int, name: str) -> str:
     return f"checkpoint.{int(position)}.{name}"
 
 
+@holds("recurrent", order=2)
 class RecurrentMemory(Memory):
     """The recurrent buffers of a graph (one row per sequence slot) and each sequence's checkpoints.
 
@@ -131,6 +133,11 @@ class RecurrentMemory(Memory):
             self._allocate(p.input_name, (int(max_sequences),) + state_shape(p), np.dtype(p.input.dtype))
         #: sequence id -> {position: {buffer: the row's state at that position}}, positions ascending
         self._checkpoints: dict[int, dict[int, dict[str, np.ndarray]]] = {}
+
+    @classmethod
+    def build(cls, pairs: list[KVPair], settings: Settings) -> "RecurrentMemory":
+        return cls(pairs, max_sequences=settings.max_sequences, double_buffer=settings.recurrent_double_buffer,
+                   policy=settings.checkpoints, device=settings.device)
 
     def __bool__(self) -> bool:
         return bool(self.pairs)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from qeff_kv.errors import StateFileError
 from qeff_kv.runtime.memory.base import Memory
+from qeff_kv.runtime.memory.registry import holds
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def read_state_marks(meta: dict[str, str], n: int, where: str) -> list[RopeMark]
     return marks
 
 
+@holds(order=1)
 class RopeMarks(Memory):
     """The memory of every sequence's ``rope_marks`` (empty for a graph without multimodal RoPE: every verb then
     passes)."""
@@ -73,6 +75,10 @@ class RopeMarks(Memory):
     def __init__(self):
         self.shapes, self.dtypes, self.arrays, self.values = {}, {}, {}, {}
         self.spare_arrays, self.spare_values = {}, {}
+
+    @classmethod
+    def build(cls, pairs, settings) -> "RopeMarks":
+        return cls()
 
     def write(self, seq, name, data) -> None:
         raise KeyError(name)   # no buffers

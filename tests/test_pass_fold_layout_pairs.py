@@ -10,6 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from qeff_kv.errors import PassInvariantError
 from qeff_kv.graph.passes import FoldLayoutPairsPass
 
 RNG = np.random.default_rng(0)
@@ -133,3 +134,36 @@ def test_shared_intermediate_is_left_alone():
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
                     helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
     assert not FoldLayoutPairsPass()(model).modified and _ops(model).count("Transpose") == 2
+
+
+# ------------------------------------------------------------------------------------------------ ensures
+def _transposes() -> ir.Model:
+    nodes = [helper.make_node("Transpose", ["x"], ["mid"], perm=[1, 0], name="t1"),
+             helper.make_node("Transpose", ["mid"], ["y"], perm=[1, 0], name="t2"),
+             helper.make_node("Relu", ["y"], ["out"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 3])])
+
+
+def test_ensures_refuses_a_transpose_pair_left_unfolded():
+    class Idle(FoldLayoutPairsPass):
+        def call(self, model):
+            return ir.passes.PassResult(model, modified=False)
+
+    with pytest.raises(PassInvariantError, match=r"^FoldLayoutPairsPass broke its invariant: the Transpose pairs "
+                                                 r"ending in t2 are left unfolded$"):
+        Idle()(_transposes())
+    model = _transposes()
+    assert FoldLayoutPairsPass()(model).modified and _ops(model) == ["Relu"]   # the real pass: ensures holds
+
+
+def test_ensures_refuses_a_changed_output_shape():
+    class Reshapes(FoldLayoutPairsPass):
+        def call(self, model):
+            result = super().call(model)
+            model.graph.outputs[0].shape = ir.Shape([3, 2])
+            return result
+
+    with pytest.raises(PassInvariantError, match=r"^FoldLayoutPairsPass broke its invariant: it changed the graph "
+                                                 r"outputs \(out -> out\)$"):
+        Reshapes()(_transposes())

@@ -10,6 +10,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
+from qeff_kv.errors import PassInvariantError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.inplace import inplace_issues
 from qeff_kv.graph.passes import RemovePassThroughPass
@@ -157,3 +158,27 @@ def test_float16_graph():
     after = _run(model, _feeds(np.float16))
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert inplace_issues(model, graphio.layout_of(model)) == []
+
+
+# ------------------------------------------------------------------------------------------------ ensures
+def test_ensures_refuses_a_retained_output_left_behind_a_no_op():
+    class Idle(RemovePassThroughPass):   # a pass that forgot its job
+        def call(self, model):
+            return ir.passes.PassResult(model, modified=False)
+
+    with pytest.raises(PassInvariantError, match=r"^RemovePassThroughPass broke its invariant: the retained outputs "
+                                                 r"past_key\.0_RetainedState are still produced by a no-op node$"):
+        Idle()(_graph(CAST_F32))
+    assert not Idle()(_graph([])).modified   # nothing to remove: nothing to refuse
+
+
+def test_ensures_refuses_a_renamed_graph_output():
+    class Renames(RemovePassThroughPass):
+        def call(self, model):
+            result = super().call(model)
+            model.graph.outputs[0].name = "logits_renamed"
+            return result
+
+    with pytest.raises(PassInvariantError, match=r"it changed the graph outputs \(logits, past_key\.0_RetainedState, "
+                                                 r"past_value\.0_RetainedState -> logits_renamed, "):
+        Renames()(_graph(CAST_F32))

@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import requires_torch
+from qeff_kv.errors import PassInvariantError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes import PackSharedInputMatMulsPass
 
@@ -143,20 +144,20 @@ def unpacked(tmp_path_factory):
     of gate/up), and one int4 export as shipped (the pass on)."""
     from hf_models import make_model_dir
 
-    from qeff_kv.export import export_model, graph_passes
+    from qeff_kv.export import export_model
 
     root = tmp_path_factory.mktemp("pack")
     src = make_model_dir("llama", root / "hf", seed=3, vocab_size=256, tie_word_embeddings=True)
     out = {"shipped": export_model(src, root / "shipped", ctx_len=32, prefill_seq_len=4,
                                    target="onnxruntime-fused", weights="int4", verify=False)}
-    saved = graph_passes.TARGET_PASSES["PackSharedInputMatMulsPass"]
-    graph_passes.TARGET_PASSES["PackSharedInputMatMulsPass"] = (saved[0], ())   # applies to no dtype
+    saved = PackSharedInputMatMulsPass.dtypes
+    PackSharedInputMatMulsPass.dtypes = ()   # applies to no dtype: the target's pipeline leaves it out
     try:
         for key, w in (("float", None), ("int4", "int4")):
             out[key] = export_model(src, root / key, ctx_len=32, prefill_seq_len=4, target="onnxruntime-fused",
                                     weights=w, verify=False)
     finally:
-        graph_passes.TARGET_PASSES["PackSharedInputMatMulsPass"] = saved
+        PackSharedInputMatMulsPass.dtypes = saved
     return out
 
 
@@ -203,3 +204,34 @@ def test_shipped_int4_export_is_packed(unpacked):
     assert nbits(shipped) == nbits(plain) - 2 and sum(1 for n in shipped.graph if n.op_type == "Split") == 2
     assert _greedy(unpacked["shipped"].onnx_path) == _greedy(unpacked["int4"].onnx_path)
     assert check(unpacked["shipped"].onnx_path).ok
+
+
+# ------------------------------------------------------------------------------------------------ ensures
+def _two_projections() -> ir.Model:
+    ws = {f"W{i}": RNG.standard_normal((K, 8)).astype(np.float32) for i in range(2)}
+    nodes = [helper.make_node("MatMul", ["h", f"W{i}"], [f"p{i}"], name=f"proj{i}") for i in range(2)]
+    nodes += [helper.make_node("Relu", [f"p{i}"], [f"y{i}"]) for i in range(2)]
+    return _model(nodes, _h(), _outs(["y0", "y1"]), [onnx.numpy_helper.from_array(v, k) for k, v in ws.items()])
+
+
+def test_ensures_refuses_projections_of_one_input_left_separate():
+    class Idle(PackSharedInputMatMulsPass):
+        def call(self, model):
+            return ir.passes.PassResult(model, modified=False)
+
+    with pytest.raises(PassInvariantError, match=r"^PackSharedInputMatMulsPass broke its invariant: the nodes "
+                                                 r"proj0, proj1 still read one input separately$"):
+        Idle()(_two_projections())
+    p = PackSharedInputMatMulsPass()
+    assert p(_two_projections()).modified and p.packed == [2]   # the real pass: ensures holds
+
+
+def test_ensures_refuses_a_dropped_graph_output():
+    class Drops(PackSharedInputMatMulsPass):
+        def call(self, model):
+            result = super().call(model)
+            model.graph.outputs.pop()
+            return result
+
+    with pytest.raises(PassInvariantError, match=r"it changed the graph outputs \(y0, y1 -> y0\)$"):
+        Drops()(_two_projections())
