@@ -1,4 +1,5 @@
-"""``qeff-kv export``: thin front end over :func:`qeff_kv.export.export_model`."""
+"""``qeff-kv export``: thin front end over :func:`qeff_kv.export.export_model`: the options named as the fields of
+:class:`~qeff_kv.export.options.ExportOptions` fill it (checked there, once); the others run the export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import click
 
 from qeff_kv.graph import graphio
 from qeff_kv.tools.buffers import format_buffer_table
-from qeff_kv.export import export_model
+from qeff_kv.export import ExportOptions, export_model
 
 from .params import ACCURACY_LEVEL, DIM
 
@@ -92,18 +93,11 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "weights fits in memory (else skipped with a note).")
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
-def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, gguf_grid,
-           sliding_cache, mla_cache, single_graph, image_size, speculative_tokens, hidden_states, verify, force, quiet):
+def export(model, out_dir, specializations_format, verify, force, quiet, **fields):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
-    result = export_model(
-        model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-        dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
-        specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
-        ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
-        single_graph=single_graph, image_size=image_size, mla_cache=mla_cache, speculative_tokens=speculative_tokens,
-        gguf_grid=gguf_grid, hidden_states=hidden_states)
+    result = export_model(model, out_dir, options=ExportOptions(**fields), force=force, verify=verify,
+                          specializations_format=specializations_format, progress=None if quiet else _progress)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")
