@@ -60,3 +60,19 @@ THREADS = AsciiIntRange(min=1, max=4096)
 ACCURACY_LEVEL = AsciiIntRange(min=0, max=4)
 FLOAT = AsciiFloat()
 PRECISION = click.Choice(list(PRECISIONS))
+
+#: the click type of each sampling field given as one value (``qeff_kv.runtime.decoding.sampling.FIELDS``; the
+#: repeatable ``--logit-bias ID=BIAS`` is declared where it is taken)
+SAMPLING_TYPES = {"temperature": FLOAT, "top_k": COUNT, "top_p": FLOAT, "seed": ID, "min_p": FLOAT,
+                  "repetition_penalty": FLOAT, "presence_penalty": FLOAT, "frequency_penalty": FLOAT}
+
+
+def sampling_options(options: dict[str, tuple[object, str]]):
+    """The click options of sampling fields, named as the fields (``top_k`` -> ``--top-k``): ``options`` maps each
+    field to ``(default, help)``, in the order shown; a default other than ``None`` is shown."""
+    def declare(fn):
+        for name, (default, text) in reversed(options.items()):
+            fn = click.option(f"--{name.replace('_', '-')}", name, type=SAMPLING_TYPES[name], default=default,
+                              show_default=default is not None, help=text)(fn)
+        return fn
+    return declare
