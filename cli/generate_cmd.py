@@ -11,6 +11,7 @@ import json
 
 import click
 
+from qeff_kv.runtime.decoding.sampling import GREEDY
 from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
 
 from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
@@ -61,16 +62,16 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
               help="Slots of a continuous-batching graph, or sequences run in lock step on a graph without "
                    "batch_index (default: the manifest's, or the number of prompts).")
 @sampling_options({
-    "temperature": (0.0, "0 = greedy."),
-    "top_k": (0, "Sample among the K most likely (0 = all)."),
-    "top_p": (1.0, "Nucleus sampling mass."),
-    "seed": (None, "Sampling seed (same seed, same tokens)."),
-    "min_p": (0.0, "Sample among tokens at least this share as likely as the most likely one (0 = all)."),
-    "repetition_penalty": (1.0, "Divide positive (multiply negative) logits of tokens already in the prompt or "
-                                "output (1 = none)."),
-    "presence_penalty": (0.0, "Subtract from the logit of every token already generated (OpenAI's rule)."),
-    "frequency_penalty": (0.0, "Subtract this times its count from the logit of every token already generated."),
-})
+    "temperature": "0 = greedy.",
+    "top_k": "Sample among the K most likely (0 = all).",
+    "top_p": "Nucleus sampling mass.",
+    "seed": "Sampling seed (same seed, same tokens).",
+    "min_p": "Sample among tokens at least this share as likely as the most likely one (0 = all).",
+    "repetition_penalty": "Divide positive (multiply negative) logits of tokens already in the prompt or output "
+                          "(1 = none).",
+    "presence_penalty": "Subtract from the logit of every token already generated (OpenAI's rule).",
+    "frequency_penalty": "Subtract this times its count from the logit of every token already generated.",
+}, defaults=GREEDY)
 @click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
               help="Add BIAS to token ID's logit before selection (repeatable; -100 bans a token).")
 @click.option("--stop-token", "stop_tokens", type=ID, multiple=True, metavar="ID",

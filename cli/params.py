@@ -67,11 +67,13 @@ SAMPLING_TYPES = {"temperature": FLOAT, "top_k": COUNT, "top_p": FLOAT, "seed": 
                   "repetition_penalty": FLOAT, "presence_penalty": FLOAT, "frequency_penalty": FLOAT}
 
 
-def sampling_options(options: dict[str, tuple[object, str]]):
-    """The click options of sampling fields, named as the fields (``top_k`` -> ``--top-k``): ``options`` maps each
-    field to ``(default, help)``, in the order shown; a default other than ``None`` is shown."""
+def sampling_options(helps: dict[str, str], defaults=None):
+    """The click options of sampling fields, named as the fields (``top_k`` -> ``--top-k``), in the order of
+    ``helps`` (field -> help). ``defaults``: a ``SamplingParams`` whose values are the defaults (shown), or ``None``
+    (every option defaults to ``None``: left to the library)."""
     def declare(fn):
-        for name, (default, text) in reversed(options.items()):
+        for name, text in reversed(helps.items()):
+            default = None if defaults is None else getattr(defaults, name)
             fn = click.option(f"--{name.replace('_', '-')}", name, type=SAMPLING_TYPES[name], default=default,
                               show_default=default is not None, help=text)(fn)
         return fn

@@ -92,12 +92,12 @@ class ChunkType(click.ParamType):
 @click.option("--speculative-k", type=DIM, default=None,
               help="With --speculative: drafts per sequence and step (default and maximum: the graph's K).")
 @sampling_options({
-    "temperature": (None, "Default temperature of requests that give none (default: the export's "
-                          "generation_config.json, else 1)."),
-    "top_p": (None, "Default top_p (default: generation_config.json, else 1)."),
-    "top_k": (None, "Default top_k (default: generation_config.json, else 0 = all)."),
-    "min_p": (None, "Default min_p (default: generation_config.json, else 0)."),
-    "repetition_penalty": (None, "Default repetition_penalty (default: generation_config.json, else 1 = none)."),
+    "temperature": "Default temperature of requests that give none (default: the export's generation_config.json, "
+                   "else 1).",
+    "top_p": "Default top_p (default: generation_config.json, else 1).",
+    "top_k": "Default top_k (default: generation_config.json, else 0 = all).",
+    "min_p": "Default min_p (default: generation_config.json, else 0).",
+    "repetition_penalty": "Default repetition_penalty (default: generation_config.json, else 1 = none).",
 })
 @click.option("--max-tokens", type=DIM, default=None,
               help="Default max_tokens (default: generation_config.json's max_new_tokens, else what the context "

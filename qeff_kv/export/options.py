@@ -48,6 +48,9 @@ EXPORTER_VERSION = 8  # 2: the output head is a Gemm(transB=1) reading its weigh
 
 @dataclass(frozen=True)
 class ExportOptions:
+    """What determines an exported graph (its :meth:`to_json` is hashed into the export cache's name): the fields
+    ``qeff-kv export``'s options are named after, and :func:`~qeff_kv.export.api.export_model`'s keywords."""
+
     #: KV capacity; ``None`` (before :meth:`resolved`): the model's ``max_position_embeddings``, at most
     #: :data:`DEFAULT_MAX_CTX_LEN`
     ctx_len: int | None = None
