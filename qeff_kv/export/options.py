@@ -24,6 +24,8 @@ from qeff_kv.export import targets
 from qeff_kv.export.schemes import check_scheme, resolve_options
 
 DTYPES = ("float32", "float16")
+#: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
+SLIDING_CACHES = ("ring", "full")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
 #: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
 #: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
@@ -151,7 +153,7 @@ class ExportOptions:
             check_ccl(self.ccl, self.ctx_len, self.prefill_seq_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
-        if self.sliding_cache not in (None, "ring", "full"):
+        if self.sliding_cache not in (None, *SLIDING_CACHES):
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
         if self.sliding_cache == "ring" and "ring" in refuses:
             raise ExportError(refuses["ring"])
