@@ -1,4 +1,5 @@
-"""``qeff-kv export``: thin front end over :func:`qeff_kv.export.export_model`."""
+"""``qeff-kv export``: thin front end over :func:`qeff_kv.export.export_model`: the options named as the fields of
+:class:`~qeff_kv.export.options.ExportOptions` fill it (checked there, once); the others run the export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import click
 
 from qeff_kv.graph import graphio
 from qeff_kv.tools.buffers import format_buffer_table
-from qeff_kv.export import export_model
+from qeff_kv.export import ExportOptions, export_model
+from qeff_kv.export import options as opt
+from qeff_kv.export.schemes import SCHEMES
 
 from .params import ACCURACY_LEVEL, DIM
 
@@ -32,7 +35,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "Default: min(max_position_embeddings, 4096). The graph keeps ctx_len symbolic.")
 @click.option("--prefill-seq-len", type=DIM, default=32, show_default=True, metavar="N",
               help="Prefill chunk length (the prefill specialization).")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+@click.option("--dtype", type=click.Choice(opt.DTYPES), default="float32", show_default=True,
               help="Weights, activations and KV cache dtype.")
 @click.option("--continuous-batching", is_flag=True,
               help="Add input batch_index [batch_size, 1]; the KV batch axis becomes full_batch_size.")
@@ -40,7 +43,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Number of KV slots (sequences) with --continuous-batching.")
 @click.option("--specializations-format", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: readable by every compiler release; named: Prefill/Decode entries.")
-@click.option("--target", type=click.Choice(["portable", "onnxruntime", "onnxruntime-fused"]), default="portable",
+@click.option("--target", type=click.Choice(opt.TARGETS), default="portable",
               show_default=True,
               help="portable: standard ops, static-shape friendly, for accelerator compilers. onnxruntime: standard "
                    "ops, attention follows the valid length (decode time does not grow with capacity). "
@@ -51,7 +54,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Compute-context lengths (the peer's CCL): the graph takes comp_ctx_lengths and attends over "
                    "its length only; one prefill and one decode specialization per value. 'auto': powers of two "
                    "from min(ctx_len, 512) up to ctx_len. Not with --target onnxruntime-fused.")
-@click.option("--weights", type=click.Choice(["int4", "int8"]),
+@click.option("--weights", type=click.Choice(list(SCHEMES)),
               help="Weight-only quantization for the onnxruntime targets: MatMul weights as onnxruntime's "
                    "MatMulNBits, the (tied) embedding and output head quantized once. Float graph verified first.")
 @click.option("--block-size", type=DIM, metavar="N",
@@ -63,12 +66,12 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
                    "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "
                    "requantized and listed with the reason.")
-@click.option("--sliding-cache", type=click.Choice(["ring", "full"]),
+@click.option("--sliding-cache", type=click.Choice(opt.SLIDING_CACHES),
               help="Sliding-window layers when ctx_len exceeds the window: ring (window slots written at "
                    "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "
                    "(ctx_len slots, the window in the attention mask: more memory, rewinds of any depth; "
                    "always on onnxruntime-fused).")
-@click.option("--mla-cache", type=click.Choice(["full", "latent"]),
+@click.option("--mla-cache", type=click.Choice(opt.MLA_CACHES),
               help="Multi-head latent attention models (DeepSeek-V3): latent retains the compressed pair "
                    "compressed_kv.{i} [batch, 1, ctx_len, kv_lora_rank] and k_pe.{i} [batch, 1, ctx_len, "
                    "qk_rope_head_dim] and attends over it with absorbed projections; full (default): the model's "
@@ -92,18 +95,11 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "weights fits in memory (else skipped with a note).")
 @click.option("--force", is_flag=True, help="Rebuild even if the export cache has this export.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
-def export(model, out_dir, kv_cache_prefix, ctx_len, prefill_seq_len, dtype, continuous_batching,
-           full_batch_size, specializations_format, target, ccl, weights, block_size, accuracy_level, gguf_grid,
-           sliding_cache, mla_cache, single_graph, image_size, speculative_tokens, hidden_states, verify, force, quiet):
+def export(model, out_dir, specializations_format, verify, force, quiet, **fields):
     """Export MODEL (a local Hugging Face folder or a .gguf file; default: the bundled tiny Llama) to a
     retained-state ONNX graph, with manifest.json, custom_io.yaml and specializations.json beside it."""
-    result = export_model(
-        model, out_dir, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-        dtype=dtype, continuous_batching=continuous_batching, full_batch_size=full_batch_size, force=force,
-        specializations_format=specializations_format, target=target, verify=verify, progress=None if quiet else _progress,
-        ccl=ccl, weights=weights, block_size=block_size, accuracy_level=accuracy_level, sliding_cache=sliding_cache,
-        single_graph=single_graph, image_size=image_size, mla_cache=mla_cache, speculative_tokens=speculative_tokens,
-        gguf_grid=gguf_grid, hidden_states=hidden_states)
+    result = export_model(model, out_dir, options=ExportOptions(**fields), force=force, verify=verify,
+                          specializations_format=specializations_format, progress=None if quiet else _progress)
     state = "reused" if result.reused else "exported"
     ver = result.manifest.get("verification") or {}
     note = {"passed": " (verified against PyTorch)", "skipped": " (not verified)"}.get(ver.get("status"), "")

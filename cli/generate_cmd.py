@@ -1,6 +1,8 @@
 """``qeff-kv generate``: run a retained-state graph (an .onnx file or an export folder) in onnxruntime.
 
-Thin: parse options, call :func:`qeff_kv.runtime.generate_job.run_generate`, print. Errors are one line, exit 2.
+Thin: the options, named as the fields of :class:`~qeff_kv.runtime.generate_job.GenerateRequest` (and of its
+sampling, :data:`qeff_kv.runtime.decoding.sampling.FIELDS`), fill one request; call
+:func:`qeff_kv.runtime.generate_job.run_generate`, print. Errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -9,10 +11,10 @@ import json
 
 import click
 
-from qeff_kv.runtime.generate_job import GenerateRequest, parse_ids, parse_logit_bias, run_generate
-from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import GREEDY
+from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
 
-from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
+from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
 
 
 @click.command("generate")
@@ -59,18 +61,17 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 @click.option("--max-sequences", type=DIM, default=None,
               help="Slots of a continuous-batching graph, or sequences run in lock step on a graph without "
                    "batch_index (default: the manifest's, or the number of prompts).")
-@click.option("--temperature", type=FLOAT, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=COUNT, default=0, show_default=True, help="Sample among the K most likely (0 = all).")
-@click.option("--top-p", type=FLOAT, default=1.0, show_default=True, help="Nucleus sampling mass.")
-@click.option("--seed", type=ID, default=None, help="Sampling seed (same seed, same tokens).")
-@click.option("--min-p", type=FLOAT, default=0.0, show_default=True,
-              help="Sample among tokens at least this share as likely as the most likely one (0 = all).")
-@click.option("--repetition-penalty", type=FLOAT, default=1.0, show_default=True,
-              help="Divide positive (multiply negative) logits of tokens already in the prompt or output (1 = none).")
-@click.option("--presence-penalty", type=FLOAT, default=0.0, show_default=True,
-              help="Subtract from the logit of every token already generated (OpenAI's rule).")
-@click.option("--frequency-penalty", type=FLOAT, default=0.0, show_default=True,
-              help="Subtract this times its count from the logit of every token already generated.")
+@sampling_options({
+    "temperature": "0 = greedy.",
+    "top_k": "Sample among the K most likely (0 = all).",
+    "top_p": "Nucleus sampling mass.",
+    "seed": "Sampling seed (same seed, same tokens).",
+    "min_p": "Sample among tokens at least this share as likely as the most likely one (0 = all).",
+    "repetition_penalty": "Divide positive (multiply negative) logits of tokens already in the prompt or output "
+                          "(1 = none).",
+    "presence_penalty": "Subtract from the logit of every token already generated (OpenAI's rule).",
+    "frequency_penalty": "Subtract this times its count from the logit of every token already generated.",
+}, defaults=GREEDY)
 @click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
               help="Add BIAS to token ID's logit before selection (repeatable; -100 bans a token).")
 @click.option("--stop-token", "stop_tokens", type=ID, multiple=True, metavar="ID",
@@ -88,7 +89,8 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
               help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
                    "exact there; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
-@click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
+@click.option("--no-inplace", "inplace", flag_value=False, default=None,
+              help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
               help="Speculative decoding on a graph exported with --speculative-tokens K (one prompt): drafts by "
                    "prompt lookup ('lookup': n-gram match against the prompt and the text so far) or by a draft "
@@ -98,26 +100,9 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
               help="With --speculative: drafts per step (default and maximum: the graph's K). Needed on a graph that "
                    "records no K (the peer's target graphs): K+1 must fit the prefill length and ctx_len.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
-def generate_cmd(model, prompts, chat, system, prompt_ids, image_inputs, images, image_token_id, vision_graph,
-                 image_size, vision_size, max_new_tokens, ctx_len, prefill_seq_len, sliding_window,
-                 checkpoint_every, max_checkpoints, max_sequences, temperature,
-                 top_k, top_p, seed, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
-                 stop_tokens, ignore_eos, on_capacity, save_state, load_state, select, device, threads,
-                 no_inplace, speculative, speculative_k, as_json) -> None:
+def generate_cmd(as_json, **options) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""
-    req = GenerateRequest(
-        model=model, prompts=list(prompts), prompt_ids=[parse_ids(p) for p in prompt_ids],
-        max_new_tokens=max_new_tokens, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len,
-        max_sequences=max_sequences, sliding_window=sliding_window, checkpoint_every=checkpoint_every,
-        max_checkpoints=max_checkpoints, sampling=SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=parse_logit_bias(logit_bias)),
-        stop_tokens=list(stop_tokens), ignore_eos=ignore_eos, save_state=save_state, load_state=load_state,
-        select=select, device=device, threads=threads, inplace=False if no_inplace else None, on_capacity=on_capacity,
-        chat=chat, system=system, image_inputs=list(image_inputs), images=list(images),
-        image_token_id=image_token_id, vision_graph=vision_graph, image_size=image_size, vision_size=vision_size,
-        speculative=speculative, speculative_k=speculative_k)
+    req = GenerateRequest.from_options(**options)
     result = run_generate(req)
     for r in result["resized_images"]:
         click.echo(f"resized {r['image']} {r['from'][0]}x{r['from'][1]} -> {r['to'][0]}x{r['to'][1]} (the export's "

@@ -60,3 +60,21 @@ THREADS = AsciiIntRange(min=1, max=4096)
 ACCURACY_LEVEL = AsciiIntRange(min=0, max=4)
 FLOAT = AsciiFloat()
 PRECISION = click.Choice(list(PRECISIONS))
+
+#: the click type of each sampling field given as one value (``qeff_kv.runtime.decoding.sampling.FIELDS``; the
+#: repeatable ``--logit-bias ID=BIAS`` is declared where it is taken)
+SAMPLING_TYPES = {"temperature": FLOAT, "top_k": COUNT, "top_p": FLOAT, "seed": ID, "min_p": FLOAT,
+                  "repetition_penalty": FLOAT, "presence_penalty": FLOAT, "frequency_penalty": FLOAT}
+
+
+def sampling_options(helps: dict[str, str], defaults=None):
+    """The click options of sampling fields, named as the fields (``top_k`` -> ``--top-k``), in the order of
+    ``helps`` (field -> help). ``defaults``: a ``SamplingParams`` whose values are the defaults (shown), or ``None``
+    (every option defaults to ``None``: left to the library)."""
+    def declare(fn):
+        for name, text in reversed(helps.items()):
+            default = None if defaults is None else getattr(defaults, name)
+            fn = click.option(f"--{name.replace('_', '-')}", name, type=SAMPLING_TYPES[name], default=default,
+                              show_default=default is not None, help=text)(fn)
+        return fn
+    return declare

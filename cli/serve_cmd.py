@@ -1,6 +1,7 @@
 """``qeff-kv serve``: an OpenAI-compatible HTTP server over an export (needs the ``[serve]`` extra).
 
-Thin: parse options into a :class:`qeff_kv.serve.config.ServeConfig`, call :func:`qeff_kv.serve.server.serve`.
+Thin: the options, named as the fields of :class:`qeff_kv.serve.config.ServeConfig`, fill it (checked there);
+call :func:`qeff_kv.serve.server.serve`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import click
 
 from qeff_kv.errors import MissingDependencyError
 
-from .params import COUNT, DIM, FLOAT, THREADS, AsciiFloat, AsciiIntRange
+from .params import COUNT, DIM, THREADS, AsciiFloat, AsciiIntRange, sampling_options
 
 
 class ResourcesType(click.ParamType):
@@ -81,7 +82,8 @@ class ChunkType(click.ParamType):
                    "boundaries; default 256); prompt reuse returns to checkpoints.")
 @click.option("--max-checkpoints", type=COUNT, default=None, metavar="N",
               help="Recurrent/hybrid graphs: checkpoints kept per sequence, oldest dropped (default 8).")
-@click.option("--no-prompt-reuse", is_flag=True, help="Destroy finished sequences instead of keeping them for reuse.")
+@click.option("--no-prompt-reuse", "reuse_prompts", flag_value=False, default=True,
+              help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
               help="Speculative decoding on a graph exported with --speculative-tokens K: each decode step verifies "
@@ -89,15 +91,14 @@ class ChunkType(click.ParamType):
                    "same tokens as plain decoding. Acceptance in /metrics.")
 @click.option("--speculative-k", type=DIM, default=None,
               help="With --speculative: drafts per sequence and step (default and maximum: the graph's K).")
-@click.option("--temperature", type=FLOAT, default=None,
-              help="Default temperature of requests that give none (default: the export's generation_config.json, "
-                   "else 1).")
-@click.option("--top-p", type=FLOAT, default=None, help="Default top_p (default: generation_config.json, else 1).")
-@click.option("--top-k", type=COUNT, default=None,
-              help="Default top_k (default: generation_config.json, else 0 = all).")
-@click.option("--min-p", type=FLOAT, default=None, help="Default min_p (default: generation_config.json, else 0).")
-@click.option("--repetition-penalty", type=FLOAT, default=None,
-              help="Default repetition_penalty (default: generation_config.json, else 1 = none).")
+@sampling_options({
+    "temperature": "Default temperature of requests that give none (default: the export's generation_config.json, "
+                   "else 1).",
+    "top_p": "Default top_p (default: generation_config.json, else 1).",
+    "top_k": "Default top_k (default: generation_config.json, else 0 = all).",
+    "min_p": "Default min_p (default: generation_config.json, else 0).",
+    "repetition_penalty": "Default repetition_penalty (default: generation_config.json, else 1 = none).",
+})
 @click.option("--max-tokens", type=DIM, default=None,
               help="Default max_tokens (default: generation_config.json's max_new_tokens, else what the context "
                    "holds).")
@@ -142,14 +143,7 @@ class ChunkType(click.ParamType):
                    "--ray-address).")
 @click.option("--kv-hold-seconds", type=AsciiFloat(), default=60.0, show_default=True, metavar="S",
               help="With --kv-role producer|both: seconds a state no consumer took is held before it is freed.")
-def serve_cmd(export_dir, host, port, max_sequences, device, threads, api_key, max_queue, max_request_bytes, drain_seconds,
-              state_dir, ctx_len,
-              prefill_seq_len, prefill_chunk, checkpoint_every, max_checkpoints, no_prompt_reuse, model_name,
-              speculative, speculative_k, temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, max_n,
-              allowed_origins, allowed_local_media_path, disaggregate, prefill_replicas, decode_replicas,
-              prefill_export,
-              ray_address, prefill_resources, decode_resources, kv_events, kv_events_block_size, kv_events_topic,
-              kv_events_replay, route, kv_role, kv_hold_seconds) -> None:
+def serve_cmd(**options) -> None:
     """Serve EXPORT_DIR over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health,
     /metrics, /slots and a chat page at /."""
     try:
@@ -159,28 +153,8 @@ def serve_cmd(export_dir, host, port, max_sequences, device, threads, api_key, m
                                      f"{exc}") from None
     from qeff_kv.serve.config import ServeConfig
 
-    if not disaggregate and (prefill_export or (ray_address and not kv_role) or prefill_replicas != 1
-                             or decode_replicas != 1 or prefill_resources or decode_resources or route != "prefix"):
-        raise click.UsageError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address, "
-                               "--route, --prefill-resources and --decode-resources go with --disaggregate "
-                               "(--ray-address also with --kv-role)")
-    config = ServeConfig(export_dir=export_dir, host=host, port=port, max_sequences=max_sequences, threads=threads,
-                         device=device,
-                         api_key=api_key, max_queue=max_queue, state_dir=state_dir, ctx_len=ctx_len,
-                         max_request_bytes=max_request_bytes, drain_seconds=drain_seconds,
-                         prefill_seq_len=prefill_seq_len, prefill_chunk=prefill_chunk,
-                         reuse_prompts=not no_prompt_reuse, model_name=model_name, speculative=speculative,
-                         speculative_k=speculative_k, checkpoint_every=checkpoint_every,
-                         max_checkpoints=max_checkpoints, temperature=temperature, top_p=top_p, top_k=top_k,
-                         min_p=min_p, repetition_penalty=repetition_penalty, max_tokens=max_tokens, max_n=max_n,
-                         allowed_origins=[o.strip() for o in allowed_origins.split(",") if o.strip()]
-                         if allowed_origins else None, allowed_local_media_path=allowed_local_media_path,
-                         disaggregate=disaggregate, prefill_replicas=prefill_replicas,
-                         decode_replicas=decode_replicas, prefill_export=prefill_export, ray_address=ray_address,
-                         prefill_resources=prefill_resources, decode_resources=decode_resources,
-                         kv_events=kv_events, kv_events_block_size=kv_events_block_size,
-                         kv_events_topic=kv_events_topic, kv_events_replay=kv_events_replay,
-                         route=route, kv_role=kv_role, kv_hold_seconds=kv_hold_seconds)
+    config = ServeConfig(**options)
+    host, port = config.host, config.port
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

@@ -20,18 +20,17 @@ from pathlib import Path
 from qeff_kv.support import capture
 from qeff_kv.tools import compile_config
 from qeff_kv.graph import graphio
-from qeff_kv.contract import naming
 from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryError
 from qeff_kv.export import checkpoint as checkpoint_mod
 from qeff_kv.export.facts import family
-from qeff_kv.export import graph_passes, publish, schemes, sources
+from qeff_kv.export import graph_passes, publish, sources
 from qeff_kv.export.weights import prequant
 from qeff_kv.export import options as opt
 from qeff_kv.export.publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
 from qeff_kv.export.sources import BUNDLED_NAME, BUNDLED_SEED, TOKENIZER_FILES, bundled_model_dir  # noqa: F401 (re-exported)
 
-DEFAULT_PREFILL_SEQ_LEN = 32
-DEFAULT_MAX_CTX_LEN = 4096
+DEFAULT_PREFILL_SEQ_LEN = opt.DEFAULT_PREFILL_SEQ_LEN
+DEFAULT_MAX_CTX_LEN = opt.DEFAULT_MAX_CTX_LEN
 
 
 @dataclass
@@ -44,80 +43,33 @@ class ExportResult:
     files: list[Path] = field(default_factory=list)
 
 
-def export_model(
-    model: str | Path | None = None,
-    out_dir: str | Path | None = None,
-    *,
-    kv_cache_prefix: str | None = None,
-    ctx_len: int | None = None,
-    prefill_seq_len: int = DEFAULT_PREFILL_SEQ_LEN,
-    dtype: str = "float32",
-    continuous_batching: bool = False,
-    full_batch_size: int | None = None,
-    force: bool = False,
-    specializations_format: compile_config.SpecFormat = "flat",
-    target: str = "portable",
-    verify: bool | None = None,
-    progress: Progress | None = None,
-    ccl: str | list[int] | tuple[int, ...] | None = None,
-    weights: str | None = None,
-    block_size: int | None = None,
-    accuracy_level: int | None = None,
-    sliding_cache: str | None = None,
-    single_graph: bool = False,
-    image_size: int | None = None,
-    mla_cache: str | None = None,
-    speculative_tokens: int | None = None,
-    gguf_grid: bool = False,
-    hidden_states: bool = False,
-) -> ExportResult:
+def export_model(model: str | Path | None = None, out_dir: str | Path | None = None, *,
+                 options: opt.ExportOptions | None = None, force: bool = False,
+                 specializations_format: compile_config.SpecFormat = "flat", verify: bool | None = None,
+                 progress: Progress | None = None, **option_fields) -> ExportResult:
     """Export a decoder to a retained-state graph; see ``docs/export.md``.
+
+    ``options``: an :class:`~qeff_kv.export.options.ExportOptions` (what the CLI fills); its fields may also be
+    given as keywords (``ctx_len=..., target=...``), over ``options`` when both are given. Each field is described
+    on the class: ``kv_cache_prefix``, ``ctx_len`` (default: the model's ``max_position_embeddings``, at most
+    4096), ``prefill_seq_len``, ``dtype``, ``continuous_batching``/``full_batch_size``, ``target``, ``ccl``
+    (``"auto"``, ``"512,1024"`` or a list of ints; contract section 9), ``weights``/``block_size``/
+    ``accuracy_level``, ``sliding_cache`` (``"ring"``/``"full"``), ``single_graph``, ``image_size``,
+    ``mla_cache`` (``"latent"``: contract section 11), ``speculative_tokens`` (``K``: the graph takes
+    ``num_logits_to_keep`` and a decode step verifies ``K`` drafted tokens), ``hidden_states`` (one more output
+    for ``/v1/embeddings``) and ``gguf_grid`` (a ``.gguf`` model's Q4_0 blocks kept as MatMulNBits).
 
     Without ``out_dir`` the export goes to the cache ``$QEFF_KV_HOME/<arch>/<name>-<hash>/`` and an
     identical earlier export is reused unless ``force``.
 
-    ``sliding_cache``: ``"ring"`` or ``"full"`` for sliding-window layers when ``ctx_len`` exceeds the window
-    (default: ring buffers where the target can; see :class:`~qeff_kv.export.options.ExportOptions`).
-
-    ``single_graph``: a vision-language model as one graph (vision encoder inside, ``pixel_values`` retained)
-    instead of a vision graph beside the language graph (the default; contract section 6).
-
     ``verify``: run the written graph in onnxruntime on a probe and compare it with the PyTorch model before
     calling the export done (see :mod:`qeff_kv.export.verify`). ``None`` (default): on when a second copy of
     the weights fits comfortably in memory, else skipped with a note; ``True`` forces it, ``False`` skips it.
-
-    ``ccl``: compute-context lengths (``"auto"``, ``"512,1024"`` or a list of ints; contract section 9): the graph
-    takes ``comp_ctx_lengths`` and attends over its length only; one prefill and one decode specialization per
-    value. Not with ``target="onnxruntime-fused"``.
-
-    ``mla_cache``: for multi-head latent attention models (DeepSeek-V3), ``"latent"`` retains the compressed pair
-    ``compressed_kv.{i}``/``k_pe.{i}`` and attends over it with absorbed projections (contract section 11);
-    ``"full"`` or ``None`` (default): the model's own attention over ``past_key``/``past_value``.
-
-    ``speculative_tokens``: ``K`` for speculative decoding (QEfficient's "target language model"): the graph
-    takes ``num_logits_to_keep`` ``[n, 1]`` last and returns the logits of its last ``n`` rows, ``[batch, n,
-    vocab]`` (``n = 1`` for prefill, ``K+1`` to verify ``K`` drafted tokens in one decode step); names, prefix and
-    pairing are unchanged; the decode specialization has ``seq_len = K+1``.
-
-    ``hidden_states``: one more output, last, ``hidden_states`` ``[batch, 1 or n, hidden]``: the final (normed)
-    hidden state at the rows the logits are taken at (``/v1/embeddings`` pools it; text decoders only).
-
-    ``gguf_grid``: with ``weights="int4"`` and a ``.gguf`` model, MatMul weights whose GGUF type maps onto
-    MatMulNBits exactly (Q4_0) take the GGUF's own blocks; the rest are requantized and reported
-    (:mod:`qeff_kv.export.weights.gguf_grid`; the manifest's ``weights.gguf_grid``).
     """
-    opt.check_call(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force,
-                   continuous_batching=continuous_batching, single_graph=single_graph, block_size=block_size,
-                   accuracy_level=accuracy_level, full_batch_size=full_batch_size, image_size=image_size)
+    opt.check_run(model=model, out_dir=out_dir, progress=progress, verify=verify, force=force)
+    options = opt.options_of(options, option_fields)
     say = progress or (lambda _msg: None)
-    source, config, options = resolve(model, kv_cache_prefix=kv_cache_prefix, ctx_len=ctx_len,
-                                      prefill_seq_len=prefill_seq_len, dtype=dtype,
-                                      continuous_batching=continuous_batching, full_batch_size=full_batch_size,
-                                      target=target, ccl=ccl, sliding_cache=sliding_cache, single_graph=single_graph,
-                                      image_size=image_size, weights=weights, block_size=block_size,
-                                      accuracy_level=accuracy_level, mla_cache=mla_cache,
-                                      speculative_tokens=speculative_tokens, gguf_grid=bool(gguf_grid),
-                                      hidden_states=bool(hidden_states))
+    source, config, options = resolve(model, options)
     family.ModelFacts.from_config(config).require_exportable(options)
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format
@@ -129,37 +81,39 @@ def export_model(
         return cached
     if dest.exists() and not dest.is_dir():
         raise ExportError(f"{dest}: exists and is not a folder")
+    return _export_into(dest, atomic=out_dir is None, source=source, config=config, options=options,
+                        params=params, digest=digest, fmt=specializations_format, verify=verify, say=say)
+
+
+def _export_into(dest: Path, *, atomic: bool, source, config: dict, options: opt.ExportOptions, params: dict,
+                 digest: str, fmt, verify: bool | None, say: Progress) -> ExportResult:
+    """The stages after the cache: build in a staging folder beside ``dest``, write the files, move into place."""
     onnx_name = f"{opt.safe_name(source.name)}.onnx"
     with publish.staging(dest) as (tmp, stage):
         built = _build(source, options, verify, say, tmp, stage / onnx_name)
         records = built.pop("records")
         manifest = publish.write_files(stage, stage / onnx_name, built["vision_path"], source=source, config=config,
                                        options=options, geometry=built["geometry"], params=params, digest=digest,
-                                       fmt=specializations_format, records=records)
-        publish.move_into_place(stage, dest, atomic=out_dir is None)
+                                       fmt=fmt, records=records)
+        publish.move_into_place(stage, dest, atomic=atomic)
     say(f"wrote {dest / onnx_name}")
     return ExportResult(dest, dest / onnx_name, dest / MANIFEST_FILE, manifest,
                         files=publish.written_files(dest, onnx_name))
 
 
-def resolve(model, *, kv_cache_prefix, ctx_len, weights, block_size, accuracy_level, single_graph, ccl, **kw):
-    """The resolve stage: ``(source, config.json, validated ExportOptions)``; ``ctx_len`` defaults to the model's
-    ``max_position_embeddings``, at most :data:`DEFAULT_MAX_CTX_LEN`."""
-    if kv_cache_prefix is not None:
-        naming.validate_prefix(kv_cache_prefix)
+def resolve(model, options: opt.ExportOptions):
+    """The resolve stage: ``(source, config.json, validated ExportOptions)`` (:meth:`ExportOptions.resolved`: the
+    model's ``ctx_len`` where none is given; a pre-quantized checkpoint's own scheme)."""
     source = sources.resolve_source(model)
     config = source.config()
     pq = prequant.detect(config) if source.kind == "folder" else None
     if pq is not None:   # the checkpoint says int4 and its own blocks: no flag needed, contradicting ones refused
         weights, block_size, accuracy_level = pq.resolve_flags(
-            weights=weights, block_size=block_size, accuracy_level=accuracy_level, target=kw.get("target"),
-            dtype=kw.get("dtype"), name=source.name)
-        kw["prequant"] = pq.format
-    if ctx_len is None:
-        ctx_len = min(int(config.get("max_position_embeddings") or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
-    options = opt.ExportOptions(ctx_len=ctx_len, kv_cache_prefix=kv_cache_prefix, single_graph=bool(single_graph),
-                                ccl=opt.parse_ccl(ccl, ctx_len, kw.get("prefill_seq_len")) if isinstance(ctx_len, int) else ccl, **kw,
-                                **schemes.resolve_options(weights, block_size, accuracy_level)).validate()
+            weights=options.weights, block_size=options.block_size, accuracy_level=options.accuracy_level,
+            target=options.target, dtype=options.dtype, name=source.name)
+        options = replace(options, weights=weights, block_size=block_size, accuracy_level=accuracy_level,
+                          prequant=pq.format)
+    options = options.resolved(config.get("max_position_embeddings"))
     if pq is not None and options.block_size != pq.block_size:   # the checkpoint's blocks, not the default
         options = replace(options, block_size=pq.block_size)
     if options.gguf_grid and source.kind != "gguf":

@@ -1,4 +1,8 @@
-"""Export options, the options hash and the export cache folder. No torch here."""
+"""Export options, the options hash and the export cache folder. No torch here.
+
+:class:`ExportOptions` is the one object the CLI fills (its click options are named as the fields) and
+:func:`~qeff_kv.export.api.export_model` takes: each option is checked once, here (its kind when the object is
+made, the values and their combinations in :meth:`ExportOptions.validate` once the model fixed ``ctx_len``)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +21,11 @@ from qeff_kv.support import validate
 from qeff_kv.errors import ExportError
 from qeff_kv.support.limits import positive_int
 from qeff_kv.export import targets
-from qeff_kv.export.schemes import check_scheme
+from qeff_kv.export.schemes import check_scheme, resolve_options
 
 DTYPES = ("float32", "float16")
+#: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
+SLIDING_CACHES = ("ring", "full")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
 #: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
 #: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
@@ -27,6 +33,9 @@ TARGETS = targets.NAMES  # ("portable", "onnxruntime", "onnxruntime-fused"): one
 OPSET = 17
 #: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
 IR_VERSION = 8
+DEFAULT_PREFILL_SEQ_LEN = 32
+#: ``ctx_len`` left out: the model's ``max_position_embeddings``, at most this
+DEFAULT_MAX_CTX_LEN = 4096
 #: Weights above this many bytes go to an external data file ``<name>.onnx.data``. Protobuf's limit is 2 GiB,
 #: but inline weights also make every reader hold two copies while parsing (file bytes and message), so
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
@@ -41,16 +50,23 @@ EXPORTER_VERSION = 8  # 2: the output head is a Gemm(transB=1) reading its weigh
 
 @dataclass(frozen=True)
 class ExportOptions:
-    ctx_len: int
-    prefill_seq_len: int
+    """What determines an exported graph (its :meth:`to_json` is hashed into the export cache's name): the fields
+    ``qeff-kv export``'s options are named after, and :func:`~qeff_kv.export.api.export_model`'s keywords."""
+
+    #: KV capacity; ``None`` (before :meth:`resolved`): the model's ``max_position_embeddings``, at most
+    #: :data:`DEFAULT_MAX_CTX_LEN`
+    ctx_len: int | None = None
+    prefill_seq_len: int = DEFAULT_PREFILL_SEQ_LEN
+    #: prefix of the KV buffers only (``past_key.{i}_P``); checked by :func:`qeff_kv.contract.naming.validate_prefix`
     kv_cache_prefix: str | None = None
     dtype: str = "float32"
     continuous_batching: bool = False
     full_batch_size: int | None = None
     target: str = "portable"
     #: compute-context lengths (contract section 9): the graph takes ``comp_ctx_lengths`` and attends over the
-    #: first ``len(comp_ctx_lengths)`` slots; one prefill and one decode specialization per value
-    ccl: tuple[int, ...] | None = None
+    #: first ``len(comp_ctx_lengths)`` slots; one prefill and one decode specialization per value. As given
+    #: (``"auto"``, ``"512,1024"`` or a list of ints) until :meth:`resolved` parses it into a tuple
+    ccl: tuple[int, ...] | str | list | None = None
     #: weight-only quantization for the onnxruntime targets (``int4``/``int8``, see ``quantize.py``); ``None``:
     #: float weights. ``block_size``/``accuracy_level`` are resolved to their defaults when ``weights`` is set.
     weights: str | None = None
@@ -85,9 +101,30 @@ class ExportOptions:
     #: (:mod:`qeff_kv.export.weights.prequant`)
     prequant: str | None = None
 
-    def validate(self) -> "ExportOptions":
+    def __post_init__(self) -> None:
+        """The kinds, refused in one line before anything is read: flags are real booleans (``"no"`` is refused,
+        not taken as true), integers are integers, the prefix is a valid prefix. Values are :meth:`validate`'s."""
         if self.kv_cache_prefix is not None:
             naming.validate_prefix(self.kv_cache_prefix)
+        for label in ("continuous_batching", "single_graph"):
+            validate.flag(label, getattr(self, label), error=ExportError)
+        for label, lo in (("block_size", 1), ("accuracy_level", 0), ("full_batch_size", 1), ("image_size", 1)):
+            validate.optional_int(label, getattr(self, label), minimum=lo, error=ExportError)
+        for label in ("single_graph", "gguf_grid", "hidden_states"):   # truthy values taken as the flag
+            object.__setattr__(self, label, bool(getattr(self, label)))
+
+    def resolved(self, max_position_embeddings) -> "ExportOptions":
+        """The options for a model whose ``config.json`` gives ``max_position_embeddings``: ``ctx_len`` defaulted,
+        ``ccl`` parsed, the weight scheme's block size and accuracy level defaulted; validated."""
+        ctx_len = self.ctx_len
+        if ctx_len is None:
+            ctx_len = min(int(max_position_embeddings or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
+        ccl = parse_ccl(self.ccl, ctx_len, self.prefill_seq_len) if isinstance(ctx_len, int) else self.ccl
+        return replace(self, ctx_len=ctx_len, ccl=ccl,
+                       **resolve_options(self.weights, self.block_size, self.accuracy_level)).validate()
+
+    def validate(self) -> "ExportOptions":
+        """The values and their combinations (one line each); returns the options with numpy integers as ints."""
         for label, v in (("ctx_len", self.ctx_len), ("prefill_seq_len", self.prefill_seq_len)):
             positive_int(label, v, error=ExportError)
         if type(self.ctx_len) is not int or type(self.prefill_seq_len) is not int:  # numpy integers -> int
@@ -116,7 +153,7 @@ class ExportOptions:
             check_ccl(self.ccl, self.ctx_len, self.prefill_seq_len)
         if self.image_size is not None:
             positive_int("image_size", self.image_size, error=ExportError)
-        if self.sliding_cache not in (None, "ring", "full"):
+        if self.sliding_cache not in (None, *SLIDING_CACHES):
             raise ExportError(f"sliding_cache must be 'ring' or 'full', got {self.sliding_cache!r}")
         if self.sliding_cache == "ring" and "ring" in refuses:
             raise ExportError(refuses["ring"])
@@ -160,20 +197,32 @@ class ExportOptions:
         return d
 
 
-def check_call(*, model, out_dir, progress, verify, force, continuous_batching, single_graph, block_size,
-               accuracy_level, full_batch_size, image_size) -> None:
-    """The argument kinds of :func:`~qeff_kv.export.export_model`, before anything is read: paths are paths,
-    flags are real booleans (``verify="no"`` is refused, not taken as true), ``progress`` is callable, integers are
-    integers. Values (ranges, combinations) are :meth:`ExportOptions.validate`'s."""
+def check_run(*, model, out_dir, progress, verify, force) -> None:
+    """The kinds of :func:`~qeff_kv.export.export_model`'s arguments that are not options, before anything is read:
+    paths are paths, flags are real booleans (``verify="no"`` is refused, not taken as true), ``progress`` is
+    callable."""
     validate.path_like("model", model, optional=True, error=ExportError)
     validate.path_like("out_dir", out_dir, optional=True, error=ExportError)
     validate.callable_or_none("progress", progress, error=ExportError)
     validate.flag("verify", verify, optional=True, error=ExportError)
-    for label, v in (("force", force), ("continuous_batching", continuous_batching), ("single_graph", single_graph)):
-        validate.flag(label, v, error=ExportError)
-    for label, v, lo in (("block_size", block_size, 1), ("accuracy_level", accuracy_level, 0),
-                         ("full_batch_size", full_batch_size, 1), ("image_size", image_size, 1)):
-        validate.optional_int(label, v, minimum=lo, error=ExportError)
+    validate.flag("force", force, error=ExportError)
+
+
+#: the fields a caller gives (``prequant`` is read from the checkpoint, never given)
+GIVEN_FIELDS = tuple(f.name for f in fields(ExportOptions) if f.name != "prequant")
+
+
+def options_of(options: ExportOptions | None, given: dict, caller: str = "export_model") -> ExportOptions:
+    """``options`` (default: all defaults) with the keyword arguments ``given`` (fields of :class:`ExportOptions`)
+    over it; an unknown keyword is a ``TypeError``, as for any function."""
+    for key in given:
+        if key not in GIVEN_FIELDS:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {key!r}")
+    if options is None:
+        return ExportOptions(**given)
+    if not isinstance(options, ExportOptions):
+        raise ExportError(f"options must be an ExportOptions, got {type(options).__name__}")
+    return replace(options, **given) if given else options
 
 
 MLA_CACHES = ("full", "latent")

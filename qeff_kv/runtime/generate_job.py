@@ -21,7 +21,7 @@ from qeff_kv.runtime.text.tokenizer import load_tokenizer
 from qeff_kv.support.limits import MAX_INT64
 from qeff_kv.support import validate
 from qeff_kv.support.validate import integer_array
-from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import FIELDS as SAMPLING_FIELDS, SamplingParams
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.session import Session, TokenEvent
 from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
@@ -108,6 +108,19 @@ class GenerateRequest:
     speculative_k: int | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
+
+    @classmethod
+    def from_options(cls, **options) -> "GenerateRequest":
+        """The request of ``qeff-kv generate``'s options, named as the fields and as the sampling fields
+        (:data:`~qeff_kv.runtime.decoding.sampling.FIELDS`): ``--prompt-ids`` and ``--logit-bias`` text parsed
+        (one line each), repeated options as lists."""
+        options["prompt_ids"] = [parse_ids(p) for p in options.get("prompt_ids", ())]
+        sampling = {k: options.pop(k) for k in SAMPLING_FIELDS if k in options}
+        sampling["logit_bias"] = parse_logit_bias(sampling.get("logit_bias", ()))
+        for key in ("prompts", "image_inputs", "images", "stop_tokens"):
+            if key in options:
+                options[key] = list(options[key])
+        return cls(sampling=SamplingParams(**sampling), **options)
 
 
 def load_image_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -1,9 +1,19 @@
-"""The options of ``qeff-kv serve`` as one dataclass: the CLI fills it, :func:`qeff_kv.serve.server.build_engine`
-and :func:`qeff_kv.serve.cluster.disagg.start_disaggregated` read it."""
+"""The options of ``qeff-kv serve`` as one dataclass: the CLI fills it (its click options are named as the
+fields), :meth:`ServeConfig.check` refuses bad values and combinations once, before anything is loaded, and
+:func:`qeff_kv.serve.server.build_engine` and :func:`qeff_kv.serve.cluster.disagg.start_disaggregated` read it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.decoding.sampling import DEFAULTED as SAMPLING_DEFAULTED
+from qeff_kv.runtime.execution import ep_proofs
+
+#: the options that only the disaggregated engine reads, with their defaults (given otherwise: refused)
+DISAGGREGATE_ONLY = {"prefill_export": None, "prefill_replicas": 1, "decode_replicas": 1, "prefill_resources": None,
+                     "decode_resources": None, "route": "prefix"}
 
 
 @dataclass
@@ -56,8 +66,8 @@ class ServeConfig:
     max_tokens: int | None = None
     #: the largest ``n`` (choices per request) accepted (default: the sequences run at once)
     max_n: int | None = None
-    #: browser origins allowed by CORS ("*": any); None: CORS off
-    allowed_origins: list[str] | None = None
+    #: browser origins allowed by CORS ("*": any); None: CORS off. A string is read as a comma-separated list
+    allowed_origins: list[str] | str | None = None
     #: vision-language exports: ``image_url`` parts may name local files under this folder (vLLM's
     #: --allowed-local-media-path); None: data: URLs only
     allowed_local_media_path: str | None = None
@@ -86,3 +96,89 @@ class ServeConfig:
     kv_role: str | None = None
     #: seconds a producer holds a state no consumer took (then Ray frees it)
     kv_hold_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allowed_origins, str):   # "--allowed-origins a,b": the list
+            self.allowed_origins = [o.strip() for o in self.allowed_origins.split(",") if o.strip()] \
+                if self.allowed_origins else None
+
+    def sampling_flags(self) -> dict:
+        """The sampling defaults given (field -> value, ``None`` where not given): the sampling fields a server
+        default fills (:data:`~qeff_kv.runtime.decoding.sampling.DEFAULTED`) and ``max_tokens``."""
+        return {k: getattr(self, k) for k in (*SAMPLING_DEFAULTED, "max_tokens")}
+
+    def check(self) -> None:
+        """Refuse bad options before anything is loaded (one line each). Creates nothing: the state folder is
+        made once the server is about to serve."""
+        self._check_disaggregate_only()
+        ep_proofs.require(ep_proofs.resolve(self.device, None))   # a device proved for no graph kind: refused now
+        if self.state_dir is not None:
+            if self.disaggregate:
+                raise RuntimeInputError("--state-dir does not go with --disaggregate (slot actions need the local "
+                                        "engine)")
+            _check_folder_path(Path(self.state_dir))
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+        if self.model_name is not None and (not self.model_name.strip() or len(self.model_name) > 256 or
+                                            not self.model_name.isprintable()):
+            raise RuntimeInputError(f"--model-name must be 1-256 printable characters, got {self.model_name!r}")
+        if not 0 <= self.port <= 65535:
+            raise RuntimeInputError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise RuntimeInputError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.drain_seconds is not None and not 0 <= self.drain_seconds <= 3600:
+            raise RuntimeInputError(f"--drain-seconds must be in [0, 3600], got {self.drain_seconds}")
+        if self.speculative is not None and self.disaggregate:
+            raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode "
+                                    "plainly)")
+        if self.speculative_k is not None and self.speculative is None:
+            raise RuntimeInputError("--speculative-k goes with --speculative")
+        from qeff_kv.serve.cluster.kv_events import check_options
+
+        check_options(self)
+        self._check_kv_role()
+
+    def _check_disaggregate_only(self) -> None:
+        if self.disaggregate:
+            return
+        given = [k for k, default in DISAGGREGATE_ONLY.items() if getattr(self, k) != default]
+        if given or (self.ray_address and not self.kv_role):
+            raise RuntimeInputError("--prefill-replicas, --decode-replicas, --prefill-export, --ray-address, "
+                                    "--route, --prefill-resources and --decode-resources go with --disaggregate "
+                                    "(--ray-address also with --kv-role)")
+
+    def _check_kv_role(self) -> None:
+        """``--kv-role`` (vLLM's P/D protocol) with its options; not with the in-process disaggregated engine."""
+        from qeff_kv.serve.cluster.kv_connector import ROLES
+
+        if self.kv_role is None:
+            return
+        if self.kv_role not in ROLES:
+            raise RuntimeInputError(f"--kv-role must be one of {', '.join(ROLES)}, got {self.kv_role!r}")
+        if self.disaggregate:
+            raise RuntimeInputError("--kv-role does not go with --disaggregate (a P/D server is one engine; its peer "
+                                    "is another qeff-kv serve)")
+        if self.speculative is not None:
+            raise RuntimeInputError("--kv-role does not go with --speculative")
+        if not 0 < self.kv_hold_seconds <= 3600:
+            raise RuntimeInputError(f"--kv-hold-seconds must be in (0, 3600], got {self.kv_hold_seconds:g}")
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send: printable ASCII without leading or trailing spaces (HTTP strips those from the
+    header, so such a key could never match)."""
+    if not key.strip():
+        raise RuntimeInputError("--api-key is empty")
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        raise RuntimeInputError("--api-key must be printable ASCII without leading or trailing spaces (an "
+                                "Authorization header cannot carry anything else, so it could never match)")
+
+
+def _check_folder_path(d: Path) -> None:
+    """``d`` is a folder, or can be created: its nearest existing ancestor is a folder."""
+    for part in [d, *d.parents]:
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                where = "" if part == d else f" ({part} is not a folder)"
+                raise RuntimeInputError(f"--state-dir {d}: not a folder{where}")
+            return

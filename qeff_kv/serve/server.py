@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 from qeff_kv.errors import Interrupted, RuntimeInputError
-from qeff_kv.runtime.execution import ep_proofs
 from qeff_kv.serve.config import ServeConfig
 from qeff_kv.serve.engine.engine import Engine
 from qeff_kv.serve.engine.session_from_config import model_name_of, open_session
@@ -86,9 +84,7 @@ def sampling_defaults(config: ServeConfig):
     from qeff_kv.runtime.model_files import resolve_model
     from qeff_kv.serve.engine.defaults import resolve_defaults
 
-    flags = {k: getattr(config, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                             "max_tokens")}
-    return resolve_defaults(resolve_model(config.export_dir).folder, flags)
+    return resolve_defaults(resolve_model(config.export_dir).folder, config.sampling_flags())
 
 
 def check_max_n(config: ServeConfig, engine: Engine) -> int:
@@ -102,69 +98,8 @@ def check_max_n(config: ServeConfig, engine: Engine) -> int:
 
 
 def check_config(config: ServeConfig) -> None:
-    """Refuse bad options before anything is loaded (one line each). Creates nothing: the state folder is made
-    once the server is about to serve (:func:`serve`)."""
-    ep_proofs.require(ep_proofs.resolve(config.device, None))   # a device proved for no graph kind: refused now
-    if config.state_dir is not None:
-        if config.disaggregate:
-            raise RuntimeInputError("--state-dir does not go with --disaggregate (slot actions need the local engine)")
-        _check_folder_path(Path(config.state_dir))
-    if config.api_key is not None:
-        check_api_key(config.api_key)
-    if config.model_name is not None and (not config.model_name.strip() or len(config.model_name) > 256 or
-                                          not config.model_name.isprintable()):
-        raise RuntimeInputError(f"--model-name must be 1-256 printable characters, got {config.model_name!r}")
-    if not 0 <= config.port <= 65535:
-        raise RuntimeInputError(f"--port must be in [0, 65535], got {config.port}")
-    if config.max_request_bytes is not None and config.max_request_bytes < 1024:
-        raise RuntimeInputError(f"--max-request-bytes must be at least 1024, got {config.max_request_bytes}")
-    if config.drain_seconds is not None and not 0 <= config.drain_seconds <= 3600:
-        raise RuntimeInputError(f"--drain-seconds must be in [0, 3600], got {config.drain_seconds}")
-    if config.speculative is not None and config.disaggregate:
-        raise RuntimeInputError("--speculative does not go with --disaggregate (the decode replicas decode plainly)")
-    if config.speculative_k is not None and config.speculative is None:
-        raise RuntimeInputError("--speculative-k goes with --speculative")
-    from qeff_kv.serve.cluster.kv_events import check_options
-
-    check_options(config)
-    check_kv_role(config)
-
-
-def check_kv_role(config: ServeConfig) -> None:
-    """``--kv-role`` (vLLM's P/D protocol) with its options; not with the in-process disaggregated engine."""
-    from qeff_kv.serve.cluster.kv_connector import ROLES
-
-    if config.kv_role is None:
-        return
-    if config.kv_role not in ROLES:
-        raise RuntimeInputError(f"--kv-role must be one of {', '.join(ROLES)}, got {config.kv_role!r}")
-    if config.disaggregate:
-        raise RuntimeInputError("--kv-role does not go with --disaggregate (a P/D server is one engine; its peer "
-                                "is another qeff-kv serve)")
-    if config.speculative is not None:
-        raise RuntimeInputError("--kv-role does not go with --speculative")
-    if not 0 < config.kv_hold_seconds <= 3600:
-        raise RuntimeInputError(f"--kv-hold-seconds must be in (0, 3600], got {config.kv_hold_seconds:g}")
-
-
-def check_api_key(key: str) -> None:
-    """A key a client can send: printable ASCII without leading or trailing spaces (HTTP strips those from the
-    header, so such a key could never match)."""
-    if not key.strip():
-        raise RuntimeInputError("--api-key is empty")
-    if key != key.strip() or not key.isascii() or not key.isprintable():
-        raise RuntimeInputError("--api-key must be printable ASCII without leading or trailing spaces (an "
-                                "Authorization header cannot carry anything else, so it could never match)")
-
-
-def _check_folder_path(d: Path) -> None:
-    """``d`` is a folder, or can be created: its nearest existing ancestor is a folder."""
-    for part in [d, *d.parents]:
-        if part.exists() or part.is_symlink():
-            if not part.is_dir():
-                where = "" if part == d else f" ({part} is not a folder)"
-                raise RuntimeInputError(f"--state-dir {d}: not a folder{where}")
-            return
+    """:meth:`ServeConfig.check`: bad options refused before anything is loaded (one line each)."""
+    config.check()
 
 
 def check_text(text, engine) -> None:

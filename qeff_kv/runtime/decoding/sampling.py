@@ -99,6 +99,12 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+#: the sampling fields, in order: the one list the sampling options are named after (``qeff-kv generate``'s
+#: ``--temperature ... --logit-bias``, a generate request, the serve defaults)
+FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+#: the fields a server default fills where a request leaves them out (``qeff-kv serve --temperature`` ...,
+#: ``generation_config.json``; :mod:`qeff_kv.serve.engine.defaults`)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

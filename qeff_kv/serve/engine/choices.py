@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import DEFAULTED, SamplingParams
 from qeff_kv.serve.engine.defaults import SamplingDefaults
 from qeff_kv.serve.http.openai_io import Params
 
@@ -32,10 +32,8 @@ def sampling_of(p: Params, defaults: SamplingDefaults) -> SamplingParams:
         v = getattr(p, name)
         return getattr(defaults, name) if v is None else v
 
-    return SamplingParams(temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"), seed=p.seed,
-                          min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
-                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                          logit_bias=p.logit_bias)
+    return SamplingParams(**{k: pick(k) for k in DEFAULTED}, seed=p.seed, presence_penalty=p.presence_penalty,
+                          frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias)
 
 
 def choice_samplings(first: SamplingParams, n: int) -> list[SamplingParams]:

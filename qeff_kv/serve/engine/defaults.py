@@ -25,11 +25,13 @@ from pathlib import Path
 
 from qeff_kv.support import fsutil
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.decoding.sampling import DEFAULTED, SamplingParams
 
 #: generation_config.json key -> SamplingDefaults field
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+#: OpenAI's defaults of the fields a server default fills (:data:`~qeff_kv.runtime.decoding.sampling.DEFAULTED`) and
+#: max_tokens
 OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "max_tokens": None}
 #: llama-server's sampling defaults (its ``common_params_sampling``), used where the export's generation config
 #: gives none of these fields
@@ -53,8 +55,7 @@ class SamplingDefaults:
 
     def __post_init__(self) -> None:
         # the same bounds as a request's (a default that a request could not give is refused at start-up)
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       repetition_penalty=self.repetition_penalty)
+        SamplingParams(**{k: getattr(self, k) for k in DEFAULTED})
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise RuntimeInputError(f"the default max_tokens must be an int >= 1, got {self.max_tokens!r}")
