@@ -85,8 +85,8 @@ from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS
 @click.option("--select", default=None, metavar="REGEX",
               help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
-                   "exact there; see docs/runtime.md).")
+              help="Where the graph runs: the CPU, or CUDA (our own targets' graphs; any other kind is refused "
+                   "in one line; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", is_flag=True, help="Bind separate output buffers even if the graph is in-place safe.")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,

@@ -8,7 +8,10 @@ an ``OrtValue`` allocated once on the session's device (:mod:`.device`): the KV 
 bound as both an input and its retained output, so a step writes the state where it is; the small inputs and the
 logits, which the session fills and reads without touching the state.
 
-* :class:`OrtExecutor`: an onnxruntime ``InferenceSession`` with its ``IOBinding`` (what every session runs);
+* :class:`OrtExecutor`: an onnxruntime ``InferenceSession`` with its ``IOBinding`` (what a session on the CPU
+  runs: each input bound once, when its buffer changes);
+* :class:`RebindingExecutor`: the same, binding every input again before each run, for an EP that copies a bound
+  host input to its own device at bind time (CUDA: :func:`.device.staged`, whose ``rebind_each_run`` picks it);
 * :class:`ReferenceExecutor`: onnx's own reference evaluator (``onnx.reference``: the ONNX spec's semantics) over
   the graph as written, unpatched, and *strict*: every index a ``Gather``/``GatherND``/``GatherElements``/
   ``ScatterND``/``ScatterElements`` node meets must be inside the spec's range, and a scatter without reduction
@@ -76,6 +79,26 @@ class OrtExecutor(Executor):
         self.sess.run_with_iobinding(self._io)
 
 
+class RebindingExecutor(OrtExecutor):
+    """An :class:`OrtExecutor` that binds every input again before each run, so that the EP gets the host
+    buffers' current bytes: onnxruntime copies a host input to another device when it is bound, not when it runs
+    (:mod:`.device`). Outputs bound to host buffers are copied back by onnxruntime after each run."""
+
+    def __init__(self, sess: ort.InferenceSession):
+        super().__init__(sess)
+        self.inputs: dict[str, ort.OrtValue] = {}   # each input's value as last bound
+        self.bind_ortvalue_input = self._bind_input
+
+    def _bind_input(self, name: str, value: ort.OrtValue) -> None:
+        self.inputs[name] = value
+        self._io.bind_ortvalue_input(name, value)
+
+    def run(self) -> None:
+        for name, value in self.inputs.items():
+            self._io.bind_ortvalue_input(name, value)
+        self.sess.run_with_iobinding(self._io)
+
+
 def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, providers: Seq[str],
                      external_folder: str | None = None) -> ort.InferenceSession:
     """An onnxruntime session over ``source`` on ``providers`` (already proved: :mod:`.ep_proofs`); its load
@@ -98,14 +121,16 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
 
 
 def open_executor(kind: str, source: bytes | str, path, *, external: bool, threads: int | None,
-                  providers: Seq[str], index_limits: dict[str, int]) -> tuple[Executor, ort.InferenceSession | None]:
+                  providers: Seq[str], index_limits: dict[str, int],
+                  rebind_each_run: bool = False) -> tuple[Executor, ort.InferenceSession | None]:
     """The executor of a session (``kind``: ``"onnxruntime"`` or ``"reference"``) over ``source`` (the graph at
-    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference)."""
+    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference);
+    ``rebind_each_run``: the session's device's (:class:`RebindingExecutor`)."""
     if kind == "reference":
         return ReferenceExecutor(path, index_limits), None
     folder = str(path.parent.resolve()) if external else None
     sess = open_onnxruntime(source, str(path), threads=threads, providers=providers, external_folder=folder)
-    return OrtExecutor(sess), sess
+    return (RebindingExecutor(sess) if rebind_each_run else OrtExecutor(sess)), sess
 
 
 # ============================================================================================ the reference
