@@ -14,7 +14,7 @@ range in this package is half-open). Feeding ``k`` tokens writes positions ``[n,
 
 How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.execution.executor`; every buffer from the
 session's device, :mod:`qeff_kv.runtime.execution.device`; only execution providers :mod:`qeff_kv.runtime.execution.ep_proofs` proves
-exact for the graph's kind are accepted, the CPU's for every kind and CUDA's for our own targets, refused in one line otherwise before loading):
+exact for the graph's kind are accepted (CPU: every kind; CUDA: our targets), refused in one line otherwise first):
 
 * one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
   sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.memory.ring`); if the graph is in-place safe
@@ -97,9 +97,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
         device: ``"cpu"`` (default) or ``"cuda"``; providers: onnxruntime execution providers instead. Only the
-            ones :mod:`qeff_kv.runtime.execution.ep_proofs` proves exact for the graph's kind are accepted (the
-            CPU's; CUDA's for our own targets): any other is refused in one line
-            (:class:`~qeff_kv.errors.ProviderError`) before the graph is loaded.
+            ones :mod:`qeff_kv.runtime.execution.ep_proofs` proves exact for the graph's kind are accepted (CPU:
+            all; CUDA: ours): any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) first.
         executor: ``"onnxruntime"`` (default), or ``"reference"``: onnx's reference evaluator with strict index
             checks (:class:`~qeff_kv.runtime.execution.executor.ReferenceExecutor`; slow, for conformance proofs).
     """
@@ -124,8 +123,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
         # what runs the graph: onnxruntime on the (proved) providers, or onnx's strict reference evaluator
         self._io, self._sess = exec_mod.open_executor(
             executor, source, self.files.onnx_path, external=external, threads=threads, providers=self.providers,
-            index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences},
-            rebind_each_run=self.device.rebind_each_run)
+            index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences})
         del source
         self._allocate()
         self._bind()

@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from qeff_kv.support import capture
 from qeff_kv.errors import ContractError, GraphReadError
+from qeff_kv.runtime.execution import device as device_mod
 
 _ORT_QUIET = False
 
@@ -121,16 +122,17 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
 
 
 def open_executor(kind: str, source: bytes | str, path, *, external: bool, threads: int | None,
-                  providers: Seq[str], index_limits: dict[str, int],
-                  rebind_each_run: bool = False) -> tuple[Executor, ort.InferenceSession | None]:
+                  providers: Seq[str], index_limits: dict[str, int]) -> tuple[Executor, ort.InferenceSession | None]:
     """The executor of a session (``kind``: ``"onnxruntime"`` or ``"reference"``) over ``source`` (the graph at
-    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference);
-    ``rebind_each_run``: the session's device's (:class:`RebindingExecutor`)."""
+    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference): a
+    :class:`RebindingExecutor` where the providers' device (:func:`.device.for_providers`, the session's own)
+    asks for ``rebind_each_run``, else an :class:`OrtExecutor`."""
     if kind == "reference":
         return ReferenceExecutor(path, index_limits), None
     folder = str(path.parent.resolve()) if external else None
     sess = open_onnxruntime(source, str(path), threads=threads, providers=providers, external_folder=folder)
-    return (RebindingExecutor(sess) if rebind_each_run else OrtExecutor(sess)), sess
+    rebind = device_mod.for_providers(list(providers)).rebind_each_run
+    return (RebindingExecutor(sess) if rebind else OrtExecutor(sess)), sess
 
 
 # ============================================================================================ the reference
