@@ -345,3 +345,28 @@ def test_the_measurement_hook_passes_an_unproved_ep_with_a_warning(peer_kind_gra
     monkeypatch.setenv(ep_proofs.MEASURE_ENV, "yes")
     with pytest.raises(ProviderError, match="^CUDAExecutionProvider is not proved exact for peer graphs"):
         Session(peer_kind_graph, ctx_len=64, providers=providers)
+
+
+def test_a_proved_ep_onnxruntime_does_not_start_is_refused_not_run_on_the_cpu(own_graph, monkeypatch):
+    """onnxruntime falls back to the CPU without a word when CUDA's libraries do not load: ``device="cuda"`` on
+    our graph (proved) then stops in one line naming the EP instead of running somewhere else; the CUDA/cuDNN
+    libraries were asked for first (``preload_dlls``, where onnxruntime has it)."""
+    import onnxruntime as ort
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.execution import executor
+
+    real, asked, preloaded = ort.InferenceSession, [], []
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CUDA, ep_proofs.CPU])
+    monkeypatch.setattr(ort, "preload_dlls", lambda *a, **k: preloaded.append(1), raising=False)
+    monkeypatch.setattr(executor, "_PRELOADED", False)
+
+    def falls_back(source, so, providers):
+        asked.append(providers)
+        return real(source, so, providers=[ep_proofs.CPU])
+
+    monkeypatch.setattr(ort, "InferenceSession", falls_back)
+    with pytest.raises(RuntimeInputError) as exc:
+        Session(own_graph, device="cuda")
+    assert str(exc.value).endswith(": onnxruntime could not start CUDAExecutionProvider (it would run on "
+                                   "CPUExecutionProvider); its libraries (CUDA, cuDNN) may be missing")
+    assert asked == [[ep_proofs.CUDA]] and preloaded == [1]

@@ -31,8 +31,9 @@ import numpy as np
 import onnxruntime as ort
 
 from qeff_kv.support import capture
-from qeff_kv.errors import ContractError, GraphReadError
+from qeff_kv.errors import ContractError, GraphReadError, RuntimeInputError
 from qeff_kv.runtime.execution import device as device_mod
+from qeff_kv.runtime.execution import ep_proofs
 
 _ORT_QUIET = False
 
@@ -103,7 +104,10 @@ class RebindingExecutor(OrtExecutor):
 def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, providers: Seq[str],
                      external_folder: str | None = None) -> ort.InferenceSession:
     """An onnxruntime session over ``source`` on ``providers`` (already proved: :mod:`.ep_proofs`); its load
-    failure is one line naming ``label``."""
+    failure is one line naming ``label``, and so is an EP onnxruntime did not start (it would fall back to the
+    CPU without a word). For CUDA, the CUDA/cuDNN libraries of the machine's pip wheels (torch's) are loaded
+    first where onnxruntime can (``preload_dlls``)."""
+    _preload_cuda(providers)
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = int(threads)
@@ -115,10 +119,30 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
     gc.collect()
     try:
         with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-            return ort.InferenceSession(source, so, providers=list(providers))
+            sess = ort.InferenceSession(source, so, providers=list(providers))
     except Exception as exc:  # onnxruntime raises several pybind exception types
         msg = " ".join(str(exc).split())[:400]
         raise GraphReadError(f"{label}: onnxruntime cannot load it ({msg})") from None
+    started = sess.get_providers()
+    if providers[0] not in started:
+        raise RuntimeInputError(f"{label}: onnxruntime could not start {providers[0]} (it would run on "
+                                f"{', '.join(started)}); its libraries (CUDA, cuDNN) may be missing")
+    return sess
+
+
+_PRELOADED = False
+
+
+def _preload_cuda(providers: Seq[str]) -> None:
+    global _PRELOADED
+    if _PRELOADED or providers[0] != ep_proofs.CUDA or not hasattr(ort, "preload_dlls"):
+        return
+    _PRELOADED = True
+    with capture.library_output():   # it prints what it cannot find; a session that fails to start says so
+        try:
+            ort.preload_dlls()
+        except Exception:  # noqa: BLE001  (best effort: the check after loading is the proof)
+            pass
 
 
 def open_executor(kind: str, source: bytes | str, path, *, external: bool, threads: int | None,
