@@ -6,7 +6,8 @@ with.
 
     PYTHONPATH=. python benchmarks/gpu_check_prepare.py .gpu/graphs
 
-Writes ``OUT/<case>/`` (an export folder each) and ``OUT/reference.json``; the whole folder is well under 2 MB,
+Writes ``OUT/<case>/`` (an export folder each) and ``OUT/reference.json`` (kept, with the cases given redone or
+added: ``--cases A,B``); the whole folder is well under 5 MB,
 so it travels with the GPU machine's last transfer (see docs/runtime.md, "Execution providers").
 """
 
@@ -35,6 +36,9 @@ CASES = {
     "mistral_sw-portable": ("mistral_sw", dict(target="portable", prefill_seq_len=8),
                             dict(_BIG, sliding_window=12)),
     "bamba-portable": ("bamba", dict(target="portable"), _BIG),
+    "llama-portable-cb": ("llama", dict(target="portable", continuous_batching=True, full_batch_size=2), _BIG),
+    "llama-onnxruntime-cb": ("llama", dict(target="onnxruntime", continuous_batching=True, full_batch_size=2),
+                             _BIG),
 }
 
 
@@ -64,6 +68,8 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     ref = {"prompt": gpu_check.PROMPT, "steps": gpu_check.STEPS, "cases": {}}
+    if (args.out / "reference.json").is_file():   # other cases prepared before stay (--cases adds or redoes some)
+        ref["cases"] = json.loads((args.out / "reference.json").read_text())["cases"]
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             family, opts, overrides = CASES[case]
