@@ -36,7 +36,9 @@ from test_ep_conformance import extra_exports  # noqa: E402,F401  (the fixture: 
 #: a logit may differ by ATOL + RTOL * max|logit| (the tokens must be equal)
 ATOL, RTOL = 0.05, 0.01
 GRAPHS = Path(os.environ["QEFF_KV_GPU_GRAPHS"]) if os.environ.get("QEFF_KV_GPU_GRAPHS") else None
-CARRIED = sorted(p.name for p in GRAPHS.iterdir() if (p / "manifest.json").is_file()) if GRAPHS else []
+#: the tiny graphs there (not a skeleton: random weights at fp16 leave margins arithmetic may flip)
+CARRIED = sorted(p.name for p in GRAPHS.iterdir()
+                 if (p / "manifest.json").is_file() and not (p / "skeleton.json").is_file()) if GRAPHS else []
 
 
 def assert_cuda_gives_the_cpus_tokens(model, **kwargs) -> list[int]:
