@@ -7,14 +7,22 @@ For each graph, the same greedy script (the 40-token prompt in prefill chunks, t
 
 * ``a_cpu``: :class:`qeff_kv.runtime.Session` on the CPU EP (the reference here; also compared with the
   ``reference.json`` of the machine that exported the graphs);
-* ``b_session``: ``Session`` on ``--ep`` (then the CPU EP), its normal path: buffers in host memory, each bound
-  once (the EP proofs' refusal passed by their measurement hook, ``QEFF_KV_MEASURE_UNPROVED_EP=1``);
-* ``d_session_rebind``: the same, every input bound again before each run (a hypothesis: onnxruntime's
-  ``IOBinding`` copies a host input to the EP's device when it is *bound*, so values written into a bound host
-  buffer later never reach a run on the GPU);
+* ``e_session_fixed``: ``Session(path, device="cuda")`` as ``generate``/``serve --device cuda`` open it: no hook
+  (a kind ``runtime/execution/ep_proofs.py`` does not prove on the EP is refused: that is the result), the
+  session's own binding path on that EP (host buffers, every input bound again before each run:
+  ``runtime/execution/device.py``); the executor and device it got are recorded;
+* ``b_session``: the same session with that rebinding bypassed (each input bound once, the CPU's path: round 1's
+  wrong tokens, kept as the control that the rebinding is what makes ``e`` exact);
 * ``c_plain``: a plain onnxruntime loop, every state input an ``OrtValue`` on the EP's device bound as the input and
   its retained output, the other inputs bound from host arrays before each run (the feeds ``a_cpu`` ran, with the
-  loop's own greedy token in each decode step).
+  loop's own greedy token in each decode step): what a state resident on the device would give;
+* ``f_script``: the conformance script of ``tests/_ep_script.py`` (short last chunk, decode, truncate, and on the
+  full-buffer graphs two lock-step rows or continuous-batching slots: copy, relocate) through
+  ``Session(device=...)`` and through the CPU: tokens equal, largest logit difference (``tests/test_ep_cuda.py``
+  without pytest).
+
+Round 1 (H100) also ran ``d_session_rebind`` (every input bound again by this harness): ``e`` is that, done by the
+runtime itself.
 
 Each is compared with ``a_cpu`` twice: free-running (its own greedy tokens: equal or not, the first mismatch and
 the CPU's top-1/top-2 margin there, so that a flip at a tiny margin shows as arithmetic; the decode step's time),
@@ -42,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # _ep_script (numpy only)
+
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 #: the prompt (40 tokens: chunks of 16 -> 16, 16, 8) and the greedy decode steps after it
 PROMPT = [(37 * i + 11) % 250 + 3 for i in range(40)]
@@ -64,12 +74,14 @@ class Recorder:
     """Wraps a session's executor: records every input bound; ``rebind``: binds them all again before each run;
     ``trace``: keeps each run's feeds (every input but the state) and a copy of every output after it."""
 
-    def __init__(self, sess, *, rebind: bool, trace: bool):
+    def __init__(self, sess, *, rebind: bool, trace: bool, once: bool = False):
         self.sess, self.rebind, self.trace = sess, rebind, trace
         self.state = {n for n, _, _ in sess.cache.bindings()}
         self.bound = {n: v for n, v, _ in sess.cache.bindings()}
         io = sess._io
         self._bind, self._run = io.bind_ortvalue_input, io.run
+        if once and hasattr(io, "_io"):   # bypass the executor's own rebinding (RebindingExecutor): bound once
+            self._run = lambda: io.sess.run_with_iobinding(io._io)
         io.bind_ortvalue_input, io.run = self.bind_input, self.run
         self.phase, self.runs = "prefill", []
 
@@ -88,16 +100,17 @@ class Recorder:
             self.runs.append({"phase": self.phase, "feeds": feeds, "outputs": outs})
 
 
-def drive_session(path, providers: list[str], *, rebind: bool = False, trace: bool = False,
-                  forced: list[int] | None = None) -> dict:
-    """The greedy script through a :class:`Session` on ``providers``; ``forced``: feed these tokens in the decode
-    steps instead of the session's own (teacher forcing: the logits compare step by step even after a flip)."""
+def drive_session(path, providers: list[str] | None, *, rebind: bool = False, trace: bool = False,
+                  forced: list[int] | None = None, device: str | None = None, once: bool = False) -> dict:
+    """The greedy script through a :class:`Session` on ``providers`` (or ``device``); ``forced``: feed these
+    tokens in the decode steps instead of the session's own (teacher forcing: the logits compare step by step even
+    after a flip); ``once``: each input bound once (the session's rebinding bypassed)."""
     from qeff_kv.runtime import Session
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sess = Session(path, providers=providers)
-    rec = Recorder(sess, rebind=rebind, trace=trace)
+        sess = Session(path, providers=providers, device=device)
+    rec = Recorder(sess, rebind=rebind, trace=trace, once=once)
     seq = sess.add_sequence()
     t0 = time.perf_counter()
     rows = [sess.prefill(seq, PROMPT)]
@@ -112,7 +125,22 @@ def drive_session(path, providers: list[str], *, rebind: bool = False, trace: bo
             "prefill_ms": prefill_ms, "decode_ms": step_ms, "runs": rec.runs,
             "warnings": [str(w.message)[:300] for w in caught],
             "state": {n: (list(v.numpy().shape), str(v.numpy().dtype)) for n, v, _ in sess.cache.bindings()},
-            "onnx_path": str(sess.files.onnx_path), "providers": sess._sess.get_providers()}
+            "onnx_path": str(sess.files.onnx_path), "providers": sess._sess.get_providers(),
+            "executor": type(sess._io).__name__, "rebind_each_run": sess.device.rebind_each_run}
+
+
+def conformance(path, device: str, rows: int | None) -> dict:
+    """``tests/_ep_script.py``'s script through ``Session(device=device)`` and through the CPU."""
+    from _ep_script import script
+    from qeff_kv.runtime import Session
+
+    want_toks, want_logits = script(Session(path, max_sequences=rows))
+    sess = Session(path, device=device, max_sequences=rows)
+    toks, logits = script(sess)
+    diffs = [float(np.max(np.abs(a - b))) for a, b in zip(logits, want_logits)]
+    return {"tokens_equal": toks == want_toks, "tokens": toks, "cpu_tokens": want_toks, "rows": rows,
+            "max_logit_diff": max(diffs), "providers": sess._sess.get_providers(),
+            "executor": type(sess._io).__name__}
 
 
 # ============================================================================================ the plain loop
@@ -303,16 +331,68 @@ def run_case(path: Path, ep: str, device: str, reference: dict | None) -> dict:
         res["a_cpu"]["tokens_equal_to_reference_json"] = reference["tokens"] == a["tokens"]
         res["a_cpu"]["max_logit_diff_to_reference_json"] = float(np.max(np.abs(
             np.asarray(reference["logits"], np.float64) - np.asarray(a["logits"], np.float64))))
-    os.environ[ep_proofs.MEASURE_ENV] = "1"
+    res["e_session_fixed"] = _guarded(lambda: _mode(
+        a, drive_session(path, None, device=device, trace=True, forced=a["tokens"][:STEPS]),
+        drive_session(path, None, device=device)))
+    os.environ[ep_proofs.MEASURE_ENV] = "1"   # b: a kind not proved on the EP still runs (with a warning)
     try:
-        for mode, kwargs in (("b_session", {}), ("d_session_rebind", {"rebind": True})):
-            res[mode] = _guarded(lambda: _mode(
-                a, drive_session(path, on_ep, trace=True, forced=a["tokens"][:STEPS], **kwargs),
-                drive_session(path, on_ep, **kwargs)))
+        res["b_session"] = _guarded(lambda: _mode(
+            a, drive_session(path, on_ep, trace=True, forced=a["tokens"][:STEPS], once=True),
+            drive_session(path, on_ep, once=True)))
     finally:
         os.environ.pop(ep_proofs.MEASURE_ENV, None)
     res["c_plain"] = _guarded(lambda: _mode(
         a, plain_loop(a["onnx_path"], on_ep, device, a["state"], a["runs"], trace=True, forced=True),
+        plain_loop(a["onnx_path"], on_ep, device, a["state"], a["runs"], trace=False)))
+    rows = 2 if path.name.startswith("llama") and "-cb" not in path.name else None
+    res["f_script"] = _guarded(lambda: conformance(path, device, rows))
+    return res
+
+
+def fill_weights(folder: Path) -> dict:
+    """A skeleton's weights (``gpu_check_prepare.py --skeleton``: too big to carry), written here: every external
+    tensor seeded normal(0, 0.02) at its dtype (a transformers-style random init; the norms and constants stayed in
+    the graph), into the file ``skeleton.json`` names; nothing when it is there at its size."""
+    import onnx
+    from onnx import helper
+
+    spec = json.loads((folder / "skeleton.json").read_text())
+    target = folder / spec["weights"]
+    if target.is_file() and target.stat().st_size >= spec["bytes"]:
+        return {"weights_mb": round(spec["bytes"] / 1e6, 1), "made_s": 0.0}
+    t0 = time.perf_counter()
+    model = onnx.load(str(next(folder.glob("*.onnx"))), load_external_data=False)
+    rng = np.random.default_rng(spec["seed"])
+    tmp = target.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.truncate(spec["bytes"])
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            values = (rng.standard_normal(int(np.prod(t.dims)), np.float32) * 0.02).astype(dtype)
+            assert values.nbytes == int(info["length"]), t.name
+            f.seek(int(info["offset"]))
+            f.write(values.tobytes())
+    tmp.replace(target)
+    return {"weights_mb": round(spec["bytes"] / 1e6, 1), "made_s": round(time.perf_counter() - t0, 1)}
+
+
+def run_big(path: Path, device: str) -> dict:
+    """A skeleton graph (weights made here): the greedy script on the CPU and through ``Session(device=...)``
+    (the fixed path), untraced: tokens equal, the teacher-forced logit difference, decode ms per step."""
+    made = fill_weights(path)
+    a = drive_session(path, [CPU], trace=True)
+    for r in a["runs"]:
+        r["outputs"] = {}   # the feeds are what c_plain needs
+    res = {"weights": made, "a_cpu": {"tokens": a["tokens"], "margins": a["margins"], **timing(a)}}
+    res["e_session_fixed"] = _guarded(lambda: _mode(
+        a, drive_session(path, None, device=device, forced=a["tokens"][:STEPS]),
+        drive_session(path, None, device=device)))
+    on_ep = [CUDA, CPU] if device == "cuda" else [CPU]
+    res["c_plain"] = _guarded(lambda: _mode(   # the state resident on the device: what staging costs
+        a, plain_loop(a["onnx_path"], on_ep, device, a["state"], a["runs"], trace=False, forced=True),
         plain_loop(a["onnx_path"], on_ep, device, a["state"], a["runs"], trace=False)))
     return res
 
@@ -320,6 +400,8 @@ def run_case(path: Path, ep: str, device: str, reference: dict | None) -> dict:
 def _mode(a: dict, forced: dict, free: dict) -> dict:
     out = compare(a, forced, free)
     out.update(timing(free), providers=forced["providers"], warnings=forced["warnings"][:2])
+    if "executor" in forced:
+        out.update(executor=forced["executor"], rebind_each_run=forced["rebind_each_run"])
     return out
 
 
@@ -358,15 +440,20 @@ def main() -> None:
     device = "cpu" if args.ep == CPU else "cuda"
     t_start = time.perf_counter()
     ref = json.loads((args.graphs / "reference.json").read_text())
-    cases = args.cases.split(",") if args.cases else sorted(ref["cases"])
+    cases = [c for c in args.cases.split(",") if c in ref["cases"]] if args.cases else sorted(ref["cases"])
     report = {"environment": environment(args.ep), "prompt": PROMPT, "steps": STEPS, "atol": ATOL, "rtol": RTOL,
               "probes": _guarded(lambda: probes(args.ep, device)), "cases": {}}
     print(json.dumps(report["probes"]), flush=True)
+    cases += [p.name for p in sorted(args.graphs.iterdir()) if (p / "skeleton.json").is_file()
+              and p.name not in cases and (args.cases is None or p.name in args.cases.split(","))]
     for case in cases:
         t0 = time.perf_counter()
-        report["cases"][case] = res = run_case(args.graphs / case, args.ep, device, ref["cases"].get(case))
-        line = {m: (r.get("error") or r.get("tokens_equal", r.get("tokens_equal_to_reference_json")))
-                for m, r in res.items()}
+        path = args.graphs / case
+        report["cases"][case] = res = (run_big(path, device) if (path / "skeleton.json").is_file() else
+                                       run_case(path, args.ep, device, ref["cases"].get(case)))
+        line = {m: (r.get("error") or r.get("tokens_equal", r.get("tokens_equal_to_reference_json",
+                                                                    r.get("decode_ms_median"))))
+                for m, r in res.items() if isinstance(r, dict)}
         print(case, f"{time.perf_counter() - t0:.1f}s", json.dumps(line), flush=True)
         _write(args.out, report)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -6,7 +6,8 @@ with.
 
     PYTHONPATH=. python benchmarks/gpu_check_prepare.py .gpu/graphs
 
-Writes ``OUT/<case>/`` (an export folder each) and ``OUT/reference.json``; the whole folder is well under 2 MB,
+Writes ``OUT/<case>/`` (an export folder each) and ``OUT/reference.json`` (kept, with the cases given redone or
+added: ``--cases A,B``); the whole folder is well under 5 MB,
 so it travels with the GPU machine's last transfer (see docs/runtime.md, "Execution providers").
 """
 
@@ -35,7 +36,54 @@ CASES = {
     "mistral_sw-portable": ("mistral_sw", dict(target="portable", prefill_seq_len=8),
                             dict(_BIG, sliding_window=12)),
     "bamba-portable": ("bamba", dict(target="portable"), _BIG),
+    "llama-portable-cb": ("llama", dict(target="portable", continuous_batching=True, full_batch_size=2), _BIG),
+    "llama-onnxruntime-cb": ("llama", dict(target="onnxruntime", continuous_batching=True, full_batch_size=2),
+                             _BIG),
 }
+
+#: graphs whose weights are made on the GPU machine (too big to carry): the graph travels without them
+#: (``skeleton.json``), ``gpu_check.py`` writes seeded random ones there (``fill_weights``) before it runs it
+SKELETONS = {
+    "llama-160m-fp16-skeleton": ("llama", dict(target="portable", dtype="float16", ctx_len=1024,
+                                               prefill_seq_len=128),
+                                 dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                      num_key_value_heads=8, head_dim=64, intermediate_size=2816, vocab_size=32000,
+                                      max_position_embeddings=2048)),
+}
+
+
+def make_skeleton(case: str, out: Path, tmp: Path) -> None:
+    """Export ``case`` of :data:`SKELETONS`, then move its weights (float initializers of two or more axes and 1 MiB
+    or more: every other tensor, constants and indices, stays in the graph) into one external file and delete it:
+    the folder keeps the graph, its manifest and ``skeleton.json`` (the file's name and size)."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+    from qeff_kv.export import export_model
+
+    family, opts, overrides = SKELETONS[case]
+    shutil.rmtree(out, ignore_errors=True)
+    export_model(make_model(family, overrides, tmp), out, verify=False, **opts)
+    for junk in ("tokenizer.json", "tokenizer_config.json"):
+        (out / junk).unlink(missing_ok=True)
+    path = next(p for p in out.glob("*.onnx"))
+    model = onnx.load(str(path))
+    for f in out.iterdir():
+        if f.is_file() and f.suffix not in (".json", ".yaml", ".onnx"):
+            f.unlink()   # the exporter's own weights file, if it wrote one
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    offset = 0
+    for t in model.graph.initializer:
+        if t.data_type in floats and len(t.dims) >= 2 and len(t.raw_data) >= 1 << 20:
+            n = len(t.raw_data)
+            set_external_data(t, "weights.bin", offset, n)
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            offset += (n + 4095) // 4096 * 4096
+    tmp_path = path.with_suffix(".tmp")
+    onnx.save_model(model, str(tmp_path))
+    tmp_path.replace(path)
+    (out / "skeleton.json").write_text(json.dumps({"weights": "weights.bin", "bytes": offset, "seed": 0}))
+    print(case, f"graph {path.stat().st_size / 1e6:.2f} MB, weights {offset / 1e6:.1f} MB (made on the GPU machine)")
 
 
 def make_model(family: str, overrides: dict, root: Path) -> Path:
@@ -59,11 +107,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--skeleton", default=None, help=f"instead: make this skeleton ({', '.join(SKELETONS)})")
     args = ap.parse_args()
+    if args.skeleton:
+        with tempfile.TemporaryDirectory() as tmp:
+            make_skeleton(args.skeleton, args.out / args.skeleton, Path(tmp))
+        return
     from qeff_kv.export import export_model
 
     args.out.mkdir(parents=True, exist_ok=True)
     ref = {"prompt": gpu_check.PROMPT, "steps": gpu_check.STEPS, "cases": {}}
+    if (args.out / "reference.json").is_file():   # other cases prepared before stay (--cases adds or redoes some)
+        ref["cases"] = json.loads((args.out / "reference.json").read_text())["cases"]
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
             family, opts, overrides = CASES[case]

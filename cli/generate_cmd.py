@@ -86,8 +86,8 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
 @click.option("--select", default=None, metavar="REGEX",
               help="Serving regex choosing the buffers to save (default: .*PREFIX.* or the exact KV regex).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
-                   "exact there; see docs/runtime.md).")
+              help="Where the graph runs: the CPU, or CUDA (our own targets' graphs; any other kind is refused "
+                   "in one line; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--no-inplace", "inplace", flag_value=False, default=None,
               help="Bind separate output buffers even if the graph is in-place safe.")

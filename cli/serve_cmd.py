@@ -56,8 +56,8 @@ class ChunkType(click.ParamType):
               help="Sequences generated at once (slots of a continuous-batching graph, or rows in lock step on a "
                    "graph without batch_index; default: the export's full_batch_size, else 4).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where the graph runs: the CPU, or CUDA (refused in one line while no test proves the graph's kind "
-                   "exact there; see docs/runtime.md).")
+              help="Where the graph runs: the CPU, or CUDA (our own targets' graphs; any other kind is refused "
+                   "in one line; see docs/runtime.md).")
 @click.option("--threads", type=THREADS, default=None, help="onnxruntime intra-op threads.")
 @click.option("--api-key", default=None, envvar="QEFF_KV_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 and /slots (or set QEFF_KV_API_KEY).")

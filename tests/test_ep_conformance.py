@@ -5,10 +5,12 @@ with strict index checks: every Gather/GatherND/GatherElements/ScatterND/Scatter
 scatter writing an index twice, every ``position_ids``/``batch_index`` feed in range), on tiny graphs of every
 memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be
 equal and the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run:
-refused, so it stays refused off the CPU (runtime/ep_proofs.py), as every EP but the CPU's is.
+refused here; its proof off the CPU is CUDA's token comparison only (``tests/test_ep_cuda.py``, GPU only).
 
 Also here: the refusals of unproved execution providers (``ProviderError``, before anything is loaded), the
-CPU-only invalid-index patch, and that the strict evaluator does catch out-of-spec graphs (the peer's).
+CPU-only invalid-index patch, that the strict evaluator does catch out-of-spec graphs (the peer's), and the binding
+path of an EP that copies a host input when it is bound (CUDA's): emulated on the CPU, a session bound once gets
+wrong tokens and a session on such a device (every input bound again before each run) the CPU's.
 """
 
 from __future__ import annotations
@@ -18,51 +20,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from _ep_script import PROMPT, STEPS, script
 from conftest import HAS_PEER, PEER_MISSING, PEER_DIR
 from families import CHUNK, CTX
 from qeff_kv.errors import ContractError, ProviderError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.execution import ep_proofs
 from qeff_kv.runtime.execution.executor import ReferenceExecutor
-
-PROMPT = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21]   # chunks of 4: 4, 4, 3 (the last unpadded)
-STEPS = 3
-
-
-def script(sess: Session) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens (and the logits they came from) through every verb the session's graph allows."""
-    toks, logits = [], []
-
-    def greedy(row: np.ndarray) -> int:
-        logits.append(np.array(row, np.float64))
-        toks.append(int(np.argmax(row)))
-        return toks[-1]
-
-    a = sess.add_sequence()
-    t = greedy(sess.prefill(a, PROMPT))
-    for _ in range(STEPS):
-        t = greedy(sess.decode({a: t})[a])
-    # truncate: back one position (a ring holds no more; a recurrent state: to its checkpoint at or below), the
-    # tokens fed again
-    n = sess.reusable(a, a.length - 1)
-    fed = list(a.tokens)
-    sess.truncate(a, n)
-    t = greedy(sess.prefill(a, fed[n:]))
-    if sess.max_sequences < 2:
-        return toks, logits
-    # copy a into b, b diverges; both decode in one step (continuous batching rows, or lock step)
-    b = sess.add_sequence()
-    sess.copy(a, b, a.length)
-    u = greedy(sess.prefill(b, [7]))
-    for _ in range(2):
-        out = sess.decode({a: t, b: u})
-        t, u = greedy(out[a]), greedy(out[b])
-    # relocate b into another slot (a free one, else exchanging with a), then one more step together
-    free = [s for s in range(sess.max_sequences) if s not in {x.slot for x in sess.sequences}]
-    sess.relocate(b, free[-1] if free else a.slot)
-    out = sess.decode({a: t, b: u})
-    greedy(out[a]), greedy(out[b])
-    return toks, logits
 
 
 def assert_conforms(model, **kwargs) -> list[int]:
@@ -138,7 +102,8 @@ def test_the_fused_target_is_refused_by_the_reference_evaluator(own_fused_graph)
     with pytest.raises(ContractError, match=r"onnx's reference evaluator cannot run it \(custom ops: "
                                             r"com\.microsoft\.GroupQueryAttention"):
         Session(own_fused_graph, executor="reference")
-    assert not ep_proofs.proved(ep_proofs.CUDA, "onnxruntime-fused")
+    assert ep_proofs.PROVED[(ep_proofs.CUDA, "onnxruntime-fused")].startswith("tests/test_ep_cuda.py (GPU only")
+    assert not ep_proofs.proved("TensorrtExecutionProvider", "onnxruntime-fused")
 
 
 # ------------------------------------------------------------------------------------------------ the strict checks
@@ -201,20 +166,34 @@ def test_the_peers_graphs_are_out_of_spec_so_cpu_only(graph, message):
 
 
 # ------------------------------------------------------------------------------------------------ the refusals
-@pytest.mark.parametrize("kwargs", [dict(device="cuda"),
-                                    dict(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]),
-                                    dict(providers=["TensorrtExecutionProvider"])])
-def test_an_unproved_provider_is_refused_naming_it_and_why(kwargs, own_graph, monkeypatch):
+@pytest.fixture(scope="module")
+def peer_kind_graph(own_graph, tmp_path_factory):
+    """Our portable graph with its target removed from the metadata: another exporter's kind (``peer``)."""
+    from qeff_kv.contract import naming
+
+    model = onnx.load(str(next(own_graph.glob("*.onnx"))))
+    keep = [p for p in model.metadata_props if p.key != naming.TARGET_META]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    path = tmp_path_factory.mktemp("peer_kind") / "model.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("kwargs,kind", [(dict(device="cuda"), "peer"),
+                                         (dict(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]), "peer"),
+                                         (dict(providers=["TensorrtExecutionProvider"]), "portable")])
+def test_an_unproved_provider_is_refused_naming_it_and_why(kwargs, kind, own_graph, peer_kind_graph, monkeypatch):
     """Refused in one line before onnxruntime sees the graph (no InferenceSession is made), whatever this machine's
-    onnxruntime has."""
+    onnxruntime has: CUDA for another exporter's graph, any EP but the CPU's and CUDA's for every kind."""
     import onnxruntime as ort
 
     made = []
     monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: made.append(a))
     ep = (kwargs.get("providers") or ["CUDAExecutionProvider"])[0]
     with pytest.raises(ProviderError) as exc:
-        Session(own_graph, **kwargs)
-    assert str(exc.value) == (f"{ep} is not proved exact for portable graphs: {ep_proofs.OFF_CPU['portable']}; "
+        Session(peer_kind_graph if kind == "peer" else own_graph, ctx_len=64, **kwargs)
+    assert str(exc.value) == (f"{ep} is not proved exact for {kind} graphs: {ep_proofs.OFF_CPU[kind]}; "
                               "run on the CPU (device 'cpu')")
     assert made == []
 
@@ -229,14 +208,19 @@ def test_the_vision_stage_refuses_an_unproved_device_before_reading(tmp_path):
 
 
 def test_the_proof_table():
-    """Every kind is proved on the CPU and on nothing else; the refusal before a graph is read names no kind."""
+    """Every kind is proved on the CPU; CUDA for our own three targets, each by the GPU-only test; nothing else.
+    Before a graph is read, an EP proved for no kind is refused; CUDA waits for the graph's kind."""
     assert all(ep_proofs.proved(ep_proofs.CPU, k) for k in ep_proofs.KINDS)
-    assert not any(ep_proofs.proved(p, k) for (p, k) in ep_proofs.PROVED if p != ep_proofs.CPU)
+    cuda = {k for (p, k) in ep_proofs.PROVED if p == ep_proofs.CUDA}
+    assert cuda == {"portable", "onnxruntime", "onnxruntime-fused"}
+    assert {p for (p, _) in ep_proofs.PROVED} == {ep_proofs.CPU, ep_proofs.CUDA}
+    assert all(ep_proofs.PROVED[(ep_proofs.CUDA, k)].startswith("tests/test_ep_cuda.py") for k in cuda)
     assert set(ep_proofs.OFF_CPU) == set(ep_proofs.KINDS)
     assert ep_proofs.refusal(ep_proofs.CPU) is None and ep_proofs.refusal(ep_proofs.CPU, "peer") is None
-    assert ep_proofs.refusal(ep_proofs.CUDA) == (
-        "CUDAExecutionProvider is not proved exact for any graph kind: no run on it has compared tokens with the "
-        "reference; run on the CPU (device 'cpu')")
+    assert ep_proofs.refusal(ep_proofs.CUDA) is None and ep_proofs.refusal(ep_proofs.CUDA, "portable") is None
+    assert ep_proofs.refusal("TensorrtExecutionProvider") == (
+        "TensorrtExecutionProvider is not proved exact for any graph kind: no run on it has compared tokens with "
+        "the reference; run on the CPU (device 'cpu')")
     assert ep_proofs.kind_of("onnxruntime-fused") == "onnxruntime-fused" and ep_proofs.kind_of(None) == "peer"
     with pytest.raises(ProviderError, match="device must be one of cpu, cuda, got 'tpu'"):
         ep_proofs.resolve("tpu", None)
@@ -245,18 +229,26 @@ def test_the_proof_table():
     assert ep_proofs.resolve(None, None) == ep_proofs.resolve("cpu", None) == [ep_proofs.CPU]
 
 
-def test_generate_and_serve_refuse_device_cuda(own_graph):
+def test_generate_and_serve_refuse_device_cuda_for_an_unproved_kind_and_ask_onnxruntime_for_a_proved_one(
+        own_graph, peer_kind_graph, monkeypatch):
+    """``--device cuda``: another exporter's graph is refused by the proofs; ours passes them and reaches
+    onnxruntime's list of EPs (here without CUDA: its one line), in ``generate`` and in ``serve``."""
+    import onnxruntime as ort
     from click.testing import CliRunner
     from qeff_kv_cli.main import main as cli
 
-    r = CliRunner().invoke(cli, ["generate", str(own_graph), "--prompt-ids", "5 17 42", "--device", "cuda"])
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CPU])
+    r = CliRunner().invoke(cli, ["generate", str(peer_kind_graph), "--ctx-len", "64", "--prompt-ids", "5 17 42",
+                                 "--device", "cuda"])
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
-        f"error: CUDAExecutionProvider is not proved exact for portable graphs: {ep_proofs.OFF_CPU['portable']}; "
+        f"error: CUDAExecutionProvider is not proved exact for peer graphs: {ep_proofs.OFF_CPU['peer']}; "
         "run on the CPU (device 'cpu')")
+    absent = ("error: onnxruntime provider 'CUDAExecutionProvider' is not available here (available: "
+              "CPUExecutionProvider)")
+    r = CliRunner().invoke(cli, ["generate", str(own_graph), "--prompt-ids", "5 17 42", "--device", "cuda"])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == absent
     r = CliRunner().invoke(cli, ["serve", str(own_graph), "--device", "cuda", "--port", "0"])
-    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == (
-        "error: CUDAExecutionProvider is not proved exact for any graph kind: no run on it has compared tokens "
-        "with the reference; run on the CPU (device 'cpu')")
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == absent
 
 
 # ------------------------------------------------------------------------------------------------ the binding path
@@ -281,27 +273,100 @@ def test_the_cpu_device_binds_the_state_once_as_input_and_retained_output(graph,
     assert logits_value.data_ptr() in {v.data_ptr() for _, v in sess._logits.values()}
 
 
-def test_the_measurement_hook_passes_an_unproved_ep_with_a_warning(own_graph, monkeypatch):
-    """``QEFF_KV_MEASURE_UNPROVED_EP=1`` (benchmarks/gpu_check.py, issue 40's GPU half): the refusal becomes a
-    RuntimeWarning naming the EP and why, and the buffers stay in host memory; the next check still runs (here the
-    EP is absent from this onnxruntime). Any other value keeps the refusal."""
+def copy_inputs_at_bind(monkeypatch) -> None:
+    """onnxruntime's ``IOBinding`` made to bind a host input as it does for CUDA: a copy taken when the input is
+    bound (``BindInput`` copies across devices then), so bytes written into the host buffer later never reach a
+    run."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_inference_collection import IOBinding
+
+    real, kept = IOBinding.bind_ortvalue_input, []
+
+    def bind_a_copy(self, name, value):
+        kept.append(ort.OrtValue.ortvalue_from_numpy(value.numpy().copy()))   # alive while onnxruntime holds it
+        real(self, name, kept[-1])
+
+    monkeypatch.setattr(IOBinding, "bind_ortvalue_input", bind_a_copy)
+
+
+@pytest.mark.parametrize("graph,rows", [("qeff_llama_default.onnx", 2), ("qeff_llama_cb_vllm.onnx", None)])
+def test_an_ep_copying_inputs_at_bind_time_gets_every_input_rebound_before_each_run(graph, rows, own_graphs,
+                                                                                   monkeypatch):
+    """What a CUDA session does, on the CPU: with inputs copied at bind time, the CPU's path (each input bound
+    once) answers wrong tokens (as on an H100 in round 1); a session on a device with ``rebind_each_run`` (every EP
+    but the CPU's: ``device.staged``) binds every input again before each run and gives exactly the tokens and
+    logits of the CPU path without copies, with lock-step rows and continuous batching, through truncate, copy and
+    relocate."""
+    from qeff_kv.runtime.execution import device
+    from qeff_kv.runtime.execution.executor import OrtExecutor, RebindingExecutor
+
+    model = own_graphs.export(graph).out_dir
+    want_toks, want_logits = script(Session(model, max_sequences=rows))
+    copy_inputs_at_bind(monkeypatch)
+    bound_once = Session(model, max_sequences=rows)
+    assert type(bound_once._io) is OrtExecutor and not bound_once.device.rebind_each_run
+    assert script(bound_once)[0] != want_toks
+    monkeypatch.setattr(device, "for_providers", lambda providers: device.staged(providers[0]))
+    staged = Session(model, max_sequences=rows)
+    assert type(staged._io) is RebindingExecutor and staged.device == device.Device("cpu", ep_proofs.CPU, True)
+    toks, logits = script(staged)
+    assert toks == want_toks
+    for x, y in zip(logits, want_logits):
+        np.testing.assert_array_equal(x, y)
+    assert set(staged._io.inputs) == {i.name for i in staged._sess.get_inputs()}
+
+
+def test_every_ep_but_the_cpus_gets_host_buffers_rebound_before_each_run():
+    from qeff_kv.runtime.execution import device
+
+    assert device.for_providers([ep_proofs.CPU]) is device.CPU and not device.CPU.rebind_each_run
+    for ep in (ep_proofs.CUDA, "TensorrtExecutionProvider"):
+        got = device.for_providers([ep, ep_proofs.CPU])
+        assert got == device.staged(ep) and got.rebind_each_run and got.name == "cpu" and got.provider == ep
+
+
+def test_the_measurement_hook_passes_an_unproved_ep_with_a_warning(peer_kind_graph, monkeypatch):
+    """``QEFF_KV_MEASURE_UNPROVED_EP=1`` (benchmarks/gpu_check.py): the refusal (here CUDA for another exporter's
+    graph) becomes a RuntimeWarning naming the EP and why, and the session goes on as on a proved EP; the next
+    check still runs (here the EP is absent from this onnxruntime). Any other value keeps the refusal."""
     import onnxruntime as ort
     from qeff_kv.errors import RuntimeInputError
-    from qeff_kv.runtime.execution import device
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CPU])
     providers = [ep_proofs.CUDA, ep_proofs.CPU]
     monkeypatch.setenv(ep_proofs.MEASURE_ENV, "1")
-    assert device.for_providers(providers) is device.CPU
     with pytest.warns(RuntimeWarning) as warned, pytest.raises(RuntimeInputError) as exc:
-        Session(own_graph, providers=providers)
+        Session(peer_kind_graph, ctx_len=64, providers=providers)
     assert type(exc.value) is RuntimeInputError and str(exc.value) == (
         "onnxruntime provider 'CUDAExecutionProvider' is not available here (available: CPUExecutionProvider)")
-    why = ep_proofs.refusal(ep_proofs.CUDA, "portable")
+    why = ep_proofs.refusal(ep_proofs.CUDA, "peer")
     assert [str(w.message) for w in warned if w.category is RuntimeWarning] == [
         f"QEFF_KV_MEASURE_UNPROVED_EP=1: running an unproved EP for a measurement: {why}"]
     monkeypatch.setenv(ep_proofs.MEASURE_ENV, "yes")
-    with pytest.raises(ProviderError, match="^CUDAExecutionProvider is not proved exact for portable graphs"):
-        Session(own_graph, providers=providers)
-    with pytest.raises(ProviderError, match="buffers on its device are not implemented"):
-        device.for_providers(providers)
+    with pytest.raises(ProviderError, match="^CUDAExecutionProvider is not proved exact for peer graphs"):
+        Session(peer_kind_graph, ctx_len=64, providers=providers)
+
+
+def test_a_proved_ep_onnxruntime_does_not_start_is_refused_not_run_on_the_cpu(own_graph, monkeypatch):
+    """onnxruntime falls back to the CPU without a word when CUDA's libraries do not load: ``device="cuda"`` on
+    our graph (proved) then stops in one line naming the EP instead of running somewhere else; the CUDA/cuDNN
+    libraries were asked for first (``preload_dlls``, where onnxruntime has it)."""
+    import onnxruntime as ort
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.runtime.execution import executor
+
+    real, asked, preloaded = ort.InferenceSession, [], []
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [ep_proofs.CUDA, ep_proofs.CPU])
+    monkeypatch.setattr(ort, "preload_dlls", lambda *a, **k: preloaded.append(1), raising=False)
+    monkeypatch.setattr(executor, "_PRELOADED", False)
+
+    def falls_back(source, so, providers):
+        asked.append(providers)
+        return real(source, so, providers=[ep_proofs.CPU])
+
+    monkeypatch.setattr(ort, "InferenceSession", falls_back)
+    with pytest.raises(RuntimeInputError) as exc:
+        Session(own_graph, device="cuda")
+    assert str(exc.value).endswith(": onnxruntime could not start CUDAExecutionProvider (it would run on "
+                                   "CPUExecutionProvider); its libraries (CUDA, cuDNN) may be missing")
+    assert asked == [[ep_proofs.CUDA]] and preloaded == [1]

@@ -83,7 +83,7 @@ class GenerateRequest:
     load_state: str | None = None
     select: str | None = None
     threads: int | None = None
-    #: where the graph runs: "cpu", or "cuda" (refused until proved: runtime/ep_proofs.py)
+    #: where the graph runs: "cpu", or "cuda" (for the kinds proved there: runtime/execution/ep_proofs.py)
     device: str = "cpu"
     inplace: bool | None = None
     on_capacity: str = "error"

@@ -14,7 +14,7 @@ range in this package is half-open). Feeding ``k`` tokens writes positions ``[n,
 
 How a run is bound (IOBinding, through the executor seam :mod:`qeff_kv.runtime.execution.executor`; every buffer from the
 session's device, :mod:`qeff_kv.runtime.execution.device`; only execution providers :mod:`qeff_kv.runtime.execution.ep_proofs` proves
-exact for the graph's kind are accepted, today the CPU's, refused in one line otherwise before loading):
+exact for the graph's kind are accepted (CPU: every kind; CUDA: our targets), refused in one line otherwise first):
 
 * one buffer per KV pair, allocated once at ``[max_sequences, heads, capacity, head_dim]`` (``ctx_len``, or a
   sliding-window ring's ``C``: see :mod:`qeff_kv.runtime.memory.ring`); if the graph is in-place safe
@@ -97,8 +97,8 @@ class Session(GenerationMixin, CacheVerbsMixin):
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
         device: ``"cpu"`` (default) or ``"cuda"``; providers: onnxruntime execution providers instead. Only the
-            ones :mod:`qeff_kv.runtime.execution.ep_proofs` proves exact for the graph's kind are accepted (today the CPU's):
-            any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) before the graph is loaded.
+            ones :mod:`qeff_kv.runtime.execution.ep_proofs` proves exact for the graph's kind are accepted (CPU:
+            all; CUDA: ours): any other is refused in one line (:class:`~qeff_kv.errors.ProviderError`) first.
         executor: ``"onnxruntime"`` (default), or ``"reference"``: onnx's reference evaluator with strict index
             checks (:class:`~qeff_kv.runtime.execution.executor.ReferenceExecutor`; slow, for conformance proofs).
     """

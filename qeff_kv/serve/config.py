@@ -27,7 +27,7 @@ class ServeConfig:
     max_sequences: int | None = None
     #: onnxruntime intra-op threads (default: onnxruntime's choice)
     threads: int | None = None
-    #: where the graph runs: "cpu", or "cuda" (refused until proved: qeff_kv/runtime/execution/ep_proofs.py)
+    #: where the graph runs: "cpu", or "cuda" (for the kinds proved there: qeff_kv/runtime/execution/ep_proofs.py)
     device: str = "cpu"
     #: a bearer token every /v1 and /slots request must carry (``Authorization: Bearer KEY``); None: open
     api_key: str | None = None

@@ -4,25 +4,31 @@ before it loads a graph, and the one-line refusals it gives (:class:`~qeff_kv.er
 A graph *kind* is the target that wrote it (``portable``, ``onnxruntime``, ``onnxruntime-fused``: graph metadata
 ``qeff_kv.target``), ``peer`` (another exporter's graph: no target recorded) or ``vision`` (a dual layout's vision
 encoder). *Proved* means: the runtime's own feeds, on that EP, give the reference tokens (greedy; transformers on
-the same weights), by a test in the suite. An EP that is not proved for a kind is refused before anything is
-loaded: a wrong answer that passes is the worst outcome, and onnxruntime accepts any EP it has without a word
-(measured on an H100: the CUDA EP answers wrong tokens through ``Session``, on the portable and the fused graph).
+the same weights, or the CPU EP's, itself proved), by a test in the suite. An EP that is not proved for a kind is
+refused before anything is loaded: a wrong answer that passes is the worst outcome, and onnxruntime accepts any EP
+it has without a word (measured on an H100: a session binding its host buffers once got wrong tokens from the
+CUDA EP on every graph, because onnxruntime copies a bound host input at bind time: :mod:`.device`).
 
 What is proved today (each row has its test, named in :data:`PROVED`):
 
 * the CPU EP, every kind: the family matrix and the runtime's parity tests compare tokens with transformers;
-* no other EP. What is known about each kind off the CPU is :data:`OFF_CPU` (said in the refusal): the portable and
-  onnxruntime targets' feeds stay inside the ONNX spec (``tests/test_ep_conformance.py`` runs the runtime's feeds
-  through onnx's reference evaluator with strict index checks and gets the CPU's tokens), which is what a proof on
-  a GPU builds on, but no token comparison has run on another EP; the fused target uses onnxruntime contrib ops
-  that the reference evaluator cannot run (and gave wrong tokens on CUDA); the peer's graphs need the CPU-only
-  patch of their invalid gather/scatter indices (:mod:`qeff_kv.graph.passes.ort_invalid_index`).
+* the CUDA EP, the portable, onnxruntime and onnxruntime-fused targets: ``tests/test_ep_cuda.py`` (a GPU-only test:
+  it skips in one line where onnxruntime has no CUDA EP) runs the conformance script (chunked prefill, decode,
+  truncate, copy, relocate; lock-step rows and continuous batching) through ``Session(device="cuda")`` and
+  through the CPU, on the full, ring, latent, recurrent, hybrid and CCL graphs of both targets and a fused graph:
+  the tokens must be equal. Measured first on an H100 (``benchmarks/gpu_check.py``, ``docs/runtime.md``): with
+  every input bound again before each run (which is what a session on CUDA does, :mod:`.device`) the CPU's tokens
+  on all six graphs (portable fp32/fp16, ring, hybrid, onnxruntime, fused).
+* no other EP. What is known about each kind off the CPU is :data:`OFF_CPU` (said in the refusal): the peer's graphs
+  need the CPU-only patch of their invalid gather/scatter indices (:mod:`qeff_kv.graph.passes.ort_invalid_index`);
+  the vision encoder's embeddings were never compared off the CPU.
 
 A new proof is one entry in :data:`PROVED` (with the test that proves it) and nothing else.
 
 The one way past a refusal is a measurement hook, for gathering the proof itself (``benchmarks/gpu_check.py``):
 the environment variable :data:`MEASURE_ENV` set to ``1`` lets :func:`require` pass an unproved EP, with a
-``RuntimeWarning`` naming it, and the session keeps its buffers in host memory (:mod:`.device`). Never for serving.
+``RuntimeWarning`` naming it; the session runs as on a proved EP (host buffers, rebound before each run:
+:mod:`.device`). Never for serving.
 """
 
 from __future__ import annotations
@@ -46,17 +52,19 @@ PROVED: dict[tuple[str, str], str] = {
     (CPU, "onnxruntime-fused"): "tests/test_fused_families.py (tokens equal to transformers)",
     (CPU, "peer"): "tests/test_runtime_parity.py (the peer's reference tokens)",
     (CPU, "vision"): "tests/test_vlm_runtime.py (tokens equal to transformers)",
+    (CUDA, "portable"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
+    (CUDA, "onnxruntime"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
+    (CUDA, "onnxruntime-fused"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
 }
 
 #: graph kind -> what is known of it on an EP other than the CPU's (why it is not proved there)
 OFF_CPU: dict[str, str] = {
-    "portable": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) but no "
-                 "run on this EP has compared its tokens"),
-    "onnxruntime": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) but no "
-                    "run on this EP has compared its tokens"),
+    "portable": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) and it is "
+                 "proved on CUDA, but no run on this EP has compared its tokens"),
+    "onnxruntime": ("its feeds conform to the ONNX spec (onnx's reference evaluator gives the CPU's tokens) and it "
+                    "is proved on CUDA, but no run on this EP has compared its tokens"),
     "onnxruntime-fused": ("its onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization) "
-                          "follow the CPU kernels' semantics, which the ONNX reference cannot check, and it gave "
-                          "wrong tokens on CUDA"),
+                          "are outside the ONNX spec and each EP's kernels differ; proved on CUDA only"),
     "peer": ("another exporter's graph relies on a CPU-only patch of its out-of-range gather/scatter indices "
              "(INT32_MAX)"),
     "vision": "no run on this EP has compared the image embeddings",

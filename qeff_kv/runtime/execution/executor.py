@@ -8,7 +8,10 @@ an ``OrtValue`` allocated once on the session's device (:mod:`.device`): the KV 
 bound as both an input and its retained output, so a step writes the state where it is; the small inputs and the
 logits, which the session fills and reads without touching the state.
 
-* :class:`OrtExecutor`: an onnxruntime ``InferenceSession`` with its ``IOBinding`` (what every session runs);
+* :class:`OrtExecutor`: an onnxruntime ``InferenceSession`` with its ``IOBinding`` (what a session on the CPU
+  runs: each input bound once, when its buffer changes);
+* :class:`RebindingExecutor`: the same, binding every input again before each run, for an EP that copies a bound
+  host input to its own device at bind time (CUDA: :func:`.device.staged`, whose ``rebind_each_run`` picks it);
 * :class:`ReferenceExecutor`: onnx's own reference evaluator (``onnx.reference``: the ONNX spec's semantics) over
   the graph as written, unpatched, and *strict*: every index a ``Gather``/``GatherND``/``GatherElements``/
   ``ScatterND``/``ScatterElements`` node meets must be inside the spec's range, and a scatter without reduction
@@ -28,7 +31,9 @@ import numpy as np
 import onnxruntime as ort
 
 from qeff_kv.support import capture
-from qeff_kv.errors import ContractError, GraphReadError
+from qeff_kv.errors import ContractError, GraphReadError, RuntimeInputError
+from qeff_kv.runtime.execution import device as device_mod
+from qeff_kv.runtime.execution import ep_proofs
 
 _ORT_QUIET = False
 
@@ -76,10 +81,33 @@ class OrtExecutor(Executor):
         self.sess.run_with_iobinding(self._io)
 
 
+class RebindingExecutor(OrtExecutor):
+    """An :class:`OrtExecutor` that binds every input again before each run, so that the EP gets the host
+    buffers' current bytes: onnxruntime copies a host input to another device when it is bound, not when it runs
+    (:mod:`.device`). Outputs bound to host buffers are copied back by onnxruntime after each run."""
+
+    def __init__(self, sess: ort.InferenceSession):
+        super().__init__(sess)
+        self.inputs: dict[str, ort.OrtValue] = {}   # each input's value as last bound
+        self.bind_ortvalue_input = self._bind_input
+
+    def _bind_input(self, name: str, value: ort.OrtValue) -> None:
+        self.inputs[name] = value
+        self._io.bind_ortvalue_input(name, value)
+
+    def run(self) -> None:
+        for name, value in self.inputs.items():
+            self._io.bind_ortvalue_input(name, value)
+        self.sess.run_with_iobinding(self._io)
+
+
 def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, providers: Seq[str],
                      external_folder: str | None = None) -> ort.InferenceSession:
     """An onnxruntime session over ``source`` on ``providers`` (already proved: :mod:`.ep_proofs`); its load
-    failure is one line naming ``label``."""
+    failure is one line naming ``label``, and so is an EP onnxruntime did not start (it would fall back to the
+    CPU without a word). For CUDA, the CUDA/cuDNN libraries of the machine's pip wheels (torch's) are loaded
+    first where onnxruntime can (``preload_dlls``)."""
+    _preload_cuda(providers)
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = int(threads)
@@ -91,21 +119,44 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
     gc.collect()
     try:
         with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
-            return ort.InferenceSession(source, so, providers=list(providers))
+            sess = ort.InferenceSession(source, so, providers=list(providers))
     except Exception as exc:  # onnxruntime raises several pybind exception types
         msg = " ".join(str(exc).split())[:400]
         raise GraphReadError(f"{label}: onnxruntime cannot load it ({msg})") from None
+    started = sess.get_providers()
+    if providers[0] not in started:
+        raise RuntimeInputError(f"{label}: onnxruntime could not start {providers[0]} (it would run on "
+                                f"{', '.join(started)}); its libraries (CUDA, cuDNN) may be missing")
+    return sess
+
+
+_PRELOADED = False
+
+
+def _preload_cuda(providers: Seq[str]) -> None:
+    global _PRELOADED
+    if _PRELOADED or providers[0] != ep_proofs.CUDA or not hasattr(ort, "preload_dlls"):
+        return
+    _PRELOADED = True
+    with capture.library_output():   # it prints what it cannot find; a session that fails to start says so
+        try:
+            ort.preload_dlls()
+        except Exception:  # noqa: BLE001  (best effort: the check after loading is the proof)
+            pass
 
 
 def open_executor(kind: str, source: bytes | str, path, *, external: bool, threads: int | None,
                   providers: Seq[str], index_limits: dict[str, int]) -> tuple[Executor, ort.InferenceSession | None]:
     """The executor of a session (``kind``: ``"onnxruntime"`` or ``"reference"``) over ``source`` (the graph at
-    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference)."""
+    ``path``, or its patched bytes), and the onnxruntime session under it (``None`` for the reference): a
+    :class:`RebindingExecutor` where the providers' device (:func:`.device.for_providers`, the session's own)
+    asks for ``rebind_each_run``, else an :class:`OrtExecutor`."""
     if kind == "reference":
         return ReferenceExecutor(path, index_limits), None
     folder = str(path.parent.resolve()) if external else None
     sess = open_onnxruntime(source, str(path), threads=threads, providers=providers, external_folder=folder)
-    return OrtExecutor(sess), sess
+    rebind = device_mod.for_providers(list(providers)).rebind_each_run
+    return (RebindingExecutor(sess) if rebind else OrtExecutor(sess)), sess
 
 
 # ============================================================================================ the reference
