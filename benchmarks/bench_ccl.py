@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             tok = int(np.argmax(sess.decode({seq: tok})[seq]))
             times.append(time.perf_counter() - t)
             toks.append(tok)
-        return toks, statistics.median(times), sess._ccl_bound
+        return toks, statistics.median(times), sess.binding.ccl_bound
 
     for sess in sessions.values():  # warm-up
         run(sess, 4)

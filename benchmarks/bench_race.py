@@ -512,7 +512,7 @@ def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list
         ort.SessionOptions = orig
         eng.run(prompt, 9)
         eng.run(prompt, steps + 1)
-        path = Path(eng.sess._sess.end_profiling())
+        path = Path(eng.sess.binding.executor_session.end_profiling())
     elif name.startswith("genai"):
         src = work / f"genai-{name.split('_')[1]}"
         dst = tmp / "genai-model"

@@ -113,7 +113,8 @@ def step_by_rows(export: str, rows: list[int], contexts: list[int], steps: int, 
         session = open_session(export, max(rows), threads, profile=True)
         _, windows = run_windows(session, rows, contexts, steps, say=False)
         tm = session.timings
-        split = op_times(session._sess.end_profiling(), windows, steps, tm.prefill_runs + tm.decode_steps)
+        split = op_times(session.binding.executor_session.end_profiling(), windows, steps,
+                         tm.prefill_runs + tm.decode_steps)
         for row in out:
             row["kernel_ms_by_op"] = split[(row["rows"], row["context"])]
             ops = ", ".join(f"{op} {ms}" for op, ms in list(row["kernel_ms_by_op"].items())[:4])

@@ -95,7 +95,7 @@ class Qeff:
         return toks, t_first, steps
 
     def end_profiling(self) -> str:
-        return self.sess._sess.end_profiling()
+        return self.sess.binding.executor_session.end_profiling()
 
     def runtime_only(self, prompt, steps: int) -> float:
         """Median microseconds of ``decode`` + argmax with onnxruntime's run replaced by a no-op: the runtime's own
@@ -107,8 +107,8 @@ class Qeff:
             sess.remove_sequence(s)
         seq = sess.add_sequence()
         sess.prefill(seq, prompt)
-        real = sess._io.run
-        sess._io.run = lambda: None   # the executor's run (runtime/executor.py) replaced by a no-op
+        real = sess.binding.io.run
+        sess.binding.io.run = lambda: None   # the executor's run (runtime/executor.py) replaced by a no-op
         try:
             ts = []
             tok = prompt[-1]
@@ -117,7 +117,7 @@ class Qeff:
                 tok = int(np.argmax(sess.decode({seq: tok})[seq])) % 100
                 ts.append(time.perf_counter() - t)
         finally:
-            sess._io.run = real
+            sess.binding.io.run = real
         sess.remove_sequence(seq)
         return statistics.median(ts) * 1e6
 

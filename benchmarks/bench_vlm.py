@@ -106,10 +106,10 @@ def decode_ms(session, seq) -> float:
 def step_ms(session, seq, images, copy: bool) -> float:
     """Median decode step (ms) with ``images`` bound, in place or with the output copied each step."""
     media = session.media
-    media.begin(session._io, session._bind_out, images)
+    media.begin(session.binding.io, session.binding.bind_out, images)
     media.end()
     if copy:
-        session._io.bind_output(media.output_name, "cpu")
+        session.binding.io.bind_output(media.output_name, "cpu")
     times = []
     pos = seq.length
     for _ in range(STEPS):
@@ -118,7 +118,7 @@ def step_ms(session, seq, images, copy: bool) -> float:
         times.append(time.perf_counter() - t0)
         session.truncate(seq, pos)   # same position every step
     if copy:   # back to the in-place binding
-        session._bind_out(media.output_name, media.bound.value)
+        session.binding.bind_out(media.output_name, media.bound.value)
     return statistics.median(times) * 1e3
 
 

@@ -74,6 +74,22 @@ def check_tokens(tokens, vocab_size: int | None) -> list[int]:
     return out
 
 
+def check_prefill(seq, tokens, *, vocab_size: int | None, ctx_len: int, images=None, text_only: bool = True
+                  ) -> list[int]:
+    """A prompt's token ids to append to ``seq``, refused in one line when empty, out of the vocabulary, past the
+    capacity ``ctx_len``, or with images on a text decoder (``text_only``)."""
+    toks = check_tokens(tokens, vocab_size)
+    if not toks:
+        raise RuntimeInputError("prefill needs at least one token")
+    if seq.length + len(toks) > ctx_len:
+        raise RuntimeInputError(
+            f"sequence {seq.id} holds {seq.length} positions; {len(toks)} more tokens exceed the capacity "
+            f"ctx_len={ctx_len}")
+    if images is not None and text_only:
+        raise RuntimeInputError("images were given but the graph is a text decoder")
+    return toks
+
+
 def chunk_padding(start: int, n: int, plan: list[tuple[int, int]] | None, *, seq_len: int,
                   fixed_seq_len: int | None, ctx_len: int, pad_short: bool,
                   pad_ring: bool) -> list[tuple[int, int, bool]]:

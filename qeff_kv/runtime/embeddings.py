@@ -24,7 +24,7 @@ def unsupported(session) -> str | None:
         return ("the graph has no hidden_states output; export it with --hidden-states for /v1/embeddings")
     if session.media is not None:
         return "embeddings are not computed on a vision-language graph"
-    if not hasattr(session._io, "clear_binding_outputs"):
+    if not session.binding.can_rebind_outputs():
         return "embeddings need the onnxruntime executor"
     return None
 
@@ -38,20 +38,14 @@ def embed(session, seq, tokens: Seq[int]) -> np.ndarray:
     if session.cache.get(seq).length:
         raise RuntimeInputError("embed takes an empty sequence")
     name = naming.HIDDEN_STATES_OUTPUT
-    session._bind_out(name, None)   # to the CPU, for this prefill's chunks
+    session.binding.bind_out(name, None)   # to the CPU, for this prefill's chunks
     try:
         session.prefill(seq, tokens)
-        out = session._io.get_outputs()[session._out_order.index(name)].numpy()
+        out = session.binding.output(name)
     finally:
-        _unbind(session)
+        # every output bound again as the session binds them, without hidden_states; the next step binds its logits
+        session.binding.rebind_outputs()
     vec = np.asarray(out, dtype=np.float64).reshape(-1, out.shape[-1])[-1]   # one row: the last token's
     norm = np.linalg.norm(vec)
     return (vec / norm if norm > 0 else vec).astype(np.float32)
 
-
-def _unbind(session) -> None:
-    """Every output bound again as :meth:`Session._bind` binds them, without ``hidden_states`` (onnxruntime's
-    IOBinding unbinds outputs only all together); the next step binds its logits again."""
-    session._io.clear_binding_outputs()
-    session._bind()
-    session._bound = None

@@ -35,8 +35,17 @@ A recurrent state the graph replaces whole (not updated in place: the peer's) ge
 
 The language graph of a vision-language model also takes its image buffer and ``image_idx``
 (:mod:`qeff_kv.runtime.multimodal.media`, bound in place; the images come from :mod:`qeff_kv.runtime.multimodal.vision`) and, with
-multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.multimodal.positions`). Requests and the
-generation loop (``stream``, ``generate``) are :mod:`qeff_kv.runtime.decoding.decode_loop`'s.
+multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.multimodal.positions`).
+
+The session opens the graph and feeds it (``prefill``, ``decode``); three collaborators, each an object with its own
+state and a reference to the session, do the rest, and the session's public methods of their names call them:
+
+* ``session.binding`` (:class:`~qeff_kv.runtime.execution.binding.GraphBinding`): the executor and every value
+  bound to it, and the run;
+* ``session.cache_verbs`` (:class:`~qeff_kv.runtime.cache_verbs.CacheVerbs`): the sequences, rewinds, copies,
+  bytes and state files of ``session.cache``, and :meth:`Session.describe`;
+* ``session.generation`` (:class:`~qeff_kv.runtime.decoding.decode_loop.GenerationLoop`): requests and the
+  generation loop (``stream``, ``generate``, ``warm_up``).
 """
 
 from __future__ import annotations
@@ -45,15 +54,15 @@ import os
 import time
 import warnings
 from dataclasses import replace
-from typing import Iterable, Sequence as Seq
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence as Seq
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
-from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
+from qeff_kv.errors import RuntimeInputError
 from qeff_kv.graph.passes.ort_invalid_index import OrtInvalidIndexPass
 from qeff_kv.runtime import arguments
 from qeff_kv.runtime.arguments import check_session_args
@@ -61,7 +70,6 @@ from qeff_kv.runtime import ccl as ccl_mod
 from qeff_kv.runtime.execution import device as device_mod
 from qeff_kv.runtime.execution import ep_proofs
 from qeff_kv.runtime.execution import executor as exec_mod
-from qeff_kv.runtime.decoding import lockstep as lockstep_mod
 from qeff_kv.runtime.multimodal import media as media_mod
 from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.memory import recurrent as rec_mod
@@ -70,14 +78,14 @@ from qeff_kv.runtime.decoding.batching import BATCH_INDEX
 from qeff_kv.runtime.cache import KVCache, Sequence
 from qeff_kv.runtime.graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from qeff_kv.runtime.model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
-from qeff_kv.runtime.decoding.decode_loop import GenerationMixin
-from qeff_kv.runtime.cache_verbs import CacheVerbsMixin
+from qeff_kv.runtime.decoding.decode_loop import GenerationLoop
+from qeff_kv.runtime.decoding.sampling import SamplingParams
+from qeff_kv.runtime.cache_verbs import CacheVerbs
+from qeff_kv.runtime.execution.binding import GraphBinding
 from qeff_kv.runtime.results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
-_quiet_onnxruntime = exec_mod.quiet_onnxruntime   # noqa: F401  (re-exported: runtime/vision.py)
-
 # ============================================================================================ session
-class Session(GenerationMixin, CacheVerbsMixin):
+class Session:
     """Run a retained-state graph with a persistent KV cache.
 
     Args:
@@ -121,12 +129,17 @@ class Session(GenerationMixin, CacheVerbsMixin):
         self.files = resolve_model(model)
         source, external = self._read_graph(asked)
         # what runs the graph: onnxruntime on the (proved) providers, or onnx's strict reference evaluator
-        self._io, self._sess = exec_mod.open_executor(
+        io, executor_session = exec_mod.open_executor(
             executor, source, self.files.onnx_path, external=external, threads=threads, providers=self.providers,
             index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences})
         del source
         self._allocate()
-        self._bind()
+        # the collaborators, each with its own state and this session: what is bound and run, the cache verbs,
+        # the generation loop
+        self.binding = GraphBinding(self, io, executor_session)
+        self.binding.bind()
+        self.cache_verbs = CacheVerbs(self)
+        self.generation = GenerationLoop(self)
 
     # ------------------------------------------------------------------------------------ construction
     def _read_graph(self, asked: Requested) -> tuple[bytes | str, bool]:
@@ -177,30 +190,16 @@ class Session(GenerationMixin, CacheVerbsMixin):
 
     def _allocate(self) -> None:
         """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
-        small inputs' and logits' arrays (made per step shape), the CCL feeder."""
+        timings, the CCL feeder."""
         mem = self.graph.memory
         self.cache = KVCache(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
                              double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
                              checkpoints=mem.checkpoints,
                              recurrent_double_buffer=self.graph.swaps_buffers, device=self.device)
         self.cache.ctx_len = self.ctx_len   # lock step: idle rows write the last slot (see runtime/lockstep.py)
-        self._rows = lockstep_mod.RowViews(self.cache.arrays, self.device)   # batch-1 row views, made on first use
-        self._small: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
-        self._small_values: dict[tuple[int, int, int], dict[str, ort.OrtValue]] = {}
-        self._logits: dict[tuple[int, int, int], tuple[np.ndarray, ort.OrtValue]] = {}
-        self._bound: tuple[int, int, int] | None = None
-        self._logits_prebound = self.vocab_size is not None
         self.timings = Timings()
         # comp_ctx_lengths (contract section 9), ours or the peer's: fed at the smallest allowed length
         self.ccl = ccl_mod.CCLFeeder(self.ctx_len, self.graph.ccl_listed) if self.graph.ccl else None
-        self._ccl_bound: int | None = None
-
-    def _bind(self) -> None:
-        """Bind the buffers once: every KV pair (in place, or to its spare), a vision-language graph's images."""
-        self._out_order: list[str] = []
-        self._bind_kv()
-        if self.media is not None:
-            self.media.bind(self._io, self._bind_out)
 
     # ------------------------------------------------------------------------------------ the description
     # What the graph is (runtime/graph_description.py), read where it always was.
@@ -247,90 +246,21 @@ class Session(GenerationMixin, CacheVerbsMixin):
     _ring_within = property(lambda self: self.graph.memory.ring_within,
                             lambda self, v: self._redescribe(ring_within=bool(v)))
 
-    # ------------------------------------------------------------------------------------ helpers
-    def _bind_kv(self) -> None:
-        for name, value, spare in self.cache.bindings():
-            self._io.bind_ortvalue_input(name, value)
-            self._bind_out(naming.retained_name(name), spare if spare is not None else value)
-        self._kv_views: dict[str, ort.OrtValue] | None = None
-
-    def _use_kv(self, views: dict[str, ort.OrtValue] | None) -> None:
-        """Have the KV bound as ``views`` (lock step: rows of the buffers) or, with ``None``, as the whole
-        buffers; binds only when that changes."""
-        if views is self._kv_views:
-            return
-        if views is None:
-            self._bind_kv()
-        else:
-            self._bind_views(views)
-            self._kv_views = views
-
-    def _bind_out(self, name: str, value: ort.OrtValue | None) -> None:
-        # IOBinding lists outputs in the order they were first bound; rebinding a name keeps its place.
-        if value is None:
-            self._io.bind_output(name, "cpu")
-        else:
-            self._io.bind_ortvalue_output(name, value)
-        if name not in self._out_order:
-            self._out_order.append(name)
-
-    def _bind_small(self, rows: int, seq_len: int, keep: int = 1) -> dict[str, np.ndarray]:
-        """Bind the small inputs (and logits) of a ``[rows, seq_len]`` step; ``keep``: the logits rows a
-        speculative-decoding graph returns (``num_logits_to_keep``)."""
-        key = (rows, seq_len, keep)
-        arrays = self._small.get(key)
-        if arrays is None:
-            shapes = {"input_ids": (rows, seq_len), "position_ids": pos_mod.shape(self.mrope, rows, seq_len),
-                      **{k: v.shape for k, v in self.graph.batching.step_inputs(rows).items()}}
-            if self.speculative:
-                shapes[naming.LOGITS_TO_KEEP_INPUT] = (keep, 1)
-            pairs = {k: self.device.buffer(shape, np.int64) for k, shape in shapes.items()}
-            arrays = self._small[key] = {k: a for k, (a, _) in pairs.items()}
-            self._small_values[key] = {k: v for k, (_, v) in pairs.items()}
-            if self._logits_prebound:
-                self._logits[key] = self.device.buffer((rows, keep, self.vocab_size), self.logits_dtype)
-        if self._bound != key:
-            for k, v in self._small_values[key].items():
-                self._io.bind_ortvalue_input(k, v)
-            self._bind_out("logits", self._logits[key][1] if self._logits_prebound else None)
-            self._bound = key
-        return arrays
-
+    # ------------------------------------------------------------------------------------ runs
     def _run(self, rows: int, seq_len: int, last_index: np.ndarray, needed: int | None = None,
              keep: int = 1) -> np.ndarray:
-        """Run the bound graph; returns logits ``[rows, vocab]`` (a copy) at each row's last valid token, or with
-        ``keep > 1`` (a speculative-decoding graph) the kept rows ``[rows, keep, vocab]``.
-        ``needed``: 1 + the largest position the step writes (picks ``comp_ctx_lengths`` on a CCL graph)."""
-        if self.ccl is not None:
-            length = self.ccl.length_for(self.ctx_len if needed is None else needed)
-            if length != self._ccl_bound:
-                self._io.bind_ortvalue_input(ccl_mod.INPUT, self.ccl.value(length))
-                self._ccl_bound = length
-        if self.graph.swaps_buffers:
-            self._bind_kv()
-        try:
-            self._io.run()
-        except QeffKvError:
-            raise
-        except Exception as exc:
-            raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
-        self.cache.swap()
-        if self._logits_prebound:
-            out = self._logits[(rows, seq_len, keep)][0]
-        else:
-            out = self._io.get_outputs()[self._out_order.index("logits")].numpy()
-        if keep > 1:
-            if out.shape[:2] != (rows, keep):
-                raise ContractError(f"logits have shape {out.shape}; expected [{rows}, {keep}, vocab]")
-            return out.copy()
-        if out.ndim == 3 and out.shape[1] == 1:
-            return out[:, 0, :].copy()
-        if out.ndim == 3:  # full logits [rows, seq_len, vocab]
-            return out[np.arange(rows), last_index, :].copy()
-        raise ContractError(f"logits have shape {out.shape}; expected [batch, 1, vocab]")
+        """Every run of :meth:`prefill` and :meth:`decode` (:meth:`.GraphBinding.run`: the logits); one door, so that
+        a test can watch each run of the session."""
+        return self.binding.run(rows, seq_len, last_index, needed, keep)
 
-    def _check_tokens(self, tokens: Iterable[int]) -> list[int]:
-        return arguments.check_tokens(tokens, self.vocab_size)
+    # What the binding holds, under the names white-box tests and benchmarks read (runtime/execution/binding.py).
+    _io = property(lambda self: self.binding.io)
+    _sess = property(lambda self: self.binding.executor_session)
+    _out_order = property(lambda self: self.binding.out_order)
+    _small = property(lambda self: self.binding.small)
+    _logits = property(lambda self: self.binding.logits)
+    _bound = property(lambda self: self.binding.bound)
+    _ccl_bound = property(lambda self: self.binding.ccl_bound)
 
     # ------------------------------------------------------------------------------------ sequences
     def _chunks(self, start: int, n: int, plan: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
@@ -358,10 +288,10 @@ class Session(GenerationMixin, CacheVerbsMixin):
         plan = self._prefill_plan(seq, toks, images, marks)
         rope = None if images is None or images.rope is None else images.rope + seq.length + pos_mod.delta(seq.rope_marks)
         if self.media is not None:
-            self.media.begin(self._io, self._bind_out, images)
+            self.media.begin(self.binding.io, self.binding.bind_out, images)
         t0 = time.perf_counter()
         # lock step: the graph's batch-1 buffers are this sequence's row of ours
-        self._use_kv(self.graph.batching.prefill_views(self._rows, seq))
+        self.binding.use_kv(self.graph.batching.prefill_views(self.binding.rows, seq))
         logits = self._prefill_chunks(seq, toks, plan, rope, marks)
         if self.media is not None:
             self.media.end()
@@ -375,18 +305,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
         return logits
 
     def _check_prefill(self, seq: Sequence, tokens: Seq[int], images) -> list[int]:
-        """The prompt's token ids, refused in one line when empty, out of the vocabulary, past the capacity, or
-        with images on a text decoder."""
-        toks = self._check_tokens(tokens)
-        if not toks:
-            raise RuntimeInputError("prefill needs at least one token")
-        if seq.length + len(toks) > self.ctx_len:
-            raise RuntimeInputError(
-                f"sequence {seq.id} holds {seq.length} positions; {len(toks)} more tokens exceed the capacity "
-                f"ctx_len={self.ctx_len}")
-        if images is not None and self.media is None:
-            raise RuntimeInputError("images were given but the graph is a text decoder")
-        return toks
+        """The prompt's token ids (:func:`.arguments.check_prefill`)."""
+        return arguments.check_prefill(seq, tokens, vocab_size=self.vocab_size, ctx_len=self.ctx_len, images=images,
+                                       text_only=self.media is None)
 
     def _prefill_plan(self, seq: Sequence, toks: list[int], images, marks: tuple[int, ...]
                       ) -> list[tuple[int, int, bool]]:
@@ -405,12 +326,6 @@ class Session(GenerationMixin, CacheVerbsMixin):
                                                                     seq.length, self.rings.capacity))
         return plan
 
-    def _bind_views(self, views: dict[str, ort.OrtValue]) -> None:
-        """Bind ``views`` (input name -> value) as both the KV inputs and their retained outputs."""
-        for p in self.layout.pairs:
-            self._io.bind_ortvalue_input(p.input_name, views[p.input_name])
-            self._bind_out(p.output_name, views[p.input_name])
-
     def _prefill_chunks(self, seq: Sequence, toks: list[int], plan: list[tuple[int, int, bool]], rope,
                         marks: tuple[int, ...]) -> np.ndarray:
         """Run the chunks of ``plan`` (``seq.length`` not yet advanced); the logits after the last one."""
@@ -419,7 +334,7 @@ class Session(GenerationMixin, CacheVerbsMixin):
             width = self.prefill_seq_len if padded else cnt
             if self.fixed_seq_len is not None:
                 width = self.fixed_seq_len
-            arrays = self._bind_small(1, width)
+            arrays = self.binding.bind_small(1, width)
             ids, pos = arrays["input_ids"], arrays["position_ids"]
             ids.fill(0)
             pos_mod.clear(pos)
@@ -454,8 +369,9 @@ class Session(GenerationMixin, CacheVerbsMixin):
                 f"the graph fixes seq_len={width}, so a decode step carries padding, which must not share "
                 f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
         t0 = time.perf_counter()
-        self._use_kv(batching.decode_views(self._rows, rows, self.max_sequences))   # lock step: the rows in use
-        arrays = self._bind_small(rows, width)
+        # lock step: the rows in use
+        self.binding.use_kv(batching.decode_views(self.binding.rows, rows, self.max_sequences))
+        arrays = self.binding.bind_small(rows, width)
         if width != 1:
             arrays["input_ids"].fill(0)
             pos_mod.clear(arrays["position_ids"])
@@ -487,9 +403,91 @@ class Session(GenerationMixin, CacheVerbsMixin):
         if empty:
             raise RuntimeInputError(
                 f"sequence {empty[0]} is empty: prefill it first (decode continues a sequence by one token)")
-        toks = self._check_tokens(t for _, t in items)
+        toks = arguments.check_tokens((t for _, t in items), self.vocab_size)
         self.cache.check_room(seqs, 1)
         return seqs, toks
+
+    # ------------------------------------------------------------------------------------ the generation loop
+    # runtime/decoding/decode_loop.py's GenerationLoop (self.generation)
+    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
+               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
+               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
+        """Generate for several requests together, yielding each token as it is produced
+        (:meth:`.GenerationLoop.stream`: every check runs at this call, the iterator does the work)."""
+        return self.generation.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_tokens=stop_tokens, on_capacity=on_capacity, results=results)
+
+    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
+                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
+        """Run :meth:`stream` to the end; one :class:`Generation` per request, in order
+        (:meth:`.GenerationLoop.generate`; ``prompts`` may also be a single list of token ids)."""
+        return self.generation.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                        stop_tokens=stop_tokens, on_capacity=on_capacity, callback=callback)
+
+    def warm_up(self) -> None:
+        """One prefill and one decode step over every slot, on a session without sequences, so that the first
+        requests do not pay onnxruntime's first-run costs (:meth:`.GenerationLoop.warm_up`)."""
+        self.generation.warm_up()
+
+    # ------------------------------------------------------------------------------------ the cache verbs
+    # runtime/cache_verbs.py's CacheVerbs (self.cache_verbs): each verb's full description is there
+    def add_sequence(self) -> Sequence:
+        """A new empty sequence in a free slot."""
+        return self.cache_verbs.add_sequence()
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self.cache_verbs.remove_sequence(seq)
+
+    sequences = property(lambda self: self.cache_verbs.sequences)
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        """Rewind ``seq`` to positions ``[0, n)`` (:meth:`.CacheVerbs.truncate`)."""
+        self.cache_verbs.truncate(seq, n)
+
+    def rewind_points(self, seq: Sequence) -> list[int] | None:
+        """The positions a recurrent or hybrid sequence can be rewound to (:meth:`.CacheVerbs.rewind_points`)."""
+        return self.cache_verbs.rewind_points(seq)
+
+    def reusable(self, seq: Sequence, n: int) -> int:
+        """The longest prefix of at most ``n`` positions ``seq`` can return to (:meth:`.CacheVerbs.reusable`)."""
+        return self.cache_verbs.reusable(seq, n)
+
+    def memory(self) -> dict:
+        """Bytes the cache holds (:meth:`.CacheVerbs.memory`)."""
+        return self.cache_verbs.memory()
+
+    def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
+        """Copy ``src``'s first ``n`` positions into ``dst`` in place (:meth:`.CacheVerbs.copy`)."""
+        self.cache_verbs.copy(src, dst, n)
+
+    def relocate(self, seq: Sequence, slot: int) -> Sequence | None:
+        """Move ``seq`` into ``slot`` (:meth:`.CacheVerbs.relocate`)."""
+        return self.cache_verbs.relocate(seq, slot)
+
+    def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
+        """The in-memory state of ``seq`` (for hand-off; :mod:`qeff_kv.runtime.memory.state_file`)."""
+        return self.cache_verbs.export_state(seq, select, checksum=checksum)
+
+    def import_state(self, state, seq: Sequence | None = None) -> Sequence:
+        return self.cache_verbs.import_state(state, seq)
+
+    def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
+        return self.cache_verbs.save_state(seq, path, select)
+
+    def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
+        return self.cache_verbs.load_state(path, seq)
+
+    def describe(self) -> dict:
+        return self.cache_verbs.describe()
+
+    def kv_data_pointers(self) -> dict[str, int]:
+        """Address of every KV input buffer currently bound (for tests and diagnostics)."""
+        return self.binding.kv_data_pointers()
+
+    def bound_output_pointers(self) -> dict[str, int]:
+        """Address of every retained output after the last run."""
+        return self.binding.bound_output_pointers()
 
 
 def open_session(model: str | os.PathLike, **kwargs) -> Session:

@@ -256,18 +256,18 @@ def streamed_weights(model, the_plan: Plan, store):
     import torch
 
     handles = []
+    stand_ins: dict[int, dict] = {}   # id(module) -> its stand-ins while its forward runs
 
     def before(module, _args):
-        module._qeff_stand_ins = dict(module._parameters)
-        for name, p in module._qeff_stand_ins.items():
+        stand_ins[id(module)] = dict(module._parameters)
+        for name, p in stand_ins[id(module)].items():
             key = the_plan.key_of(p) if p is not None else None
             if key is not None:
                 arr = store.array(key, p.dtype)
                 module._parameters[name] = torch.nn.Parameter(torch.from_numpy(arr), requires_grad=False)
 
     def after(module, _args, _out):
-        module._parameters.update(module._qeff_stand_ins)
-        del module._qeff_stand_ins
+        module._parameters.update(stand_ins.pop(id(module)))
 
     for module in model.modules():
         if any(p is not None for p in module._parameters.values()):

@@ -1,8 +1,10 @@
 """Generation over a :class:`~qeff_kv.runtime.session.Session`: requests planned and checked before anything runs,
-then prefilled one by one and decoded together, token by token (:meth:`GenerationMixin.stream`).
+then prefilled one by one and decoded together, token by token (:meth:`GenerationLoop.stream`).
 
-The session supplies the low level this builds on: ``prefill``, ``decode``, ``cache``, ``ctx_len``,
-``max_sequences``, ``graph`` (its :class:`~qeff_kv.runtime.graph_description.GraphDescription`), ``media`` (a vision-language graph's image inputs) and ``_check_tokens`` (:func:`.arguments.check_tokens`).
+:class:`GenerationLoop` is the session's ``generation`` collaborator: ``Session.stream``, ``generate`` and
+``warm_up`` call it. It builds on the session's public low level: ``prefill``, ``decode``, ``cache``, ``ctx_len``,
+``max_sequences``, ``prefill_seq_len``, ``eos_token_ids``, ``vocab_size``, ``timings``, ``graph`` (its
+:class:`~qeff_kv.runtime.graph_description.GraphDescription`) and ``media`` (a vision-language graph's image inputs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 
 from qeff_kv.support import validate
 from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.arguments import check_tokens
 from qeff_kv.runtime.multimodal import media as media_mod
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.results import Generation, TokenEvent
@@ -20,8 +23,15 @@ from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, TokenPicke
 from qeff_kv.runtime.decoding.stopping import check_stop
 
 
-class GenerationMixin:
-    """``stream`` and ``generate`` for :class:`~qeff_kv.runtime.session.Session`."""
+class GenerationLoop:
+    """``stream``, ``generate`` and ``warm_up`` of ``session`` (a :class:`~qeff_kv.runtime.session.Session`)."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def _tokens(self, tokens: Iterable[int]) -> list[int]:
+        """Token ids checked against the session's vocabulary (:func:`.arguments.check_tokens`)."""
+        return check_tokens(tokens, self.session.vocab_size)
 
     def _needed(self, seq: Sequence, prompt_len: int, max_new: int) -> int:
         """Positions ``seq`` will hold after generating ``max_new`` tokens from ``prompt_len`` more tokens."""
@@ -44,14 +54,14 @@ class GenerationMixin:
         """
         prompts = self._check_stream_args(prompts, max_new_tokens, sampling, on_capacity)
         params = (sampling or GREEDY).resolved()
-        stops = set(self._check_tokens(stop_tokens if stop_tokens is not None else self.eos_token_ids))
+        stops = set(self._tokens(stop_tokens if stop_tokens is not None else self.session.eos_token_ids))
         # ---- plan and validate everything first
         plan, images = self._plan_requests(prompts)
         self._check_slots(plan)
         budgets = self._budgets(plan, max_new_tokens, on_capacity)
         for (s, toks), imgs in zip(plan, images):
-            if self.media is not None:
-                self.media.check(toks, imgs, self.prefill_seq_len)
+            if self.session.media is not None:
+                self.session.media.check(toks, imgs, self.session.prefill_seq_len)
             elif imgs is not None:
                 raise RuntimeInputError("images were given but the graph is a text decoder")
         return self._iterate(plan, budgets, params, stops, max_new_tokens,
@@ -83,10 +93,10 @@ class GenerationMixin:
             req, more_images = self._unwrap(req)
             images.append(more_images)
             if isinstance(req, Sequence):
-                plan.append((self.cache.get(req), []))
+                plan.append((self.session.cache.get(req), []))
             elif isinstance(req, tuple) and len(req) == 2 and isinstance(req[0], Sequence):
-                s = self.cache.get(req[0])
-                more = self._check_tokens(req[1])
+                s = self.session.cache.get(req[0])
+                more = self._tokens(req[1])
                 # A pending token the caller has seen is part of the text: it goes in first. One never
                 # shown (a prefill-only run) is replaced by the caller's tokens.
                 if more and s.pending is not None and s.pending_emitted:
@@ -95,7 +105,7 @@ class GenerationMixin:
                         images[-1] = images[-1].after_text(1)
                 plan.append((s, more))
             else:
-                toks = self._check_tokens(req)
+                toks = self._tokens(req)
                 if not toks:
                     raise RuntimeInputError("a prompt is empty; give at least one token")
                 plan.append((None, toks))
@@ -104,10 +114,10 @@ class GenerationMixin:
     def _check_slots(self, plan: list[tuple[Sequence | None, list[int]]]) -> None:
         """Refuse more new sequences than free slots, and a sequence given twice."""
         new_count = sum(1 for s, _ in plan if s is None)
-        if new_count > len(self.cache.free_slots()):
+        if new_count > len(self.session.cache.free_slots()):
             raise RuntimeInputError(
-                f"{new_count} new sequences requested but only {len(self.cache.free_slots())} of "
-                f"{self.max_sequences} slots are free" + self.graph.batching.slots_hint)
+                f"{new_count} new sequences requested but only {len(self.session.cache.free_slots())} of "
+                f"{self.session.max_sequences} slots are free" + self.session.graph.batching.slots_hint)
         ids = [s.id for s, _ in plan if s is not None]
         if len(set(ids)) != len(ids):
             raise RuntimeInputError("a sequence appears twice in one request")
@@ -124,16 +134,16 @@ class GenerationMixin:
                     f"sequence {s.id} has no pending token to continue from; give it more tokens")
             need = self._needed(probe, len(toks), max_new_tokens)
             budget = max_new_tokens
-            if need > self.ctx_len:
+            if need > self.session.ctx_len:
                 if on_capacity == "error":
                     raise RuntimeInputError(
                         f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_new_tokens} new tokens "
-                        f"need {need} positions; the capacity is ctx_len={self.ctx_len}")
-                budget = max(0, max_new_tokens - (need - self.ctx_len))
-                if self._needed(probe, len(toks), budget) > self.ctx_len:
+                        f"need {need} positions; the capacity is ctx_len={self.session.ctx_len}")
+                budget = max(0, max_new_tokens - (need - self.session.ctx_len))
+                if self._needed(probe, len(toks), budget) > self.session.ctx_len:
                     raise RuntimeInputError(
                         f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
-                        f"ctx_len={self.ctx_len}")
+                        f"ctx_len={self.session.ctx_len}")
             budgets.append(budget)
         return budgets
 
@@ -150,14 +160,14 @@ class GenerationMixin:
                  images) -> Iterator[TokenEvent]:
         gens.clear()
         for (s, toks), budget in zip(plan, budgets):
-            gens.append(Generation(s if s is not None else self.cache.create(), [], len(toks)))
+            gens.append(Generation(s if s is not None else self.session.cache.create(), [], len(toks)))
         # one picker per request: the token history its penalties read (prompt = what the sequence holds + toks)
         pickers = [TokenPicker(params, list(g.sequence.tokens) + list(toks)) for g, (_, toks) in zip(gens, plan)]
         active: list[int] = []
         for i, ((_, toks), gen) in enumerate(zip(plan, gens)):
             seq = gen.sequence
             if toks:
-                logits = self.prefill(seq, toks, images[i])
+                logits = self.session.prefill(seq, toks, images[i])
                 seq.pending = pickers[i].pick(logits, seq.length).token
                 pickers[i].accept(seq.pending)
                 seq.pending_emitted = False
@@ -177,7 +187,7 @@ class GenerationMixin:
             active.append(i)
         while active:
             step = [(gens[i].sequence, gens[i].sequence.pending) for i in active]
-            out = self.decode(step)
+            out = self.session.decode(step)
             still = []
             for i in active:
                 seq = gens[i].sequence
@@ -186,7 +196,7 @@ class GenerationMixin:
                 seq.pending = tok
                 seq.pending_emitted = True
                 gens[i].tokens.append(tok)
-                self.timings.decode_tokens += 1
+                self.session.timings.decode_tokens += 1
                 yield TokenEvent(i, tok, seq)
                 if not self._finished(gens[i], budgets[i], stops, max_new_tokens):
                     still.append(i)
@@ -227,16 +237,16 @@ class GenerationMixin:
         the first 8-row step of SmolLM2-135M int4, 4 ms once warm): a prefill of one prefill length, and a
         decode step over every slot, in sequences made for it and removed after. Only on a session holding no
         sequence (every slot it writes is free, and a new sequence starts empty); the timings start again."""
-        if self.cache.sequences:
+        if self.session.cache.sequences:
             raise RuntimeInputError("warm_up runs on a session without sequences; remove them first")
-        seqs = [self.add_sequence() for _ in range(self.max_sequences)]
+        seqs = [self.session.add_sequence() for _ in range(self.session.max_sequences)]
         try:
-            width = min(self.prefill_seq_len, self.ctx_len - 1)
-            self.prefill(seqs[0], [0] * width)
+            width = min(self.session.prefill_seq_len, self.session.ctx_len - 1)
+            self.session.prefill(seqs[0], [0] * width)
             for seq in seqs[1:]:
-                self.prefill(seq, [0])
-            self.decode([(seq, 0) for seq in seqs])
+                self.session.prefill(seq, [0])
+            self.session.decode([(seq, 0) for seq in seqs])
         finally:
             for seq in seqs:
-                self.remove_sequence(seq)
-        self.timings = type(self.timings)()
+                self.session.remove_sequence(seq)
+        self.session.timings = type(self.session.timings)()

@@ -18,6 +18,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.arguments import check_prefill
 from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.cache import Sequence
 
@@ -32,7 +33,7 @@ def unsupported(session) -> str | None:
                 "(a num_logits_to_keep input) for prompt logprobs")
     why = ("a fixed seq_len graph" if session.fixed_seq_len is not None
            else "a recurrent graph" if session.recurrent else "a vision-language graph" if session.media is not None
-           else "another exporter's rings" if session._ring_within else None)
+           else "another exporter's rings" if session.graph.memory.ring_within else None)
     return None if why is None else f"prompt logprobs are not computed on {why}"
 
 
@@ -43,18 +44,18 @@ def prefill_rows(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
     if why is not None:
         raise RuntimeInputError(why)
     seq = session.cache.get(seq)
-    toks = session._check_prefill(seq, tokens, None)
+    toks = check_prefill(seq, tokens, vocab_size=session.vocab_size, ctx_len=session.ctx_len)
     t0, S, rows = time.perf_counter(), session.prefill_seq_len, []
-    session._use_kv(session.graph.batching.prefill_views(session._rows, seq))
+    session.binding.use_kv(session.graph.batching.prefill_views(session.binding.rows, seq))
     for off in range(0, len(toks), S):
         part = toks[off:off + S]
         width = len(part)
-        arrays = session._bind_small(1, width, width)
+        arrays = session.binding.bind_small(1, width, width)
         arrays["input_ids"][0, :] = part
         pos_mod.write(arrays["position_ids"], 0, seq.length, width)
         session.graph.batching.fill_prefill(arrays, seq)
-        out = session._run(1, width, np.array([width - 1]), needed=seq.length + width, keep=width)
-        rows.append(out[0] if width > 1 else out)   # [width, vocab] (one row: _run gives [1, vocab])
+        out = session.binding.run(1, width, np.array([width - 1]), needed=seq.length + width, keep=width)
+        rows.append(out[0] if width > 1 else out)   # [width, vocab] (one row: run gives [1, vocab])
         session.timings.prefill_runs += 1
         seq.length += width
         session.cache.wrote(seq, seq.length)

@@ -29,6 +29,7 @@ import numpy as np
 
 from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime.arguments import check_tokens
 from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.cache import Sequence
 from qeff_kv.runtime.results import Generation
@@ -53,7 +54,7 @@ def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarra
     if not feeds:
         return []
     seqs = [session.cache.get(s) for s, _ in feeds]
-    toks = [session._check_tokens(t) for _, t in feeds]
+    toks = [check_tokens(t, session.vocab_size) for _, t in feeds]
     if len({s.id for s in seqs}) != len(seqs):
         raise RuntimeInputError("a sequence appears twice in one verification step")
     width = max(len(t) for t in toks)
@@ -73,7 +74,7 @@ def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarra
     session.cache.check_room(seqs, width)    # padding included: every row writes W positions
     t0 = time.perf_counter()
     rows = len(seqs)
-    arrays = session._bind_small(rows, width, width)
+    arrays = session.binding.bind_small(rows, width, width)
     ids = arrays["input_ids"]
     for r, (seq, t) in enumerate(zip(seqs, toks)):
         ids[r, :len(t)] = t
@@ -83,9 +84,9 @@ def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarra
             arrays["batch_index"][r, 0] = seq.slot
     needed = max(s.length for s in seqs) + width
     if width > 1:
-        out = session._run(rows, width, np.full(rows, width - 1), needed=needed, keep=width)
+        out = session.binding.run(rows, width, np.full(rows, width - 1), needed=needed, keep=width)
     else:
-        out = session._run(rows, 1, np.zeros(rows, np.int64), needed=needed)[:, None, :]
+        out = session.binding.run(rows, 1, np.zeros(rows, np.int64), needed=needed)[:, None, :]
     result = []
     for r, (seq, t) in enumerate(zip(seqs, toks)):
         n = len(t)
@@ -316,10 +317,10 @@ class SpeculativeDecoder:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RuntimeInputError(f"sampling must be a SamplingParams or None, got {sampling!r}")
         params = (sampling or GREEDY).resolved()
-        toks = s._check_tokens(prompt)
+        toks = check_tokens(prompt, s.vocab_size)
         if not toks:
             raise RuntimeInputError("a prompt is empty; give at least one token")
-        stops = set(s._check_tokens(stop_tokens if stop_tokens is not None else s.eos_token_ids))
+        stops = set(check_tokens(stop_tokens if stop_tokens is not None else s.eos_token_ids, s.vocab_size))
         need = len(toks) + max_new_tokens - 1
         if need > s.ctx_len:
             raise RuntimeInputError(f"{len(toks)} prompt + {max_new_tokens} new tokens need {need} positions; the "

@@ -163,14 +163,8 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
 
 def weights_fibers(session) -> str:
     """The fiber fingerprint of the session's weights (:mod:`.weight_fibers`: the same for every exporter's layout of
-    one checkpoint), computed once per session from its graph file."""
-    cached = getattr(session, "_weights_fibers", None)
-    if cached is None:
-        from qeff_kv.graph import graphio
-        from qeff_kv.runtime.weight_fibers import fingerprint
-
-        cached = session._weights_fibers = fingerprint(graphio.load(session.files.onnx_path))
-    return cached
+    one checkpoint), computed once per session from its graph file (:meth:`.CacheVerbs.weights_fibers`)."""
+    return session.cache_verbs.weights_fibers()
 
 
 def _state_path(path, what: str) -> Path:

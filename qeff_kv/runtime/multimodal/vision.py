@@ -35,7 +35,8 @@ from qeff_kv.runtime.multimodal.media import IMAGE_INPUTS, Images, Prompt
 from qeff_kv.runtime.results import Generation
 from qeff_kv.runtime.execution import ep_proofs
 from qeff_kv.runtime.arguments import check_providers, require_available
-from qeff_kv.runtime.session import Session, _quiet_onnxruntime
+from qeff_kv.runtime.execution.executor import quiet_onnxruntime
+from qeff_kv.runtime.session import Session
 
 #: processor outputs that are not images: the prompt's own ids and masks (the runtime derives what it needs)
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -64,7 +65,7 @@ class VisionStage:
         so.log_severity_level = 3
         if threads:
             so.intra_op_num_threads = int(threads)
-        _quiet_onnxruntime()
+        quiet_onnxruntime()
         try:
             with capture.library_output():   # onnxruntime's own log lines stay out of the terminal
                 self._sess = ort.InferenceSession(str(self.path), so, providers=providers)

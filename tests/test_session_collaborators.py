@@ -1,0 +1,60 @@
+"""``Session`` is composed, not mixed (issue 38): its binding, cache verbs and generation loop are objects with their
+own state and a reference to the session they serve, and each public method of the session keeps its name and
+signature while it calls them."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from qeff_kv.runtime import Session
+from qeff_kv.runtime.cache_verbs import CacheVerbs
+from qeff_kv.runtime.decoding.decode_loop import GenerationLoop
+from qeff_kv.runtime.execution.binding import GraphBinding
+from test_runtime_ring import PROMPT, ring_graph
+
+#: the session's public methods each collaborator answers
+DELEGATED = {
+    CacheVerbs: ("add_sequence", "remove_sequence", "truncate", "rewind_points", "reusable", "memory", "copy",
+                 "relocate", "export_state", "import_state", "save_state", "load_state", "describe"),
+    GenerationLoop: ("stream", "generate", "warm_up"),
+    GraphBinding: ("kv_data_pointers", "bound_output_pointers"),
+}
+
+
+def test_session_has_no_mixins_and_its_verbs_keep_the_collaborators_signatures():
+    assert Session.__mro__ == (Session, object)
+    for collaborator, names in DELEGATED.items():
+        for name in names:
+            assert inspect.signature(getattr(Session, name)) == inspect.signature(getattr(collaborator, name)), name
+
+
+def test_each_collaborator_serves_its_session(tmp_path):
+    s = Session(ring_graph(tmp_path), ctx_len=32)
+    assert (s.binding.session, s.cache_verbs.session, s.generation.session) == (s, s, s)
+    [g] = s.generate([PROMPT], max_new_tokens=3, stop_tokens=[])
+    assert s.binding.bound == (1, 1, 1) and s._bound == s.binding.bound   # the last step: one row, one token
+    assert s.kv_data_pointers() == {n: a.__array_interface__["data"][0] for n, a in s.cache.arrays.items()}
+    assert s.describe()["ring_capacities"] == {"past_key.0": 6, "past_value.0": 6}
+    assert s.memory() == s.cache.memory() and s.sequences == [g.sequence]
+
+
+def test_the_weights_fingerprint_is_computed_once_per_session(tmp_path, monkeypatch):
+    """The state files' last model check (the weights' fibers) is the cache verbs' state, not the session's."""
+    from qeff_kv.runtime import weight_fibers
+
+    calls = []
+    real = weight_fibers.fingerprint
+    monkeypatch.setattr(weight_fibers, "fingerprint", lambda model: calls.append(1) or real(model))
+    s = Session(ring_graph(tmp_path), ctx_len=32)
+    [g] = s.generate([PROMPT], max_new_tokens=2, stop_tokens=[])
+    first = s.export_state(g.sequence)
+    second = s.export_state(g.sequence)
+    assert len(calls) == 1
+    assert first.metadata["weights_fibers"] == second.metadata["weights_fibers"] == s.cache_verbs.weights_fibers()
+    held, tokens = s.cache.read(g.sequence, "past_key.1"), list(g.sequence.tokens)
+    s.remove_sequence(g.sequence)
+    seq = s.import_state(first)
+    assert seq.tokens == tokens and np.array_equal(s.cache.read(seq, "past_key.1"), held)
+    assert len(calls) == 1
