@@ -164,7 +164,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
             for location in sorted({str(t.location) for t in externals}):
                 src_file = _check_location(location, source_dir, "?")
                 dst_file = _check_location(location, dest_dir, "?")
-                if dst_file.exists() and (_same_file(src_file, dst_file) or _same_content(src_file, dst_file)):
+                if dst_file.exists() and (_same_file(src_file, dst_file) or same_content(src_file, dst_file)):
                     continue
                 if dst_file.exists():
                     raise ExternalDataError(
@@ -180,7 +180,7 @@ def save(model: ir.Model, path: str | os.PathLike, *, source_dir: str | os.PathL
     return path
 
 
-def _same_content(a: Path, b: Path, chunk: int = 16 << 20) -> bool:
+def same_content(a: Path, b: Path, chunk: int = 16 << 20) -> bool:
     """Same size and bytes (streamed, constant memory): a copy placed by an earlier save."""
     try:
         if a.stat().st_size != b.stat().st_size:

@@ -113,7 +113,7 @@ def _external_data(model, src: Path, dst_path: Path) -> list[str]:
             if data_dst.resolve() == dst_path.resolve():
                 raise RewriteError(f"output {dst_path} would overwrite the external data {location!r} it needs")
             if data_dst.exists() and not (_same_path(data_src, data_dst)
-                                          or graphio._same_content(data_src, data_dst)):
+                                          or graphio.same_content(data_src, data_dst)):
                 raise ExternalDataError(
                     f"{data_dst} already exists and is not the external data of the input model; "
                     "refusing to overwrite it (choose another output folder)")

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 
 from qeff_kv.errors import QeffKvError
 from qeff_kv.serve.http.bodies import check_text_fits, encode_text
-from qeff_kv.serve.http.openai_io import APIError, _is_int, _messages, bad
+from qeff_kv.serve.http.openai_io import APIError, is_int, checked_messages, bad
 
 
 def add_cors(app: FastAPI, origins: list[str] | None) -> None:
@@ -128,7 +128,7 @@ def _rendered_chat(body: dict, engine, text, limit, tool_support) -> str:
     if text.chat_template is None:
         raise bad("this model has no chat template; tokenize a prompt", "messages")
     check_chat_size(body["messages"], limit, engine.ctx_len)
-    messages = _messages(body["messages"])
+    messages = checked_messages(body["messages"])
     if any(m.get("images") for m in messages):
         raise bad("/tokenize does not take image_url parts (a chat completion does, on a vision-language export)",
                   "messages")
@@ -153,7 +153,7 @@ def detokenize(body, *, engine, text) -> dict:
         raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /detokenize", sorted(unknown)[0])
     ids = body.get("tokens")
     vocab = text.tokenizer.get_vocab_size(with_added_tokens=True)
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise bad("tokens must be a list of token ids", "tokens")
     if len(ids) > engine.ctx_len:
         raise bad(f"tokens holds {len(ids)} ids; the model's context holds {engine.ctx_len}", "tokens",

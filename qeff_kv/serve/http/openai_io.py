@@ -137,7 +137,7 @@ class Params:
     kv_transfer_params: dict | None = None
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -156,7 +156,7 @@ def _int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v):
+    if not is_int(v):
         raise bad(f"{key} must be an integer, got {v!r}", key)
     if v < lo or (hi is not None and v > hi):
         raise bad(f"{key} must be in [{lo}, {hi}], got {v}" if hi is not None else f"{key} must be >= {lo}, got {v}",
@@ -215,7 +215,7 @@ def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv
     _logprobs(body, p, chat)
     _output(body, p)
     if chat:
-        p.messages = _messages(body.get("messages"))
+        p.messages = checked_messages(body.get("messages"))
     else:
         p.echo = _bool(body, "echo")
         if p.max_tokens == 0 and not p.echo:
@@ -263,7 +263,7 @@ and ``transfer_bytes`` >= 0 where given (not -1, 0, "5", 5.0 or true), one choic
                 raise bad(f"kv_transfer_params.{key} must be the string a producer answered, got {v.get(key)!r}",
                           param)
         for key, lo in (("num_tokens", 1), ("transfer_bytes", 0)):
-            if v.get(key) is not None and (not _is_int(v[key]) or v[key] < lo):
+            if v.get(key) is not None and (not is_int(v[key]) or v[key] < lo):
                 raise bad(f"kv_transfer_params.{key} must be the producer's integer (>= {lo}), got {v[key]!r}", param)
         if p.logprobs is not None:
             raise bad("logprobs do not go with kv_transfer_params.do_remote_prefill (the first token was sampled "
@@ -348,7 +348,7 @@ def _prompt(v, p: Params) -> None:
             raise bad("prompt is empty", "prompt")
         p.prompt_text = v
         return
-    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+    if isinstance(v, list) and v and all(is_int(t) for t in v):
         if any(t < 0 for t in v):
             raise bad("prompt token ids must be >= 0", "prompt")
         p.prompt_ids = list(v)
@@ -363,7 +363,7 @@ def _prompt(v, p: Params) -> None:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _messages(v) -> list[dict]:
+def checked_messages(v) -> list[dict]:
     if v is None:
         raise bad("messages is required", "messages")
     if not isinstance(v, list) or not v:
