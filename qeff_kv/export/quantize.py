@@ -92,14 +92,7 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
         ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
         natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
                                      ccl=options.ccl, slot=probe.slot)
-        say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
-            f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
-            f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
-        if natural["status"] != "passed":
-            say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
-                f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
-                "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
-                "--block-size)")
+        _say_natural(scheme, natural, say)
     float_bytes = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
     for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
         old.unlink(missing_ok=True)
@@ -117,6 +110,57 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     if prequant is not None:   # the checkpoint's own blocks: no quantizer ran
         record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
                       f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
+    return record
+
+
+# ------------------------------------------------------------------- quantized as the weights stream (no float graph)
+def quantize_in_memory(model, scheme: WeightScheme, say) -> bool:
+    """The streaming exporter's float graph (in memory, its weights lazy reads of the checkpoint) quantized in
+    place by :func:`.quantize_stream.quantize_model_streamed`: the graph the float graph would have become on disk,
+    never written. Returns whether it is saved with external data (as that float graph would have been, then its
+    quantized graph); refuses (:class:`.stream.StreamRefused`: the exporter then loads the model whole) a graph
+    only the whole-graph quantizer handles."""
+    from . import options as opt
+    from .quantize_stream import quantize_model_streamed
+    from .stream import StreamRefused
+
+    float_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if quantize_model_streamed(model, scheme, say, min_k(scheme.block_size)) is None:
+        raise StreamRefused(f"--weights {scheme.scheme} on this graph needs the whole-graph quantizer")
+    return float_bytes > opt.EXTERNAL_DATA_THRESHOLD
+
+
+def natural_reference(model, tokenizer, ctx_len: int, say) -> dict:
+    """The float model's logits at each position of :data:`NATURAL_TEXT` (one forward pass; the streaming
+    exporter runs it with the checkpoint's weights streamed module by module): the float side of the quantized
+    graph's natural-text check, where there is no float graph."""
+    import torch
+
+    ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, ctx_len)]
+    say(f"reading a natural paragraph ({len(ids)} tokens) with the float weights (the int4/int8 quality check)")
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids], dtype=torch.int64), use_cache=False)
+    return {"ids": ids, "rows": out.logits[0, :-1].double().numpy().copy()}
+
+
+def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, *, kv_batch: int = 1) -> dict:
+    """The manifest's ``weights`` record of a graph quantized as it streamed (verified against the
+    quantized-then-dequantized reference by the verify stage): the scheme, the graph's bytes, and the natural-text
+    check of the quantized graph against the float PyTorch model (``natural``: :func:`natural_reference`)."""
+    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    record = scheme.to_json()
+    record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    record["check"] = {"status": "passed", "against": "the verification reference (PyTorch on the quantized then "
+                       "dequantized weights): see verification"}
+    if natural is not None:
+        ids = natural["ids"]
+        quant = natural_rows(onnx_path, ids, ctx_len=options.ctx_len, kv_batch=kv_batch, ccl=options.ccl,
+                             slot=0 if probe is None else probe.slot, label="quantized")
+        nat = natural_verdict(natural["rows"], quant, ids)
+        nat["against"] = "the float PyTorch model (weights streamed)"
+        record["check"]["natural_text"] = nat
+        record["check"]["status"] = nat["status"]
+        _say_natural(scheme, nat, say, "model")
     return record
 
 
@@ -396,17 +440,34 @@ def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ct
     """Both graphs read ``ids`` one token at a time; per position, does the quantized graph's top-1 token equal the
     float graph's, and how likely does each find the text's next token (perplexity)."""
     if len(ids) < 2:
+        return natural_verdict(None, None, ids)
+    rows = {label: natural_rows(path, ids, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, slot=slot, label=label)
+            for label, path in (("float", float_path), ("quantized", quant_path))}
+    return natural_verdict(rows["float"], rows["quantized"], ids)
+
+
+def natural_rows(path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1, ccl=None, slot: int = 0,
+                 label: str = "quantized") -> np.ndarray:
+    """The graph's logits after each of ``ids[:-1]``, read one token at a time (a prefill step returns its last
+    row only)."""
+    if len(ids) < 2:
+        return np.zeros((0, 0))
+    try:
+        runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
+        rows = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
+        del runner
+    except Exception as exc:
+        raise VerificationError(f"the {label} graph could not read the natural-text check "
+                                f"({first_line(exc)})") from None
+    return rows
+
+
+def natural_verdict(float_rows, quant_rows, ids: list[int]) -> dict:
+    """Top-1 agreement and the perplexity ratio of the quantized rows against the float rows on ``ids``."""
+    if len(ids) < 2:
         return {"status": "passed", "tokens": len(ids), "top1_agreement": 1.0, "perplexity_float": 1.0,
                 "perplexity_quantized": 1.0, "perplexity_ratio": 1.0, "threshold": MAX_PERPLEXITY_RATIO}
-    rows = {}
-    for label, path in (("float", float_path), ("quantized", quant_path)):
-        try:
-            runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
-            rows[label] = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
-            del runner
-        except Exception as exc:
-            raise VerificationError(f"the {label} graph could not read the natural-text check "
-                                    f"({first_line(exc)})") from None
+    rows = {"float": np.asarray(float_rows, dtype=np.float64), "quantized": np.asarray(quant_rows, np.float64)}
     nll = {}
     for label, x in rows.items():
         if not np.all(np.isfinite(x)):
@@ -420,3 +481,13 @@ def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ct
             "top1_agreement": round(agree, 4), "perplexity_float": float(f"{np.exp(nll['float']):.5g}"),
             "perplexity_quantized": float(f"{np.exp(nll['quantized']):.5g}"),
             "perplexity_ratio": float(f"{ratio:.4g}"), "threshold": MAX_PERPLEXITY_RATIO}
+
+
+def _say_natural(scheme: WeightScheme, natural: dict, say, against: str = "graph") -> None:
+    say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
+        f"{against} {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
+        f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
+    if natural["status"] != "passed":
+        say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
+            f" times the float {against}'s (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
+            "export is kept, its manifest records the failed check (try --weights int8 or a smaller --block-size)")
