@@ -202,8 +202,9 @@ def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tm
     (store,) = stores
     tensors = len(store.keys())
     assert tensors == 3 * 9 + 3
-    # every tensor read for the identity, again per reference step, and once more when written
-    assert store.reads >= tensors * 3
+    # every tensor read for the identity, again per reference step (int4: one pass, the decode tokens fixed in
+    # advance), and once more when written
+    assert store.reads >= tensors * (3 if quant is None else 2) + (0 if quant is None else tensors - 3)
     assert store.max_live <= 3   # the packed QKV weight reads its three parts together
     assert store.live == 0
 

@@ -232,7 +232,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size))
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
-                                                                    streamed=streamed is not None)
+                                                                    streamed=streamed is not None,
+                                                                    one_pass=scheme is not None)
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
         tokenizer = _tokenizer_of(source, tmp)
