@@ -252,7 +252,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     if scheme is not None:
         weights_record = quant_mod.streamed_record(onnx_path, options, probe, natural, say,
                                                    kv_batch=options.full_batch_size if options.continuous_batching
-                                                   else 1)
+                                                   else 1, float_bytes=geometry.pop("float_weight_bytes", None))
     elif options.weights is not None:  # after the float graph was verified; see quantize.py
         weights_record = quant_mod.quantize_export(
             onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
@@ -318,7 +318,9 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
     if scheme is not None:
         from . import quantize as quant_mod
 
-        external = quant_mod.quantize_in_memory(ir_model, scheme, say)   # refuses (StreamRefused) what it cannot
+        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say)   # refuses (StreamRefused) what it cannot
+        geometry["float_weight_bytes"] = float_bytes   # for the weights record (popped before the manifest)
+        external = float_bytes > opt.EXTERNAL_DATA_THRESHOLD
     publish.save_graph(ir_model, onnx_path, say, external=external)
     del ir_model
     if "vision" not in geometry or options.single_graph:

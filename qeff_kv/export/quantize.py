@@ -117,17 +117,16 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
 def quantize_in_memory(model, scheme: WeightScheme, say) -> bool:
     """The streaming exporter's float graph (in memory, its weights lazy reads of the checkpoint) quantized in
     place by :func:`.quantize_stream.quantize_model_streamed`: the graph the float graph would have become on disk,
-    never written. Returns whether it is saved with external data (as that float graph would have been, then its
-    quantized graph); refuses (:class:`.stream.StreamRefused`: the exporter then loads the model whole) a graph
+    never written. Returns the float weights' bytes (past :data:`.options.EXTERNAL_DATA_THRESHOLD` that float graph,
+    and so its quantized graph, would have had external data); refuses (:class:`.stream.StreamRefused`: the exporter then loads the model whole) a graph
     only the whole-graph quantizer handles."""
-    from . import options as opt
     from .quantize_stream import quantize_model_streamed
     from .stream import StreamRefused
 
     float_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if quantize_model_streamed(model, scheme, say, min_k(scheme.block_size)) is None:
         raise StreamRefused(f"--weights {scheme.scheme} on this graph needs the whole-graph quantizer")
-    return float_bytes > opt.EXTERNAL_DATA_THRESHOLD
+    return float_bytes
 
 
 def natural_reference(model, tokenizer, ctx_len: int, say) -> dict:
@@ -143,12 +142,15 @@ def natural_reference(model, tokenizer, ctx_len: int, say) -> dict:
     return {"ids": ids, "rows": out.logits[0, :-1].double().numpy().copy()}
 
 
-def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, *, kv_batch: int = 1) -> dict:
+def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, *, kv_batch: int = 1,
+                    float_bytes: int | None = None) -> dict:
     """The manifest's ``weights`` record of a graph quantized as it streamed (verified against the
     quantized-then-dequantized reference by the verify stage): the scheme, the graph's bytes, and the natural-text
     check of the quantized graph against the float PyTorch model (``natural``: :func:`natural_reference`)."""
     scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
     record = scheme.to_json()
+    if float_bytes is not None:   # the float weights' bytes (no float graph was written)
+        record["float_graph_bytes"] = float_bytes
     record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
     record["check"] = {"status": "passed", "against": "the verification reference (PyTorch on the quantized then "
                        "dequantized weights): see verification"}
