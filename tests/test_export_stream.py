@@ -60,7 +60,9 @@ def sharded_bf16(tmp_path_factory):
                                           ("onnxruntime", "float16")])
 def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeypatch, target, dtype):
     from qeff_kv.export import export_model
+    from qeff_kv.export.weights import checkpoint_store as weights
 
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 200)   # the identity hashed a few rows at a time: the same digest
     kw = dict(ctx_len=32, prefill_seq_len=8, target=target, dtype=dtype)
     monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
     old_notes: list[str] = []
@@ -79,14 +81,19 @@ def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeyp
                                                      ("onnxruntime-fused", "int4", True)])
 def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights,
                                                             external):
-    """--weights packed as they are written (qeff_kv/export/weights/quantize_stream.py): the same nodes, initializer names,
-    order and bytes as onnxruntime's whole-graph quantizer on the whole-model export. ``external``: every graph
-    written with external data (as a large model is), so the float weights are read memory-mapped."""
+    """--weights quantized as the weights stream from the checkpoint (qeff_kv/export/weights/quantize_stream.py; no float
+    graph written or checked): the same nodes, initializer names, order and bytes as onnxruntime's whole-graph
+    quantizer on the whole-model export's float graph; verified against the reference on the quantized then
+    dequantized weights at float32's tolerance. ``external``: every graph written with external data (as a large
+    model is). The blocks are computed a few columns at a time (CHUNK_BYTES): the same bytes."""
+    import onnx
+
     from qeff_kv.export import export_model, options
-    from qeff_kv.export.weights import quantize
+    from qeff_kv.export.weights import quantize, quantize_stream
 
     if external:
         monkeypatch.setattr(options, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(quantize_stream, "CHUNK_BYTES", 1000)
 
     kw = dict(ctx_len=32, prefill_seq_len=8, target=target, weights=weights)
     monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
@@ -102,13 +109,86 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
     digest = _graph_digest(new.onnx_path)
     assert any(n[0] == "MatMulNBits" for n in digest["nodes"])
     assert _graph_digest(old.onnx_path) == digest
-    assert old.manifest["weights"]["check"]["top1_agreement"] == new.manifest["weights"]["check"]["top1_agreement"]
+    a, b = onnx.load(str(old.onnx_path), load_external_data=False), onnx.load(str(new.onnx_path),
+                                                                               load_external_data=False)
+    assert [(o.domain, o.version) for o in a.opset_import] == [(o.domain, o.version) for o in b.opset_import]
+    assert {p.key: p.value for p in a.metadata_props} == {p.key: p.value for p in b.metadata_props}
+    assert old.manifest["checkpoint"] == new.manifest["checkpoint"]
+    # no float graph: quantized before it is written, never compared with a float graph
+    assert not any("against the float graph" in n for n in notes)
+    assert [n for n in notes if n.startswith(("quantized ", "verifying"))][0].startswith("quantized ")
+    ver = new.manifest["verification"]
+    assert ver["status"] == "passed" and ver["rtol"] == 1e-3 and ver["max_abs_diff"] <= ver["tolerance"]
+    assert ver["reference"].startswith(f"PyTorch on the checkpoint's weights quantized to {weights} and dequantized")
+    # the float weights' bytes, though no float graph was written
+    assert new.manifest["weights"]["float_graph_bytes"] > new.manifest["weights"]["graph_bytes"]
 
 
-def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tmp_path, monkeypatch):
+def test_a_corrupted_packed_block_fails_verification(sharded_bf16, tmp_path, monkeypatch):
+    """The quantized graph is held to the quantize-dequantize reference: one packed block changed (the first block
+    of each column of the first weight packed) fails verification, and nothing is written."""
+    from qeff_kv.errors import VerificationError
+    from qeff_kv.export import export_model
+    from qeff_kv.export.weights import quantize_stream
+
+    real = quantize_stream._quantize_columns
+    calls = []
+
+    def corrupting(quantizer, arr, transposed):
+        packed, scales, zp = real(quantizer, arr, transposed)
+        if not calls:
+            packed = packed.copy()
+            packed[:, 0, :] ^= 0x77
+        calls.append(packed.shape)
+        return packed, scales, zp
+
+    monkeypatch.setattr(quantize_stream, "_quantize_columns", corrupting)
+    with pytest.raises(VerificationError, match=r"^verification failed after the prompt: logits differ from PyTorch "
+                                                r"by up to \S+ \(tolerance 0\.001\); .* \(a streamed export: "
+                                                r"QEFF_KV_EXPORT_STREAM=0 loads the whole model instead\)$"):
+        export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
+                     weights="int4")
+    assert calls and not (tmp_path / "e" / "manifest.json").exists()
+
+
+def test_dequantized_weights_are_what_matmulnbits_computes():
+    """The reference's weights (quantize_stream.dequantized, rows a chunk at a time) equal onnxruntime's own
+    MatMulNBits on the blocks the exporter packs, read back through an identity input."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from qeff_kv.export.weights import quantize_stream
+    from qeff_kv.export.schemes import WeightScheme
+
+    rng = np.random.default_rng(0)
+    for scheme in (WeightScheme("int4", 32, 0), WeightScheme("int8", 16, 0)):
+        w = rng.standard_normal((48, 80)).astype(np.float32)   # [out, in]; in is not a whole number of blocks
+        quantizer = quantize_stream._quantizer(scheme, True)
+        packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(w.T))
+        node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=80, N=48,
+                                bits=scheme.bits, block_size=scheme.block_size)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [80, 80])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [80, 48])],
+                                  [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        want = sess.run(None, {"x": np.eye(80, dtype=np.float32)})[0].T
+        quantize_stream.CHUNK_BYTES, saved = 7 * 80 * 4, quantize_stream.CHUNK_BYTES
+        try:
+            got = quantize_stream.dequantized(w.copy(), scheme)
+        finally:
+            quantize_stream.CHUNK_BYTES = saved
+        np.testing.assert_array_equal(got, want)
+        assert 0 < np.abs(got - w).max() < (0.5 if scheme.bits == 4 else 0.05)
+
+
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tmp_path, monkeypatch, quant):
     """An instrumented store: every tensor it hands out is counted while alive; the exporter (identity, the
-    verification reference, the lazy initializers, the fused target's packed weights) never holds more than a
-    few at once, while the model has many more."""
+    verification reference, the lazy initializers, the fused target's packed weights; with ``--weights int4`` the
+    dequantized reference and the blocks packed as written) never holds more than a few at once, while the model
+    has many more."""
     from qeff_kv.export import export_model
     from qeff_kv.export.weights import checkpoint_store as weights
 
@@ -120,13 +200,16 @@ def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tm
         stores.append(self)
 
     monkeypatch.setattr(weights.CheckpointStore, "__init__", recording)
-    r = export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused")
+    r = export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
+                     weights=quant)
     assert r.manifest["verification"]["status"] == "passed"
+    assert ("weights" in r.manifest) == (quant is not None)
     (store,) = stores
     tensors = len(store.keys())
     assert tensors == 3 * 9 + 3
-    # every tensor read for the identity, again per reference step, and once more when written
-    assert store.reads >= tensors * 3
+    # every tensor read for the identity, again per reference step (int4: one pass, the decode tokens fixed in
+    # advance), and once more when written
+    assert store.reads >= tensors * (3 if quant is None else 2) + (0 if quant is None else tensors - 3)
     assert store.max_live <= 3   # the packed QKV weight reads its three parts together
     assert store.live == 0
 

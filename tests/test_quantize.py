@@ -81,8 +81,12 @@ def test_quantized_graph_structure(exports, key):
     assert w["scheme"] == key.split("-")[0] and w["block_size"] == BLOCK and w["accuracy_level"] == 4
     assert w["quantizer"].startswith("onnxruntime ")
     assert w["graph_bytes"] < w["float_graph_bytes"]
-    assert w["check"]["status"] == "passed" and 0.0 <= w["check"]["top1_agreement"] <= 1.0
-    assert r.manifest["verification"]["status"] == "passed"  # the float graph, before quantization
+    # a folder of safetensors streams: quantized as written (no float graph), verified at float32's tolerance
+    # against PyTorch on the quantized-then-dequantized weights (tests/test_export_stream.py)
+    assert w["check"]["status"] == "passed" and w["check"]["against"].startswith("the verification reference")
+    ver = r.manifest["verification"]
+    assert ver["status"] == "passed" and ver["rtol"] == 1e-3 and ver["max_abs_diff"] <= ver["tolerance"]
+    assert ver["reference"].startswith(f"PyTorch on the checkpoint's weights quantized to {w['scheme']}")
     assert r.manifest["options_hash"] != exports["float"].manifest["options_hash"]
 
 
@@ -90,9 +94,8 @@ def test_int8_tokens_match_float(exports):
     # accuracy level 1 (fp32 compute): free-running greedy tokens identical to the float export
     assert _greedy(exports["int8-acc1"].onnx_path) == _greedy(exports["float"].onnx_path)
     assert exports["int8-acc1"].manifest["weights"]["accuracy_level"] == 1
-    # the default (4: int8 activations) agrees teacher-forced on every probe step; free-running greedy on this
-    # random-weight model (near-tied logits) may part after the first token
-    assert exports["int8"].manifest["weights"]["check"]["top1_agreement"] == 1.0
+    # the default (4: int8 activations): free-running greedy on this random-weight model (near-tied logits) may
+    # part after the first token
     assert _greedy(exports["int8"].onnx_path)[0] == _greedy(exports["float"].onnx_path)[0]
 
 
@@ -108,8 +111,8 @@ def test_int4_runs_in_place_and_is_close(exports):
     assert np.isfinite(logits["int4"]).all()
     scale = float(np.abs(logits["float"]).max())
     assert float(np.abs(logits["int4"] - logits["float"]).max()) < 0.5 * scale
-    chk = exports["int4"].manifest["weights"]["check"]
-    assert chk["steps"] >= 2 and np.isfinite(chk["max_abs_logit_diff"])
+    ver = exports["int4"].manifest["verification"]   # held to its quantized-then-dequantized reference
+    assert ver["steps"] >= 2 and ver["max_abs_diff"] <= ver["tolerance"]
 
 
 def test_portable_refuses_weights():

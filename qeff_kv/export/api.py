@@ -174,6 +174,11 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
     else:
         torch_model, ckpt = streamed.model, streamed.record
+    # --weights int4|int8 from a streamed checkpoint: quantized as the weights stream, no float graph; verified
+    # against the reference on the quantized-then-dequantized weights (see docs/export.md)
+    scheme = quant_mod.WeightScheme(options.weights, options.block_size, options.accuracy_level) \
+        if streamed is not None and options.weights is not None and not options.prequant \
+        and not options.gguf_grid else None
     say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")
     # The loaded config carries the class defaults that config.json may omit (Cohere's logit_scale...): the
     # wrapper reads its facts from it; refusals before loading came from config.json.
@@ -183,20 +188,23 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     facts = family.ModelFacts.from_config(loaded)
     facts.require_exportable(options)
     vision = _vision_geometry(torch_model, options, facts)
-    with contextlib.nullcontext() if streamed is None else streamed.weights():
+    transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size))
+    with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
-                                                                    streamed=streamed is not None)
-    geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say, streamed)
+                                                                    streamed=streamed is not None,
+                                                                    one_pass=scheme is not None)
+    natural = None
+    if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
+        tokenizer = _tokenizer_of(source, tmp)
+        if tokenizer is not None:
+            with streamed.weights():
+                natural = quant_mod.natural_reference(torch_model, tokenizer, options.ctx_len, say)
+    geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say, streamed,
+                                          scheme)
     del torch_model
     verification = verify_mod.verify_export(onnx_path, vision_path, options, probe, reference, skipped, say)
-    weights_record = None
-    if options.weights is not None:  # after the float graph was verified; see quantize.py
-        weights_record = quant_mod.quantize_export(
-            onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
-            save=lambda m, p: publish.save_graph(m, p, say),
-            kv_batch=options.full_batch_size if options.continuous_batching else 1,
-            gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp),
-            prequant=source.path if options.prequant else None)
+    weights_record = _weights_record(source, options, scheme, probe, natural, verification, geometry, tmp, onnx_path,
+                                     say)
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
     if weights_record is not None:
         records["weights"] = weights_record
@@ -204,6 +212,30 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         records.update(layout="single" if options.single_graph else "dual", image_token_id=facts.image_token_id,
                        vision=geometry["vision"], vision_onnx=None if vision_path is None else vision_path.name)
     return {"geometry": geometry, "vision_path": vision_path, "records": records}
+
+
+def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, verification, geometry: dict,
+                    tmp: Path, onnx_path: Path, say: Progress) -> dict | None:
+    """The manifest's ``weights`` record: of a graph quantized as it streamed (``scheme``), or of the float graph
+    quantized after its verification (``--weights``), else None."""
+    from qeff_kv.export import verify as verify_mod
+    from qeff_kv.export.weights import quantize as quant_mod
+
+    kv_batch = options.full_batch_size if options.continuous_batching else 1
+    if scheme is not None:
+        if verification.status == "passed":   # what the graph was held to, in the manifest
+            verification.extra.update(reference=f"PyTorch on the checkpoint's weights quantized to {scheme.scheme} "
+                                      f"and dequantized (block {scheme.block_size}): the weights the graph holds",
+                                      rtol=verify_mod.RTOL.get(options.dtype, verify_mod.RTOL["float16"]))
+        return quant_mod.streamed_record(onnx_path, options, probe, natural, say, kv_batch=kv_batch,
+                                         float_bytes=geometry.pop("float_weight_bytes", None))
+    if options.weights is None:
+        return None
+    return quant_mod.quantize_export(   # after the float graph was verified; see quantize.py
+        onnx_path, tmp / "quant", options, probe, geometry["vocab_size"], say,
+        save=lambda m, p: publish.save_graph(m, p, say), kv_batch=kv_batch,
+        gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp),
+        prequant=source.path if options.prequant else None)
 
 
 def _tokenizer_of(source, tmp: Path):
@@ -228,10 +260,11 @@ def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:
 
 
 def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, onnx_path: Path, ckpt: dict,
-                  say: Progress, streamed=None):
+                  say: Progress, streamed=None, scheme=None):
     """The trace and graph-passes stages: the language graph (and the dual layout's vision graph) traced, passed
     and saved into the staging folder. Returns ``(geometry, vision_path)``. ``streamed``: the skeleton's
-    :class:`~qeff_kv.export.weights.stream.Streamed` (the graph is captured without weights, which are attached lazily)."""
+    :class:`~qeff_kv.export.weights.stream.Streamed` (the graph is captured without weights, which are attached lazily).
+    ``scheme``: the streamed graph's weights are quantized as they are written (no float graph)."""
     import contextlib
 
     from qeff_kv.export import trace
@@ -250,7 +283,14 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
         streamed.attach(ir_model, recorded)
     graph_passes.finalize(ir_model, options, geometry)
     ir_model.metadata_props[checkpoint_mod.METADATA_KEY] = ckpt["identity"]
-    publish.save_graph(ir_model, onnx_path, say)
+    external = None
+    if scheme is not None:
+        from qeff_kv.export.weights import quantize as quant_mod
+
+        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say)   # refuses (StreamRefused) what it cannot
+        geometry["float_weight_bytes"] = float_bytes   # for the weights record (popped before the manifest)
+        external = float_bytes > opt.EXTERNAL_DATA_THRESHOLD
+    publish.save_graph(ir_model, onnx_path, say, external=external)
     del ir_model
     if "vision" not in geometry or options.single_graph:
         return geometry, None

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+
 from qeff_kv.contract.naming import CHECKPOINT_META as METADATA_KEY  # noqa: F401 (the runtime reads the same key)
 
 
@@ -53,21 +55,35 @@ def weights_sha256(model, resolve=None, digests: dict | None = None) -> tuple[st
         if key is not None:
             seen.add(key)
         header = f"|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|"
-        if resolve is not None:
-            t = resolve(name, t)
-        flat = t.contiguous().reshape(-1)
-        raw = flat.view(torch.uint8) if flat.numel() else flat
+        size = t.numel() * t.element_size()
         h.update(f"|{name}{header}".encode())
-        if flat.numel():
-            h.update(memoryview(raw.numpy()))
-        if digests is not None:
-            one = hashlib.sha256(header.encode())
-            if flat.numel():
-                one.update(memoryview(raw.numpy()))
+        one = hashlib.sha256(header.encode()) if digests is not None else None
+        for part in _byte_parts(resolve(name, t) if resolve is not None else t):
+            h.update(part)
+            if one is not None:
+                one.update(part)
+            del part
+        if one is not None:
             digests[name] = one.hexdigest()
         count += 1
-        nbytes += flat.numel() * flat.element_size()
+        nbytes += size
     return h.hexdigest(), count, nbytes
+
+
+def _byte_parts(t):
+    """The bytes of ``t`` as memoryviews, in order: a tensor's own (a view, nothing copied when contiguous), or
+    those of each array of an iterable of arrays (a streamed checkpoint's tensor read a few rows at a time:
+    :meth:`.weights.CheckpointStore.chunks`; the same bytes, never the whole tensor at once)."""
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            yield memoryview(flat.view(torch.uint8).numpy())
+        return
+    for arr in t:
+        if arr.size:
+            yield memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def checkpoint_record(model, dtype: str, resolve=None, digests: dict | None = None) -> dict:

@@ -48,10 +48,15 @@ def staging(dest: Path):
         yield tmp, tmp / "stage"
 
 
-def save_graph(model: ir.Model, path: Path, say: Progress) -> None:
+def save_graph(model: ir.Model, path: Path, say: Progress, external: bool | None = None) -> None:
+    """``model`` written to ``path``, with external data when its weights are large or were on disk already
+    (``external``: decided by the caller; a graph quantized as it streams is written as its float graph would
+    have been, then quantized)."""
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     on_disk = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
-    if total > opt.EXTERNAL_DATA_THRESHOLD or on_disk:   # (on_disk: a graph quantized from external data)
+    if external is None:   # (on_disk: a graph quantized from external data)
+        external = total > opt.EXTERNAL_DATA_THRESHOLD or on_disk
+    if external:
         lazy = sum(isinstance(v.const_value, ir.LazyTensor) for v in model.graph.initializers.values())
         say(f"writing {total / 1e9:.2f} GB of weights as external data"
             + (f" ({lazy} of them computed or read from the checkpoint as they are written)" if lazy else ""))

@@ -209,6 +209,25 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
     return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
 
 
+def one_pass_run(model, probe: Probe, vocab_size: int) -> Reference:
+    """:func:`reference_run` in one forward pass, without a cache: the decode tokens are fixed in advance (seeded
+    random ids, not the greedy ones), so the prompt and all of them go through the model at once and the logits
+    after the prompt and after each decode token are rows of one output. The same comparison (both sides are fed
+    the same tokens; each step's logits and greedy token are checked), with each weight read once: a streamed
+    checkpoint is read once, not once per step (at 8B each read costs minutes)."""
+    import torch
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(PROBE_SEED + 2)
+    low = 3 if vocab_size > 8 else 0
+    fed = [int(t) for t in rng.integers(low, vocab_size, size=probe.decode_steps)]
+    n = len(probe.prompt)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([probe.prompt + fed], dtype=torch.int64), use_cache=False)
+        logits = [out.logits[0, n - 1 + j].double().numpy().copy() for j in range(len(fed) + 1)]
+    return Reference(logits=logits, tokens=fed + [int(np.argmax(logits[-1]))], seconds=time.perf_counter() - t0)
+
+
 def _whole_sequence_run(model, probe: Probe) -> Reference:
     """:func:`reference_run` without a cache: the prompt, then the prompt and each greedy token, whole."""
     import torch
@@ -314,9 +333,11 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
 
 # ------------------------------------------------------------------------------------- the export's stages
 def reference_for_export(model, options, verify: bool | None, say, vision: dict | None = None,
-                         streamed: bool = False):
+                         streamed: bool = False, one_pass: bool = False):
     """``(probe, reference, why_skipped)``: the probe and the PyTorch reference on it, computed before tracing
-    touches the model; or why not. ``vision``: a vision-language model's geometry (the probe then holds an image)."""
+    touches the model; or why not. ``vision``: a vision-language model's geometry (the probe then holds an image).
+    ``one_pass``: :func:`one_pass_run` (a text model whose weights stream: each step of :func:`reference_run` would
+    read the checkpoint again)."""
     if verify is False:
         return None, None, "turned off (--no-verify)"
     if verify is None:   # on by default at every size; where it cannot fit, a refusal before the work
@@ -337,7 +358,10 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
         except VerificationError as exc:
             raise ExportError(str(exc)) from None
     try:
-        reference = reference_run(model, probe, whole=facts.recurrent is not None)
+        if one_pass and facts.recurrent is None and not facts.vision_language:
+            reference = one_pass_run(model, probe, int(cfg.vocab_size))
+        else:
+            reference = reference_run(model, probe, whole=facts.recurrent is not None)
     except Exception as exc:
         raise ExportError(f"{type(model).__name__}: the PyTorch reference run for verification failed "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

@@ -26,6 +26,8 @@ import numpy as np
 from qeff_kv.errors import ExportError
 
 INDEX_FILE = "model.safetensors.index.json"
+#: :meth:`CheckpointStore.chunks` reads about this many bytes at a time
+CHUNK_BYTES = 64 << 20
 
 
 #: safetensors dtype names -> torch dtype attribute names
@@ -101,6 +103,34 @@ class CheckpointStore:
         self.max_live = max(self.max_live, self.live)
         weakref.finalize(arr, self._release)
         return arr
+
+    def chunks(self, key: str, dtype, chunk_bytes: int | None = None):
+        """The tensor ``key`` converted to the torch ``dtype``, as contiguous numpy arrays of whole rows (the last
+        axis), each about ``chunk_bytes``, read from the file one after the other: in order, their bytes are the
+        bytes of :meth:`array`, without the whole tensor in memory (counted as one read, alive while iterated)."""
+        import torch
+
+        path, start, info = self._where[key]
+        begin, end = (int(x) for x in info["data_offsets"])
+        src = getattr(torch, _DTYPES[info["dtype"]])
+        shape = self.shape(key)
+        row = shape[-1] if len(shape) > 1 else max(1, (end - begin) // src.itemsize)
+        chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        rows = max(1, chunk_bytes // max(1, row * max(src.itemsize, dtype.itemsize)))
+        step = rows * row * src.itemsize
+        self.reads += 1
+        self.live += 1
+        self.max_live = max(self.max_live, self.live)
+        try:
+            with open(path, "rb") as fh:
+                for at in range(begin, end, step):
+                    buf = bytearray(min(step, end - at))
+                    fh.seek(start + at)
+                    if fh.readinto(buf) != len(buf):
+                        raise ExportError(f"{path}: truncated (tensor {key} lies past the end of the file)")
+                    yield np.ascontiguousarray(torch.frombuffer(buf, dtype=src).to(dtype).numpy())
+        finally:
+            self.live -= 1
 
     def _release(self) -> None:
         self.live -= 1

@@ -34,20 +34,16 @@ import numpy as np
 
 from qeff_kv.errors import ExportError, VerificationError  # noqa: F401 (ExportError re-raised by callers)
 from qeff_kv.export.probe_runner import ProbeRunner, first_line
+from qeff_kv.export.weights.natural_text import (  # noqa: F401 (NATURAL_TEXT, MAX_PERPLEXITY_RATIO: tests)
+    MAX_PERPLEXITY_RATIO, NATURAL_TEXT, NATURAL_TOKENS, natural_reference, natural_rows, natural_text_check,
+    natural_verdict, say_natural)
 from qeff_kv.export.schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, SCHEMES,  # noqa: F401
                       WeightScheme, check_scheme, resolve_options)
 
-#: the paragraph both graphs read (teacher-forced) when the export has a tokenizer
-NATURAL_TEXT = ("The old lighthouse stood at the edge of the harbour, and every evening the keeper climbed its "
-                "narrow stairs to light the lamp. Ships coming home after long weeks at sea looked for its beam "
-                "before anything else, because it meant that the rocks were behind them and the town was near.")
 #: quantize as the weights are written (:mod:`.quantize_stream`) where it builds the same graph; False: the
 #: whole-graph quantizer always (for comparisons)
 STREAM = True
-#: at most this many of its tokens are read
-NATURAL_TOKENS = 48
-#: the quantized graph's perplexity on the paragraph may be at most this many times the float graph's
-MAX_PERPLEXITY_RATIO = 2.0
+
 
 
 def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int, say, *, save,
@@ -120,14 +116,7 @@ def _natural_check(onnx_path: Path, qpath: Path, tokenizer, options, scheme: Wei
     ids = list(tokenizer.encode(NATURAL_TEXT).ids)[:min(NATURAL_TOKENS, options.ctx_len)]
     natural = natural_text_check(onnx_path, qpath, ids, ctx_len=options.ctx_len, kv_batch=kv_batch,
                                  ccl=options.ccl, slot=slot)
-    say(f"{scheme.scheme}: on a natural paragraph ({natural['tokens']} tokens) top-1 agreement with the float "
-        f"graph {natural['top1_agreement']:.0%}, perplexity {natural['perplexity_quantized']:.4g} vs "
-        f"{natural['perplexity_float']:.4g} ({natural['perplexity_ratio']:.3g}x)")
-    if natural["status"] != "passed":
-        say(f"WARNING: the {scheme.scheme} graph's perplexity on natural text is {natural['perplexity_ratio']:.3g}"
-            f" times the float graph's (threshold {MAX_PERPLEXITY_RATIO:g}x): its answers will be degraded; the "
-            "export is kept, its manifest records the failed check (try --weights int8 or a smaller "
-            "--block-size)")
+    say_natural(scheme, natural, say)
     return natural
 
 
@@ -139,6 +128,46 @@ def _replace_float_graph(onnx_path: Path, work: Path) -> int:
     for f in sorted(work.iterdir()):
         f.replace(onnx_path.parent / f.name)
     return float_bytes
+
+
+# ------------------------------------------------------------------- quantized as the weights stream (no float graph)
+def quantize_in_memory(model, scheme: WeightScheme, say) -> bool:
+    """The streaming exporter's float graph (in memory, its weights lazy reads of the checkpoint) quantized in
+    place by :func:`.quantize_stream.quantize_model_streamed`: the graph the float graph would have become on disk,
+    never written. Returns the float weights' bytes (past :data:`.options.EXTERNAL_DATA_THRESHOLD` that float graph,
+    and so its quantized graph, would have had external data); refuses (:class:`.stream.StreamRefused`: the exporter then loads the model whole) a graph
+    only the whole-graph quantizer handles."""
+    from qeff_kv.export.weights.quantize_stream import quantize_model_streamed
+    from qeff_kv.export.weights.stream import StreamRefused
+
+    float_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if quantize_model_streamed(model, scheme, say, min_k(scheme.block_size)) is None:
+        raise StreamRefused(f"--weights {scheme.scheme} on this graph needs the whole-graph quantizer")
+    return float_bytes
+
+
+def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, *, kv_batch: int = 1,
+                    float_bytes: int | None = None) -> dict:
+    """The manifest's ``weights`` record of a graph quantized as it streamed (verified against the
+    quantized-then-dequantized reference by the verify stage): the scheme, the graph's bytes, and the natural-text
+    check of the quantized graph against the float PyTorch model (``natural``: :func:`natural_reference`)."""
+    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    record = scheme.to_json()
+    if float_bytes is not None:   # the float weights' bytes (no float graph was written)
+        record["float_graph_bytes"] = float_bytes
+    record["graph_bytes"] = sum(p.stat().st_size for p in onnx_path.parent.glob(onnx_path.name + "*"))
+    record["check"] = {"status": "passed", "against": "the verification reference (PyTorch on the quantized then "
+                       "dequantized weights): see verification"}
+    if natural is not None:
+        ids = natural["ids"]
+        quant = natural_rows(onnx_path, ids, ctx_len=options.ctx_len, kv_batch=kv_batch, ccl=options.ccl,
+                             slot=0 if probe is None else probe.slot, label="quantized")
+        nat = natural_verdict(natural["rows"], quant, ids)
+        nat["against"] = "the float PyTorch model (weights streamed)"
+        record["check"]["natural_text"] = nat
+        record["check"]["status"] = nat["status"]
+        say_natural(scheme, nat, say, "model")
+    return record
 
 
 def min_k(block_size: int) -> int:
@@ -461,34 +490,3 @@ def compare_graphs(float_path: Path, quant_path: Path, probe, *, ctx_len: int, k
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got))
     return Agreement(steps=len(ref), top1_agreement=agree, max_abs_logit_diff=diff,
                      seconds=time.perf_counter() - t0)
-
-
-def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1,
-                       ccl=None, slot: int = 0) -> dict:
-    """Both graphs read ``ids`` one token at a time; per position, does the quantized graph's top-1 token equal the
-    float graph's, and how likely does each find the text's next token (perplexity)."""
-    if len(ids) < 2:
-        return {"status": "passed", "tokens": len(ids), "top1_agreement": 1.0, "perplexity_float": 1.0,
-                "perplexity_quantized": 1.0, "perplexity_ratio": 1.0, "threshold": MAX_PERPLEXITY_RATIO}
-    rows = {}
-    for label, path in (("float", float_path), ("quantized", quant_path)):
-        try:
-            runner = ProbeRunner(path, ctx_len, kv_batch, ccl)
-            rows[label] = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
-            del runner
-        except Exception as exc:
-            raise VerificationError(f"the {label} graph could not read the natural-text check "
-                                    f"({first_line(exc)})") from None
-    nll = {}
-    for label, x in rows.items():
-        if not np.all(np.isfinite(x)):
-            raise VerificationError(f"the {label} graph's logits on natural text are not finite")
-        m = x.max(axis=1, keepdims=True)
-        lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
-        nll[label] = float(np.mean(lse - x[np.arange(len(ids) - 1), ids[1:]]))
-    ratio = float(np.exp(nll["quantized"] - nll["float"]))
-    agree = float(np.mean(rows["float"].argmax(axis=1) == rows["quantized"].argmax(axis=1)))
-    return {"status": "passed" if ratio <= MAX_PERPLEXITY_RATIO else "failed", "tokens": len(ids),
-            "top1_agreement": round(agree, 4), "perplexity_float": float(f"{np.exp(nll['float']):.5g}"),
-            "perplexity_quantized": float(f"{np.exp(nll['quantized']):.5g}"),
-            "perplexity_ratio": float(f"{ratio:.4g}"), "threshold": MAX_PERPLEXITY_RATIO}

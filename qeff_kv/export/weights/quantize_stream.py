@@ -43,15 +43,15 @@ class _Blocks:
     """One weight's packed blocks, scales and zero points, computed once when the first of them is written and
     dropped when the last one is."""
 
-    def __init__(self, weight: ir.TensorProtocol, quantizer, parts: int):
-        self.weight, self.quantizer, self.parts = weight, quantizer, parts
+    def __init__(self, weight: ir.TensorProtocol, quantizer, parts: int, transposed: bool = False):
+        self.weight, self.quantizer, self.parts, self.transposed = weight, quantizer, parts, transposed
         self.result = None
         self.taken = 0
 
     def get(self, i: int) -> np.ndarray:
         if self.result is None:
             arr = self.weight.numpy()
-            self.result = self.quantizer.qbits_block_quant(arr)
+            self.result = _quantize_columns(self.quantizer, arr, self.transposed)
             del arr
             _release(self.weight)
         out = self.result[i]
@@ -59,6 +59,21 @@ class _Blocks:
         if self.taken == self.parts:
             self.result = None
         return out
+
+
+def _quantize_columns(quantizer, arr: np.ndarray, transposed: bool) -> tuple:
+    """``qbits_block_quant`` of the ``[K, N]`` weight ``arr`` (``transposed``: ``arr`` is ``[N, K]``, a vocabulary
+    table), :data:`CHUNK_BYTES` of columns at a time: each column's blocks are its own, so the bytes are those of
+    one call on the whole weight, without a contiguous copy of it."""
+    n, k = (arr.shape[0], arr.shape[1]) if transposed else (arr.shape[1], arr.shape[0])
+    cols = max(1, CHUNK_BYTES // max(1, k * arr.itemsize))
+    parts = []
+    for c0 in range(0, n, cols):
+        sub = arr[c0:c0 + cols].T if transposed else arr[:, c0:c0 + cols]
+        parts.append(quantizer.qbits_block_quant(np.ascontiguousarray(sub)))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(None if parts[0][j] is None else np.concatenate([p[j] for p in parts]) for j in range(3))
 
 
 def _lazy(blocks: _Blocks, i: int, name: str, dtype: ir.DataType, shape: tuple) -> ir.LazyTensor:
@@ -169,7 +184,7 @@ def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
         if k % block:
             continue
         kb = k // block
-        blocks = _Blocks(_Transposed(t), quantizer, 2)
+        blocks = _Blocks(t, quantizer, 2, transposed=True)
         qname, sname = f"{name}_Q{bits}", f"{name}_scales"
         q = ir.Value(name=qname, const_value=_lazy(blocks, 0, qname, ir.DataType.UINT8,
                                                    (rows, kb, (block + kpack - 1) // kpack)))
@@ -220,19 +235,6 @@ def _lookup_nodes(node: ir.Node, name: str, q: ir.Value, s: ir.Value, s3: ir.Val
     return repl + [gbq, shape, concat, out], s3
 
 
-class _Transposed:
-    """A ``[rows, k]`` table read as ``[k, rows]`` (the layout the kernel quantizes along ``k``)."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def numpy(self) -> np.ndarray:
-        return np.ascontiguousarray(self.tensor.numpy().T)
-
-    def release(self) -> None:
-        _release(self.tensor)
-
-
 def _release(tensor) -> None:
     """Unmap a memory-mapped float weight once it is quantized (kept mapped while a view of it lives)."""
     release = getattr(tensor, "release", None)
@@ -268,12 +270,18 @@ def _swap(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], new_out: ir.
 def quantize_graph_streamed(float_path, scheme, say, min_k: int, gguf=None):
     """The quantized graph of the float graph at ``float_path`` as an ir model whose packed weights are computed
     when it is written; ``None`` where :func:`supports` says the whole-graph quantizer must do it."""
+    return quantize_model_streamed(ir.load(str(float_path)), scheme, say, min_k, gguf)
+
+
+def quantize_model_streamed(model: ir.Model, scheme, say, min_k: int, gguf=None):
+    """:func:`quantize_graph_streamed` on a float ir model (loaded from disk, or the streaming exporter's graph
+    in memory whose weights are lazy reads of the checkpoint: then no float graph is ever written); ``None``
+    where :func:`supports` says no, else ``model``, changed in place."""
     import time
 
     from qeff_kv.errors import ExportError
 
     t0 = time.perf_counter()
-    model = ir.load(str(float_path))
     if not supports(model, scheme, gguf):
         return None
     ks = [int(n.inputs[1].const_value.shape[0]) for n in model.graph if n.op_type == "MatMul" and len(n.inputs) > 1
@@ -288,3 +296,65 @@ def quantize_graph_streamed(float_path, scheme, say, min_k: int, gguf=None):
         f"(block {scheme.block_size}, accuracy level {scheme.accuracy_level}) in {time.perf_counter() - t0:.1f}s "
         "(packed as they are written)")
     return model
+
+
+# ------------------------------------------------------------------ the reference's weights (verification)
+#: rows of a weight quantized (and dequantized) at once: the blocks of a column of the graph's ``[K, N]`` weight
+#: (a row of the Linear's ``[out, in]``) are its own, so rows taken a few at a time give the same bytes, without
+#: a transposed copy of a whole 2 GB vocabulary table
+CHUNK_BYTES = 64 << 20
+
+
+def _mnq():
+    """onnxruntime's ``matmul_nbits_quantizer`` module, imported without the root logging handler and INFO level
+    its import installs (``logging.basicConfig``: every library's INFO lines would then reach the terminal)."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return mnq
+
+
+def _quantizer(scheme, symmetric: bool):
+    mnq = _mnq()
+
+    cfg = mnq.DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=symmetric,
+                                           accuracy_level=scheme.accuracy_level or None,
+                                           op_types_to_quantize=("MatMul",), bits=scheme.bits)
+    return mnq.DefaultWeightOnlyQuantizer(cfg)
+
+
+def dequantized(weight: np.ndarray, scheme, symmetric: bool | None = None) -> np.ndarray:
+    """A ``[out, in]`` weight (a Linear's layout; the graph's MatMul weight is its transpose, ``[K=in, N=out]``)
+    as ``MatMulNBits`` reads it back: onnxruntime's own kernel (``qbits_block_quant``, the one that packs the
+    graph's blocks) on the same values, then ``(q - zero point) * scale`` per block of ``scheme.block_size`` along
+    ``in``: equal to onnxruntime dequantizing the same blocks. ``symmetric``: the vocabulary tables are always
+    symmetric (None: the scheme's). Rows :data:`CHUNK_BYTES` at a time, written over ``weight`` when it is
+    writable (the streamed reference's own fresh array)."""
+    sym = scheme.symmetric if symmetric is None else symmetric
+    quantizer = _quantizer(scheme, sym)
+    out = weight if weight.flags.writeable and weight.flags.c_contiguous else np.array(weight)
+    rows = max(1, CHUNK_BYTES // max(1, out.shape[1] * out.itemsize))
+    for r0 in range(0, out.shape[0], rows):
+        part = out[r0:r0 + rows]
+        packed, scales, zp = quantizer.qbits_block_quant(np.ascontiguousarray(part.T))
+        part[...] = _dequantize(packed, scales, zp, scheme.bits, scheme.block_size, part.shape[1], sym)
+    return out
+
+
+def _dequantize(packed, scales, zp, bits: int, block: int, k: int, symmetric: bool) -> np.ndarray:
+    n, kb, _blob = packed.shape
+    q = _unpack(packed.reshape(n, -1), bits)[:, :kb * block].reshape(n, kb, block).astype(np.float32)
+    zero = np.float32(2 ** (bits - 1)) if symmetric else _unpack(zp, bits)[:, :kb].astype(np.float32)[:, :, None]
+    return ((q - zero) * scales.astype(np.float32)[:, :, None]).reshape(n, kb * block)[:, :k]
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 rows holding ``8 // bits`` values a byte, low bits first -> one value an element."""
+    if bits == 8:
+        return packed
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)

@@ -249,10 +249,11 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
 
 # ------------------------------------------------------------------------------------ the streamed reference
 @contextlib.contextmanager
-def streamed_weights(model, the_plan: Plan, store):
+def streamed_weights(model, the_plan: Plan, store, transform=None):
     """While inside, each module with parameters of its own reads them from the checkpoint right before its
     forward and drops them right after (the stand-ins come back): the model runs with one module's weights in
-    memory at a time."""
+    memory at a time. ``transform(key, array)``: what the module computes with instead of the checkpoint's
+    array (:func:`dequantizing`: the weights a quantized graph holds)."""
     import torch
 
     handles = []
@@ -264,6 +265,8 @@ def streamed_weights(model, the_plan: Plan, store):
             key = the_plan.key_of(p) if p is not None else None
             if key is not None:
                 arr = store.array(key, p.dtype)
+                if transform is not None:
+                    arr = transform(key, arr)
                 module._parameters[name] = torch.nn.Parameter(torch.from_numpy(arr), requires_grad=False)
 
     def after(module, _args, _out):
@@ -278,6 +281,43 @@ def streamed_weights(model, the_plan: Plan, store):
     finally:
         for h in handles:
             h.remove()
+
+
+def dequantizing(model, the_plan: Plan, scheme, min_k: int):
+    """``transform`` for :func:`streamed_weights`: the PyTorch reference of a ``--weights int4|int8`` graph
+    quantized as it streams (no float graph): each weight the quantizers of :mod:`.quantize_stream` pack is
+    quantized then dequantized (:func:`.quantize_stream.dequantized`, onnxruntime's own kernel), the rest as read.
+
+    Which weights, by the rule those quantizers follow on the traced graph: a ``Linear`` weight ``[out, in]``
+    (the graph's MatMul weight ``[K=in, N=out]``) with ``in >= min_k``, float32 or float16; the vocabulary tables
+    (the input and output embeddings: ``Gather`` and the head's ``Gemm``) where float32 with ``in`` a whole
+    number of blocks, always symmetric. A weight on which the rule and the graph disagree differs by the
+    quantization error, far above verification's tolerance: the export then fails verification, it does not
+    pass wrongly."""
+    import torch
+
+    from qeff_kv.export.weights.quantize_stream import dequantized
+
+    tables = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
+              if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    which: dict[str, bool | None] = {}   # key -> symmetric (None: the scheme's)
+    for module in model.modules():
+        w = module._parameters.get("weight") if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) else None
+        key = the_plan.key_of(w) if w is not None and w.dim() == 2 else None
+        if key is None:
+            continue
+        k = int(w.shape[1])
+        if id(w) in tables:
+            if w.dtype == torch.float32 and k >= min_k and k % scheme.block_size == 0:
+                which[key] = True
+        elif isinstance(module, torch.nn.Linear) and k >= min_k and w.dtype in (torch.float32, torch.float16):
+            which[key] = None
+
+    def transform(key: str, arr: np.ndarray) -> np.ndarray:
+        return dequantized(arr, scheme, which[key]) if key in which else arr
+
+    transform.keys = which
+    return transform
 
 
 # ------------------------------------------------------------------------------------------- the load stage
@@ -301,9 +341,13 @@ class Streamed:
     plan: Plan
     record: dict
 
-    def weights(self):
+    def weights(self, transform=None):
         """Context: the skeleton runs with its weights streamed module by module (:func:`streamed_weights`)."""
-        return streamed_weights(self.model, self.plan, self.store)
+        return streamed_weights(self.model, self.plan, self.store, transform)
+
+    def dequantizing(self, scheme, min_k: int):
+        """:func:`dequantizing` for this skeleton and plan."""
+        return dequantizing(self.model, self.plan, scheme, min_k)
 
     def recorded(self):
         """Context: :func:`recorded_parameters` for this plan."""
@@ -359,7 +403,7 @@ def open_streamed(source, options, say) -> Streamed | None:
         if not is_stand_in(t, the_plan):
             return t
         step(t.numel() * t.element_size())
-        return torch.from_numpy(store.array(names[name], t.dtype))
+        return store.chunks(names[name], t.dtype)   # a few rows at a time: never a whole 2 GB table
 
     say(f"reading {len(set(the_plan.keys.values()))} checkpoint tensors one at a time (identity)")
     digests: dict[str, str] = {}
