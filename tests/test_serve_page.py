@@ -119,7 +119,7 @@ def open_page(browser, srv, query: str = "", name: str = "tiny-chat") -> None:
 
 
 def test_the_pages_policy_allows_exactly_its_script():
-    page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
+    page = resources.files("qeff_kv.serve.http").joinpath("static/chat.html").read_text(encoding="utf-8")
     scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
     assert len(scripts) == 1 and "<script" not in page.replace("<script>" + scripts[0] + "</script>", "")
     digest = base64.b64encode(hashlib.sha256(scripts[0].encode()).digest()).decode()
@@ -334,7 +334,7 @@ class StubOpenAI:
         self.model_extra: dict = {}          # more fields of the model object in /v1/models
         self.cut_short = False               # end the stream after the text: no finish reason, no [DONE]
         self.requests: list[dict] = []
-        page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_bytes()
+        page = resources.files("qeff_kv.serve.http").joinpath("static/chat.html").read_bytes()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -606,7 +606,7 @@ def test_markdown_renderer_cases(stub, browser):
 def test_the_pages_token_limit_is_the_servers_constant():
     from qeff_kv.serve.engine.defaults import PAGE_MAX_TOKENS
 
-    page = resources.files("qeff_kv.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
+    page = resources.files("qeff_kv.serve.http").joinpath("static/chat.html").read_text(encoding="utf-8")
     assert f"const PAGE_MAX_TOKENS = {PAGE_MAX_TOKENS};" in page
     assert "if (body.max_tokens === undefined && pageMaxTokens !== null) body.max_tokens = pageMaxTokens;" in page
 
