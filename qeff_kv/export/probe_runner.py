@@ -17,7 +17,10 @@ from qeff_kv.errors import VerificationError
 class ProbeRunner:
     """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
 
-    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None):
+    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None, *, prepack: bool = False):
+        """``prepack``: let onnxruntime prepack the weights as the runtime's sessions do (its fast MatMulNBits
+        kernels, at the graph's accuracy level, a packed copy in memory); off by default (verification's exact
+        float path, the weights left in the memory-mapped file)."""
         import onnxruntime as ort
 
         graph = graphio.load(onnx_path)
@@ -28,7 +31,8 @@ class ProbeRunner:
         opts.log_severity_level = 3
         # the weights stay in the memory-mapped external data file instead of a prepacked copy (a 1.45 GB
         # float32 graph: 1.68 GB resident after loading with prepacking, 0.08 GB without; docs/export.md)
-        opts.add_session_config_entry("session.disable_prepacking", "1")
+        if not prepack:
+            opts.add_session_config_entry("session.disable_prepacking", "1")
         with capture.library_output():   # onnxruntime's own log lines stay behind --debug
             self.sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
         self.out_names = [o.name for o in self.sess.get_outputs()]
