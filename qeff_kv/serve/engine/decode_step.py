@@ -34,15 +34,9 @@ class DecodeStep:
         if sched.prefix_cache.low_rows:
             self._lower_top_row()
         batch = list(sched.running)
-        t0 = time.perf_counter()
-        try:
-            out = sched.session.decode([(a.seq, a.last) for a in batch])
-        except Exception as exc:   # noqa: BLE001 - the step failed for all of them
-            for a in batch:
-                sched.finish(a, "error", f"decode failed: {exc}", keep=False)
+        out = self._run(batch, lambda: sched.session.decode([(a.seq, a.last) for a in batch]))
+        if out is None:
             return
-        sched.turns.note_decode(time.perf_counter() - t0)
-        sched.count("decode_steps", 1)
         for a in batch:
             try:
                 pick = a.select(out[a.seq])
@@ -51,6 +45,21 @@ class DecodeStep:
                 continue
             a.seq.pending, a.seq.pending_emitted = pick.token, True
             sched.emit_token(a, pick.token, pick)
+
+    def _run(self, batch: list, step):
+        """``step()`` timed and counted as the turn's decode step; on an exception every row of ``batch`` ends with
+        an error (the step failed for all of them) and None is returned."""
+        sched = self.sched
+        t0 = time.perf_counter()
+        try:
+            out = step()
+        except Exception as exc:   # noqa: BLE001 - the step failed for all of them
+            for a in batch:
+                sched.finish(a, "error", f"decode failed: {exc}", keep=False)
+            return None
+        sched.turns.note_decode(time.perf_counter() - t0)
+        sched.count("decode_steps", 1)
+        return out
 
     def _lower_top_row(self) -> None:
         """Lock step runs every row up to the highest one fed: the running sequence in that row moves down into a
@@ -70,15 +79,9 @@ class DecodeStep:
         sched = self.sched
         batch = list(sched.running)
         rows = [Row(a, a.seq, a.last, a.params, a.left, a.req.stop_token_ids) for a in batch]
-        t0 = time.perf_counter()
-        try:
-            runs = sched.speculation.step(rows)
-        except Exception as exc:   # noqa: BLE001 - the step failed for all of them
-            for a in batch:
-                sched.finish(a, "error", f"decode failed: {exc}", keep=False)
+        runs = self._run(batch, lambda: sched.speculation.step(rows))
+        if runs is None:
             return
-        sched.turns.note_decode(time.perf_counter() - t0)
-        sched.count("decode_steps", 1)
         for a, run in zip(batch, runs):
             a.seq.pending, a.seq.pending_emitted = run[-1], True
             for tok in run:
