@@ -277,3 +277,44 @@ def test_verification_that_cannot_fit_is_refused_up_front(sharded_bf16, tmp_path
     assert not (tmp_path / "e").exists() or not (tmp_path / "e" / "manifest.json").exists()
     r = export_model(sharded_bf16, tmp_path / "nv", ctx_len=32, prefill_seq_len=8, verify=False)
     assert r.manifest["verification"] == {"status": "skipped", "reason": "turned off (--no-verify)"}
+
+
+def test_verification_runs_block_quantized_matmuls_on_float32_kernels(sharded_bf16, tmp_path):
+    """Verification's runner computes the graph's MatMulNBits prepacked at accuracy level 1 (float32) through a
+    copy of the proto beside the graph (the weights file shared, the copy removed once the session holds it):
+    the same logits as the unpacked path, which ignores the level, to float32's rounding; the graph on disk keeps
+    the level it ships."""
+    import onnx
+
+    from qeff_kv.export import export_model
+    from qeff_kv.export.probe_runner import ProbeRunner, float32_kernels_copy
+
+    res = export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
+                       weights="int4")
+    assert res.manifest["verification"]["status"] == "passed"
+    path = res.onnx_path
+    levels = lambda m: {a.i for n in m.graph.node if n.op_type == "MatMulNBits"   # noqa: E731
+                        for a in n.attribute if a.name == "accuracy_level"}
+    assert levels(onnx.load(str(path), load_external_data=False)) == {4}
+    copy, quantized = float32_kernels_copy(path)
+    assert quantized and copy.parent == path.parent and levels(onnx.load(str(copy), load_external_data=False)) == {1}
+    copy.unlink()
+    before = sorted(p.name for p in path.parent.iterdir())
+    runs = []
+    for fast in (False, True):
+        runner = ProbeRunner(path, 32, 1, float32_kernels=fast)
+        runs.append([runner.step([5, 9, 3, 7, 1, 0, 0, 0], [0, 1, 2, 3, 4, -1, -1, -1], 0)]
+                    + [runner.step([t], [5 + k], 0) for k, t in enumerate((11, 2, 40))])
+    assert sorted(p.name for p in path.parent.iterdir()) == before   # the copy is gone
+    np.testing.assert_allclose(np.array(runs[1]), np.array(runs[0]), rtol=0, atol=1e-4)
+    assert np.abs(np.array(runs[0])).max() > 0.05
+    m = onnx.load(str(path), load_external_data=False)   # a graph without block-quantized MatMuls: no copy
+    for n in [n for n in m.graph.node if n.op_type == "MatMulNBits"]:
+        n.ClearField("attribute")
+    plain = tmp_path / "plain.onnx"
+    onnx.save(m, str(plain))
+    assert float32_kernels_copy(plain) == (None, True)   # the default level: float32 already
+    for n in [n for n in m.graph.node if n.op_type == "MatMulNBits"]:
+        n.op_type = "MatMulNBitsNot"
+    onnx.save(m, str(plain))
+    assert float32_kernels_copy(plain) == (None, False)

@@ -59,7 +59,7 @@ def test_decode_only_breakage_is_named_by_step():
     from qeff_kv.export.verify import Probe, Reference
 
     class FakeRunner:
-        def __init__(self, *a):
+        def __init__(self, *a, **kw):
             self.n = 0
 
         def step(self, ids, pos, slot, rope_rows=None):

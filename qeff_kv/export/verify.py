@@ -249,7 +249,7 @@ def _open_runner(onnx_path: Path, probe: Probe, *, ctx_len: int, kv_batch: int, 
     """The probe runner on the graph (with the probe's image, run through ``vision_path``); onnxruntime refusing
     the graph is a failed verification."""
     try:
-        runner = ProbeRunner(onnx_path, ctx_len, kv_batch, ccl)
+        runner = ProbeRunner(onnx_path, ctx_len, kv_batch, ccl, float32_kernels=True)
         if probe.pixel_values is not None:
             runner.add_image(probe.pixel_values, vision_path)
     except VerificationError:

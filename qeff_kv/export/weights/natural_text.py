@@ -51,14 +51,15 @@ def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ct
 def natural_rows(path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1, ccl=None, slot: int = 0,
                  label: str = "quantized", prepack: bool = True) -> np.ndarray:
     """The graph's logits after each of ``ids[:-1]``, read one token at a time (a prefill step returns its last
-    row only). ``prepack``: the quantized graph runs as the runtime serves it (onnxruntime's prepacked
-    ``MatMulNBits`` kernels at the graph's accuracy level): a quality check of what users get, and fast (Llama-3.2-1B
-    shape, int4: 0.08 s a step against 3.7 s with prepacking off, docs/benchmarks.md); the float graph keeps its
-    weights in the memory-mapped file (``prepack=False``)."""
+    row only). ``prepack``: the quantized graph's block-quantized MatMuls run prepacked on onnxruntime's float32
+    kernels (:func:`~qeff_kv.export.probe_runner.float32_kernels_copy`): the weights' quality, as the unpacked
+    path measured it, and fast (Llama-3.1-8B shape, int4: 0.4 s a decode step against ~55 s unpacked; 4.6 GB
+    resident against 6.5 GB at the int8-activation level 4 the graph ships, docs/benchmarks.md); the float graph
+    keeps its weights in the memory-mapped file (``prepack=False``)."""
     if len(ids) < 2:
         return np.zeros((0, 0))
     try:
-        runner = ProbeRunner(path, ctx_len, kv_batch, ccl, prepack=prepack)
+        runner = ProbeRunner(path, ctx_len, kv_batch, ccl, float32_kernels=prepack)
         rows = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
         del runner
     except Exception as exc:
