@@ -318,3 +318,53 @@ def test_verification_runs_block_quantized_matmuls_on_float32_kernels(sharded_bf
         n.op_type = "MatMulNBitsNot"
     onnx.save(m, str(plain))
     assert float32_kernels_copy(plain) == (None, False)
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, keeping what is written."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+def test_progress_lines_on_a_terminal(sharded_bf16, tmp_path, monkeypatch):
+    """On a terminal, each long stage of a streamed export draws one progress line with an ETA: the identity
+    over the checkpoint's tensors, each reference pass over the weights it reads, the weights as written; off a
+    terminal, nothing but the stage lines."""
+    import sys
+
+    from qeff_kv.export import export_model
+    from qeff_kv.export import options as opt
+
+    monkeypatch.setattr(opt, "EXTERNAL_DATA_THRESHOLD", 0)   # written as external data, as a large model is
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    lines = []
+    export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
+                 weights="int4", progress=lines.append)
+    monkeypatch.undo()
+    drawn = [part for part in term.text.replace("\n", "\r").split("\r") if part]
+    n_tensors = 3 * 9 + 3   # three layers of nine, the embedding, the final norm and the head
+    for label, count in (("identity", n_tensors), ("reference pass 1", n_tensors), ("weights", None)):
+        mine = [d for d in drawn if d.startswith(label + " [")]
+        assert mine and "ETA" in mine[-1] and " 100% " in mine[-1], (label, drawn[:3])
+        if count is not None:
+            assert f"tensor {count}/{count} " in mine[-1]
+    assert any(line.startswith("verified: max |logit difference|") for line in lines)
+    quiet = _Terminal()
+    quiet.isatty = lambda: False
+    monkeypatch.setattr(sys, "stderr", quiet)
+    export_model(sharded_bf16, tmp_path / "f", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
+                 weights="int4", progress=lambda _m: None)
+    monkeypatch.undo()
+    assert quiet.text == ""

@@ -61,8 +61,11 @@ def save_graph(model: ir.Model, path: Path, say: Progress, external: bool | None
         say(f"writing {total / 1e9:.2f} GB of weights as external data"
             + (f" ({lazy} of them computed or read from the checkpoint as they are written)" if lazy else ""))
         _inline_constant_attributes(model)
-        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024,
-                callback=progress_bar("weights", total) if sys.stderr.isatty() else None)
+        inline = 1024   # tensors of at most this many bytes stay in the graph (and out of the progress line)
+        outside = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                      if v.const_value is not None and v.const_value.nbytes > inline)
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=inline,
+                callback=progress_bar("weights", outside) if sys.stderr.isatty() else None)
     else:
         # Materialise tensors and write deterministically (no timestamps, stable field order).
         graphio.save(model, path, source_dir=path.parent)

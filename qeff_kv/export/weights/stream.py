@@ -258,12 +258,14 @@ def streamed_weights(model, the_plan: Plan, store, transform=None):
 
     handles = []
     stand_ins: dict[int, dict] = {}   # id(module) -> its stand-ins while its forward runs
+    tick = _pass_ticker(the_plan)
 
     def before(module, _args):
         stand_ins[id(module)] = dict(module._parameters)
         for name, p in stand_ins[id(module)].items():
             key = the_plan.key_of(p) if p is not None else None
             if key is not None:
+                tick(p.numel() * p.element_size())
                 arr = store.array(key, p.dtype)
                 if transform is not None:
                     arr = transform(key, arr)
@@ -281,6 +283,25 @@ def streamed_weights(model, the_plan: Plan, store, transform=None):
     finally:
         for h in handles:
             h.remove()
+
+
+def _pass_ticker(the_plan: Plan):
+    """``tick(nbytes)`` per weight a forward reads: the terminal's progress line of :func:`.publish.ticker` over
+    one pass through the model's weights (a new line for each further pass; nothing off a terminal)."""
+    from qeff_kv.export.publish import ticker
+
+    total = sum(p.numel() * p.element_size() for p in the_plan.params)
+    state = {"done": total, "passes": 0, "step": None}
+
+    def tick(nbytes: int) -> None:
+        if state["done"] >= total:   # a new pass over the weights
+            state["passes"] += 1
+            state["done"] = 0
+            state["step"] = ticker(f"reference pass {state['passes']}", total, len(the_plan.params))
+        state["done"] += nbytes
+        state["step"](nbytes)
+
+    return tick
 
 
 def dequantizing(model, the_plan: Plan, scheme, min_k: int):
