@@ -78,7 +78,7 @@ class Recorder:
         self.sess, self.rebind, self.trace = sess, rebind, trace
         self.state = {n for n, _, _ in sess.cache.bindings()}
         self.bound = {n: v for n, v, _ in sess.cache.bindings()}
-        io = sess._io
+        io = sess.binding.io
         self._bind, self._run = io.bind_ortvalue_input, io.run
         if once and hasattr(io, "_io"):   # bypass the executor's own rebinding (RebindingExecutor): bound once
             self._run = lambda: io.sess.run_with_iobinding(io._io)
@@ -96,7 +96,7 @@ class Recorder:
         feeds = {n: v.numpy().copy() for n, v in self.bound.items() if n not in self.state} if self.trace else None
         self._run()
         if self.trace:
-            outs = {n: v.numpy().copy() for n, v in zip(self.sess._out_order, self.sess._io.get_outputs())}
+            outs = {n: v.numpy().copy() for n, v in zip(self.sess.binding.out_order, self.sess.binding.io.get_outputs())}
             self.runs.append({"phase": self.phase, "feeds": feeds, "outputs": outs})
 
 
@@ -125,8 +125,8 @@ def drive_session(path, providers: list[str] | None, *, rebind: bool = False, tr
             "prefill_ms": prefill_ms, "decode_ms": step_ms, "runs": rec.runs,
             "warnings": [str(w.message)[:300] for w in caught],
             "state": {n: (list(v.numpy().shape), str(v.numpy().dtype)) for n, v, _ in sess.cache.bindings()},
-            "onnx_path": str(sess.files.onnx_path), "providers": sess._sess.get_providers(),
-            "executor": type(sess._io).__name__, "rebind_each_run": sess.device.rebind_each_run}
+            "onnx_path": str(sess.files.onnx_path), "providers": sess.binding.executor_session.get_providers(),
+            "executor": type(sess.binding.io).__name__, "rebind_each_run": sess.device.rebind_each_run}
 
 
 def conformance(path, device: str, rows: int | None) -> dict:
@@ -139,8 +139,8 @@ def conformance(path, device: str, rows: int | None) -> dict:
     toks, logits = script(sess)
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(logits, want_logits)]
     return {"tokens_equal": toks == want_toks, "tokens": toks, "cpu_tokens": want_toks, "rows": rows,
-            "max_logit_diff": max(diffs), "providers": sess._sess.get_providers(),
-            "executor": type(sess._io).__name__}
+            "max_logit_diff": max(diffs), "providers": sess.binding.executor_session.get_providers(),
+            "executor": type(sess.binding.io).__name__}
 
 
 # ============================================================================================ the plain loop

@@ -65,12 +65,12 @@ def test_runtime_steps_up(exports):
     sess = Session(ccl.out_dir)
     seq = sess.add_sequence()
     sess.prefill(seq, PROMPT)
-    assert sess._ccl_bound == 16
+    assert sess.binding.ccl_bound == 16
     seen = []
     tok = 5
     while seq.length < 40:
         sess.decode({seq: tok})
-        seen.append(sess._ccl_bound)
+        seen.append(sess.binding.ccl_bound)
     assert seen[0] == 16 and 32 in seen and seen[-1] == 64
     # position p is fed at the smallest listed L > p
     assert seen[16 - len(PROMPT) - 1] == 16 and seen[16 - len(PROMPT)] == 32
@@ -184,7 +184,7 @@ def test_onnxruntime_target_and_continuous_batching(tmp_path):
     sess = Session(cb.out_dir)
     short, long_ = [4, 5, 6], PROMPT + PROMPT[:8]
     gens = sess.generate([short, long_], max_new_tokens=16, stop_tokens=[])
-    assert sess._ccl_bound == 64    # the long row (20 + 15 positions) needs 64, the short one 32
+    assert sess.binding.ccl_bound == 64    # the long row (20 + 15 positions) needs 64, the short one 32
     for prompt, gen in zip((short, long_), gens):
         alone = Session(cb.out_dir, max_sequences=1).generate(prompt, max_new_tokens=16, stop_tokens=[])[0]
         assert gen.tokens == alone.tokens

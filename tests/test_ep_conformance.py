@@ -34,7 +34,7 @@ def assert_conforms(model, **kwargs) -> list[int]:
     ort_toks, ort_logits = script(Session(model, **kwargs))
     ref = Session(model, executor="reference", **kwargs)
     ref_toks, ref_logits = script(ref)
-    assert ref._io.runs > 0 and ref.invalid_index_patch == {"gather": 0, "scatter": 0}
+    assert ref.binding.io.runs > 0 and ref.invalid_index_patch == {"gather": 0, "scatter": 0}
     assert ref_toks == ort_toks
     for x, y in zip(ref_logits, ort_logits):
         np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4)
@@ -269,8 +269,8 @@ def test_the_cpu_device_binds_the_state_once_as_input_and_retained_output(graph,
         assert {n: retained[f"{n}_RetainedState"] for n in before} == before
     else:                          # lock step: the last step bound a view of the first rows, at the buffers' start
         assert set(retained.values()) <= set(before.values())
-    logits_value = sess._io.get_outputs()[sess._out_order.index("logits")]
-    assert logits_value.data_ptr() in {v.data_ptr() for _, v in sess._logits.values()}
+    logits_value = sess.binding.io.get_outputs()[sess.binding.out_order.index("logits")]
+    assert logits_value.data_ptr() in {v.data_ptr() for _, v in sess.binding.logits.values()}
 
 
 def copy_inputs_at_bind(monkeypatch) -> None:
@@ -304,16 +304,16 @@ def test_an_ep_copying_inputs_at_bind_time_gets_every_input_rebound_before_each_
     want_toks, want_logits = script(Session(model, max_sequences=rows))
     copy_inputs_at_bind(monkeypatch)
     bound_once = Session(model, max_sequences=rows)
-    assert type(bound_once._io) is OrtExecutor and not bound_once.device.rebind_each_run
+    assert type(bound_once.binding.io) is OrtExecutor and not bound_once.device.rebind_each_run
     assert script(bound_once)[0] != want_toks
     monkeypatch.setattr(device, "for_providers", lambda providers: device.staged(providers[0]))
     staged = Session(model, max_sequences=rows)
-    assert type(staged._io) is RebindingExecutor and staged.device == device.Device("cpu", ep_proofs.CPU, True)
+    assert type(staged.binding.io) is RebindingExecutor and staged.device == device.Device("cpu", ep_proofs.CPU, True)
     toks, logits = script(staged)
     assert toks == want_toks
     for x, y in zip(logits, want_logits):
         np.testing.assert_array_equal(x, y)
-    assert set(staged._io.inputs) == {i.name for i in staged._sess.get_inputs()}
+    assert set(staged.binding.io.inputs) == {i.name for i in staged.binding.executor_session.get_inputs()}
 
 
 def test_every_ep_but_the_cpus_gets_host_buffers_rebound_before_each_run():

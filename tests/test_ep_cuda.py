@@ -44,7 +44,7 @@ CARRIED = sorted(p.name for p in GRAPHS.iterdir()
 def assert_cuda_gives_the_cpus_tokens(model, **kwargs) -> list[int]:
     cpu_toks, cpu_logits = script(Session(model, **kwargs))
     sess = Session(model, device="cuda", **kwargs)
-    assert sess._sess.get_providers()[0] == CUDA and type(sess._io) is RebindingExecutor
+    assert sess.binding.executor_session.get_providers()[0] == CUDA and type(sess.binding.io) is RebindingExecutor
     toks, logits = script(sess)
     assert toks == cpu_toks
     for got, want in zip(logits, cpu_logits):

@@ -371,12 +371,12 @@ def test_ccl_graph_steps_its_lengths_and_stays_exact(fx, want):
     assert s.ccl is not None and s.ccl.lengths == [1, 2, 4, 8, 16, 32, 64]
     seq = s.add_sequence()
     logits = s.prefill(seq, [5, 17, 42, 99, 130, 7, 201, 64])
-    seen, out = [s._ccl_bound], []
+    seen, out = [s.binding.ccl_bound], []
     for _ in range(32):
         tok = int(np.argmax(logits))
         out.append(tok)
         logits = s.decode({seq: tok})[seq]
-        seen.append(s._ccl_bound)
+        seen.append(s.binding.ccl_bound)
     assert out == want["ccl"]
     assert seen[0] == 8 and seen[-1] == 64 and sorted(set(seen)) == [8, 16, 32, 64]
     assert seen == sorted(seen)

@@ -122,7 +122,7 @@ def _fed_positions(s):
     run = s._run
 
     def spy(rows, seq_len, *a, **k):
-        fed.append(s._small[s._bound]["position_ids"][0].tolist())
+        fed.append(s.binding.small[s.binding.bound]["position_ids"][0].tolist())
         return run(rows, seq_len, *a, **k)
 
     s._run = spy

@@ -34,7 +34,7 @@ def test_each_collaborator_serves_its_session(tmp_path):
     s = Session(ring_graph(tmp_path), ctx_len=32)
     assert (s.binding.session, s.cache_verbs.session, s.generation.session) == (s, s, s)
     [g] = s.generate([PROMPT], max_new_tokens=3, stop_tokens=[])
-    assert s.binding.bound == (1, 1, 1) and s._bound == s.binding.bound   # the last step: one row, one token
+    assert s.binding.bound == (1, 1, 1)   # the last step: one row, one token
     assert s.kv_data_pointers() == {n: a.__array_interface__["data"][0] for n, a in s.cache.arrays.items()}
     assert s.describe()["ring_capacities"] == {"past_key.0": 6, "past_value.0": 6}
     assert s.memory() == s.cache.memory() and s.sequences == [g.sequence]

@@ -253,15 +253,6 @@ class Session:
         a test can watch each run of the session."""
         return self.binding.run(rows, seq_len, last_index, needed, keep)
 
-    # What the binding holds, under the names white-box tests and benchmarks read (runtime/execution/binding.py).
-    _io = property(lambda self: self.binding.io)
-    _sess = property(lambda self: self.binding.executor_session)
-    _out_order = property(lambda self: self.binding.out_order)
-    _small = property(lambda self: self.binding.small)
-    _logits = property(lambda self: self.binding.logits)
-    _bound = property(lambda self: self.binding.bound)
-    _ccl_bound = property(lambda self: self.binding.ccl_bound)
-
     # ------------------------------------------------------------------------------------ sequences
     def _chunks(self, start: int, n: int, plan: list[tuple[int, int]] | None = None) -> list[tuple[int, int, bool]]:
         """(offset, count, padded) for feeding ``n`` tokens from ``start`` (:func:`.arguments.chunk_padding`)."""
