@@ -291,7 +291,9 @@ def test_verification_runs_block_quantized_matmuls_on_float32_kernels(sharded_bf
 
     res = export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused",
                        weights="int4")
-    assert res.manifest["verification"]["status"] == "passed"
+    ver = res.manifest["verification"]
+    assert ver["status"] == "passed" and ver["kernels"].startswith("onnxruntime's prepacked MatMulNBits at accuracy "
+                                                                   "level 1 (float32 activations)")
     path = res.onnx_path
     levels = lambda m: {a.i for n in m.graph.node if n.op_type == "MatMulNBits"   # noqa: E731
                         for a in n.attribute if a.name == "accuracy_level"}

@@ -226,7 +226,8 @@ def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, 
         if verification.status == "passed":   # what the graph was held to, in the manifest
             verification.extra.update(reference=f"PyTorch on the checkpoint's weights quantized to {scheme.scheme} "
                                       f"and dequantized (block {scheme.block_size}): the weights the graph holds",
-                                      rtol=verify_mod.RTOL.get(options.dtype, verify_mod.RTOL["float16"]))
+                                      rtol=verify_mod.RTOL.get(options.dtype, verify_mod.RTOL["float16"]),
+                                      kernels=quant_mod.KERNELS_NOTE)
         return quant_mod.streamed_record(onnx_path, options, probe, natural, say, kv_batch=kv_batch,
                                          float_bytes=geometry.pop("float_weight_bytes", None))
     if options.weights is None:

@@ -64,3 +64,8 @@ def resolve_options(weights: str | None, block_size: int | None, accuracy_level:
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         accuracy_level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
     return {"weights": weights, "block_size": block_size, "accuracy_level": accuracy_level}
+
+
+def min_k(block_size: int) -> int:
+    """MatMul weights with fewer input features than this stay float (one block at least)."""
+    return block_size

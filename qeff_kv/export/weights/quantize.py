@@ -3,7 +3,7 @@
 Runs after the float graph was verified against PyTorch. MatMul weights become onnxruntime's
 ``com.microsoft::MatMulNBits`` through onnxruntime's own quantizer
 (:class:`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`, round-to-nearest, symmetric,
-blocks along K). The vocabulary-sized weights are done here with the same kernel
+blocks along K). The vocabulary-sized weights are done by :mod:`.vocab_tables` with the same kernel
 (:meth:`DefaultWeightOnlyQuantizer.qbits_block_quant`):
 
 * the output head ``Gemm(transB=1)`` reading ``[vocab, hidden]`` becomes ``MatMulNBits(K=hidden, N=vocab)``:
@@ -34,11 +34,12 @@ import numpy as np
 
 from qeff_kv.errors import ExportError, VerificationError  # noqa: F401 (ExportError re-raised by callers)
 from qeff_kv.export.probe_runner import ProbeRunner, first_line
+from qeff_kv.export.weights import vocab_tables
 from qeff_kv.export.weights.natural_text import (  # noqa: F401 (NATURAL_TEXT, MAX_PERPLEXITY_RATIO: tests)
     MAX_PERPLEXITY_RATIO, NATURAL_TEXT, NATURAL_TOKENS, natural_reference, natural_rows, natural_text_check,
     natural_verdict, say_natural)
 from qeff_kv.export.schemes import (ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, SCHEMES,  # noqa: F401
-                      WeightScheme, check_scheme, resolve_options)
+                      WeightScheme, check_scheme, min_k, resolve_options)
 
 #: quantize as the weights are written (:mod:`.quantize_stream`) where it builds the same graph; False: the
 #: whole-graph quantizer always (for comparisons)
@@ -164,15 +165,16 @@ def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, 
                              slot=0 if probe is None else probe.slot, label="quantized")
         nat = natural_verdict(natural["rows"], quant, ids)
         nat["against"] = "the float PyTorch model (weights streamed)"
+        nat["kernels"] = KERNELS_NOTE
         record["check"]["natural_text"] = nat
         record["check"]["status"] = nat["status"]
         say_natural(scheme, nat, say, "model")
     return record
 
 
-def min_k(block_size: int) -> int:
-    """MatMul weights with fewer input features than this stay float (one block at least)."""
-    return block_size
+#: how verification and the natural-text check run a graph's ``MatMulNBits`` (probe_runner.float32_kernels_copy)
+KERNELS_NOTE = ("onnxruntime's prepacked MatMulNBits at accuracy level 1 (float32 activations); the graph's own "
+                "level applies when it is served")
 
 
 # ------------------------------------------------------------------------------------------ quantization
@@ -212,7 +214,7 @@ def quantize_graph(float_path: Path, scheme: WeightScheme, say=lambda _m: None, 
                                             accuracy_level=scheme.accuracy_level or None,
                                             op_types_to_quantize=("MatMul",), bits=scheme.bits)
     table_blocks = _gguf_table_blocks(grid, grid_report) if grid is not None else None
-    n_vocab = _quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg), table_blocks)
+    n_vocab = vocab_tables.quantize_vocab_weights(proto, scheme, mnq.DefaultWeightOnlyQuantizer(vcfg), table_blocks)
     if grid is not None and grid_report is not None:
         for name, how in grid_report.get("tables", {}).items():
             say(f"--gguf-grid: vocabulary table {name} takes the GGUF's own {how['gguf_type']} blocks ({how['bits']} "
@@ -281,7 +283,7 @@ def _matmul_config(mnq, scheme: WeightScheme):
 
 
 def _gguf_table_blocks(grid, grid_report: dict | None):
-    """``table_blocks(name, table)`` for :func:`_quantize_vocab_weights`: the GGUF's own blocks of a vocabulary
+    """``table_blocks(name, table)`` for :func:`.vocab_tables.quantize_vocab_weights`: the GGUF's own blocks of a vocabulary
     table, where they fit (recorded in ``grid_report["tables"]``)."""
     def table_blocks(name, table):
         got = grid.rows.table_blocks(table)
@@ -313,131 +315,6 @@ def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
     keep = [t for t in proto.graph.initializer if t.name not in used or t.name in still]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(keep)
-
-
-def _quantize_vocab_weights(proto, scheme: WeightScheme, quantizer, table_blocks=None) -> int:
-    """The head ``Gemm(transB=1)`` -> ``MatMulNBits`` and the embedding ``Gather`` -> ``GatherBlockQuantized``,
-    sharing one packed initializer when they read the same (tied) table. Returns the tables quantized.
-    ``table_blocks(name, table)``: ``(packed, scales, bits, type)`` taken from elsewhere (the GGUF's own blocks,
-    ``--gguf-grid``), or None to quantize the table here."""
-    import onnx
-    from onnx import numpy_helper
-
-    graph = proto.graph
-    inits = {t.name: t for t in graph.initializer}
-    readers: dict[str, list] = {}
-    for node in graph.node:
-        for idx, name in enumerate(node.input):
-            if name in inits:
-                readers.setdefault(name, []).append((node, idx))
-    block = scheme.block_size
-    done = 0
-    new_nodes: dict[int, list] = {}   # id(node) -> replacement nodes
-    for name, uses in readers.items():
-        t = inits[name]
-        if len(t.dims) != 2 or t.data_type != onnx.TensorProto.FLOAT or t.dims[1] < min_k(block):
-            continue
-        if not all(_is_head(n, i) or _is_lookup(n, i) for n, i in uses):
-            continue
-        table = numpy_helper.to_array(t)
-        if table.shape[1] % block:
-            continue  # GatherBlockQuantized reads whole blocks; such a table stays float
-        _quantize_table(graph, name, table, uses, scheme, quantizer, table_blocks, new_nodes)
-        graph.initializer.remove(t)
-        done += 1
-    if new_nodes:
-        nodes = []
-        for node in graph.node:
-            nodes.extend(new_nodes.get(id(node), [node]))
-        graph.ClearField("node")
-        graph.node.extend(nodes)
-    return done
-
-
-def _is_head(node, idx) -> bool:
-    """``node`` reads the table as an output head: ``Gemm(transB=1)`` with no scaling, as input 1."""
-    from onnx import helper
-
-    if node.op_type != "Gemm" or idx != 1:
-        return False
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return (attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
-            and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 1.0))
-
-
-def _is_lookup(node, idx) -> bool:
-    """``node`` reads the table as an embedding lookup: ``Gather`` on axis 0, as input 0."""
-    from onnx import helper
-
-    if node.op_type != "Gather" or idx != 0:
-        return False
-    return all(a.name != "axis" or helper.get_attribute_value(a) == 0 for a in node.attribute)
-
-
-def _quantize_table(graph, name: str, table: np.ndarray, uses: list, scheme: WeightScheme, quantizer, table_blocks,
-                    new_nodes: dict) -> None:
-    """One table's packed blocks and scales as initializers, and its readers' replacements in ``new_nodes``."""
-    from onnx import numpy_helper
-
-    rows, k = table.shape
-    bits = scheme.bits
-    got = table_blocks(name, table) if table_blocks is not None else None
-    if got is not None:
-        packed, scales, bits, _type = got
-    else:
-        packed, scales, _zp = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))  # [rows, kb, blob]
-    kb = packed.shape[1]
-    qname, sname = f"{name}_Q{bits}", f"{name}_scales"
-    graph.initializer.extend([numpy_helper.from_array(packed, qname),
-                              numpy_helper.from_array(scales.astype(table.dtype), sname)])
-    if any(_is_lookup(n, i) for n, i in uses):
-        graph.initializer.append(numpy_helper.from_array(np.array([rows, kb, 1], np.int64), f"{name}_scales_shape"))
-        graph.initializer.append(numpy_helper.from_array(np.array([k], np.int64), f"{name}_row_shape"))
-    first_lookup = True
-    for node, _idx in uses:
-        if _is_head(node, 1) and node.input[1] == name:
-            new_nodes[id(node)] = [_head_node(node, qname, sname, k, rows, bits, scheme)]
-        else:
-            new_nodes[id(node)] = _lookup_nodes(node, name, qname, sname, bits, scheme.block_size, first_lookup)
-            first_lookup = False
-
-
-def _head_node(node, qname: str, sname: str, k: int, rows: int, bits: int, scheme: WeightScheme):
-    """``MatMulNBits(K=hidden, N=vocab)`` in place of the head's ``Gemm`` (its bias kept)."""
-    from onnx import helper
-
-    inputs = [node.input[0], qname, sname]
-    if len(node.input) > 2 and node.input[2]:
-        inputs += ["", "", node.input[2]]  # zero_points, g_idx absent; bias
-    kw = {"K": k, "N": rows, "bits": bits, "block_size": scheme.block_size}
-    if scheme.accuracy_level:
-        kw["accuracy_level"] = scheme.accuracy_level
-    return helper.make_node("MatMulNBits", inputs, list(node.output), name=f"{node.name}_Q{bits}",
-                            domain="com.microsoft", **kw)
-
-
-def _lookup_nodes(node, name: str, qname: str, sname: str, bits: int, block: int, first_lookup: bool) -> list:
-    """``GatherBlockQuantized`` in place of the lookup's ``Gather``, reshaped back to ``[..., hidden]``; the first
-    lookup of a table also reshapes its scales to ``[vocab, hidden/block, 1]``."""
-    from onnx import helper
-
-    pre = f"{node.name}_Q{bits}"
-    out = node.output[0]
-    repl = []
-    s3 = f"{name}_scales_3d"
-    if first_lookup:
-        repl.append(helper.make_node("Reshape", [sname, f"{name}_scales_shape"], [s3], name=f"{name}_scales_reshape"))
-    # [..., kb, block] -> [..., hidden]: Shape(indices) ++ [hidden]
-    repl += [
-        helper.make_node("GatherBlockQuantized", [qname, node.input[1], s3], [f"{pre}_blocks"],
-                         name=pre, domain="com.microsoft", gather_axis=0, quantize_axis=2,
-                         block_size=block, bits=bits),
-        helper.make_node("Shape", [node.input[1]], [f"{pre}_ishape"], name=f"{pre}_ishape"),
-        helper.make_node("Concat", [f"{pre}_ishape", f"{name}_row_shape"], [f"{pre}_oshape"],
-                         name=f"{pre}_oshape", axis=0),
-        helper.make_node("Reshape", [f"{pre}_blocks", f"{pre}_oshape"], [out], name=f"{pre}_reshape"),
-    ]
-    return repl
 
 
 # ------------------------------------------------------------------------------------------ loose check

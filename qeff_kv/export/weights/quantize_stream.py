@@ -12,7 +12,7 @@ Equivalence with the whole-graph quantizer, node for node and byte for byte (tes
   own kernel (``qbits_block_quant``) on the same float array, so the bytes are its bytes;
 * the new initializers follow the old ones in node order, the float weights no node reads any more are dropped,
   and ``com.microsoft`` opset 1 is imported;
-* the vocabulary tables go through :func:`.quantize._quantize_vocab_weights` on a proto that holds every node and
+* the vocabulary tables go through :func:`.vocab_tables.quantize_vocab_weights` on a proto that holds every node and
   only the tables' own initializers (the float MatMul weights stay on disk).
 
 Graphs it does not cover (subgraphs: a single-graph VLM's gated encoder; HQQ; ``--gguf-grid``; weights of more
@@ -155,7 +155,7 @@ def _const(name: str, arr: np.ndarray) -> ir.Value:
 
 
 def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
-    """:func:`.quantize._quantize_vocab_weights` on the ir model, the tables' blocks computed when written: the
+    """:func:`.vocab_tables.quantize_vocab_weights` on the ir model, the tables' blocks computed when written: the
     head ``Gemm(transB=1)`` -> ``MatMulNBits``, the embedding ``Gather`` -> ``GatherBlockQuantized`` over the same
     packed initializer. Returns the tables quantized."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
