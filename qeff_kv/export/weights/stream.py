@@ -153,7 +153,14 @@ def recorded_parameters(the_plan: Plan):
 
     original = ts_utils._model_to_graph
     fold = torch._C._jit_pass_onnx_constant_fold
+    infer = torch._C._jit_pass_onnx_graph_shape_type_inference
     box: dict = {"derived": []}
+
+    def shapes_without_stand_ins(graph, params, opset):
+        """ONNX shape inference never reads a weight's values, yet torch serializes every tensor it is given
+        (an expanded stand-in as a whole contiguous copy: 7.6 GB at the 8B shape, then refused past protobuf's
+        2 GB); the stand-ins are left out (their shapes are on the graph's values already)."""
+        return infer(graph, {k: v for k, v in params.items() if not is_stand_in(v, the_plan)}, opset)
 
     def recorded(*args, **kwargs):
         graph, params, out = original(*args, **kwargs)
@@ -175,11 +182,13 @@ def recorded_parameters(the_plan: Plan):
 
     ts_utils._model_to_graph = recorded
     torch._C._jit_pass_onnx_constant_fold = checked_fold
+    torch._C._jit_pass_onnx_graph_shape_type_inference = shapes_without_stand_ins
     try:
         yield box
     finally:
         ts_utils._model_to_graph = original
         torch._C._jit_pass_onnx_constant_fold = fold
+        torch._C._jit_pass_onnx_graph_shape_type_inference = infer
 
 
 def _permutation(t, shape: tuple) -> tuple | None:
