@@ -370,3 +370,26 @@ def test_progress_lines_on_a_terminal(sharded_bf16, tmp_path, monkeypatch):
                  weights="int4", progress=lambda _m: None)
     monkeypatch.undo()
     assert quiet.text == ""
+
+
+def test_shape_inference_never_sees_a_stand_in(sharded_bf16, tmp_path, monkeypatch):
+    """torch serializes every tensor handed to its ONNX shape inference as a whole contiguous copy (an expanded
+    stand-in too: 7.6 GB at the 8B shape); the streamed capture hands it the parameter table without them."""
+    import torch
+
+    from qeff_kv.export import export_model
+
+    real = torch._C._jit_pass_onnx_graph_shape_type_inference
+    seen = []
+
+    def recording(graph, params, opset):
+        seen.append((len(params), [tuple(t.shape) for t in params.values() if t.numel() > 1 and 0 in t.stride()]))
+        return real(graph, params, opset)
+
+    monkeypatch.setattr(torch._C, "_jit_pass_onnx_graph_shape_type_inference", recording)
+    export_model(sharded_bf16, tmp_path / "e", ctx_len=32, prefill_seq_len=8, target="portable")
+    assert len(seen) >= 2 and all(expanded == [] for _n, expanded in seen)
+    seen.clear()
+    monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")   # the whole model: its real weights are handed over
+    export_model(sharded_bf16, tmp_path / "w", ctx_len=32, prefill_seq_len=8, target="portable")
+    assert seen and max(n for n, _e in seen) >= 3 * 9 + 3
