@@ -29,6 +29,7 @@ PKG = Path(__file__).resolve().parent.parent / "qeff_kv"
 THIRD_PARTY = {
     "_C": ("export/modeling/graph_ops.py", "export/weights/stream.py"),   # torch's C extension: Graph, JIT passes
     "_jit_pass_onnx_constant_fold": ("export/weights/stream.py",),          # torch's JIT pass
+    "_jit_pass_onnx_graph_shape_type_inference": ("export/weights/stream.py",),   # torch's JIT pass
     "_model_to_graph": ("export/weights/stream.py",),                       # torch.onnx.utils
     "_parameters": ("export/weights/stream.py",),                           # torch.nn.Module's parameter table
     "_get_const": ("export/modeling/graph_ops.py",),                        # torch.onnx.symbolic_helper

@@ -1,0 +1,205 @@
+"""The attention layout of a decoder read from its config (no torch): sliding-window and chunked layers, the
+layers that apply RoPE and its kinds, latent (MLA) attention, logit scaling, and the model types whose attention
+code is special. Pure functions of the text config dict, each proved in ``tests/test_family_facts.py``; the facts of
+:class:`.family.ModelFacts` are built from them.
+"""
+
+from __future__ import annotations
+
+from qeff_kv.export.facts.config_values import int_or_none
+
+
+def has_mrope(text: dict) -> bool:
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("type") == "mrope"
+                                       or rope.get("rope_type") == "mrope"):
+            return True
+    return False
+
+
+def chunked_attention(text: dict, num_layers: int) -> dict:
+    """Chunked attention layers (``layer_types`` ``"chunked_attention"`` with ``attention_chunk_size``) and the
+    NoPE attention temperature threshold (``attn_temperature_tuning`` with ``floor_scale``, where a layer has no
+    RoPE: ``no_rope_layers`` 0), as :class:`ModelFacts` fields."""
+    out: dict = {}
+    chunk = int_or_none(text.get("attention_chunk_size"))
+    layer_types = text.get("layer_types")
+    if chunk and isinstance(layer_types, list):
+        layers = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "chunked_attention")
+        if layers:
+            out.update(attention_chunk=chunk, chunked_layers=layers)
+    flags = text.get("no_rope_layers")
+    floor = int_or_none(text.get("floor_scale"))
+    if text.get("attn_temperature_tuning") and floor and isinstance(flags, list) and not all(flags[:num_layers]):
+        out["temperature_floor"] = floor
+    return out
+
+
+def rope_types(text: dict) -> tuple[str, ...]:
+    """The RoPE variants of ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older configs), either one
+    set of parameters or one per layer type (Gemma3: ``{"sliding_attention": {...}, "full_attention": {...}}``);
+    ``rope_type`` (or the older ``type``) names the variant, ``"default"`` when absent. Sorted, unique."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return ()
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    sets = per_type if per_type and not ({"rope_type", "type"} & set(rope)) else [rope]
+    return tuple(sorted({str(p.get("rope_type") or p.get("type") or "default") for p in sets}))
+
+
+#: config classes with a top-level ``original_max_position_embeddings`` field of their own, and its default:
+#: transformers gives that field priority over ``rope_parameters`` (``standardize_rope_params``), default included
+_OWN_ORIGINAL_MAX_POSITIONS: dict[str, int] = {"phi3": 4096, "phi4_multimodal": 4096}
+
+
+def longrope_threshold(text: dict, model_type: str) -> int | None:
+    """The effective ``original_max_position_embeddings`` of a longrope config, as transformers 5.23 settles it:
+    one global set of RoPE parameters takes the config's top-level field when present (or when the config class
+    has one: Phi-3's defaults to 4096), else its own value, else ``max_position_embeddings``; per-layer-type sets
+    take their own value, else ``max_position_embeddings``. The smallest over longrope sets; ``None`` without."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(rope, dict):
+        return None
+    per_type = [v for v in rope.values() if isinstance(v, dict)]
+    nested = bool(per_type) and not ({"rope_type", "type"} & set(rope))
+    sets = [p for p in (per_type if nested else [rope]) if (p.get("rope_type") or p.get("type")) == "longrope"]
+    if not sets:
+        return None
+    max_pos = int_or_none(text.get("max_position_embeddings"))
+    if not nested:
+        top = int_or_none(text.get("original_max_position_embeddings"))
+        if top is None:
+            top = _OWN_ORIGINAL_MAX_POSITIONS.get(model_type)
+        if top is not None:
+            return top
+    values = [int_or_none(p.get("original_max_position_embeddings")) for p in sets]
+    values = [v if v is not None else max_pos for v in values]
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def logits_scaling(text: dict) -> float | None:
+    """What the logits are divided by: ``logits_scaling`` (Granite), else ``hidden_size / dim_model_base``
+    (MiniCPM3 divides the hidden states by it before its bias-free output head, a property of its config class
+    that ``config.json`` does not carry)."""
+    value = float_or_none(text.get("logits_scaling"))
+    base = float_or_none(text.get("dim_model_base"))
+    hidden = float_or_none(text.get("hidden_size"))
+    if value is None and base and hidden:
+        value = hidden / base
+    return value
+
+
+def float_or_none(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def sliding_layers(text: dict, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """Sliding window and the layers that use it, from ``sliding_window``, ``layer_types``,
+    ``use_sliding_window``, ``sliding_window_pattern`` and ``max_window_layers``."""
+    window = text.get("sliding_window")
+    if not window or text.get("use_sliding_window") is False:
+        return None, ()
+    window = int(window)
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return window, tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    pattern = text.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return window, tuple(i for i in range(num_layers) if (i + 1) % pattern != 0)
+    return window, tuple(range(num_layers))
+
+
+#: Decoder families whose attention does not go through transformers' AttentionInterface, by ``model_type``
+#: (read from transformers 5.23's modeling code): ``"sdpa"`` calls ``torch.nn.functional.
+#: scaled_dot_product_attention`` itself when the attention implementation is "sdpa" (Falcon); ``"eager"``
+#: computes attention in its own code whatever the implementation (causal LMs with neither
+#: ``_supports_attention_backend`` nor ``_supports_sdpa``). Every other family: ``"interface"``.
+ATTENTION_CODE: dict[str, str] = {
+    "falcon": "sdpa",
+    **{t: "eager" for t in ("gptj", "codegen", "gpt_neo", "bloom", "mpt", "gpt_neox_japanese", "xglm",
+                            "openai-gpt")},
+}
+#: ``model_type`` values whose attention adds learned per-head sink logits to the softmax (a ``sinks``
+#: parameter in transformers 5.23); their configs carry no field that says so, so the type is the fact
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "hy_v4",
+                                        "flint", "deepseek_v4", "openai_privacy_filter"})
+#: attention GroupQueryAttention cannot compute, by ``model_type`` (transformers 5.23's modeling code): what
+#: the layer does instead, for the fused target's refusal
+FUSED_ATTENTION_LIMITS: dict[str, str] = {
+    # DiffLlamaAttention calls attention twice per layer, each time over one half of the values repeated, and
+    # subtracts the two (lambda-weighted): GQA appends the values it is given to the cache, so cannot do either
+    "diffllama": ("differential attention (two attention maps over the two halves of the values, subtracted; "
+                  "GroupQueryAttention attends over the cached values once)"),
+    # JetMoeAttention repeats its key/value heads in tiled order (head h reads kv head h % Hkv) for the query heads
+    # of its top-k routed attention experts, after the cache update: GQA groups heads the other way and appends
+    # the keys it is given
+    "jetmoe": ("mixture of attention heads (routed query experts over key/value heads repeated in tiled order "
+               "after the cache update)"),
+}
+#: families that always use ALiBi (no config switch)
+ALWAYS_ALIBI = frozenset({"bloom", "mpt"})
+#: families that rotate only their sliding-window layers when a window is configured, by ``model_type``, and
+#: what they rotate without a window (transformers 5.23): ``"all"`` where the code reads ``sliding_window is
+#: None or is_sliding`` (Exaone4, ExaoneMoe, Kolibri1), ``"none"`` where only a layer with a window rotates
+#: (Cohere2, Flint, AFMoE)
+_ROPE_ON_SLIDING_LAYERS_ONLY: dict[str, str] = {"exaone4": "all", "exaone_moe": "all", "kolibri1": "all",
+                                                "cohere2": "none", "flint": "none", "afmoe": "none"}
+
+
+def rope_layers(text: dict, num_layers: int, window: int | None, sliding: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers that apply RoPE, of the attention layers (:func:`_attention_layers`: a recurrent layer never
+    does): ``no_rope_layers`` (SmolLM3, Llama4: ``1`` means the layer uses RoPE), ``layer_rope_theta``
+    (GraniteSWA: a base of 0 means no RoPE), the sliding layers of the families in
+    :data:`_ROPE_ON_SLIDING_LAYERS_ONLY`, else every layer."""
+    attention = set(attention_layers(text, num_layers))
+    return tuple(i for i in rope_layers_of_config(text, num_layers, window, sliding) if i in attention)
+
+
+def attention_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """The layers that attend: where ``layer_types`` (or a ``layers_block_type`` list) names each layer, those
+    whose type is an attention type (``full_attention``, ``sliding_attention``, ``attention``...) and not
+    ``linear_attention`` (a gated delta net: Qwen3-Next, Qwen3.5) nor ``conv``/``mamba``/``mlp``/``moe``
+    (LFM2's short conv, the Mamba2 hybrids, NemotronH's MLP layers); else every layer."""
+    types = text.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        types = text.get("layers_block_type")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        return tuple(range(num_layers))
+    return tuple(i for i in range(num_layers)
+                 if "attention" in str(types[i]) and str(types[i]) != "linear_attention")
+
+
+def rope_layers_of_config(text: dict, num_layers: int, window: int | None,
+                           sliding: tuple[int, ...]) -> tuple[int, ...]:
+    flags = text.get("no_rope_layers")
+    if isinstance(flags, list) and len(flags) >= num_layers:
+        return tuple(i for i in range(num_layers) if flags[i])
+    thetas = text.get("layer_rope_theta")
+    if isinstance(thetas, list) and len(thetas) >= num_layers:
+        return tuple(i for i in range(num_layers) if thetas[i])
+    without_window = _ROPE_ON_SLIDING_LAYERS_ONLY.get(str(text.get("model_type")))
+    if without_window is not None:
+        if window:
+            return sliding
+        return tuple(range(num_layers)) if without_window == "all" else ()
+    return tuple(range(num_layers))
+
+
+def latent_attention(text: dict) -> bool:
+    """Keys and values of different head sizes: MLA (``kv_lora_rank``), or ``v_head_dim`` other than the key's
+    ``qk_nope_head_dim + qk_rope_head_dim`` / ``head_dim``."""
+    if text.get("kv_lora_rank"):
+        return True
+    v = text.get("v_head_dim")
+    if v is None:
+        return False
+    if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
+        return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
+    return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
