@@ -187,18 +187,28 @@ def run_key(r: dict) -> tuple:
     return r["shape"], r["exporter"], r["precision"], r.get("verify")
 
 
+def trace_seconds(stage_lines: list) -> str:
+    """Seconds from a qeff-kv run's ``tracing`` line to the next stage line ("-" without them)."""
+    for (t, line), nxt in zip(stage_lines, stage_lines[1:]):
+        if line.startswith("tracing "):
+            return f"{nxt[0] - t:.0f}"
+    return "-"
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
-    head = ("| shape | ckpt bf16 GB | exporter | weights | wall s | CPU s | peak RSS tree GB | of it anonymous GB "
-            "| time -v max RSS GB | peak / ckpt | output GB | verified | rc |")
+    head = ("| shape | ckpt bf16 GB | exporter | weights | wall s | CPU s | CPU s per B params | trace s "
+            "| peak RSS tree GB | of it anonymous GB | time -v max RSS GB | peak / ckpt | output GB | verified | rc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         tmax = f"{r['time_max_rss_bytes'] / GB:.2f}" if r.get("time_max_rss_bytes") else "-"
         rc = r["killed"] or str(r["rc"])
         anon = f"{r['peak_tree_anon_bytes'] / GB:.2f}" if r.get("peak_tree_anon_bytes") is not None else "-"
         verified = r["verified"] if r.get("verify") is not False else "--no-verify"
+        per_b = f"{r['cpu_s'] / (r['params'] / 1e9):.0f}" if r.get("cpu_s") and r.get("params") else "-"
         lines.append(f"| {r['release']} | {r['ckpt_bytes'] / GB:.2f} | {r['exporter']} | {r['precision']} | "
-                     f"{r['wall_s']:.0f} | {r['cpu_s'] if r['cpu_s'] is not None else '-'} | "
+                     f"{r['wall_s']:.0f} | {r['cpu_s'] if r['cpu_s'] is not None else '-'} | {per_b} | "
+                     f"{trace_seconds(r.get('stages') or [])} | "
                      f"{r['peak_tree_rss_bytes'] / GB:.2f} | {anon} | {tmax} | {r['peak_over_ckpt']:.2f}x | "
                      f"{r['out_bytes'] / GB:.2f} | {verified} | {rc} |")
     return "\n".join(lines)
