@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export import targets
-from qeff_kv.export.facts.config_values import first_of, int_or_none
+from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
-    ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, float_or_none, has_mrope,
+    ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
     latent_attention, logits_scaling, longrope_threshold, rope_layers, rope_types, sliding_layers)
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
 

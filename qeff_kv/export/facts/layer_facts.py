@@ -6,7 +6,7 @@ code is special. Pure functions of the text config dict, each proved in ``tests/
 
 from __future__ import annotations
 
-from qeff_kv.export.facts.config_values import int_or_none
+from qeff_kv.export.facts.config_values import float_or_none, int_or_none
 
 
 def has_mrope(text: dict) -> bool:
@@ -89,15 +89,6 @@ def logits_scaling(text: dict) -> float | None:
     if value is None and base and hidden:
         value = hidden / base
     return value
-
-
-def float_or_none(v) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
 
 
 def sliding_layers(text: dict, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
