@@ -393,3 +393,27 @@ def test_shape_inference_never_sees_a_stand_in(sharded_bf16, tmp_path, monkeypat
     monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")   # the whole model: its real weights are handed over
     export_model(sharded_bf16, tmp_path / "w", ctx_len=32, prefill_seq_len=8, target="portable")
     assert seen and max(n for n, _e in seen) >= 3 * 9 + 3
+
+
+def test_verification_memory_counts_what_onnxruntime_holds():
+    """The up-front estimate: a streamed float32 model needs three of its largest tensors; a float16 graph's
+    weights twice over (onnxruntime's CPU kernels hold them as float32), said in the refusal; one loaded whole
+    needs its own copy as well; a graph quantized as it streams holds blocks, not float16 weights."""
+    import torch
+
+    from qeff_kv.export import verify
+
+    def model(dtype):
+        return torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=False)).to(dtype)
+
+    margin = verify.MEMORY_MARGIN
+    f32, f16 = model(torch.float32), model(torch.float16)
+    assert verify.verification_bytes(f32, streamed=True) == (3 * 64 * 32 * 4 + margin, "")
+    assert verify.verification_bytes(f32, streamed=False) == (2 * (64 * 32 + 32 * 16) * 4 + margin, "")
+    half = (64 * 32 + 32 * 16) * 2
+    assert verify.verification_bytes(f16, streamed=True) == (2 * half + margin, verify.HALF_ON_CPU)
+    assert verify.verification_bytes(f16, streamed=False) == (3 * half + margin, verify.HALF_ON_CPU)
+    assert verify.verification_bytes(f16, streamed=True, quantized=True) == (3 * 64 * 32 * 2 + margin, "")
+    ok, note = verify.memory_allows(1 << 60, verify.HALF_ON_CPU)
+    assert not ok and note.startswith("verification needs about 1073741824.0 GiB (onnxruntime's CPU kernels hold "
+                                      "a float16 graph's weights as float32) and ")

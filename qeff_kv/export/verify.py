@@ -145,21 +145,36 @@ def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dty
                  spatial_merge_size=vision.get("spatial_merge_size"))
 
 
-def memory_allows(need: int) -> tuple[bool, str]:
-    """Whether ``need`` bytes fit in the memory available now; else the one-line refusal naming both."""
+def memory_allows(need: int, why: str = "") -> tuple[bool, str]:
+    """Whether ``need`` bytes fit in the memory available now; else the one-line refusal naming both (and
+    ``why``, what makes it that large)."""
     avail = limits.available_memory()
     if avail is None or need <= avail:
         return True, ""
-    return False, (f"verification needs about {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB is available: "
-                   f"free memory, or pass --no-verify to export without verification (recorded as skipped)")
+    return False, (f"verification needs about {need / 2**30:.1f} GiB{f' ({why})' if why else ''} and "
+                   f"{avail / 2**30:.1f} GiB is available: free memory, or pass --no-verify to export without "
+                   f"verification (recorded as skipped)")
 
 
-def verification_bytes(model, streamed: bool) -> int:
-    """What verification needs beyond the export itself: a model loaded whole is held beside onnxruntime's
-    session (two copies of the weights); a streamed model's reference holds one module's weights at a time and
-    the session reads the memory-mapped data file (three of the largest tensors). Plus :data:`MEMORY_MARGIN`."""
-    sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    return (3 * max(sizes, default=0) if streamed else 2 * sum(sizes)) + MEMORY_MARGIN
+#: why a half-precision graph's verification needs its weights twice over (:func:`verification_bytes`)
+HALF_ON_CPU = "onnxruntime's CPU kernels hold a float16 graph's weights as float32"
+
+
+def verification_bytes(model, streamed: bool, quantized: bool = False) -> tuple[int, str]:
+    """What verification needs beyond the export itself, and why when it is the weights: a model loaded whole is
+    held beside onnxruntime's session (two copies of the weights); a streamed model's reference holds one module's
+    weights at a time and the session reads the memory-mapped data file (three of the largest tensors). A float16
+    or bfloat16 graph (not ``quantized``) is the exception: onnxruntime's CPU execution provider converts its
+    weights to float32 when the session loads (measured: 5.1 GB resident for the 2.47 GB of a Llama-3.2-1B-shaped
+    float16 graph), so the session alone holds twice the weights' bytes. Plus :data:`MEMORY_MARGIN`."""
+    import torch
+
+    params = list(model.parameters())
+    sizes = [p.numel() * p.element_size() for p in params]
+    half = not quantized and any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    session = 2 * sum(sizes) if half else (3 * max(sizes, default=0) if streamed else sum(sizes))
+    held = 0 if streamed else sum(sizes)   # the model loaded whole, beside the session
+    return session + held + MEMORY_MARGIN, HALF_ON_CPU if half else ""
 
 
 # ------------------------------------------------------------------------------------------- PyTorch side
@@ -341,7 +356,7 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     if verify is False:
         return None, None, "turned off (--no-verify)"
     if verify is None:   # on by default at every size; where it cannot fit, a refusal before the work
-        ok, note = memory_allows(verification_bytes(model, streamed))
+        ok, note = memory_allows(*verification_bytes(model, streamed, quantized=one_pass))
         if not ok:
             raise VerificationMemoryError(note)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
