@@ -23,7 +23,7 @@ class ProbeRunner:
         kernels, at the graph's accuracy level, a packed copy in memory); off by default (verification's exact
         float path, the weights left in the memory-mapped file). ``float32_kernels``: a graph with
         block-quantized MatMuls runs them prepacked at accuracy level 1 (:func:`float32_kernels_copy`: the same
-        weights, computed in float32 as the unpacked path computes them, ~50x faster at 8B; a packed copy in
+        weights, computed in float32 as the unpacked path computes them, ~100x faster at 8B; a packed copy in
         memory); other graphs as with ``prepack=False``."""
         import onnxruntime as ort
 
@@ -119,7 +119,7 @@ def float32_kernels_copy(onnx_path: Path) -> tuple[Path | None, bool]:
     whether the graph has any ``MatMulNBits`` (only then is prepacking worth its memory). onnxruntime's
     prepacked float32 kernels compute the dequantized weight times the activations as the unpacked path does
     (to float32's rounding), so verification on it holds the graph's weights to the same tolerance; the level
-    the graph ships (4: int8 activations) is what the quantized graph's quality check runs."""
+    the graph ships (default 4: int8 activations) applies when it is served."""
     import onnx
 
     proto = onnx.load(str(onnx_path), load_external_data=False)
