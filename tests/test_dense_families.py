@@ -128,7 +128,7 @@ def test_longrope_graph_follows_transformers_per_forward_pass_across_the_thresho
     from qeff_kv.export.facts import family
 
     d = _longrope_16(monkeypatch, tmp_path)
-    monkeypatch.setattr(family, "_longrope_threshold", lambda text, model_type: None)
+    monkeypatch.setattr(family, "longrope_threshold", lambda text, model_type: None)
     r = export_model(d, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, target=target)
     model = _hf(d)
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, 128, 14)]  # last chunk: positions 12-13
