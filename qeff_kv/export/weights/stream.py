@@ -158,8 +158,8 @@ def recorded_parameters(the_plan: Plan):
 
     def shapes_without_stand_ins(graph, params, opset):
         """ONNX shape inference never reads a weight's values, yet torch serializes every tensor it is given
-        (an expanded stand-in as a whole contiguous copy: 7.6 GB at the 8B shape, then refused past protobuf's
-        2 GB); the stand-ins are left out (their shapes are on the graph's values already)."""
+        (an expanded stand-in as a whole contiguous copy: 7.6 GB at the 8B shape, after which the pass failed and
+        torch ignored the failure); the stand-ins are left out (their shapes are on the graph's values already)."""
         return infer(graph, {k: v for k, v in params.items() if not is_stand_in(v, the_plan)}, opset)
 
     def recorded(*args, **kwargs):
