@@ -17,14 +17,11 @@ from qeff_kv.errors import VerificationError
 class ProbeRunner:
     """The plainest correct runner of a retained-state graph: numpy buffers fed back after every step."""
 
-    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None, *, prepack: bool = False,
-                 float32_kernels: bool = False):
-        """``prepack``: let onnxruntime prepack the weights as the runtime's sessions do (its fast MatMulNBits
-        kernels, at the graph's accuracy level, a packed copy in memory); off by default (verification's exact
-        float path, the weights left in the memory-mapped file). ``float32_kernels``: a graph with
-        block-quantized MatMuls runs them prepacked at accuracy level 1 (:func:`float32_kernels_copy`: the same
-        weights, computed in float32 as the unpacked path computes them, ~100x faster at 8B; a packed copy in
-        memory); other graphs as with ``prepack=False``."""
+    def __init__(self, onnx_path: Path, ctx_len: int, kv_batch: int, ccl=None, *, float32_kernels: bool = False):
+        """Weights stay in the memory-mapped external data file (onnxruntime's prepacking off). ``float32_kernels``:
+        a graph with block-quantized MatMuls runs them prepacked at accuracy level 1 instead
+        (:func:`float32_kernels_copy`: the same weights, computed in float32 as the unpacked path computes them,
+        ~100x faster at 8B; a packed copy in memory); other graphs as without it."""
         import onnxruntime as ort
 
         graph = graphio.load(onnx_path)
@@ -36,7 +33,7 @@ class ProbeRunner:
         copy, packed = float32_kernels_copy(onnx_path) if float32_kernels else (None, False)
         # the weights stay in the memory-mapped external data file instead of a prepacked copy (a 1.45 GB
         # float32 graph: 1.68 GB resident after loading with prepacking, 0.08 GB without; docs/export.md)
-        if not (prepack or packed):
+        if not packed:
             opts.add_session_config_entry("session.disable_prepacking", "1")
         try:
             with capture.library_output():   # onnxruntime's own log lines stay behind --debug

@@ -42,24 +42,23 @@ def natural_text_check(float_path: Path, quant_path: Path, ids: list[int], *, ct
     float graph's, and how likely does each find the text's next token (perplexity)."""
     if len(ids) < 2:
         return natural_verdict(None, None, ids)
-    rows = {label: natural_rows(path, ids, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, slot=slot, label=label,
-                                prepack=label == "quantized")
+    rows = {label: natural_rows(path, ids, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, slot=slot, label=label)
             for label, path in (("float", float_path), ("quantized", quant_path))}
     return natural_verdict(rows["float"], rows["quantized"], ids)
 
 
 def natural_rows(path: Path, ids: list[int], *, ctx_len: int, kv_batch: int = 1, ccl=None, slot: int = 0,
-                 label: str = "quantized", prepack: bool = True) -> np.ndarray:
+                 label: str = "quantized") -> np.ndarray:
     """The graph's logits after each of ``ids[:-1]``, read one token at a time (a prefill step returns its last
-    row only). ``prepack``: the quantized graph's block-quantized MatMuls run prepacked on onnxruntime's float32
-    kernels (:func:`~qeff_kv.export.probe_runner.float32_kernels_copy`): the weights' quality, as the unpacked
-    path measured it, and fast (Llama-3.1-8B shape, int4: 0.4 s a decode step against ~55 s unpacked; 4.6 GB
-    resident against 6.5 GB at the int8-activation level 4 the graph ships, docs/benchmarks.md); the float graph
-    keeps its weights in the memory-mapped file (``prepack=False``)."""
+    row only). A quantized graph's block-quantized MatMuls run prepacked on onnxruntime's float32 kernels
+    (:func:`~qeff_kv.export.probe_runner.float32_kernels_copy`): the weights' quality, as the unpacked path
+    measured it, and fast (Llama-3.1-8B shape, int4: 0.4 s a decode step against ~55 s unpacked; 4.6 GB resident
+    against 6.5 GB at the int8-activation level 4 the graph ships, docs/benchmarks.md); a float graph keeps its
+    weights in the memory-mapped file."""
     if len(ids) < 2:
         return np.zeros((0, 0))
     try:
-        runner = ProbeRunner(path, ctx_len, kv_batch, ccl, float32_kernels=prepack)
+        runner = ProbeRunner(path, ctx_len, kv_batch, ccl, float32_kernels=True)
         rows = np.stack([runner.step([t], [i], slot) for i, t in enumerate(ids[:-1])])
         del runner
     except Exception as exc:
