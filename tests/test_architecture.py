@@ -397,11 +397,13 @@ def test_wing_check_finds_an_upward_import_and_an_unplaced_room(tmp_path):
     for rel, text in {"__init__.py": "", "w/__init__.py": "from qeff_kv.w import top\n", "w/low.py": "",
                       "w/mid/__init__.py": "", "w/mid/a.py": "def f():\n    from qeff_kv.w import top\n",
                       "w/top.py": "from qeff_kv.w.mid import a\nfrom . import low\n",
-                      "w/stray.py": "import qeff_kv.w\n", "w/ok.py": "from qeff_kv.w.low import x\n"}.items():
+                      "w/stray.py": "import qeff_kv.w\n", "w/ok.py": "from qeff_kv.w.low import x\n",
+                      "w/side.py": "from .mid import a\n"}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    assert wing_offenders("w", [["low.py", "gone.py"], ["mid/", "ok.py"], ["top.py"]], root) == [
+    assert wing_offenders("w", [["low.py", "gone.py"], ["mid/", "ok.py", "side.py"], ["top.py"]], root) == [
         "w/stray.py: in no level of the w order in docs/architecture.md",
         "w/gone.py: named in the w order but not there",
         "w/mid/a.py:2 mid/ -> top.py (w: level 1 imports level 2)",
+        "w/side.py:1 side.py -> mid/ (w: level 1 imports level 1)",
         "w/stray.py:1 stray.py -> __init__.py (w: level ? imports its face)"]
