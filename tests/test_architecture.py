@@ -21,8 +21,8 @@ MAX_LOOSE_AT_TOP = 6
 MAX_MODULES_IN_A_FOLDER = 15
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
+def _module_name(path: Path, root: Path = PKG) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -279,3 +279,131 @@ def test_direction_check_finds_an_upward_import():
         "qeff_kv.contract.naming (contract) imports qeff_kv.graph.graphio (graph)",
         "qeff_kv.export.checkpoint (export) imports qeff_kv.runtime.model_files (runtime)",
         "qeff_kv.nowhere: in no layer of docs/architecture.md"]
+
+
+# ------------------------------------------------------------------------------------------- wings
+#: every layer folder has a written room order (issue 48)
+LAYER_WINGS = ("contract", "support", "graph", "tools", "export", "runtime", "serve")
+#: the nested wings whose order matters: the exporter's sub-folders (a pre-quantized reader must not climb to the
+#: graph rewrite, a fact must not reach for a target, ...)
+NESTED_WINGS = ("export/facts", "export/modeling", "export/targets", "export/weights", "export/weights/prequant")
+
+
+def documented_wings() -> dict[str, list[list[str]]]:
+    """``wing -> its levels, bottom to top, each a list of rooms`` from the tables under "## The wings" of
+    docs/architecture.md (a wing: ``export`` or a nested one, ``export/weights/prequant``; a room: ``naming.py``
+    for a module, ``passes/`` for a sub-folder, relative to the wing)."""
+    text = DOC.read_text()
+    section = text[text.index("## The wings"):]
+    section = section[:section.index("\n## ", 3)]
+    wings: dict[str, list[list[str]]] = {}
+    wing = None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            wing = re.findall(r"`([^`]+)`", line)[0].removeprefix("qeff_kv/").strip("/")
+            wings[wing] = []
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if wing is not None and line.lstrip().startswith("|") and len(cells) >= 2 and cells[0].isdigit():
+            assert int(cells[0]) == len(wings[wing]), f"{wing}: levels out of order at {line!r}"
+            wings[wing].append(re.findall(r"`([^`]+)`", cells[1]))
+    return wings
+
+
+def module_imports(path: Path, mod: str, modules) -> list[tuple[str, int]]:
+    """``(qeff_kv module, line)`` of every import in a file (inside functions too), each to the module it names:
+    ``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b`` (the nearest module above a name)."""
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+    def nearest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [nearest(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            stem = node.module or ""
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else nearest(stem) for a in node.names]
+        out += sorted({(n, node.lineno) for n in names if n is not None and n.startswith("qeff_kv")})
+    return out
+
+
+def room_of(module: str, wing: str, root: Path = PKG) -> str | None:
+    """The room of ``wing`` a module lies in (``qeff_kv.export.facts.family`` -> ``facts/`` in ``export``), the
+    wing's face ``__init__.py``, or None outside the wing."""
+    prefix = ["qeff_kv", *wing.split("/")]
+    parts = module.split(".")
+    if parts[:len(prefix)] != prefix:
+        return None
+    rest = parts[len(prefix):]
+    if not rest:
+        return "__init__.py"
+    return f"{rest[0]}/" if (root / wing / rest[0]).is_dir() else f"{rest[0]}.py"
+
+
+def wing_offenders(wing: str, levels: list[list[str]], root: Path = PKG) -> list[str]:
+    """Every import inside ``wing`` that does not run down its documented levels (``path:line from-room ->
+    to-room``), a room importing the wing's face, every room no level names and every named room that is not
+    there. The face (``__init__.py``) may import any room; a room may import only itself and lower levels."""
+    level = {room: i for i, rooms in enumerate(levels) for room in rooms}
+    folder = root / wing
+    present = {f"{p.name}/" for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+    out = [f"{wing}/{r}: in no level of the {wing} order in docs/architecture.md" for r in sorted(present - set(level))]
+    out += [f"{wing}/{r}: named in the {wing} order but not there" for r in sorted(set(level) - present)]
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    for mod, path in sorted(modules.items()):
+        here = room_of(mod, wing, root)
+        if here is None or here == "__init__.py":
+            continue
+        for target, line in module_imports(path, mod, modules):
+            there = room_of(target, wing, root)
+            if there is None or there == here:
+                continue
+            if there == "__init__.py" or there not in level or level.get(here, -1) <= level[there]:
+                where = "its face" if there == "__init__.py" else f"level {level.get(there, '?')}"
+                out.append(f"{path.relative_to(root)}:{line} {here} -> {there} "
+                           f"({wing}: level {level.get(here, '?')} imports {where})")
+    return out
+
+
+def test_every_layer_folder_has_a_room_order():
+    wings = documented_wings()
+    missing = set(LAYER_WINGS + NESTED_WINGS) - set(wings)
+    assert not missing, f"no room order in docs/architecture.md for {sorted(missing)}"
+    for wing, levels in wings.items():
+        assert (PKG / wing / "__init__.py").exists(), f"{wing}: no such package"
+        rooms = [r for rooms in levels for r in rooms]
+        assert len(rooms) == len(set(rooms)), f"{wing}: a room on two levels"
+
+
+@pytest.mark.parametrize("wing", list(documented_wings()))
+def test_rooms_import_only_down_their_wing(wing):
+    """issue 48: inside each wing (a layer folder, and the nested ones whose order matters) the rooms run in the
+    documented levels, bottom to top; imports inside functions count."""
+    offenders = wing_offenders(wing, documented_wings()[wing])
+    assert offenders == [], "upward or unplaced in docs/architecture.md's wing order:\n" + "\n".join(offenders)
+
+
+def test_wing_check_finds_an_upward_import_and_an_unplaced_room(tmp_path):
+    root = tmp_path / "qeff_kv"
+    for rel, text in {"__init__.py": "", "w/__init__.py": "from qeff_kv.w import top\n", "w/low.py": "",
+                      "w/mid/__init__.py": "", "w/mid/a.py": "def f():\n    from qeff_kv.w import top\n",
+                      "w/top.py": "from qeff_kv.w.mid import a\nfrom . import low\n",
+                      "w/stray.py": "import qeff_kv.w\n", "w/ok.py": "from qeff_kv.w.low import x\n",
+                      "w/side.py": "from .mid import a\n"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    assert wing_offenders("w", [["low.py", "gone.py"], ["mid/", "ok.py", "side.py"], ["top.py"]], root) == [
+        "w/stray.py: in no level of the w order in docs/architecture.md",
+        "w/gone.py: named in the w order but not there",
+        "w/mid/a.py:2 mid/ -> top.py (w: level 1 imports level 2)",
+        "w/side.py:1 side.py -> mid/ (w: level 1 imports level 1)",
+        "w/stray.py:1 stray.py -> __init__.py (w: level ? imports its face)"]

@@ -92,7 +92,7 @@ MLA_META = "qeff_kv.mla"
 STATE_SPEC_META = "qeff_kv.state_spec"
 #: graph metadata key of the checkpoint identity recorded at export (written by the exporter, read by the runtime)
 CHECKPOINT_META = "qeff_kv.checkpoint"
-#: graph metadata: the exporter version that wrote the graph (``qeff_kv.export.options.EXPORTER_VERSION``)
+#: graph metadata: the exporter version that wrote the graph (``qeff_kv.export.versions.EXPORTER_VERSION``)
 EXPORTER_VERSION_META = "qeff_kv.exporter_version"
 #: graph metadata: ``true``/``false``, the graph was exported with ``--continuous-batching``
 CONTINUOUS_BATCHING_META = "qeff_kv.continuous_batching"

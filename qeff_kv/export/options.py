@@ -22,6 +22,7 @@ from qeff_kv.errors import ExportError
 from qeff_kv.support.limits import positive_int
 from qeff_kv.export import targets
 from qeff_kv.export.schemes import check_scheme, resolve_options
+from qeff_kv.export.versions import EXPORTER_VERSION, IR_VERSION, OPSET  # noqa: F401 (read as opt.OPSET)
 
 DTYPES = ("float32", "float16")
 #: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
@@ -30,9 +31,6 @@ SLIDING_CACHES = ("ring", "full")
 #: valid length through a data-dependent Slice (same names, pairing and in-place safety); onnxruntime-fused:
 #: onnxruntime's GroupQueryAttention appends to the retained buffers in place (no continuous batching).
 TARGETS = targets.NAMES  # ("portable", "onnxruntime", "onnxruntime-fused"): one module each
-OPSET = 17
-#: IR version written; onnxruntime 1.31 loads IR <= 13 while onnx 1.23 writes 14 by default.
-IR_VERSION = 8
 DEFAULT_PREFILL_SEQ_LEN = 32
 #: ``ctx_len`` left out: the model's ``max_position_embeddings``, at most this
 DEFAULT_MAX_CTX_LEN = 4096
@@ -40,12 +38,6 @@ DEFAULT_MAX_CTX_LEN = 4096
 #: but inline weights also make every reader hold two copies while parsing (file bytes and message), so
 #: anything but tiny models goes external: a serving host then loads the graph structure without the weights.
 EXTERNAL_DATA_THRESHOLD = 64 * 2**20
-#: Bump when the exported graph changes for the same options (invalidates the export cache).
-EXPORTER_VERSION = 8  # 2: the output head is a Gemm(transB=1) reading its weight as stored; 3: checkpoint identity;
-# 4: sliding layers as ring buffers; 5: a negative image_idx merges no image rows; 6: onnxruntime targets' single
-# vision-language graphs run the vision encoder only when they merge images; 7: onnxruntime-fused folds its
-# attention output's Reshape pair (FoldLayoutPairsPass); 8: onnxruntime-fused removes the shape nodes the fold
-# leaves unread and packs gate/up (PackSharedInputMatMulsPass)
 
 
 @dataclass(frozen=True)
@@ -112,6 +104,12 @@ class ExportOptions:
             validate.optional_int(label, getattr(self, label), minimum=lo, error=ExportError)
         for label in ("single_graph", "gguf_grid", "hidden_states"):   # truthy values taken as the flag
             object.__setattr__(self, label, bool(getattr(self, label)))
+
+    @property
+    def target_info(self) -> targets.TargetInfo:
+        """What the registry knows of :attr:`target` without torch (ring buffers, GroupQueryAttention): the
+        family facts' refusals and cache plan read it here, so the facts never import the targets."""
+        return targets.info(self.target)
 
     def resolved(self, max_position_embeddings) -> "ExportOptions":
         """The options for a model whose ``config.json`` gives ``max_position_embeddings``: ``ctx_len`` defaulted,

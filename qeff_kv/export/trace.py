@@ -25,7 +25,7 @@ from qeff_kv.export.modeling import recurrent as recurrent_mod
 from qeff_kv.export import transformers_adapter as hf
 from qeff_kv.export import options as opt
 from qeff_kv.export.modeling.caches import SlidingPlan
-from qeff_kv.export.wrapper import RetainedStateLM
+from qeff_kv.export.wrapper import RetainedStateLM, VisionLanguageLM
 
 
 @dataclass
@@ -172,12 +172,10 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                                **common).eval(), target
     if options.hidden_states:
         raise ExportError("--hidden-states is for text decoders; this is a vision-language model")
-    from qeff_kv.export.modeling import vlm as vlm_mod
-
-    return vlm_mod.VisionLanguageLM(model, num_layers, options.continuous_batching,
-                                    image_token_id=facts.image_token_id, single_graph=options.single_graph,
-                                    image_blocks=facts.bidirectional_images, mrope=facts.mrope,
-                                    grid=vision.get("grid"), **common).eval(), target
+    return VisionLanguageLM(model, num_layers, options.continuous_batching,
+                            image_token_id=facts.image_token_id, single_graph=options.single_graph,
+                            image_blocks=facts.bidirectional_images, mrope=facts.mrope,
+                            grid=vision.get("grid"), **common).eval(), target
 
 
 def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None, *,

@@ -9,6 +9,8 @@ model's own output head and its logit scaling/soft-capping. A speculative-decodi
 (``speculative=True``, the "target language model" of QEfficient) takes a last input ``num_logits_to_keep``
 ``[n, 1]`` and returns the logits of the ``n`` rows ending at each row's last valid one (``[batch, n, vocab]``;
 the first row clamped at 0): ``n = 1`` for prefill, ``n = K+1`` to verify ``K`` drafted tokens in one step.
+:class:`VisionLanguageLM` is the same step for a vision-language model: the image rows merged into the
+embeddings (:mod:`qeff_kv.export.modeling.vlm`) before the decoder runs.
 
 This module imports torch; nothing outside :mod:`qeff_kv.export` imports it.
 """
@@ -19,7 +21,7 @@ import contextlib
 
 import torch
 
-from qeff_kv.export.modeling import recurrent
+from qeff_kv.export.modeling import recurrent, vlm
 from qeff_kv.export import transformers_adapter as hf
 from qeff_kv.export.modeling.caches import SlidingPlan
 from qeff_kv.export.modeling.graph_ops import HeadGemm, LengthOf
@@ -172,3 +174,44 @@ class RetainedStateLM(torch.nn.Module):
                 raise RuntimeError(f"layer {layer.layer} did not update its cache")
             retained.extend(kv)
         return retained
+
+
+class VisionLanguageLM(RetainedStateLM):
+    """The language graph of a vision-language model (dual layout), or the whole model (``single_graph``).
+
+    Inputs in the peer's order: dual ``(input_ids, vision_embeds, position_ids, image_idx, *KV, [batch_index])``,
+    single ``(input_ids, position_ids, pixel_values, image_idx, *KV, [batch_index])``. Outputs: ``(logits,
+    vision_embeds | pixel_values, image_idx_output, *KV_RetainedState)``."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, image_token_id: int,
+                 single_graph: bool = False, image_blocks: bool = False, mrope: bool = False, grid=None, **kwargs):
+        super().__init__(model, num_layers, continuous_batching, **kwargs)
+        self.image_token_id = int(image_token_id)
+        self.single_graph = single_graph
+        #: image tokens attend to each other both ways within an image (Gemma3)
+        self.image_blocks = image_blocks
+        #: ``position_ids [4, B, S]``: text positions, then the multimodal RoPE rows (Qwen2.5-VL)
+        self.mrope = mrope
+        #: the single graph's fixed patch grid (see :class:`~qeff_kv.export.modeling.vlm.VisionEncoder`)
+        self.grid = grid
+
+    def forward(self, input_ids, first, second, *rest):
+        if self.single_graph:
+            position_ids, pixel_values = first, second
+            image_idx, *rest = rest
+            vision_embeds = vlm.image_features(self.lm, pixel_values, vlm.grid_tensor(self.grid))
+            retained_input = pixel_values
+        else:
+            vision_embeds, position_ids = first, second
+            image_idx, *rest = rest
+            retained_input = vision_embeds
+        rope_rows = None
+        if self.mrope:
+            position_ids, rope_rows = position_ids[0], position_ids[1:]
+        text = self.lm.get_input_embeddings()(input_ids)
+        merged, image_idx_out = vlm.merge_image_rows(text, input_ids, position_ids, vision_embeds, image_idx,
+                                                     self.image_token_id)
+        blocks = vlm.image_blocks(input_ids, position_ids, self.image_token_id) if self.image_blocks else None
+        logits, *kv = self.run(input_ids, position_ids, rest, inputs_embeds=merged, blocks=blocks,
+                               rope_rows=rope_rows)
+        return (logits, retained_input, image_idx_out, *kv)

@@ -3,7 +3,8 @@
 The exporter never asks ``model_type == ...``: it asks these facts. Each fact names the config fields it
 reads and is proved by a test in ``tests/test_family_facts.py`` (and, end to end, by the family matrix in
 ``tests/test_families.py``). Where a target cannot express a model, :meth:`ModelFacts.refusal` says so from
-the config alone, before anything is loaded or traced.
+the config alone, before anything is loaded or traced. The facts never import the targets: what a target can do
+(ring buffers, GroupQueryAttention) comes with the options (``ExportOptions.target_info``, from the registry).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import inspect
 from dataclasses import dataclass, field
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export import targets
 from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
@@ -137,13 +137,13 @@ class ModelFacts:
             if reason is not None:
                 return reason
         if (self.chunked_layers and options.ctx_len > self.attention_chunk
-                and targets.info(options.target).group_query_attention):
+                and options.target_info.group_query_attention):
             return (f"--target onnxruntime-fused cannot express {self.architecture}'s chunked attention (layers "
                     f"attend within chunks of {self.attention_chunk} positions; GroupQueryAttention only has a "
                     f"sliding window); use --target onnxruntime, or --ctx-len {self.attention_chunk} or less")
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
-        if targets.info(options.target).group_query_attention:
+        if options.target_info.group_query_attention:
             return self.fused_refusal()
         return None
 
@@ -265,7 +265,7 @@ class ModelFacts:
         full-length buffers and windows attention in GroupQueryAttention (``local_window_size``)."""
         if not self.sliding_layers or options.ctx_len <= int(self.sliding_window):
             return ()
-        if not targets.info(options.target).ring_buffers or getattr(options, "sliding_cache", None) == "full":
+        if not options.target_info.ring_buffers or getattr(options, "sliding_cache", None) == "full":
             return ()
         return self.sliding_layers
 

@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from qeff_kv.export.versions import OPSET
+
 
 class ScatterKV(torch.autograd.Function):
     """``ScatterND(data, indices, updates)`` with exactly that ONNX form (no copies around it)."""
@@ -284,15 +286,13 @@ def export_symbolics():
     """While exporting: torch symbolics replaced where torch's own corrupt the graph (see
     :func:`_repeat_interleave_symbolic`) or added where torch has none for opset 17 (``aten::expm1``,
     ``aten::rms_norm``); torch's are restored on exit."""
-    from qeff_kv.export import options as opt
-
     for name, fn in _SYMBOLICS.items():
-        torch.onnx.register_custom_op_symbolic(name, fn, opt.OPSET)
+        torch.onnx.register_custom_op_symbolic(name, fn, OPSET)
     try:
         yield
     finally:
         for name in _SYMBOLICS:
-            torch.onnx.unregister_custom_op_symbolic(name, opt.OPSET)
+            torch.onnx.unregister_custom_op_symbolic(name, OPSET)
 
 
 def absent(v) -> bool:

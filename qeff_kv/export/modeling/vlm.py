@@ -36,9 +36,8 @@ import torch
 from qeff_kv import __version__
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExportError
-from qeff_kv.export import options as opt
 from qeff_kv.export.facts.family import needs_image_sizes
-from qeff_kv.export.wrapper import RetainedStateLM
+from qeff_kv.export.versions import EXPORTER_VERSION, IR_VERSION, OPSET
 
 
 def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
@@ -62,7 +61,7 @@ def image_features(model: torch.nn.Module, pixel_values: torch.Tensor,
     return feats
 
 
-def _grid_tensor(grid) -> torch.Tensor | None:
+def grid_tensor(grid) -> torch.Tensor | None:
     return None if grid is None else torch.tensor([list(grid)], dtype=torch.int64)
 
 
@@ -77,7 +76,7 @@ class VisionEncoder(torch.nn.Module):
         self.grid = grid
 
     def forward(self, pixel_values):
-        return image_features(self.model, pixel_values, _grid_tensor(self.grid))
+        return image_features(self.model, pixel_values, grid_tensor(self.grid))
 
 
 def merge_image_rows(text_embeds: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -105,47 +104,6 @@ def image_blocks(input_ids: torch.Tensor, position_ids: torch.Tensor, image_toke
     starts = is_image & ~previous
     ids = starts.to(torch.int64).cumsum(1) - 1
     return torch.where(is_image, ids, torch.full_like(ids, -1))
-
-
-class VisionLanguageLM(RetainedStateLM):
-    """The language graph of a vision-language model (dual layout), or the whole model (``single_graph``).
-
-    Inputs in the peer's order: dual ``(input_ids, vision_embeds, position_ids, image_idx, *KV, [batch_index])``,
-    single ``(input_ids, position_ids, pixel_values, image_idx, *KV, [batch_index])``. Outputs: ``(logits,
-    vision_embeds | pixel_values, image_idx_output, *KV_RetainedState)``."""
-
-    def __init__(self, model: torch.nn.Module, num_layers: int, continuous_batching: bool, *, image_token_id: int,
-                 single_graph: bool = False, image_blocks: bool = False, mrope: bool = False, grid=None, **kwargs):
-        super().__init__(model, num_layers, continuous_batching, **kwargs)
-        self.image_token_id = int(image_token_id)
-        self.single_graph = single_graph
-        #: image tokens attend to each other both ways within an image (Gemma3)
-        self.image_blocks = image_blocks
-        #: ``position_ids [4, B, S]``: text positions, then the multimodal RoPE rows (Qwen2.5-VL)
-        self.mrope = mrope
-        #: the single graph's fixed patch grid (see :class:`VisionEncoder`)
-        self.grid = grid
-
-    def forward(self, input_ids, first, second, *rest):
-        if self.single_graph:
-            position_ids, pixel_values = first, second
-            image_idx, *rest = rest
-            vision_embeds = image_features(self.lm, pixel_values, _grid_tensor(self.grid))
-            retained_input = pixel_values
-        else:
-            vision_embeds, position_ids = first, second
-            image_idx, *rest = rest
-            retained_input = vision_embeds
-        rope_rows = None
-        if self.mrope:
-            position_ids, rope_rows = position_ids[0], position_ids[1:]
-        text = self.lm.get_input_embeddings()(input_ids)
-        merged, image_idx_out = merge_image_rows(text, input_ids, position_ids, vision_embeds, image_idx,
-                                                 self.image_token_id)
-        blocks = image_blocks(input_ids, position_ids, self.image_token_id) if self.image_blocks else None
-        logits, *kv = self.run(input_ids, position_ids, rest, inputs_embeds=merged, blocks=blocks,
-                               rope_rows=rope_rows)
-        return (logits, retained_input, image_idx_out, *kv)
 
 
 # ------------------------------------------------------------------------------- geometry and tracing
@@ -231,7 +189,7 @@ def language_inputs(io, vision: dict, facts, options, dtype) -> dict:
     return vision
 
 
-def trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) -> None:
+def trace_vision(model, options, path: Path, vision: dict) -> None:
     """The dual layout's vision graph: ``pixel_values [batch_size, channels, img_size, img_size] ->
     vision_embeds [batch_size, vision_size, hidden]``."""
     dtype = next(model.parameters()).dtype
@@ -244,22 +202,22 @@ def trace_vision(model, options: opt.ExportOptions, path: Path, vision: dict) ->
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(VisionEncoder(model, vision.get("grid")).eval(), args, str(path), dynamo=False,
-                              opset_version=opt.OPSET, input_names=names, output_names=[naming.VISION_EMBEDS],
+                              opset_version=OPSET, input_names=names, output_names=[naming.VISION_EMBEDS],
                               dynamic_axes=dyn, do_constant_folding=True)
         except Exception as exc:
             raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def finalize_vision(model: ir.Model, options: opt.ExportOptions, vision: dict) -> None:
+def finalize_vision(model: ir.Model, options, vision: dict) -> None:
     """Deterministic metadata, and the output's exact shape: ``[batch_size, vision_size, hidden]`` (one image
     per row; patch-row models: one row per image of the fixed grid)."""
     out = model.graph.outputs[0]
     out.shape = ir.Shape([1 if "grid" in vision else "batch_size", vision["vision_size"], vision["hidden_size"]])
-    model.ir_version = opt.IR_VERSION
+    model.ir_version = IR_VERSION
     model.producer_name = "qeff-kv"
     model.producer_version = __version__
     model.doc_string = None
     model.graph.name = "qeff_kv_vision"
-    model.metadata_props[naming.EXPORTER_VERSION_META] = str(opt.EXPORTER_VERSION)
+    model.metadata_props[naming.EXPORTER_VERSION_META] = str(EXPORTER_VERSION)
     model.metadata_props[naming.TARGET_META] = options.target

@@ -7,144 +7,17 @@ bit width, a kernel-specific layout, activation quantization). :meth:`PrequantSc
 export's ``--weights``/``--block-size``/``--target``/``--dtype`` into what the checkpoint itself says (int4
 ``MatMulNBits`` blocks of its own group size) or refuses them in one line.
 
-The rooms: :mod:`.blocks` (one Linear's int4 weight unpacked, its exact float dequantization and its
-``MatMulNBits`` repacking), one reader per layout (:mod:`.awq`, :mod:`.gptq`, :mod:`.compressed`), :mod:`.folder`
-(the safetensors folder: every quantized Linear, the dequantized float model for the PyTorch reference) and
-:mod:`.graph` (the float graph's MatMuls replaced by ``MatMulNBits`` built from the checkpoint's own blocks).
+The rooms, bottom to top (docs/architecture.md): :mod:`.scheme` (:class:`PrequantScheme` and the checks every
+layout's config shares), :mod:`.blocks` (one Linear's int4 weight unpacked, its exact float dequantization and its
+``MatMulNBits`` repacking), one reader per layout, each reading its own config too (:mod:`.awq`, :mod:`.gptq`,
+:mod:`.compressed`), :mod:`.detection` (:func:`detect`: the reader by ``quant_method``), :mod:`.folder` (the
+safetensors folder: every quantized Linear, the dequantized float model for the PyTorch reference) and :mod:`.graph`
+(the float graph's MatMuls replaced by ``MatMulNBits`` built from the checkpoint's own blocks). This face
+re-exports :func:`detect` and :mod:`.scheme`'s names.
 """
 
-from __future__ import annotations
+from qeff_kv.export.weights.prequant.detection import detect
+from qeff_kv.export.weights.prequant.scheme import (FORMATS, MAX_BLOCK, PrequantScheme, block_for_group, group_size_of,
+                                                    require_bits)
 
-from dataclasses import asdict, dataclass
-
-from qeff_kv.errors import ExportError
-
-#: the formats read, and what each of their configs must say
-FORMATS = ("awq", "gptq", "compressed-tensors")
-#: the largest MatMulNBits block taken from a group (a group of 256 is two blocks with the same scale and zero)
-MAX_BLOCK = 128
-
-
-@dataclass(frozen=True)
-class PrequantScheme:
-    """One checkpoint's int4 scheme: ``format`` (:data:`FORMATS`), ``group_size`` (``-1``: one group per output
-    row), ``symmetric``, ``act_order`` (GPTQ ``desc_act``; compressed-tensors ``actorder: group``: the groups are
-    scattered over K by ``g_idx``), ``zeros_minus_one`` (GPTQ v1 stores each zero point minus one) and ``layout``
-    (the on-disk variant named in the config: AWQ ``version``, GPTQ ``checkpoint_format``, compressed-tensors
-    ``format``)."""
-
-    format: str
-    group_size: int
-    symmetric: bool
-    act_order: bool
-    zeros_minus_one: bool
-    layout: str
-    bits: int = 4
-
-    @property
-    def block_size(self) -> int | None:
-        """MatMulNBits' block for this group size (``None`` for one group per row: chosen per weight from K)."""
-        return None if self.group_size == -1 else block_for_group(self.group_size)
-
-    def describe(self) -> str:
-        group = "per output channel" if self.group_size == -1 else f"groups of {self.group_size}"
-        return (f"{self.format} ({self.layout}) int{self.bits}, {group}, "
-                f"{'symmetric' if self.symmetric else 'asymmetric'}{', act-order (g_idx)' if self.act_order else ''}")
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    def resolve_flags(self, *, weights, block_size, accuracy_level, target: str, dtype: str, name: str):
-        """``(weights, block_size, accuracy_level)`` for the export: the checkpoint says int4 and its group size;
-        flags that contradict it, and targets or dtypes that cannot hold it exactly, are refused in one line."""
-        what = f"{name} is a pre-quantized {self.describe()} checkpoint"
-        if target == "portable":
-            raise ExportError(f"{what}: its weights become onnxruntime's MatMulNBits, which the portable target "
-                              "cannot hold; use --target onnxruntime or onnxruntime-fused")
-        if weights not in (None, "int4"):
-            raise ExportError(f"{what}: --weights {weights} would requantize it; export it without --weights")
-        if block_size is not None and block_size != self.block_size:
-            raise ExportError(f"{what}: its blocks are its own ({self.block_size or 'per channel'}); "
-                              f"--block-size {block_size} cannot change them")
-        if dtype != "float32":
-            raise ExportError(f"{what}: its dequantized weights scale * (q - zero) need float32 (up to 15 "
-                              f"significant bits; {dtype} would round them); use --dtype float32")
-        return "int4", self.block_size, accuracy_level
-
-
-def block_for_group(group: int) -> int:
-    """The MatMulNBits block (a power of two, 16 to :data:`MAX_BLOCK`) that tiles a group of ``group`` values:
-    each block lies inside one group and takes its scale and zero point. Refused when none divides it."""
-    block = MAX_BLOCK
-    while block >= 16 and group % block:
-        block //= 2
-    if block < 16:
-        raise ExportError(f"a group of {group} values is not a whole number of MatMulNBits blocks (a power of two "
-                          f">= 16 must divide it)")
-    return block
-
-
-def group_size_of(value, method: str) -> int:
-    """A config's group size (-1: one group per output row), refused unless whole MatMulNBits blocks tile it."""
-    if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and value < 1):
-        raise ExportError(f"quantization_config: {method} group_size must be -1 or a positive integer, got {value!r}")
-    if value != -1:
-        block_for_group(value)
-    return value
-
-
-def require_bits(bits, method: str) -> None:
-    """Refuse, in one line, a bit width other than 4."""
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise ExportError(f"quantization_config: {method} bits must be an integer, got {bits!r}")
-    if bits != 4:
-        raise ExportError(f"a {bits}-bit {method} checkpoint is not read: the exporter takes 4-bit checkpoints' "
-                          "own blocks into MatMulNBits (bits 4)")
-
-
-def detect(config: dict) -> PrequantScheme | None:
-    """The checkpoint's int4 scheme from ``config.json`` (``None``: not a quantized checkpoint)."""
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ExportError(f"quantization_config must be an object, got {type(qc).__name__}")
-    method = qc.get("quant_method")
-    if method == "awq":
-        return _awq(qc)
-    if method == "gptq":
-        return _gptq(qc)
-    if method == "compressed-tensors":
-        from qeff_kv.export.weights.prequant.compressed import scheme_of
-
-        return scheme_of(qc)
-    raise ExportError(f"quantization_config quant_method {method!r} is not read (the exporter reads int4 "
-                      f"{', '.join(FORMATS)} checkpoints)")
-
-
-def _awq(qc: dict) -> PrequantScheme:
-    require_bits(qc.get("bits", 4), "AWQ")
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise ExportError(f"an AWQ checkpoint with version {version!r} is not read: only the GEMM packing (version "
-                          "'gemm') is known exactly (GEMV and exllama/marlin/ipex layouts are kernel-specific)")
-    if qc.get("zero_point", True) is not True:
-        raise ExportError("an AWQ checkpoint without zero points (zero_point false) is not read: AWQ GEMM's "
-                          "qzeros layout is the one known exactly")
-    return PrequantScheme("awq", group_size_of(qc.get("group_size", 128), "AWQ"), symmetric=False, act_order=False,
-                          zeros_minus_one=False, layout="gemm")
-
-
-def _gptq(qc: dict) -> PrequantScheme:
-    require_bits(qc.get("bits", 4), "GPTQ")
-    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ExportError(f"a GPTQ checkpoint in format {fmt!r} is not read: only the gptq (v1) and gptq_v2 "
-                          "layouts are known exactly (marlin, bitblas and exllama layouts are kernel-specific)")
-    sym = qc.get("sym", True)
-    if not isinstance(sym, bool):
-        raise ExportError(f"quantization_config: 'sym' must be true or false, got {sym!r}")
-    return PrequantScheme("gptq", group_size_of(qc.get("group_size", 128), "GPTQ"), symmetric=sym,
-                          act_order=bool(qc.get("desc_act", False)), zeros_minus_one=fmt == "gptq", layout=fmt)
+__all__ = ["FORMATS", "MAX_BLOCK", "PrequantScheme", "block_for_group", "detect", "group_size_of", "require_bits"]

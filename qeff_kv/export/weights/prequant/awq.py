@@ -16,6 +16,7 @@ import numpy as np
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear, check_groups, unpack_int32
+from qeff_kv.export.weights.prequant.scheme import PrequantScheme, group_size_of, require_bits
 
 #: AutoAWQ GEMM's interleave: nibble i of each int32 holds element ORDER[i] of its eight
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -39,3 +40,16 @@ def read(name: str, get, scheme, has=lambda _k: True) -> QuantizedLinear:
     z = unpack_int32(qzeros, axis=1, order=ORDER)           # [K/G, N]
     return QuantizedLinear(name, q.T.copy(), z.T.copy(), np.ascontiguousarray(scales.T, dtype=np.float32))
 
+
+def scheme_of(qc: dict) -> PrequantScheme:
+    """The :class:`~qeff_kv.export.weights.prequant.scheme.PrequantScheme` of an AWQ ``quantization_config``."""
+    require_bits(qc.get("bits", 4), "AWQ")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ExportError(f"an AWQ checkpoint with version {version!r} is not read: only the GEMM packing (version "
+                          "'gemm') is known exactly (GEMV and exllama/marlin/ipex layouts are kernel-specific)")
+    if qc.get("zero_point", True) is not True:
+        raise ExportError("an AWQ checkpoint without zero points (zero_point false) is not read: AWQ GEMM's "
+                          "qzeros layout is the one known exactly")
+    return PrequantScheme("awq", group_size_of(qc.get("group_size", 128), "AWQ"), symmetric=False, act_order=False,
+                          zeros_minus_one=False, layout="gemm")

@@ -30,7 +30,7 @@ from functools import cached_property
 import numpy as np
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export.weights.prequant import block_for_group
+from qeff_kv.export.weights.prequant.scheme import block_for_group
 
 
 @dataclass

@@ -22,15 +22,15 @@ import numpy as np
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear, check_groups, unpack_int32
+from qeff_kv.export.weights.prequant.scheme import PrequantScheme, group_size_of, require_bits
 
 MARK = "weight_packed"
 ALL = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
 def scheme_of(qc: dict):
-    """The :class:`~qeff_kv.export.weights.prequant.PrequantScheme` of a compressed-tensors ``quantization_config``."""
-    from qeff_kv.export.weights.prequant import PrequantScheme
-
+    """The :class:`~qeff_kv.export.weights.prequant.scheme.PrequantScheme` of a compressed-tensors
+    ``quantization_config``."""
     fmt = qc.get("format")
     if fmt != "pack-quantized":
         raise ExportError(f"a compressed-tensors checkpoint in format {fmt!r} is not read: only 'pack-quantized' "
@@ -65,8 +65,6 @@ def scheme_of(qc: dict):
 
 
 def _weights_scheme(w: dict) -> tuple:
-    from qeff_kv.export.weights.prequant import group_size_of, require_bits
-
     require_bits(w.get("num_bits"), "compressed-tensors")
     if w.get("type", "int") != "int":
         raise ExportError(f"compressed-tensors weights of type {w.get('type')!r} are not read (int only)")

@@ -13,8 +13,9 @@ import numpy as np
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export import transformers_adapter as hf
-from qeff_kv.export.weights.prequant import PrequantScheme, awq, compressed, gptq
+from qeff_kv.export.weights.prequant import awq, compressed, gptq
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear
+from qeff_kv.export.weights.prequant.scheme import PrequantScheme
 
 #: the reader of each format: ``MARK`` (the tensor that marks a quantized Linear), ``ALL`` (its tensors), ``read``
 READERS = {"awq": awq, "gptq": gptq, "compressed-tensors": compressed}

@@ -20,6 +20,7 @@ import numpy as np
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear, check_groups, unpack_int32
+from qeff_kv.export.weights.prequant.scheme import PrequantScheme, group_size_of, require_bits
 
 MARK = "qweight"
 PARTS = ("qweight", "qzeros", "scales")
@@ -51,3 +52,17 @@ def read(name: str, get, scheme, has=lambda _k: True) -> QuantizedLinear:
                           f"is {scheme.group_size}")
     return QuantizedLinear(name, q.T.copy(), z.astype(np.uint8).T.copy(),
                            np.ascontiguousarray(scales.T, dtype=np.float32), g_idx)
+
+
+def scheme_of(qc: dict) -> PrequantScheme:
+    """The :class:`~qeff_kv.export.weights.prequant.scheme.PrequantScheme` of a GPTQ ``quantization_config``."""
+    require_bits(qc.get("bits", 4), "GPTQ")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ExportError(f"a GPTQ checkpoint in format {fmt!r} is not read: only the gptq (v1) and gptq_v2 "
+                          "layouts are known exactly (marlin, bitblas and exllama layouts are kernel-specific)")
+    sym = qc.get("sym", True)
+    if not isinstance(sym, bool):
+        raise ExportError(f"quantization_config: 'sym' must be true or false, got {sym!r}")
+    return PrequantScheme("gptq", group_size_of(qc.get("group_size", 128), "GPTQ"), symmetric=sym,
+                          act_order=bool(qc.get("desc_act", False)), zeros_minus_one=fmt == "gptq", layout=fmt)

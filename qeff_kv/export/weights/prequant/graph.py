@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export.weights.prequant import PrequantScheme
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear, pack_zero_points
 from qeff_kv.export.weights.prequant.folder import Tensors, quantized_linears, read_linear
+from qeff_kv.export.weights.prequant.scheme import PrequantScheme
 
 
 def _hash(row: np.ndarray) -> bytes:
@@ -37,7 +37,7 @@ def folder_scheme(folder: Path) -> PrequantScheme:
     """The scheme ``config.json`` of ``folder`` names (refused when it names none)."""
     import json
 
-    from qeff_kv.export.weights.prequant import detect
+    from qeff_kv.export.weights.prequant.detection import detect
 
     scheme = detect(json.loads((Path(folder) / "config.json").read_text()))
     if scheme is None:
