@@ -190,7 +190,7 @@ def serve_cmd(**options) -> None:
     from qeff_kv.serve.config import ServeConfig
 
     config = ServeConfig(**options)
-    host, port = config.host, config.port
+    host, port = config.http.host, config.http.port
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)
