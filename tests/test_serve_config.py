@@ -95,7 +95,9 @@ def _room_imports(path: Path) -> set[str]:
 
 def test_the_serve_wing_imports_only_down_its_order():
     level = {room: i for i, rooms in enumerate(SERVE_ORDER) for room in rooms}
-    serve = Path(__file__).resolve().parent.parent / "qeff_kv" / "serve"
+    import qeff_kv.serve
+
+    serve = Path(qeff_kv.serve.__file__).resolve().parent
     rooms = {p.name.removesuffix(".py") for p in serve.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
     assert rooms - {"__init__"} == set(level)
     upward = []
