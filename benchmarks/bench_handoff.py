@@ -126,7 +126,7 @@ def ttft(args) -> dict:
 
     from qeff_kv.runtime import GREEDY, Session
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
     from qeff_kv.serve.engine.engine import GenerationRequest
     from qeff_kv.serve.engine.scheduler import Scheduler
 
@@ -154,8 +154,8 @@ def ttft(args) -> dict:
     del sess, sched
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
-        eng = start_disaggregated(ServeConfig(args.decode_export or args.export, prefill_export=args.export,
-                                              disaggregate=True, ctx_len=args.ctx_len, threads=args.threads))
+        eng = build_engine(ServeConfig(args.decode_export or args.export, prefill_export=args.export,
+                                       disaggregate=True, ctx_len=args.ctx_len, threads=args.threads))
         try:
             disagg = measure(eng, vocab)
         finally:

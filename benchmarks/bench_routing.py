@@ -61,11 +61,11 @@ def workload(args, vocab: int) -> list[tuple[int, list[int]]]:
 def run_route(args, export: str, route: str, reqs) -> dict:
     from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
     from qeff_kv.serve.engine.engine import Finished, GenerationRequest, TokenOut
 
-    eng = start_disaggregated(ServeConfig(export, disaggregate=True, prefill_replicas=args.prefill_replicas,
-                                          decode_replicas=1, threads=1, route=route, max_queue=256))
+    eng = build_engine(ServeConfig(export, disaggregate=True, prefill_replicas=args.prefill_replicas,
+                                   decode_replicas=1, threads=1, route=route, max_queue=256))
     results: list = [None] * len(reqs)
     nxt = iter(range(len(reqs)))
     lock = threading.Lock()

@@ -1,7 +1,8 @@
 """``qeff-kv serve``: an OpenAI-compatible HTTP server over an export (needs the ``[serve]`` extra).
 
-Thin: the options, named as the fields of :class:`qeff_kv.serve.config.ServeConfig`, fill it (checked there);
-call :func:`qeff_kv.serve.server.serve`.
+Thin: the options, named as the fields of the sections of :class:`qeff_kv.serve.config.ServeConfig`, fill it
+(checked there); call :func:`qeff_kv.serve.server.serve`. ``-h`` lists the options in one group per section
+(:data:`qeff_kv.serve.config.SECTIONS`), each in its order here.
 """
 
 from __future__ import annotations
@@ -48,7 +49,42 @@ class ChunkType(click.ParamType):
         return n
 
 
-@click.command("serve")
+class SectionedCommand(click.Command):
+    """A command whose help lists its options in groups, one per section of :class:`ServeConfig` (click's own
+    ``formatter.section``); options no section holds (``-h``) under "Options". One column width for every group
+    (the one click gives the whole list), so that each option's text wraps as in one list."""
+
+    def format_options(self, ctx, formatter) -> None:
+        rows = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and not isinstance(param, click.Argument):
+                rows[param.name] = record
+        width = min(max(click.formatting.term_len(term) for term, _ in rows.values()), 30)
+        for title, names in option_groups(list(rows)):
+            part = [rows[n] for n in names]
+            part[0] = (part[0][0].ljust(width), part[0][1])   # the column width of the whole list
+            with formatter.section(title):
+                formatter.write_dl(part)
+
+
+def option_groups(names: list[str]) -> list[tuple[str, list[str]]]:
+    """``names`` (in the command's order) grouped by the section of :class:`ServeConfig` holding each (an option
+    in two sections: the first); the rest under "Options"."""
+    from qeff_kv.serve.config import SECTIONS, section_fields
+
+    groups, placed = [], set()
+    for _, cls, title, _ in SECTIONS:
+        fields = set(section_fields(cls)) - placed
+        mine = [n for n in names if n in fields]
+        placed |= fields
+        if mine:
+            groups.append((f"{title} options", mine))
+    rest = [n for n in names if n not in placed]
+    return groups + ([("Options", rest)] if rest else [])
+
+
+@click.command("serve", cls=SectionedCommand)
 @click.argument("export_dir", type=click.Path(path_type=str))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
@@ -154,7 +190,7 @@ def serve_cmd(**options) -> None:
     from qeff_kv.serve.config import ServeConfig
 
     config = ServeConfig(**options)
-    host, port = config.host, config.port
+    host, port = config.http.host, config.http.port
 
     def ready(engine) -> None:
         spec = getattr(engine, "speculation", None)

@@ -47,7 +47,8 @@ def _single_host(graph, **options):
     from qeff_kv.serve.engine.scheduler import Scheduler
     from qeff_kv.serve.engine.session_from_config import open_session
 
-    sched = Scheduler(open_session(ServeConfig(str(graph), **options)))
+    config = ServeConfig(str(graph), **options)
+    sched = Scheduler(open_session(config.engine, config.served_model()))
     try:
         return [_run(sched, "a", BASE), _run(sched, "b", OTHER)]
     finally:
@@ -59,14 +60,14 @@ def test_checkpoint_options_reach_the_prefill_replicas(hybrid_graph):
     on a single host with the same options (without them no checkpoint at or below 11 is kept but 0: nothing is
     reused); the tokens are the single host's."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
 
     ref = _single_host(hybrid_graph, **CKPT)
     assert [cached for _, cached in ref] == [0, 8]
     without = {k: v for k, v in CKPT.items() if k in ("ctx_len", "prefill_seq_len")}
     assert [cached for _, cached in _single_host(hybrid_graph, **without)] == [0, 0]
-    eng = start_disaggregated(ServeConfig(str(hybrid_graph), prefill_export=str(hybrid_graph), disaggregate=True,
-                                          **CKPT))
+    eng = build_engine(ServeConfig(str(hybrid_graph), prefill_export=str(hybrid_graph), disaggregate=True,
+                                   **CKPT))
     try:
         got = [_run(eng, "a", BASE), _run(eng, "b", OTHER)]
         assert got == ref
@@ -85,14 +86,14 @@ def _moved(graph) -> int:
     from qeff_kv.serve.engine.session_from_config import open_prefill_session
     from qeff_kv.serve.cluster.transfer import Prefiller
 
-    pre = Prefiller(open_prefill_session(ServeConfig(str(graph), **CKPT), str(graph)))
+    pre = Prefiller(open_prefill_session(ServeConfig(str(graph), **CKPT).engine, str(graph)))
     return sum(pre.run(rid, p, GREEDY).nbytes for rid, p in (("a", BASE), ("b", OTHER)))
 
 
 def test_resources_the_cluster_lacks_are_one_line(hybrid_graph):
     from qeff_kv.errors import RuntimeInputError
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
 
     for kw, msg in [({"prefill_resources": {"qeffkv_nowhere": 1}},
                      r"^--prefill-resources: 1 prefill replica\(s\) need 1 of 'qeffkv_nowhere'; the Ray cluster has 0 "
@@ -101,7 +102,7 @@ def test_resources_the_cluster_lacks_are_one_line(hybrid_graph):
                      r"^--decode-resources: the amount of 'qeffkv_decode' must be a positive number, got 0$"),
                     ({"decode_resources": {"CPU": 1}}, r"^--decode-resources: 'CPU' is not a custom resource")]:
         with pytest.raises(RuntimeInputError, match=msg):
-            start_disaggregated(ServeConfig(str(hybrid_graph), disaggregate=True, ctx_len=64, **kw))
+            build_engine(ServeConfig(str(hybrid_graph), disaggregate=True, ctx_len=64, **kw))
 
 
 # ------------------------------------------------------------------------------------------ the served process

@@ -175,7 +175,7 @@ def _complete(served, ids, n=5):
 
 
 def test_served_requests_publish_their_blocks_and_evictions(served):
-    sub = Subscriber(served.config.kv_events)
+    sub = Subscriber(served.config.events.kv_events)
     try:
         a = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
         _complete(served, a)
@@ -219,9 +219,9 @@ def test_replay_returns_the_buffered_batches_from_a_sequence_number(served):
     uses, reads the first reply of each request)."""
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(served.config.kv_events_replay)
+    dealer.connect(served.config.events.kv_events_replay)
     req = ctx.socket(zmq.REQ)
-    req.connect(served.config.kv_events_replay)
+    req.connect(served.config.events.kv_events_replay)
     try:
         _complete(served, [20, 21, 22, 23, 24, 25, 26, 27, 28])
         time.sleep(0.3)
@@ -252,11 +252,12 @@ def test_prefill_replica_publishes_on_its_port(own_cb_graph):
     from qeff_kv.runtime import GREEDY
     from qeff_kv.serve.config import ServeConfig
     from qeff_kv.serve.cluster.disagg import PrefillWorker
+    from qeff_kv.serve.engine.session_from_config import EngineSection
 
     port = free_port()
     config = ServeConfig(export_dir=str(own_cb_graph), kv_events=f"tcp://127.0.0.1:{port - 1}",
                          kv_events_block_size=BS)
-    worker = PrefillWorker(str(own_cb_graph), None, None, 1, True, kv_events=(config, 1))
+    worker = PrefillWorker(str(own_cb_graph), EngineSection(threads=1), True, kv_events=(config.events, 1))
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     try:
         p = [30, 31, 32, 33, 34, 35, 36, 37, 38]

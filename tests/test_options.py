@@ -41,13 +41,24 @@ def test_generate_options_are_the_fields_of_the_request_and_its_sampling():
 
 
 def test_serve_options_are_the_fields_of_serve_config():
-    assert _params(serve_cmd) == _fields(ServeConfig)
+    """The options are the fields of ServeConfig's sections (and its export_dir); -h lists each section's options
+    under its group (``--ray-address``, in both Ray sections, under the first)."""
+    from qeff_kv.serve.config import SECTIONS
+    from qeff_kv_cli.serve_cmd import option_groups
+
+    assert _fields(ServeConfig) - {"unread"} == {"export_dir"} | {attr for attr, *_ in SECTIONS}
+    sections = {f"{title} options": _fields(cls) for _, cls, title, _ in SECTIONS}
+    assert _params(serve_cmd) == {"export_dir"}.union(*sections.values())
+    groups = dict(option_groups([p.name for p in serve_cmd.params if p.name != "export_dir"]))
+    assert "Options" not in groups   # every option is in a section
+    assert {title: set(names) for title, names in groups.items()} == {
+        title: fields - ({"ray_address"} if title.startswith("P/D") else set()) for title, fields in sections.items()}
 
 
 def test_one_list_of_the_sampling_fields_a_server_default_fills():
     assert set(sampling.DEFAULTED) <= set(sampling.FIELDS)
     assert tuple(defaults.OPENAI) == (*sampling.DEFAULTED, "max_tokens")
-    assert set(ServeConfig("x").sampling_flags()) == {*sampling.DEFAULTED, "max_tokens"}
+    assert set(ServeConfig("x").sampling.flags()) == {*sampling.DEFAULTED, "max_tokens"}
     assert set(sampling.DEFAULTED) | {"max_tokens"} <= _fields(defaults.SamplingDefaults)
 
 
@@ -102,5 +113,5 @@ def test_serve_config_checks_combinations_before_anything_is_read(tmp_path):
     with pytest.raises(RuntimeInputError, match="^--kv-role must be one of"):
         ServeConfig(str(tmp_path / "missing"), kv_role="middle").check()
     ServeConfig(str(tmp_path / "missing"), ray_address="auto", kv_role="both").check()   # values only: no file read
-    assert ServeConfig("x", allowed_origins="https://a.example, *,").allowed_origins == ["https://a.example", "*"]
-    assert ServeConfig("x", allowed_origins="").allowed_origins is None
+    assert ServeConfig("x", allowed_origins="https://a.example, *,").http.allowed_origins == ["https://a.example", "*"]
+    assert ServeConfig("x", allowed_origins="").http.allowed_origins is None

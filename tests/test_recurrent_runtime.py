@@ -420,8 +420,9 @@ def test_serve_config_sets_the_checkpoints(hybrid_graph):
     from qeff_kv.serve.config import ServeConfig
     from qeff_kv.serve.engine.session_from_config import open_session
 
-    s = open_session(ServeConfig(str(hybrid_graph), ctx_len=CTX, prefill_seq_len=CHUNK, max_sequences=2,
-                                 checkpoint_every=5, max_checkpoints=2))
+    config = ServeConfig(str(hybrid_graph), ctx_len=CTX, prefill_seq_len=CHUNK, max_sequences=2, checkpoint_every=5,
+                         max_checkpoints=2)
+    s = open_session(config.engine, config.served_model())
     assert (s.cache.recurrent.policy.every, s.cache.recurrent.policy.keep) == (5, 2)
     g = _generate(s, [1, 2, 3, 4, 5, 6, 7], 5)
     assert s.rewind_points(g.sequence) == [0, 7, 10, 11]

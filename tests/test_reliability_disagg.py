@@ -115,12 +115,12 @@ def test_a_ray_address_nothing_answers_is_one_line_at_once(own_cb_graph):
 def engine(own_vllm_graph, own_cb_graph):
     ray = pytest.importorskip("ray", reason="disaggregated serving needs the [ray] extra (ray)")
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
 
     owns = not ray.is_initialized()
     if owns:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
-    eng = start_disaggregated(ServeConfig(str(own_cb_graph), prefill_export=str(own_vllm_graph), disaggregate=True))
+    eng = build_engine(ServeConfig(str(own_cb_graph), prefill_export=str(own_vllm_graph), disaggregate=True))
     yield eng
     eng.close()
     if owns:

@@ -35,7 +35,7 @@ def served(own_cb_graph, tmp_path_factory):
     folder = chat_export(own_cb_graph, root / NAME)
     (root / "states").mkdir()
     config = ServeConfig(export_dir=str(folder), state_dir=str(root / "states"), max_queue=8)
-    srv = LiveServer(build_engine(config), text_facts(config), state_dir=config.state_dir, max_request_bytes=CAP)
+    srv = LiveServer(build_engine(config), text_facts(config), state_dir=config.http.state_dir, max_request_bytes=CAP)
     srv.client = httpx.Client(base_url=srv.url, timeout=60)
     yield srv
     srv.client.close()

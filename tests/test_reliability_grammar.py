@@ -406,7 +406,7 @@ def test_a_grammar_over_the_compile_time_is_a_400_naming_the_field():
     from tokenizers import Tokenizer
 
     from qeff_kv.serve.structured.constrained import GrammarSpec
-    from qeff_kv.serve.http.openai_io import APIError
+    from qeff_kv.serve.wire.openai_io import APIError
     from qeff_kv.serve.structured.structured_io import Constraints
 
     tok = Tokenizer.from_file(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"

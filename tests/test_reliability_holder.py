@@ -14,7 +14,7 @@ import pytest
 
 from qeff_kv.errors import KVLoadError, RuntimeInputError
 from qeff_kv.serve.cluster.kv_connector import KVConnector, KVHolder
-from qeff_kv.serve.http.openai_io import APIError, Params
+from qeff_kv.serve.wire.openai_io import APIError, Params
 
 TOKENS = json.dumps([1, 2, 3], separators=(",", ":"))
 

@@ -34,7 +34,7 @@ def served(own_cb_graph, tmp_path_factory):
     (root / "states").mkdir()
     config = ServeConfig(export_dir=str(folder), state_dir=str(root / "states"), max_queue=64)
     engine = build_engine(config)
-    srv = LiveServer(engine, text_facts(config), state_dir=config.state_dir, max_request_bytes=CAP)
+    srv = LiveServer(engine, text_facts(config), state_dir=config.http.state_dir, max_request_bytes=CAP)
     srv.slow, srv.text = SlowDecode(engine.session), text_facts(config)
     yield srv
     srv.stop()

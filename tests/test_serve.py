@@ -38,7 +38,7 @@ def served(own_cb_graph, tmp_path_factory):
     check_config(config)
     engine = build_engine(config)
     slow = SlowDecode(engine.session)
-    srv = LiveServer(engine, text_facts(config), api_key=KEY, state_dir=config.state_dir)
+    srv = LiveServer(engine, text_facts(config), api_key=KEY, state_dir=config.http.state_dir)
     srv.slow, srv.folder, srv.text = slow, folder, text_facts(config)
     yield srv
     srv.stop()

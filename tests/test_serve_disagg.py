@@ -197,7 +197,7 @@ def engines(ray_local, own_vllm_graph, own_cb_graph):
     """``get(decode_export, prefill_export)``: a DisaggregatedEngine (1 prefill + 1 decode replica), at most one
     alive at a time (its two actors take the instance's 2 CPUs)."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
 
     live: dict = {}
 
@@ -207,7 +207,7 @@ def engines(ray_local, own_vllm_graph, own_cb_graph):
             for old in live.values():
                 old.close()
             live.clear()
-            live[key] = start_disaggregated(ServeConfig(key[0], prefill_export=key[1], disaggregate=True, **kw))
+            live[key] = build_engine(ServeConfig(key[0], prefill_export=key[1], disaggregate=True, **kw))
         return live[key]
 
     yield get

@@ -52,7 +52,7 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7}]
       for n in (-1, 0, "5", 5.0, True)],
 ])
 def test_kv_transfer_params_checked(params, role, body, message):
-    from qeff_kv.serve.http.openai_io import APIError, parse
+    from qeff_kv.serve.wire.openai_io import APIError, parse
 
     req = {"prompt": [5, 6], "max_tokens": 1, **body, "kv_transfer_params": params}
     with pytest.raises(APIError) as exc:
@@ -61,7 +61,7 @@ def test_kv_transfer_params_checked(params, role, body, message):
 
 
 def test_kv_transfer_params_accepted_and_vllm_nulls_allowed():
-    from qeff_kv.serve.http.openai_io import parse
+    from qeff_kv.serve.wire.openai_io import parse
 
     ask = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
            "remote_host": None, "remote_port": None}

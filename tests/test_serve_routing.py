@@ -179,7 +179,7 @@ def ray_session():
 def routed(ray_session, own_cb_graph):
     """``get(route)``: a DisaggregatedEngine with 2 prefill replicas and 1 decode replica, one alive at a time."""
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.cluster.disagg import start_disaggregated
+    from qeff_kv.serve.server import build_engine
 
     live: dict = {}
 
@@ -188,8 +188,8 @@ def routed(ray_session, own_cb_graph):
             for old in live.values():
                 old.close()
             live.clear()
-            live[route] = start_disaggregated(ServeConfig(str(own_cb_graph), disaggregate=True, prefill_replicas=2,
-                                                          route=route))
+            live[route] = build_engine(ServeConfig(str(own_cb_graph), disaggregate=True, prefill_replicas=2,
+                                                   route=route))
         return live[route]
 
     yield get

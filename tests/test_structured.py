@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
 from qeff_kv.runtime.decoding.sampling import SamplingParams, sample  # noqa: E402
 from qeff_kv.serve.structured.constrained import ConstraintError, Grammars, GrammarSpec  # noqa: E402
-from qeff_kv.serve.http.openai_io import APIError  # noqa: E402
+from qeff_kv.serve.wire.openai_io import APIError  # noqa: E402
 from qeff_kv.serve.structured.structured_io import parse_structured  # noqa: E402
 from qeff_kv.serve.structured.tool_io import ToolStream, ToolSupport, parse_tools  # noqa: E402
 from qeff_kv.serve.structured.toolcalls import ToolFacts, choose_parser  # noqa: E402

@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over the runtime (``qeff-kv serve``; needs the ``[serve]`` extra).
 
-Layers: :mod:`.engine` (the token-level interface), :mod:`.scheduler` (the local engine: one thread owns the
-``Session``, continuous batching, chunked prefill, prompt reuse), :mod:`.text` (incremental detokenizer, stop
-strings), :mod:`.app` (FastAPI routes, metrics, errors), :mod:`.server` (build an engine from a
-:class:`~.config.ServeConfig`, run uvicorn). See ``docs/serving.md``.
+Rooms, bottom to top (each imports only the ones below it): :mod:`.wire` (the request vocabulary), :mod:`.structured`
+(structured output and tools), :mod:`.engine` (the token-level interface, the local scheduler that owns the
+``Session``), :mod:`.cluster` (Ray: disaggregated prefill/decode, the KV connector, KV events), :mod:`.http` (FastAPI
+routes, metrics, errors), :mod:`.config` (:class:`~.config.ServeConfig`, the composition of the sections each room
+keeps for its options), :mod:`.server` (resolve the export once, build the engine and the app, run uvicorn). See
+``docs/serving.md``.
 """

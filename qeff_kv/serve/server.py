@@ -7,37 +7,32 @@ import signal
 from qeff_kv.errors import Interrupted, RuntimeInputError
 from qeff_kv.serve.config import ServeConfig
 from qeff_kv.serve.engine.engine import Engine
-from qeff_kv.serve.engine.session_from_config import model_name_of, open_session
+from qeff_kv.serve.engine.session_from_config import ServedModel, open_session
 
-def build_engine(config: ServeConfig) -> Engine:
-    """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregate``."""
-    if config.disaggregate:
+
+def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engine:
+    """The local :class:`~.scheduler.Scheduler`, or the disaggregated engine with ``config.disaggregation``;
+    ``model``: the export resolved once by the caller (default: resolved here)."""
+    model = model or config.served_model()
+    if config.disaggregation is not None:
         from qeff_kv.serve.cluster.disagg import start_disaggregated
 
-        return start_disaggregated(config)
+        return start_disaggregated(model, config.engine, config.disaggregation, config.events)
     from qeff_kv.serve.cluster.kv_events import open_publisher
     from qeff_kv.serve.engine.scheduler import Scheduler
 
-    session = open_session(config)
-    speculation = None
-    if config.speculative is not None:
-        from qeff_kv.serve.engine.speculative_step import Speculation, open_drafting, refusal
-
-        why = refusal(session)   # before a draft export is opened
-        if why is not None:
-            raise RuntimeInputError(why)
-        speculation = Speculation(session, open_drafting(config.speculative, session, threads=config.threads),
-                                  k=config.speculative_k)
-    kv_events = open_publisher(config)
+    session = open_session(config.engine, model, speculative=config.speculation is not None)
+    speculation = open_speculation(config, session)
+    kv_events = open_publisher(config.events)
     connector = None
     try:
-        if config.kv_role is not None:   # vLLM's P/D protocol (serve/pd.py): after the session opened, before serving
+        if config.pd is not None:   # vLLM's P/D protocol (serve/pd.py): after the session opened, before serving
             from qeff_kv.serve.cluster.pd import start_connector
 
-            connector = start_connector(config)
-        engine = Scheduler(session, max_queue=config.max_queue, reuse_prompts=config.reuse_prompts,
-                           model_name=config.model_name or model_name_of(config.export_dir),
-                           prefill_chunk=config.prefill_chunk, speculation=speculation, kv_events=kv_events,
+            connector = start_connector(config.pd, config.http.host, config.http.port)
+        eng = config.engine
+        engine = Scheduler(session, max_queue=eng.max_queue, reuse_prompts=eng.reuse_prompts, model_name=model.name,
+                           prefill_chunk=eng.prefill_chunk, speculation=speculation, kv_events=kv_events,
                            connector=connector)
         engine.vision = open_vision(session, config)   # a vision-language export: images over HTTP (serve/images.py)
         return engine
@@ -49,6 +44,20 @@ def build_engine(config: ServeConfig) -> Engine:
         raise
 
 
+def open_speculation(config: ServeConfig, session):
+    """The speculative decoding ``config.speculation`` asks for around ``session`` (None: plain decoding)."""
+    if config.speculation is None:
+        return None
+    from qeff_kv.serve.engine.speculative_step import Speculation, open_drafting, refusal
+
+    why = refusal(session)   # before a draft export is opened
+    if why is not None:
+        raise RuntimeInputError(why)
+    spec = config.speculation
+    return Speculation(session, open_drafting(spec.speculative, session, threads=config.engine.threads),
+                       k=spec.speculative_k)
+
+
 def open_vision(session, config: ServeConfig):
     """The vision-language model around a served language session (None for a text decoder): what turns a chat
     request's images into the session's image inputs."""
@@ -56,45 +65,37 @@ def open_vision(session, config: ServeConfig):
         return None
     from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
 
-    return VisionLanguageModel.around(session, threads=config.threads, device=config.device)
+    return VisionLanguageModel.around(session, threads=config.engine.threads, device=config.engine.device)
 
 
-def text_facts(config: ServeConfig):
-    """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids."""
+def text_facts(config: ServeConfig, model: ServedModel | None = None):
+    """Tokenizer, chat template (None when the export has none: chat requests get a 400) and eos ids of the export
+    (``model``: resolved once by the caller; default: resolved here)."""
     from qeff_kv.runtime.text.chat import load_chat_template
     from qeff_kv.runtime.text.tokenizer import load_tokenizer
-    from qeff_kv.runtime.model_files import resolve_model
     from qeff_kv.serve.http.app import TextFacts
 
-    files = resolve_model(config.export_dir)
-    if not (files.folder / "tokenizer.json").is_file():
-        raise RuntimeInputError(f"qeff-kv serve needs a tokenizer: {files.folder} has no tokenizer.json")
-    tok = load_tokenizer(files.folder, required=True)
+    model = model or config.served_model()
+    if not (model.folder / "tokenizer.json").is_file():
+        raise RuntimeInputError(f"qeff-kv serve needs a tokenizer: {model.folder} has no tokenizer.json")
+    tok = load_tokenizer(model.folder, required=True)
     try:
-        template = load_chat_template(files.folder)
+        template = load_chat_template(model.folder)
     except RuntimeInputError:
         template = None
-    eos = (files.manifest or {}).get("eos_token_id")
+    eos = (model.manifest or {}).get("eos_token_id")
     eos_ids = tuple([eos] if isinstance(eos, int) else list(eos or []))
     return TextFacts(tokenizer=tok, chat_template=template, eos_token_ids=eos_ids)
 
 
-def sampling_defaults(config: ServeConfig):
+def sampling_defaults(config: ServeConfig, model: ServedModel | None = None):
     """The sampling defaults: the serve flags over the export's generation_config.json over OpenAI's."""
-    from qeff_kv.runtime.model_files import resolve_model
-    from qeff_kv.serve.engine.defaults import resolve_defaults
-
-    return resolve_defaults(resolve_model(config.export_dir).folder, config.sampling_flags())
+    return config.sampling.resolve((model or config.served_model()).folder)
 
 
 def check_max_n(config: ServeConfig, engine: Engine) -> int:
     """``--max-n`` (default: the sequences run at once), refused above them: n choices run side by side."""
-    if config.max_n is None:
-        return engine.max_sequences
-    if config.max_n > engine.max_sequences:
-        raise RuntimeInputError(f"--max-n {config.max_n}: the server runs {engine.max_sequences} sequences at once; "
-                                f"give at most that (or more --max-sequences)")
-    return config.max_n
+    return config.http.max_n_for(engine.max_sequences)
 
 
 def check_config(config: ServeConfig) -> None:
@@ -148,28 +149,24 @@ def uvicorn_config(app, **kw):
 
 def serve(config: ServeConfig, *, on_ready=None) -> None:
     """Run the server until SIGTERM or SIGINT, which drain it (:mod:`.drain`), then close the engine and raise
-    :class:`~qeff_kv.errors.Interrupted`."""
+    :class:`~qeff_kv.errors.Interrupted`. The export is resolved once, here, and handed down."""
     from qeff_kv.support import fsutil
-    from qeff_kv.serve.http.app import create_app
-    from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES
-    from qeff_kv.serve.http.drain import DEFAULT_GRACE_S, Drain, draining_server, exit_code
+    from qeff_kv.serve.http.drain import Drain, draining_server, exit_code
 
     check_config(config)
-    text = text_facts(config)
-    defaults = sampling_defaults(config)
-    engine = build_engine(config)
+    model = config.served_model()
+    text = text_facts(config, model)
+    defaults = sampling_defaults(config, model)
+    engine = build_engine(config, model)
+    http = config.http
     try:
         max_n = check_max_n(config, engine)
         check_text(text, engine)
-        sock = bind(config.host, config.port)
-        if config.state_dir is not None:
-            fsutil.make_dirs(config.state_dir)
-        drain = Drain(engine, DEFAULT_GRACE_S if config.drain_seconds is None else config.drain_seconds)
-        app = create_app(engine, text=text, api_key=config.api_key, state_dir=config.state_dir, drain=drain,
-                         max_request_bytes=config.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                         defaults=defaults, max_n=max_n, allowed_origins=config.allowed_origins,
-                         media_path=config.allowed_local_media_path)
-        server = draining_server(uvicorn_config(app), drain)
+        sock = bind(http.host, http.port)
+        if http.state_dir is not None:
+            fsutil.make_dirs(http.state_dir)
+        drain = Drain(engine, grace_seconds(http))
+        server = draining_server(uvicorn_config(create_app_of(http, engine, text, defaults, drain, max_n)), drain)
         if on_ready is not None:
             on_ready(engine)
         server.run(sockets=[sock])
@@ -179,6 +176,23 @@ def serve(config: ServeConfig, *, on_ready=None) -> None:
         stopped = f"; {drain.stopped_requests} running request(s) stopped with an error" if drain.stopped_requests \
             else "; every running request finished"
         raise Interrupted(f"terminated ({signal_name(drain.signal)}){stopped}", exit_code(drain.signal))
+
+
+def grace_seconds(http) -> float:
+    """``--drain-seconds``, else the drain's default."""
+    from qeff_kv.serve.http.drain import DEFAULT_GRACE_S
+
+    return DEFAULT_GRACE_S if http.drain_seconds is None else http.drain_seconds
+
+
+def create_app_of(http, engine, text, defaults, drain, max_n: int):
+    """The app over ``engine`` with the HTTP section's settings."""
+    from qeff_kv.serve.http.app import create_app
+    from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES
+
+    return create_app(engine, text=text, api_key=http.api_key, state_dir=http.state_dir, drain=drain,
+                      max_request_bytes=http.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES, defaults=defaults,
+                      max_n=max_n, allowed_origins=http.allowed_origins, media_path=http.allowed_local_media_path)
 
 
 def signal_name(sig: int) -> str:

@@ -37,7 +37,9 @@ import time
 
 from qeff_kv.errors import QeffKvError, QueueFullError, RuntimeInputError, UnavailableError
 from qeff_kv.serve.cluster import routing
-from qeff_kv.serve.config import ServeConfig
+from qeff_kv.serve.cluster.disagg_config import DisaggregateSection
+from qeff_kv.serve.cluster.kv_events import KVEventsSection
+from qeff_kv.serve.engine.session_from_config import EngineSection, ServedModel
 from qeff_kv.serve.engine.engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
 from qeff_kv.serve.cluster.kv_connector import InBandConnector
 from qeff_kv.serve.cluster.ray_cluster import join_or_start, one_line, ray_module, replica_options
@@ -61,16 +63,13 @@ SLOTS_UNSUPPORTED = ("/slots is not available with --disaggregate: sequences liv
 class PrefillWorker:
     """The prefill replica (a Ray actor): one request at a time."""
 
-    def __init__(self, export: str, ctx_len: int | None, prefill_seq_len: int | None, threads: int | None,
-                 reuse_prompts: bool = True, kv_events: tuple | None = None, *, checkpoint_every: int | None = None,
-                 max_checkpoints: int | None = None, device: str = "cpu"):
+    def __init__(self, model: ServedModel | str, engine: EngineSection, reuse_prompts: bool = True,
+                 kv_events: tuple | None = None):
         from qeff_kv.serve.cluster.kv_events import open_publisher
         from qeff_kv.serve.engine.session_from_config import open_prefill_session
 
-        cfg = ServeConfig(export, ctx_len=ctx_len, prefill_seq_len=prefill_seq_len, threads=threads,
-                          checkpoint_every=checkpoint_every, max_checkpoints=max_checkpoints, device=device)
-        session = open_prefill_session(cfg, export)
-        # --kv-events: (config, rank): this replica publishes on the endpoint's port + rank
+        session = open_prefill_session(engine, model)
+        # --kv-events: (section, rank): this replica publishes on the endpoint's port + rank
         self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
         self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
         self.connector = InBandConnector()   # the transfer goes back through Ray's object store as the return value
@@ -105,12 +104,11 @@ class PrefillWorker:
 class DecodeWorker:
     """The decode replica (an async Ray actor): a Scheduler admitting handed-off sequences."""
 
-    def __init__(self, config: ServeConfig, threads: int | None):
+    def __init__(self, model: ServedModel | str, engine: EngineSection):
         from qeff_kv.serve.engine.scheduler import Scheduler
         from qeff_kv.serve.engine.session_from_config import open_session
 
-        cfg = dataclasses.replace(config, threads=threads)
-        self.scheduler = Scheduler(open_session(cfg), max_queue=config.max_queue, reuse_prompts=False)
+        self.scheduler = Scheduler(open_session(engine, model), max_queue=engine.max_queue, reuse_prompts=False)
         self.connector = InBandConnector()
         self.handoffs = {"handoffs": 0, "handoff_bytes": 0, "handoff_prefill_s": 0.0, "handoff_extract_s": 0.0}
 
@@ -404,34 +402,31 @@ class DisaggregatedEngine(Engine):
 
 
 # ============================================================================================ start-up
-def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
-    """Start (or join, ``config.ray_address``) Ray, the prefill and decode replicas, check the pair, and return
-    the engine. Without an address a local Ray instance is started and stopped by the engine's ``close()``."""
+def start_disaggregated(model: ServedModel, engine: EngineSection, section: DisaggregateSection,
+                        events: KVEventsSection | None = None) -> DisaggregatedEngine:
+    """Start (or join, ``section.ray_address``) Ray, the prefill and decode replicas of ``model`` (the decode
+    export; the prefill replicas': ``section.prefill_export``, else the same), check the pair, and return the
+    engine. Without an address a local Ray instance is started and stopped by the engine's ``close()``."""
     from qeff_kv.support.limits import positive_int
-    from qeff_kv.runtime.model_files import resolve_model
-    from qeff_kv.serve.engine.session_from_config import model_name_of
+    from qeff_kv.serve.engine.session_from_config import served_model
 
     ray = ray_module()
-    for label, n in (("--prefill-replicas", config.prefill_replicas), ("--decode-replicas", config.decode_replicas)):
+    for label, n in (("--prefill-replicas", section.prefill_replicas), ("--decode-replicas", section.decode_replicas)):
         positive_int(label, n)
-    pre_export = config.prefill_export or config.export_dir
-    resolve_model(config.export_dir)   # one-line errors for a bad path before any actor starts
-    resolve_model(pre_export)
-    owns = join_or_start(ray, config.ray_address)
+    pre_model = served_model(section.prefill_export) if section.prefill_export else model   # a bad path: one line
+    owns = join_or_start(ray, section.ray_address)
     try:
-        opts, threads = replica_options(ray, config)
+        opts, threads = replica_options(ray, section, engine.threads)
     except RuntimeInputError:
         if owns:
             ray.shutdown()
         raise
+    engine = dataclasses.replace(engine, threads=threads)
     Pre = ray.remote(PrefillWorker).options(**opts["prefill"])
     Dec = ray.remote(DecodeWorker).options(**opts["decode"])
-    pre = [Pre.remote(pre_export, config.ctx_len, config.prefill_seq_len, threads, config.reuse_prompts,
-                      kv_events=(config, i) if config.kv_events is not None else None,
-                      checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints,
-                      device=config.device)
-           for i in range(config.prefill_replicas)]
-    dec = [Dec.remote(config, threads) for _ in range(config.decode_replicas)]
+    pre = [Pre.remote(pre_model, engine, engine.reuse_prompts, kv_events=(events, i) if events is not None else None)
+           for i in range(section.prefill_replicas)]
+    dec = [Dec.remote(model, engine) for _ in range(section.decode_replicas)]
 
     def give_up(message: str):
         for a in pre + dec:
@@ -448,6 +443,5 @@ def start_disaggregated(config: ServeConfig) -> DisaggregatedEngine:
     why = pair_refusal(pre_facts, dec_facts)
     if why is not None:
         give_up(why)
-    return DisaggregatedEngine(pre, dec, model_name=config.model_name or model_name_of(config.export_dir),
-                               decode_facts=dec_facts, max_queue=config.max_queue, owns_ray=owns,
-                               route=config.route)
+    return DisaggregatedEngine(pre, dec, model_name=model.name, decode_facts=dec_facts, max_queue=engine.max_queue,
+                               owns_ray=owns, route=section.route)

@@ -53,6 +53,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from qeff_kv.errors import MissingDependencyError, RuntimeInputError
 
@@ -177,27 +178,43 @@ class BlockTable:
         return set(self._refs)
 
 
-def open_publisher(config, rank: int = 0) -> "KVEventPublisher | None":
-    """The publisher ``config`` (a :class:`~.config.ServeConfig`) asks for, for replica ``rank`` (its endpoints'
-    ports moved up by ``rank``), or None without ``--kv-events``."""
-    if config.kv_events is None:
-        return None
-    replay = config.kv_events_replay
-    return KVEventPublisher(offset_endpoint(config.kv_events, rank), block_size=config.kv_events_block_size,
-                            topic=config.kv_events_topic, rank=rank,
-                            replay_endpoint=None if replay is None else offset_endpoint(replay, rank))
+@dataclass
+class KVEventsSection:
+    """The KV events section of the serve options (a section of :class:`qeff_kv.serve.config.ServeConfig`; present
+    with ``--kv-events``): where the ZeroMQ PUB socket binds, and its blocks, topic and replay socket."""
+    kv_events: str
+    kv_events_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_events_topic: str = DEFAULT_TOPIC
+    #: where the replay ROUTER socket binds, or None (no replay)
+    kv_events_replay: str | None = None
 
+    #: the field whose value turns the section on
+    SWITCH = "kv_events"
 
-def check_options(config) -> None:
-    """``--kv-events*`` options, refused in one line before anything is loaded."""
-    if config.kv_events is None:
-        if config.kv_events_replay is not None:
+    @staticmethod
+    def refuse_without(given: list[str]) -> None:
+        """Options of the section given while it is absent: the replay socket is refused (the block size and the
+        topic are left unread)."""
+        if "kv_events_replay" in given:
             raise RuntimeInputError("--kv-events-replay goes with --kv-events")
-        return
-    check_endpoint(config.kv_events)
-    if config.kv_events_replay is not None:
-        check_endpoint(config.kv_events_replay, "--kv-events-replay")
-    BlockTable(config.kv_events_block_size)
+
+    def check(self) -> None:
+        """``--kv-events*`` options, refused in one line before anything is loaded."""
+        check_endpoint(self.kv_events)
+        if self.kv_events_replay is not None:
+            check_endpoint(self.kv_events_replay, "--kv-events-replay")
+        BlockTable(self.kv_events_block_size)
+
+
+def open_publisher(section: KVEventsSection | None, rank: int = 0) -> "KVEventPublisher | None":
+    """The publisher the ``section`` asks for, for replica ``rank`` (its endpoints' ports moved up by ``rank``), or
+    None without ``--kv-events`` (no section)."""
+    if section is None:
+        return None
+    replay = section.kv_events_replay
+    return KVEventPublisher(offset_endpoint(section.kv_events, rank), block_size=section.kv_events_block_size,
+                            topic=section.kv_events_topic, rank=rank,
+                            replay_endpoint=None if replay is None else offset_endpoint(replay, rank))
 
 
 class KVEventPublisher:

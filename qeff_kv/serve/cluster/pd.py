@@ -18,7 +18,8 @@ prefills the prompt itself and says so: ``cached_tokens`` 0, the top-level ``kv_
 ``qeff_kv_kv_load_fallbacks`` in ``/metrics``); with ``"kv_load_failure_policy": "fail"`` in the request's
 ``kv_transfer_params`` (vLLM's name for the same choice) it answers **410** (``code: kv_transfer_unavailable``).
 
-Here: the start of the connector for a server (:func:`start_connector`), the consumer's load before a request is
+Here: the P/D section of the serve options (:class:`PDSection`), the start of the connector for a server
+(:func:`start_connector`), the consumer's load before a request is
 submitted (:func:`prepare`, run off the event loop), and the answer's field (:func:`answer_field`).
 """
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from qeff_kv.errors import KVLoadError, StateFileError
-from qeff_kv.serve.http.openai_io import APIError, Params, bad
+from qeff_kv.errors import KVLoadError, RuntimeInputError, StateFileError
+from qeff_kv.serve.wire.openai_io import APIError, Params, bad
 
 
 @dataclass
@@ -41,18 +42,45 @@ class KVAsk:
     answer: dict | None = None
 
 
-def start_connector(config):
-    """The server's KV connector for ``config.kv_role``: Ray joined at ``config.ray_address`` (a cluster on
+@dataclass
+class PDSection:
+    """The P/D section of the serve options (a section of :class:`qeff_kv.serve.config.ServeConfig`; present with
+    ``--kv-role``): vLLM's P/D protocol between separate servers."""
+    #: "producer", "consumer" or "both"
+    kv_role: str
+    #: the Ray cluster both servers join ("auto", "ray://host:10001"); None: a local one (on 127.0.0.1 only)
+    ray_address: str | None = None
+    #: seconds a producer holds a state no consumer took (then Ray frees it)
+    kv_hold_seconds: float = 60.0
+
+    #: the field whose value turns the section on
+    SWITCH = "kv_role"
+
+    @staticmethod
+    def refuse_without(given: list[str]) -> None:
+        """Options of the section given while it is absent: ``--kv-hold-seconds`` is left unread (``--ray-address``
+        is the disaggregation section's refusal)."""
+
+    def check(self) -> None:
+        from qeff_kv.serve.cluster.kv_connector import ROLES
+
+        if self.kv_role not in ROLES:
+            raise RuntimeInputError(f"--kv-role must be one of {', '.join(ROLES)}, got {self.kv_role!r}")
+        if not 0 < self.kv_hold_seconds <= 3600:
+            raise RuntimeInputError(f"--kv-hold-seconds must be in (0, 3600], got {self.kv_hold_seconds:g}")
+
+
+def start_connector(section: PDSection, host: str, port: int):
+    """The server's KV connector for ``section.kv_role``: Ray joined at ``section.ray_address`` (a cluster on
     127.0.0.1 joined as such), or a local instance started with the disaggregated engine's settings (stopped by the
-    connector's ``close()``)."""
+    connector's ``close()``); ``host`` and ``port``: where this server listens (the address peers are given)."""
     from qeff_kv.serve.cluster.kv_connector import RayHoldConnector
     from qeff_kv.serve.cluster.ray_cluster import join_or_start, ray_module
 
     ray = ray_module()
-    owns = join_or_start(ray, config.ray_address)
+    owns = join_or_start(ray, section.ray_address)
     try:
-        connector = RayHoldConnector(config.kv_role, hold_seconds=config.kv_hold_seconds, host=config.host,
-                                     port=config.port)
+        connector = RayHoldConnector(section.kv_role, hold_seconds=section.kv_hold_seconds, host=host, port=port)
     except BaseException:
         if owns:
             ray.shutdown()
@@ -62,7 +90,7 @@ def start_connector(config):
 
 
 def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAsk | None:
-    """The request's ``kv_transfer_params`` (checked by :mod:`.openai_io`) made ready for the engine: a producer's
+    """The request's ``kv_transfer_params`` (checked by :mod:`~qeff_kv.serve.wire.openai_io`) made ready for the engine: a producer's
     is passed on (the scheduler holds the sequence when it ends); a consumer's state is loaded (blocking: call it
     off the event loop), checked and given as the request's state, or the fallback of the module docstring."""
     kvp = p.kv_transfer_params

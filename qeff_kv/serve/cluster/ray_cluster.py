@@ -9,7 +9,6 @@ import os
 import time
 
 from qeff_kv.errors import MissingDependencyError, RuntimeInputError
-from qeff_kv.serve.config import ServeConfig
 
 #: seconds --ray-address may take to answer a TCP connection before start-up gives up
 RAY_CONNECT_TIMEOUT = 5.0
@@ -40,19 +39,21 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def replica_options(ray, config: ServeConfig) -> tuple[dict, int]:
-    """The Ray actor options of each kind of replica (CPUs, custom resources, restarts) and the onnxruntime threads
-    of each, once the cluster has the CPUs free (it waits up to RESOURCE_WAIT seconds) and the custom resources."""
-    n_actors = config.prefill_replicas + config.decode_replicas
+def replica_options(ray, section, threads: int | None = None) -> tuple[dict, int]:
+    """The Ray actor options of each kind of replica of the disaggregation ``section`` (a
+    :class:`~.disagg_config.DisaggregateSection`: CPUs, custom resources, restarts) and the onnxruntime threads of
+    each (``threads``, else the cluster's CPUs split between the replicas), once the cluster has the CPUs free (it
+    waits up to RESOURCE_WAIT seconds) and the custom resources."""
+    n_actors = section.prefill_replicas + section.decode_replicas
     cluster = ray.cluster_resources()
     cpus = float(cluster.get("CPU", 1.0))
     share = min(1.0, cpus / n_actors)
     # onnxruntime threads: the cores split between the replicas, so that they do not oversubscribe them
-    threads = config.threads or max(1, int(cpus // n_actors))
+    threads = threads or max(1, int(cpus // n_actors))
     opts = dict(num_cpus=share, max_restarts=-1, max_task_retries=0)   # restarts budgeted by ReplicaWatch
     out = {}
-    for kind, wanted, n in (("prefill", config.prefill_resources, config.prefill_replicas),
-                            ("decode", config.decode_resources, config.decode_replicas)):
+    for kind, wanted, n in (("prefill", section.prefill_resources, section.prefill_replicas),
+                            ("decode", section.decode_resources, section.decode_replicas)):
         out[kind] = dict(opts, resources=checked_resources(kind, wanted, n, cluster)) if wanted else dict(opts)
     need = share * n_actors
     deadline = time.monotonic() + RESOURCE_WAIT   # CPUs of replicas just killed come back within moments

@@ -18,7 +18,7 @@ import dataclasses
 
 from qeff_kv.runtime.decoding.sampling import DEFAULTED, SamplingParams
 from qeff_kv.serve.engine.defaults import SamplingDefaults
-from qeff_kv.serve.http.openai_io import Params
+from qeff_kv.serve.wire.openai_io import Params
 
 #: the smallest logprob shown (OpenAI's value for a token of no probability): JSON has no -Infinity
 LOGPROB_FLOOR = -9999.0

@@ -107,3 +107,30 @@ def resolve_defaults(folder: Path | None, flags: dict) -> SamplingDefaults:
     except RuntimeInputError as exc:
         given = ", ".join(f"{k} from {v}" for k, v in source.items() if v not in ("openai", "llama-server"))
         raise RuntimeInputError(f"sampling defaults ({given}): {exc}") from None
+
+
+@dataclass
+class SamplingSection:
+    """The sampling defaults section of the serve options (a section of
+    :class:`qeff_kv.serve.config.ServeConfig`): the flags, each None where not given (then generation_config.json,
+    else OpenAI's or llama-server's: :func:`resolve_defaults`)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    #: default max_tokens (None: generation_config.json's max_new_tokens, else what the context holds)
+    max_tokens: int | None = None
+
+    def check(self) -> None:
+        """Nothing to refuse before the export is read: the bounds are a request's, checked with the export's
+        generation_config.json (:func:`resolve_defaults`)."""
+
+    def flags(self) -> dict:
+        """The sampling defaults given (field -> value, ``None`` where not given): the sampling fields a server
+        default fills (:data:`~qeff_kv.runtime.decoding.sampling.DEFAULTED`) and ``max_tokens``."""
+        return {k: getattr(self, k) for k in (*DEFAULTED, "max_tokens")}
+
+    def resolve(self, folder: Path | None) -> SamplingDefaults:
+        """The defaults: these flags over the export's generation_config.json over OpenAI's."""
+        return resolve_defaults(folder, self.flags())

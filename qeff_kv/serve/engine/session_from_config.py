@@ -1,74 +1,160 @@
-"""The session a serving engine drives, opened from a :class:`~.config.ServeConfig` (shared by the local
-scheduler and the disaggregated replicas, below both)."""
+"""The engine's sections of the serve options (sections of :class:`qeff_kv.serve.config.ServeConfig`), the served
+model resolved once, and the session a serving engine drives, opened from them (shared by the local scheduler and
+the disaggregated replicas, below both).
+
+* :class:`EngineSection`: what shapes the session and the scheduler (sequences, threads, device, queue, context,
+  chunking, prompt reuse, recurrent checkpoints, the model's name);
+* :class:`SpeculativeSection`: speculative decoding (absent: plain decoding);
+* :class:`ServedModel`: the export resolved once at start-up (its path, folder, manifest and served name), handed
+  down to the local engine, the disaggregated replicas and the HTTP front end.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.serve.config import ServeConfig
+from qeff_kv.runtime.execution import ep_proofs
 
 #: sequences served at once on a graph without batch_index (lock step) when --max-sequences is not given
 DEFAULT_LOCKSTEP_SEQUENCES = 4
 
 
-def open_session(config: ServeConfig, export: str | None = None):
-    """The session for ``config`` (``export``: another export folder, e.g. the prefill replicas'), warmed up
-    (:meth:`~qeff_kv.runtime.Session.warm_up`: the first requests do not pay onnxruntime's first-run costs)."""
-    session = _open(config, export)
-    _check_checkpoint_options(config, session, export)
+@dataclass
+class EngineSection:
+    #: sequences generated at once (slots of a continuous-batching graph, or rows run in lock step); default:
+    #: the export's full_batch_size, else 4
+    max_sequences: int | None = None
+    #: onnxruntime intra-op threads (default: onnxruntime's choice)
+    threads: int | None = None
+    #: where the graph runs: "cpu", or "cuda" (for the kinds proved there: qeff_kv/runtime/execution/ep_proofs.py)
+    device: str = "cpu"
+    #: requests waiting for a sequence slot beyond which new ones get 429
+    max_queue: int = 64
+    ctx_len: int | None = None
+    prefill_seq_len: int | None = None
+    #: prompt tokens fed per engine turn, between two decode steps (default: the prefill length), or "auto"
+    prefill_chunk: int | str | None = None
+    #: keep finished sequences and start new prompts from their longest common prefix
+    reuse_prompts: bool = True
+    #: recurrent/hybrid graphs: checkpoint the recurrent state every N positions, keep at most N per sequence
+    #: (None: the runtime's defaults); prompt reuse returns to checkpoints
+    checkpoint_every: int | None = None
+    max_checkpoints: int | None = None
+    #: the name /v1/models lists and requests give as "model" (default: the export folder's name)
+    model_name: str | None = None
+
+    def check(self) -> None:
+        """Refuse bad values in one line each, before anything is loaded."""
+        ep_proofs.require(ep_proofs.resolve(self.device, None))   # a device proved for no graph kind: refused now
+        if self.model_name is not None and (not self.model_name.strip() or len(self.model_name) > 256 or
+                                            not self.model_name.isprintable()):
+            raise RuntimeInputError(f"--model-name must be 1-256 printable characters, got {self.model_name!r}")
+
+    def session_options(self) -> dict:
+        """The :class:`~qeff_kv.runtime.Session` keywords every serving session takes from the section (the
+        checkpoint options only where given: a graph without recurrent state takes none)."""
+        kw = dict(ctx_len=self.ctx_len, prefill_seq_len=self.prefill_seq_len, threads=self.threads,
+                  device=self.device)
+        if self.checkpoint_every is not None or self.max_checkpoints is not None:
+            kw.update(checkpoint_every=self.checkpoint_every, max_checkpoints=self.max_checkpoints)
+        return kw
+
+
+@dataclass
+class SpeculativeSection:
+    """Present with ``--speculative``."""
+    #: speculative decoding on a graph exported with --speculative-tokens K: "lookup" (prompt lookup) or the
+    #: folder of a draft export of the same tokenizer
+    speculative: str
+    #: drafts per sequence and step (default and maximum: the graph's K)
+    speculative_k: int | None = None
+
+    #: the field whose value turns the section on
+    SWITCH = "speculative"
+
+    @staticmethod
+    def refuse_without(given: list[str]) -> None:
+        """Options of the section given while it is absent: refused in one line."""
+        if given:
+            raise RuntimeInputError("--speculative-k goes with --speculative")
+
+    def check(self) -> None:
+        """Nothing to refuse before the export is read (the drafts are checked against the graph's K then)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The export served, resolved once at start-up."""
+    #: the export folder or .onnx file as given (what a :class:`~qeff_kv.runtime.Session` opens)
+    path: str
+    #: the export's folder (tokenizer, chat template, generation_config.json)
+    folder: Path
+    #: the export's manifest (None: a graph without one)
+    manifest: dict | None
+    #: the name /v1/models lists (``--model-name``, else the export's name)
+    name: str
+
+
+def served_model(export: str, model_name: str | None = None) -> ServedModel:
+    """``export`` resolved (a one-line error for a bad path) into the :class:`ServedModel`."""
+    from qeff_kv.runtime.model_files import resolve_model
+
+    files = resolve_model(export)
+    return ServedModel(path=export, folder=files.folder, manifest=files.manifest,
+                       name=model_name or model_name_of(export))
+
+
+def open_session(section: EngineSection, model: ServedModel | str, *, speculative: bool = False):
+    """The session of ``model`` with the ``section``'s options (``speculative``: one sequence by default, as
+    lock-step rows cannot verify drafts), warmed up (:meth:`~qeff_kv.runtime.Session.warm_up`: the first requests
+    do not pay onnxruntime's first-run costs)."""
+    path = model if isinstance(model, str) else model.path
+    session = _open(section, path, speculative)
+    _check_checkpoint_options(section, session, path)
     session.warm_up()
     return session
 
 
-def open_prefill_session(config: ServeConfig, export: str):
-    """The session of a disaggregated prefill replica on ``export``: the export's own sequence count (the replica
+def open_prefill_session(section: EngineSection, model: ServedModel | str):
+    """The session of a disaggregated prefill replica on ``model``: the export's own sequence count (the replica
     prefills one request at a time and keeps the rest for prompt reuse) with the serving options that shape the
     cache, the chunking and the recurrent checkpoints (``--checkpoint-every``, ``--max-checkpoints``: prompt reuse
     on the prefill replica returns to them, as on a single host)."""
     from qeff_kv.runtime import Session
 
-    session = Session(export, **session_options(config))
-    _check_checkpoint_options(config, session, export)
+    path = model if isinstance(model, str) else model.path
+    session = Session(path, **section.session_options())
+    _check_checkpoint_options(section, session, path)
     session.warm_up()
     return session
 
 
-def session_options(config: ServeConfig) -> dict:
-    """The :class:`~qeff_kv.runtime.Session` keywords every serving session takes from ``config`` (the checkpoint
-    options only where given: a graph without recurrent state takes none)."""
-    kw = dict(ctx_len=config.ctx_len, prefill_seq_len=config.prefill_seq_len, threads=config.threads,
-              device=config.device)
-    if config.checkpoint_every is not None or config.max_checkpoints is not None:
-        kw.update(checkpoint_every=config.checkpoint_every, max_checkpoints=config.max_checkpoints)
-    return kw
-
-
-def _check_checkpoint_options(config: ServeConfig, session, export: str | None) -> None:
-    if (config.checkpoint_every is not None or config.max_checkpoints is not None) and not session.recurrent:
+def _check_checkpoint_options(section: EngineSection, session, path: str) -> None:
+    if (section.checkpoint_every is not None or section.max_checkpoints is not None) and not session.recurrent:
         raise RuntimeInputError("--checkpoint-every and --max-checkpoints go with a recurrent or hybrid export; "
-                                f"{Path(export or config.export_dir).name} has no recurrent state")
+                                f"{Path(path).name} has no recurrent state")
 
 
-def _open(config: ServeConfig, export: str | None):
+def _open(section: EngineSection, path: str, speculative: bool):
     from qeff_kv.runtime import Session
 
-    model = export or config.export_dir
-    kw = session_options(config)
-    if config.max_sequences is not None:
-        return Session(model, max_sequences=config.max_sequences, **kw)
+    kw = section.session_options()
+    if section.max_sequences is not None:
+        return Session(path, max_sequences=section.max_sequences, **kw)
     # continuous-batching graphs: the manifest's full_batch_size; others: a few rows in lock step where possible
     # (not with speculative decoding: lock-step rows cannot verify drafts, so one sequence)
-    session = Session(model, **kw)
-    if session.continuous_batching or session.max_sequences > 1 or config.speculative is not None:
+    session = Session(path, **kw)
+    if session.continuous_batching or session.max_sequences > 1 or speculative:
         return session
     del session
     try:
-        return Session(model, max_sequences=DEFAULT_LOCKSTEP_SEQUENCES, **kw)
+        return Session(path, max_sequences=DEFAULT_LOCKSTEP_SEQUENCES, **kw)
     except RuntimeInputError as exc:
         if "lock-step" not in str(exc):
             raise
-        return Session(model, **kw)
+        return Session(path, **kw)
 
 
 def model_name_of(export_dir: str) -> str:

@@ -1,2 +1,3 @@
-"""The HTTP front end of qeff-kv serve: OpenAI's routes (app.py) and shapes (openai_io.py, responses.py,
-openai_responses.py), request bodies, errors, metrics, discovery, images and the chat page (static/)."""
+"""The HTTP front end of qeff-kv serve: OpenAI's routes (app.py) and response shapes (responses.py,
+openai_responses.py; the request vocabulary is :mod:`qeff_kv.serve.wire`), request bodies, errors, metrics,
+discovery, images, the chat page (static/) and the HTTP section of the serve options (http_config.py)."""

@@ -3,7 +3,7 @@
 The app tokenizes (the export's ``tokenizer.json``; chat requests through its chat template), submits token ids
 to the engine, and answers with what :mod:`.responses` makes of the engine's events (text deltas, choices, server-sent
 events). It never runs the model: whether the engine is the local scheduler or the disaggregated one makes no
-difference here. Every error is answered in OpenAI's shape (:mod:`.openai_io`).
+difference here. Every error is answered in OpenAI's shape (:mod:`~qeff_kv.serve.wire.openai_io`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from qeff_kv.serve.http.drain import DrainGate
 from qeff_kv.serve.engine.engine import Engine, GenerationRequest
 from qeff_kv.serve.http.images import has_images, image_request
 from qeff_kv.serve.http.metrics import Metrics
-from qeff_kv.serve.http.openai_io import APIError, Params, bad, parse
+from qeff_kv.serve.wire.openai_io import APIError, Params, bad, parse
 from qeff_kv.serve.cluster.pd import KVAsk, answer_field, prepare as prepare_kv
 from qeff_kv.serve.http.prefill import Turn, parse_turn, render as render_chat
 from qeff_kv.serve.http.responses import Run, choice, collect, sse, usage

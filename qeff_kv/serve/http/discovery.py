@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 
 from qeff_kv.errors import QeffKvError
 from qeff_kv.serve.http.bodies import check_text_fits, encode_text
-from qeff_kv.serve.http.openai_io import APIError, is_int, checked_messages, bad
+from qeff_kv.serve.wire.openai_io import APIError, is_int, checked_messages, bad
 
 
 def add_cors(app: FastAPI, origins: list[str] | None) -> None:

@@ -18,7 +18,7 @@ import signal
 import time
 
 from qeff_kv.serve.http.http_errors import send_error
-from qeff_kv.serve.http.openai_io import APIError
+from qeff_kv.serve.wire.openai_io import APIError
 
 #: the default of ``--drain-seconds``: how long running requests may take to finish after SIGTERM
 DEFAULT_GRACE_S = 30.0

@@ -15,7 +15,7 @@ import base64
 from qeff_kv.errors import QeffKvError
 from qeff_kv.runtime import embeddings
 from qeff_kv.serve.http.bodies import check_text_fits, encode_text, read_json
-from qeff_kv.serve.http.openai_io import APIError, bad
+from qeff_kv.serve.wire.openai_io import APIError, bad
 
 MAX_INPUTS = 64
 _FIELDS = {"model", "input", "encoding_format", "user", "dimensions"}

@@ -1,6 +1,6 @@
 """Every error the server answers, in OpenAI's JSON shape ``{"error": {message, type, param, code}}``.
 
-* :func:`install`: the app's exception handlers (:class:`~.openai_io.APIError`, Starlette's HTTP errors such as
+* :func:`install`: the app's exception handlers (:class:`~qeff_kv.serve.wire.openai_io.APIError`, Starlette's HTTP errors such as
   404 and 405, request validation) and :class:`InternalErrors` (anything unexpected as a 500 without a traceback in
   the body, with CORS headers, the connection kept);
 * :func:`send_error`: the same body sent straight on the ASGI channel, for middleware that answers before the
@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from qeff_kv.serve.http.openai_io import APIError
+from qeff_kv.serve.wire.openai_io import APIError
 
 _KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}

@@ -28,7 +28,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from qeff_kv.errors import QeffKvError
-from qeff_kv.serve.http.openai_io import bad
+from qeff_kv.serve.wire.openai_io import bad
 
 #: the most images one request may carry
 MAX_IMAGES = 4

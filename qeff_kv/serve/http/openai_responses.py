@@ -19,7 +19,7 @@ import time
 import uuid
 
 from qeff_kv.serve.http.bodies import read_json
-from qeff_kv.serve.http.openai_io import bad
+from qeff_kv.serve.wire.openai_io import bad
 from qeff_kv.serve.http.responses import Run, collect
 from qeff_kv.serve.structured.tool_io import ToolStream
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qeff_kv.serve.http.openai_io import bad
+from qeff_kv.serve.wire.openai_io import bad
 
 
 @dataclass(frozen=True)

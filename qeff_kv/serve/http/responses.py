@@ -15,7 +15,7 @@ from qeff_kv.serve.engine.choices import Logprobs
 from qeff_kv.serve.http.drain import shutting_down
 from qeff_kv.serve.engine.engine import Finished, PromptLogprobs, TokenOut
 from qeff_kv.serve.http.metrics import Metrics
-from qeff_kv.serve.http.openai_io import APIError, Params
+from qeff_kv.serve.wire.openai_io import APIError, Params
 from qeff_kv.serve.http.text import Detokenizer, StopMatcher
 from qeff_kv.serve.structured.tool_io import ToolStream, calls_json
 

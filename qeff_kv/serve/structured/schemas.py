@@ -29,7 +29,7 @@ _OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties"
 def close_objects(schema, *, open_here: bool = False):
     """A copy of ``schema`` with every object that declares ``properties`` and nothing about other keys closed
     (see the module docstring); iterative over the schema's nesting is not needed: its depth is bounded by the
-    request checks (:data:`~.bodies.MAX_INNER_DEPTH`)."""
+    request checks (:data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH`)."""
     if not isinstance(schema, dict):
         return schema
     out = {}

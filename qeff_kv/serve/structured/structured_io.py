@@ -18,7 +18,7 @@ A grammar (``grammar``, ``guided_grammar``, ``structured_outputs.grammar``) is l
 naming the field.
 
 Bounds, checked before anything is compiled (a 400 naming the field and the bound): a schema nests at most
-:data:`~.bodies.MAX_INNER_DEPTH` levels and holds at most :data:`MAX_SCHEMA_NODES` objects and lists; a regex or
+:data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH` levels and holds at most :data:`MAX_SCHEMA_NODES` objects and lists; a regex or
 grammar text (a ``choice`` list as the grammar it becomes) at most :data:`MAX_GRAMMAR_CHARS` characters; a
 ``choice`` at most :data:`MAX_CHOICES` strings. :class:`Constraints` compiles on its own worker threads (with
 large stacks: llguidance recurses over a grammar's rules) within :data:`COMPILE_TIMEOUT_S`; whatever goes wrong
@@ -32,9 +32,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from qeff_kv.errors import QeffKvError
-from qeff_kv.serve.http.bodies import MAX_INNER_DEPTH, check_encodable, json_depth, json_in_string
+from qeff_kv.serve.wire.json_values import MAX_INNER_DEPTH, check_encodable, json_depth, json_in_string
 from qeff_kv.serve.structured.constrained import GrammarSpec, lark_string
-from qeff_kv.serve.http.openai_io import APIError, bad, known_keys
+from qeff_kv.serve.wire.openai_io import APIError, bad, known_keys
 from qeff_kv.serve.structured.schemas import close_objects
 
 #: the most objects and lists in one schema (10,000 optional properties cost llguidance minutes of CPU)

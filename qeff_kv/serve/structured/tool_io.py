@@ -17,7 +17,7 @@
   request's ``tools`` is content, not calls.
 
 Bounds: at most :data:`MAX_TOOLS` tools (OpenAI's), each ``parameters`` within the schema bounds of
-:mod:`.structured_io`; a past call's ``arguments`` nested deeper than :data:`~.bodies.MAX_INNER_DEPTH` or holding a
+:mod:`.structured_io`; a past call's ``arguments`` nested deeper than :data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH` or holding a
 lone surrogate is a 400 naming it.
 """
 
@@ -27,9 +27,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from qeff_kv.serve.http.bodies import json_in_string
+from qeff_kv.serve.wire.json_values import json_in_string
 from qeff_kv.serve.structured.constrained import GrammarSpec
-from qeff_kv.serve.http.openai_io import bad, known_keys
+from qeff_kv.serve.wire.openai_io import bad, known_keys
 from qeff_kv.serve.structured.structured_io import check_schema_size
 from qeff_kv.serve.structured.toolcalls import ToolFacts, ToolParser, choose_parser
 
