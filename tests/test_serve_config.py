@@ -1,12 +1,10 @@
 """Issue 48: the serve options in sections that live with their wing. ``ServeConfig`` is the composition of the
 sections, built flat from the command line's options; an absent optional section is ``None`` (its options given
-anyway: one line at ``check``); the export is resolved once into a ``ServedModel`` handed down; the serve wing's
-rooms import only down their order."""
+anyway: one line at ``check``); the export is resolved once into a ``ServedModel`` handed down (the serve wing's room
+order is tests/test_architecture.py's)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 
 import pytest
 
@@ -17,9 +15,6 @@ from qeff_kv.serve.cluster.pd import PDSection
 from qeff_kv.serve.config import SECTIONS, ServeConfig
 from qeff_kv.serve.engine.session_from_config import EngineSection, ServedModel, SpeculativeSection
 from qeff_kv.serve.http.http_config import HttpSection
-
-#: the serve wing's rooms, bottom to top (docs/architecture.md); a room imports only rooms below it, or itself
-SERVE_ORDER = (("wire",), ("structured",), ("engine",), ("cluster",), ("http",), ("config",), ("server",))
 
 
 def test_flat_options_fill_the_sections():
@@ -81,28 +76,3 @@ def test_the_served_model_is_resolved_once_and_handed_down(tmp_path, monkeypatch
     monkeypatch.setattr(model_files, "resolve_model", no_second_resolution)
     defaults = sampling_defaults(ServeConfig(str(tmp_path), top_p=0.5), model)
     assert (defaults.temperature, defaults.top_p) == (0.3, 0.5)
-
-
-def _room_imports(path: Path) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] + [f"{node.module}.{a.name}" for a in node.names] \
-            if isinstance(node, ast.ImportFrom) and node.module else []
-        out |= {n.split(".")[2] for n in names if n.startswith("qeff_kv.serve.") and n.count(".") >= 2}
-    return out
-
-
-def test_the_serve_wing_imports_only_down_its_order():
-    level = {room: i for i, rooms in enumerate(SERVE_ORDER) for room in rooms}
-    import qeff_kv.serve
-
-    serve = Path(qeff_kv.serve.__file__).resolve().parent
-    rooms = {p.name.removesuffix(".py") for p in serve.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
-    assert rooms - {"__init__"} == set(level)
-    upward = []
-    for path in serve.rglob("*.py"):
-        me = path.relative_to(serve).parts[0].removesuffix(".py")
-        if me != "__init__":
-            upward += [f"{path.relative_to(serve)} -> {r}" for r in _room_imports(path) if level[r] > level[me]]
-    assert upward == []
