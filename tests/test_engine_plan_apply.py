@@ -329,15 +329,15 @@ def test_parked_choices_are_busy_while_their_leader_prefills():
 
 
 # ------------------------------------------------------------------------------------ the inbox
-def _group(inbox: Inbox, i: int, n: int = 1):
+def _group(inbox: Inbox, i: int, n: int = 1, max_queue: int = 4):
     reqs = [request(10 * i + k) for k in range(n)]
     handles = [RequestHandle(r.request_id) for r in reqs]
-    inbox.put(handles, reqs)
+    inbox.put(handles, reqs, max_queue)
     return handles
 
 
 def test_the_inbox_admits_a_group_when_its_members_fit():
-    inbox = Inbox(max_sequences=2, max_queue=4, kv_bytes_capacity=0)
+    inbox = Inbox(max_sequences=2, kv_bytes_capacity=0)
     _group(inbox, 0, n=2)
     assert inbox.next_group(available=1) is None and not inbox.admissible(1)
     handle, req, others = inbox.next_group(available=2)
@@ -347,20 +347,20 @@ def test_the_inbox_admits_a_group_when_its_members_fit():
 
 
 def test_the_inbox_refuses_when_full_or_closed():
-    inbox = Inbox(max_sequences=1, max_queue=1, kv_bytes_capacity=0)
-    _group(inbox, 0)
-    _group(inbox, 1)
+    inbox = Inbox(max_sequences=1, kv_bytes_capacity=0)
+    _group(inbox, 0, max_queue=1)
+    _group(inbox, 1, max_queue=1)
     with pytest.raises(QueueFullError):
-        _group(inbox, 2)
+        _group(inbox, 2, max_queue=1)
     assert inbox.close() and not inbox.close()
     with pytest.raises(UnavailableError):
-        _group(inbox, 3)
+        _group(inbox, 3, max_queue=1)
     members, control = inbox.drain()
     assert [r.request_id for _, r in members] == ["r0", "r10"] and control == []
 
 
 def test_cancelling_a_waiting_first_choice_takes_its_whole_group():
-    inbox = Inbox(max_sequences=4, max_queue=4, kv_bytes_capacity=0)
+    inbox = Inbox(max_sequences=4, kv_bytes_capacity=0)
     first = _group(inbox, 0, n=3)
     _group(inbox, 1)
     first[0].cancel()
@@ -369,7 +369,7 @@ def test_cancelling_a_waiting_first_choice_takes_its_whole_group():
 
 
 def test_control_actions_run_with_their_results_and_errors():
-    inbox = Inbox(max_sequences=1, max_queue=1, kv_bytes_capacity=0)
+    inbox = Inbox(max_sequences=1, kv_bytes_capacity=0)
     ok, bad = inbox.run(("call", 2)), inbox.run(("call", 0))
     inbox.apply_control(lambda what: 10 // what[1])
     assert ok.result(0) == 5 and isinstance(bad.exception(0), ZeroDivisionError)

@@ -26,8 +26,8 @@ Group = tuple  # (RequestHandle, GenerationRequest, list[tuple[RequestHandle, Ge
 class Inbox:
     """The submitting threads' side of the engine (see the module docstring)."""
 
-    def __init__(self, max_sequences: int, max_queue: int, kv_bytes_capacity: int):
-        self.max_sequences, self.max_queue = max_sequences, max_queue
+    def __init__(self, max_sequences: int, kv_bytes_capacity: int):
+        self.max_sequences = max_sequences
         self.lock = threading.Lock()
         #: set when there is something for the engine thread to do
         self.wake = threading.Event()
@@ -42,14 +42,15 @@ class Inbox:
         self.table: list[dict] = free_slots(max_sequences)
 
     # ---- the submitting threads
-    def put(self, handles: list[RequestHandle], reqs: list[GenerationRequest]) -> None:
-        """Queue one group (``n`` choices: ``n`` handles); refused when closed or full."""
+    def put(self, handles: list[RequestHandle], reqs: list[GenerationRequest], max_queue: int) -> None:
+        """Queue one group (``n`` choices: ``n`` handles); refused when closed or full (``max_queue`` requests
+        waiting beyond those a free slot is about to take)."""
         with self.lock:
             if self.closed:
                 raise UnavailableError("the engine is closed")
             # the queue holds max_queue requests beyond those a free slot is about to take
-            if len(self.waiting) >= self.max_queue + max(0, self.max_sequences - self.admitted):
-                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+            if len(self.waiting) >= max_queue + max(0, self.max_sequences - self.admitted):
+                raise QueueFullError(f"the queue is full ({max_queue} requests waiting); retry later")
             self.waiting.append((handles[0], reqs[0], list(zip(handles[1:], reqs[1:]))))
             self.counters["queue_depth"] = len(self.waiting)
         self.wake.set()

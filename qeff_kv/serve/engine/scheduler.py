@@ -10,7 +10,8 @@ Each turn of the engine thread:
    whole prefill lengths, vLLM's token budget of a step) to the oldest request still prefilling, and what is
    left of them to the next ones (a turn can finish several short prompts, so their rows decode from the next
    step on); a prompt cut by the budget is cut at a whole number of prefill lengths, so its graph runs are the
-   ones ``generate`` makes;
+   ones ``generate`` makes; what the turn returns is applied after it (a choice sent back to prefill its prompt
+   itself joins the queue for the next turn);
 4. runs **one** decode step for every running sequence together (``batch_index`` rows, or lock step on a graph
    without it: the session does both); with a :class:`~.speculation.Speculation` (``--speculative``), that step
    verifies each sequence's drafts and may give each several tokens, emitted one event each.
@@ -108,7 +109,7 @@ class Scheduler(Engine):
         self.prefix_cache = PrefixCache(session, reuse=reuse_prompts, listener=kv_events)
         self.kv_events = kv_events
         #: the waiting groups, control actions, counters and slot table (shared with the submitting threads)
-        self.inbox = Inbox(self.max_sequences, max_queue, session.cache.memory_capacity)
+        self.inbox = Inbox(self.max_sequences, session.cache.memory_capacity)
         #: n's parked choices
         self.choices = ChoiceGroups()
         #: the requests decoding (the engine thread's)
@@ -133,7 +134,7 @@ class Scheduler(Engine):
             _check(self, r, len(reqs))
         wake = self.inbox.wake
         handles = [RequestHandle(r.request_id, on_cancel=lambda h: wake.set()) for r in reqs]
-        self.inbox.put(handles, reqs)
+        self.inbox.put(handles, reqs, self.max_queue)
         return handles
 
     def stats(self) -> dict:
