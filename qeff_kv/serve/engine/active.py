@@ -1,8 +1,8 @@
 """A request the local engine admitted and has not finished: its sequence, the prompt tokens still to prefill, its
 token budget (decided once, here, by :func:`~qeff_kv.runtime.decoding.stopping.token_budget`), what it generated
-and its sampling state (:meth:`Active.select`: its token selection). The :class:`~.scheduler.Scheduler` and its
-collaborators (:class:`~.prefill_turns.PrefillTurns`, :class:`~.forks.ChoiceGroups`, :class:`~.decode_step.DecodeStep`)
-share these records through their public fields.
+and its sampling state (:meth:`Active.select`: its token selection). The :class:`~.scheduler.Scheduler` applies
+what happens to these records; its collaborators (:class:`~.prefill_turns.PrefillTurns`,
+:class:`~.forks.ChoiceGroups`, :func:`~.decode_step.decode`) read them and return outcomes.
 """
 
 from __future__ import annotations

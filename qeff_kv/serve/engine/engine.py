@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Union
 
 from qeff_kv.errors import QeffKvError, QueueFullError, RuntimeInputError  # noqa: F401  (re-exported for engines)
 from qeff_kv.runtime.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from qeff_kv.runtime.decoding.stopping import context_room
 
 if TYPE_CHECKING:  # pragma: no cover
     from qeff_kv.runtime.memory.state_file import KVState
@@ -213,7 +214,7 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
         return
     if not req.prompt:
         raise RuntimeInputError("the prompt is empty")
-    if len(req.prompt) > ctx_len:
+    if context_room(ctx_len, len(req.prompt)) < 1:   # not even its first new token fits
         raise RuntimeInputError(f"the prompt has {len(req.prompt)} tokens; the context holds {ctx_len}")
     bad = [t for t in req.prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0
            or (vocab_size is not None and t >= vocab_size)]

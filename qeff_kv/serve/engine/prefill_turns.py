@@ -6,15 +6,17 @@ lengths unless the budget itself is below one: so every prompt's graph runs are 
 served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
 call, its images bound for all of it (as ``generate`` feeds it).
 
-:class:`PrefillTurns` is one object per :class:`~.scheduler.Scheduler`: it holds the requests still prefilling
-(:attr:`~PrefillTurns.queue`, oldest first), the turn's size and the moving averages ``auto`` reads, and reaches the
-scheduler it serves through its public face only (``session``, ``running``, ``prefix_cache``, ``finish``,
-``prompt_done``, ``count``).
+:class:`PrefillTurns` is one object per :class:`~.scheduler.Scheduler` and holds no scheduler: it holds the session
+it feeds, the requests still prefilling (:attr:`~PrefillTurns.queue`, oldest first), the turn's size and the moving
+averages ``auto`` reads. :meth:`PrefillTurns.turn` feeds and returns what happened (:class:`Turn`: the prompts
+completed this turn with their logits, the requests whose prefill failed, the prompt logprobs to emit, the graph
+runs); the scheduler applies it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,19 +31,31 @@ AUTO_SHARE = 0.9
 TURN_TOKENS = 512
 
 
+@dataclass
+class Turn:
+    """What one prefill turn did: ``done`` (request, logits after its last prompt token), the prompts completed, in
+    order; ``failed`` (request, error), the requests whose prefill failed (both have left the queue); ``scored``
+    (request, :class:`~.engine.PromptLogprobs`), the prompt logprobs of the chunks fed, in order; ``runs``: the
+    graph runs of the chunks fed."""
+
+    done: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    scored: list = field(default_factory=list)
+    runs: int = 0
+
+
 class PrefillTurns:
-    """The prompt tokens each turn feeds, for ``sched`` (a :class:`~.scheduler.Scheduler`; see the module
-    docstring). ``prefill_chunk``: prompt tokens per turn (None: :data:`TURN_TOKENS` in whole prefill lengths), or
+    """The prompt tokens each turn feeds into ``session`` (see the module docstring). ``prefill_chunk``: prompt tokens per turn (None: :data:`TURN_TOKENS` in whole prefill lengths), or
     ``"auto"``: while sequences are running, as many tokens as cost :data:`AUTO_SHARE` of a decode step
     (measured), so a running stream's step at most about doubles; the full prefill length when nothing runs."""
 
-    def __init__(self, sched, prefill_chunk: int | str | None = None):
+    def __init__(self, session, prefill_chunk: int | str | None = None):
         if prefill_chunk is not None and prefill_chunk != "auto" and (
                 isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
-        self.sched = sched
+        self.session = session
         self.auto = prefill_chunk == "auto"
-        S = sched.session.prefill_seq_len
+        S = session.prefill_seq_len
         #: prompt tokens fed per turn (the most, with ``auto``)
         self.chunk = (S if self.auto else max(S, TURN_TOKENS // S * S) if prefill_chunk is None
                       else prefill_chunk)
@@ -63,24 +77,27 @@ class PrefillTurns:
         """A decode step took ``seconds`` (what ``auto`` sizes a turn by)."""
         self.decode_s = _average(self.decode_s, seconds)
 
-    def chunk_size(self) -> int:
-        """Prompt tokens the next turn feeds."""
-        if not (self.auto and self.sched.running and self.decode_s and self.prefill_tok_s):
+    def chunk_size(self, running: bool) -> int:
+        """Prompt tokens the next turn feeds (``running``: sequences are decoding)."""
+        if not (self.auto and running and self.decode_s and self.prefill_tok_s):
             return self.chunk
         n = int(AUTO_SHARE * self.decode_s / self.prefill_tok_s)
-        return max(1, min(self.sched.session.prefill_seq_len, n))
+        return max(1, min(self.session.prefill_seq_len, n))
 
-    def turn(self) -> None:
-        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones."""
-        left, fed = self.chunk_size(), 0
+    def turn(self, running: bool) -> Turn:
+        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones
+        (``running``: sequences are decoding, what ``auto`` sizes the turn by)."""
+        out = Turn()
+        left, fed = self.chunk_size(running), 0
         while left > 0 and self.queue:
             a = self.queue[0]
             # a prompt with images: all of it in one call (its images are bound for the whole prompt)
             n = len(a.todo) if a.req.images is not None else self._share(len(a.todo), left, fed)
             if n == 0:
-                return
-            self._feed(a, n)
+                break
+            self._feed(a, n, out)
             left, fed = left - n, fed + n
+        return out
 
     def _share(self, todo: int, left: int, fed: int) -> int:
         """Tokens of a prompt with ``todo`` still to prefill that a turn with ``left`` tokens left feeds: all of
@@ -88,13 +105,14 @@ class PrefillTurns:
         only when it is the turn's whole budget (``--prefill-chunk`` below the prefill length, or ``auto``)."""
         if todo <= left:
             return todo
-        S = self.sched.session.prefill_seq_len
+        S = self.session.prefill_seq_len
         return left // S * S if left >= S or fed else left
 
-    def _feed(self, a, n: int) -> None:
-        """Feed the next ``n`` prompt tokens of request ``a``; when its prompt is done, the scheduler takes it on
-        (its choices fork and it selects its first token)."""
-        session = self.sched.session
+    def _feed(self, a, n: int, out: Turn) -> None:
+        """Feed the next ``n`` prompt tokens of request ``a``; when its prompt is done it leaves the queue into
+        ``out.done`` (the scheduler takes it on: its choices fork and it selects its first token), when the feed
+        fails into ``out.failed``."""
+        session = self.session
         images = a.req.images
         chunk = a.todo[:n]
         # recurrent state: the prompt-boundary checkpoints at the prompt's end (and one before), not at every chunk's
@@ -105,27 +123,27 @@ class PrefillTurns:
         t0, runs = time.perf_counter(), session.timings.prefill_runs
         try:
             logits = (session.prefill(a.seq, chunk, **kw) if a.req.prompt_logprobs is None
-                      else self._scored_chunk(a, chunk))
+                      else self._scored_chunk(a, chunk, out))
         except Exception as exc:   # noqa: BLE001
-            self.sched.finish(a, "error", f"prefill failed: {exc}", keep=False)
+            self.queue.remove(a)
+            out.failed.append((a, f"prefill failed: {exc}"))
             return
         self.prefill_tok_s = _average(self.prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
         del a.todo[:len(chunk)]
-        self.sched.count("prefill_chunks", session.timings.prefill_runs - runs)
+        out.runs += session.timings.prefill_runs - runs
         if a.todo:
             return
         self.queue.remove(a)
-        if images is None:
-            self.sched.prefix_cache.held(a.seq)
-        self.sched.prompt_done(a, logits)
+        out.done.append((a, logits))
 
-    def _scored_chunk(self, a, chunk: list[int]):
+    def _scored_chunk(self, a, chunk: list[int], out: Turn):
         """Prefill ``chunk`` keeping every position's logits (:func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows`),
-        emit its tokens' :class:`~.engine.PromptLogprobs`, and return the logits after its last token."""
-        rows = prefill_rows(self.sched.session, a.seq, chunk)
+        add its tokens' :class:`~.engine.PromptLogprobs` to ``out.scored``, and return the logits after its last
+        token."""
+        rows = prefill_rows(self.session, a.seq, chunk)
         scoring = rows[:-1] if a.prompt_row is None else np.concatenate([a.prompt_row[None], rows[:-1]])
-        a.handle.emit(PromptLogprobs(prompt_entries(scoring, chunk, a.req.prompt_logprobs,
-                                                    first=a.prompt_row is None)))
+        out.scored.append((a, PromptLogprobs(prompt_entries(scoring, chunk, a.req.prompt_logprobs,
+                                                            first=a.prompt_row is None))))
         a.prompt_row = rows[-1]
         return rows[-1]
 

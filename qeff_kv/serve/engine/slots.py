@@ -13,8 +13,9 @@ sequence, kept for prompt reuse)).
   following a symbolic link and must be a regular file in the state folder.
 * ``erase``: drop the slot's cached sequence.
 
-The slot's occupant comes from the scheduler's public views: ``busy_slots()`` and its
-:class:`~qeff_kv.runtime.memory.prefix_cache.PrefixCache` (``prefix_cache``: ``in_slot``, ``evict``, ``forget``, ``keep``).
+:func:`run` takes what it reads and holds nothing (the scheduler calls it on its thread): the session, the slots
+requests run in, and the :class:`~qeff_kv.runtime.memory.prefix_cache.PrefixCache` that says the slot's occupant
+(``in_slot``, ``evict``, ``forget``, ``keep``).
 
 Every failure leaves the slot as it was (a restore that fails after the slot's cached sequence was dropped puts it
 back), and no error message names a server path or repeats a file's bytes.
@@ -35,33 +36,35 @@ ACTIONS = ("save", "restore", "erase")
 MAX_STATE_BYTES = 64 << 30
 
 
-def _occupant(sched, slot: int):
+def _occupant(prefix_cache, busy: set[int], slot: int):
     """The kept sequence in ``slot`` (None: the slot is free); a busy slot is refused."""
-    if slot in sched.busy_slots():
+    if slot in busy:
         raise RuntimeInputError(f"slot {slot} is busy (a request is running in it)")
-    return sched.prefix_cache.in_slot(slot)
+    return prefix_cache.in_slot(slot)
 
 
-def run(sched, slot: int, action: str, path: Path | None) -> dict:
+def run(session, prefix_cache, busy: set[int], slot: int, action: str, path: Path | None) -> dict:
+    """``action`` on ``slot`` of ``session`` (``busy``: the slots requests run in; ``prefix_cache``: the kept
+    sequences); its answer."""
     if action not in ACTIONS:
         raise RuntimeInputError(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
-    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < sched.max_sequences:
-        raise RuntimeInputError(f"slot id must be in [0, {sched.max_sequences}), got {slot!r}")
-    seq = _occupant(sched, slot)
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < session.max_sequences:
+        raise RuntimeInputError(f"slot id must be in [0, {session.max_sequences}), got {slot!r}")
+    seq = _occupant(prefix_cache, busy, slot)
     t0 = time.perf_counter()
     if action == "erase":
         n = 0
         if seq is not None:
             n = seq.length
-            sched.prefix_cache.evict(seq)
+            prefix_cache.evict(seq)
         return {"id_slot": slot, "n_erased": n}
     if path is None:
         raise RuntimeInputError(f"action {action} needs a filename")
     try:
         if action == "save":
-            out = _save(sched.session, slot, seq, path)
+            out = _save(session, slot, seq, path)
         else:
-            out = _restore(sched, slot, seq, path)
+            out = _restore(session, prefix_cache, slot, seq, path)
     except (QeffKvError, OSError) as exc:
         raise StateFileError(_scrub(str(exc), path)) from None
     key = "save_ms" if action == "save" else "restore_ms"
@@ -100,15 +103,14 @@ def read_state_file(path: Path) -> tuple[state_mod.KVState, int]:
     return state, len(data)
 
 
-def _restore(sched, slot: int, seq, path: Path) -> dict:
-    session = sched.session
+def _restore(session, prefix_cache, slot: int, seq, path: Path) -> dict:
     state, size = read_state_file(path)
     state_mod.validate(session, state, path.name)   # everything checked before the slot is touched
     backup = session.export_state(seq, checksum=False) if seq is not None else None
     place = 0
     if seq is not None:
-        place = sched.prefix_cache.forget(seq)
-        sched.prefix_cache.remove(seq)
+        place = prefix_cache.forget(seq)
+        prefix_cache.remove(seq)
     target = None
     try:
         target = session.cache.create(slot=slot)
@@ -117,14 +119,14 @@ def _restore(sched, slot: int, seq, path: Path) -> dict:
         if target is not None and target.alive:
             session.remove_sequence(target)
         if backup is not None:   # the slot as it was
-            _put_back(sched, slot, backup, place)
+            _put_back(session, prefix_cache, slot, backup, place)
         raise
-    sched.prefix_cache.keep(target)
+    prefix_cache.keep(target)
     return {"id_slot": slot, "filename": path.name, "n_restored": target.length, "n_read": size}
 
 
-def _put_back(sched, slot: int, backup, place: int) -> None:
+def _put_back(session, prefix_cache, slot: int, backup, place: int) -> None:
     """The slot's cached sequence again, from its in-memory copy, at its place in the LRU order."""
-    seq = sched.session.cache.create(slot=slot)
-    sched.session.import_state(backup, seq=seq)
-    sched.prefix_cache.keep(seq, place)
+    seq = session.cache.create(slot=slot)
+    session.import_state(backup, seq=seq)
+    prefix_cache.keep(seq, place)

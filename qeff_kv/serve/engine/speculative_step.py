@@ -11,7 +11,9 @@ One step, for every running sequence together:
 1. each sequence drafts up to its current width (adaptive as in
    :class:`~qeff_kv.runtime.decoding.speculative.SpeculativeDecoder`), never more than what is left of its budget
    minus one (:func:`~qeff_kv.runtime.decoding.stopping.draft_limit`: a run never crosses the budget, the cut
-   happens in the draft) nor past the capacity;
+   happens in the draft; the budget was decided within the context's room, so this caps the capacity too), and
+   no row drafts past what the fullest row's room allows (every row writes the widest row's positions), through
+   the same :func:`~qeff_kv.runtime.decoding.stopping.context_room`;
 2. if nobody drafted, one plain decode step; else one verification step of the speculative graph
    (:func:`~qeff_kv.runtime.decoding.speculative.score_rows`: one row per sequence, padded to the widest);
 3. each row keeps its drafts while they equal the pick of plain decoding (greedy or the seeded draw at that
@@ -34,7 +36,7 @@ from pathlib import Path
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.decoding.sampling import sample
 from qeff_kv.runtime.decoding.speculative import DraftModel, Drafter, PromptLookup, accept, drafts_per_step, score_rows
-from qeff_kv.runtime.decoding.stopping import draft_limit
+from qeff_kv.runtime.decoding.stopping import context_room, draft_limit
 
 
 class Drafting(ABC):
@@ -198,11 +200,13 @@ class Speculation:
             track = self._tracks.get(r.key)
             if track is None:
                 track = self._tracks[r.key] = _Track(self.drafting.drafter(), self.k)
-            k = min(track.width, draft_limit(r.left), s.ctx_len - r.seq.length - 1)
+            # the budget left holds the context's room (it was decided within it): draft_limit caps both
+            k = min(track.width, draft_limit(r.left))
             drafts.append(track.drafter.draft(r.seq.tokens + [r.last], k)[:k] if k > 0 else [])
-        # every row writes the widest row's positions (padding): stay inside each row's capacity
-        room = min(s.ctx_len - r.seq.length for r in rows)
-        drafts = [d[:room - 1] for d in drafts]
+        # every row writes the widest row's positions (padding): stay inside each row's capacity, the room of the
+        # row with the least (its pending token fed first)
+        most = min(draft_limit(context_room(s.ctx_len, r.seq.length + 1)) for r in rows)
+        drafts = [d[:most] for d in drafts]
         if not any(drafts):
             out = s.decode([(r.seq, r.last) for r in rows])
             return [[sample(out[r.seq], r.params, r.seq.length)] for r in rows]

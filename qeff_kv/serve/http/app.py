@@ -27,7 +27,7 @@ from qeff_kv.errors import QeffKvError, QueueFullError, UnavailableError
 from qeff_kv.runtime.decoding import prompt_rows
 from qeff_kv.serve.http import discovery, embeddings_api, http_errors, openai_responses
 from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
-from qeff_kv.serve.engine.choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
+from qeff_kv.serve.http.choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
 from qeff_kv.serve.engine.defaults import SamplingDefaults
 from qeff_kv.serve.http.discovery import check_chat_size
 from qeff_kv.serve.http.drain import DrainGate

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 
-from qeff_kv.serve.engine.choices import Logprobs
+from qeff_kv.serve.http.choices import Logprobs
 from qeff_kv.serve.http.drain import shutting_down
 from qeff_kv.serve.engine.engine import Finished, PromptLogprobs, TokenOut
 from qeff_kv.serve.http.metrics import Metrics
