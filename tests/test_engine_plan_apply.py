@@ -161,11 +161,11 @@ def test_a_running_schedulers_collaborators_never_reach_it(own_cb_graph):
     session = Session(own_cb_graph)
     sched = Scheduler(session, reuse_prompts=False, prefill_chunk=4)
     try:
+        assert sched.run_on_engine(("call", lambda s: _reaches([{"k": [s.close]}], s))).result(30)  # the finder
         hold = threading.Event()
         sched.run_on_engine(("call", lambda _: hold.wait(30)))
         handles = sched.submit_n(request(0, (5, 6, 7, 8, 9, 10), 6), [SamplingParams()] * 2)
         handles.append(sched.submit(request(1, (11, 12, 13), 6)))
-        assert sched.run_on_engine(("call", lambda s: _reaches([{"k": [s.close]}], s))).result(30)  # the finder
         looks = []
         hold.set()
         while not all(h.finished for h in handles):   # a look between two turns, again and again
