@@ -9,7 +9,7 @@ Needs only numpy, onnx_ir and onnxruntime (no torch, no transformers); ``tokeniz
 See ``docs/runtime.md``.
 """
 
-from qeff_kv.runtime.cache import KVCache, Sequence
+from qeff_kv.runtime.memory.hybrid import HybridMemory, Sequence
 from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, sample
 from qeff_kv.runtime.model_files import ModelFiles, resolve_model
 from qeff_kv.runtime.memory.ring import RingSpec
@@ -20,7 +20,7 @@ from qeff_kv.runtime.multimodal.vision import VisionLanguageModel, VisionStage
 from qeff_kv.runtime.decoding.speculative import DraftModel, PromptLookup, SpeculativeDecoder
 
 __all__ = [
-    "DraftModel", "GREEDY", "Generation", "Images", "KVCache", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
+    "DraftModel", "GREEDY", "Generation", "HybridMemory", "Images", "KVState", "Prompt", "VisionLanguageModel", "VisionStage", "ModelFiles", "RingSpec", "SamplingParams", "Sequence", "Session",
     "Timings", "TokenEvent", "export_state", "import_state", "load_state", "open_session", "PromptLookup", "read_state",
     "resolve_model", "SpeculativeDecoder", "sample", "save_state",
 ]

@@ -47,7 +47,7 @@ class GraphBinding:
         self.io = io
         self.executor_session = executor_session
         #: batch-1 row views of the cache's buffers (lock step), made on first use
-        self.rows = lockstep_mod.RowViews(session.cache.arrays, session.device)
+        self.rows = lockstep_mod.RowViews(session.cache.positional.arrays, session.device)
         #: the small inputs of each step shape, as numpy arrays (what a step writes) and as their bound values
         self.small: dict[StepShape, dict[str, np.ndarray]] = {}
         self.small_values: dict[StepShape, dict[str, ort.OrtValue]] = {}

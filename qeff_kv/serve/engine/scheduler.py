@@ -56,7 +56,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from qeff_kv.errors import QueueFullError, RuntimeInputError, UnavailableError
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.decoding.prompt_rows import unsupported
 from qeff_kv.runtime.decoding.sampling import Pick
 from qeff_kv.runtime.decoding.stopping import LENGTH, STOP, check_stop
