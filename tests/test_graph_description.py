@@ -14,7 +14,7 @@ from qeff_kv.graph import graphio
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.decoding.batching import ContinuousBatching, LockStep, OneSequence
-from qeff_kv.runtime.decoding.lockstep import RowViews
+from qeff_kv.runtime.execution.row_views import RowViews
 from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model

@@ -16,7 +16,8 @@ from qeff_kv.runtime.memory.ring import RingSpec
 from qeff_kv.runtime.session import Generation, Session, TokenEvent, Timings, open_session
 from qeff_kv.runtime.memory.state_file import KVState, export_state, import_state, load_state, read_state, save_state
 from qeff_kv.runtime.multimodal.media import Images, Prompt
-from qeff_kv.runtime.multimodal.vision import VisionLanguageModel, VisionStage
+from qeff_kv.runtime.multimodal.vision import VisionStage
+from qeff_kv.runtime.vision_language import VisionLanguageModel
 from qeff_kv.runtime.decoding.speculative import DraftModel, PromptLookup, SpeculativeDecoder
 
 __all__ = [

@@ -24,7 +24,7 @@ from qeff_kv.support.validate import integer_array
 from qeff_kv.runtime.decoding.sampling import FIELDS as SAMPLING_FIELDS, SamplingParams
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.session import Session, TokenEvent
-from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
+from qeff_kv.runtime.vision_language import VisionLanguageModel
 from qeff_kv.runtime.decoding.speculative import Drafter, DraftModel, PromptLookup, SpeculativeDecoder
 
 

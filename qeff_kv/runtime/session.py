@@ -101,7 +101,7 @@ class Session:
         sliding_window: the window ``W`` of a graph with sliding-window ring buffers (axis ``sliding_window``)
             when neither its metadata nor its manifest records it.
         image_token_id: the image token of a vision-language graph whose metadata and manifest do not record it
-            (another exporter's); images themselves come from :class:`qeff_kv.runtime.multimodal.vision.VisionLanguageModel`.
+            (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision_language.VisionLanguageModel`.
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
