@@ -4,7 +4,7 @@ Needs only numpy, onnx_ir and onnxruntime (no torch, no transformers); ``tokeniz
 
     from qeff_kv.runtime import Session
     s = Session("out/", ctx_len=256)
-    [g] = s.generate([[5, 17, 42]], max_new_tokens=8)
+    [g] = s.generate([[5, 17, 42]], max_tokens=8)
 
 See ``docs/runtime.md``.
 """
