@@ -138,3 +138,11 @@ def test_the_cli_takes_max_tokens_and_its_hidden_deprecated_alias(tmp_path):
     both = run(generate_cmd, [graph, "--prompt-ids", ids, "--max-tokens", "3", "--max-new-tokens", "3"])
     assert both.exit_code == 2 and "not both" in both.output
     assert "--max-new-tokens" not in run(generate_cmd, ["--help"]).output
+
+
+def test_the_generate_request_takes_max_tokens_and_its_deprecated_alias():
+    from qeff_kv.runtime.generate_job import GenerateRequest
+
+    assert GenerateRequest("m").max_tokens == 64 and GenerateRequest("m", max_tokens=3).max_tokens == 3
+    with pytest.warns(DeprecationWarning, match="max_new_tokens is deprecated"):
+        assert GenerateRequest("m", max_new_tokens=5).max_tokens == 5

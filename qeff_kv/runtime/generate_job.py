@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +22,7 @@ from qeff_kv.support.limits import MAX_INT64
 from qeff_kv.support import validate
 from qeff_kv.support.validate import integer_array
 from qeff_kv.runtime.decoding.sampling import FIELDS as SAMPLING_FIELDS, SamplingParams
+from qeff_kv.runtime.decoding.stopping import asked_tokens
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.session import Session, TokenEvent
 from qeff_kv.runtime.vision_language import VisionLanguageModel
@@ -110,6 +111,11 @@ class GenerateRequest:
     speculative_k: int | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
+    #: the deprecated name of ``max_tokens`` (one release; a DeprecationWarning, the same count)
+    max_new_tokens: InitVar[int | None] = None
+
+    def __post_init__(self, max_new_tokens: int | None) -> None:
+        self.max_tokens = asked_tokens(self.max_tokens, max_new_tokens, stacklevel=4)
 
     @classmethod
     def from_options(cls, **options) -> "GenerateRequest":

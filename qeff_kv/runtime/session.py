@@ -39,8 +39,8 @@ multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.mul
 
 The session opens the graph and feeds it (``prefill``, ``decode``); its cache verbs (``truncate``, ``copy``,
 ``export_state`` ...) are one call to ``session.cache`` (:class:`~qeff_kv.runtime.memory.hybrid.HybridMemory`, built
-from the memory registry) or to :mod:`~qeff_kv.runtime.memory.state_file`. Two collaborators, each an object with its own state and a reference to
-the session, do the rest, and the session's public methods of their names call them:
+from the memory registry) or to :mod:`~qeff_kv.runtime.memory.state_file`. Two collaborators, each an object with its
+own state and a reference to the session, do the rest, and the session's public methods of their names call them:
 
 * ``session.binding`` (:class:`~qeff_kv.runtime.execution.binding.GraphBinding`): the executor and every value
   bound to it, and the run;
