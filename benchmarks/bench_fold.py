@@ -46,7 +46,7 @@ def folded_copy(src: Path, work: Path) -> tuple[Path, dict]:
 def run(session: Session, new: int) -> tuple[list[int], float]:
     t = session.timings
     s0, n0 = t.decode_s, t.decode_tokens
-    gen = session.generate([PROMPT], max_new_tokens=new, stop_tokens=[])[0]
+    gen = session.generate([PROMPT], max_tokens=new, stop_tokens=[])[0]
     session.remove_sequence(gen.sequence)
     return gen.tokens, (t.decode_tokens - n0) / (t.decode_s - s0)
 

@@ -112,7 +112,7 @@ def greedy(folder: Path, threads: int, new: int) -> list[list[int]]:
     s = Session(folder, threads=threads)
     out = []
     for p in PROMPTS:
-        g = s.generate([chat_prompt_ids(tok, tmpl, p, None)], max_new_tokens=new)[0]
+        g = s.generate([chat_prompt_ids(tok, tmpl, p, None)], max_tokens=new)[0]
         s.remove_sequence(g.sequence)
         out.append(g.tokens)
     return out

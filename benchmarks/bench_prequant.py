@@ -88,7 +88,7 @@ def main() -> None:
         onnx_path = root / "export" / manifest["onnx"]
         same = []
         for p in prompts:
-            got = Session(onnx_path).generate(p, max_new_tokens=args.new_tokens)[0].tokens
+            got = Session(onnx_path).generate(p, max_tokens=args.new_tokens)[0].tokens
             same.append(got == hf_greedy(ck.reference, p, args.new_tokens))
         w = manifest["weights"]
         rows.append({"format": key, "shape": args.shape, "checkpoint_bytes": ck_bytes, "build_s": round(built, 1),

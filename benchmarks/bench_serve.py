@@ -187,7 +187,7 @@ def generate_texts(export: str, jobs: list[list[tuple]], threads: int | None,
     session = Session(export, max_sequences=1, threads=threads, prefill_seq_len=prefill_seq_len)
     texts = []
     for prompt, new in [job for client in jobs for job in client]:
-        [g] = session.generate([prompt], max_new_tokens=new, stop_tokens=[])
+        [g] = session.generate([prompt], max_tokens=new, stop_tokens=[])
         session.remove_sequence(g.sequence)
         d = Detokenizer(tok)
         texts.append("".join(d.add(t) for t in g.tokens) + d.flush())

@@ -45,7 +45,7 @@ def workloads() -> dict[str, str]:
 
 def plain_run(session: Session, prompt: list[int], new: int) -> tuple[list[int], float]:
     before = session.timings.decode_s, session.timings.decode_tokens
-    gen = session.generate([prompt], max_new_tokens=new)[0]
+    gen = session.generate([prompt], max_tokens=new)[0]
     session.remove_sequence(gen.sequence)
     secs = session.timings.decode_s - before[0]
     return gen.tokens, (session.timings.decode_tokens - before[1]) / secs
@@ -53,7 +53,7 @@ def plain_run(session: Session, prompt: list[int], new: int) -> tuple[list[int],
 
 def spec_run(session: Session, prompt: list[int], new: int, k: int) -> tuple[list[int], float, dict]:
     dec = SpeculativeDecoder(session, PromptLookup(), k=k)
-    gen = dec.generate(prompt, max_new_tokens=new)
+    gen = dec.generate(prompt, max_tokens=new)
     session.remove_sequence(gen.sequence)
     stats = dec.stats.to_json()
     return gen.tokens, stats["decode_tokens_per_s"], stats

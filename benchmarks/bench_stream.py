@@ -44,7 +44,7 @@ def cli() -> str:
 
 
 def run_generate(export: str, ids: list[int], new: int, threads: int) -> dict:
-    argv = [cli(), "generate", export, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", str(new),
+    argv = [cli(), "generate", export, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(new),
             "--ignore-eos", "--threads", str(threads), "--json"]
     out = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
     return {"tok_per_s": out["timings"]["decode_tokens_per_s"], "tokens": out["sequences"][0]["tokens"]}

@@ -8,13 +8,37 @@ sampling, :data:`qeff_kv.runtime.decoding.sampling.FIELDS`), fill one request; c
 from __future__ import annotations
 
 import json
+import warnings
 
 import click
+from click.core import ParameterSource
 
 from qeff_kv.runtime.decoding.sampling import GREEDY
 from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
 
 from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
+
+
+def _deprecated_max_new_tokens(ctx: click.Context, param, value):
+    """``--max-new-tokens``, the deprecated alias of ``--max-tokens`` for one release (hidden): its count fills
+    ``max_tokens``; both given is refused."""
+    if value is None:
+        return
+    warnings.warn("--max-new-tokens is deprecated: use --max-tokens (the same count)", DeprecationWarning)
+    if ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE:
+        raise click.BadParameter("give --max-tokens or its deprecated alias --max-new-tokens, not both")
+    ctx.meta["max_new_tokens"] = value
+    if "max_tokens" in ctx.params:   # --max-tokens took its default already
+        ctx.params["max_tokens"] = value
+
+
+def _max_tokens(ctx: click.Context, param, value):
+    """``--max-tokens``, or the count its deprecated alias gave."""
+    if "max_new_tokens" not in ctx.meta:
+        return value
+    if ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE:
+        raise click.BadParameter("give --max-tokens or its deprecated alias --max-new-tokens, not both")
+    return ctx.meta["max_new_tokens"]
 
 
 @click.command("generate")
@@ -47,8 +71,10 @@ from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
 @click.option("--vision-size", type=DIM, default=None,
               help="Image rows per image of a vision-language graph that records none (default: the vision graph's "
                    "output, or one run of image tokens per image in the prompt).")
-@click.option("--max-new-tokens", type=COUNT, default=64, show_default=True,
+@click.option("--max-tokens", type=COUNT, default=64, show_default=True, callback=_max_tokens,
               help="Tokens to generate per sequence; 0 = prefill only (with --save-state).")
+@click.option("--max-new-tokens", type=COUNT, default=None, hidden=True, expose_value=False,
+              callback=_deprecated_max_new_tokens)
 @click.option("--ctx-len", type=DIM, default=None, help="Cache capacity, where the graph leaves it symbolic.")
 @click.option("--prefill-seq-len", type=DIM, default=None, help="Prefill chunk length, where the graph leaves it symbolic.")
 @click.option("--sliding-window", type=SLIDING_WINDOW, default=None,

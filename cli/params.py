@@ -50,7 +50,7 @@ class AsciiFloat(click.ParamType):
 DIM = AsciiIntRange(min=1, max=MAX_DIM)
 #: --sliding-window: the window W of a graph's ring buffers (axis 'sliding_window'): 1 .. 2**31-1.
 SLIDING_WINDOW = DIM
-#: counts that may be zero (max_new_tokens, top_k): 0 .. 2**31-1.
+#: counts that may be zero (max_tokens, top_k): 0 .. 2**31-1.
 COUNT = AsciiIntRange(min=0, max=MAX_DIM)
 #: token ids and seeds: 0 .. 2**63-1.
 ID = AsciiIntRange(min=0, max=MAX_INT64)

@@ -14,8 +14,8 @@ from qeff_kv.graph import graphio
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.decoding.batching import ContinuousBatching, LockStep, OneSequence
-from qeff_kv.runtime.decoding.lockstep import RowViews
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.execution.row_views import RowViews
+from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.memory.recurrent import CheckpointPolicy
@@ -66,7 +66,7 @@ def test_the_session_reads_its_mode_from_the_description(own_cb_graph, own_fused
     assert (s.ctx_len, s.max_sequences, s.prefill_seq_len) == (s.graph.ctx_len, 3, 8)
     lock = Session(own_fused_graph, max_sequences=2)
     assert lock.lockstep and lock.ctx_len == lock.cache.ctx_len == 63
-    assert lock.cache.arrays[next(iter(lock.cache.arrays))].shape[2] == 64   # allocated at the graph's ctx_len
+    assert lock.cache.positional.arrays[next(iter(lock.cache.positional.arrays))].shape[2] == 64   # allocated at the graph's ctx_len
 
 
 # ============================================================================================ the strategies

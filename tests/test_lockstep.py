@@ -22,7 +22,7 @@ def test_three_sequences_decode_together_with_parity(target, family_exports, fam
     res = family_exports("llama", target)
     sess = Session(res.out_dir, max_sequences=3)
     assert sess.lockstep and sess.max_sequences == 3 and sess.inplace
-    assert sess.cache.arrays["past_key.0"].shape[0] == 3
+    assert sess.cache.positional.arrays["past_key.0"].shape[0] == 3
     before = sess.kv_data_pointers()
     prompts = [PROMPTS[0], PROMPTS[1], THIRD]
     got = [g.tokens for g in sess.generate(prompts, max_new_tokens=NEW, stop_tokens=[])]
@@ -79,7 +79,7 @@ def test_a_step_runs_only_the_rows_in_use(family_exports, family_models):
     from qeff_kv.runtime import Session
 
     sess = Session(family_exports("llama", "onnxruntime-fused").out_dir, max_sequences=3)
-    arrays = sess.cache.arrays
+    arrays = sess.cache.positional.arrays
     before = {k: v.copy() for k, v in arrays.items()}
     a = sess.generate([PROMPTS[0]], max_new_tokens=3, stop_tokens=[])[0]
     assert a.sequence.slot == 0 and sess.timings.decode_rows == sess.timings.decode_steps == 2

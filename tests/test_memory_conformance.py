@@ -26,7 +26,6 @@ import pytest
 
 from qeff_kv.errors import RewindError, RuntimeInputError, StateFileError
 from qeff_kv.contract.layout import KVPair, TensorInfo
-from qeff_kv.runtime import KVCache
 from qeff_kv.runtime.memory import (CheckpointPolicy, HybridMemory, Memory, PositionalMemory, RecurrentMemory,
                                     RopeMarks)
 from qeff_kv.contract import statespec
@@ -61,8 +60,8 @@ KINDS = {
     "ring": lambda: _table(PositionalMemory(FULL + RINGED, max_sequences=SLOTS, ctx_len=CTX, rings=RINGS)),
     "latent": lambda: _table(PositionalMemory(LATENT, max_sequences=SLOTS, ctx_len=CTX, double_buffer=True)),
     "recurrent": lambda: _table(RecurrentMemory(STATES, max_sequences=SLOTS, policy=POLICY)),
-    "hybrid": lambda: KVCache(FULL + RINGED, max_sequences=SLOTS, ctx_len=CTX, rings=RINGS, recurrent=STATES,
-                              checkpoints=POLICY),
+    "hybrid": lambda: HybridMemory.open({"full": FULL + RINGED, "recurrent": STATES},
+                                        registry.Settings(SLOTS, CTX, rings=RINGS, checkpoints=POLICY)),
 }
 
 
@@ -187,7 +186,7 @@ def test_every_kind_of_the_state_spec_has_a_memory_and_a_builder_here():
     assert set(registry.MEMORY_OF) == set(statespec.KINDS) <= set(KINDS)
     for kind, cls in registry.MEMORY_OF.items():
         assert kind in cls.kinds and {type(m) for m in KINDS[kind]().memories} == {cls}
-    cache = KVCache(FULL, max_sequences=SLOTS, ctx_len=CTX)
+    cache = HybridMemory.open({"full": FULL}, registry.Settings(SLOTS, CTX))
     assert [type(m) for m in cache.memories] == [PositionalMemory, RopeMarks, RecurrentMemory]
     with pytest.raises(RuntimeInputError, match=r"^no memory of the runtime holds state kind 'sink' \(held: full, "
                                                 r"ring, latent, recurrent\)$"):

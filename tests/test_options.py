@@ -21,7 +21,8 @@ from qeff_kv_cli.serve_cmd import serve_cmd
 
 
 def _params(cmd) -> set[str]:
-    return {p.name for p in cmd.params}
+    """The options that fill the command's object (a deprecated alias that fills another option is not one)."""
+    return {p.name for p in cmd.params if p.expose_value}
 
 
 def _fields(cls) -> set[str]:

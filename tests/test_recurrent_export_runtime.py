@@ -46,7 +46,7 @@ def _session(export, **kw):
 
 def _state(s, seq):
     rec = {n: a[seq.slot].tobytes() for n, a in s.cache.recurrent.arrays.items()}
-    kv = {n: a[seq.slot, :, :seq.length].tobytes() for n, a in s.cache.arrays.items()}
+    kv = {n: a[seq.slot, :, :seq.length].tobytes() for n, a in s.cache.positional.arrays.items()}
     return rec, kv
 
 
@@ -62,7 +62,7 @@ def test_session_runs_the_hybrid_export_with_checkpoints(bamba):
     s = _session(export)
     assert s.recurrent and s.inplace
     assert list(s.cache.recurrent.shapes) == ["conv_state.0", "recurrent_state.0", "conv_state.2", "recurrent_state.2"]
-    assert list(s.cache.arrays) == ["past_key.1", "past_value.1"]
+    assert list(s.cache.positional.arrays) == ["past_key.1", "past_value.1"]
     g = _gen(s, PROMPT, 10)
     assert g.tokens == hf_greedy(model, PROMPT, 10)
     assert s.rewind_points(g.sequence) == [0, 8, 12, 13, 16, 22]

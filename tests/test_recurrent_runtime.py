@@ -67,7 +67,7 @@ def _clear(s):
 def _state(s, seq):
     """``seq``'s recurrent rows and its KV positions ``[0, length)``, as bytes per buffer."""
     rec = {n: a[seq.slot].tobytes() for n, a in s.cache.recurrent.arrays.items()}
-    kv = {n: a[seq.slot, :, :seq.length].tobytes() for n, a in s.cache.arrays.items()}
+    kv = {n: a[seq.slot, :, :seq.length].tobytes() for n, a in s.cache.positional.arrays.items()}
     return rec, kv
 
 
@@ -390,7 +390,7 @@ def test_other_layouts_rewind_and_round_trip(variant, tmp_path):
     graph = rg.save(tmp_path / "g.onnx", **variant)
     s = _session(graph, max_sequences=1)
     assert s.recurrent and s.continuous_batching == variant.get("cb", True)
-    assert (list(s.cache.arrays) == []) == (variant.get("attention") is False)
+    assert (list(s.cache.positional.arrays) == []) == (variant.get("attention") is False)
     prompt = [7, 3, 40, 12, 5, 30, 2, 11, 9, 21, 14]
     g = _generate(s, prompt, 9)                 # 11 + 8 = 19 positions: checkpoints 8, 10, 11, 16
     assert s.rewind_points(g.sequence) == [0, 8, 10, 11, 16, 19]

@@ -62,9 +62,9 @@ def test_lifecycle_and_memory(cb):
 def test_truncate_moves_no_data(cb):
     seq = cb.add_sequence()
     cb.prefill(seq, A)
-    snapshot = {n: a.copy() for n, a in cb.cache.arrays.items()}
+    snapshot = {n: a.copy() for n, a in cb.cache.positional.arrays.items()}
     cb.truncate(seq, 2)
-    for n, a in cb.cache.arrays.items():
+    for n, a in cb.cache.positional.arrays.items():
         assert np.array_equal(a, snapshot[n])
 
 

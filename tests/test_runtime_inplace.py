@@ -103,6 +103,6 @@ def test_unsafe_graph_refused_when_inplace_demanded(tmp_path):
 def test_separate_buffers_can_be_forced(tmp_path):
     path = _toy(tmp_path / "toy.onnx", unsafe=False)
     s = Session(path, ctx_len=12, prefill_seq_len=4, inplace=False)
-    assert not s.inplace and s.cache.double_buffer
+    assert not s.inplace and s.cache.positional.double_buffer
     [g] = s.generate([[3, 3]], max_new_tokens=5, stop_tokens=[])
     assert g.tokens == _expected([3, 3], 5)

@@ -82,7 +82,7 @@ def test_float16_export_runs(built, tmp_path):
     src, _, _ = built["llama"]
     d = export_model(src, tmp_path / "fp16", ctx_len=32, prefill_seq_len=8, dtype="float16").out_dir
     s = Session(d)
-    assert all(a.dtype == np.float16 for a in s.cache.arrays.values())
+    assert all(a.dtype == np.float16 for a in s.cache.positional.arrays.values())
     [g] = s.generate([LONG], max_new_tokens=NEW, stop_tokens=[])
     assert len(g.tokens) == NEW
     state = s.export_state(g.sequence)

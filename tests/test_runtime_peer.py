@@ -92,14 +92,14 @@ def test_naive_padding_into_last_slot_gives_nan(peer_dir):
 
 def test_decode_allocates_no_new_kv_buffers(graphs):
     s = _open(graphs / "qeff_llama_cb_vllm.onnx")
-    values = dict(s.cache.values)
+    values = dict(s.cache.positional.values)
     ptrs = s.kv_data_pointers()
-    arrays = {n: a.__array_interface__["data"][0] for n, a in s.cache.arrays.items()}
+    arrays = {n: a.__array_interface__["data"][0] for n, a in s.cache.positional.arrays.items()}
     assert ptrs == arrays  # OrtValues share the numpy memory
     events = []
     for ev in s.stream([PROMPT_A, PROMPT_B], max_new_tokens=8, stop_tokens=[]):
         events.append(ev.token)
-        assert all(s.cache.values[n] is v for n, v in values.items())
+        assert all(s.cache.positional.values[n] is v for n, v in values.items())
         assert s.kv_data_pointers() == ptrs
         out = s.bound_output_pointers()
         for p in s.layout.pairs:  # each retained output is the very buffer bound as its input
@@ -165,7 +165,7 @@ def test_scatter_constant_choice_matters_for_padded_cb_prefill(peer_dir, monkeyp
     s = _open(peer_dir / "qeff_llama_cb_vllm.onnx")
     seq = s.add_sequence()
     assert np.all(np.isfinite(s.prefill(seq, PROMPT_A[:5])))  # 3 padding rows
-    layer1 = s.cache.arrays[s.layout.pairs[-1].input_name][seq.slot]
+    layer1 = s.cache.positional.arrays[s.layout.pairs[-1].input_name][seq.slot]
     assert np.all(np.isfinite(layer1[:, :5])) and not np.all(np.isfinite(layer1[:, 15]))
 
     monkeypatch.setattr(mod, "SCATTER_REPLACEMENT", 0)

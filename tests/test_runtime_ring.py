@@ -18,7 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError, StateFileError
-from qeff_kv.runtime import KVCache, Session, export_state, import_state, read_state
+from qeff_kv.runtime import Session, export_state, import_state, read_state
+from qeff_kv.runtime.memory import registry
+from qeff_kv.runtime.memory.positional import buffer_bytes
 from qeff_kv.runtime.memory.state_file import _checksum
 
 V = 16
@@ -105,7 +107,7 @@ def ring_graph(path, *, window: int | None = 6, cache: str | None = "ring", ring
 
 
 def _ring(s, seq, name="past_key.0"):
-    return s.cache.arrays[name][seq.slot, 0]
+    return s.cache.positional.arrays[name][seq.slot, 0]
 
 
 def _expected_ring(tokens, capacity, written=None):
@@ -135,15 +137,15 @@ def test_each_buffer_is_allocated_at_its_own_capacity(tmp_path):
     assert s.inplace, s.inplace_issues
     assert (s.sliding_window, s.rings.capacities) == (6, {"past_key.0": 6, "past_value.0": 6})
     c = s.cache
-    assert {k: a.shape for k, a in c.arrays.items()} == {
+    assert {k: a.shape for k, a in c.positional.arrays.items()} == {
         "past_key.0": (1, 1, 6, 2), "past_value.0": (1, 1, 6, 2),
         "past_key.1": (1, 1, 32, 2), "past_value.1": (1, 1, 32, 2)}
     slot = 1 * 2 * 4                                      # heads x head_dim x float32
     assert c.bytes_per_position == 4 * slot
     assert c.bytes_per_sequence == 2 * 6 * slot + 2 * 32 * slot
     assert c.memory_capacity == c.bytes_per_sequence
-    assert KVCache.buffer_bytes(s.layout.pairs, max_sequences=1, ctx_len=32, rings=s.rings) == c.memory_capacity
-    assert KVCache.require_memory(s.layout.pairs, max_sequences=1, ctx_len=32, rings=s.rings) == c.memory_capacity
+    assert buffer_bytes(s.layout.pairs, max_sequences=1, ctx_len=32, rings=s.rings) == c.memory_capacity
+    assert registry.require_memory({"full": s.layout.pairs}, registry.Settings(1, 32, rings=s.rings)) == c.memory_capacity
     seq = s.add_sequence()
     s.prefill(seq, PROMPT[:4])
     assert c.memory_used == 2 * 4 * slot + 2 * 4 * slot
@@ -159,10 +161,10 @@ def test_window_from_metadata_manifest_argument_or_static_axis(tmp_path):
     arg = Session(ring_graph(tmp_path / "c", window=None, cache=None), ctx_len=32, sliding_window=6)
     static = Session(ring_graph(tmp_path / "d", window=None, cache=None, ring_dim=6), ctx_len=32)
     for s in (meta, man, arg, static):
-        assert s.sliding_window == 6 and s.cache.arrays["past_key.0"].shape == (1, 1, 6, 2)
+        assert s.sliding_window == 6 and s.cache.positional.arrays["past_key.0"].shape == (1, 1, 6, 2)
     # a static ring larger than the recorded window: its own capacity, the window from the metadata
     big = Session(ring_graph(tmp_path / "e", ring_dim=8), ctx_len=32)
-    assert (big.sliding_window, big.rings.capacity, big.cache.arrays["past_key.0"].shape) == (6, 8, (1, 1, 8, 2))
+    assert (big.sliding_window, big.rings.capacity, big.cache.positional.arrays["past_key.0"].shape) == (6, 8, (1, 1, 8, 2))
 
 
 def test_ring_graph_without_a_window_is_refused_in_one_line(tmp_path):
@@ -195,7 +197,7 @@ def test_all_ring_graph_takes_ctx_len_from_the_caller(tmp_path):
     with pytest.raises(RuntimeInputError, match=r"give it \(--ctx-len N\)"):
         Session(path)
     s = Session(path, ctx_len=20)
-    assert s.ctx_len == 20 and s.cache.arrays["past_key.0"].shape == (1, 1, 6, 2)
+    assert s.ctx_len == 20 and s.cache.positional.arrays["past_key.0"].shape == (1, 1, 6, 2)
     [g] = s.generate([PROMPT], max_new_tokens=6, stop_tokens=[])      # positions up to 19: ctx_len is the limit
     assert g.sequence.length == 19 and g.sequence.written == 19
     with pytest.raises(RuntimeInputError, match=r"capacity is ctx_len=20"):
@@ -211,7 +213,7 @@ def test_prefill_chunks_are_capped_at_the_ring_capacity(tmp_path):
     s.prefill(seq, PROMPT)
     assert fed == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, -1, -1, -1, -1]]   # ours: padded
     assert np.array_equal(_ring(s, seq), _expected_ring(PROMPT, 6))
-    assert np.array_equal(s.cache.arrays["past_value.1"][0, 0, :14], -np.array([[t, p] for p, t in enumerate(PROMPT)]))
+    assert np.array_equal(s.cache.positional.arrays["past_value.1"][0, 0, :14], -np.array([[t, p] for p, t in enumerate(PROMPT)]))
     assert seq.written == 14
     # decoding across the wrap keeps writing slot p % C
     fed.clear()
@@ -303,9 +305,9 @@ def test_state_round_trip_restores_written_and_ring(tmp_path):
     t = Session(path, ctx_len=32)
     back = t.load_state(f)
     assert (back.length, back.written, back.pending) == (15, 16, None)
-    for name in s.cache.arrays:
-        cap = s.cache.capacities[name]
-        assert np.array_equal(t.cache.arrays[name][0, :, :min(cap, 15)], s.cache.arrays[name][0, :, :min(cap, 15)])
+    for name in s.cache.positional.arrays:
+        cap = s.cache.positional.capacities[name]
+        assert np.array_equal(t.cache.positional.arrays[name][0, :, :min(cap, 15)], s.cache.positional.arrays[name][0, :, :min(cap, 15)])
     with pytest.raises(RuntimeInputError, match=r"it can only be reset to 0$"):
         t.truncate(back, 14)                       # the same rule as in the session that saved it
     # a short sequence saves only the slots it wrote; the in-memory hand-off carries the same

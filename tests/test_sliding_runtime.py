@@ -30,7 +30,7 @@ def test_session_runs_ring_graphs_in_place_with_parity(target, family_exports, f
     result = family_exports("gemma3_sw", target)
     sess = Session(result.out_dir)
     assert sess.inplace, sess.inplace_issues
-    shapes = {n: a.shape for n, a in sess.cache.arrays.items()}
+    shapes = {n: a.shape for n, a in sess.cache.positional.arrays.items()}
     slots = SW if target != "onnxruntime-fused" else CTX
     assert shapes["past_key.0"] == (1, 2, slots, 16) and shapes["past_key.5"] == (1, 2, CTX, 16)
     before = sess.kv_data_pointers()

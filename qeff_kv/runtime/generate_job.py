@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -22,9 +22,11 @@ from qeff_kv.support.limits import MAX_INT64
 from qeff_kv.support import validate
 from qeff_kv.support.validate import integer_array
 from qeff_kv.runtime.decoding.sampling import FIELDS as SAMPLING_FIELDS, SamplingParams
+from qeff_kv.runtime.decoding.stopping import asked_tokens
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.session import Session, TokenEvent
-from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
+from qeff_kv.runtime.vision_language import VisionLanguageModel
+from qeff_kv.runtime.decoding.speculative import Drafter, DraftModel, PromptLookup, SpeculativeDecoder
 
 
 def parse_ids(text: str) -> list[int]:
@@ -67,7 +69,8 @@ class GenerateRequest:
     model: str | os.PathLike
     prompts: list[str] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)
-    max_new_tokens: int = 64
+    #: new tokens per sequence (0: prefill only); ``--max-tokens`` (``--max-new-tokens``: its deprecated alias)
+    max_tokens: int = 64
     ctx_len: int | None = None
     prefill_seq_len: int | None = None
     max_sequences: int | None = None
@@ -108,6 +111,11 @@ class GenerateRequest:
     speculative_k: int | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
+    #: the deprecated name of ``max_tokens`` (one release; a DeprecationWarning, the same count)
+    max_new_tokens: InitVar[int | None] = None
+
+    def __post_init__(self, max_new_tokens: int | None) -> None:
+        self.max_tokens = asked_tokens(self.max_tokens, max_new_tokens, stacklevel=4)
 
     @classmethod
     def from_options(cls, **options) -> "GenerateRequest":
@@ -202,7 +210,7 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     if req.speculative is not None:
         results, spec_stats = _speculative(req, session, requests, stops, on_token)
     else:
-        results = session.generate(requests, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+        results = session.generate(requests, max_tokens=req.max_tokens, sampling=req.sampling,
                                    stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
     wall = time.perf_counter() - t0
     saved = None
@@ -333,18 +341,28 @@ def _check_speculative(req: GenerateRequest) -> None:
             raise RuntimeInputError(f"--speculative does not go with {flag}")
     if len(req.prompts) + len(req.prompt_ids) != 1:
         raise RuntimeInputError("--speculative decodes one sequence: give exactly one --prompt or --prompt-ids")
-    if req.max_new_tokens < 1:
-        raise RuntimeInputError("--speculative needs --max-new-tokens of at least 1")
+    if req.max_tokens < 1:
+        raise RuntimeInputError("--speculative needs --max-tokens of at least 1")
 
 
 def _speculative(req: GenerateRequest, session: Session, requests: list, stops: list[int], on_token):
     """One request decoded speculatively: ``([Generation], stats as JSON)``."""
-    from qeff_kv.runtime.decoding.speculative import SpeculativeDecoder, make_drafter
-
     decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads), k=req.speculative_k)
-    gen = decoder.generate(requests[0], max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+    gen = decoder.generate(requests[0], max_tokens=req.max_tokens, sampling=req.sampling,
                            stop_tokens=stops)
     if on_token is not None:
         for t in gen.tokens:
             on_token(TokenEvent(0, t, gen.sequence))
     return [gen], decoder.stats.to_json()
+
+
+def make_drafter(spec: str, **session_kwargs) -> Drafter:
+    """``"lookup"``: :class:`~.decoding.speculative.PromptLookup`; else the path of a draft export (an export folder
+    or ``.onnx``), opened as its own :class:`Session` (``session_kwargs``: e.g. ``threads``) for
+    :class:`~.decoding.speculative.DraftModel`."""
+    if spec == "lookup":
+        return PromptLookup()
+    if not Path(spec).exists():
+        raise RuntimeInputError(f"--speculative {spec!r}: neither 'lookup' nor an existing draft export "
+                                "(folder or .onnx)")
+    return DraftModel(Session(spec, **session_kwargs))

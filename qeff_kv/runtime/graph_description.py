@@ -59,7 +59,7 @@ class Requested:
 
 @dataclass(frozen=True)
 class Memory:
-    """The graph's memory kinds: what :class:`~qeff_kv.runtime.cache.KVCache` allocates and how it is fed."""
+    """The graph's memory kinds: what :class:`~qeff_kv.runtime.memory.hybrid.HybridMemory` allocates and how it is fed."""
 
     positional: tuple[KVPair, ...]   # full, latent and ring buffers (a position axis)
     recurrent: tuple[KVPair, ...]    # recurrent states (conv_state/recurrent_state: none)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 
 
 # ============================================================================================ results

@@ -37,13 +37,13 @@ The language graph of a vision-language model also takes its image buffer and ``
 (:mod:`qeff_kv.runtime.multimodal.media`, bound in place; the images come from :mod:`qeff_kv.runtime.multimodal.vision`) and, with
 multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.multimodal.positions`).
 
-The session opens the graph and feeds it (``prefill``, ``decode``); three collaborators, each an object with its own
-state and a reference to the session, do the rest, and the session's public methods of their names call them:
+The session opens the graph and feeds it (``prefill``, ``decode``); its cache verbs (``truncate``, ``copy``,
+``export_state`` ...) are one call to ``session.cache`` (:class:`~qeff_kv.runtime.memory.hybrid.HybridMemory`, built
+from the memory registry) or to :mod:`~qeff_kv.runtime.memory.state_file`. Two collaborators, each an object with its
+own state and a reference to the session, do the rest, and the session's public methods of their names call them:
 
 * ``session.binding`` (:class:`~qeff_kv.runtime.execution.binding.GraphBinding`): the executor and every value
   bound to it, and the run;
-* ``session.cache_verbs`` (:class:`~qeff_kv.runtime.cache_verbs.CacheVerbs`): the sequences, rewinds, copies,
-  bytes and state files of ``session.cache``, and :meth:`Session.describe`;
 * ``session.generation`` (:class:`~qeff_kv.runtime.decoding.decode_loop.GenerationLoop`): requests and the
   generation loop (``stream``, ``generate``, ``warm_up``).
 """
@@ -75,16 +75,17 @@ from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.memory import recurrent as rec_mod
 from qeff_kv.runtime.memory import ring as ring_mod
 from qeff_kv.runtime.decoding.batching import BATCH_INDEX
-from qeff_kv.runtime.cache import KVCache, Sequence
+from qeff_kv.runtime.memory import state_file as state_mod
+from qeff_kv.runtime.memory.hybrid import HybridMemory, Sequence
+from qeff_kv.runtime.memory.registry import Settings, require_memory
 from qeff_kv.runtime.graph_description import DEFAULT_PREFILL_SEQ_LEN, GraphDescription, Memory, Requested  # noqa: F401
 from qeff_kv.runtime.model_files import checkpoint_identity, kv_fingerprint, model_fingerprint, resolve_model
 from qeff_kv.runtime.decoding.decode_loop import GenerationLoop
 from qeff_kv.runtime.decoding.sampling import SamplingParams
-from qeff_kv.runtime.cache_verbs import CacheVerbs
+from qeff_kv.runtime.decoding.stopping import DEFAULT_MAX_TOKENS, asked_tokens
 from qeff_kv.runtime.execution.binding import GraphBinding
 from qeff_kv.runtime.results import Generation, Timings, TokenEvent  # noqa: F401  (Generation, TokenEvent: re-exported)
 
-# ============================================================================================ session
 class Session:
     """Run a retained-state graph with a persistent KV cache.
 
@@ -100,7 +101,7 @@ class Session:
         sliding_window: the window ``W`` of a graph with sliding-window ring buffers (axis ``sliding_window``)
             when neither its metadata nor its manifest records it.
         image_token_id: the image token of a vision-language graph whose metadata and manifest do not record it
-            (another exporter's); images themselves come from :class:`qeff_kv.runtime.multimodal.vision.VisionLanguageModel`.
+            (another exporter's); images themselves come from :class:`qeff_kv.runtime.vision_language.VisionLanguageModel`.
         checkpoint_every, max_checkpoints: a recurrent or hybrid graph's checkpoints of its recurrent state: every
             this many positions (0: only at prompt boundaries) and at most this many per sequence (0: none, so a
             rewind goes to 0 only); see :mod:`qeff_kv.runtime.memory.recurrent`.
@@ -134,11 +135,9 @@ class Session:
             index_limits={"position_ids": self.ctx_len, BATCH_INDEX: self.max_sequences})
         del source
         self._allocate()
-        # the collaborators, each with its own state and this session: what is bound and run, the cache verbs,
-        # the generation loop
+        # the collaborators, each with its own state and this session: what is bound and run, the generation loop
         self.binding = GraphBinding(self, io, executor_session)
         self.binding.bind()
-        self.cache_verbs = CacheVerbs(self)
         self.generation = GenerationLoop(self)
 
     # ------------------------------------------------------------------------------------ construction
@@ -180,22 +179,21 @@ class Session:
             warnings.warn(f"{self.files.onnx_path.name} is not in-place safe ({self.inplace_issues[0]}); "
                           "running with separate output buffers", RuntimeWarning, stacklevel=4)
 
+    def _memories(self, device=None) -> tuple[dict, Settings]:
+        """The cache's pairs by state kind and its settings (at the graph's ``ctx_len``; lock step then keeps each
+        row's last slot)."""
+        mem = self.graph.memory
+        return ({"full": list(mem.positional), "recurrent": list(mem.recurrent)},
+                Settings(self.max_sequences, self.graph.dims.ctx_len, not self.inplace, self.rings, mem.checkpoints,
+                         self.graph.swaps_buffers, device))
+
     def _require_memory(self) -> None:
         """Refuse (one line, with the size) buffers that do not fit, before onnxruntime or numpy allocate."""
-        mem = self.graph.memory
-        KVCache.require_memory(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
-                               double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
-                               keep=mem.checkpoints.keep,
-                               recurrent_double_buffer=self.graph.swaps_buffers)
+        require_memory(*self._memories())
 
     def _allocate(self) -> None:
-        """The cache's buffers (at the graph's ``ctx_len``; lock step then keeps each row's last slot), the
-        timings, the CCL feeder."""
-        mem = self.graph.memory
-        self.cache = KVCache(list(mem.positional), max_sequences=self.max_sequences, ctx_len=self.graph.dims.ctx_len,
-                             double_buffer=not self.inplace, rings=self.rings, recurrent=list(mem.recurrent),
-                             checkpoints=mem.checkpoints,
-                             recurrent_double_buffer=self.graph.swaps_buffers, device=self.device)
+        """The cache (:meth:`.HybridMemory.open`, from the memory registry), the timings, the CCL feeder."""
+        self.cache = HybridMemory.open(*self._memories(self.device))
         self.cache.ctx_len = self.ctx_len   # lock step: idle rows write the last slot (see runtime/lockstep.py)
         self.timings = Timings()
         # comp_ctx_lengths (contract section 9), ours or the peer's: fed at the smallest allowed length
@@ -335,7 +333,7 @@ class Session:
             self.graph.batching.fill_prefill(arrays, seq)
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.timings.prefill_runs += 1
-            self.cache.wrote(seq, seq.length + off + cnt)
+            self.cache.positional.wrote(seq, seq.length + off + cnt)
             if rec and (rec.due(seq.length + off + cnt) or seq.length + off + cnt in marks):
                 rec.snapshot(seq, seq.length + off + cnt)
             if self.media is not None:
@@ -371,7 +369,7 @@ class Session:
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
             s.length += 1
-            self.cache.wrote(s, s.length)
+            self.cache.positional.wrote(s, s.length)
             if self.cache.recurrent.due(s.length):
                 self.cache.recurrent.snapshot(s, s.length)
             s.tokens.append(t)
@@ -399,78 +397,92 @@ class Session:
         return seqs, toks
 
     # ------------------------------------------------------------------------------------ the generation loop
-    # runtime/decoding/decode_loop.py's GenerationLoop (self.generation)
-    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
-               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
-               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
-        """Generate for several requests together, yielding each token as it is produced
-        (:meth:`.GenerationLoop.stream`: every check runs at this call, the iterator does the work)."""
-        return self.generation.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *,
+               max_tokens: int = DEFAULT_MAX_TOKENS, sampling: SamplingParams | None = None,
+               stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
+               results: list[Generation] | None = None, max_new_tokens: int | None = None) -> Iterator[TokenEvent]:
+        """Generate for several requests together, yielding each token as made (:meth:`.GenerationLoop.stream`)."""
+        return self.generation.stream(prompts, max_tokens=asked_tokens(max_tokens, max_new_tokens), sampling=sampling,
                                       stop_tokens=stop_tokens, on_capacity=on_capacity, results=results)
 
-    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+    def generate(self, prompts, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling: SamplingParams | None = None,
                  stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
-                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
-        """Run :meth:`stream` to the end; one :class:`Generation` per request, in order
-        (:meth:`.GenerationLoop.generate`; ``prompts`` may also be a single list of token ids)."""
-        return self.generation.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                        stop_tokens=stop_tokens, on_capacity=on_capacity, callback=callback)
+                 callback: Callable[[TokenEvent], None] | None = None,
+                 max_new_tokens: int | None = None) -> list[Generation]:
+        """Run :meth:`stream` to the end; one :class:`Generation` per request (:meth:`.GenerationLoop.generate`)."""
+        return self.generation.generate(prompts, max_tokens=asked_tokens(max_tokens, max_new_tokens),
+                                        sampling=sampling, stop_tokens=stop_tokens, on_capacity=on_capacity,
+                                        callback=callback)
 
     def warm_up(self) -> None:
-        """One prefill and one decode step over every slot, on a session without sequences, so that the first
-        requests do not pay onnxruntime's first-run costs (:meth:`.GenerationLoop.warm_up`)."""
+        """Pay onnxruntime's first-run costs before the first requests (:meth:`.GenerationLoop.warm_up`)."""
         self.generation.warm_up()
 
     # ------------------------------------------------------------------------------------ the cache verbs
-    # runtime/cache_verbs.py's CacheVerbs (self.cache_verbs): each verb's full description is there
+    # one hop: each verb is the cache's (runtime/memory/hybrid.py) or the state-file module's
     def add_sequence(self) -> Sequence:
         """A new empty sequence in a free slot."""
-        return self.cache_verbs.add_sequence()
+        return self.cache.create()
 
     def remove_sequence(self, seq: Sequence) -> None:
-        self.cache_verbs.remove_sequence(seq)
+        self.cache.destroy(seq)
 
-    sequences = property(lambda self: self.cache_verbs.sequences)
+    sequences = property(lambda self: self.cache.sequences)
 
     def truncate(self, seq: Sequence, n: int) -> None:
-        """Rewind ``seq`` to positions ``[0, n)`` (:meth:`.CacheVerbs.truncate`)."""
-        self.cache_verbs.truncate(seq, n)
+        """Rewind ``seq`` to positions ``[0, n)`` in O(1), or refuse in one line (:meth:`.HybridMemory.truncate`)."""
+        self.cache.truncate(seq, n)
 
     def rewind_points(self, seq: Sequence) -> list[int] | None:
-        """The positions a recurrent or hybrid sequence can be rewound to (:meth:`.CacheVerbs.rewind_points`)."""
-        return self.cache_verbs.rewind_points(seq)
+        """The positions a recurrent or hybrid sequence can be rewound to (:meth:`.HybridMemory.rewind_points`)."""
+        return self.cache.rewind_points(seq)
 
     def reusable(self, seq: Sequence, n: int) -> int:
-        """The longest prefix of at most ``n`` positions ``seq`` can return to (:meth:`.CacheVerbs.reusable`)."""
-        return self.cache_verbs.reusable(seq, n)
+        """The longest prefix of at most ``n`` positions ``seq`` can return to (:meth:`.HybridMemory.reusable`)."""
+        return self.cache.reusable(seq, n)
 
     def memory(self) -> dict:
-        """Bytes the cache holds (:meth:`.CacheVerbs.memory`)."""
-        return self.cache_verbs.memory()
+        """Bytes the cache holds (:meth:`.HybridMemory.memory`)."""
+        return self.cache.memory()
 
     def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
-        """Copy ``src``'s first ``n`` positions into ``dst`` in place (:meth:`.CacheVerbs.copy`)."""
-        self.cache_verbs.copy(src, dst, n)
+        """Copy ``src``'s first ``n`` positions into ``dst`` in place (:meth:`.HybridMemory.copy`)."""
+        self.cache.copy(src, dst, n)
 
     def relocate(self, seq: Sequence, slot: int) -> Sequence | None:
-        """Move ``seq`` into ``slot`` (:meth:`.CacheVerbs.relocate`)."""
-        return self.cache_verbs.relocate(seq, slot)
+        """Move ``seq`` into ``slot``, exchanging with the sequence there, returned (:meth:`.HybridMemory.relocate`)."""
+        return self.cache.relocate(seq, slot)
 
-    def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True):
-        """The in-memory state of ``seq`` (for hand-off; :mod:`qeff_kv.runtime.memory.state_file`)."""
-        return self.cache_verbs.export_state(seq, select, checksum=checksum)
+    def export_state(self, seq: Sequence, select: str | None = None, *, checksum: bool = True) -> state_mod.KVState:
+        """The in-memory state of ``seq`` (for hand-off; :func:`.state_file.export_state`)."""
+        return state_mod.export_state(self, seq, select, checksum=checksum)
 
-    def import_state(self, state, seq: Sequence | None = None) -> Sequence:
-        return self.cache_verbs.import_state(state, seq)
+    def import_state(self, state: state_mod.KVState, seq: Sequence | None = None) -> Sequence:
+        return state_mod.import_state(self, state, seq)
 
     def save_state(self, seq: Sequence, path: str | os.PathLike, select: str | None = None) -> Path:
-        return self.cache_verbs.save_state(seq, path, select)
+        return state_mod.save_state(self, seq, path, select)
 
     def load_state(self, path: str | os.PathLike, seq: Sequence | None = None) -> Sequence:
-        return self.cache_verbs.load_state(path, seq)
+        return state_mod.load_state(self, path, seq)
 
     def describe(self) -> dict:
-        return self.cache_verbs.describe()
+        """What the session runs: the graph, its sizes, how it is bound, its memories (for diagnostics)."""
+        rec = self.cache.recurrent
+        return {
+            "onnx": str(self.files.onnx_path), "prefix": self.prefix, "num_layers": self.num_layers,
+            "ctx_len": self.ctx_len, "prefill_seq_len": self.prefill_seq_len,
+            "continuous_batching": self.continuous_batching, "lockstep": self.lockstep,
+            "max_sequences": self.max_sequences, "inplace": self.inplace, "inplace_issues": self.inplace_issues[:3],
+            "invalid_index_patch": self.invalid_index_patch,
+            naming.CCL_INPUT: None if self.ccl is None else list(self.ccl.lengths),
+            "memory_capacity": self.cache.memory_capacity,
+            "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
+            "vision_language": None if self.media is None else self.media.kind,
+            "recurrent_states": list(rec.shapes), "recurrent_double_buffered": rec.double_buffer,
+            "checkpoint_every": rec.policy.every if rec else None,
+            "max_checkpoints": rec.policy.keep if rec else None,
+        }
 
     def kv_data_pointers(self) -> dict[str, int]:
         """Address of every KV input buffer currently bound (for tests and diagnostics)."""

@@ -63,7 +63,7 @@ def open_vision(session, config: ServeConfig):
     request's images into the session's image inputs."""
     if session.media is None:
         return None
-    from qeff_kv.runtime.multimodal.vision import VisionLanguageModel
+    from qeff_kv.runtime.vision_language import VisionLanguageModel
 
     return VisionLanguageModel.around(session, threads=config.engine.threads, device=config.engine.device)
 

@@ -22,6 +22,7 @@ import onnxruntime as ort
 
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.decoding import lockstep as lockstep_mod
+from qeff_kv.runtime.execution.row_views import RowViews
 from qeff_kv.runtime.multimodal import positions as pos_mod
 
 BATCH_INDEX = "batch_index"
@@ -72,11 +73,11 @@ class OneSequence:
         """The row of a decode step's logits that belongs to ``seq``, fed in row ``row``."""
         return row
 
-    def prefill_views(self, rows: lockstep_mod.RowViews, seq) -> dict[str, ort.OrtValue] | None:
+    def prefill_views(self, rows: RowViews, seq) -> dict[str, ort.OrtValue] | None:
         """The KV values a prefill of ``seq`` binds instead of the whole buffers (``None``: the whole buffers)."""
         return None
 
-    def decode_views(self, rows: lockstep_mod.RowViews, count: int, max_sequences: int
+    def decode_views(self, rows: RowViews, count: int, max_sequences: int
                      ) -> dict[str, ort.OrtValue] | None:
         """The KV values a ``count``-row decode step binds instead of the whole buffers (``None``: the whole
         buffers)."""
@@ -119,7 +120,7 @@ class LockStep(OneSequence):
     def decode_rows(self, seqs: Seq, max_sequences: int) -> int:
         return lockstep_mod.step_rows(s.slot for s in seqs)
 
-    def decode_views(self, rows: lockstep_mod.RowViews, count: int, max_sequences: int
+    def decode_views(self, rows: RowViews, count: int, max_sequences: int
                      ) -> dict[str, ort.OrtValue] | None:
         return None if count == max_sequences else rows.first(count)
 
@@ -132,5 +133,5 @@ class LockStep(OneSequence):
     def logits_row(self, row: int, seq) -> int:
         return seq.slot
 
-    def prefill_views(self, rows: lockstep_mod.RowViews, seq) -> dict[str, ort.OrtValue] | None:
+    def prefill_views(self, rows: RowViews, seq) -> dict[str, ort.OrtValue] | None:
         return rows.row(seq.slot)

@@ -17,10 +17,11 @@ from qeff_kv.support import validate
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.arguments import check_tokens
 from qeff_kv.runtime.multimodal import media as media_mod
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.results import Generation, TokenEvent
 from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, TokenPicker
-from qeff_kv.runtime.decoding.stopping import check_stop
+from qeff_kv.runtime.decoding.stopping import (DEFAULT_MAX_TOKENS, asked_tokens, check_asked, check_stop,
+                                                context_room, token_budget)
 
 
 class GenerationLoop:
@@ -33,16 +34,17 @@ class GenerationLoop:
         """Token ids checked against the session's vocabulary (:func:`.arguments.check_tokens`)."""
         return check_tokens(tokens, self.session.vocab_size)
 
-    def _needed(self, seq: Sequence, prompt_len: int, max_new: int) -> int:
-        """Positions ``seq`` will hold after generating ``max_new`` tokens from ``prompt_len`` more tokens."""
-        if max_new == 0:
-            return seq.length + prompt_len
-        first_free = prompt_len > 0 or (seq.pending is not None and not seq.pending_emitted)
-        return seq.length + prompt_len + max_new - (1 if first_free else 0)
+    @staticmethod
+    def _fed(seq: Sequence, prompt_len: int) -> int:
+        """Positions ``seq`` holds once everything before its first new token is fed (:func:`.stopping.context_room`):
+        its cache, ``prompt_len`` more tokens, and a pending token already shown to the caller (fed first)."""
+        shown = prompt_len == 0 and seq.pending is not None and seq.pending_emitted
+        return seq.length + prompt_len + (1 if shown else 0)
 
-    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *, max_new_tokens: int = 64,
-               sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
-               on_capacity: str = "error", results: list[Generation] | None = None) -> Iterator[TokenEvent]:
+    def stream(self, prompts: Seq[Seq[int] | Sequence | tuple[Sequence, Seq[int]]], *,
+               max_tokens: int = DEFAULT_MAX_TOKENS, sampling: SamplingParams | None = None,
+               stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
+               results: list[Generation] | None = None, max_new_tokens: int | None = None) -> Iterator[TokenEvent]:
         """Generate for several requests together, yielding each token as it is produced.
 
         A request is a list of prompt token ids (a new sequence), a :class:`~qeff_kv.runtime.multimodal.media.Prompt` (token
@@ -50,30 +52,30 @@ class GenerationLoop:
         :func:`load_state`), or ``(sequence, more_tokens or Prompt)``. Every check
         (capacity, slots, token ids) runs when ``stream`` is called, before anything runs; the returned iterator
         does the work. ``on_capacity="stop"`` shortens a request that would exceed the capacity instead of
-        refusing it (``finish_reason == "capacity"``).
+        refusing it (``finish_reason == "capacity"``). ``max_new_tokens``: the deprecated name of ``max_tokens``.
         """
-        prompts = self._check_stream_args(prompts, max_new_tokens, sampling, on_capacity)
+        max_tokens = asked_tokens(max_tokens, max_new_tokens)
+        prompts = self._check_stream_args(prompts, max_tokens, sampling, on_capacity)
         params = (sampling or GREEDY).resolved()
         stops = set(self._tokens(stop_tokens if stop_tokens is not None else self.session.eos_token_ids))
         # ---- plan and validate everything first
         plan, images = self._plan_requests(prompts)
         self._check_slots(plan)
-        budgets = self._budgets(plan, max_new_tokens, on_capacity)
+        budgets = self._budgets(plan, max_tokens, on_capacity)
         for (s, toks), imgs in zip(plan, images):
             if self.session.media is not None:
                 self.session.media.check(toks, imgs, self.session.prefill_seq_len)
             elif imgs is not None:
                 raise RuntimeInputError("images were given but the graph is a text decoder")
-        return self._iterate(plan, budgets, params, stops, max_new_tokens,
+        return self._iterate(plan, budgets, params, stops, max_tokens,
                              results if results is not None else [], images)
 
     @staticmethod
-    def _check_stream_args(prompts, max_new_tokens, sampling, on_capacity) -> list:
+    def _check_stream_args(prompts, max_tokens, sampling, on_capacity) -> list:
         """``prompts`` as a list, once every argument of :meth:`stream` is known to be of its kind."""
         if on_capacity not in ("error", "stop"):
             raise RuntimeInputError(f"on_capacity must be 'error' or 'stop', got {on_capacity!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise RuntimeInputError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        check_asked(max_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RuntimeInputError(
                 f"sampling must be a SamplingParams (e.g. SamplingParams(temperature=0.7)) or None, got {sampling!r}")
@@ -122,28 +124,28 @@ class GenerationLoop:
         if len(set(ids)) != len(ids):
             raise RuntimeInputError("a sequence appears twice in one request")
 
-    def _budgets(self, plan: list[tuple[Sequence | None, list[int]]], max_new_tokens: int, on_capacity: str
+    def _budgets(self, plan: list[tuple[Sequence | None, list[int]]], max_tokens: int, on_capacity: str
                  ) -> list[int]:
-        """New tokens each request may make: ``max_new_tokens``, or with ``on_capacity="stop"`` what the capacity
-        leaves (a request that does not fit is refused in one line either way)."""
-        budgets = []
+        """New tokens each request may make (:func:`.stopping.token_budget` within :func:`.stopping.context_room`):
+        ``max_tokens``, or with ``on_capacity="stop"`` what the capacity leaves (a request that does not fit is
+        refused in one line either way)."""
+        budgets, ctx_len = [], self.session.ctx_len
         for i, (s, toks) in enumerate(plan):
             probe = s if s is not None else Sequence(-1, -1)
             if s is not None and not toks and s.pending is None:
                 raise RuntimeInputError(
                     f"sequence {s.id} has no pending token to continue from; give it more tokens")
-            need = self._needed(probe, len(toks), max_new_tokens)
-            budget = max_new_tokens
-            if need > self.session.ctx_len:
-                if on_capacity == "error":
-                    raise RuntimeInputError(
-                        f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_new_tokens} new tokens "
-                        f"need {need} positions; the capacity is ctx_len={self.session.ctx_len}")
-                budget = max(0, max_new_tokens - (need - self.session.ctx_len))
-                if self._needed(probe, len(toks), budget) > self.session.ctx_len:
-                    raise RuntimeInputError(
-                        f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
-                        f"ctx_len={self.session.ctx_len}")
+            held, fed = probe.length + len(toks), self._fed(probe, len(toks))
+            budget = token_budget(max_tokens, context_room(ctx_len, fed))
+            if on_capacity == "error" and (budget < max_tokens or held > ctx_len):
+                need = held if max_tokens == 0 else fed + max_tokens - 1
+                raise RuntimeInputError(
+                    f"request {i}: {probe.length} cached + {len(toks)} prompt + {max_tokens} new tokens "
+                    f"need {need} positions; the capacity is ctx_len={ctx_len}")
+            if budget == 0 and held > ctx_len:
+                raise RuntimeInputError(
+                    f"request {i}: {probe.length} cached + {len(toks)} prompt tokens exceed the capacity "
+                    f"ctx_len={ctx_len}")
             budgets.append(budget)
         return budgets
 
@@ -156,7 +158,7 @@ class GenerationLoop:
             return (req[0], list(req[1].tokens)), req[1].images
         return req, None
 
-    def _iterate(self, plan, budgets, params, stops, max_new_tokens, gens: list[Generation],
+    def _iterate(self, plan, budgets, params, stops, max_tokens, gens: list[Generation],
                  images) -> Iterator[TokenEvent]:
         gens.clear()
         for (s, toks), budget in zip(plan, budgets):
@@ -171,18 +173,18 @@ class GenerationLoop:
                 seq.pending = pickers[i].pick(logits, seq.length).token
                 pickers[i].accept(seq.pending)
                 seq.pending_emitted = False
-            if max_new_tokens == 0:
+            if max_tokens == 0:
                 gen.finish_reason = "prefill"
                 continue
-            if budgets[i] == 0:   # max_new_tokens > 0: the capacity left no room
-                gen.finish_reason = check_stop(None, 0, 0, stops, asked=max_new_tokens)
+            if budgets[i] == 0:   # max_tokens > 0: the capacity left no room
+                gen.finish_reason = check_stop(None, 0, 0, stops, asked=max_tokens)
                 continue
             if not seq.pending_emitted:
                 tok = seq.pending
                 seq.pending_emitted = True
                 gen.tokens.append(tok)
                 yield TokenEvent(i, tok, seq)
-                if self._finished(gen, budgets[i], stops, max_new_tokens):
+                if self._finished(gen, budgets[i], stops, max_tokens):
                     continue
             active.append(i)
         while active:
@@ -198,23 +200,26 @@ class GenerationLoop:
                 gens[i].tokens.append(tok)
                 self.session.timings.decode_tokens += 1
                 yield TokenEvent(i, tok, seq)
-                if not self._finished(gens[i], budgets[i], stops, max_new_tokens):
+                if not self._finished(gens[i], budgets[i], stops, max_tokens):
                     still.append(i)
             active = still
 
     @staticmethod
-    def _finished(gen: Generation, budget: int, stops: set[int], max_new: int) -> bool:
+    def _finished(gen: Generation, budget: int, stops: set[int], asked: int) -> bool:
         """The stop rule (:func:`~qeff_kv.runtime.decoding.stopping.check_stop`) after ``gen``'s last token."""
-        gen.finish_reason = check_stop(gen.tokens[-1], len(gen.tokens), budget, stops, asked=max_new)
+        gen.finish_reason = check_stop(gen.tokens[-1], len(gen.tokens), budget, stops, asked=asked)
         return gen.finish_reason is not None
 
-    def generate(self, prompts, *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+    def generate(self, prompts, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling: SamplingParams | None = None,
                  stop_tokens: Iterable[int] | None = None, on_capacity: str = "error",
-                 callback: Callable[[TokenEvent], None] | None = None) -> list[Generation]:
+                 callback: Callable[[TokenEvent], None] | None = None,
+                 max_new_tokens: int | None = None) -> list[Generation]:
         """Run :meth:`stream` to the end; one :class:`Generation` per request, in order.
 
-        ``prompts`` may also be a single list of token ids (one request).
+        ``prompts`` may also be a single list of token ids (one request). ``max_new_tokens``: the deprecated name of
+        ``max_tokens``.
         """
+        max_tokens = asked_tokens(max_tokens, max_new_tokens)
         validate.callable_or_none("callback", callback)
         if isinstance(prompts, np.ndarray):
             if prompts.ndim not in (1, 2):
@@ -225,7 +230,7 @@ class GenerationLoop:
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [list(prompts)]
         results: list[Generation] = []
-        for ev in self.stream(prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+        for ev in self.stream(prompts, max_tokens=max_tokens, sampling=sampling,
                               stop_tokens=stop_tokens, on_capacity=on_capacity, results=results):
             if callback is not None:
                 callback(ev)

@@ -3,7 +3,7 @@
 Such a graph updates KV row ``b`` for input row ``b``: its KV batch axis must equal the input batch. The session
 allocates ``max_sequences`` rows and
 
-* **prefills** one sequence at a time through *row views*: ``OrtValue`` objects over row ``slot`` of each
+* **prefills** one sequence at a time through *row views* (:class:`~qeff_kv.runtime.execution.row_views.RowViews`): ``OrtValue`` objects over row ``slot`` of each
   buffer (``array[slot:slot + 1]``, contiguous, sharing memory), bound as the graph's batch-1 KV in place;
 * **decodes** the rows in use in one step: rows ``0 .. k-1``, ``k - 1`` the highest slot with a token to decode,
   bound as the graph's batch-``k`` KV through a view of the first ``k`` rows (contiguous too; new sequences take
@@ -22,10 +22,6 @@ still holds).
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
-
-from qeff_kv.errors import RuntimeInputError
-from qeff_kv.runtime.execution import device as device_mod
 
 
 def refusal(*, inplace: bool, rings, batch_dim, images: bool = False, recurrent: bool = False) -> str | None:
@@ -44,35 +40,6 @@ def refusal(*, inplace: bool, rings, batch_dim, images: bool = False, recurrent:
     if rings is not None:
         return "the graph has sliding-window ring buffers (an idle row's write would land in a slot the ring holds)"
     return None
-
-
-class RowViews:
-    """``OrtValue`` views of each KV buffer's rows: batch-1 views of one row (a prefill) and views of the first
-    ``k`` rows (a decode step of the rows in use), each made once."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], device=None):
-        self.arrays = arrays
-        self.device = device or device_mod.CPU
-        self._views: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
-
-    def row(self, slot: int) -> dict[str, ort.OrtValue]:
-        """Row ``slot`` of every buffer, as a batch-1 buffer."""
-        return self._span(slot, slot + 1)
-
-    def first(self, rows: int) -> dict[str, ort.OrtValue]:
-        """Rows ``0 .. rows-1`` of every buffer, as a batch-``rows`` buffer."""
-        return self._span(0, rows)
-
-    def _span(self, start: int, stop: int) -> dict[str, ort.OrtValue]:
-        if (start, stop) not in self._views:
-            views = {}
-            for name, arr in self.arrays.items():
-                view = arr[start:stop]
-                if not view.flags["C_CONTIGUOUS"]:  # pragma: no cover - rows of a C-ordered array are contiguous
-                    raise RuntimeInputError(f"KV buffer {name!r} rows {start}..{stop - 1} are not contiguous")
-                views[name] = self.device.wrap(view)
-            self._views[(start, stop)] = views
-        return self._views[(start, stop)]
 
 
 def step_rows(slots) -> int:

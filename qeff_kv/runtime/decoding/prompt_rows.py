@@ -20,7 +20,7 @@ import numpy as np
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.arguments import check_prefill
 from qeff_kv.runtime.multimodal import positions as pos_mod
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 
 #: the export option that adds the rows (named in every refusal)
 EXPORT_OPTION = "--speculative-tokens K"
@@ -58,7 +58,7 @@ def prefill_rows(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
         rows.append(out[0] if width > 1 else out)   # [width, vocab] (one row: run gives [1, vocab])
         session.timings.prefill_runs += 1
         seq.length += width
-        session.cache.wrote(seq, seq.length)
+        session.cache.positional.wrote(seq, seq.length)
         seq.tokens.extend(part)
     seq.pending = None
     seq.pending_emitted = False

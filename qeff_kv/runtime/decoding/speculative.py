@@ -31,10 +31,11 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.arguments import check_tokens
 from qeff_kv.runtime.multimodal import positions as pos_mod
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.results import Generation
 from qeff_kv.runtime.decoding.sampling import GREEDY, SamplingParams, sample
-from qeff_kv.runtime.decoding.stopping import check_stop, draft_limit
+from qeff_kv.runtime.decoding.stopping import (DEFAULT_MAX_TOKENS, asked_tokens, check_asked, check_stop,
+                                                context_room, draft_limit)
 
 
 def score(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
@@ -91,7 +92,7 @@ def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarra
     for r, (seq, t) in enumerate(zip(seqs, toks)):
         n = len(t)
         seq.length += n
-        session.cache.wrote(seq, seq.length)
+        session.cache.positional.wrote(seq, seq.length)
         seq.tokens.extend(t)
         seq.pending = None
         seq.pending_emitted = False
@@ -202,7 +203,7 @@ class DraftModel:
             common += 1
         if common < self.seq.length:
             s.truncate(self.seq, common)
-        k = min(k, s.ctx_len - len(context) + 1)
+        k = min(k, context_room(s.ctx_len, len(context)))
         if k <= 0:
             return []
         logits = s.prefill(self.seq, context[common:])
@@ -306,14 +307,13 @@ class SpeculativeDecoder:
                                         "use a draft model of the same tokenizer")
         self.stats = SpeculativeStats(self.drafter.name)
 
-    def generate(self, prompt: Seq[int], *, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                 stop_tokens: Iterable[int] | None = None) -> Generation:
+    def generate(self, prompt: Seq[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
+                 max_new_tokens: int | None = None) -> Generation:
         """The tokens plain :meth:`Session.generate` would give for ``prompt`` (a new sequence), decoded
-        speculatively; :attr:`stats` says how."""
+        speculatively; :attr:`stats` says how. ``max_new_tokens``: the deprecated name of ``max_tokens``."""
         s = self.session
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
-            raise RuntimeInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_tokens = check_asked(asked_tokens(max_tokens, max_new_tokens), least=1)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RuntimeInputError(f"sampling must be a SamplingParams or None, got {sampling!r}")
         params = (sampling or GREEDY).resolved()
@@ -321,10 +321,9 @@ class SpeculativeDecoder:
         if not toks:
             raise RuntimeInputError("a prompt is empty; give at least one token")
         stops = set(check_tokens(stop_tokens if stop_tokens is not None else s.eos_token_ids, s.vocab_size))
-        need = len(toks) + max_new_tokens - 1
-        if need > s.ctx_len:
-            raise RuntimeInputError(f"{len(toks)} prompt + {max_new_tokens} new tokens need {need} positions; the "
-                                    f"capacity is ctx_len={s.ctx_len}")
+        if max_tokens > context_room(s.ctx_len, len(toks)):   # the prompt is fed, its first new token not
+            raise RuntimeInputError(f"{len(toks)} prompt + {max_tokens} new tokens need {len(toks) + max_tokens - 1} "
+                                    f"positions; the capacity is ctx_len={s.ctx_len}")
         seq = s.add_sequence()
         self.stats = stats = SpeculativeStats(self.drafter.name)
         gen = Generation(seq, [], len(toks))
@@ -332,8 +331,8 @@ class SpeculativeDecoder:
         gen.tokens.append(tok)
         t0 = time.perf_counter()
         width = self.k                             # the draft length now (adaptive)
-        while check_stop(tok, len(gen.tokens), max_new_tokens, stops) is None:
-            k = min(width, draft_limit(max_new_tokens - len(gen.tokens)))
+        while check_stop(tok, len(gen.tokens), max_tokens, stops) is None:
+            k = min(width, draft_limit(max_tokens - len(gen.tokens)))
             t_draft = time.perf_counter()
             draft = self.drafter.draft(seq.tokens + [tok], k)[:k] if k > 0 else []
             stats.draft_s += time.perf_counter() - t_draft
@@ -358,20 +357,6 @@ class SpeculativeDecoder:
         stats.decode_tokens = len(gen.tokens) - 1
         s.timings.decode_tokens += stats.decode_tokens
         seq.pending, seq.pending_emitted = tok, True
-        gen.finish_reason = check_stop(tok, len(gen.tokens), max_new_tokens, stops)
+        gen.finish_reason = check_stop(tok, len(gen.tokens), max_tokens, stops)
         return gen
 
-
-def make_drafter(spec: str, **session_kwargs) -> Drafter:
-    """``"lookup"``: :class:`PromptLookup`; else the path of a draft export (an export folder or ``.onnx``), opened
-    as its own :class:`Session` (``session_kwargs``: e.g. ``threads``) for :class:`DraftModel`."""
-    if spec == "lookup":
-        return PromptLookup()
-    from pathlib import Path
-
-    from qeff_kv.runtime.session import Session
-
-    if not Path(spec).exists():
-        raise RuntimeInputError(f"--speculative {spec!r}: neither 'lookup' nor an existing draft export "
-                                "(folder or .onnx)")
-    return DraftModel(Session(spec, **session_kwargs))

@@ -1,8 +1,9 @@
 """One token budget and one stop rule, for every loop that generates: ``Session.generate`` / ``stream``
 (:mod:`.decode_loop`), :class:`~.speculative.SpeculativeDecoder`, the server's scheduler and its speculative step.
 
-The names: a request *asks* for ``max_tokens`` (the runtime's keyword is ``max_new_tokens``; None: no limit asked);
-its **budget** is the number of new tokens it may make, decided once when it starts (:func:`token_budget`); what is
+The names: a request *asks* for ``max_tokens`` (the one name in the library, the CLI's ``--max-tokens`` and the
+server; None: no limit asked; the library's and the CLI's old ``max_new_tokens`` / ``--max-new-tokens`` are
+deprecated aliases for one release: :func:`asked_tokens`); its **budget** is the number of new tokens it may make, decided once when it starts (:func:`token_budget`); what is
 left of it during a speculative step is ``budget - generated``.
 
 The rules, as they stood when they were gathered here (issue 38) and as they still are:
@@ -18,7 +19,7 @@ The rules, as they stood when they were gathered here (issue 38) and as they sti
   scores the prompt and generates nothing (``"length"``). A handed-off sequence has ``least=1``: its pending token
   exists already and is always shown. The runtime checks capacity itself first (``on_capacity="error"`` refuses a
   request that does not fit; ``"stop"`` takes the budget; a prompt that does not fit even with no new token is
-  refused either way); a budget below ``max_new_tokens`` ends as ``"capacity"`` there, where the server (OpenAI)
+  refused either way); a budget below ``max_tokens`` ends as ``"capacity"`` there, where the server (OpenAI)
   says ``"length"``.
 * **Stop** (:func:`check_stop`), after each new token: a stop token ends the sequence as ``"stop"``, checked
   before the budget (a stop token that is also the last budgeted token is a ``"stop"``); else reaching the budget
@@ -37,7 +38,12 @@ The rules, as they stood when they were gathered here (issue 38) and as they sti
 
 from __future__ import annotations
 
+import warnings
 from typing import Container
+
+import numpy as np
+
+from qeff_kv.errors import RuntimeInputError
 
 #: a stop token ended the sequence
 STOP = "stop"
@@ -45,6 +51,28 @@ STOP = "stop"
 LENGTH = "length"
 #: the context's room ended it before what was asked (the runtime's name; the server says ``"length"``)
 CAPACITY = "capacity"
+
+
+#: what the library's loops ask for when the caller says nothing (``Session.generate``, ``SpeculativeDecoder``)
+DEFAULT_MAX_TOKENS = 64
+
+
+def asked_tokens(max_tokens: int, max_new_tokens: int | None = None, *, stacklevel: int = 3) -> int:
+    """The tokens a library call asks for: ``max_tokens``, or the deprecated ``max_new_tokens`` when given (a
+    :class:`DeprecationWarning`, the same behaviour; the alias goes after one release)."""
+    if max_new_tokens is None:
+        return max_tokens
+    warnings.warn("max_new_tokens is deprecated: use max_tokens (the same count; the old name goes after one "
+                  "release)", DeprecationWarning, stacklevel=stacklevel)
+    return max_new_tokens
+
+
+def check_asked(max_tokens, least: int = 0) -> int:
+    """``max_tokens`` checked: an int of at least ``least`` (0 or 1), else a one-line refusal."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < least:
+        kind = "non-negative" if least == 0 else "positive"
+        raise RuntimeInputError(f"max_tokens must be a {kind} int, got {max_tokens!r}")
+    return int(max_tokens)
 
 
 def context_room(ctx_len: int, fed: int) -> int:

@@ -5,7 +5,7 @@ value bound to it, and runs the graph:
 
 * the KV buffers of ``session.cache``, bound once as each input ``X`` and its output ``X_RetainedState`` (in place,
   or to the spare set of a graph that is not in-place safe, rebound after every swap), or as row views of them
-  (lock step: :class:`~qeff_kv.runtime.decoding.lockstep.RowViews`, :meth:`GraphBinding.use_kv`);
+  (lock step: :class:`~qeff_kv.runtime.execution.row_views.RowViews`, :meth:`GraphBinding.use_kv`);
 * the small inputs (``input_ids``, ``position_ids``, the batching strategy's step inputs, ``num_logits_to_keep``)
   and ``logits``: buffers of their own made once per step shape ``(rows, seq_len, keep)`` on the session's device,
   bound when the shape changes (:meth:`GraphBinding.bind_small`);
@@ -26,11 +26,16 @@ import onnxruntime as ort
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
 from qeff_kv.runtime import ccl as ccl_mod
-from qeff_kv.runtime.decoding import lockstep as lockstep_mod
-from qeff_kv.runtime.multimodal import positions as pos_mod
+from qeff_kv.runtime.execution.row_views import RowViews
 
 #: a step's shape: (rows, seq_len, logits rows kept)
 StepShape = tuple[int, int, int]
+
+
+def position_shape(mrope: bool, rows: int, seq_len: int) -> tuple[int, ...]:
+    """The shape of ``position_ids``: ``[4, rows, seq_len]`` with multimodal RoPE
+    (:mod:`qeff_kv.runtime.multimodal.positions`), else ``[rows, seq_len]``."""
+    return (4, rows, seq_len) if mrope else (rows, seq_len)
 
 
 class GraphBinding:
@@ -47,7 +52,7 @@ class GraphBinding:
         self.io = io
         self.executor_session = executor_session
         #: batch-1 row views of the cache's buffers (lock step), made on first use
-        self.rows = lockstep_mod.RowViews(session.cache.arrays, session.device)
+        self.rows = RowViews(session.cache.positional.arrays, session.device)
         #: the small inputs of each step shape, as numpy arrays (what a step writes) and as their bound values
         self.small: dict[StepShape, dict[str, np.ndarray]] = {}
         self.small_values: dict[StepShape, dict[str, ort.OrtValue]] = {}
@@ -136,7 +141,7 @@ class GraphBinding:
     def _make_small(self, key: StepShape) -> dict[str, np.ndarray]:
         s = self.session
         rows, seq_len, keep = key
-        shapes = {"input_ids": (rows, seq_len), "position_ids": pos_mod.shape(s.mrope, rows, seq_len),
+        shapes = {"input_ids": (rows, seq_len), "position_ids": position_shape(s.mrope, rows, seq_len),
                   **{k: v.shape for k, v in s.graph.batching.step_inputs(rows).items()}}
         if s.speculative:
             shapes[naming.LOGITS_TO_KEEP_INPUT] = (keep, 1)

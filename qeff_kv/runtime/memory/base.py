@@ -59,6 +59,8 @@ class Memory(ABC):
 
     #: the state spec's kinds this memory holds (set by :func:`qeff_kv.runtime.memory.registry.holds`)
     kinds: tuple[str, ...] = ()
+    #: the hybrid's attribute naming this memory (``cache.<role>``; set by ``holds``; empty: none)
+    role: str = ""
     #: the error class the hybrid raises with this memory's refusals
     refusal_error: type[Exception] = RuntimeInputError
     #: how messages name a tensor of this memory's state part
@@ -79,6 +81,12 @@ class Memory(ABC):
         """The memory of ``pairs`` (of the kinds it holds) for a session with ``settings``
         (:class:`qeff_kv.runtime.memory.registry.Settings`)."""
         raise NotImplementedError
+
+    @classmethod
+    def need(cls, pairs: list, settings) -> tuple[int, str]:
+        """Before anything is allocated: the bytes the memory of ``pairs`` will take with ``settings`` and its
+        words in the refusal's line (:func:`qeff_kv.runtime.memory.registry.require_memory`); none by default."""
+        return 0, ""
 
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
         """One buffer of ``shape`` (and its spare when double-buffered), zeros, on :attr:`device`: the ``OrtValue``

@@ -14,8 +14,14 @@ does not.
 The hybrid knows no file format: a state file (:mod:`qeff_kv.runtime.memory.state_file`) or a hand-off
 (:mod:`qeff_kv.serve.cluster.transfer`) asks it for every memory's part (:meth:`HybridMemory.state_write`,
 :meth:`~HybridMemory.state_check`, :meth:`~HybridMemory.state_read`, :meth:`~HybridMemory.valid_bytes`,
-:meth:`~HybridMemory.slicing_specs`), and it asks each memory in turn. The session's composition (positional, RoPE
-marks, recurrent) is :class:`qeff_kv.runtime.cache.KVCache`.
+:meth:`~HybridMemory.slicing_specs`), and it asks each memory in turn.
+
+**The session's cache** (``session.cache``) is a hybrid built only from the registry (:meth:`HybridMemory.open`:
+one memory per registered class, each at its own capacity, after :func:`.registry.require_memory` asked each class
+for its bytes); each memory with a role is the hybrid's attribute of that name: ``cache.positional``
+(:mod:`.positional`: the KV buffers with a position axis, ``cache.positional.arrays`` ...), ``cache.marks``
+(:mod:`.rope_marks`), ``cache.recurrent`` (:mod:`.recurrent`, empty for a graph without recurrent layers). A graph
+that is not in-place safe gets a second set of buffers (``spare``), and the two sets swap after every run.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import onnxruntime as ort
 
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.support.limits import positive_int
+from qeff_kv.contract.layout import KVPair
+from qeff_kv.runtime.memory import registry
 from qeff_kv.runtime.memory.base import Memory
 from qeff_kv.runtime.memory.rope_marks import RopeMark
 
@@ -77,18 +85,33 @@ def _length_arg(n, verb: str) -> int:
 class HybridMemory:
     """``max_sequences`` slots, each a row of every memory in ``memories``, and the table of live sequences.
 
-    ``ctx_len``: the positions a sequence may hold (:meth:`check_room`)."""
+    ``ctx_len``: the positions a sequence may hold (:meth:`check_room`). Each memory with a
+    :attr:`~.base.Memory.role` is the attribute of that name."""
 
     def __init__(self, memories: list[Memory], *, max_sequences: int, ctx_len: int):
         positive_int("max_sequences", max_sequences)
         positive_int("ctx_len", ctx_len)
         self.memories = list(memories)
+        for m in self.memories:
+            if m.role:
+                setattr(self, m.role, m)
         self.max_sequences = int(max_sequences)
         self.ctx_len = int(ctx_len)
         #: KV input name -> the memory whose buffer it is
         self._owner = {name: m for m in self.memories for name in m.names}
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
+
+    @classmethod
+    def open(cls, pairs_by_kind: dict[str, list[KVPair]], settings: registry.Settings) -> "HybridMemory":
+        """The session's cache: refuse what does not fit (:func:`.registry.require_memory`), then one memory per
+        registered class (:func:`.registry.build`: ``pairs_by_kind``, state kind -> pairs, graph order), in the
+        hybrid's order."""
+        positive_int("max_sequences", settings.max_sequences)
+        positive_int("ctx_len", settings.ctx_len)
+        registry.require_memory(pairs_by_kind, settings)
+        memories = registry.build(pairs_by_kind, settings)
+        return cls(list(memories.values()), max_sequences=settings.max_sequences, ctx_len=settings.ctx_len)
 
     # ---------------------------------------------------------------------------------- buffers
     def swap(self) -> None:

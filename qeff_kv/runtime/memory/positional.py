@@ -71,7 +71,7 @@ def copy_slots(capacity: int | None, n: int, lowest: int) -> np.ndarray | slice:
     return np.arange(max(lowest, n - capacity, 0), n) % capacity
 
 
-@holds("full", "ring", "latent", order=0)
+@holds("full", "ring", "latent", order=0, role="positional")
 class PositionalMemory(Memory):
     """The buffers of ``pairs`` (graph order), each at its own capacity, and the ring rules.
 
@@ -112,6 +112,14 @@ class PositionalMemory(Memory):
     def build(cls, pairs: list[KVPair], settings: Settings) -> "PositionalMemory":
         return cls(pairs, max_sequences=settings.max_sequences, ctx_len=settings.ctx_len,
                    double_buffer=settings.double_buffer, rings=settings.rings, device=settings.device)
+
+    @classmethod
+    def need(cls, pairs: list[KVPair], settings: Settings) -> tuple[int, str]:
+        """Bytes of the buffers of ``pairs`` (:func:`buffer_bytes`), and how many."""
+        n = buffer_bytes(pairs, max_sequences=settings.max_sequences, ctx_len=settings.ctx_len,
+                         double_buffer=settings.double_buffer, rings=settings.rings)
+        ring = f", sliding-window rings of {settings.rings.capacity}" if settings.rings else ""
+        return n, f"{len(pairs)} buffers x {settings.max_sequences} sequences x ctx_len {settings.ctx_len}{ring}"
 
     # ------------------------------------------------------------------------------------ rows
     def read(self, seq, name: str, length: int | None = None) -> np.ndarray:

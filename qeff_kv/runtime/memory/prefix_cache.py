@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence as Seq
 from typing import Protocol
 
 from qeff_kv.errors import QeffKvError
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 
 #: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
 MIN_REUSE = 2

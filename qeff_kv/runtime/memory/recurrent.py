@@ -106,7 +106,7 @@ def checkpoint_key(position: int, name: str) -> str:
     return f"checkpoint.{int(position)}.{name}"
 
 
-@holds("recurrent", order=2)
+@holds("recurrent", order=2, role="recurrent")
 class RecurrentMemory(Memory):
     """The recurrent buffers of a graph (one row per sequence slot) and each sequence's checkpoints.
 
@@ -138,6 +138,13 @@ class RecurrentMemory(Memory):
     def build(cls, pairs: list[KVPair], settings: Settings) -> "RecurrentMemory":
         return cls(pairs, max_sequences=settings.max_sequences, double_buffer=settings.recurrent_double_buffer,
                    policy=settings.checkpoints, device=settings.device)
+
+    @classmethod
+    def need(cls, pairs: list[KVPair], settings: Settings) -> tuple[int, str]:
+        """Bytes of the states of ``pairs`` and of their checkpoints (:func:`buffer_bytes`)."""
+        keep = (settings.checkpoints or CheckpointPolicy()).keep
+        n = buffer_bytes(pairs, settings.max_sequences, settings.recurrent_double_buffer, keep)
+        return n, (f", {len(pairs)} recurrent states with up to {keep} checkpoints each" if pairs else "")
 
     def __bool__(self) -> bool:
         return bool(self.pairs)

@@ -67,7 +67,7 @@ def read_state_marks(meta: dict[str, str], n: int, where: str) -> list[RopeMark]
     return marks
 
 
-@holds(order=1)
+@holds(order=1, role="marks")
 class RopeMarks(Memory):
     """The memory of every sequence's ``rope_marks`` (empty for a graph without multimodal RoPE: every verb then
     passes)."""

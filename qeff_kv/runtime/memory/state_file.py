@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,9 @@ from qeff_kv import __version__
 from qeff_kv.support import fsutil
 from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError, StateFileError
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
+from qeff_kv.graph import graphio
+from qeff_kv.runtime import weight_fibers as fibers_mod
 from qeff_kv.runtime.memory.base import meta_int
 from qeff_kv.runtime.model_files import is_checkpoint_identity
 
@@ -161,10 +164,17 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
     return KVState(tensors, meta)
 
 
+#: session -> the fiber fingerprint of its weights (computed once per session: :func:`weights_fibers`)
+_FIBERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def weights_fibers(session) -> str:
-    """The fiber fingerprint of the session's weights (:mod:`.weight_fibers`: the same for every exporter's layout of
-    one checkpoint), computed once per session from its graph file (:meth:`.CacheVerbs.weights_fibers`)."""
-    return session.cache_verbs.weights_fibers()
+    """The fiber fingerprint of the session's weights (:mod:`qeff_kv.runtime.weight_fibers`: the same for every
+    exporter's layout of one checkpoint; a state file's last model check), computed once per session from its graph
+    file."""
+    if session not in _FIBERS:
+        _FIBERS[session] = fibers_mod.fingerprint(graphio.load(session.files.onnx_path))
+    return _FIBERS[session]
 
 
 def _state_path(path, what: str) -> Path:
@@ -272,7 +282,7 @@ def _check_consistent(session, meta: dict[str, str], tensors: dict, where: str) 
     # recurrent states (and their checkpoints) may keep their own dtype: they are checked per tensor
     rec = session.cache.recurrent
     dtypes = sorted({str(np.asarray(t).dtype) for k, t in tensors.items()
-                     if not rec or k in session.cache.shapes})
+                     if not rec or k in session.cache.positional.shapes})
     if dtypes and dtypes != [meta["dtype"]]:
         raise StateFileError(f"{where}: inconsistent state metadata: dtype {meta['dtype']!r}, its tensors are "
                              f"{', '.join(dtypes)}")

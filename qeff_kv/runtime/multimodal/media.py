@@ -17,7 +17,7 @@ A language graph of either layout takes, besides the text decoder's inputs,
 What the graph does not say (the image token, rows per image, whether an image must stay in one chunk) comes
 from the graph's ``qeff_kv.vision`` metadata or the export manifest; for another exporter's graph (the peer's:
 no metadata) from the graph's static dims, the caller (the image token id, ``image_size``, ``vision_size``) or
-the prompt (:class:`~.vision.VisionLanguageModel` resolves them). The peer's graphs take a chunk of one token for
+the prompt (:class:`~qeff_kv.runtime.vision_language.VisionLanguageModel` resolves them). The peer's graphs take a chunk of one token for
 a decode step and merge no image there, so no chunk of one token holds an image token (:func:`plan_prompt`).
 Several sequences of a continuous-batching graph each bind their own images for
 their own prefill (one prefill runs at a time): ``image_idx`` restarts at 0 for every prompt.
@@ -46,7 +46,7 @@ IMAGE_INPUTS = (naming.PIXEL_VALUES, "image_grid_thw", "image_sizes")
 @dataclass
 class Images:
     """One prompt's images, ready for the language graph (made by
-    :meth:`qeff_kv.runtime.multimodal.vision.VisionLanguageModel.images`).
+    :meth:`qeff_kv.runtime.vision_language.VisionLanguageModel.images`).
 
     Attributes:
         array: ``vision_embeds [images, vision_size, hidden]`` (dual) or ``pixel_values`` (single); ``value`` is an

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from qeff_kv.runtime.execution.binding import position_shape as shape  # noqa: F401  (re-exported)
 from qeff_kv.runtime.memory.rope_marks import (RopeMark, delta, read_state_marks, rewind,  # noqa: F401  (re-exported)
                                 rewind_refusal, state_metadata)
-
-
-def shape(mrope: bool, rows: int, seq_len: int) -> tuple[int, ...]:
-    return (4, rows, seq_len) if mrope else (rows, seq_len)
 
 
 def clear(pos: np.ndarray) -> None:

@@ -4,7 +4,7 @@
 tokenizer files, ``preprocessor_config.json`` / ``processor_config.json`` and any chat template: see
 :data:`qeff_kv.export.sources.PROCESSOR_FILES`), writes the prompt text with one image placeholder per image
 (plain, or through the chat template), and lets the processor expand each placeholder into the model's image
-tokens and turn the images into arrays. The result feeds :meth:`qeff_kv.runtime.multimodal.vision.VisionLanguageModel.images`
+tokens and turn the images into arrays. The result feeds :meth:`qeff_kv.runtime.vision_language.VisionLanguageModel.images`
 and the session's prompt.
 
 It needs transformers and Pillow (the ``image`` extra), imported on first use: the image processor runs on

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from qeff_kv.runtime.cache import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.decoding.sampling import Pick, TokenPicker
 from qeff_kv.runtime.decoding.stopping import context_room, token_budget
 from qeff_kv.serve.engine.engine import GenerationRequest, RequestHandle
