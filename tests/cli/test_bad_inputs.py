@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import _kv_graphs as kg
-from conftest import HAS_TORCH, requires_torch
+from suite import HAS_TORCH, requires_torch
 from qeff_kv import errors
 from qeff_kv.support import fsutil, limits
 from qeff_kv.graph import graphio

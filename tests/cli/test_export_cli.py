@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv_cli.main import main
 
 BAD_PREFIXES = [
@@ -86,7 +86,7 @@ def _run_without_torch(code: str) -> subprocess.CompletedProcess:
              "for m in ('torch', 'transformers'):\n"
              "    sys.modules[m] = None\n")
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, env=env,
                           timeout=120)
 

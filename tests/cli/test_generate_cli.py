@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from qeff_kv_cli.main import main
 
-from conftest import PROMPT_A, PROMPT_B
+from suite import PROMPT_A, PROMPT_B
 
 A = ",".join(map(str, PROMPT_A))
 B = ",".join(map(str, PROMPT_B))

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import _kv_graphs
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming, statespec
 from qeff_kv.tools.check import check

@@ -1,4 +1,4 @@
-"""Dense-family details beyond the family matrix (tests/test_families.py proves tokens and ``check`` on every
+"""Dense-family details beyond the family matrix (tests/export/test_families.py proves tokens and ``check`` on every
 family and target):
 
 * Cohere's and Granite's exported logits equal transformers' logits (not only their argmax): Cohere multiplies
@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, FAMILIES, PROMPTS, TARGETS, Family, make_family_dir
 
 pytestmark = [requires_torch]

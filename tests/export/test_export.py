@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExportError

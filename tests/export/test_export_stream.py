@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = requires_torch
 

@@ -1,4 +1,4 @@
-"""The family matrix: every family of tests/families.py on every target, exact or refused up front.
+"""The family matrix: every family of tests/helpers/families.py on every target, exact or refused up front.
 
 For each (family, target) cell of ``families.EXPECT``:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, EXPECT, FAMILIES, NEW, PROMPTS, TARGETS
 
 pytestmark = [requires_torch]

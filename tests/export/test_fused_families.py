@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, NEW, PROMPTS
 
 pytestmark = [requires_torch]

@@ -17,7 +17,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import FAMILIES, PROMPTS
 
 pytestmark = [requires_torch]
@@ -206,7 +206,7 @@ def test_check_buffers_compile_config(exports, tmp_path):
 
 
 def _latent_graph(tmp_path, **kw):
-    """A hand-built latent graph of 2 layers (``tests/_kv_graphs.py``: ScatterND updates, in-place safe)."""
+    """A hand-built latent graph of 2 layers (``tests/helpers/_kv_graphs.py``: ScatterND updates, in-place safe)."""
     import _kv_graphs as kvg
 
     return kvg.save(kvg.build(2, stems=("compressed_kv", "k_pe"), **kw), tmp_path / "latent.onnx")

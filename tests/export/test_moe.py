@@ -1,10 +1,10 @@
 """Mixture-of-experts export (qeff_kv/export/modeling/moe.py): every token is routed at run time, by data.
 
-Per MoE family of tests/families.py (one tiny seeded model and one export per family for the module):
+Per MoE family of tests/helpers/families.py (one tiny seeded model and one export per family for the module):
 
 * greedy tokens equal transformers' ``generate`` on two prompts unlike the tracing input (zeros), so the
   experts the tracing input hit cannot be the ones that decide: proved per family and target by the family
-  matrix (tests/test_families.py), whose exports these tests share;
+  matrix (tests/export/test_families.py), whose exports these tests share;
 * the graph routes by data: no ``Loop``/``NonZero`` (and no ``If`` in the decoder layers), and every stacked
   expert weight ``[num_experts, ...]`` is read by a ``Gather`` (weights selected by the router's expert ids);
 * a continuous-batching graph decodes two sequences in one step whose tokens route to different experts,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, FAMILIES
 
 pytestmark = [requires_torch]

@@ -1,6 +1,6 @@
 """Pre-quantized int4 checkpoints (issue 39, item 2): AWQ GEMM, GPTQ (v1/v2, symmetric/asymmetric, with and without
 act-order ``g_idx``) and compressed-tensors ``pack-quantized`` exported to ``MatMulNBits`` with their own scales,
-zero points and groups. The checkpoints are written here (tests/prequant_checkpoints.py, from the formats'
+zero points and groups. The checkpoints are written here (tests/helpers/prequant_checkpoints.py, from the formats'
 published descriptions); the proofs: detection and one-line refusals; the unpacked integers equal the ones the test
 packed; onnxruntime's dequantization of the repacked blocks equals the format's ``scale * (q - zero)`` bit for bit;
 exported graphs give transformers' greedy tokens on the dequantized weights."""
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.errors import ExportError
 from qeff_kv.export.weights import prequant
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.graph import graphio
 from qeff_kv.errors import ExportError
 
@@ -82,7 +82,7 @@ def test_quantized_graph_structure(exports, key):
     assert w["quantizer"].startswith("onnxruntime ")
     assert w["graph_bytes"] < w["float_graph_bytes"]
     # a folder of safetensors streams: quantized as written (no float graph), verified at float32's tolerance
-    # against PyTorch on the quantized-then-dequantized weights (tests/test_export_stream.py)
+    # against PyTorch on the quantized-then-dequantized weights (tests/export/test_export_stream.py)
     assert w["check"]["status"] == "passed" and w["check"]["against"].startswith("the verification reference")
     ver = r.manifest["verification"]
     assert ver["status"] == "passed" and ver["rtol"] == 1e-3 and ver["max_abs_diff"] <= ver["tolerance"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_TORCH
+from suite import HAS_TORCH
 from qeff_kv.errors import ExportError, MissingDependencyError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

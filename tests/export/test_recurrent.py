@@ -1,8 +1,8 @@
-"""Recurrent and hybrid exports (contract section 12): the Mamba2-mixer families of tests/families.py run by the
+"""Recurrent and hybrid exports (contract section 12): the Mamba2-mixer families of tests/helpers/families.py run by the
 runtime on prompts longer than three prefill chunks with padding in the last one, continuous batching by
 ``batch_index``, names and prefix, ``check``/``buffers``/``compile-config`` on the recurrent buffers, refusals.
 
-The exports are the family matrix's (``family_exports``, shared with tests/test_families.py) plus one
+The exports are the family matrix's (``family_exports``, shared with tests/export/test_families.py) plus one
 continuous-batching Bamba export with a prefix for this module.
 """
 
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, FAMILIES, NEW
 
 #: longer than three chunks of CHUNK, the last chunk padded (14 = 3 * 4 + 2, 18 = 4 * 4 + 2)
@@ -202,7 +202,7 @@ def test_cb_names_check_buffers_compile_config(bamba_cb, long_refs, tmp_path):
 def test_rewinds_of_recurrent_sequences(family_exports, long_refs):
     """Truncate to 0 restarts from a zero state (tokens exact again); a rewind into the middle where no checkpoint
     of the recurrent state is kept is refused in one line naming where it can return to (checkpoints: the runtime's
-    tests/test_recurrent_runtime.py and tests/test_recurrent_export_runtime.py)."""
+    tests/runtime/test_recurrent_runtime.py and tests/runtime/test_recurrent_export_runtime.py)."""
     from qeff_kv.errors import RewindError
     from qeff_kv.runtime import Session
 

@@ -1,4 +1,4 @@
-"""The gated-delta-net and short-conv families exported end to end (``tests/families.py`` RECURRENT_FAMILIES).
+"""The gated-delta-net and short-conv families exported end to end (``tests/helpers/families.py`` RECURRENT_FAMILIES).
 
 Each cell: the export verifies at export (a prompt of three chunks and a padded half one against transformers'
 whole-sequence forward), two prompts longer than three prefill chunks with padding in the last chunk give
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CTX, NEW, RECURRENT_FAMILIES, TARGETS
 
 pytestmark = [requires_torch]

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.support import capture
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _kv_graphs as kg
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.tools.compile_config import specializations
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session

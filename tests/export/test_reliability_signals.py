@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.support import fsutil
 from qeff_kv.errors import ExportError
 

@@ -2,7 +2,7 @@
 and onnxruntime targets, full-length buffers with the window in attention on the fused target or with
 ``--sliding-cache full``; names, dims, metadata and manifest as specified; parity on prompts several windows long.
 
-The tiny models are the ``*_sw`` families of tests/families.py (window SW=6, ctx_len CTX=32, chunks of 4).
+The tiny models are the ``*_sw`` families of tests/helpers/families.py (window SW=6, ctx_len CTX=32, chunks of 4).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, NEW, SW
 
 pytestmark = [requires_torch]

@@ -1,7 +1,7 @@
 """Speculative decoding (issue 21): ``--speculative-tokens K`` graphs on every target (names unchanged, verified
 row by row, compile files and tools), the runtime's verification step and O(1) rewind giving exactly the tokens
 of plain decoding (greedy and seeded sampling; prompt lookup on repetitive and free text; a draft export), the
-CLI, and the refusals. Tiny seeded models (tests/hf_models.py); the exports are made once per module."""
+CLI, and the refusals. Tiny seeded models (tests/helpers/hf_models.py); the exports are made once per module."""
 
 from __future__ import annotations
 

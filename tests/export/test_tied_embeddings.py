@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.graph import graphio
 
 pytestmark = [requires_torch]
@@ -16,7 +16,7 @@ VOCAB, HIDDEN = 256, 64
 
 
 def _model_dir(root, tied: bool):
-    """The tiny seeded Llama of tests/hf_models.py with vocab 256, tied or not; its float32 parameter bytes
+    """The tiny seeded Llama of tests/helpers/hf_models.py with vocab 256, tied or not; its float32 parameter bytes
     (as saved: a tied tensor once)."""
     from safetensors import safe_open
 

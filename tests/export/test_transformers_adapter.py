@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.errors import UnsupportedVersionError
 from qeff_kv.export import transformers_adapter as hf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_supported_versions_are_named_and_match_pyproject():

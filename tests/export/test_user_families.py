@@ -1,6 +1,6 @@
 """The dense/MoE families users bring beyond the first matrix (issue 20): what makes each exact, and what is refused.
 
-Their tokens on every target are proved by the family matrix (tests/families.py, tests/test_families.py: Llama4
+Their tokens on every target are proved by the family matrix (tests/helpers/families.py, tests/export/test_families.py: Llama4
 text, DeepSeek-V2, MiniCPM3, Apertus, DiffLlama, JetMoe, LongcatFlash, Ministral3). Here:
 
 * every refusal comes from the config alone, in one exact line, before the weights are read (the folders hold a
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, FAMILIES, NEW, PROMPTS, Family
 
 pytestmark = [requires_torch]

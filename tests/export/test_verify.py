@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.errors import ExportError, VerificationError
 
 pytestmark = [requires_torch]

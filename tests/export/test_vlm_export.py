@@ -2,7 +2,7 @@
 graph) and the single layout, on every target, with the prefix on the language KV only; greedy tokens equal to
 transformers' ``generate`` with the image, the image split across prefill chunks.
 
-The model is a tiny seeded Llava (tests/hf_models.py ``make_llava_dir``): 16 image rows per 32x32 image.
+The model is a tiny seeded Llava (tests/helpers/hf_models.py ``make_llava_dir``): 16 image rows per 32x32 image.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = [requires_torch]
 

@@ -5,7 +5,7 @@ mismatch (two sizes, two names, a size and a name) still fails in one line.
 
 The case of the issue, built here: the peer's Qwen3.5 dense layout, a hybrid whose recurrent states are named
 ``past_key.{i}``/``past_value.{i}`` with fixed input dims and no position axis, TorchScript's
-``Reshape<name>_dim_<k>`` on their retained outputs (``tests/_recurrent_graph.py``'s hybrid, its layer-1 states
+``Reshape<name>_dim_<k>`` on their retained outputs (``tests/helpers/_recurrent_graph.py``'s hybrid, its layer-1 states
 renamed and their outputs reshaped); it checks, strips to the plain names, checks again and runs to the tokens of
 the hybrid it was made from.
 """

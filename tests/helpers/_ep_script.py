@@ -1,6 +1,6 @@
 """The conformance script of issue 40, shared by the proofs that an execution provider (or onnx's reference
-evaluator) runs the runtime's feeds exactly: ``tests/test_ep_conformance.py`` (the CPU EP against the strict
-reference evaluator), ``tests/test_ep_cuda.py`` (the CUDA EP against the CPU's, GPU only) and
+evaluator) runs the runtime's feeds exactly: ``tests/runtime/test_ep_conformance.py`` (the CPU EP against the strict
+reference evaluator), ``tests/runtime/test_ep_cuda.py`` (the CUDA EP against the CPU's, GPU only) and
 ``benchmarks/gpu_check.py`` (the same on a GPU machine without pytest). Needs numpy and the runtime only.
 
 :func:`script` drives one :class:`~qeff_kv.runtime.Session` through prefill in chunks (the last one short), greedy

@@ -5,7 +5,7 @@ hidden 64, vocab 128) and built with a seed and an init scale whose greedy token
 needs neither torch nor transformers; :func:`make_family_dir` imports them.
 
 The matrix's expected outcome per target lives in ``EXPECT`` (``"exact"`` or the start of the refusal
-message); ``docs/supported-models.md`` is generated from it by ``tests/gen_supported_models.py``.
+message); ``docs/supported-models.md`` is generated from it by ``tests/helpers/gen_supported_models.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Family:
     #: what the family exercises (shown in docs/supported-models.md)
     note: str = ""
     #: a recurrent or hybrid family (conv_state/recurrent_state): its reference is transformers' forward over the
-    #: whole sequence without a cache (tests/hf_models.py ``hf_greedy_whole``)
+    #: whole sequence without a cache (tests/helpers/hf_models.py ``hf_greedy_whole``)
     recurrent: bool = False
 
     def config_kwargs(self) -> dict:
@@ -298,8 +298,8 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
 
 
 #: Expected outcome per family and target: ``"exact"``, or ``"refused: <start of the one-line message>"``.
-#: ``docs/supported-models.md`` is generated from this table and FAMILIES (tests/gen_supported_models.py);
-#: tests/test_families.py proves every cell.
+#: ``docs/supported-models.md`` is generated from this table and FAMILIES (tests/helpers/gen_supported_models.py);
+#: tests/export/test_families.py proves every cell.
 EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
 EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}
 #: onnxruntime-fused refusals, from the config (qeff_kv/export/facts/family.py, ModelFacts.fused_refusal)

@@ -9,7 +9,7 @@
 2. the ``kv_transfer_params`` of its JSON answer, when there are any, replace the client request's own;
 3. that request goes to a decode server (round robin) and its answer is streamed back as it comes.
 
-Run: ``python tests/pd_proxy.py --prefiller-host 127.0.0.1 --prefiller-port 8100 --decoder-host 127.0.0.1
+Run: ``python tests/helpers/pd_proxy.py --prefiller-host 127.0.0.1 --prefiller-port 8100 --decoder-host 127.0.0.1
 --decoder-port 8200 --port 8000`` (the options of vLLM's proxy), or :func:`make_app` in a test.
 """
 

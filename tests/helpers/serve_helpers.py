@@ -1,6 +1,6 @@
 """A live ``qeff-kv serve`` for tests: uvicorn in a thread on a free 127.0.0.1 port, stopped at the end.
 
-Used by tests/test_serve*.py (one server per test module, on the tiny exports of conftest.py).
+Used by tests/serve/test_serve*.py (one server per test module, on the tiny exports of tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Survey (not a test): export each family of tests/families.py on each target and compare greedy tokens with transformers.
+"""Survey (not a test): export each family of tests/helpers/families.py on each target and compare greedy tokens with transformers.
 
-Usage: .venv/bin/python tests/survey_families.py [all|name,name] [target,target]
+Usage: .venv/bin/python tests/helpers/survey_families.py [all|name,name] [target,target]
 """
 import sys, tempfile, time
 from pathlib import Path

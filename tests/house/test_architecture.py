@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "qeff_kv"
+PKG = Path(__file__).resolve().parents[2] / "qeff_kv"
 #: no module over 500 lines (issue 38)
 MAX_LINES = 500
 #: no function over 60 lines anywhere in the package: a function (docstring and decorators' body included) of more

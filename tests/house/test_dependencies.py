@@ -12,7 +12,7 @@ import pytest
 packaging = pytest.importorskip("packaging.requirements")
 from packaging.requirements import Requirement  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 

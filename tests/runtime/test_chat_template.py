@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import HAS_TORCH, REPO
+from suite import HAS_TORCH, REPO
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv_cli.main import main
 

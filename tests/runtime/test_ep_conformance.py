@@ -5,7 +5,7 @@ with strict index checks: every Gather/GatherND/GatherElements/ScatterND/Scatter
 scatter writing an index twice, every ``position_ids``/``batch_index`` feed in range), on tiny graphs of every
 memory kind (full, ring, latent, recurrent, hybrid) and the portable and onnxruntime targets; the tokens must be
 equal and the logits close. The fused target uses onnxruntime contrib ops the reference evaluator cannot run:
-refused here; its proof off the CPU is CUDA's token comparison only (``tests/test_ep_cuda.py``, GPU only).
+refused here; its proof off the CPU is CUDA's token comparison only (``tests/runtime/test_ep_cuda.py``, GPU only).
 
 Also here: the refusals of unproved execution providers (``ProviderError``, before anything is loaded), the
 CPU-only invalid-index patch, that the strict evaluator does catch out-of-spec graphs (the peer's), and the binding
@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from _ep_script import PROMPT, STEPS, script
-from conftest import HAS_PEER, PEER_MISSING, PEER_DIR
+from suite import HAS_PEER, PEER_MISSING, PEER_DIR
 from families import CHUNK, CTX
 from qeff_kv.errors import ContractError, ProviderError
 from qeff_kv.runtime import Session
@@ -102,7 +102,7 @@ def test_the_fused_target_is_refused_by_the_reference_evaluator(own_fused_graph)
     with pytest.raises(ContractError, match=r"onnx's reference evaluator cannot run it \(custom ops: "
                                             r"com\.microsoft\.GroupQueryAttention"):
         Session(own_fused_graph, executor="reference")
-    assert ep_proofs.PROVED[(ep_proofs.CUDA, "onnxruntime-fused")].startswith("tests/test_ep_cuda.py (GPU only")
+    assert ep_proofs.PROVED[(ep_proofs.CUDA, "onnxruntime-fused")].startswith("tests/runtime/test_ep_cuda.py (GPU only")
     assert not ep_proofs.proved("TensorrtExecutionProvider", "onnxruntime-fused")
 
 
@@ -214,7 +214,7 @@ def test_the_proof_table():
     cuda = {k for (p, k) in ep_proofs.PROVED if p == ep_proofs.CUDA}
     assert cuda == {"portable", "onnxruntime", "onnxruntime-fused"}
     assert {p for (p, _) in ep_proofs.PROVED} == {ep_proofs.CPU, ep_proofs.CUDA}
-    assert all(ep_proofs.PROVED[(ep_proofs.CUDA, k)].startswith("tests/test_ep_cuda.py") for k in cuda)
+    assert all(ep_proofs.PROVED[(ep_proofs.CUDA, k)].startswith("tests/runtime/test_ep_cuda.py") for k in cuda)
     assert set(ep_proofs.OFF_CPU) == set(ep_proofs.KINDS)
     assert ep_proofs.refusal(ep_proofs.CPU) is None and ep_proofs.refusal(ep_proofs.CPU, "peer") is None
     assert ep_proofs.refusal(ep_proofs.CUDA) is None and ep_proofs.refusal(ep_proofs.CUDA, "portable") is None

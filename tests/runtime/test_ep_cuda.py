@@ -1,4 +1,4 @@
-"""The CUDA execution provider's proof (issue 40), GPU only: the conformance script (``tests/_ep_script.py``:
+"""The CUDA execution provider's proof (issue 40), GPU only: the conformance script (``tests/helpers/_ep_script.py``:
 chunked prefill with a short last chunk, greedy decode, truncate and the tokens fed again, and with two or more
 sequences copy, both decoding in one step, relocate) runs through ``Session(..., device="cuda")`` and through the
 CPU on the same graph; the tokens must be equal and the logits close (CUDA's float arithmetic, TF32 included,
@@ -28,7 +28,7 @@ if CUDA not in ort.get_available_providers():
                 "runs on a GPU machine", allow_module_level=True)
 
 from _ep_script import script  # noqa: E402
-from conftest import requires_torch  # noqa: E402
+from suite import requires_torch  # noqa: E402
 from qeff_kv.runtime import Session  # noqa: E402
 from qeff_kv.runtime.execution.executor import RebindingExecutor  # noqa: E402
 from test_ep_conformance import extra_exports  # noqa: E402,F401  (the fixture: the same graphs as the CPU's proof)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import PROMPT_A
+from suite import PROMPT_A
 
 A = ",".join(map(str, PROMPT_A))
 

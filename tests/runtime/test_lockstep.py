@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import NEW, PROMPTS
 
 pytestmark = [requires_torch]

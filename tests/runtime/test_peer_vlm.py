@@ -17,7 +17,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
 from qeff_kv.tools.buffers import buffers_report

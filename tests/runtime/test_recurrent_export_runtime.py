@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = [requires_torch]
 

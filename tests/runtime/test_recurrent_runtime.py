@@ -1,5 +1,5 @@
 """Runtime memory for state that cannot be sliced (llama.cpp's recurrent/hybrid memory split), on the synthetic
-hybrid graph of ``tests/_recurrent_graph.py`` (an attention KV pair on layer 0, ``conv_state.1`` /
+hybrid graph of ``tests/helpers/_recurrent_graph.py`` (an attention KV pair on layer 0, ``conv_state.1`` /
 ``recurrent_state.1`` on layer 1): checkpoints where the policy says, rewinds to a checkpoint equal to a fresh run
 to that point (tokens and state bytes), one-line refusals elsewhere that change nothing in either memory, copy then
 diverge, state files, the hand-off, and ``memory()``.

@@ -10,7 +10,7 @@ import pytest
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import Session
 
-from conftest import PROMPT_A as A, PROMPT_B as B
+from suite import PROMPT_A as A, PROMPT_B as B
 
 C = [9, 8, 7]
 

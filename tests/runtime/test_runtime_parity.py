@@ -1,6 +1,6 @@
 """Token parity of our exports, run by the Session, with transformers ``generate`` (greedy, same weights).
 
-Every architecture the exporter supports (``tests/hf_models.py``): a prompt longer than one prefill chunk,
+Every architecture the exporter supports (``tests/helpers/hf_models.py``): a prompt longer than one prefill chunk,
 and three sequences of different lengths decoding together on a continuous-batching export.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.runtime import Session
 
 pytestmark = requires_torch

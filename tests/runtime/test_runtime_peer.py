@@ -13,7 +13,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import OWN_GRAPHS, PEER_GRAPHS, PROMPT_A, PROMPT_B
+from suite import OWN_GRAPHS, PEER_GRAPHS, PROMPT_A, PROMPT_B
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes.ort_invalid_index import INVALID_INDEX, OrtInvalidIndexPass
 from qeff_kv.runtime import Session

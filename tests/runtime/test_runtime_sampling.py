@@ -9,7 +9,7 @@ from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.decoding.sampling import SamplingParams, probabilities, sample
 
-from conftest import PROMPT_A as A
+from suite import PROMPT_A as A
 
 
 def test_greedy_is_first_argmax():

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import OWN_CTX_LEN, OWN_PREFILL, requires_torch
+from suite import OWN_CTX_LEN, OWN_PREFILL, requires_torch
 
 pytestmark = [requires_torch]
 

@@ -2,7 +2,7 @@
 place; prompts several windows long; rewinding exact within the ring and refused beyond it; state files and
 the prefill -> decode hand-off carrying ring buffers; a state from a graph with another window refused.
 
-Models: the ``*_sw`` families of tests/families.py (window SW=6, ctx_len CTX=32, chunks of CHUNK=4).
+Models: the ``*_sw`` families of tests/helpers/families.py (window SW=6, ctx_len CTX=32, chunks of CHUNK=4).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 from families import CHUNK, CTX, NEW, SW
 
 pytestmark = [requires_torch]

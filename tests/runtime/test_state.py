@@ -16,7 +16,7 @@ from qeff_kv.errors import RuntimeInputError, StateFileError
 from qeff_kv.runtime import Session, read_state
 from qeff_kv.runtime.decoding.sampling import SamplingParams
 
-from conftest import PROMPT_A as A
+from suite import PROMPT_A as A
 
 
 def sess(graphs, name="qeff_llama_vllm.onnx", **kw):

@@ -21,7 +21,7 @@ from qeff_kv.runtime import Session, read_state
 from qeff_kv.runtime.model_files import CHECKPOINT_METADATA_KEY
 from qeff_kv.runtime.memory.state_file import KVState, _checksum
 
-from conftest import OWN_CTX_LEN, OWN_PREFILL, requires_torch
+from suite import OWN_CTX_LEN, OWN_PREFILL, requires_torch
 
 pytestmark = requires_torch
 

@@ -1,7 +1,7 @@
 """Image files + a prompt -> a vision-language export's inputs (``qeff_kv.runtime.multimodal.processor.image_prompt``), with
 the processor the exporter copies into the export folder.
 
-The model is the tiny seeded Llava of tests/hf_models.py with a working ``LlavaProcessor`` (``add_llava_processor``):
+The model is the tiny seeded Llava of tests/helpers/hf_models.py with a working ``LlavaProcessor`` (``add_llava_processor``):
 one 32x32 image is 16 ``<image>`` tokens (id 120). The reference is transformers' own processor read from the model
 folder.
 """
@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 requires_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers (the [image] extra)")

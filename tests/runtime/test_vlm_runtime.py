@@ -16,7 +16,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = [requires_torch]
 

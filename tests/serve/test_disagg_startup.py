@@ -16,7 +16,7 @@ import time
 import pytest
 
 import _recurrent_graph as rg
-from conftest import requires_torch
+from suite import requires_torch
 
 ray = pytest.importorskip("ray", reason="disaggregated serving needs the [ray] extra (ray)")
 

@@ -387,7 +387,7 @@ def test_a_deep_grammar_compiles_on_the_big_stack_threads_without_killing_the_pr
     import sys
     from pathlib import Path
 
-    tokenizer = Path(__file__).resolve().parents[1] / "fixtures" / "default-model" / "tokenizer.json"
+    tokenizer = Path(__file__).resolve().parents[2] / "fixtures" / "default-model" / "tokenizer.json"
     code = f"""
 import asyncio
 from tokenizers import Tokenizer
@@ -409,7 +409,7 @@ def test_a_grammar_over_the_compile_time_is_a_400_naming_the_field():
     from qeff_kv.serve.http.openai_io import APIError
     from qeff_kv.serve.structured.structured_io import Constraints
 
-    tok = Tokenizer.from_file(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"
+    tok = Tokenizer.from_file(str(__import__("pathlib").Path(__file__).resolve().parents[2] / "fixtures"
                                   / "default-model" / "tokenizer.json"))
     c = Constraints(tok, [0], timeout=1e-4)
     with pytest.raises(APIError) as exc:

@@ -2,7 +2,7 @@
 state), its count and byte caps (oldest first; a state larger than the cap not held), the consumer's checks before
 anything is taken (:func:`qeff_kv.serve.cluster.pd.prepare` with a recording connector), and a local Ray instance started
 as such whatever a stale ``ray_current_cluster`` file names. No Ray needed: the holder's methods run in asyncio,
-and Ray itself is a recording stand-in (the live P/D tests are in tests/test_serve_pd.py)."""
+and Ray itself is a recording stand-in (the live P/D tests are in tests/serve/test_serve_pd.py)."""
 
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ def test_bad_sampling_fields_are_400(served, body, param):
 
 
 def test_completion_echo_with_logprobs_is_refused_without_prompt_rows(served):
-    """Prompt logprobs need a graph returning every position's logits (tests/test_serve_prompt_logprobs.py)."""
+    """Prompt logprobs need a graph returning every position's logits (tests/serve/test_serve_prompt_logprobs.py)."""
     r = _post(served, "/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert "export it with --speculative-tokens K" in r.json()["error"]["message"]

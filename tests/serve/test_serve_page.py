@@ -1,4 +1,4 @@
-"""The chat page at ``/`` in headless Chromium (tests/cdp_browser.py: the DevTools protocol over a pipe).
+"""The chat page at ``/`` in headless Chromium (tests/helpers/cdp_browser.py: the DevTools protocol over a pipe).
 
 Against a live ``qeff-kv serve`` on the tiny chat export: a question typed key by key and sent with Enter, the answer
 read from the DOM while it streams and when done (equal to the same chat prompt run alone, greedy); Stop cancels the
@@ -33,7 +33,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from cdp_browser import CHROMIUM, Browser, chromium_available  # noqa: E402
-from conftest import REPO  # noqa: E402
+from suite import REPO  # noqa: E402
 from serve_helpers import LiveServer, SlowDecode, chat_export  # noqa: E402
 
 KEY = "page-key"

@@ -1,7 +1,7 @@
 """vLLM's P/D protocol between separate servers (issue 32, item 1; ``qeff_kv/serve/cluster/pd.py``, the connector of
 ``qeff_kv/serve/cluster/kv_connector.py``): two ``qeff-kv serve`` processes, a producer and a consumer joined to ONE Ray
 cluster (started once by this module in the test process, or the session's one where it already runs), driven by
-``tests/pd_proxy.py`` (vLLM's toy proxy protocol), answer as one server does, without the consumer prefilling.
+``tests/helpers/pd_proxy.py`` (vLLM's toy proxy protocol), answer as one server does, without the consumer prefilling.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = [requires_torch]
 pytest.importorskip("fastapi")

@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
-from conftest import HAS_TORCH  # noqa: E402
+from suite import HAS_TORCH  # noqa: E402
 from serve_helpers import LiveServer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

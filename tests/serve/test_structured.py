@@ -2,7 +2,7 @@
 bundled default model's), the masked sampling, the request fields (response_format, vLLM's and llama-server's
 extensions, tools, tool_choice), the tool-call parsers per family and the choice among them from facts.
 
-The live-server tests (the ``openai`` client against SmolLM2) are in tests/test_serve_structured.py.
+The live-server tests (the ``openai`` client against SmolLM2) are in tests/serve/test_serve_structured.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from qeff_kv.serve.structured.toolcalls.hermes import HermesParser  # noqa: E402
 from qeff_kv.serve.structured.toolcalls.llama3_json import Llama3JsonParser  # noqa: E402
 from qeff_kv.serve.structured.toolcalls.mistral import MistralParser  # noqa: E402
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "default-model" / "tokenizer.json"
+TOKENIZER = Path(__file__).resolve().parents[2] / "fixtures" / "default-model" / "tokenizer.json"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
                                                                          "maximum": 7}},

@@ -1,5 +1,5 @@
 """Issue 32, item 4: disaggregated serving across two hosts. Two network namespaces joined by a veth pair
-(``tests/_two_hosts.py``: 10.213.0.1 and 10.213.0.2), a Ray head node in the first (resource ``qeffkv_prefill``) and
+(``tests/helpers/_two_hosts.py``: 10.213.0.1 and 10.213.0.2), a Ray head node in the first (resource ``qeffkv_prefill``) and
 a worker node in the second (``qeffkv_decode``); ``qeff-kv serve --disaggregate --ray-address 10.213.0.1:6379``
 runs in the first with ``--prefill-resources`` / ``--decode-resources``, so the prefill replica runs on one host and
 the decode replica on the other and every KV state crosses the veth. The answers equal a single host's, the bytes
@@ -18,7 +18,7 @@ import time
 import pytest
 
 import _two_hosts
-from conftest import requires_torch
+from suite import requires_torch
 
 pytestmark = [requires_torch]
 pytest.importorskip("ray", reason="disaggregated serving needs the [ray] extra (ray)")

@@ -18,7 +18,7 @@ from qeff_kv.errors import ExternalDataError, GraphReadError, PrefixError
 from qeff_kv.tools.testing import assert_kv_selected_by, assert_retained_state_graph
 from qeff_kv_cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RULE_IDS = ["kv-present", "pairing", "pair-match", "layers", "prefix", "regex-exact", "regex-substring",
             "non-kv-unprefixed", "inplace", "onnx-checker"]
 

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
 import _kv_graphs as kvg
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.tools import check as qcheck
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from onnx import numpy_helper
 
 import _kv_graphs as kvg
-from conftest import ALL_GRAPHS
+from suite import ALL_GRAPHS
 from qeff_kv.tools import check as qcheck
 from qeff_kv.support import fsutil
 from qeff_kv.contract import naming
@@ -638,7 +638,7 @@ def test_property_add_change_strip(layers, group, p0, q):
 # ------------------------------------------------------------------------------------------------ our exports
 @pytest.fixture(scope="session")
 def our_exports(tmp_path_factory):
-    from conftest import HAS_TORCH
+    from suite import HAS_TORCH
 
     if not HAS_TORCH:
         pytest.skip("needs the [export] extra (torch, transformers) to export the bundled model")

@@ -1,6 +1,6 @@
 """Graph tools on vision-language graphs (issue 10, items 3 and 5; contract section 6): ``check``, ``rewrite``,
 ``buffers`` and ``compile-config`` on our Llava/Gemma3 exports (dual and single layout) and on hand-made peer-style
-graphs (tests/_kv_graphs.py ``build_vlm``, ``build_vision_encoder``).
+graphs (tests/helpers/_kv_graphs.py ``build_vlm``, ``build_vision_encoder``).
 
 The prefix is on the language KV only; ``vision_embeds``, ``pixel_values`` and ``image_idx``/``image_idx_output``
 are never renamed, and ``.*VLLM.*`` selects exactly the KV.
@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from onnx import TensorProto
 
 import _kv_graphs as kvg
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
 from qeff_kv.tools.buffers import buffers_report

@@ -6,7 +6,7 @@ itself from its pairs and the session's :class:`Settings` (``build``); a memory 
 images) registers no kind and is always built. :func:`build` makes one memory per registered class, in the order
 the hybrid asks them (``order``: the first memory's refusal is the one raised). A new kind is then one module here
 (its class with ``@holds("kind", order=...)`` and ``build``, imported by the package) plus its builder in the
-conformance suite (``tests/test_memory_conformance.py``), which checks that every kind of the state spec has a
+conformance suite (``tests/runtime/test_memory_conformance.py``), which checks that every kind of the state spec has a
 memory.
 """
 

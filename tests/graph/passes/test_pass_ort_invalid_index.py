@@ -2,7 +2,7 @@
 indices of a ``GatherND``/``ScatterND``), become 0 (gather) or -1 (scatter), and onnxruntime's CPU kernels then
 run the graph; a constant that feeds something else keeps its value there; a graph without them is left alone; its
 ``ensures`` refuses a graph where one still reaches an index input. Hand-made graphs, no torch. (The peer's
-exported graphs are tested in ``tests/test_runtime_peer.py``.)"""
+exported graphs are tested in ``tests/runtime/test_runtime_peer.py``.)"""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from conftest import requires_torch
+from suite import requires_torch
 from qeff_kv.errors import PassInvariantError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes import PackSharedInputMatMulsPass

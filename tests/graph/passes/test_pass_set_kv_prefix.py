@@ -1,8 +1,8 @@
 """SetKVPrefixPass: every KV buffer (input and its ``_RetainedState`` output together) takes exactly the asked
 prefix, or loses it; every other input, output, node and value is as it was; a prefix the serving regex would
 catch in a non-KV name is refused with nothing renamed; its ``ensures`` refuses a graph left with another prefix
-or a changed non-KV input/output. The suite's small retained-state graphs (``tests/_kv_graphs.py``), no torch.
-(The ``rewrite`` command built on it is tested in ``tests/test_rewrite.py``.)"""
+or a changed non-KV input/output. The suite's small retained-state graphs (``tests/helpers/_kv_graphs.py``), no torch.
+(The ``rewrite`` command built on it is tested in ``tests/tools/test_rewrite.py``.)"""
 
 from __future__ import annotations
 
