@@ -86,7 +86,8 @@ def _run_without_torch(code: str) -> subprocess.CompletedProcess:
              "for m in ('torch', 'transformers'):\n"
              "    sys.modules[m] = None\n")
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "helpers") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (str(Path(__file__).resolve().parents[2] / "tests" / "helpers") + os.pathsep
+                         + env.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, env=env,
                           timeout=120)
 
