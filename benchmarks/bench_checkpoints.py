@@ -21,7 +21,7 @@ Geometries (the recurrent layers only; attention layers keep their KV cache as b
 * ``falcon-h1-default``: transformers' ``FalconH1Config()`` (32 layers, mamba_d_ssm 1024 in 128 heads x 8, d_state
   256).
 
-``--model`` (or, by default, the synthetic hybrid graph of ``tests/_recurrent_graph.py``) also times a whole
+``--model`` (or, by default, the synthetic hybrid graph of ``tests/helpers/_recurrent_graph.py``) also times a whole
 ``Session``: prefilling a prompt and decoding with checkpoints every ``--every`` positions against none
 (``checkpoint_every=0, max_checkpoints=0``): the chunks cut at checkpoint positions plus the copies.
 """
@@ -142,12 +142,12 @@ def main() -> None:
     results = {"geometries": {k: time_snapshot(g, args.repeat, args.max_mib) for k, g in GEOMETRIES.items()}}
     model = args.model
     if model is None:
-        sys.path.insert(0, str(REPO / "tests"))
+        sys.path.insert(0, str(REPO / "tests" / "helpers"))
         import tempfile
 
         import _recurrent_graph as rg
         model = str(rg.save(Path(tempfile.mkdtemp()) / "hybrid.onnx"))
-        results["session_graph"] = "tests/_recurrent_graph.py (synthetic hybrid, 1 attention + 1 recurrent layer)"
+        results["session_graph"] = "tests/helpers/_recurrent_graph.py (synthetic hybrid, 1 attention + 1 recurrent layer)"
     else:
         results["session_graph"] = model
     results["session"] = time_session(model, args.ctx_len, args.prefill_seq_len, args.prompt, args.decode,

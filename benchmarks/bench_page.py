@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from bench_serve import Server, free_port, say, stream_one  # noqa: E402
 from cdp_browser import Browser, chromium_available  # noqa: E402

@@ -2,7 +2,7 @@
 producer -> consumer hand-off adds against a single server, and the bytes moved.
 
 Starts a Ray instance in this process (bound to 127.0.0.1), three ``qeff-kv serve`` processes on EXPORT (a single
-server; a ``--kv-role producer`` and a ``--kv-role consumer`` joined to that Ray instance) and ``tests/pd_proxy.py``
+server; a ``--kv-role producer`` and a ``--kv-role consumer`` joined to that Ray instance) and ``tests/helpers/pd_proxy.py``
 (vLLM's toy proxy protocol) over the pair. For each prompt length, ``--repeats`` fresh random prompts (no prompt
 reuse anywhere), each sent streamed (greedy, ``--new`` tokens) to the single server and through the proxy, one at a
 time:
@@ -53,7 +53,7 @@ def _server(export: str, args, log: Path, *extra: str) -> Server:
 
 def _proxy(prefill: Server, decode: Server, log: Path) -> Server:
     port = free_port()
-    argv = [sys.executable, str(REPO / "tests" / "pd_proxy.py"), "--port", str(port),
+    argv = [sys.executable, str(REPO / "tests" / "helpers" / "pd_proxy.py"), "--port", str(port),
             "--prefiller-host", "127.0.0.1", "--prefiller-port", str(prefill.port),
             "--decoder-host", "127.0.0.1", "--decoder-port", str(decode.port)]
     return Server(argv, port, log, health="/healthcheck")

@@ -4,7 +4,7 @@ of the MatMulNBits graph against transformers on the dequantized weights.
     python benchmarks/bench_prequant.py --work /tmp/bench-prequant [--formats gptq-actorder,awq,ct]
 
 For each format, a seeded random-weight Llama of the shape is quantized and packed as the format stores it
-(tests/prequant_checkpoints.py: min-max int4, groups of 64 (32 for act-order; 576 features are 9 groups of 64), the Linears only; the vocabulary
+(tests/helpers/prequant_checkpoints.py: min-max int4, groups of 64 (32 for act-order; 576 features are 9 groups of 64), the Linears only; the vocabulary
 table float16), beside its float reference (the exact dequantization). ``qeff-kv export CKPT --target
 onnxruntime-fused`` runs in a child process (wall time, its peak RSS from ``getrusage``); then greedy tokens of
 the export (``qeff_kv.runtime.Session``) on seeded random prompts against ``transformers.generate`` on the
@@ -26,7 +26,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

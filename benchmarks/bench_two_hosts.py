@@ -1,7 +1,7 @@
 """The KV hand-off of disaggregated serving across two hosts (issue 32, item 4): hand-off time and bytes across the
 link between them.
 
-The two hosts are the two network namespaces of ``tests/_two_hosts.py`` (a veth pair, 10.213.0.1 and 10.213.0.2,
+The two hosts are the two network namespaces of ``tests/helpers/_two_hosts.py`` (a veth pair, 10.213.0.1 and 10.213.0.2,
 a Ray head node with resource ``qeffkv_prefill`` and a worker node with ``qeffkv_decode``; one CPU each). Inside the
 head's namespace this script runs again (``--inside``) as a Ray driver: the real
 :class:`qeff_kv.serve.cluster.disagg.PrefillWorker` (placed by ``qeffkv_prefill`` on the head) prefills a ``--prompt-len``
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
 
 
 def _tx_bytes(veth: str) -> int:

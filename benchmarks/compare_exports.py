@@ -1,8 +1,8 @@
 """Prove a refactor of the exporter leaves every exported graph unchanged.
 
-``export --out DIR``: export a matrix of tiny seeded models (every family of ``tests/families.py`` on the three
+``export --out DIR``: export a matrix of tiny seeded models (every family of ``tests/helpers/families.py`` on the three
 targets, plus continuous batching, a prefix, CCL, ring/full sliding caches, int4/int8 weights, float16, and the
-VLMs of ``tests/hf_models.py`` in both layouts) with whatever ``qeff_kv`` is on the path, ``verify=False``.
+VLMs of ``tests/helpers/hf_models.py`` in both layouts) with whatever ``qeff_kv`` is on the path, ``verify=False``.
 Each export goes to ``DIR/<case>/``; a refusal is recorded as ``DIR/<case>/REFUSED`` holding its message.
 
 ``compare BEFORE AFTER``: every ``.onnx`` file of each case compared exactly: nodes (op, domain, inputs,
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
 VLMS = ("make_llava_dir", "make_gemma3_vlm_dir", "make_qwen25vl_dir", "make_internvl_dir", "make_mistral3_dir")

@@ -16,9 +16,9 @@ For each graph, the same greedy script (the 40-token prompt in prefill chunks, t
 * ``c_plain``: a plain onnxruntime loop, every state input an ``OrtValue`` on the EP's device bound as the input and
   its retained output, the other inputs bound from host arrays before each run (the feeds ``a_cpu`` ran, with the
   loop's own greedy token in each decode step): what a state resident on the device would give;
-* ``f_script``: the conformance script of ``tests/_ep_script.py`` (short last chunk, decode, truncate, and on the
+* ``f_script``: the conformance script of ``tests/helpers/_ep_script.py`` (short last chunk, decode, truncate, and on the
   full-buffer graphs two lock-step rows or continuous-batching slots: copy, relocate) through
-  ``Session(device=...)`` and through the CPU: tokens equal, largest logit difference (``tests/test_ep_cuda.py``
+  ``Session(device=...)`` and through the CPU: tokens equal, largest logit difference (``tests/runtime/test_ep_cuda.py``
   without pytest).
 
 Round 1 (H100) also ran ``d_session_rebind`` (every input bound again by this harness): ``e`` is that, done by the
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # _ep_script (numpy only)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))   # _ep_script (numpy only)
 
 CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
 #: the prompt (40 tokens: chunks of 16 -> 16, 16, 8) and the greedy decode steps after it
@@ -130,7 +130,7 @@ def drive_session(path, providers: list[str] | None, *, rebind: bool = False, tr
 
 
 def conformance(path, device: str, rows: int | None) -> dict:
-    """``tests/_ep_script.py``'s script through ``Session(device=device)`` and through the CPU."""
+    """``tests/helpers/_ep_script.py``'s script through ``Session(device=device)`` and through the CPU."""
     from _ep_script import script
     from qeff_kv.runtime import Session
 

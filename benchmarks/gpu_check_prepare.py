@@ -1,5 +1,5 @@
 """Prepare the graphs of ``benchmarks/gpu_check.py`` on the CPU (issue 40's GPU half): tiny seeded random-weight
-decoders (the family matrix's configs, ``tests/families.py``, at a larger vocabulary and context so that 24 greedy
+decoders (the family matrix's configs, ``tests/helpers/families.py``, at a larger vocabulary and context so that 24 greedy
 steps after a 40-token prompt vary), each exported here, and the CPU reference: our runtime's greedy tokens and
 logits on onnxruntime's CPU EP (``reference.json``), which the GPU machine (it has no exporter of its own) compares
 with.
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_check  # noqa: E402  (the harness: its driver computes the reference)
@@ -87,7 +87,7 @@ def make_skeleton(case: str, out: Path, tmp: Path) -> None:
 
 
 def make_model(family: str, overrides: dict, root: Path) -> Path:
-    """The tiny seeded model of ``family`` (seed 0, ``tests/families.py``'s config with ``overrides``)."""
+    """The tiny seeded model of ``family`` (seed 0, ``tests/helpers/families.py``'s config with ``overrides``)."""
     import torch
     import transformers
     from families import FAMILIES

@@ -8,9 +8,10 @@ Two sets of retained-state graphs:
 * **peer graphs**, read from ../shared/fixtures/qeff-peer (or ``QEFF_KV_PEER_FIXTURES``): the tests that are
   about interoperating with the peer's exporter (QEfficient); they skip with a reason where that folder is
   absent. Its vision-language and CCL graphs, with their tiny models, are in ../shared/fixtures/qeff-peer-vlm (or
-  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir``, tests/test_peer_vlm.py); its MLA latent, speculative-target,
-  hybrid recurrent and sliding-window graphs in ../shared/fixtures/qeff-peer-2 (or ``QEFF_KV_PEER2_FIXTURES``;
-  fixture ``peer2_dir``, tests/test_peer_round2.py).
+  ``QEFF_KV_PEER_VLM_FIXTURES``; fixture ``peer_vlm_dir`` in tests/runtime/conftest.py,
+  tests/runtime/test_peer_vlm.py); its MLA latent, speculative-target, hybrid recurrent and sliding-window graphs
+  in ../shared/fixtures/qeff-peer-2 (or ``QEFF_KV_PEER2_FIXTURES``; fixture ``peer2_dir``,
+  tests/tools/test_peer_round2.py).
 
 ``graphs`` is parametrized over both (``own``, ``peer``): a test of our own behaviour written against it runs
 on our exports and on the peer's files of the same names, and compares with each set's own reference tokens.
@@ -18,71 +19,22 @@ Without the peer folder its ``peer`` variants are not collected (the header of t
 tests that already ran on our graphs, and would only swell the skip count. Tests about the peer's graphs
 themselves (``peer_dir``, ``peer_graph``, and the ``peer-*`` cases of ``any_graph``/``ALL_GRAPHS``) are always
 collected and skip with the reason.
+
+This file holds the fixtures that tests of several folders use (each session-scoped one made once per session);
+a fixture one folder uses alone is in that folder's conftest.py. Constants and markers (``requires_torch``,
+``PROMPT_A``, ``OWN_GRAPHS``...) are in tests/helpers/suite.py (``from suite import ...``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
 from functools import cached_property
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PEER_DIR = Path(os.environ.get("QEFF_KV_PEER_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer"))
-HAS_PEER = (PEER_DIR / "README.md").is_file()
-PEER_MISSING = f"peer fixtures not found at {PEER_DIR} (set QEFF_KV_PEER_FIXTURES to their folder)"
-#: The peer's vision-language and CCL graphs, with the tiny models they were made from (tests/test_peer_vlm.py).
-PEER_VLM_DIR = Path(os.environ.get("QEFF_KV_PEER_VLM_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer-vlm"))
-HAS_PEER_VLM = (PEER_VLM_DIR / "README.md").is_file()
-PEER_VLM_MISSING = (f"peer vision-language fixtures not found at {PEER_VLM_DIR} (set QEFF_KV_PEER_VLM_FIXTURES to "
-                    "their folder)")
-#: The peer's round-two graphs (MLA latent, speculative target, hybrid recurrent, sliding window) with their tiny
-#: models (tests/test_peer_round2.py).
-PEER2_DIR = Path(os.environ.get("QEFF_KV_PEER2_FIXTURES", REPO.parent / "shared" / "fixtures" / "qeff-peer-2"))
-HAS_PEER2 = (PEER2_DIR / "README.md").is_file()
-PEER2_MISSING = f"peer round-two fixtures not found at {PEER2_DIR} (set QEFF_KV_PEER2_FIXTURES to their folder)"
-PEER_GRAPHS = [
-    "qeff_llama_default.onnx",
-    "qeff_llama_vllm.onnx",
-    "qeff_llama_cb_default.onnx",
-    "qeff_llama_cb_vllm.onnx",
-    "qeff_llama_subfn_vllm.onnx",
-    "qeff_qwen2_vllm.onnx",
-]
-HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-
-requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra (torch, transformers)")
-
-#: Prompts of the peer's README (token ids below 256, the vocabulary of both tiny models).
-PROMPT_A = [5, 17, 42, 99, 130, 7, 201, 64]
-PROMPT_B = [250, 3, 88, 19, 160, 45, 12, 222]
-#: The peer's README reference tokens (greedy, 8 new tokens, from transformers on the peer's tiny models).
-PEER_LLAMA_A = [124, 176, 188, 78, 77, 163, 243, 166]
-PEER_LLAMA_B = [53, 42, 18, 53, 42, 18, 53, 42]
-PEER_QWEN2_A = [108, 48, 11, 28, 105, 147, 141, 48]
-
-#: Our own graphs: file name (the peer's name where the peer has such a graph) -> (model, export options).
-#: "bundled" is the bundled default (a tiny Llama, vocab 256); "qwen2" a tiny seeded Qwen2 of the same sizes.
-#: Every one is portable unless its options say otherwise, ctx_len 64, prefill 8.
-OWN_CTX_LEN, OWN_PREFILL = 64, 8
-OWN_GRAPHS: dict[str, tuple[str, dict]] = {
-    "qeff_llama_default.onnx": ("bundled", {}),
-    "qeff_llama_vllm.onnx": ("bundled", dict(kv_cache_prefix="VLLM")),
-    "qeff_llama_cb_default.onnx": ("bundled", dict(continuous_batching=True, full_batch_size=3)),
-    "qeff_llama_cb_vllm.onnx": ("bundled", dict(kv_cache_prefix="VLLM", continuous_batching=True,
-                                                 full_batch_size=3)),
-    "qeff_qwen2_vllm.onnx": ("qwen2", dict(kv_cache_prefix="VLLM")),
-    "own_llama_fused_vllm.onnx": ("bundled", dict(kv_cache_prefix="VLLM", target="onnxruntime-fused")),
-    "own_llama_ort_cb_vllm.onnx": ("bundled", dict(kv_cache_prefix="VLLM", target="onnxruntime",
-                                                   continuous_batching=True, full_batch_size=3)),
-}
-#: The own graphs that mirror a peer graph (same file name, same model sizes and KV contract).
-OWN_AS_PEER = [n for n in PEER_GRAPHS if n in OWN_GRAPHS]
-#: (set, file name) of every graph of the peer's kinds: ours first, then the peer's (skipped without them).
-ALL_GRAPHS = [("own", n) for n in OWN_AS_PEER] + [("peer", n) for n in PEER_GRAPHS]
+from suite import (HAS_PEER, HAS_PEER2, HAS_TORCH, OWN_CTX_LEN, OWN_GRAPHS, OWN_PREFILL, PEER2_DIR, PEER2_MISSING,
+                   PEER_DIR, PEER_LLAMA_A, PEER_LLAMA_B, PEER_MISSING, PEER_QWEN2_A, PROMPT_A, PROMPT_B)
 
 
 class OwnGraphs:
@@ -205,18 +157,6 @@ def peer2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def peer_vlm_dir() -> Path:
-    if not HAS_PEER_VLM:
-        pytest.skip(PEER_VLM_MISSING)
-    return PEER_VLM_DIR
-
-
-@pytest.fixture(params=PEER_GRAPHS)
-def peer_graph(request, peer_dir) -> Path:
-    return peer_dir / request.param
-
-
-@pytest.fixture(scope="session")
 def own_graphs(tmp_path_factory) -> OwnGraphs:
     if not HAS_TORCH:
         pytest.skip("making the test graphs needs the [export] extra (torch, transformers)")
@@ -234,20 +174,8 @@ def graphs(request):
     return request.getfixturevalue(f"{request.param}_graphs")
 
 
-@pytest.fixture(params=ALL_GRAPHS, ids=[f"{k}-{n}" for k, n in ALL_GRAPHS])
-def any_graph(request) -> Path:
-    """Each of our graphs that mirrors a peer graph (a bare .onnx of the same name), then each peer graph."""
-    kind, name = request.param
-    return request.getfixturevalue(f"{kind}_graphs") / name
-
-
-# Export folders (with manifest.json and tokenizer) as `qeff-kv export` writes them; ctx_len 64, prefill 8.
-@pytest.fixture(scope="session")
-def own_graph(own_graphs) -> Path:
-    """Portable, no prefix."""
-    return own_graphs.export("qeff_llama_default.onnx").out_dir
-
-
+# Export folders (with manifest.json and tokenizer) as `qeff-kv export` writes them; ctx_len 64, prefill 8
+# (``own_graph``, portable without a prefix, is used by the runtime tests alone: tests/runtime/conftest.py).
 @pytest.fixture(scope="session")
 def own_vllm_graph(own_graphs) -> Path:
     """Portable, prefix VLLM."""
@@ -266,9 +194,10 @@ def own_fused_graph(own_graphs) -> Path:
     return own_graphs.export("own_llama_fused_vllm.onnx").out_dir
 
 
-# ------------------------------------------------------------------ the family matrix (tests/families.py)
+# ------------------------------------------------------------------ the family matrix (tests/helpers/families.py)
 # Each tiny family model is built once per session and each (family, target) exported once, whichever test
-# file asks first: tests/test_families.py (the matrix) and the targeted family tests share them.
+# file asks first: tests/export/test_families.py (the matrix) and the targeted family tests share them
+# (``family_refs``, transformers' tokens for the matrix, is in tests/export/conftest.py).
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
     from families import make_family_dir
@@ -279,23 +208,6 @@ def family_models(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in cache:
             cache[name] = make_family_dir(name, root)
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def family_refs(family_models):
-    """transformers' greedy tokens for the matrix prompts."""
-    from families import FAMILIES, NEW, PROMPTS
-    from hf_models import hf_greedy, hf_greedy_whole
-
-    cache: dict = {}
-
-    def get(name: str) -> list[list[int]]:
-        if name not in cache:
-            greedy = hf_greedy_whole if FAMILIES[name].recurrent else hf_greedy
-            cache[name] = [greedy(family_models(name), p, NEW) for p in PROMPTS]
         return cache[name]
 
     return get
@@ -331,18 +243,3 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QEFF_KV_HOME", str(tmp_path_factory.getbasetemp() / "qeff_kv_home"))
 
 
-@pytest.fixture(scope="session")
-def llava_cb_export(tmp_path_factory) -> Path:
-    """The tiny seeded Llava of tests/hf_models.py with its working processor (one 32x32 image: 16 ``<image>``
-    tokens), exported once per session for continuous batching (2 slots; ctx_len 64, prefill 8): what a server
-    runs images on (tests/test_serve_images.py)."""
-    if not HAS_TORCH:
-        pytest.skip("making the tiny Llava needs the [export] extra (torch, transformers)")
-    from hf_models import add_llava_processor, make_llava_dir
-
-    from qeff_kv.export import export_model
-
-    model_dir = make_llava_dir(tmp_path_factory.mktemp("llava-cb-model"))
-    add_llava_processor(model_dir)
-    return export_model(model_dir, tmp_path_factory.mktemp("llava-cb") / "llava", ctx_len=64, prefill_seq_len=8,
-                        continuous_batching=True, full_batch_size=2).out_dir

@@ -26,7 +26,7 @@ exact for the graph's kind are accepted (CPU: every kind; CUDA: our targets), re
 
 Prefill runs in chunks of the graph's prefill length. Our own graphs run a short last chunk at its length (no
 padding: every index they meet stays in range and no scatter writes a slot twice, as the ONNX spec asks;
-``tests/test_ep_conformance.py``) unless the graph fixes ``seq_len``. The peer's graphs are right-padded with
+``tests/runtime/test_ep_conformance.py``) unless the graph fixes ``seq_len``. The peer's graphs are right-padded with
 ``position_ids = -1`` as its runner pads them: padding rows write slot ``ctx_len - 1`` of their own row (with the
 CPU-only patch :mod:`qeff_kv.graph.passes.ort_invalid_index`, applied for onnxruntime's CPU EP only), so a padded chunk
 never fills that slot (such a chunk runs unpadded). With ring buffers a chunk holds at most the smallest ring

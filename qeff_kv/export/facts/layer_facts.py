@@ -1,6 +1,6 @@
 """The attention layout of a decoder read from its config (no torch): sliding-window and chunked layers, the
 layers that apply RoPE and its kinds, latent (MLA) attention, logit scaling, and the model types whose attention
-code is special. Pure functions of the text config dict, each proved in ``tests/test_family_facts.py``; the facts of
+code is special. Pure functions of the text config dict, each proved in ``tests/export/test_family_facts.py``; the facts of
 :class:`.family.ModelFacts` are built from them.
 """
 

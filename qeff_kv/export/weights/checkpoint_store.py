@@ -10,7 +10,7 @@ buffer is freed with its tensor.
 time converted to the export dtype (:meth:`CheckpointStore.array`): a bf16 checkpoint is never copied whole, in
 float32 or otherwise. Every array handed out is counted while it is alive (:attr:`CheckpointStore.live`,
 :attr:`CheckpointStore.max_live`): the streaming exporter's bound on the tensors it holds at once is measured, not
-assumed (tests/test_export_stream.py).
+assumed (tests/export/test_export_stream.py).
 
 No torch at import time (torch reads bf16, which numpy cannot).
 """

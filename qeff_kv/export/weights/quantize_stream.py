@@ -2,7 +2,7 @@
 ``MatMulNBitsQuantizer`` over the whole graph, then the vocabulary tables), built on the float graph's
 memory-mapped external data without loading it, each packed weight computed when it is written.
 
-Equivalence with the whole-graph quantizer, node for node and byte for byte (tests/test_export_stream.py):
+Equivalence with the whole-graph quantizer, node for node and byte for byte (tests/export/test_export_stream.py):
 
 * nodes without a name get ``<op_type>_<index>`` first, as there;
 * each 2-D MatMul weight with ``K >= block_size`` (float32/float16, an initializer) becomes ``MatMulNBits`` named

@@ -12,7 +12,7 @@ CUDA EP on every graph, because onnxruntime copies a bound host input at bind ti
 What is proved today (each row has its test, named in :data:`PROVED`):
 
 * the CPU EP, every kind: the family matrix and the runtime's parity tests compare tokens with transformers;
-* the CUDA EP, the portable, onnxruntime and onnxruntime-fused targets: ``tests/test_ep_cuda.py`` (a GPU-only test:
+* the CUDA EP, the portable, onnxruntime and onnxruntime-fused targets: ``tests/runtime/test_ep_cuda.py`` (a GPU-only test:
   it skips in one line where onnxruntime has no CUDA EP) runs the conformance script (chunked prefill, decode,
   truncate, copy, relocate; lock-step rows and continuous batching) through ``Session(device="cuda")`` and
   through the CPU, on the full, ring, latent, recurrent, hybrid and CCL graphs of both targets and a fused graph:
@@ -47,14 +47,14 @@ KINDS = ("portable", "onnxruntime", "onnxruntime-fused", "peer", "vision")
 
 #: (EP, graph kind) -> the test that proves it exact
 PROVED: dict[tuple[str, str], str] = {
-    (CPU, "portable"): "tests/test_families.py (tokens equal to transformers)",
-    (CPU, "onnxruntime"): "tests/test_families.py (tokens equal to transformers)",
-    (CPU, "onnxruntime-fused"): "tests/test_fused_families.py (tokens equal to transformers)",
-    (CPU, "peer"): "tests/test_runtime_parity.py (the peer's reference tokens)",
-    (CPU, "vision"): "tests/test_vlm_runtime.py (tokens equal to transformers)",
-    (CUDA, "portable"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
-    (CUDA, "onnxruntime"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
-    (CUDA, "onnxruntime-fused"): "tests/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
+    (CPU, "portable"): "tests/export/test_families.py (tokens equal to transformers)",
+    (CPU, "onnxruntime"): "tests/export/test_families.py (tokens equal to transformers)",
+    (CPU, "onnxruntime-fused"): "tests/export/test_fused_families.py (tokens equal to transformers)",
+    (CPU, "peer"): "tests/runtime/test_runtime_parity.py (the peer's reference tokens)",
+    (CPU, "vision"): "tests/runtime/test_vlm_runtime.py (tokens equal to transformers)",
+    (CUDA, "portable"): "tests/runtime/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
+    (CUDA, "onnxruntime"): "tests/runtime/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
+    (CUDA, "onnxruntime-fused"): "tests/runtime/test_ep_cuda.py (GPU only: tokens equal to the CPU's)",
 }
 
 #: graph kind -> what is known of it on an EP other than the CPU's (why it is not proved there)

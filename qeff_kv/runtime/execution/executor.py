@@ -16,7 +16,7 @@ logits, which the session fills and reads without touching the state.
   the graph as written, unpatched, and *strict*: every index a ``Gather``/``GatherND``/``GatherElements``/
   ``ScatterND``/``ScatterElements`` node meets must be inside the spec's range, and a scatter without reduction
   must not repeat an index (the spec leaves both to each EP); every index feed (``position_ids``, ``batch_index``)
-  is checked too. It is slow: tiny graphs only, for the conformance proof (``tests/test_ep_conformance.py``).
+  is checked too. It is slow: tiny graphs only, for the conformance proof (``tests/runtime/test_ep_conformance.py``).
 
 Which execution provider is allowed at all is :mod:`.ep_proofs`'s; :func:`open_executor` asks it.
 """

@@ -1,6 +1,6 @@
 """vLLM's disaggregated prefill/decode protocol between separate ``qeff-kv serve`` processes (``--kv-role``).
 
-A proxy (vLLM's ``toy_proxy_server.py``, the vLLM router, Ray Serve's P/D, ``tests/pd_proxy.py``) sends a request
+A proxy (vLLM's ``toy_proxy_server.py``, the vLLM router, Ray Serve's P/D, ``tests/helpers/pd_proxy.py``) sends a request
 to a **producer** with ``max_tokens: 1``, ``stream: false`` and ``"kv_transfer_params": {"do_remote_decode": true,
 ...}``; the producer prefills, samples the first token, and its KV connector (:class:`~.kv_connector.RayHoldConnector`)
 holds the sequence's valid positions in Ray's object store; its answer carries a top-level ``kv_transfer_params``
