@@ -16,7 +16,7 @@ from qeff_kv.runtime.decoding import decode_loop, speculative, stopping
 from qeff_kv.serve.engine import active
 from test_runtime_ring import PROMPT, ring_graph
 
-PKG = Path(__file__).resolve().parents[1] / "qeff_kv"
+PKG = Path(__file__).resolve().parents[2] / "qeff_kv"
 #: where room and budget arithmetic against the context length may be written
 HOME = {"runtime/decoding/stopping.py"}
 #: names that say an expression is about a request's new tokens

@@ -24,7 +24,7 @@ from qeff_kv.serve.engine.forks import ChoiceGroups, Forks
 from qeff_kv.serve.engine.inbox import Inbox
 from qeff_kv.serve.engine.prefill_turns import PrefillTurns, Turn
 
-ENGINE = Path(__file__).resolve().parent.parent / "qeff_kv" / "serve" / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "qeff_kv" / "serve" / "engine"
 #: the engine's collaborators: every module of the engine but the scheduler itself, its interface and start-up
 COLLABORATORS = sorted(p for p in ENGINE.glob("*.py")
                        if p.name not in ("scheduler.py", "__init__.py", "session_from_config.py", "defaults.py"))

@@ -1,7 +1,7 @@
 """Issue 48: the serve options in sections that live with their wing. ``ServeConfig`` is the composition of the
 sections, built flat from the command line's options; an absent optional section is ``None`` (its options given
 anyway: one line at ``check``); the export is resolved once into a ``ServedModel`` handed down (the serve wing's room
-order is tests/test_architecture.py's)."""
+order is tests/house/test_architecture.py's)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Family quirks as facts read from a model's ``config.json``, in one place. No torch here.
 
 The exporter never asks ``model_type == ...``: it asks these facts. Each fact names the config fields it
-reads and is proved by a test in ``tests/test_family_facts.py`` (and, end to end, by the family matrix in
-``tests/test_families.py``). Where a target cannot express a model, :meth:`ModelFacts.refusal` says so from
+reads and is proved by a test in ``tests/export/test_family_facts.py`` (and, end to end, by the family matrix in
+``tests/export/test_families.py``). Where a target cannot express a model, :meth:`ModelFacts.refusal` says so from
 the config alone, before anything is loaded or traced. The facts never import the targets: what a target can do
 (ring buffers, GroupQueryAttention) comes with the options (``ExportOptions.target_info``, from the registry).
 """

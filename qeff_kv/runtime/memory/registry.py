@@ -7,8 +7,8 @@ images) registers no kind and is always built. :func:`build` makes one memory pe
 the hybrid asks them (``order``: the first memory's refusal is the one raised); before anything is allocated,
 :func:`require_memory` asks each class for its bytes (``need``). A new kind is then one module here (its class with
 ``@holds("kind", order=..., role=...)``, ``build`` and ``need``; the package imports every module of its folder)
-plus its builder in the conformance suite (``tests/test_memory_conformance.py``), which checks that every kind of
-the state spec has a memory; ``tests/test_memory_new_kind.py`` shows a toy kind added that way.
+plus its builder in the conformance suite (``tests/runtime/test_memory_conformance.py``), which checks that every kind of
+the state spec has a memory; ``tests/runtime/test_memory_new_kind.py`` shows a toy kind added that way.
 """
 
 from __future__ import annotations
