@@ -18,18 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import _kv_graphs as kg
+from cli_checks import cli, one_error, tree
 from suite import HAS_TORCH, requires_torch
 from qeff_kv import errors
 from qeff_kv.support import fsutil, limits
 from qeff_kv.graph import graphio
 from qeff_kv.tools.compile_config import custom_io_yaml
 from qeff_kv.errors import MemoryLimitError, QeffKvError, RuntimeInputError, StateFileError
-from qeff_kv_cli.main import main
 
 QEFF_KV = Path(sys.executable).with_name("qeff-kv")
 TOO_BIG = "99999999999999999999999"  # beyond 64 bits
@@ -37,32 +36,6 @@ HUGE_CTX = "2000000000"  # fits the option's range, not any machine's memory for
 
 
 # ================================================================================================ helpers
-def cli(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-def one_error(res, *needles, code: int = 2) -> str:
-    """Exit ``code``, exactly one stderr line ``error: ...`` naming every needle, no traceback."""
-    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    assert "Traceback" not in res.output
-    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit)
-    return lines[0]
-
-
-def tree(folder: Path) -> dict[str, tuple]:
-    """Every entry under ``folder`` with its kind, size and mtime: to assert nothing was written."""
-    out = {}
-    for p in sorted(folder.rglob("*")):
-        st_ = p.lstat()
-        out[str(p.relative_to(folder))] = (stat.S_IFMT(st_.st_mode), st_.st_size, st_.st_mtime_ns)
-    return out
-
-
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory) -> Path:
     """A small retained-state graph (no torch needed) for rewrite/check/buffers/compile-config."""

@@ -15,7 +15,7 @@ from qeff_kv.support import validate
 from qeff_kv.contract.ccl import parse_ccl
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime.generate_job import parse_ids
-from test_bad_inputs import cli, one_error, tree
+from cli_checks import cli, one_error, tree
 
 #: digits of other scripts (Arabic-Indic, Devanagari, fullwidth...): int() reads them, qeff-kv does not
 _NON_ASCII_DIGITS = st.text(alphabet=st.characters(categories=["Nd"]), min_size=1, max_size=6).filter(

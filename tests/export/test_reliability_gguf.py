@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from qeff_kv.export.weights import gguf_header
 from qeff_kv.errors import ExportError
 from qeff_kv.export.sources import resolve_source
-from test_bad_inputs import cli, one_error, tree
+from cli_checks import cli, one_error, tree
 
 
 def _gguf() -> Path | None:

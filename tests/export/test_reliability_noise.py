@@ -18,8 +18,8 @@ from suite import requires_torch
 from qeff_kv.support import capture
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session
-from test_bad_inputs import cli, one_error, tree
-from test_runtime_ring import ring_graph
+from cli_checks import cli, one_error, tree
+from ring_graphs import ring_graph
 
 QEFF_KV = Path(sys.executable).with_name("qeff-kv")
 

@@ -16,8 +16,8 @@ from suite import requires_torch
 from qeff_kv.tools.compile_config import specializations
 from qeff_kv.errors import ExportError, RuntimeInputError
 from qeff_kv.runtime import Session
-from test_bad_inputs import cli, one_error, tree
-from test_runtime_ring import ring_graph
+from cli_checks import cli, one_error, tree
+from ring_graphs import ring_graph
 
 _QUICK = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -15,8 +15,8 @@ from qeff_kv.support import validate
 from qeff_kv.export import export_model
 from qeff_kv.runtime import Session, VisionLanguageModel
 from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
-from test_bad_inputs import tree
-from test_runtime_ring import PROMPT, ring_graph
+from cli_checks import tree
+from ring_graphs import PROMPT, ring_graph
 
 OK = dict(ctx_len=64, prefill_seq_len=8)
 

@@ -19,7 +19,7 @@ from qeff_kv.runtime.memory.hybrid import Sequence
 from qeff_kv.runtime.graph_description import GraphDescription, Requested
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.memory.recurrent import CheckpointPolicy
-from test_runtime_ring import ring_graph
+from ring_graphs import ring_graph
 
 
 def describe(model, **asked) -> GraphDescription:

@@ -393,7 +393,7 @@ def test_a_sessions_hand_off_is_what_its_memories_say(graph, tmp_path):
     session's cache is this hybrid; a transfer moves exactly the memories' valid bytes, cut as their specs say, and
     the decode side's rows equal the prefill side's."""
     import _recurrent_graph as rg
-    from test_runtime_ring import PROMPT, ring_graph
+    from ring_graphs import PROMPT, ring_graph
 
     from qeff_kv.runtime import Session
     from qeff_kv.serve.cluster import transfer

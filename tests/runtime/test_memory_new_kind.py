@@ -12,7 +12,7 @@ from qeff_kv.runtime import Session
 from qeff_kv.runtime.memory import registry
 from qeff_kv.runtime.memory.hybrid import HybridMemory
 from qeff_kv.runtime.memory.positional import PositionalMemory
-from test_runtime_ring import PROMPT, ring_graph
+from ring_graphs import PROMPT, ring_graph
 
 TOY = [conformance._pair("toy_key", 0, (1, "ctx_len", 2)), conformance._pair("toy_value", 0, (1, "ctx_len", 2))]
 

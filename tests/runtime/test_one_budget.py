@@ -14,7 +14,7 @@ import pytest
 from qeff_kv.runtime import Session
 from qeff_kv.runtime.decoding import decode_loop, speculative, stopping
 from qeff_kv.serve.engine import active
-from test_runtime_ring import PROMPT, ring_graph
+from ring_graphs import PROMPT, ring_graph
 
 PKG = Path(__file__).resolve().parents[2] / "qeff_kv"
 #: where room and budget arithmetic against the context length may be written

@@ -159,7 +159,7 @@ def test_a_recurrent_sequence_is_reused_only_to_a_checkpoint(tmp_path):
 
 
 def test_ring_refusals_fall_back_to_a_whole_prefill(tmp_path):
-    from test_runtime_ring import PROMPT, ring_graph
+    from ring_graphs import PROMPT, ring_graph
 
     sess = Session(ring_graph(tmp_path, cb=True), ctx_len=32, max_sequences=2)
     cache = PrefixCache(sess)

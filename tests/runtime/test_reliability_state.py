@@ -12,7 +12,7 @@ from safetensors.numpy import save
 from qeff_kv.errors import StateFileError
 from qeff_kv.runtime import Session, export_state, import_state
 from qeff_kv.runtime.memory.state_file import _checksum
-from test_runtime_ring import PROMPT, ring_graph
+from ring_graphs import PROMPT, ring_graph
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def test_ordinary_templates_render_as_before():
 
 
 def test_cli_generate_chat_with_a_looping_template_is_one_line(tmp_path, monkeypatch):
-    from test_bad_inputs import cli, one_error, tree
+    from cli_checks import cli, one_error, tree
     from test_chat_template import _folder
 
     monkeypatch.setattr(template_budget, "TIME_BUDGET_S", 0.3)

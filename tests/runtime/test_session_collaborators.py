@@ -13,7 +13,7 @@ from qeff_kv.runtime.memory import state_file
 from qeff_kv.runtime.memory.hybrid import HybridMemory
 from qeff_kv.runtime.decoding.decode_loop import GenerationLoop
 from qeff_kv.runtime.execution.binding import GraphBinding
-from test_runtime_ring import PROMPT, ring_graph
+from ring_graphs import PROMPT, ring_graph
 
 #: the session's public methods each collaborator answers
 DELEGATED = {
