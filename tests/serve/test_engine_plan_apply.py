@@ -235,6 +235,23 @@ def test_a_turn_returns_the_prompts_it_completed_oldest_first():
     assert a.generated == 0 and a.seq.pending is None              # nothing applied
 
 
+def test_each_chunks_outcome_is_yielded_before_the_next_chunk_is_fed():
+    """A prompt completed early in a turn reaches the scheduler before the turn's next prompt is fed (its first
+    token is not held back by the rest of the turn); a request enqueued meanwhile is fed while the budget lasts."""
+    session = FakeSession(prefill_seq_len=4)
+    turns = PrefillTurns(session, prefill_chunk=8)
+    a, b, c = active(0, prompt=(1, 2, 3)), active(1, prompt=(4, 5)), active(2, prompt=(6,))
+    turns.enqueue(a)
+    turns.enqueue(b)
+    feeds = turns.feeds(running=False)
+    first = next(feeds)
+    assert [x for x, _ in first.done] == [a] and first.runs == 1 and len(session.fed) == 1
+    turns.enqueue(c)                                   # e.g. a choice sent back to prefill by a's fork
+    rest = list(feeds)
+    assert [[x for x, _ in part.done] for part in rest] == [[b], [c]] and len(session.fed) == 3
+    assert turns.queue == []
+
+
 def test_a_turn_cuts_a_long_prompt_at_whole_prefill_lengths():
     session = FakeSession(prefill_seq_len=4)
     turns = PrefillTurns(session, prefill_chunk=6)

@@ -8,14 +8,16 @@ call, its images bound for all of it (as ``generate`` feeds it).
 
 :class:`PrefillTurns` is one object per :class:`~.scheduler.Scheduler` and holds no scheduler: it holds the session
 it feeds, the requests still prefilling (:attr:`~PrefillTurns.queue`, oldest first), the turn's size and the moving
-averages ``auto`` reads. :meth:`PrefillTurns.turn` feeds and returns what happened (:class:`Turn`: the prompts
-completed this turn with their logits, the requests whose prefill failed, the prompt logprobs to emit, the graph
-runs); the scheduler applies it.
+averages ``auto`` reads. :meth:`PrefillTurns.feeds` feeds a turn chunk by chunk and yields what each chunk did (:class:`Turn`:
+the prompts completed with their logits, the requests whose prefill failed, the prompt logprobs to emit, the graph
+runs); the scheduler applies each outcome as it comes, before the next chunk is fed (a prompt's first token is not
+held back by the rest of the turn).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,19 +86,32 @@ class PrefillTurns:
         n = int(AUTO_SHARE * self.decode_s / self.prefill_tok_s)
         return max(1, min(self.session.prefill_seq_len, n))
 
-    def turn(self, running: bool) -> Turn:
-        """Feed one turn's prompt tokens: to the oldest prefilling request, what is left to the next ones
-        (``running``: sequences are decoding, what ``auto`` sizes the turn by)."""
-        out = Turn()
+    def feeds(self, running: bool) -> Iterator[Turn]:
+        """Feed one turn's prompt tokens, chunk by chunk: to the oldest prefilling request, what is left to the next
+        ones (``running``: sequences are decoding, what ``auto`` sizes the turn by). Each chunk's outcome (a
+        :class:`Turn` of that chunk alone) is yielded before the next chunk is fed, so the scheduler applies a
+        completed prompt (its first token) at once, not after the rest of the turn; the queue is read again after
+        each yield, so a request the scheduler enqueues meanwhile is fed in this turn while its budget lasts."""
         left, fed = self.chunk_size(running), 0
         while left > 0 and self.queue:
             a = self.queue[0]
             # a prompt with images: all of it in one call (its images are bound for the whole prompt)
             n = len(a.todo) if a.req.images is not None else self._share(len(a.todo), left, fed)
             if n == 0:
-                break
+                return
+            out = Turn()
             self._feed(a, n, out)
             left, fed = left - n, fed + n
+            yield out
+
+    def turn(self, running: bool) -> Turn:
+        """The whole of one turn (:meth:`feeds`) at once: every chunk's outcome in one :class:`Turn`."""
+        out = Turn()
+        for part in self.feeds(running):
+            out.done += part.done
+            out.failed += part.failed
+            out.scored += part.scored
+            out.runs += part.runs
         return out
 
     def _share(self, todo: int, left: int, fed: int) -> int:

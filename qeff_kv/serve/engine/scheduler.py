@@ -26,8 +26,8 @@ Plan, then apply (vLLM v1's way): the collaborators hold no scheduler; each is a
 state whose methods take their inputs and return outcomes, and the scheduler alone applies them (emit, stop,
 finish, enqueue), so a request's lifecycle reads in this file: :attr:`Scheduler.inbox` (:class:`~.inbox.Inbox`: the
 waiting groups, control actions, counters and slot table shared with the submitting threads),
-:attr:`Scheduler.turns` (:class:`~.prefill_turns.PrefillTurns`: the requests still prefilling; a turn returns the
-prompts it completed), :attr:`Scheduler.choices` (:class:`~.forks.ChoiceGroups`: ``n``'s parked choices; their fork
+:attr:`Scheduler.turns` (:class:`~.prefill_turns.PrefillTurns`: the requests still prefilling; a turn yields each
+chunk's outcome, the prompts it completed, applied before the next chunk is fed), :attr:`Scheduler.choices` (:class:`~.forks.ChoiceGroups`: ``n``'s parked choices; their fork
 returns :class:`~.forks.Forks`) and :func:`~.decode_step.decode` (per row a token, a run or an error). A request's
 record is an :class:`~.active.Active`, its budget decided once when it is admitted; every token goes through one
 stop rule (:func:`~qeff_kv.runtime.decoding.stopping.check_stop`, in :meth:`Scheduler._emit`).
@@ -208,16 +208,16 @@ class Scheduler(Engine):
         self.inbox.apply_control(lambda what: _control(self, what))
         self._admit()
         if self.turns.queue:
-            turn = self.turns.turn(bool(self.running))
-            self.inbox.count("prefill_chunks", turn.runs)
-            for a, event in turn.scored:
-                a.handle.emit(event)
-            for a, error in turn.failed:
-                self._finish(a, "error", error, keep=False)
-            for a, logits in turn.done:
-                if a.req.images is None:
-                    self.prefix_cache.held(a.seq)
-                self._prompt_done(a, logits)
+            for fed in self.turns.feeds(bool(self.running)):   # each chunk's outcome applied before the next
+                self.inbox.count("prefill_chunks", fed.runs)
+                for a, event in fed.scored:
+                    a.handle.emit(event)
+                for a, error in fed.failed:
+                    self._finish(a, "error", error, keep=False)
+                for a, logits in fed.done:
+                    if a.req.images is None:
+                        self.prefix_cache.held(a.seq)
+                    self._prompt_done(a, logits)
         if self.running:
             self._decode()
 
