@@ -1,7 +1,7 @@
 """Images over HTTP for vision-language exports: a chat request's ``image_url`` parts turned into the prompt and the
 image inputs that ``qeff-kv generate EXPORT --image FILE --prompt TEXT --chat [--system S]`` makes from the same
 files and text (the export's own processor, :func:`~qeff_kv.runtime.multimodal.processor.image_prompt`, then the vision stage,
-:meth:`~qeff_kv.runtime.multimodal.vision.VisionLanguageModel.images`), so the served tokens are that command's.
+:meth:`~qeff_kv.runtime.vision_language.VisionLanguageModel.images`), so the served tokens are that command's.
 
 * **URLs**: ``data:image/...;base64,...`` always; ``file://`` URLs only under the folder the server was started
   with (``--allowed-local-media-path DIR``, vLLM's option; resolved, links included, and refused outside it);
