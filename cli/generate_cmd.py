@@ -8,6 +8,7 @@ sampling, :data:`qeff_kv.runtime.decoding.sampling.FIELDS`), fill one request; c
 from __future__ import annotations
 
 import json
+import warnings
 
 import click
 from click.core import ParameterSource
@@ -23,8 +24,7 @@ def _deprecated_max_new_tokens(ctx: click.Context, param, value):
     ``max_tokens``; both given is refused."""
     if value is None:
         return
-    # a one-line notice on stderr (a DeprecationWarning is not shown outside __main__ by default)
-    click.echo("warning: --max-new-tokens is deprecated: use --max-tokens (the same count)", err=True)
+    warnings.warn("--max-new-tokens is deprecated: use --max-tokens (the same count)", DeprecationWarning)
     if ctx.get_parameter_source("max_tokens") == ParameterSource.COMMANDLINE:
         raise click.BadParameter("give --max-tokens or its deprecated alias --max-new-tokens, not both")
     ctx.meta["max_new_tokens"] = value
