@@ -16,6 +16,9 @@ from qeff_kv.contract import naming, statespec
 from qeff_kv.errors import ContractError
 
 Dim = int | str | None
+#: the one line every tool says of a graph whose KV buffers it cannot name
+NO_KV = ("graph has no KV buffers (no input or output named like past_key.<i>, past_key_values.<i>.key or "
+         "key_cache.<i>, and no inference_metadata.yaml or genai_config.json beside it that names them)")
 
 # ONNX TensorProto element types -> numpy dtype names (the subset that occurs in decoder graphs).
 _ONNX_TO_NAME = {
@@ -69,6 +72,9 @@ class KVPair:
     #: recurrent state (no position axis), from its shapes and its layer's, not its stem alone
     #: (:func:`qeff_kv.contract.statespec.recurrent_buffers`)
     recurrent: bool = False
+    #: the dialect its names are spelled in (:data:`qeff_kv.contract.naming.DIALECTS`); ``None``: names that only a
+    #: metadata sidecar beside the graph declares
+    dialect: str | None = naming.RETAINED_STATE
 
     @property
     def input_name(self) -> str:
@@ -79,16 +85,35 @@ class KVPair:
         return self.output.name
 
     @property
+    def packed(self) -> bool:
+        """A static cache's rank-3 ``[batch, capacity, heads*head_dim]`` buffer (positions on axis 1): the same
+        memory as ``[batch, 1, capacity, heads*head_dim]``, which is how everything else sees it
+        (:meth:`view_shape`)."""
+        return self.input.shape is not None and len(self.input.shape) == 3 and self.dialect == naming.STATIC_CACHE
+
+    @property
+    def seq_axis(self) -> int:
+        """The graph's positions axis of this buffer: 1 for a :attr:`packed` static cache, else 2."""
+        return 1 if self.packed else 2
+
+    def view_shape(self, shape: tuple[Dim, ...] | None) -> tuple[Dim, ...] | None:
+        """``shape`` (the input's or the output's) as ``[batch, heads, positions, head_dim]``: a packed buffer gets a
+        head axis of 1; any other shape is as the graph writes it."""
+        if self.packed and shape is not None and len(shape) == 3:
+            return (shape[0], 1, shape[1], shape[2])
+        return shape
+
+    @property
     def axis2(self) -> Dim:
-        """Axis 2 of the KV input (the positions axis of attention KV buffers), ``None`` if unknown."""
-        shape = self.input.shape
+        """The positions axis of the KV input (axis 2; axis 1 of a packed static cache), ``None`` if unknown."""
+        shape = self.view_shape(self.input.shape)
         return shape[2] if shape is not None and len(shape) > 2 else None
 
     @property
     def is_sliding(self) -> bool:
-        """A sliding-window ring buffer: axis 2 of its input or retained output is named ``sliding_window``."""
-        return any(t.shape is not None and len(t.shape) > 2 and t.shape[2] == naming.SLIDING_DIM
-                   for t in (self.input, self.output))
+        """A sliding-window ring buffer: the positions axis of its input or output is named ``sliding_window``."""
+        return any(t is not None and len(t) > 2 and t[2] == naming.SLIDING_DIM
+                   for t in (self.view_shape(self.input.shape), self.view_shape(self.output.shape)))
 
     def capacity(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:
         """Positions this buffer holds per sequence (its axis 2): ``ctx_len`` for an axis named like the context
@@ -169,38 +194,73 @@ class KVLayout:
     made_up: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: why the buffers' kinds cannot be told from their shapes (:func:`qeff_kv.contract.statespec.recurrent_buffers`), or None
     kind_problem: str | None = None
+    #: ports a sidecar declares that the graph does not have
+    declared_missing: list[str] = field(default_factory=list)
+    #: where the pairs came from: ``names`` (a dialect's names, :mod:`qeff_kv.contract.naming`), or the sidecar file
+    #: that declared them (``inference_metadata.yaml``, ``genai_config.json``)
+    source: str = "names"
+    #: the dialects the KV names are spelled in, in order of first appearance (more than one: ``check`` fails it)
+    dialects: list[str] = field(default_factory=list)
 
     # ----------------------------------------------------------------------------------------- build
     @classmethod
     def from_io(cls, inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo],
-                metadata: dict[str, str] | None = None) -> "KVLayout":
+                metadata: dict[str, str] | None = None, *, declared: Sequence[tuple[str, str, str, int]] | None = None,
+                source: str | None = None) -> "KVLayout":
+        """The layout of a graph with ``inputs`` and ``outputs``. Its KV pairs come from the names of any dialect;
+        a graph whose names are no dialect's takes ``declared`` pairs ``(input, output, stem, layer)`` that a
+        metadata sidecar ``source`` names (a declared port the graph lacks is left unpaired)."""
         lay = cls(list(inputs), list(outputs), metadata=dict(metadata or {}))
-        in_by_name = {t.name: t for t in inputs}
         out_by_name = {t.name: t for t in outputs}
         paired_outputs: set[str] = set()
         for t in inputs:
-            parsed = naming.parse_kv_name(t.name)
+            parsed = naming.parse_any_kv_name(t.name)
             if parsed is None or parsed.retained:
                 continue
-            out_name = naming.retained_name(t.name)
-            out = out_by_name.get(out_name)
+            if parsed.dialect not in lay.dialects:
+                lay.dialects.append(parsed.dialect)
+            out = out_by_name.get(parsed.output)
             if out is None:
                 lay.unpaired_inputs.append(t.name)
                 continue
-            paired_outputs.add(out_name)
-            lay.pairs.append(KVPair(parsed.stem, parsed.layer, parsed.prefix, t, out))
+            paired_outputs.add(parsed.output)
+            lay.pairs.append(KVPair(parsed.stem, parsed.layer, parsed.prefix, t, out, dialect=parsed.dialect))
         for t in outputs:
-            parsed = naming.parse_kv_name(t.name)
+            parsed = naming.parse_any_kv_name(t.name)
             if parsed is not None and parsed.retained and t.name not in paired_outputs:
                 lay.unpaired_outputs.append(t.name)
+                if parsed.dialect not in lay.dialects:
+                    lay.dialects.append(parsed.dialect)
+        if not lay.kv_names and declared:
+            lay._declare(declared, source or "sidecar")
         try:   # what each buffer is, from shapes and axes (a refusal is kept: check reports it, require_valid raises)
             rec = statespec.recurrent_buffers(lay.state_pairs)
         except ContractError as exc:
             rec, lay.kind_problem = set(), str(exc)
         lay.pairs = [dataclasses.replace(p, recurrent=(p.stem, p.layer) in rec) for p in lay.pairs]
-        # Non-KV retained buffers, by the contract's list (never by a "past_" prefix).
+        lay._non_kv(inputs, out_by_name)
+        return lay
+
+    def _declare(self, declared: Sequence[tuple[str, str, str, int]], source: str) -> None:
+        """The pairs a sidecar declares, on names no dialect spells."""
+        self.source = source
+        in_by_name = {t.name: t for t in self.inputs}
+        out_by_name = {t.name: t for t in self.outputs}
+        for inp, out, stem, layer in declared:
+            if inp in in_by_name and out in out_by_name:
+                self.pairs.append(KVPair(stem, int(layer), None, in_by_name[inp], out_by_name[out], dialect=None))
+                continue
+            self.declared_missing.extend(n for n, have in ((inp, in_by_name), (out, out_by_name)) if n not in have)
+            if inp in in_by_name:
+                self.unpaired_inputs.append(inp)
+            if out in out_by_name:
+                self.unpaired_outputs.append(out)
+
+    def _non_kv(self, inputs: Sequence[TensorInfo], out_by_name: dict[str, TensorInfo]) -> None:
+        """Non-KV retained buffers, by the contract's list (never by a "past_" prefix)."""
+        in_by_name = {t.name: t for t in inputs}
         seen: set[str] = set()
-        for t in list(inputs) + list(outputs):
+        for t in list(inputs) + list(out_by_name.values()):
             base = naming.non_kv_retained_base(t.name)
             if base is None or base in seen:
                 continue
@@ -209,8 +269,7 @@ class KVLayout:
             for cand in (naming.retained_name(base), naming.NON_KV_OUTPUT_ALIASES.get(base)):
                 if cand is not None and cand in out_by_name:
                     out_name = cand
-            lay.non_kv_retained.append((base if base in in_by_name else None, out_name))  # type: ignore[arg-type]
-        return lay
+            self.non_kv_retained.append((base if base in in_by_name else None, out_name))  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -218,7 +277,7 @@ class KVLayout:
         """Distinct prefixes among KV buffers (inputs and outputs), in order of first appearance."""
         out: list[str | None] = []
         for t in self.inputs + self.outputs:
-            parsed = naming.parse_kv_name(t.name)
+            parsed = naming.parse_any_kv_name(t.name)
             if parsed is not None and parsed.prefix not in out:
                 out.append(parsed.prefix)
         return out
@@ -233,8 +292,49 @@ class KVLayout:
 
     @property
     def kv_names(self) -> list[str]:
-        """Every KV input and output name (paired or not), inputs first, in graph order."""
-        return [t.name for t in self.inputs + self.outputs if naming.parse_kv_name(t.name) is not None]
+        """Every KV input and output name (paired or not; any dialect's, or a sidecar's), inputs first, in graph
+        order."""
+        declared = set(self.unpaired_inputs + self.unpaired_outputs) | {
+            n for p in self.pairs for n in (p.input_name, p.output_name)} if self.source != "names" else set()
+        return [t.name for t in self.inputs + self.outputs
+                if t.name in declared or naming.parse_any_kv_name(t.name) is not None]
+
+    @property
+    def dialect(self) -> str | None:
+        """The dialect the KV names are spelled in (the first, when mixed: ``check`` fails that); ``None`` without
+        KV buffers, or for names only a sidecar declares."""
+        return self.dialects[0] if self.dialects else None
+
+    @property
+    def grows(self) -> bool:
+        """A past/present graph whose outputs grow by concatenation (``present`` has more positions than ``past``:
+        not retained state); a shared-buffer one keeps the same positions axis."""
+        return any(p.dialect == naming.PAST_PRESENT and p.input.shape is not None and p.output.shape is not None
+                   and len(p.input.shape) > 2 and len(p.output.shape) > 2 and p.input.shape[2] != p.output.shape[2]
+                   for p in self.pairs)
+
+    @property
+    def update(self) -> str | None:
+        """How the graph updates its cache: ``in-place`` (retained state), ``shared-buffer`` (past/present on one
+        fixed buffer), ``grows`` (past/present by concatenation), ``indexed-scatter`` (a static cache written by
+        ``TensorScatter``), ``declared`` (a sidecar's ports); ``None`` without KV buffers."""
+        if not self.pairs:
+            return None
+        if self.dialect is None:
+            return "declared"
+        if self.dialect == naming.PAST_PRESENT:
+            return "grows" if self.grows else "shared-buffer"
+        return "indexed-scatter" if self.dialect == naming.STATIC_CACHE else "in-place"
+
+    def output_for(self, input_name: str) -> str | None:
+        """The output a KV input pairs with, by its dialect's rule (``None``: not a KV input name)."""
+        parsed = naming.parse_any_kv_name(input_name)
+        return None if parsed is None or parsed.retained else parsed.output
+
+    def input_for(self, output_name: str) -> str | None:
+        """The input a KV output pairs with, by its dialect's rule (``None``: not a KV output name)."""
+        parsed = naming.parse_any_kv_name(output_name)
+        return None if parsed is None or not parsed.retained else parsed.base
 
     @property
     def io_names(self) -> list[str]:
@@ -261,7 +361,7 @@ class KVLayout:
     @property
     def state_pairs(self) -> list[tuple]:
         """``(stem, layer, input shape, output shape)`` of every KV pair: what :mod:`qeff_kv.contract.statespec` reads."""
-        return [(p.stem, p.layer, p.input.shape, p.output.shape) for p in self.pairs]
+        return [(p.stem, p.layer, p.view_shape(p.input.shape), p.view_shape(p.output.shape)) for p in self.pairs]
 
     @property
     def has_sliding(self) -> bool:
@@ -322,13 +422,17 @@ class KVLayout:
     def require_valid(self) -> "KVLayout":
         """Raise :class:`ContractError` unless the graph has KV buffers, all paired, with one prefix."""
         if not self.kv_names:
-            raise ContractError("graph has no KV buffers (no input or output named like past_key.<i>)")
+            raise ContractError(NO_KV)
+        if len(self.dialects) > 1:
+            raise ContractError(f"KV buffers mix dialects ({', '.join(self.dialects)}); one graph speaks one")
+        if self.declared_missing:
+            raise ContractError(f"{self.source} names port {self.declared_missing[0]!r}, which the graph does not have")
         if self.unpaired_inputs:
             n = self.unpaired_inputs[0]
-            raise ContractError(f"KV input {n!r} has no output {naming.retained_name(n)!r}")
+            raise ContractError(f"KV input {n!r} has no output {self.output_for(n)!r}")
         if self.unpaired_outputs:
             n = self.unpaired_outputs[0]
-            raise ContractError(f"KV output {n!r} has no input {naming.retained_source(n)!r}")
+            raise ContractError(f"KV output {n!r} has no input {self.input_for(n)!r}")
         _ = self.prefix
         if self.kind_problem is not None:
             raise ContractError(self.kind_problem)

@@ -11,6 +11,13 @@ Facts (see ``docs/naming.md``, the single reference):
 * Retained buffers that are not KV (``vision_embeds``...) are never prefixed.
 * A prefix is 1-64 ASCII characters from ``[A-Za-z0-9]``; serving regexes select on it.
 
+Other KV dialects (``docs/naming.md`` "Dialects"), spelled here too and read into the same :class:`KVName`:
+
+* **past/present** (onnxruntime-genai, optimum, mobius-onnx's default build): ``past_key_values.<i>.key`` ->
+  ``present.<i>.key`` (and ``.value``); with a prefix ``P``: ``past_key_values.<i>.key_P`` -> ``present.<i>.key_P``.
+* **static cache** (mobius-onnx ``--static-cache``): ``key_cache.<i>`` -> ``updated_key_cache.<i>`` (and
+  ``value_cache``); with a prefix: ``key_cache.<i>_P`` -> ``updated_key_cache.<i>_P``.
+
 Nothing outside this module writes ``_RetainedState`` or parses a buffer name.
 """
 
@@ -171,21 +178,34 @@ class KVName:
     stem: str
     layer: int
     prefix: str | None = None
+    #: the output of the pair (``_RetainedState``, ``present.``, ``updated_``), not its input
     retained: bool = False
+    #: the dialect that spells it (:data:`DIALECTS`)
+    dialect: str = "retained-state"
 
     @property
     def base(self) -> str:
         """The input name of this buffer's pair."""
-        return kv_input_name(self.stem, self.layer, self.prefix)
+        return dialect_name(self.dialect, self.stem, self.layer, self.prefix)
 
     @property
     def name(self) -> str:
-        return retained_name(self.base) if self.retained else self.base
+        return dialect_name(self.dialect, self.stem, self.layer, self.prefix, output=self.retained)
+
+    @property
+    def output(self) -> str:
+        """The output name of this buffer's pair."""
+        return dialect_name(self.dialect, self.stem, self.layer, self.prefix, output=True)
 
     def with_prefix(self, prefix: str | None) -> "KVName":
         if prefix is not None:
             validate_prefix(prefix)
-        return KVName(self.stem, self.layer, prefix, self.retained)
+        return KVName(self.stem, self.layer, prefix, self.retained, self.dialect)
+
+    def in_dialect(self, dialect: str) -> "KVName":
+        """The same buffer spelled in ``dialect`` (a stem the dialect has no name for raises ``ValueError``)."""
+        dialect_name(dialect, self.stem, self.layer, self.prefix)
+        return KVName(self.stem, self.layer, self.prefix, self.retained, dialect)
 
     def __str__(self) -> str:  # pragma: no cover - convenience
         return self.name
@@ -256,22 +276,107 @@ def non_kv_retained_base(name: str) -> str | None:
 
 
 def rename_kv(name: str, prefix: str | None) -> str:
-    """The same KV buffer name with ``prefix`` (``None`` strips it). Raises ``ValueError`` if not KV."""
-    parsed = parse_kv_name(name)
+    """The same KV buffer name (any dialect) with ``prefix`` (``None`` strips it). Raises ``ValueError`` if not KV."""
+    parsed = parse_any_kv_name(name)
     if parsed is None:
         raise ValueError(f"{name!r} is not a KV buffer name")
     return parsed.with_prefix(prefix).name
 
 
+# --------------------------------------------------------------------------------------------- dialects
+#: The KV dialects (``docs/naming.md`` "Dialects"): QEfficient's retained state (ours), past/present
+#: (onnxruntime-genai, optimum, mobius-onnx's default) and the static cache (mobius-onnx ``--static-cache``).
+RETAINED_STATE = "retained-state"
+PAST_PRESENT = "past-present"
+STATIC_CACHE = "static-cache"
+DIALECTS: tuple[str, ...] = (RETAINED_STATE, PAST_PRESENT, STATIC_CACHE)
+#: the stems each dialect has names for (past/present and the static cache: key and value only)
+DIALECT_STEMS: dict[str, tuple[str, ...]] = {
+    RETAINED_STATE: KV_STEMS, PAST_PRESENT: EXPORT_STEMS, STATIC_CACHE: EXPORT_STEMS}
+#: a key or value stem's role word in the other dialects (``past_key_values.3.key``, ``key_cache.3``)
+ROLE_OF_STEM: dict[str, str] = {"past_key": "key", "past_value": "value"}
+STEM_OF_ROLE: dict[str, str] = {v: k for k, v in ROLE_OF_STEM.items()}
+#: past/present: ``past_key_values.<i>.<role>`` -> ``present.<i>.<role>``
+PAST_KEY_VALUES = "past_key_values"
+PRESENT = "present"
+#: static cache: ``<role>_cache.<i>`` -> ``updated_<role>_cache.<i>``, written by ``TensorScatter`` at ``write_indices``
+#: (``[batch]``: the first slot a row's tokens go to), attention over ``nonpad_kv_seqlen`` (``[batch]``: positions a
+#: row holds after the step)
+STATIC_OUTPUT_PREFIX = "updated_"
+WRITE_INDICES_INPUT = "write_indices"
+NONPAD_KV_SEQLEN_INPUT = "nonpad_kv_seqlen"
+#: the inputs past/present graphs take beside the KV (``attention_mask``: ``[batch, positions held after the step]``)
+ATTENTION_MASK_INPUT = "attention_mask"
+INPUT_IDS_INPUT = "input_ids"
+POSITION_IDS_INPUT = "position_ids"
+LOGITS_OUTPUT = "logits"
+
+_ROLE = r"(?P<role>key|value)"
+_PFX = r"(?:_(?P<prefix>[A-Za-z0-9]+))?"
+_PP_RE = re.compile(r"(?P<side>" + PAST_KEY_VALUES + "|" + PRESENT + r")\.(?P<layer>" + _LAYER + r")\." + _ROLE + _PFX)
+_STATIC_RE = re.compile(r"(?P<side>" + STATIC_OUTPUT_PREFIX + r")?" + _ROLE + r"_cache\.(?P<layer>" + _LAYER + r")"
+                        + _PFX)
+
+
+def dialect_name(dialect: str, stem: str, layer: int, prefix: str | None = None, *, output: bool = False) -> str:
+    """The input (or, with ``output``, the output) name of buffer ``stem``/``layer`` in ``dialect``."""
+    if dialect == RETAINED_STATE:
+        base = kv_input_name(stem, layer, prefix)
+        return retained_name(base) if output else base
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown KV dialect {dialect!r}; known: {', '.join(DIALECTS)}")
+    if stem not in DIALECT_STEMS[dialect]:
+        raise ValueError(f"the {dialect} dialect has no name for {stem!r} buffers (only key and value)")
+    if not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int, got {layer!r}")
+    tail = "" if prefix is None else "_" + validate_prefix(prefix)
+    role = ROLE_OF_STEM[stem]
+    if dialect == PAST_PRESENT:
+        return f"{PRESENT if output else PAST_KEY_VALUES}.{layer}.{role}{tail}"
+    return f"{STATIC_OUTPUT_PREFIX if output else ''}{role}_cache.{layer}{tail}"
+
+
+def parse_any_kv_name(name: str) -> KVName | None:
+    """Parse a KV buffer name of any dialect (:data:`DIALECTS`) into a :class:`KVName` (``retained``: the output
+    of its pair), or ``None`` if it is not one."""
+    parsed = parse_kv_name(name)
+    if parsed is not None:
+        return parsed
+    for dialect, regex in ((PAST_PRESENT, _PP_RE), (STATIC_CACHE, _STATIC_RE)):
+        m = regex.fullmatch(name)
+        if m is None:
+            continue
+        prefix = m.group("prefix")
+        if prefix is not None and not is_valid_prefix(prefix):
+            return None
+        output = m.group("side") in (PRESENT, STATIC_OUTPUT_PREFIX)
+        return KVName(STEM_OF_ROLE[m.group("role")], int(m.group("layer")), prefix, output, dialect)
+    return None
+
+
+def dialect_of(name: str) -> str | None:
+    """The dialect that spells KV buffer ``name``, or ``None`` if it is not one."""
+    parsed = parse_any_kv_name(name)
+    return None if parsed is None else parsed.dialect
+
+
 # --------------------------------------------------------------------------------------------- regexes
-def exact_regex(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> str:
+def exact_regex(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS, dialect: str = RETAINED_STATE) -> str:
     """The exact selection regex: ``^(past_key|past_value)\\.\\d+_P(_RetainedState)?$``.
 
-    Without a prefix: ``^(past_key|past_value)\\.\\d+(_RetainedState)?$``.
+    Without a prefix: ``^(past_key|past_value)\\.\\d+(_RetainedState)?$``. In the other dialects:
+    ``^(past_key_values|present)\\.\\d+\\.(key|value)_P$`` and ``^(updated_)?(key|value)_cache\\.\\d+_P$``.
     """
-    alt = "|".join(re.escape(s) for s in stems)
     mid = "" if prefix is None else "_" + validate_prefix(prefix)
-    return rf"^({alt})\.\d+{mid}({re.escape(RETAINED_SUFFIX)})?$"
+    if dialect == RETAINED_STATE:
+        alt = "|".join(re.escape(s) for s in stems)
+        return rf"^({alt})\.\d+{mid}({re.escape(RETAINED_SUFFIX)})?$"
+    roles = "|".join(ROLE_OF_STEM[s] for s in stems if s in ROLE_OF_STEM) or "key|value"
+    if dialect == PAST_PRESENT:
+        return rf"^({PAST_KEY_VALUES}|{PRESENT})\.\d+\.({roles}){mid}$"
+    if dialect == STATIC_CACHE:
+        return rf"^({STATIC_OUTPUT_PREFIX})?({roles})_cache\.\d+{mid}$"
+    raise ValueError(f"unknown KV dialect {dialect!r}")
 
 
 def substring_regex(prefix: str) -> str:
@@ -279,16 +384,24 @@ def substring_regex(prefix: str) -> str:
     return f".*{re.escape(validate_prefix(prefix))}.*"
 
 
-def legacy_regexes(stems: Sequence[str] = EXPORT_STEMS) -> list[str]:
-    """vLLM-QAIC's legacy (unprefixed) selection: ``past_key.*`` and ``past_value.*``."""
+def legacy_regexes(stems: Sequence[str] = EXPORT_STEMS, dialect: str = RETAINED_STATE) -> list[str]:
+    """vLLM-QAIC's legacy (unprefixed) selection: ``past_key.*`` and ``past_value.*``; in the other dialects the
+    same shape of regex on their names (``past_key_values.*``/``present.*``, ``key_cache.*``/``value_cache.*``/
+    ``updated_.*``)."""
+    if dialect == PAST_PRESENT:
+        return [f"{PAST_KEY_VALUES}\\..*", f"{PRESENT}\\..*"]
+    if dialect == STATIC_CACHE:
+        roles = [ROLE_OF_STEM[s] for s in stems if s in ROLE_OF_STEM] or ["key", "value"]
+        return [f"({STATIC_OUTPUT_PREFIX})?{r}_cache\\..*" for r in roles]
     return [f"{re.escape(s)}.*" for s in stems]
 
 
-def canonical_regexes(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS) -> dict[str, str | list[str]]:
-    """The canonical selection regexes for a graph with ``prefix`` (``None``: unprefixed)."""
+def canonical_regexes(prefix: str | None, stems: Sequence[str] = EXPORT_STEMS,
+                      dialect: str = RETAINED_STATE) -> dict[str, str | list[str]]:
+    """The canonical selection regexes for a graph with ``prefix`` (``None``: unprefixed) in ``dialect``."""
     if prefix is None:
-        return {"exact": exact_regex(None, stems), "legacy": legacy_regexes(stems)}
-    return {"exact": exact_regex(prefix, stems), "substring": substring_regex(prefix)}
+        return {"exact": exact_regex(None, stems, dialect), "legacy": legacy_regexes(stems, dialect)}
+    return {"exact": exact_regex(prefix, stems, dialect), "substring": substring_regex(prefix)}
 
 
 def regex_selects(regex: str, name: str) -> bool:
@@ -315,14 +428,15 @@ STEM_REQUIRES: dict[str, tuple[str, ...]] = {
     "past_key": ("past_value",), "past_value": ("past_key",), "compressed_kv": ("k_pe",), "k_pe": ("compressed_kv",),
     "conv_state": (), "recurrent_state": ("conv_state",)}
 
-_KV_LIKE_RE = re.compile(r"(?:" + "|".join(map(re.escape, KV_STEMS)) + r")\.[0-9]")
+_KV_LIKE_RE = re.compile(r"(?:" + "|".join(map(re.escape, KV_STEMS + (PAST_KEY_VALUES, PRESENT))) + r"|"
+                         + r"(?:" + STATIC_OUTPUT_PREFIX + r")?(?:key|value)_cache)\.[0-9]")
 
 
 def looks_like_kv(name: str) -> bool:
     """Whether ``name`` starts like a KV buffer (``<stem>.<digit>``) whether or not it parses as one.
 
-    ``check`` reports names for which this is true but :func:`parse_kv_name` is ``None`` (``past_key.0_a-b``,
-    ``past_key.01``): a serving regex or the pairing rule would treat them inconsistently.
+    ``check`` reports names for which this is true but :func:`parse_any_kv_name` is ``None`` (``past_key.0_a-b``,
+    ``past_key.01``, ``present.01.key``): a serving regex or the pairing rule would treat them inconsistently.
     """
     return _KV_LIKE_RE.match(name) is not None
 

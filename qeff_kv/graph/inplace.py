@@ -4,7 +4,8 @@ A KV pair ``X`` / ``X_RetainedState`` is *in-place safe* when one buffer can be 
 
 1. **One updater.** Exactly one node ``U`` (the *updater*) reads ``X`` itself (not a view of it) as the buffer it
    updates and writes the graph output ``X_RetainedState`` itself (no Transpose, Copy or Identity between).
-   Updaters (:data:`IN_PLACE_UPDATERS`): ``ScatterND`` (data input 0 -> output 0), and onnxruntime's
+   Updaters (:data:`IN_PLACE_UPDATERS`): ``ScatterND`` (data input 0 -> output 0), ``TensorScatter`` (opset 24,
+   the static cache's: past cache 0 -> present cache 0), and onnxruntime's
    ``com.microsoft::GroupQueryAttention`` (past key/value inputs 3/4 -> present outputs 1/2), which appends in
    place and reads the shared buffer itself when past and present are the same buffer.
 2. **Views are followed.** onnxruntime may alias the output of a view op (:data:`VIEW_OPS`: ``Reshape``,
@@ -48,6 +49,8 @@ VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 #: (domain, op_type) -> {input index: output index} of ops that update that input's buffer in place.
 IN_PLACE_UPDATERS: dict[tuple[str, str], dict[int, int]] = {
     ("", "ScatterND"): {0: 0},
+    # ai.onnx opset 24: the static cache's update (past cache 0 -> present cache 0, at write_indices)
+    ("", "TensorScatter"): {0: 0},
     ("com.microsoft", "GroupQueryAttention"): {3: 1, 4: 2},
 }
 MAX_FUNCTION_DEPTH = 32

@@ -140,6 +140,7 @@ class GraphDescription:
         man = manifest or {}
         layout = graphio.layout_of(ir_model)
         layout.require_valid()
+        _require_dialect(layout, name)
         media = _media(layout, man, asked.image_token_id, name)
         names_in = _require_decoder_io(layout, media)
         speculative = layout.speculative
@@ -164,6 +165,13 @@ class GraphDescription:
 
 
 # ============================================================================================ the steps of resolve
+def _require_dialect(layout: KVLayout, name: str) -> None:
+    """The dialects the runtime feeds: retained state (refused in one line otherwise, never run wrongly)."""
+    if layout.dialect != naming.RETAINED_STATE:
+        raise ContractError(f"{name} is a {layout.dialect or 'sidecar-declared'} graph ({layout.update}); the runtime "
+                            "runs retained-state graphs: convert it with qeff-kv rewrite --to retained-state")
+
+
 def _media(layout: KVLayout, man: dict, image_token_id: int | None, name: str) -> media_mod.LanguageMedia | None:
     """A vision-language language graph's image inputs, or None; an image token for a text decoder is refused."""
     media = media_mod.LanguageMedia.resolve(layout, man, image_token_id)

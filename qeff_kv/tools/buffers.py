@@ -24,7 +24,7 @@ from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.compile_config import check_sliding_window, resolve_sliding_window
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
-from qeff_kv.contract.layout import KVLayout, KVPair, itemsize
+from qeff_kv.contract.layout import NO_KV, KVLayout, KVPair, itemsize
 
 SCHEMA = "qeff-kv.buffers/1"
 
@@ -287,7 +287,9 @@ class BuffersReport:
         ps = self.layout.prefixes
         if len(ps) != 1:
             return None
-        return naming.canonical_regexes(ps[0], self.layout.stems or naming.EXPORT_STEMS)
+        if self.layout.dialect is None:   # ports only a sidecar names: no regex selects them
+            return None
+        return naming.canonical_regexes(ps[0], self.layout.stems or naming.EXPORT_STEMS, self.layout.dialect)
 
     def to_json(self) -> dict:
         lay = self.layout
@@ -297,6 +299,9 @@ class BuffersReport:
             "model": self.model,
             "prefix": self.prefix,
             "prefixes": list(lay.prefixes),
+            "dialect": lay.dialect,
+            "source": lay.source,
+            "update": lay.update,
             "num_layers": lay.num_layers,
             "ctx_len": self.ctx_len,
             "sliding_window": self.sliding_window,
@@ -351,6 +356,8 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
     path = resolve_graph(path)
     layout = graphio.layout_of(graphio.load(path))
+    if not layout.kv_names and multimodal.graph_kind(layout) != multimodal.VISION_ENCODER:
+        raise ContractError(f"{path}: {NO_KV}")   # never "0 KV pairs" on a graph whose KV it cannot name
     if sliding_window is not None and not layout.has_sliding:   # a setting that would do nothing
         raise RuntimeInputError(f"{path} has no sliding-window KV buffers (axis {naming.SLIDING_DIM!r}); "
                                 "--sliding-window does not apply")

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import _kv_graphs as kvg
 from qeff_kv.tools import check as qcheck
 from qeff_kv.contract import naming
+from qeff_kv.contract.layout import NO_KV
 from qeff_kv.errors import ExternalDataError, GraphReadError, PrefixError
 from qeff_kv.tools.testing import assert_kv_selected_by, assert_retained_state_graph
 from qeff_kv_cli.main import main
@@ -90,7 +91,7 @@ def test_kv_present(tmp_path):
     report = _check(tmp_path, kvg.build(0))
     assert report.failed == ["kv-present"]
     assert _violations(report) == [
-        ("kv-present", None, "graph has no KV buffers (no input or output named like past_key.<i>)")]
+        ("kv-present", None, NO_KV)]
     statuses = {r.id: r.status for r in report.rules}
     assert statuses["layers"] == statuses["prefix"] == statuses["regex-exact"] == statuses["inplace"] == "skip"
 

@@ -1,9 +1,10 @@
-"""SetKVPrefixPass: add, change or strip the KV-cache prefix of a retained-state graph.
+"""SetKVPrefixPass: add, change or strip the KV-cache prefix of a graph's KV buffers, in its own dialect.
 
-Invariant: afterwards every KV buffer (every stem of the naming contract, input and its ``_RetainedState``
-output together) is named with exactly the requested prefix (``None``: none), and nothing else changes:
-every other value and node name, every dim_param, dtype, shape, initializer, function and metadata entry is
-as it was, and for every pair the output is still named ``<input>_RetainedState``. Non-KV retained buffers
+Invariant: afterwards every KV buffer (every stem of the naming contract, input and its output together; in the
+graph's dialect: retained state, past/present or static cache) is named with exactly the requested prefix
+(``None``: none), and nothing else changes: every other value and node name, every dim_param, dtype, shape,
+initializer, function and metadata entry is as it was, and every pair still pairs by its dialect's rule
+(``<input>_RetainedState``, ``present.<i>.key_P``, ``updated_key_cache.<i>_P``). Non-KV retained buffers
 (``vision_embeds``, ``pixel_values``, ``image_idx``/``image_idx_output``...) are never renamed; a graph where one
 of them is unpaired or carries a prefix is refused (:func:`qeff_kv.contract.multimodal.first_pairing_problem`).
 
@@ -19,6 +20,7 @@ import onnx_ir as ir
 
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.errors import ContractError, RewriteError
+from qeff_kv.contract.layout import NO_KV
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
 
@@ -50,7 +52,7 @@ class SetKVPrefixPass(InvariantPass):
             if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
                 raise ContractError(f"graph is a {multimodal.describe_kind(multimodal.VISION_ENCODER)}; "
                                     "the KV-cache prefix belongs to the language graph beside it")
-            raise ContractError("graph has no KV buffers (no input or output named like past_key.<i>)")
+            raise ContractError(NO_KV)
         if layout.unpaired_inputs or layout.unpaired_outputs:
             layout.require_valid()  # raises the precise unpaired-buffer message
         problem = multimodal.first_pairing_problem(layout)  # vision/multimodal buffers: never renamed, must pair
@@ -66,7 +68,7 @@ class SetKVPrefixPass(InvariantPass):
         # Plan every rename first.
         kv_values: list[tuple[ir.Value, str]] = []
         for v in list(graph.inputs) + list(graph.outputs):
-            parsed = naming.parse_kv_name(v.name or "")
+            parsed = naming.parse_any_kv_name(v.name or "")
             if parsed is None:
                 continue
             new = parsed.with_prefix(self.prefix).name
@@ -79,7 +81,7 @@ class SetKVPrefixPass(InvariantPass):
             for kind, values in (("input", graph.inputs), ("output", graph.outputs)):
                 for v in values:
                     name = v.name or ""
-                    if naming.parse_kv_name(name) is None and self.prefix in name:
+                    if naming.parse_any_kv_name(name) is None and self.prefix in name:
                         raise RewriteError(
                             f"prefix {self.prefix!r} occurs in the non-KV {kind} {name!r}, so the serving regex "
                             f"{naming.substring_regex(self.prefix)!r} would select it")
@@ -111,7 +113,7 @@ class SetKVPrefixPass(InvariantPass):
 
 def _non_kv(model: ir.Model) -> tuple:
     """The graph inputs and outputs that are not KV buffers, as :func:`io_signature` gives them."""
-    return tuple(tuple(v for v in values if naming.parse_kv_name(v[0] or "") is None)
+    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None)
                  for values in io_signature(model))
 
 

@@ -112,6 +112,11 @@ class CheckReport:
     sliding_meta: bool = False
     #: ``"dual"``, ``"single"`` or ``"vision-encoder"`` for a vision-language graph (contract section 6), else None
     vision_language: str | None = None
+    #: the KV dialect (``retained-state``, ``past-present``, ``static-cache``; ``None``: a sidecar's names or no KV),
+    #: how the graph updates the cache (:attr:`qeff_kv.contract.layout.KVLayout.update`) and where the pairs came from
+    dialect: str | None = None
+    update: str | None = None
+    source: str = "names"
 
     @property
     def sliding(self) -> bool:
@@ -159,6 +164,9 @@ class CheckReport:
             **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
                if self.sliding else {}),
             **({"vision_language": self.vision_language} if self.vision_language else {}),
+            # only on graphs of another dialect (or pairs a sidecar names): our own graphs' key set stays as it was
+            **({"dialect": self.dialect, "update": self.update, "source": self.source}
+               if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else {}),
         }
 
     def to_json_text(self) -> str:
@@ -174,7 +182,9 @@ class CheckReport:
                  + (f", sliding-window layers {fmt_ints(self.sliding_layers) or 'none'} "
                     f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
                     if self.sliding else "")
-                 + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")]
+                 + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")
+                 + (f", {self.dialect or 'declared'} dialect ({self.update}; pairs from {self.source})"
+                    if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else "")]
         for r in self.rules:
             lines.append(f"  {r.status.upper():4}  {r.id:<{width}}  {r.description}")
             if r.note:

@@ -60,7 +60,7 @@ from qeff_kv.tools.check import state_rules as state_rules
 from qeff_kv.tools.check.report import ANY, FAIL, PASS, RULES, CheckReport, RuleResult, fmt_ints, fmt_prefix
 from qeff_kv.errors import GraphReadError
 from qeff_kv.graph.inplace import inplace_issues
-from qeff_kv.contract.layout import KVLayout
+from qeff_kv.contract.layout import NO_KV, KVLayout
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -69,7 +69,7 @@ def _rule_kv_present(layout: KVLayout, r: RuleResult) -> None:
         if multimodal.graph_kind(layout) == multimodal.VISION_ENCODER:
             r.skip(f"{multimodal.describe_kind(multimodal.VISION_ENCODER)}: the KV rules do not apply")
             return
-        r.fail(None, "graph has no KV buffers (no input or output named like past_key.<i>)")
+        r.fail(None, NO_KV)
 
 
 def _rule_pairing(layout: KVLayout, r: RuleResult) -> None:
@@ -79,14 +79,18 @@ def _rule_pairing(layout: KVLayout, r: RuleResult) -> None:
             if t.name in seen:
                 r.fail(t.name, f"{kind} {t.name} is listed twice in the graph's {kind}s")
             seen.add(t.name)
+    if len(layout.dialects) > 1:
+        r.fail(None, f"KV buffers mix dialects ({', '.join(layout.dialects)}); one graph speaks one")
+    for n in layout.declared_missing:
+        r.fail(n, f"{layout.source} names port {n}, which the graph does not have")
     for n in layout.unpaired_inputs:
-        r.fail(n, f"KV input {n} has no output {naming.retained_name(n)}")
+        r.fail(n, f"KV input {n} has no output {layout.output_for(n) or '(none declared)'}")
     for n in layout.unpaired_outputs:
-        r.fail(n, f"KV output {n} has no input {naming.retained_source(n)}")
+        r.fail(n, f"KV output {n} has no input {layout.input_for(n) or '(none declared)'}")
     in_names = {t.name for t in layout.inputs}
     for t in layout.outputs:
         src = naming.retained_source(t.name)
-        if src is None or naming.parse_kv_name(t.name) is not None:
+        if src is None or naming.parse_any_kv_name(t.name) is not None:
             continue  # KV outputs are covered above
         if src not in in_names:
             r.fail(t.name, f"retained output {t.name} has no input {src}")
@@ -102,6 +106,11 @@ def _non_kv(layout: KVLayout, r: RuleResult) -> None:
 
 def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
     taken: dict[str, list[int]] = {}   # made-up output dims the graph does not match, taken as the input's
+    if layout.grows:
+        p = next(p for p in layout.pairs if p.input.shape != p.output.shape)
+        r.fail(p.output_name, f"{p.output_name} grows ({_fmt_shape(p.input.shape)} -> {_fmt_shape(p.output.shape)}): "
+                              "not retained-state (past/present by concatenation; no buffer can be kept in place)")
+        return
     for p in layout.pairs:
         a, b = p.input, p.output
         if a.dtype != b.dtype:
@@ -146,9 +155,12 @@ def _fmt_shape(s) -> str:
 
 
 def _parsed_kv(layout: KVLayout) -> list[naming.KVName]:
+    """Every KV name as parsed (a sidecar's pairs: their declared stems and layers)."""
+    if layout.source != "names":
+        return [naming.KVName(p.stem, p.layer, None, out) for p in layout.pairs for out in (False, True)]
     out = []
     for name in layout.io_names:
-        parsed = naming.parse_kv_name(name)
+        parsed = naming.parse_any_kv_name(name)
         if parsed is not None:
             out.append(parsed)
     return out
@@ -187,10 +199,10 @@ def _rule_layers(layout: KVLayout, r: RuleResult) -> None:
 
 def _rule_prefix(layout: KVLayout, r: RuleResult, expected: object) -> None:
     for name in layout.io_names:
-        if naming.looks_like_kv(name) and naming.parse_kv_name(name) is None:
-            r.fail(name, f"{name} starts like a KV buffer but is not a valid KV name "
-                         "(<stem>.<layer>[_<prefix>][_RetainedState], prefix [A-Za-z0-9]{1,64})")
-    parsed = [(n, naming.parse_kv_name(n)) for n in layout.io_names]
+        if naming.looks_like_kv(name) and naming.parse_any_kv_name(name) is None:
+            r.fail(name, f"{name} starts like a KV buffer but is not a valid KV name ({_grammar(name)}, prefix "
+                         "[A-Za-z0-9]{1,64})")
+    parsed = [(n, naming.parse_any_kv_name(n)) for n in layout.io_names]
     parsed = [(n, k) for n, k in parsed if k is not None]
     prefixes = layout.prefixes
     if len(prefixes) > 1:
@@ -212,6 +224,15 @@ def _rule_prefix(layout: KVLayout, r: RuleResult, expected: object) -> None:
                       f"expected (e.g. {first})")
 
 
+def _grammar(name: str) -> str:
+    """The name grammar of the dialect ``name`` starts like."""
+    if name.startswith((naming.PAST_KEY_VALUES + ".", naming.PRESENT + ".")):
+        return "past_key_values|present.<layer>.key|value[_<prefix>]"
+    if "_cache." in name:
+        return "[updated_]key|value_cache.<layer>[_<prefix>]"
+    return "<stem>.<layer>[_<prefix>][_RetainedState]"
+
+
 def _selection_violations(r: RuleResult, layout: KVLayout, label: str, regexes: list[str]) -> None:
     kv = set(layout.kv_names)
     selected: set[str] = set()
@@ -231,14 +252,20 @@ def _uniform_prefix(layout: KVLayout, r: RuleResult) -> tuple[bool, str | None]:
     if len(layout.prefixes) > 1:
         r.skip("mixed prefixes (see rule prefix)")
         return False, None
-    return True, layout.prefixes[0]
+    if len(layout.dialects) > 1:
+        r.skip("mixed dialects (see rule pairing)")
+        return False, None
+    if layout.dialect is None:
+        r.skip(f"ports named by {layout.source}, not by a dialect's names: no regex selects them")
+        return False, None
+    return True, layout.prefixes[0] if layout.prefixes else None
 
 
 def _rule_regex_exact(layout: KVLayout, r: RuleResult) -> None:
     ok, prefix = _uniform_prefix(layout, r)
     if ok:
         stems = layout.stems or list(naming.EXPORT_STEMS)
-        _selection_violations(r, layout, "exact regex", [naming.exact_regex(prefix, stems)])
+        _selection_violations(r, layout, "exact regex", [naming.exact_regex(prefix, stems, layout.dialect)])
 
 
 def _rule_regex_substring(layout: KVLayout, r: RuleResult) -> None:
@@ -248,7 +275,7 @@ def _rule_regex_substring(layout: KVLayout, r: RuleResult) -> None:
     if prefix is None:
         stems = layout.stems or list(naming.EXPORT_STEMS)
         r.note = "unprefixed graph: legacy regexes"
-        _selection_violations(r, layout, "legacy regexes", naming.legacy_regexes(stems))
+        _selection_violations(r, layout, "legacy regexes", naming.legacy_regexes(stems, layout.dialect))
     else:
         _selection_violations(r, layout, "substring regex", [naming.substring_regex(prefix)])
 
@@ -264,6 +291,9 @@ def _rule_non_kv(layout: KVLayout, r: RuleResult) -> None:
 def _rule_inplace(model: ir.Model, layout: KVLayout, r: RuleResult) -> None:
     if not layout.pairs:
         r.skip("no KV pairs")
+        return
+    if layout.grows:
+        r.skip("past/present that grows by concatenation: no buffer is kept in place (see rule pair-match)")
         return
     replaced = []
     for issue in inplace_issues(model, layout):
@@ -338,4 +368,5 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         ccl=layout.input(naming.CCL_INPUT) is not None, speculative=layout.speculative,
         speculative_tokens=layout.speculative_tokens, sliding_layers=layout.sliding_layers,
         sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
-        vision_language=multimodal.graph_kind(layout))
+        vision_language=multimodal.graph_kind(layout), dialect=layout.dialect, update=layout.update,
+        source=layout.source)
