@@ -108,3 +108,8 @@ class UnavailableError(QeffKvError):
 class KVLoadError(QeffKvError):
     """A KV connector could not load a held state (timed out and freed, producer gone, never held): the consumer
     prefills the prompt itself, or answers 410 where the request asked to fail."""
+
+
+class SidecarError(QeffKvError):
+    """A runtime sidecar (``genai_config.json``, ``inference_metadata.yaml``) is unreadable, names a port the graph
+    lacks, or pairs the graph's KV buffers differently than the graph does."""

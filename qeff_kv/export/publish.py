@@ -17,7 +17,7 @@ import onnx_ir as ir
 from qeff_kv import __version__
 from qeff_kv.tools import compile_config
 from qeff_kv.support import fsutil
-from qeff_kv.graph import graphio
+from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import naming
 from qeff_kv.export import options as opt
 
@@ -133,6 +133,8 @@ def write_files(stage: Path, onnx_path: Path, vision_path: Path | None, *, sourc
     fsutil.write_json(stage / PARAMS_FILE, params)
     man = manifest(onnx_path.name, layout, config, options, geometry, digest, source=source.describe(), fmt=fmt)
     man.update(records)
+    if vision_path is None:  # runtimes' sidecars describe a single text decoder graph
+        sidecars.write_sidecars(layout, stage, sidecars.SidecarFacts.from_manifest(man, config))
     fsutil.write_json(stage / MANIFEST_FILE, man)
     return man
 
@@ -155,7 +157,7 @@ def move_into_place(stage: Path, dest: Path, *, atomic: bool) -> None:
 def written_files(dest: Path, onnx_name: str) -> list[Path]:
     names = [onnx_name, onnx_name + ".data", vision_onnx_name(onnx_name), vision_onnx_name(onnx_name) + ".data",
              MANIFEST_FILE, PARAMS_FILE, compile_config.CUSTOM_IO_FILE, compile_config.SPECIALIZATIONS_FILE,
-             compile_config.CUSTOM_IO_VISION_FILE, compile_config.SPECIALIZATIONS_VISION_FILE]
+             compile_config.CUSTOM_IO_VISION_FILE, compile_config.SPECIALIZATIONS_VISION_FILE, *sidecars.SIDECAR_FILES]
     return sorted(dest / n for n in names if (dest / n).exists())
 
 

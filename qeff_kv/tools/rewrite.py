@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qeff_kv.support import fsutil, validate
-from qeff_kv.graph import graphio
+from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExternalDataError, RewriteError
 from qeff_kv.graph.passes import SetKVPrefixPass
@@ -160,4 +160,11 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
         result.written = False
         return result
     graphio.save(model, dst_path, source_dir=src.parent)
+    _carry_sidecars(src, dst_path, model)
     return result
+
+
+def _carry_sidecars(src: Path, dst_path: Path, model) -> None:
+    """The runtime sidecars beside ``src`` (genai_config.json, inference_metadata.yaml), rewritten for the new
+    names beside the output (:func:`qeff_kv.graph.sidecars.carry_over`; in place: updated where they are)."""
+    sidecars.carry_over(src.parent, dst_path, model, source_name=src.name)

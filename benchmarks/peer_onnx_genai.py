@@ -1,0 +1,95 @@
+"""onnx-genai on qeff-kv's exports AS WRITTEN (the sidecars the exporter writes, nothing hand-written).
+
+For each target (and the fused target with ``--kv-cache-prefix VLLM``, and a rewrite of it), export a checkpoint
+with qeff-kv, run onnx-genai (``Engine.from_dir``) on the folder with only ``inference_metadata.yaml``, then with
+only ``genai_config.json``, and compare its greedy tokens with ``qeff-kv generate``'s for a few prompts.
+
+Run it with the python that has onnx-genai (0.1.0.dev6); qeff-kv runs in a subprocess with ``--qeff-python``
+(default: this python) and ``PYTHONPATH`` set to this checkout::
+
+    /tmp/peers/venv/bin/python benchmarks/peer_onnx_genai.py /tmp/peers/tiny --qeff-python /work/main/.venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Hello world, this is", "The quick brown fox", "abc"]
+TARGETS = [("portable", []), ("onnxruntime", []), ("onnxruntime-fused", []),
+           ("onnxruntime-fused", ["--kv-cache-prefix", "VLLM"])]
+SIDECARS = ("inference_metadata.yaml", "genai_config.json")
+
+
+def qeff(python: str, *args: str) -> str:
+    env = dict(os.environ)
+    code = "import sys; sys.argv[0] = 'qeff-kv'; from qeff_kv_cli.main import main; sys.exit(main())"
+    shim = Path(tempfile.gettempdir()) / "qeff_kv_cli_shim"
+    if not (shim / "qeff_kv_cli").exists():
+        shim.mkdir(exist_ok=True)
+        (shim / "qeff_kv_cli").symlink_to(ROOT / "cli")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{shim}"  # cli/ imports as qeff_kv_cli
+    out = subprocess.run([python, "-c", code, *args], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"qeff-kv {' '.join(args[:2])}: {out.stderr.strip().splitlines()[-1:]}")
+    return out.stdout
+
+
+def reference(python: str, folder: Path, prompt: str, n: int) -> list[int]:
+    out = qeff(python, "generate", str(folder), "--prompt", prompt, "--max-tokens", str(n), "--json")
+    return json.loads(out)["sequences"][0]["tokens"]
+
+
+def peer(folder: Path, keep: str, prompts: list[str], n: int) -> list[list[int]] | str:
+    import onnx_genai
+
+    view = folder.parent / f"{folder.name}-{keep.split('.')[0]}"
+    shutil.rmtree(view, ignore_errors=True)
+    shutil.copytree(folder, view)
+    for name in SIDECARS:
+        if name != keep:
+            (view / name).unlink(missing_ok=True)
+    if not (view / keep).exists():
+        return f"{keep} not written"
+    try:
+        engine = onnx_genai.Engine.from_dir(str(view))
+        return [list(engine.generate(p, max_tokens=n).token_ids) for p in prompts]
+    except Exception as exc:  # onnx-genai's own refusal, reported in the table
+        return " ".join(str(exc).split())[:300]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--qeff-python", default=sys.executable)
+    ap.add_argument("--work", default=None, help="folder for the exports (default: a temporary one)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="peer-onnx-genai-"))
+    rows = []
+    for target, extra in TARGETS:
+        label = target + (" " + " ".join(extra) if extra else "")
+        folder = work / label.replace(" ", "_").replace("--", "")
+        qeff(args.qeff_python, "export", args.checkpoint, "-o", str(folder), "--target", target, "-q", *extra)
+        ref = [reference(args.qeff_python, folder, p, args.max_tokens) for p in PROMPTS]
+        for keep in SIDECARS:
+            got = peer(folder, keep, PROMPTS, args.max_tokens)
+            verdict = (f"equal ({len(PROMPTS)} prompts x {args.max_tokens} tokens)" if got == ref
+                       else got if isinstance(got, str) else f"DIFFERENT: {got} vs {ref}")
+            rows.append((label, keep, verdict))
+    print(f"| export | sidecar onnx-genai read | greedy tokens vs qeff-kv generate |")
+    print("|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0 if all(r[2].startswith("equal") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

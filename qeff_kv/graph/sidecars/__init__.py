@@ -1,0 +1,112 @@
+"""Runtime sidecars beside a retained-state graph: ``genai_config.json`` and ``inference_metadata.yaml``.
+
+* :func:`write_sidecars` writes both for a graph (from its layout and :class:`SidecarFacts`), atomically; a file the
+  format cannot describe truthfully is not written (:func:`reasons` says why).
+* :func:`read_declared` reads what a folder's sidecar declares (``inference_metadata.yaml`` in either form, else
+  ``genai_config.json``) and checks it against the graph's input and output names.
+* :func:`carry_over` keeps a folder's sidecars in step with a rewritten graph (new KV prefix, new file name).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import onnx_ir as ir
+import yaml
+
+from qeff_kv.contract.layout import KVLayout
+from qeff_kv.errors import SidecarError
+from qeff_kv.graph import graphio
+from qeff_kv.graph.sidecars import genai_config, inference_metadata, workflow
+from qeff_kv.graph.sidecars.declared import (GENAI_CONFIG_FILE, INFERENCE_METADATA_FILE, SIDECAR_FILES, Declared,
+                                             DeclaredPair, SidecarFacts, check_against)
+from qeff_kv.support import fsutil
+
+__all__ = ["GENAI_CONFIG_FILE", "INFERENCE_METADATA_FILE", "SIDECAR_FILES", "Declared", "DeclaredPair",
+           "SidecarFacts", "SidecarError", "write_sidecars", "read_declared", "reasons", "carry_over"]
+
+
+def _layout(model_or_layout) -> KVLayout:
+    if isinstance(model_or_layout, KVLayout):
+        return model_or_layout
+    if isinstance(model_or_layout, ir.Model):
+        return graphio.layout_of(model_or_layout)
+    return graphio.layout_of(graphio.load(model_or_layout))
+
+
+def reasons(model_or_layout) -> dict[str, str]:
+    """File name -> why it is not written for this graph (empty: both are)."""
+    layout = _layout(model_or_layout)
+    out = {GENAI_CONFIG_FILE: genai_config.unsupported_reason(layout),
+           INFERENCE_METADATA_FILE: workflow.unsupported_reason(layout)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def yaml_text(layout: KVLayout, facts: SidecarFacts) -> str:
+    return workflow.header(layout, facts) + yaml.safe_dump(workflow.build(layout, facts), sort_keys=False)
+
+
+def write_sidecars(model_or_layout, folder: str | os.PathLike, facts: SidecarFacts) -> list[Path]:
+    """Write the sidecars that can describe the graph into ``folder``; return the paths written."""
+    layout = _layout(model_or_layout).require_valid()
+    folder = Path(folder)
+    skip = reasons(layout)
+    written = []
+    if GENAI_CONFIG_FILE not in skip:
+        fsutil.write_json(folder / GENAI_CONFIG_FILE, genai_config.build(layout, facts))
+        written.append(folder / GENAI_CONFIG_FILE)
+    if INFERENCE_METADATA_FILE not in skip:
+        fsutil.write_text(folder / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
+        written.append(folder / INFERENCE_METADATA_FILE)
+    return written
+
+
+def read_declared(folder: str | os.PathLike, inputs: Iterable, outputs: Iterable) -> Declared | None:
+    """What the sidecar in ``folder`` declares, checked against the graph's ``inputs``/``outputs`` (names or
+    TensorInfo); ``inference_metadata.yaml`` first, else ``genai_config.json``; ``None`` when neither is there."""
+    folder = Path(folder)
+    path = folder / INFERENCE_METADATA_FILE
+    if path.is_file():
+        declared = inference_metadata.read(inference_metadata.load(path), path.name)
+    elif (folder / GENAI_CONFIG_FILE).is_file():
+        path = folder / GENAI_CONFIG_FILE
+        declared = genai_config.read(genai_config.load(path), path.name)
+    else:
+        return None
+    return check_against(declared, list(inputs), list(outputs), source=path.name)
+
+
+def _facts_from_yaml(doc: dict, onnx_name: str, window: int | None) -> SidecarFacts:
+    special = ((doc.get("package") or {}).get("tokenizer") or {}).get("special_tokens") or {}
+    return SidecarFacts(onnx_name=onnx_name, ctx_len=int((doc.get("model") or {}).get("max_sequence_length") or 0),
+                        eos_token_ids=list(special.get("eos_token_id") or []),
+                        bos_token_id=special.get("bos_token_id"), sliding_window=window)
+
+
+def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: str) -> list[Path]:
+    """After a rewrite: the sidecars of ``src_dir`` that describe ``source_name`` rewritten for ``model`` (the
+    rewritten graph, saved at ``dst_graph``) beside it, atomically. Nothing when ``src_dir`` has none, when they
+    describe another graph, or when the new graph goes to another name in the same folder (they still describe
+    the source graph there)."""
+    dst_dir = dst_graph.parent
+    if src_dir.resolve() == dst_dir.resolve() and dst_graph.name != source_name:
+        return []
+    layout = graphio.layout_of(model)
+    written = []
+    gpath = src_dir / GENAI_CONFIG_FILE
+    if gpath.is_file():
+        doc = genai_config.load(gpath)
+        if (doc.get("model") or {}).get("decoder", {}).get("filename") == source_name:
+            fsutil.write_json(dst_dir / GENAI_CONFIG_FILE, genai_config.renamed(doc, layout.prefix, dst_graph.name))
+            written.append(dst_dir / GENAI_CONFIG_FILE)
+    ypath = src_dir / INFERENCE_METADATA_FILE
+    if ypath.is_file():
+        doc = inference_metadata.load(ypath)
+        decoder = ((doc.get("pipeline") or {}).get("workflow") or {}).get("components", {}).get("decoder") or {}
+        if (decoder.get("implementation") or {}).get("artifact") == source_name:
+            facts = _facts_from_yaml(doc, dst_graph.name, layout.sliding_window)
+            fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
+            written.append(dst_dir / INFERENCE_METADATA_FILE)
+    return written

@@ -1,0 +1,67 @@
+"""An export writes genai_config.json and inference_metadata.yaml naming its real graph ports, and a rewrite keeps
+them in step with the new names (shared session exports of tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from qeff_kv import rewrite as rw
+from qeff_kv.contract import naming
+from qeff_kv.graph import graphio, sidecars
+
+
+def _pairs(layout):
+    return [(p.input_name, p.output_name, p.layer)
+            for p in sorted(layout.pairs, key=lambda p: (p.layer, naming.KV_STEMS.index(p.stem)))]
+
+
+def _check_folder(folder):
+    man = json.loads((folder / "manifest.json").read_text())
+    layout = graphio.layout_of(graphio.load(folder / man["onnx"]))
+    ins, outs = [t.name for t in layout.inputs], [t.name for t in layout.outputs]
+    got = sidecars.read_declared(folder, ins, outs)
+    assert got.form == "pipeline.workflow"
+    assert [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
+    return man, layout, ins, outs
+
+
+def test_export_writes_sidecars_naming_the_graph(own_fused_graph, tmp_path):
+    folder = tmp_path / "x"
+    shutil.copytree(own_fused_graph, folder)
+    man, layout, ins, outs = _check_folder(folder)
+    assert layout.prefix == "VLLM" and all(p.input.endswith("_VLLM") for p in
+                                           sidecars.read_declared(folder, ins, outs).pairs)
+    doc = json.loads((folder / sidecars.GENAI_CONFIG_FILE).read_text())
+    assert doc["model"]["context_length"] == man["ctx_len"]
+    assert doc["model"]["decoder"]["filename"] == man["onnx"]
+    assert doc["model"]["decoder"]["inputs"]["past_key_names"] == "past_key.%d_VLLM"
+    (folder / sidecars.INFERENCE_METADATA_FILE).unlink()
+    got = sidecars.read_declared(folder, ins, outs)
+    assert got.form == "genai_config" and [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
+
+
+def test_continuous_batching_export_gets_no_sidecars(own_cb_graph):
+    assert not any((own_cb_graph / n).exists() for n in sidecars.SIDECAR_FILES)
+
+
+def test_rewrite_keeps_sidecars_in_step(own_vllm_graph, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(own_vllm_graph, src)
+    onnx_name = json.loads((src / "manifest.json").read_text())["onnx"]
+    out = tmp_path / "out" / onnx_name
+    rw.rewrite(src / onnx_name, out, strip=True)
+    layout = graphio.layout_of(graphio.load(out))
+    ins, outs = [t.name for t in layout.inputs], [t.name for t in layout.outputs]
+    assert layout.prefix is None
+    got = sidecars.read_declared(out.parent, ins, outs)
+    assert [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
+    (out.parent / sidecars.INFERENCE_METADATA_FILE).unlink()
+    got = sidecars.read_declared(out.parent, ins, outs)
+    assert got.form == "genai_config" and got.pairs[0].input == "past_key.0"
+    # in place: the folder's own sidecars follow the new prefix
+    rw.rewrite(src / onnx_name, prefix="Abc", in_place=True)
+    layout = graphio.layout_of(graphio.load(src / onnx_name))
+    got = sidecars.read_declared(src, [t.name for t in layout.inputs], [t.name for t in layout.outputs])
+    assert got.pairs[0].input == "past_key.0_Abc"
+    assert "KV prefix: Abc" in (src / sidecars.INFERENCE_METADATA_FILE).read_text()
