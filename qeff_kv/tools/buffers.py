@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qeff_kv.graph import graphio
+from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.compile_config import check_sliding_window, resolve_sliding_window
@@ -355,7 +355,7 @@ def buffers_report(path: str | os.PathLike, *, regex: str | None = None,
         except re.error as exc:
             raise RegexError(f"regex {regex!r} does not compile: {exc}") from None
     path = resolve_graph(path)
-    layout = graphio.layout_of(graphio.load(path))
+    layout = sidecars.layout_beside(graphio.load(path))
     if not layout.kv_names and multimodal.graph_kind(layout) != multimodal.VISION_ENCODER:
         raise ContractError(f"{path}: {NO_KV}")   # never "0 KV pairs" on a graph whose KV it cannot name
     if sliding_window is not None and not layout.has_sliding:   # a setting that would do nothing

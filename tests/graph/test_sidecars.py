@@ -144,7 +144,7 @@ def test_a_sidecar_pairing_layers_otherwise_than_the_graph_is_refused(tmp_path):
     doc = genai_config.build(layout, _facts(3))
     doc["model"]["decoder"]["outputs"]["present_key_names"] = "past_value.%d_RetainedState"
     (tmp_path / sidecars.GENAI_CONFIG_FILE).write_text(json.dumps(doc))
-    with pytest.raises(SidecarError, match="retains"):
+    with pytest.raises(SidecarError, match="but the graph pairs .past_key.0. with .past_key.0_RetainedState."):
         sidecars.read_declared(tmp_path, ins, outs)
     # a string-sorted list read by position swaps layer 2 and 10: the declared layer disagrees with the graph
     names = sorted(f"past_key.{i}" for i in range(11))

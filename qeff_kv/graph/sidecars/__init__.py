@@ -16,6 +16,7 @@ from typing import Iterable
 import onnx_ir as ir
 import yaml
 
+from qeff_kv.contract import naming
 from qeff_kv.contract.layout import KVLayout
 from qeff_kv.errors import SidecarError
 from qeff_kv.graph import graphio
@@ -25,7 +26,8 @@ from qeff_kv.graph.sidecars.declared import (GENAI_CONFIG_FILE, INFERENCE_METADA
 from qeff_kv.support import fsutil
 
 __all__ = ["GENAI_CONFIG_FILE", "INFERENCE_METADATA_FILE", "SIDECAR_FILES", "Declared", "DeclaredPair",
-           "SidecarFacts", "SidecarError", "write_sidecars", "read_declared", "reasons", "carry_over"]
+           "SidecarFacts", "SidecarError", "write_sidecars", "read_declared", "reasons", "carry_over", "layout_beside",
+           "sidecar_issues"]
 
 
 def _layout(model_or_layout) -> KVLayout:
@@ -110,3 +112,59 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
             fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
             written.append(dst_dir / INFERENCE_METADATA_FILE)
     return written
+
+
+def _folder(model: ir.Model) -> Path | None:
+    src = model.meta.get(naming.SOURCE_PATH_META)
+    return Path(src).parent if src else None
+
+
+def layout_beside(model: ir.Model) -> KVLayout:
+    """The layout of ``model`` (read with :func:`qeff_kv.graph.graphio.load`): its pairs by a dialect's names, else
+    the pairs a sidecar beside the file declares (``source`` names it); a sidecar that does not fit the graph leaves
+    the layout without KV (``check``'s ``sidecar`` rule says why)."""
+    layout = graphio.layout_of(model)
+    folder = _folder(model)
+    if layout.kv_names or folder is None:
+        return layout
+    try:
+        declared = read_declared(folder, layout.inputs, layout.outputs)
+    except SidecarError:
+        return layout
+    if declared is None:
+        return layout
+    pairs = [(p.input, p.output, naming.STEM_OF_ROLE[p.role], p.layer) for p in declared.pairs
+             if p.role in naming.STEM_OF_ROLE]
+    ins, outs = graphio.io_of(model)
+    return KVLayout.from_io(ins, outs, graphio.metadata_of(model), declared=pairs,
+                            source=INFERENCE_METADATA_FILE if (folder / INFERENCE_METADATA_FILE).is_file()
+                            else GENAI_CONFIG_FILE)
+
+
+def sidecar_issues(model: ir.Model, layout: KVLayout) -> tuple[str | None, list[str]]:
+    """``(file, problems)`` of the sidecar beside ``model`` checked against its graph: every port it names exists and
+    pairs as the graph pairs it, layers in numeric order, every KV pair of the graph named (so its prefix is the
+    graph's); ``(None, [])`` without a sidecar."""
+    folder = _folder(model)
+    if folder is None:
+        return None, []
+    found = [f for f in (INFERENCE_METADATA_FILE, GENAI_CONFIG_FILE) if (folder / f).is_file()]
+    if not found:
+        return None, []
+    problems: list[str] = []
+    for name in found:
+        try:   # each file alone (read_declared takes the first it finds)
+            doc = inference_metadata.load(folder / name) if name == INFERENCE_METADATA_FILE \
+                else genai_config.load(folder / name)
+            declared = (inference_metadata.read(doc, name) if name == INFERENCE_METADATA_FILE
+                        else genai_config.read(doc, name))
+            check_against(declared, layout.inputs, layout.outputs, source=name)
+        except SidecarError as exc:
+            problems.append(str(exc))
+            continue
+        named = {p.input for p in declared.pairs}
+        missing = [p.input_name for p in layout.pairs if p.input_name not in named]
+        if missing:
+            problems.append(f"{name}: does not name the graph's KV input {missing[0]!r}"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return ", ".join(found), problems

@@ -140,13 +140,14 @@ def check_against(declared: Declared, inputs: Iterable, outputs: Iterable, *, so
 
 
 def _check_contract_pair(p: DeclaredPair, source: str) -> None:
-    """A pair in our naming contract: the output is the input's retained name, the layer and half are the name's."""
-    parsed = naming.parse_kv_name(p.input)
+    """A pair in a dialect's names (:mod:`qeff_kv.contract.naming`): the output is the one the input's dialect pairs it
+    with, the layer and half are the name's."""
+    parsed = naming.parse_any_kv_name(p.input)
     if parsed is None or parsed.retained:
         return
-    if p.output != naming.retained_name(p.input):
-        raise SidecarError(f"{source}: pairs {p.input!r} with {p.output!r}, but the graph retains "
-                           f"{p.input!r} as {naming.retained_name(p.input)!r}")
+    if p.output != parsed.output:
+        raise SidecarError(f"{source}: pairs {p.input!r} with {p.output!r}, but the graph pairs "
+                           f"{p.input!r} with {parsed.output!r}")
     if parsed.layer != p.layer:
         raise SidecarError(f"{source}: declares {p.input!r} as layer {p.layer}, but it is layer {parsed.layer} "
                            "of the graph")

@@ -42,6 +42,8 @@ RULES: dict[str, str] = {
     "regex-substring": "the serving regex (.*P.*, or legacy past_key.*/past_value.*) selects exactly the KV buffers",
     "non-kv-unprefixed": "non-KV retained buffers carry no prefix",
     "inplace": "each KV input is updated in place into its retained output; every other reader runs before the update",
+    "sidecar": "an inference_metadata.yaml or genai_config.json beside the graph names only its ports, pairs them as "
+               "the graph does (layers in numeric order) and names every KV pair",
     "onnx-checker": "onnx.checker.check_model passes",
 }
 

@@ -37,6 +37,11 @@ Rules, in order:
                       Unsqueeze, Flatten, Identity) is a node the updater depends on, so it runs first
                       (:mod:`qeff_kv.graph.inplace`; shape-only readers allowed; function bodies followed). A recurrent
                       state no updater writes (replaced whole, the peer's) passes with a note.
+``sidecar``           an ``inference_metadata.yaml`` (either form) or ``genai_config.json`` beside the graph names only
+                      ports the graph has, pairs them as the graph's dialect does, with the layer each name says
+                      (a list sorted as strings, ``key_cache.10`` before ``key_cache.2``, mis-pairs every layer past
+                      9: refused), and names every KV pair of the graph (so its prefix is the graph's). ``skip``
+                      without a sidecar (:mod:`qeff_kv.graph.sidecars`).
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
 Reading the file can fail (missing, not ONNX, truncated, unsafe external data): that raises a typed error
@@ -53,7 +58,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from qeff_kv.graph import graphio
+from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.check import state_rules as state_rules
@@ -306,6 +311,17 @@ def _rule_inplace(model: ir.Model, layout: KVLayout, r: RuleResult) -> None:
                   "second buffer for each)")
 
 
+def _rule_sidecar(model: ir.Model, layout: KVLayout, r: RuleResult) -> None:
+    found, problems = sidecars.sidecar_issues(model, layout)
+    if found is None:
+        r.skip("no inference_metadata.yaml or genai_config.json beside the graph")
+        return
+    for problem in problems:
+        r.fail(None, problem)
+    if not problems:
+        r.note = f"checked: {found}"
+
+
 def _rule_checker(path: Path, r: RuleResult) -> None:
     # Checked from the path so the checker resolves external-data files against the model's folder; it parses
     # the graph proto only (external tensors stay references: a > 2 GB model is never read into memory).
@@ -345,7 +361,7 @@ def check(path: str | os.PathLike, *, expected_prefix: object = ANY,
 
 def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "<model>") -> CheckReport:
     """Every rule but ``onnx-checker`` (which needs the file; marked skipped here) on an in-memory model."""
-    layout = graphio.layout_of(model)
+    layout = sidecars.layout_beside(model)
     results = {rid: RuleResult(rid) for rid in RULES}
     _rule_kv_present(layout, results["kv-present"])
     _rule_pairing(layout, results["pairing"])
@@ -360,6 +376,7 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     _rule_regex_substring(layout, results["regex-substring"])
     _rule_non_kv(layout, results["non-kv-unprefixed"])
     _rule_inplace(model, layout, results["inplace"])
+    _rule_sidecar(model, layout, results["sidecar"])
     results["onnx-checker"].skip("in-memory model (no file to check)")
     prefixes = layout.prefixes
     return CheckReport(
