@@ -44,7 +44,7 @@ def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix
     if prefix is not None and strip_prefix:
         raise click.UsageError("give either --kv-cache-prefix or --strip-prefix, not both")
     if prefix is None and not strip_prefix and to is None:
-        raise click.UsageError("give --kv-cache-prefix P, --strip-prefix or --to DIALECT")
+        raise click.UsageError("give --kv-cache-prefix P or --strip-prefix (or --to DIALECT)")
     if output is None and not in_place:
         raise click.UsageError("give -o OUTPUT, or --in-place to rewrite MODEL itself")
     result = _rewrite.rewrite(model, output, prefix=prefix, strip=strip_prefix, in_place=in_place,

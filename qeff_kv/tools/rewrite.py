@@ -135,8 +135,8 @@ def _new_prefix(prefix, strip: bool, to) -> object:
     if not strip and prefix is None:
         if to is not None:
             return _KEEP
-        raise RewriteError("nothing to do: give a prefix to set, strip=True to remove the prefix, or a dialect to "
-                           "convert to")
+        raise RewriteError("nothing to do: give a prefix to set, or strip=True to remove the prefix (or to=DIALECT "
+                           "to convert)")
     return None if strip else naming.validate_prefix(prefix)
 
 
