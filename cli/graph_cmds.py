@@ -31,22 +31,24 @@ _MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--in-place", is_flag=True, help="Rewrite MODEL itself (atomically).")
 @click.option("--allow-mixed-prefixes", is_flag=True,
               help="Accept a graph whose layers carry different prefixes and make them uniform.")
+@click.option("--to", "to", default=None, type=click.Choice(["retained-state", "static-cache", "shared-past-present"]),
+              help="Convert the KV cache to this dialect (docs/naming.md \"Dialects\"); the prefix is kept.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix: bool, in_place: bool,
-                allow_mixed_prefixes: bool, as_json: bool) -> None:
-    """Add, change or strip the KV-cache prefix of a retained-state graph.
+                allow_mixed_prefixes: bool, to: str | None, as_json: bool) -> None:
+    """Add, change or strip the KV-cache prefix of a graph, or convert its KV cache to another dialect (--to).
 
-    Renames exactly the KV buffers (input and its _RetainedState output together); weights are never loaded.
+    Renames exactly the KV buffers (input and its output together); weights are never loaded.
     Refusals print one line and exit 2 without writing anything.
     """
     if prefix is not None and strip_prefix:
         raise click.UsageError("give either --kv-cache-prefix or --strip-prefix, not both")
-    if prefix is None and not strip_prefix:
-        raise click.UsageError("give --kv-cache-prefix P or --strip-prefix")
+    if prefix is None and not strip_prefix and to is None:
+        raise click.UsageError("give --kv-cache-prefix P or --strip-prefix (or --to DIALECT)")
     if output is None and not in_place:
         raise click.UsageError("give -o OUTPUT, or --in-place to rewrite MODEL itself")
     result = _rewrite.rewrite(model, output, prefix=prefix, strip=strip_prefix, in_place=in_place,
-                              allow_mixed=allow_mixed_prefixes)
+                              allow_mixed=allow_mixed_prefixes, to=to)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:

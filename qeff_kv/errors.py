@@ -33,6 +33,11 @@ class RewriteError(QeffKvError):
     """A requested rewrite would break the graph (name collision, prefix caught by the substring regex...)."""
 
 
+class DialectError(RewriteError):
+    """A KV-dialect conversion (``rewrite --to``) that cannot be made exactly (a growing cache, a static cache whose
+    update or head count cannot be read, a direction not built)."""
+
+
 class PassInvariantError(QeffKvError):
     """A graph pass left the graph breaking the invariant its docstring states (a pass's ``ensures``): the graph is
     not used or written."""

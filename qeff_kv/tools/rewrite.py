@@ -27,6 +27,7 @@ from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExternalDataError, RewriteError
 from qeff_kv.graph.passes import SetKVPrefixPass
+from qeff_kv.graph.passes.to_dialect import conversion_pass, target_dialect
 
 
 @dataclass
@@ -44,6 +45,9 @@ class RewriteResult:
     #: ``"copied"`` (other folder: cloned/copied beside the output; never hard-linked, which onnx refuses).
     external_data_action: str = "none"
     written: bool = True
+    #: the KV dialect before and after (``rewrite --to``; equal when only the prefix changed)
+    old_dialect: str | None = None
+    dialect: str | None = None
 
     @property
     def changed(self) -> bool:
@@ -55,12 +59,16 @@ class RewriteResult:
             "old_prefixes": list(self.old_prefixes), "prefix": self.prefix,
             "renamed": [{"from": a, "to": b} for a, b in self.renamed],
             "external_data": list(self.external_data), "external_data_action": self.external_data_action,
-            "written": self.written,
+            "written": self.written, "old_dialect": self.old_dialect, "dialect": self.dialect,
         }
 
     def summary(self) -> str:
         what = ("stripped the KV-cache prefix" if self.prefix is None
                 else f"set the KV-cache prefix to {self.prefix!r}")
+        if self.dialect != self.old_dialect:
+            what = f"converted the KV cache from {self.old_dialect} to {self.dialect}"
+            if self.prefix not in self.old_prefixes or len(self.old_prefixes) > 1:
+                what += " and " + ("stripped the prefix" if self.prefix is None else f"set the prefix {self.prefix!r}")
         olds = ", ".join("(none)" if p is None else repr(p) for p in self.old_prefixes)
         line = f"{what} (was {olds}): renamed {len(self.renamed)} input/output names; wrote {self.output}"
         if not self.written:
@@ -120,23 +128,50 @@ def _external_data(model, src: Path, dst_path: Path) -> list[str]:
     return externals
 
 
+def _new_prefix(prefix, strip: bool, to) -> object:
+    """The prefix to set (``None``: strip it; :data:`_KEEP`: leave it, a conversion alone)."""
+    if strip and prefix is not None:
+        raise RewriteError("give either a prefix or strip, not both")
+    if not strip and prefix is None:
+        if to is not None:
+            return _KEEP
+        raise RewriteError("nothing to do: give a prefix to set, or strip=True to remove the prefix (or to=DIALECT "
+                           "to convert)")
+    return None if strip else naming.validate_prefix(prefix)
+
+
+_KEEP = object()
+
+
+def _kv_renames(before: list[str], after: list[str]) -> list[tuple[str, str]]:
+    """(old, new) of every KV name renamed, matched by stem, layer and side (a conversion may drop inputs)."""
+    def key(name: str):
+        parsed = naming.parse_any_kv_name(name)
+        return None if parsed is None else (parsed.stem, parsed.layer, parsed.retained)
+
+    now = {key(n): n for n in after if key(n) is not None}
+    return [(n, now[key(n)]) for n in before if key(n) in now and now[key(n)] != n]
+
+
 def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, prefix: str | None = None,
-            strip: bool = False, in_place: bool = False, allow_mixed: bool = False) -> RewriteResult:
+            strip: bool = False, in_place: bool = False, allow_mixed: bool = False,
+            to: str | None = None) -> RewriteResult:
     """Rewrite the KV-cache prefix of the graph at ``src`` into ``dst`` (or ``src`` itself with ``in_place``).
 
-    Exactly one of ``prefix`` (add or change to it) and ``strip=True`` (remove any prefix) must be given.
-    ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes them uniform.
+    At most one of ``prefix`` (add or change to it) and ``strip=True`` (remove any prefix) may be given, and one
+    of them must be unless ``to`` is. ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes
+    them uniform. ``to`` (``retained-state``, ``static-cache``, ``shared-past-present``) converts the KV cache to
+    that dialect first (:func:`qeff_kv.graph.passes.to_dialect.conversion_pass`; the prefix kept unless changed
+    too); a conversion that cannot be made exactly raises :class:`~qeff_kv.errors.DialectError`.
     """
     # ------------------------------------------------------------------ arguments (nothing read yet)
     validate.path_like("src", src, error=RewriteError)
     validate.path_like("dst", dst, optional=True, error=RewriteError)
     for label, v in (("strip", strip), ("in_place", in_place), ("allow_mixed", allow_mixed)):
         validate.flag(label, v, error=RewriteError)
-    if strip and prefix is not None:
-        raise RewriteError("give either a prefix or strip, not both")
-    if not strip and prefix is None:
-        raise RewriteError("nothing to do: give a prefix to set, or strip=True to remove the prefix")
-    new_prefix = None if strip else naming.validate_prefix(prefix)
+    new_prefix = _new_prefix(prefix, strip, to)
+    if to is not None:
+        target_dialect(to)
     src = Path(src)
     dst_path = _output_path(src, dst, in_place)
 
@@ -147,16 +182,23 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     externals = _external_data(model, src, dst_path)
     src_dir, dst_dir = src.parent.resolve(), dst_path.parent.resolve()
 
+    old_dialect = layout.dialect
+    convert = None if to is None else conversion_pass(model, to)   # planned first: refused before anything changes
+    if new_prefix is _KEEP:
+        new_prefix = old_prefixes[0] if len(old_prefixes) == 1 else None
     before = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
+    if convert is not None:
+        convert(model)
     SetKVPrefixPass(new_prefix, allow_mixed=allow_mixed)(model)  # raises before mutating on refusal
     after = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
-    renamed = [(a, b) for a, b in zip(before, after) if a != b]
+    renamed = _kv_renames(before, after)
 
     result = RewriteResult(
         source=src, output=dst_path, old_prefixes=old_prefixes, prefix=new_prefix, renamed=renamed,
         external_data=externals,
-        external_data_action="none" if not externals else ("referenced" if src_dir == dst_dir else "copied"))
-    if in_place and not renamed:
+        external_data_action="none" if not externals else ("referenced" if src_dir == dst_dir else "copied"),
+        old_dialect=old_dialect, dialect=graphio.layout_of(model).dialect)
+    if in_place and not renamed and convert is None:
         result.written = False
         return result
     graphio.save(model, dst_path, source_dir=src.parent)

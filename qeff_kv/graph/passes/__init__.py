@@ -11,7 +11,9 @@ from qeff_kv.graph.passes.pack_gqa_qkv import PackGQAQKVPass
 from qeff_kv.graph.passes.pack_shared_input_matmuls import PackSharedInputMatMulsPass
 from qeff_kv.graph.passes.remove_passthrough import RemovePassThroughPass
 from qeff_kv.graph.passes.set_kv_prefix import SetKVPrefixPass
+from qeff_kv.graph.passes.static_to_retained import StaticToRetainedPass
+from qeff_kv.graph.passes.to_dialect import ToDialectPass
 
 __all__ = ["FoldLayoutPairsPass", "FuseSkipRMSNormPass", "GateVisionEncoderPass", "OrtInvalidIndexPass", "PackGQAQKVPass",
            "PackSharedInputMatMulsPass", "RemovePassThroughPass",
-           "SetKVPrefixPass"]
+           "SetKVPrefixPass", "StaticToRetainedPass", "ToDialectPass"]

@@ -1,0 +1,156 @@
+"""StaticToRetainedPass: turn a static-cache graph (mobius-onnx ``--static-cache``) into retained state.
+
+Invariant: afterwards every KV pair ``key_cache.<i>[_P]`` -> ``updated_key_cache.<i>[_P]`` (packed
+``[batch, capacity, kv_heads*head_dim]``) is ``past_key.<i>[_P]`` -> ``past_key.<i>[_P]_RetainedState`` of shape
+``[batch, kv_heads, capacity, head_dim]`` (same dtype, same batch dim, prefix kept), written in place by one
+``TensorScatter`` (axis 2) straight into the retained output; what read the packed updated cache (the attention)
+reads ``Reshape(Transpose(retained output))``, the same values it read before; the inputs ``write_indices`` and
+``nonpad_kv_seqlen`` are gone, derived inside the graph as ``position_ids[:, 0]`` and
+``ReduceMax(position_ids, axis 1) + 1`` (exact for a row whose positions are contiguous, padding, ``-1``, only after
+them); every other input and output (name, dtype, shape, order) is as it was.
+
+``kv_heads`` comes from the ``kv_num_heads`` attribute of the ``Attention`` that reads the updated cache; a buffer
+not updated by one ``TensorScatter`` at axis 1 from the cache input itself, or whose heads cannot be read, is
+refused in one line before anything changes. Values are renamed and rewired as ``ir.Value`` objects, never strings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from qeff_kv.contract import naming
+from qeff_kv.errors import DialectError
+from qeff_kv.graph.graphio import layout_of
+from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+
+_PERM = [0, 2, 1, 3]   # [batch, capacity, heads, head_dim] <-> [batch, heads, capacity, head_dim]
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _plan_pair(graph: ir.Graph, x: ir.Value, parsed: naming.KVName) -> tuple:
+    """(input, TensorScatter, kv_heads, head_dim) of one static buffer, or :class:`DialectError`."""
+    name = x.name
+    users = [(n, i) for n, i in x.uses() if n.op_type == "TensorScatter" and n.domain in ("", "ai.onnx") and i == 0]
+    out_names = {v.name for v in graph.outputs}
+    if len(users) != 1 or len(x.uses()) != 1 or users[0][0].outputs[0].name != parsed.output or \
+            parsed.output not in out_names:
+        raise DialectError(f"cannot convert {name}: it is not updated by exactly one TensorScatter into {parsed.output}")
+    node = users[0][0]
+    shape = x.shape
+    if shape is None or len(shape) != 3 or _attr(node, "axis", -2) not in (1, -2):
+        raise DialectError(f"cannot convert {name}: not a [batch, capacity, heads*head_dim] cache scattered at axis 1")
+    heads = {_attr(n, "kv_num_heads") for n, _ in node.outputs[0].uses() if n.op_type == "Attention"}
+    heads.discard(None)
+    width = shape[2]
+    if len(heads) != 1 or not isinstance(width, int) or width % next(iter(heads)):
+        raise DialectError(f"cannot convert {name}: its kv_heads are unknown (no Attention with kv_num_heads reads "
+                           f"{parsed.output}, or {width} is not a multiple of it)")
+    kv_heads = int(next(iter(heads)))
+    return x, node, kv_heads, width // kv_heads
+
+
+class StaticToRetainedPass(InvariantPass):
+    """Convert every static-cache KV pair to a retained-state pair (see the module docstring)."""
+
+    keeps_io = False
+    _others: tuple | None = None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        layout_of(model).require_valid()
+        inputs = {v.name: v for v in graph.inputs}
+        pos = inputs.get(naming.POSITION_IDS_INPUT)
+        if pos is None:
+            raise DialectError(f"cannot convert to {naming.RETAINED_STATE}: the graph takes no "
+                               f"{naming.POSITION_IDS_INPUT} to derive {naming.WRITE_INDICES_INPUT} from")
+        plan = []
+        for x in list(graph.inputs):
+            parsed = naming.parse_any_kv_name(x.name or "")
+            if parsed is not None:
+                plan.append((parsed,) + _plan_pair(graph, x, parsed))
+        write_idx, nonpad = _derive_static_inputs(graph, pos)
+        for parsed, x, node, kv_heads, head_dim in plan:
+            _convert_pair(graph, parsed, x, node, kv_heads, head_dim, write_idx)
+        for name, derived in ((naming.WRITE_INDICES_INPUT, write_idx), (naming.NONPAD_KV_SEQLEN_INPUT, nonpad)):
+            old = inputs.get(name)
+            if old is not None:
+                old.replace_all_uses_with(derived)
+                graph.inputs.remove(old)
+        graph.sort()
+        return ir.passes.PassResult(model, modified=True)
+
+    def requires(self, model: ir.Model) -> None:
+        super().requires(model)
+        self._others = _others(model)
+
+    def check(self, model: ir.Model) -> None:
+        layout = layout_of(model)
+        if set(layout.dialects) != {naming.RETAINED_STATE} or layout.unpaired_inputs or layout.unpaired_outputs:
+            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
+        if self._others is not None and _others(model) != self._others:
+            self.violated("it changed a graph input or output that is not a KV buffer or a static-cache input")
+
+
+def _others(model: ir.Model) -> tuple:
+    drop = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
+    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None and v[0] not in drop)
+                 for values in io_signature(model))
+
+
+def _const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    v = graph.initializers.get(name)
+    if v is None:
+        v = ir.Value(name=name, const_value=ir.tensor(arr))
+        graph.register_initializer(v)
+    return v
+
+
+def _add(graph: ir.Graph, op: str, inputs, name: str, **attrs) -> ir.Value:
+    node = ir.node(op, inputs, attributes=attrs, name=name, num_outputs=1)
+    node.outputs[0].name = name
+    graph.append(node)
+    return node.outputs[0]
+
+
+def _derive_static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """``write_indices = position_ids[:, 0]`` and ``nonpad_kv_seqlen = max(position_ids, axis 1) + 1``."""
+    tag = "qeff_kv.to_retained"
+    zero = _const(graph, f"{tag}.zero", np.array(0, np.int64))
+    axis1 = _const(graph, f"{tag}.axis1", np.array([1], np.int64))
+    one = _const(graph, f"{tag}.one", np.array(1, np.int64))
+    first = _add(graph, "Gather", [pos, zero], f"{tag}/{naming.WRITE_INDICES_INPUT}", axis=1)
+    last = _add(graph, "ReduceMax", [pos, axis1], f"{tag}/max_position", keepdims=0)
+    held = _add(graph, "Add", [last, one], f"{tag}/{naming.NONPAD_KV_SEQLEN_INPUT}")
+    return first, held
+
+
+def _convert_pair(graph: ir.Graph, parsed: naming.KVName, x: ir.Value, node: ir.Node, kv_heads: int,
+                  head_dim: int, write_idx: ir.Value) -> None:
+    """Replace ``x`` (packed) by its 4-D retained buffer and ``node`` by a TensorScatter at axis 2 into the retained
+    output; readers of the packed updated cache read a packed view of the retained output."""
+    batch, capacity, width = x.shape.dims
+    new = parsed.in_dialect(naming.RETAINED_STATE)
+    tag = f"qeff_kv.to_retained/{new.name}"
+    split = _const(graph, f"qeff_kv.to_retained.split.{kv_heads}x{head_dim}",
+                   np.array([0, 0, kv_heads, head_dim], np.int64))
+    packed = _const(graph, f"qeff_kv.to_retained.packed.{width}", np.array([0, 0, width], np.int64))
+    buf = ir.Value(name=new.name, shape=ir.Shape([batch, kv_heads, capacity, head_dim]), type=x.type)
+    graph.inputs[graph.inputs.index(x)] = buf
+    heads = _add(graph, "Reshape", [node.inputs[1], split], f"{tag}/update_heads")
+    update = _add(graph, "Transpose", [heads], f"{tag}/update", perm=_PERM)
+    scatter = ir.node("TensorScatter", [buf, update, write_idx], attributes={"axis": 2}, num_outputs=1,
+                      name=f"{tag}/TensorScatter")
+    out = scatter.outputs[0]
+    out.name, out.shape, out.type = new.output, ir.Shape([batch, kv_heads, capacity, head_dim]), x.type
+    graph.append(scatter)
+    back = _add(graph, "Transpose", [out], f"{tag}/positions_first", perm=_PERM)
+    view = _add(graph, "Reshape", [back, packed], f"{tag}/packed")
+    old_out = node.outputs[0]
+    graph.outputs[graph.outputs.index(old_out)] = out
+    old_out.replace_all_uses_with(view)
+    graph.remove(node, safe=True)

@@ -1,0 +1,132 @@
+"""ToDialectPass: respell a fixed-capacity KV cache between retained state and shared-buffer past/present.
+
+Invariant: afterwards every KV buffer is named in the requested dialect (``past_key.<i>[_P]`` ->
+``past_key.<i>[_P]_RetainedState``, or ``past_key_values.<i>.key[_P]`` -> ``present.<i>.key[_P]``) with the prefix
+it had, and nothing else changes: every other input and output (name, dtype, shape, order), every node, dim_param,
+initializer and metadata entry is as it was, and every pair still pairs. Both dialects hold the same
+``[batch, kv_heads, capacity, head_dim]`` buffer updated in place at ``position_ids``, so the conversion is a pure
+rename (of ``ir.Value`` objects, never strings).
+
+A growing past/present graph (``present = Concat(past, new)``) is refused in one line: its attention reads every
+position of a buffer that grows, which no renaming makes a fixed-capacity cache. :func:`conversion_pass` plans the
+conversion between any two dialects (:class:`~qeff_kv.graph.passes.static_to_retained.StaticToRetainedPass` for a
+static cache) and refuses, in one line, what is not built.
+
+All checks run before the first rename: a refused conversion leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from qeff_kv.contract import naming
+from qeff_kv.contract.layout import NO_KV, KVLayout
+from qeff_kv.errors import ContractError, DialectError
+from qeff_kv.graph.graphio import layout_of
+from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes.static_to_retained import StaticToRetainedPass
+
+#: what ``rewrite --to`` takes: a dialect name of :data:`qeff_kv.contract.naming.DIALECTS`, or the shared-buffer
+#: past/present spelled out
+SHARED_PAST_PRESENT = "shared-past-present"
+TARGETS: dict[str, str] = {naming.RETAINED_STATE: naming.RETAINED_STATE, naming.STATIC_CACHE: naming.STATIC_CACHE,
+                           SHARED_PAST_PRESENT: naming.PAST_PRESENT, naming.PAST_PRESENT: naming.PAST_PRESENT}
+_RENAMED = (naming.RETAINED_STATE, naming.PAST_PRESENT)
+
+
+def target_dialect(to: object) -> str:
+    """The dialect ``to`` names (:data:`TARGETS`), else :class:`DialectError`."""
+    if not isinstance(to, str) or to not in TARGETS:
+        raise DialectError(f"unknown KV dialect {to!r}; give one of "
+                           f"{naming.RETAINED_STATE}, {naming.STATIC_CACHE}, {SHARED_PAST_PRESENT}")
+    return TARGETS[to]
+
+
+def refusal(layout: KVLayout, dialect: str) -> str | None:
+    """Why the graph of ``layout`` cannot be converted to ``dialect`` exactly, or ``None`` if it can."""
+    if not layout.kv_names:
+        return NO_KV
+    if len(set(layout.dialects)) > 1:
+        return f"KV buffers are spelled in mixed dialects ({', '.join(sorted(set(layout.dialects)))})"
+    if layout.grows:
+        return (f"grows by concatenation: {layout.pairs[0].output_name} = Concat({layout.pairs[0].input_name}, new) "
+                "cannot be converted to a fixed-capacity cache without rebuilding attention")
+    source = layout.dialect
+    if source is None:
+        return "KV buffers are named only by a sidecar; convert the graph those names come from"
+    if dialect == naming.STATIC_CACHE and source != naming.STATIC_CACHE:
+        return (f"{source} -> {naming.STATIC_CACHE} is not built: the {source} update (ScatterND at position_ids) "
+                "would have to be rebuilt as a TensorScatter on packed [batch, capacity, heads*head_dim] buffers")
+    if source == naming.STATIC_CACHE and dialect == naming.PAST_PRESENT:
+        return (f"{naming.STATIC_CACHE} -> {SHARED_PAST_PRESENT} is not built directly: convert to "
+                f"{naming.RETAINED_STATE} first, then to {SHARED_PAST_PRESENT}")
+    return None
+
+
+def conversion_pass(model: ir.Model, to: str) -> InvariantPass | None:
+    """The pass that converts ``model``'s KV cache to dialect ``to`` (:data:`TARGETS`); ``None`` when it is already
+    in it. Raises :class:`DialectError` (one line) for a conversion that cannot be made exactly."""
+    dialect = target_dialect(to)
+    layout = layout_of(model)
+    why = refusal(layout, dialect)
+    if why is not None:
+        raise (ContractError if why == NO_KV else DialectError)(
+            why if why == NO_KV else f"cannot convert to {to}: {why}")
+    if layout.dialect == dialect:
+        return None
+    if layout.dialect == naming.STATIC_CACHE:
+        return StaticToRetainedPass()
+    return ToDialectPass(dialect)
+
+
+class ToDialectPass(InvariantPass):
+    """Rename every KV buffer into ``dialect`` (retained state or past/present), prefixes kept.
+
+    ``ensures``: every KV buffer is spelled in ``dialect`` and paired, the prefixes are as they were, and every
+    non-KV input and output is as it was.
+    """
+
+    keeps_io = False
+    _before: tuple | None = None
+
+    def __init__(self, dialect: str):
+        super().__init__()
+        if dialect not in _RENAMED:
+            raise DialectError(f"ToDialectPass renames between {' and '.join(_RENAMED)}, not into {dialect}")
+        self.dialect = dialect
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        layout = layout_of(model)
+        why = refusal(layout, self.dialect)
+        if why is not None or layout.dialect not in _RENAMED:
+            raise DialectError(f"cannot rename into {self.dialect}: {why or layout.dialect}")
+        layout.require_valid()
+        plan: list[tuple[ir.Value, str]] = []
+        for v in list(model.graph.inputs) + list(model.graph.outputs):
+            parsed = naming.parse_any_kv_name(v.name or "")
+            if parsed is not None:
+                plan.append((v, parsed.in_dialect(self.dialect).name))
+        renamed = {id(v) for v, _ in plan}
+        taken = {v.name for v in ir.convenience.create_value_mapping(model.graph).values() if id(v) not in renamed}
+        clash = next((n for _, n in plan if n in taken), None)
+        if clash is not None:
+            raise DialectError(f"converting would produce {clash!r}, a name that already exists in the graph")
+        for v, new in plan:
+            v.name = new
+        return ir.passes.PassResult(model, modified=bool(plan))
+
+    def requires(self, model: ir.Model) -> None:
+        super().requires(model)
+        self._before = (_non_kv(model), layout_of(model).prefixes)
+
+    def check(self, model: ir.Model) -> None:
+        layout = layout_of(model)
+        if set(layout.dialects) != {self.dialect} or layout.unpaired_inputs or layout.unpaired_outputs:
+            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
+        if self._before is not None and (_non_kv(model), layout.prefixes) != self._before:
+            self.violated("it changed a prefix or a graph input or output that is not a KV buffer")
+
+
+def _non_kv(model: ir.Model) -> tuple:
+    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None)
+                 for values in io_signature(model))
