@@ -65,3 +65,28 @@ def test_rewrite_keeps_sidecars_in_step(own_vllm_graph, tmp_path):
     got = sidecars.read_declared(src, [t.name for t in layout.inputs], [t.name for t in layout.outputs])
     assert got.pairs[0].input == "past_key.0_Abc"
     assert "KV prefix: Abc" in (src / sidecars.INFERENCE_METADATA_FILE).read_text()
+
+
+def test_a_conversion_keeps_only_the_sidecars_that_can_describe_it(own_vllm_graph, tmp_path):
+    """rewrite --to shared-past-present: genai_config.json follows with the new names (still a shared buffer); the
+    workflow form written here binds only retained-state ports, so inference_metadata.yaml is not carried over, and an
+    in-place conversion removes the stale one rather than leave a file naming ports the graph no longer has."""
+    src = tmp_path / "src"
+    shutil.copytree(own_vllm_graph, src)
+    onnx_name = json.loads((src / "manifest.json").read_text())["onnx"]
+    out = tmp_path / "out" / onnx_name
+    rw.rewrite(src / onnx_name, out, to="shared-past-present")
+    layout = graphio.layout_of(graphio.load(out))
+    assert layout.dialect == naming.PAST_PRESENT and layout.prefix == "VLLM"
+    doc = json.loads((out.parent / sidecars.GENAI_CONFIG_FILE).read_text())
+    names = doc["model"]["decoder"]
+    assert (names["inputs"]["past_key_names"], names["outputs"]["present_value_names"]) == \
+        ("past_key_values.%d.key_VLLM", "present.%d.value_VLLM")
+    assert doc["search"]["past_present_share_buffer"] is True
+    ins, outs = [t.name for t in layout.inputs], [t.name for t in layout.outputs]
+    got = sidecars.read_declared(out.parent, ins, outs)
+    assert [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
+    assert not (out.parent / sidecars.INFERENCE_METADATA_FILE).exists()
+    rw.rewrite(src / onnx_name, in_place=True, to="shared-past-present")
+    assert not (src / sidecars.INFERENCE_METADATA_FILE).exists()
+    assert json.loads((src / sidecars.GENAI_CONFIG_FILE).read_text()) == doc

@@ -96,22 +96,37 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
     if src_dir.resolve() == dst_dir.resolve() and dst_graph.name != source_name:
         return []
     layout = graphio.layout_of(model)
+    skip = reasons(layout)   # a converted graph a format cannot describe: its old file must not stay beside it
     written = []
     gpath = src_dir / GENAI_CONFIG_FILE
     if gpath.is_file():
         doc = genai_config.load(gpath)
         if (doc.get("model") or {}).get("decoder", {}).get("filename") == source_name:
-            fsutil.write_json(dst_dir / GENAI_CONFIG_FILE, genai_config.renamed(doc, layout.prefix, dst_graph.name))
-            written.append(dst_dir / GENAI_CONFIG_FILE)
+            if GENAI_CONFIG_FILE in skip:
+                _drop_stale(dst_dir / GENAI_CONFIG_FILE, dst_dir.resolve() == src_dir.resolve())
+            else:
+                fsutil.write_json(dst_dir / GENAI_CONFIG_FILE,
+                                  genai_config.renamed(doc, layout.prefix, dst_graph.name, layout.dialect))
+                written.append(dst_dir / GENAI_CONFIG_FILE)
     ypath = src_dir / INFERENCE_METADATA_FILE
     if ypath.is_file():
         doc = inference_metadata.load(ypath)
         decoder = ((doc.get("pipeline") or {}).get("workflow") or {}).get("components", {}).get("decoder") or {}
         if (decoder.get("implementation") or {}).get("artifact") == source_name:
-            facts = _facts_from_yaml(doc, dst_graph.name, layout.sliding_window)
-            fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
-            written.append(dst_dir / INFERENCE_METADATA_FILE)
+            if INFERENCE_METADATA_FILE in skip:
+                _drop_stale(dst_dir / INFERENCE_METADATA_FILE, dst_dir.resolve() == src_dir.resolve())
+            else:
+                facts = _facts_from_yaml(doc, dst_graph.name, layout.sliding_window)
+                fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
+                written.append(dst_dir / INFERENCE_METADATA_FILE)
     return written
+
+
+def _drop_stale(path: Path, same_folder: bool) -> None:
+    """A sidecar that described the graph before an in-place conversion no format can follow: removed (it would
+    name ports the graph no longer has)."""
+    if same_folder:
+        path.unlink(missing_ok=True)
 
 
 def _folder(model: ir.Model) -> Path | None:

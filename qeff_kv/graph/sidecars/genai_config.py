@@ -1,8 +1,9 @@
 """``genai_config.json``: the sidecar onnxruntime-genai and onnx-genai read.
 
-It names the KV buffers as ``%d`` patterns, one pair of patterns for keys and one for values; we write our own names
-(``past_key.%d`` -> ``past_key.%d_RetainedState``, with a prefix ``past_key.%d_VLLM`` ->
-``past_key.%d_VLLM_RetainedState``) and ``search.past_present_share_buffer: true``: the retained output is the
+It names the KV buffers as ``%d`` patterns, one pair of patterns for keys and one for values; we write the graph's own
+names (``past_key.%d`` -> ``past_key.%d_RetainedState``, with a prefix ``past_key.%d_VLLM`` ->
+``past_key.%d_VLLM_RetainedState``; a shared-buffer past/present graph's ``past_key_values.%d.key`` ->
+``present.%d.key``) and ``search.past_present_share_buffer: true``: the retained output is the
 input's buffer, written in place at ``position_ids``, ``context_length`` = ``ctx_len`` positions.
 
 The format has one KV geometry for every layer, so only a graph whose layers are all ``full`` with ``past_key`` /
@@ -25,8 +26,13 @@ _PATTERN_KEYS = (("past_key_names", "present_key_names", "key"), ("past_value_na
 
 def unsupported_reason(layout: KVLayout) -> str | None:
     """Why ``genai_config.json`` cannot describe the graph, or ``None`` when it can."""
+    if layout.dialect not in (naming.RETAINED_STATE, naming.PAST_PRESENT):
+        return (f"genai_config.json names past/present buffers; a {layout.dialect or 'sidecar-declared'} graph "
+                f"({layout.update}) has no such form")
+    if layout.grows:
+        return "genai_config.json is written for fixed buffers (past_present_share_buffer); this graph grows"
     extra = [t.name for t in layout.inputs
-             if t.name not in _CONTROL_INPUTS and naming.parse_kv_name(t.name) is None]
+             if t.name not in _CONTROL_INPUTS and naming.parse_any_kv_name(t.name) is None]
     if extra:
         return f"genai_config.json feeds {', '.join(_CONTROL_INPUTS)} and KV buffers; the graph also takes {extra[0]!r}"
     kinds = set(layout.state_kinds.values())
@@ -39,11 +45,10 @@ def unsupported_reason(layout: KVLayout) -> str | None:
     return None
 
 
-def pattern(stem: str, prefix: str | None) -> str:
-    """``past_key.%d`` (``past_key.%d_VLLM`` with a prefix): the name of layer 0 with its number as ``%d``."""
-    stem_dot = f"{stem}."
-    name = naming.kv_input_name(stem, 0, prefix)
-    return stem_dot + "%d" + name[len(stem_dot) + 1:]
+def pattern(stem: str, prefix: str | None, dialect: str = naming.RETAINED_STATE, output: bool = False) -> str:
+    """``past_key.%d`` (``past_key.%d_VLLM`` with a prefix; ``present.%d.key`` in past/present): the name of layer 0
+    in ``dialect`` with its number as ``%d`` (the first ``.0``: no stem holds one)."""
+    return naming.dialect_name(dialect, stem, 0, prefix, output=output).replace(".0", ".%d", 1)
 
 
 def build(layout: KVLayout, facts: SidecarFacts) -> dict:
@@ -59,8 +64,8 @@ def build(layout: KVLayout, facts: SidecarFacts) -> dict:
     outputs = {"logits": "logits"}
     for past, present, role in _PATTERN_KEYS:
         stem = next(s for s, r in STEM_ROLES.items() if r == role)
-        inputs[past] = pattern(stem, prefix)
-        outputs[present] = naming.retained_name(pattern(stem, prefix))
+        inputs[past] = pattern(stem, prefix, layout.dialect)
+        outputs[present] = pattern(stem, prefix, layout.dialect, output=True)
     decoder = {"filename": facts.onnx_name, "head_size": facts.head_dim, "hidden_size": facts.hidden_size,
                "num_attention_heads": facts.num_attention_heads, "num_key_value_heads": facts.n_kv_heads,
                "num_hidden_layers": layout.num_layers, "inputs": inputs, "outputs": outputs}
@@ -115,18 +120,18 @@ def load(path: Path) -> dict:
     return doc
 
 
-def renamed(doc: dict, prefix: str | None, onnx_name: str | None = None) -> dict:
-    """``doc`` with its KV patterns carrying ``prefix`` (``None``: none) and, when given, the decoder file name."""
+def renamed(doc: dict, prefix: str | None, onnx_name: str | None = None, dialect: str | None = None) -> dict:
+    """``doc`` with its KV patterns carrying ``prefix`` (``None``: none), spelled in ``dialect`` when given (a graph
+    converted by ``rewrite --to``) and, when given, the decoder file name."""
     doc = json.loads(json.dumps(doc))
     decoder = doc["model"]["decoder"]
     for side in ("inputs", "outputs"):
         for key, pat in list(decoder.get(side, {}).items()):
             if not isinstance(pat, str) or pat.count("%d") != 1:
                 continue
-            parsed = naming.parse_kv_name(pat.replace("%d", "0"))
+            parsed = naming.parse_any_kv_name(pat.replace("%d", "0"))
             if parsed is not None:
-                new = pattern(parsed.stem, prefix)
-                decoder[side][key] = naming.retained_name(new) if parsed.retained else new
+                decoder[side][key] = pattern(parsed.stem, prefix, dialect or parsed.dialect, parsed.retained)
     if onnx_name is not None:
         decoder["filename"] = onnx_name
     return doc
