@@ -31,19 +31,13 @@ LAT_IN = ["compressed_kv.0_VLLM", "k_pe.0_VLLM", "compressed_kv.1_VLLM", "k_pe.1
 
 
 @pytest.fixture(scope="module")
-def mla_dir(tmp_path_factory):
-    import torch
+def mla_dir(mla_latent_dir):
     import transformers
 
-    fam = FAMILIES["deepseek_v3"]
-    cfg = transformers.DeepseekV3Config(**{**fam.config_kwargs(), "q_lora_rank": 24})
-    cfg.architectures = [fam.model_class]
+    cfg = transformers.AutoConfig.from_pretrained(mla_latent_dir)
     assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
             cfg.num_attention_heads) == (KV_LORA, ROPE, NOPE, V_HEAD, HEADS)
-    torch.manual_seed(3)
-    out = tmp_path_factory.mktemp("mla") / "tiny-deepseek-v3"
-    transformers.DeepseekV3ForCausalLM(cfg).eval().save_pretrained(out, safe_serialization=True)
-    return out
+    return mla_latent_dir
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +50,9 @@ def refs(mla_dir):
 
 
 @pytest.fixture(scope="module")
-def exports(mla_dir, tmp_path_factory):
-    from qeff_kv.export import export_model
-
-    root = tmp_path_factory.mktemp("mla_exports")
-    return {
-        "portable": export_model(mla_dir, root / "portable", ctx_len=CTX, prefill_seq_len=CHUNK,
-                                 target="portable", mla_cache="latent", kv_cache_prefix="VLLM"),
-        "cb": export_model(mla_dir, root / "cb", ctx_len=CTX, prefill_seq_len=CHUNK, target="onnxruntime",
-                           mla_cache="latent", kv_cache_prefix="VLLM", continuous_batching=True,
-                           full_batch_size=2),
-    }
+def exports(mla_latent_exports):
+    """The session's latent exports (tests/export/conftest.py): ``portable`` and ``cb``."""
+    return mla_latent_exports
 
 
 def _io(path):

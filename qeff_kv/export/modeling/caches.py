@@ -3,7 +3,8 @@
 * :class:`RetainedStateCache`: ``update()`` scatters the new keys/values into the fixed-capacity buffer with a
   single ``ScatterND`` that reads the graph input and produces the graph output (in-place safe), and returns
   the scattered buffer for attention (optionally only its first ``attend_length`` slots: the valid length on
-  the onnxruntime target, ``comp_ctx_lengths`` with CCL);
+  the onnxruntime target, ``comp_ctx_lengths`` with CCL), with every slot the sequence has not written selected
+  to zero (:func:`zero_unwritten`);
 * ring buffers of sliding layers (contract section 7), planned once per step by :class:`RingStep`;
 * :class:`RecordingCache` / :func:`probe_kv_shapes`: what each layer really writes, before anything is traced.
 
@@ -53,6 +54,23 @@ class RingStep:
         visible = torch.cat([ring_vis, new_vis], dim=-1).unsqueeze(1)                # [B, 1, S, R + S]
         neg = torch.tensor(torch.finfo(dtype).min / 2, dtype=dtype)
         self.mask = torch.where(visible, torch.tensor(0, dtype=dtype), neg)
+        #: ``[B, 1, R + S, 1]``: the slots attention reads that the sequence wrote (old ring slots holding a position
+        #: >= 0, and the chunk's own rows); the others are selected to zero (:func:`zero_unwritten`)
+        fresh = torch.ones_like(position_ids, dtype=torch.bool)
+        self.written = torch.cat([held >= 0, fresh], dim=-1).unsqueeze(1).unsqueeze(-1)
+
+
+def zero_unwritten(states: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """``Where(written, states, 0)``: the keys or values attention reads, with every slot the sequence has not
+    written selected to zero.
+
+    The slots the sequence never wrote hold whatever the runtime left there (a buffer allocated without zeroing,
+    another sequence's data): NaN or inf included. A mask *added* to the scores cannot remove those (``NaN + bias`` is
+    NaN; a softmax weight of 0 times a NaN value row is NaN), so they are selected away before any arithmetic reads
+    them: scores of those slots are then exactly 0 plus the mask, their softmax weight exactly 0, their value rows
+    0. Slots the sequence wrote keep their data (a written slot the mask hides holds the model's own finite keys).
+    """
+    return torch.where(written, states, torch.zeros((), dtype=states.dtype))
 
 
 def attended_length(position_ids: torch.Tensor) -> torch.Tensor:
@@ -79,6 +97,17 @@ class RetainedStateCache(hf.CacheProtocol):
         self.ring_layers = frozenset(ring_layers)
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
         self._plans: dict[tuple[int, bool], torch.Tensor] = {}
+        self._written: torch.Tensor | None = None
+
+    def _written_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, L, 1]``: slot ``j`` of the ``L`` read (``slots``: the buffer's axis 2) was written by the row's
+        sequence, ``j <= `` its largest position (a row holds its positions ``[0, p]``), built once for every
+        full-length layer."""
+        if self._written is None:
+            length = slots.shape[2] if self.attend_length is None else self.attend_length[0]
+            last = self.position_ids.max(dim=1).values.reshape(-1, 1, 1, 1)          # [B, 1, 1, 1]
+            self._written = torch.arange(length, dtype=torch.int64).reshape(1, 1, -1, 1) <= last
+        return self._written
 
     def get_mask_sizes(self, *args, **kwargs):  # pragma: no cover - masks are passed ready-made
         raise NotImplementedError("RetainedStateCache is used with a ready 4D attention mask")
@@ -114,7 +143,7 @@ class RetainedStateCache(hf.CacheProtocol):
             if self.ring.read is not None:
                 old = SliceSlots.apply(old, self.ring.read)
             cat, upd = RingConcat.apply(old, states.to(past.dtype))
-            att.append(cat)
+            att.append(zero_unwritten(cat, self.ring.written))
             new.append(ScatterKV.apply(past, indices, upd))
         self.retained[layer_idx] = (new[0], new[1])
         return att[0], att[1]
@@ -133,8 +162,9 @@ class RetainedStateCache(hf.CacheProtocol):
             att_v = SliceSlots.apply(new_v, self.attend_length)
         if self.batch_index is not None:
             rows = self.batch_index.reshape(-1)
-            return att_k[rows], att_v[rows]
-        return att_k, att_v
+            att_k, att_v = att_k[rows], att_v[rows]
+        written = self._written_slots(att_k)
+        return zero_unwritten(att_k, written), zero_unwritten(att_v, written)
 
 
 class RecordingCache(hf.CacheProtocol):
