@@ -133,8 +133,13 @@ def write_files(stage: Path, onnx_path: Path, vision_path: Path | None, *, sourc
     fsutil.write_json(stage / PARAMS_FILE, params)
     man = manifest(onnx_path.name, layout, config, options, geometry, digest, source=source.describe(), fmt=fmt)
     man.update(records)
+    written: list[Path] = []
     if vision_path is None:  # runtimes' sidecars describe a single text decoder graph
-        sidecars.write_sidecars(layout, stage, sidecars.SidecarFacts.from_manifest(man, config))
+        written = sidecars.write_sidecars(layout, stage, sidecars.SidecarFacts.from_manifest(man, config))
+    why_not = sidecars.reasons(layout) if vision_path is None else {
+        f: "a vision-language export has two graphs; the sidecars written here describe one text decoder"
+        for f in sidecars.SIDECAR_FILES}
+    man["sidecars"] = {"written": [p.name for p in written], "not_written": why_not}
     fsutil.write_json(stage / MANIFEST_FILE, man)
     return man
 

@@ -41,8 +41,13 @@ def test_export_writes_sidecars_naming_the_graph(own_fused_graph, tmp_path):
     assert got.form == "genai_config" and [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
 
 
-def test_continuous_batching_export_gets_no_sidecars(own_cb_graph):
+def test_continuous_batching_export_gets_no_sidecars(own_cb_graph, own_fused_graph):
     assert not any((own_cb_graph / n).exists() for n in sidecars.SIDECAR_FILES)
+    said = json.loads((own_cb_graph / "manifest.json").read_text())["sidecars"]
+    assert said["written"] == [] and set(said["not_written"]) == set(sidecars.SIDECAR_FILES)
+    assert all("'batch_index'" in why for why in said["not_written"].values())
+    said = json.loads((own_fused_graph / "manifest.json").read_text())["sidecars"]
+    assert said == {"written": [sidecars.GENAI_CONFIG_FILE, sidecars.INFERENCE_METADATA_FILE], "not_written": {}}
 
 
 def test_rewrite_keeps_sidecars_in_step(own_vllm_graph, tmp_path):
