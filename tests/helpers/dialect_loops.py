@@ -1,0 +1,169 @@
+"""Greedy loops over a decoder graph of any KV dialect, and a tiny static-cache graph (issue 49).
+
+* :func:`greedy_loop` feeds a graph with plain onnxruntime (no qeff_kv runtime), one sequence: the whole prompt in
+  one step, then one token per step. Retained state and shared-buffer past/present: ``[1, heads, capacity,
+  head_dim]`` zero buffers fed and replaced by the step's outputs, ``position_ids`` = arange, ``attention_mask``
+  (when taken) ``[1, positions held after the step]``; growing past/present: a 0-length past, the present fed back;
+  static cache: ``[1, capacity, heads*head_dim]`` buffers, ``write_indices=[start]``,
+  ``nonpad_kv_seqlen=[start+len]``.
+* :func:`static_cache_graph` writes a tiny seeded-random decoder in the static-cache dialect exactly as mobius-onnx
+  ``--static-cache`` wires it: ``TensorScatter(cache, new, write_indices, axis=1)`` into ``updated_*_cache.<i>``,
+  then ai.onnx ``Attention(q, updated_key, updated_value, '', '', '', nonpad_kv_seqlen)`` (opset 24, ``is_causal``,
+  ``q_num_heads``/``kv_num_heads``/``scale``); a learned positional embedding gathered at ``position_ids`` stands in
+  for RoPE, so position matters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from qeff_kv.contract import naming
+
+_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+def _kv_dialect(inputs) -> str:
+    for i in inputs:
+        parsed = naming.parse_any_kv_name(i.name)
+        if parsed is not None:
+            return parsed.dialect
+    raise ValueError("graph has no KV inputs")
+
+
+def _grows(sess: ort.InferenceSession) -> bool:
+    """past/present whose present's positions axis differs from the past's (concat), not a shared buffer."""
+    outs = {o.name: o.shape for o in sess.get_outputs()}
+    for i in sess.get_inputs():
+        parsed = naming.parse_any_kv_name(i.name)
+        if parsed is not None and parsed.dialect == naming.PAST_PRESENT:
+            return outs.get(parsed.output, [None] * 4)[2] != i.shape[2]
+    return False
+
+
+def _zeros(info, dialect: str, capacity: int, grows: bool) -> np.ndarray:
+    dtype = _NP.get(info.type, np.float32)
+    if dialect == naming.STATIC_CACHE:
+        return np.zeros((1, capacity, int(info.shape[2])), dtype)
+    heads, head_dim = int(info.shape[1]), int(info.shape[3])
+    return np.zeros((1, heads, 0 if grows else capacity, head_dim), dtype)
+
+
+def _feeds(sess, dialect: str, state: dict, ids: Sequence[int], start: int) -> dict:
+    n = len(ids)
+    feeds = dict(state)
+    for i in sess.get_inputs():
+        if i.name in feeds:
+            continue
+        if i.name == naming.INPUT_IDS_INPUT:
+            feeds[i.name] = np.asarray([ids], np.int64)
+        elif i.name == naming.POSITION_IDS_INPUT:
+            feeds[i.name] = np.arange(start, start + n, dtype=np.int64)[None, :]
+        elif i.name == naming.ATTENTION_MASK_INPUT:
+            feeds[i.name] = np.ones((1, start + n), np.int64)
+        elif i.name == naming.WRITE_INDICES_INPUT:
+            feeds[i.name] = np.asarray([start], np.int64)
+        elif i.name == naming.NONPAD_KV_SEQLEN_INPUT:
+            feeds[i.name] = np.asarray([start + n], np.int64)
+        else:
+            raise ValueError(f"greedy_loop does not know how to feed input {i.name!r}")
+    return feeds
+
+
+def greedy_loop(onnx_path, prompt_ids: Sequence[int], n_tokens: int, *, capacity: int) -> list[int]:
+    """Greedy-decode ``n_tokens`` after ``prompt_ids`` with ``onnx_path`` (any KV dialect), one sequence."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3   # TensorScatter's "in-place optimization not activated" warning, once a node a step
+    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    dialect = _kv_dialect(sess.get_inputs())
+    grows = _grows(sess)
+    state = {i.name: _zeros(i, dialect, capacity, grows) for i in sess.get_inputs()
+             if naming.parse_any_kv_name(i.name) is not None}
+    out_names = [o.name for o in sess.get_outputs()]
+    ids, start, tokens = list(prompt_ids), 0, []
+    for _ in range(n_tokens):
+        results = dict(zip(out_names, sess.run(None, _feeds(sess, dialect, state, ids, start))))
+        token = int(np.argmax(results[naming.LOGITS_OUTPUT][0, -1]))
+        tokens.append(token)
+        for name in state:
+            state[name] = results[naming.parse_any_kv_name(name).output]
+        start += len(ids)
+        ids = [token]
+    return tokens
+
+
+# ------------------------------------------------------------------ the handmade static-cache graph
+def _init(rng, name: str, shape, scale: float):
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _layer(i: int, rng, nodes: list, inits: list, h: str, *, hidden, q_heads, kv_heads, head_dim) -> str:
+    kv_dim, q_dim = kv_heads * head_dim, q_heads * head_dim
+    p = f"layers.{i}"
+    for w, shape in (("wq", (hidden, q_dim)), ("wk", (hidden, kv_dim)), ("wv", (hidden, kv_dim)),
+                     ("wo", (q_dim, hidden))):
+        inits.append(_init(rng, f"{p}.{w}", shape, 1.0 / np.sqrt(shape[0])))
+    key_in = naming.dialect_name(naming.STATIC_CACHE, "past_key", i)
+    value_in = naming.dialect_name(naming.STATIC_CACHE, "past_value", i)
+    key_out = naming.dialect_name(naming.STATIC_CACHE, "past_key", i, output=True)
+    value_out = naming.dialect_name(naming.STATIC_CACHE, "past_value", i, output=True)
+    nodes += [
+        helper.make_node("MatMul", [h, f"{p}.wq"], [f"{p}/q"]),
+        helper.make_node("MatMul", [h, f"{p}.wk"], [f"{p}/k"]),
+        helper.make_node("MatMul", [h, f"{p}.wv"], [f"{p}/v"]),
+        helper.make_node("TensorScatter", [key_in, f"{p}/k", naming.WRITE_INDICES_INPUT], [key_out], axis=1,
+                         name=f"{p}/TensorScatter_key"),
+        helper.make_node("TensorScatter", [value_in, f"{p}/v", naming.WRITE_INDICES_INPUT], [value_out], axis=1,
+                         name=f"{p}/TensorScatter_value"),
+        helper.make_node("Attention", [f"{p}/q", key_out, value_out, "", "", "", naming.NONPAD_KV_SEQLEN_INPUT],
+                         [f"{p}/attn"], name=f"{p}/Attention", kv_num_heads=kv_heads, q_num_heads=q_heads,
+                         scale=float(1.0 / np.sqrt(head_dim)), is_causal=1, softcap=0.0),
+        helper.make_node("MatMul", [f"{p}/attn", f"{p}.wo"], [f"{p}/o"]),
+        helper.make_node("Add", [h, f"{p}/o"], [f"{p}/res"]),
+        helper.make_node("Tanh", [f"{p}/res"], [f"{p}/h"]),
+    ]
+    return f"{p}/h"
+
+
+def static_cache_graph(path, *, layers: int = 2, seed: int = 0, capacity: int = 32, vocab: int = 64,
+                       hidden: int = 32, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                       prefix: str | None = None) -> Path:
+    """Write a tiny seeded-random static-cache decoder to ``path`` (see the module docstring); returns ``path``."""
+    rng = np.random.default_rng(seed)
+    kv_dim = kv_heads * head_dim
+    inits = [_init(rng, "embed", (vocab, hidden), 1.0), _init(rng, "pos_embed", (capacity, hidden), 1.0),
+             _init(rng, "lm_head", (hidden, vocab), 2.0 / np.sqrt(hidden))]
+    nodes = [helper.make_node("Gather", ["embed", naming.INPUT_IDS_INPUT], ["tok"]),
+             helper.make_node("Gather", ["pos_embed", naming.POSITION_IDS_INPUT], ["pos"]),
+             helper.make_node("Add", ["tok", "pos"], ["h0"])]
+    h = "h0"
+    for i in range(layers):
+        h = _layer(i, rng, nodes, inits, h, hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    nodes.append(helper.make_node("MatMul", [h, "lm_head"], [naming.LOGITS_OUTPUT]))
+    tok_shape = ["batch", "sequence_len"]
+    inputs = [helper.make_tensor_value_info(naming.INPUT_IDS_INPUT, TensorProto.INT64, tok_shape),
+              helper.make_tensor_value_info(naming.POSITION_IDS_INPUT, TensorProto.INT64, tok_shape)]
+    outputs = [helper.make_tensor_value_info(naming.LOGITS_OUTPUT, TensorProto.FLOAT, tok_shape + [vocab])]
+    for i in range(layers):
+        for stem in naming.EXPORT_STEMS:
+            for output, values in ((False, inputs), (True, outputs)):
+                values.append(helper.make_tensor_value_info(
+                    naming.dialect_name(naming.STATIC_CACHE, stem, i, output=output), TensorProto.FLOAT,
+                    ["batch", capacity, kv_dim]))
+    inputs += [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch"])
+               for n in (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)]
+    graph = helper.make_graph(nodes, "static_cache_decoder", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+    onnx.checker.check_model(model)
+    path = Path(path)
+    onnx.save(model, path)
+    if prefix is not None:
+        from qeff_kv.tools.rewrite import rewrite
+
+        rewrite(path, in_place=True, prefix=prefix)
+    return path
