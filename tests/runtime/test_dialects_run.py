@@ -61,8 +61,8 @@ def test_shared_buffer_tokens_equal_the_retained_original(own_graph, shared_buff
     assert s.layout.dialect == naming.PAST_PRESENT and s.layout.update == "shared-buffer"
     assert greedy(s, PROMPT, N) == ref
     # attention_mask: [rows, positions held after the step], ones below the row's held length
-    mask = s.binding.feeds._buffers[(naming.ATTENTION_MASK_INPUT, (1, len(PROMPT) + N - 1))][0]
-    assert mask.all()
+    mask = s.binding.feeds.last[naming.ATTENTION_MASK_INPUT]
+    assert mask.shape == (1, len(PROMPT) + N - 1) and mask.all()
     # bound in place: each present output is its past input's buffer
     outs = s.bound_output_pointers()
     assert all(outs[p.output_name] == s.kv_data_pointers()[p.input_name] for p in s.layout.pairs)

@@ -78,6 +78,8 @@ class ControlFeeds(DialectFeeds):
         self.device = device or device_mod.CPU
         self._buffers: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, ort.OrtValue]] = {}
         self._bound: dict[str, ort.OrtValue] = {}
+        #: what the last run was fed (name -> its buffer)
+        self.last: dict[str, np.ndarray] = {}
 
     def with_device(self, device) -> "ControlFeeds":
         """The same feeds with buffers on ``device`` (the session's)."""
@@ -109,6 +111,7 @@ class ControlFeeds(DialectFeeds):
                 shape = (rows,)
                 self._buffer(name, shape)[...] = values[name]
             self._bind(io, name, shape)
+            self.last[name] = self._buffers[(name, shape)][0]
 
 
 def _require_within(position_ids: np.ndarray, first: np.ndarray, width: int, capacity: int) -> None:
