@@ -11,6 +11,8 @@ allocated. It says
   exporter's, fed within the ring) and the recurrent states (updated in place, or replaced whole: the peer's),
   with the checkpoint policy;
 * the **dimensions** (:class:`Dims`): the buffers' ``ctx_len``, the prefill chunk, a fixed ``seq_len``, the slots;
+* the **KV dialect**'s control inputs (:mod:`.execution.dialect_feeds`: a static cache's ``write_indices`` and
+  ``nonpad_kv_seqlen``, a past/present graph's ``attention_mask``), a growing past/present graph refused;
 * **media** (a vision-language graph's image inputs, :class:`~qeff_kv.runtime.multimodal.media.LanguageMedia`), multimodal
   RoPE, **speculation** (``num_logits_to_keep`` and its ``K``), ``comp_ctx_lengths``, the logits, and whether the
   buffers are bound **in place**.

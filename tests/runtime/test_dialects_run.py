@@ -86,6 +86,8 @@ def test_static_cache_tokens_equal_a_plain_loop(static_graph, static_ref):
     assert greedy(s, PROMPT, N) == static_ref[tuple(PROMPT)]
     # chunked prefill (4, 4, 1 tokens: the short chunk unpadded) gives the same tokens
     assert greedy(Session(static_graph, prefill_seq_len=4), PROMPT, N) == static_ref[tuple(PROMPT)]
+    # double-buffered (outputs to a spare set, swapped after each run): the same
+    assert greedy(Session(static_graph, inplace=False), PROMPT, N) == static_ref[tuple(PROMPT)]
 
 
 def test_static_cache_in_place(static_graph):
