@@ -11,6 +11,8 @@ allocated. It says
   exporter's, fed within the ring) and the recurrent states (updated in place, or replaced whole: the peer's),
   with the checkpoint policy;
 * the **dimensions** (:class:`Dims`): the buffers' ``ctx_len``, the prefill chunk, a fixed ``seq_len``, the slots;
+* the **KV dialect**'s control inputs (:mod:`.execution.dialect_feeds`: a static cache's ``write_indices`` and
+  ``nonpad_kv_seqlen``, a past/present graph's ``attention_mask``), a growing past/present graph refused;
 * **media** (a vision-language graph's image inputs, :class:`~qeff_kv.runtime.multimodal.media.LanguageMedia`), multimodal
   RoPE, **speculation** (``num_logits_to_keep`` and its ``K``), ``comp_ctx_lengths``, the logits, and whether the
   buffers are bound **in place**.
@@ -38,6 +40,7 @@ from qeff_kv.runtime.multimodal import media as media_mod
 from qeff_kv.runtime.memory import recurrent as rec_mod
 from qeff_kv.runtime.memory import ring as ring_mod
 from qeff_kv.runtime.decoding.batching import BATCH_INDEX, ContinuousBatching, LockStep, OneSequence
+from qeff_kv.runtime.execution import dialect_feeds as feeds_mod
 
 #: Prefill chunk length used when neither the graph, its manifest nor the caller fixes one.
 DEFAULT_PREFILL_SEQ_LEN = 32
@@ -111,6 +114,15 @@ class GraphDescription:
     vocab_size: int | None
     logits_dtype: np.dtype
     eos_token_ids: tuple[int, ...]
+    #: the KV dialect's control inputs (``write_indices``, ``nonpad_kv_seqlen``, ``attention_mask``), fed each run
+    feeds: feeds_mod.DialectFeeds = field(default_factory=feeds_mod.DialectFeeds)
+
+    @property
+    def pad_short(self) -> bool:
+        """Whether a short prefill chunk is padded to the prefill length (``position_ids = -1``): another
+        exporter's retained-state graph, as its runner pads; never ours (no padding needed), nor another dialect's
+        (:attr:`~qeff_kv.runtime.execution.dialect_feeds.DialectFeeds.pads`)."""
+        return not self.own_graph and self.feeds.pads
 
     @property
     def ctx_len(self) -> int:
@@ -142,12 +154,14 @@ class GraphDescription:
         layout.require_valid()
         _require_dialect(layout, name)
         media = _media(layout, man, asked.image_token_id, name)
-        names_in = _require_decoder_io(layout, media)
+        names_in = _require_decoder_io(layout, media, feeds_mod.CONTROL_INPUTS.get(layout.dialect, ()))
         speculative = layout.speculative
         speculative_tokens = layout.speculative_tokens or (man.get("speculative_tokens") if speculative else None)
         rings = ring_mod.resolve(layout, man, asked.sliding_window)
         positional, recurrent = rec_mod.split_pairs(layout)
         dims = _dims(ir_model, layout, man, asked, names_in, positional, rings)
+        feeds = feeds_mod.resolve(layout, names_in, dims.ctx_len)
+        _require_unpadded(feeds, dims, name)
         inplace, issues, replaced = _inplace(ir_model, layout, asked.inplace)
         batching = _batching("batch_index" in names_in, dims, inplace=inplace, rings=rings, media=media,
                              recurrent=bool(recurrent))
@@ -161,15 +175,28 @@ class GraphDescription:
                    speculative_tokens=speculative_tokens, ccl=ccl_mod.INPUT in names_in, ccl_listed=man.get("ccl"),
                    own_graph=naming.TARGET_META in ir_model.metadata_props, inplace=inplace,
                    inplace_issues=tuple(issues), vocab_size=vocab_size, logits_dtype=logits_dtype,
-                   eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])))
+                   eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])), feeds=feeds)
 
 
 # ============================================================================================ the steps of resolve
 def _require_dialect(layout: KVLayout, name: str) -> None:
-    """The dialects the runtime feeds: retained state (refused in one line otherwise, never run wrongly)."""
-    if layout.dialect != naming.RETAINED_STATE:
-        raise ContractError(f"{name} is a {layout.dialect or 'sidecar-declared'} graph ({layout.update}); the runtime "
-                            "runs retained-state graphs: convert it with qeff-kv rewrite --to retained-state")
+    """The dialects the runtime feeds (one line otherwise, never run wrongly): retained state, a shared-buffer
+    past/present graph and a static cache (their control inputs: :mod:`.execution.dialect_feeds`). A past/present
+    graph that grows by concatenation keeps no fixed buffer; a sidecar's ports say nothing of how they are fed."""
+    if layout.grows:
+        raise ContractError(f"{name} grows by concatenation: not retained-state; the runtime keeps fixed buffers")
+    if layout.pairs and layout.dialect is None:
+        raise ContractError(f"{name} is a sidecar-declared graph ({layout.update}): the runtime cannot tell how to "
+                            "feed its ports; convert it with qeff-kv rewrite --to retained-state")
+    if len(layout.dialects) > 1:
+        raise ContractError(f"{name} mixes KV dialects ({', '.join(layout.dialects)}); the runtime runs one")
+
+
+def _require_unpadded(feeds: feeds_mod.DialectFeeds, dims: Dims, name: str) -> None:
+    """A graph that fixes ``seq_len`` (> 1) needs padding; a dialect whose padding is not exact refuses it."""
+    if not feeds.pads and (dims.fixed_seq_len or 1) > 1:
+        raise ContractError(f"{name} fixes seq_len={dims.fixed_seq_len}, so its chunks would carry padding, which its "
+                            "KV dialect's writes and attention do not mask exactly; export it with a dynamic seq_len")
 
 
 def _media(layout: KVLayout, man: dict, image_token_id: int | None, name: str) -> media_mod.LanguageMedia | None:
@@ -180,8 +207,9 @@ def _media(layout: KVLayout, man: dict, image_token_id: int | None, name: str) -
     return media
 
 
-def _require_decoder_io(layout: KVLayout, media) -> dict:
-    """The graph's inputs by name, once it is known to be a decoder whose every input the runtime feeds."""
+def _require_decoder_io(layout: KVLayout, media, control: tuple[str, ...] = ()) -> dict:
+    """The graph's inputs by name, once it is known to be a decoder whose every input the runtime feeds
+    (``control``: its dialect's control inputs)."""
     names_in = {t.name: t for t in layout.inputs}
     for req in ("input_ids", "position_ids"):
         if req not in names_in:
@@ -191,6 +219,7 @@ def _require_decoder_io(layout: KVLayout, media) -> dict:
     kv_inputs = {p.input_name for p in layout.pairs}
     extra = [n for n in names_in if n not in kv_inputs
              and n not in ("input_ids", "position_ids", BATCH_INDEX, ccl_mod.INPUT, naming.LOGITS_TO_KEEP_INPUT)
+             and n not in control
              and (media is None or n not in media.input_names)]
     if extra:
         raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")
@@ -214,7 +243,7 @@ def _dims(ir_model: ir.Model, layout: KVLayout, man: dict, asked: Requested, nam
           positional: list[KVPair], rings: ring_mod.RingSpec) -> Dims:
     """ctx_len from a full-length buffer (rings hold their own capacity, recurrent states none), the prefill chunk,
     a fixed seq_len (refused with another exporter's rings), the slots."""
-    full = [p.input.shape or () for p in positional if not p.is_sliding]
+    full = [p.view_shape(p.input.shape) or () for p in positional if not p.is_sliding]
     first = full[0] if full else ((positional or layout.pairs)[0].input.shape or ())
     ctx_len = dim("ctx_len", first[2] if full and len(first) == 4 else None, asked.ctx_len, man.get("ctx_len"))
     seq_dim = (names_in["input_ids"].shape or (None, None))[1]

@@ -85,7 +85,7 @@ def kv_contract(layout: KVLayout) -> dict:
     state's whole shape after the batch axis (it has no position axis)."""
     pairs = []
     for p in layout.pairs:
-        shape = p.input.shape or ()
+        shape = p.view_shape(p.input.shape) or ()   # a static cache's packed buffer as [batch, 1, positions, h*d]
         entry = {
             "input": p.input_name, "retained": p.output_name, "dtype": p.input.dtype,
             "heads": shape[1] if len(shape) == 4 else None, "head_dim": shape[3] if len(shape) == 4 else None,

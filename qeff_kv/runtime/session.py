@@ -256,7 +256,7 @@ class Session:
         """(offset, count, padded) for feeding ``n`` tokens from ``start`` (:func:`.arguments.chunk_padding`)."""
         return arguments.chunk_padding(start, n, plan, seq_len=self.prefill_seq_len,
                                        fixed_seq_len=self.fixed_seq_len, ctx_len=self.ctx_len,
-                                       pad_short=not self._own_graph, pad_ring=self._pad_ring)
+                                       pad_short=self.graph.pad_short, pad_ring=self._pad_ring)
 
     def prefill(self, seq: Sequence, tokens: Seq[int], images: media_mod.Images | None = None, *,
                 checkpoint: bool | Seq[int] = True) -> np.ndarray:

@@ -52,13 +52,17 @@ class GraphBinding:
         self.io = io
         self.executor_session = executor_session
         #: batch-1 row views of the cache's buffers (lock step), made on first use
-        self.rows = RowViews(session.cache.positional.arrays, session.device)
+        self.rows = RowViews(session.cache.positional.arrays, session.device, session.cache.positional.graph_view)
+        #: the KV dialect's control inputs (write_indices, nonpad_kv_seqlen, attention_mask), fed on every run
+        self.feeds = session.graph.feeds.with_device(session.device)
+        #: each KV input's output (the pair's, in the graph's dialect)
+        self.outputs = {p.input_name: p.output_name for p in session.layout.pairs}
         #: the small inputs of each step shape, as numpy arrays (what a step writes) and as their bound values
         self.small: dict[StepShape, dict[str, np.ndarray]] = {}
         self.small_values: dict[StepShape, dict[str, ort.OrtValue]] = {}
         #: each step shape's logits buffer (array, value), when the vocabulary is known before the first run
         self.logits: dict[StepShape, tuple[np.ndarray, ort.OrtValue]] = {}
-        self.logits_prebound = session.vocab_size is not None
+        self.logits_prebound = session.vocab_size is not None and not full_logits(session.layout)
         #: the step shape whose small inputs are bound now, and the CCL length bound now
         self.bound: StepShape | None = None
         self.ccl_bound: int | None = None
@@ -89,7 +93,7 @@ class GraphBinding:
         """The KV buffers as the whole buffers: each input, and its output in place or to its spare."""
         for name, value, spare in self.session.cache.bindings():
             self.io.bind_ortvalue_input(name, value)
-            self.bind_out(naming.retained_name(name), spare if spare is not None else value)
+            self.bind_out(self.outputs[name], spare if spare is not None else value)
         self.kv_views = None
 
     def use_kv(self, views: dict[str, ort.OrtValue] | None) -> None:
@@ -165,6 +169,7 @@ class GraphBinding:
                 self.ccl_bound = length
         if s.graph.swaps_buffers:
             self.bind_kv()
+        self.feeds.feed(self.io, self.small[(rows, seq_len, keep)]["position_ids"])
         try:
             self.io.run()
         except QeffKvError:
@@ -186,7 +191,17 @@ class GraphBinding:
     def bound_output_pointers(self) -> dict[str, int]:
         """Address of every retained output after the last run."""
         outs = self.io.get_outputs()
-        return {n: v.data_ptr() for n, v in zip(self.out_order, outs) if naming.retained_source(n) is not None}
+        kv_outputs = set(self.outputs.values())
+        return {n: v.data_ptr() for n, v in zip(self.out_order, outs)
+                if n in kv_outputs or naming.retained_source(n) is not None}
+
+
+def full_logits(layout) -> bool:
+    """Whether the graph returns logits for every column (``[batch, seq_len, vocab]``, axis 1 that of
+    ``input_ids``), whose shape changes with the step: not bound ahead, the executor allocates them."""
+    logits, ids = layout.output(naming.LOGITS_OUTPUT), layout.input(naming.INPUT_IDS_INPUT)
+    lshape, ishape = (logits.shape if logits else None) or (), (ids.shape if ids else None) or ()
+    return len(lshape) == 3 and len(ishape) == 2 and lshape[1] == ishape[1] and lshape[1] != 1
 
 
 def _logits_rows(out: np.ndarray, rows: int, keep: int, last_index: np.ndarray) -> np.ndarray:

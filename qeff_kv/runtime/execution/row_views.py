@@ -15,9 +15,11 @@ class RowViews:
     """``OrtValue`` views of each KV buffer's rows: batch-1 views of one row (a prefill) and views of the first
     ``k`` rows (a decode step of the rows in use), each made once."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], device=None):
+    def __init__(self, arrays: dict[str, np.ndarray], device=None, graph_view=None):
         self.arrays = arrays
         self.device = device or device_mod.CPU
+        #: ``(name, rows view) -> the view in the graph's shape`` (a static cache's packed rank-3 buffer)
+        self.graph_view = graph_view or (lambda name, view: view)
         self._views: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}
 
     def row(self, slot: int) -> dict[str, ort.OrtValue]:
@@ -35,6 +37,6 @@ class RowViews:
                 view = arr[start:stop]
                 if not view.flags["C_CONTIGUOUS"]:  # pragma: no cover - rows of a C-ordered array are contiguous
                     raise RuntimeInputError(f"KV buffer {name!r} rows {start}..{stop - 1} are not contiguous")
-                views[name] = self.device.wrap(view)
+                views[name] = self.device.wrap(self.graph_view(name, view))
             self._views[(start, stop)] = views
         return self._views[(start, stop)]

@@ -35,6 +35,8 @@ from qeff_kv.runtime.memory.registry import Settings, holds
 
 #: the peer's dims of a KV slice: the sequence's row, every head, positions from ctx_start, every head_dim
 SLICE_DIMS = ("batch_index", 0, "ctx_start", 0)
+#: the same of a static cache's packed ``[batch, capacity, heads*head_dim]`` buffer (positions on axis 1)
+PACKED_SLICE_DIMS = ("batch_index", "ctx_start", 0)
 
 
 def capacity_of(pair: KVPair, ctx_len: int, rings: RingSpec | None = None) -> int:
@@ -51,7 +53,7 @@ def buffer_bytes(pairs: list[KVPair], *, max_sequences: int, ctx_len: int, doubl
     ``double_buffer``); pairs with a symbolic or malformed shape count 0 (the allocation refuses them)."""
     total = 0
     for p in pairs:
-        shape = p.input.shape
+        shape = p.view_shape(p.input.shape)
         if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
             continue
         try:
@@ -95,8 +97,11 @@ class PositionalMemory(Memory):
         self.capacities: dict[str, int] = {}
         self.shapes, self.dtypes, self.arrays, self.values = {}, {}, {}, {}
         self.spare_arrays, self.spare_values = {}, {}
+        #: buffers the graph sees packed (a static cache's ``[batch, capacity, heads*head_dim]``): kept here as
+        #: ``[batch, 1, capacity, heads*head_dim]`` (positions on axis 2), bound as the rank-3 view of that memory
+        self.packed = {p.input_name for p in self.pairs if p.packed}
         for p in self.pairs:
-            shape = p.input.shape
+            shape = p.view_shape(p.input.shape)
             if shape is None or len(shape) != 4:
                 raise RuntimeInputError(
                     f"KV input {p.input_name!r} has shape {shape}; expected [batch, heads, ctx_len, head_dim]")
@@ -107,6 +112,24 @@ class PositionalMemory(Memory):
             self.capacities[p.input_name] = capacity_of(p, ctx_len, self.rings)
             self._allocate(p.input_name, (int(max_sequences), heads, self.capacities[p.input_name], head_dim),
                            np.dtype(p.input.dtype))
+
+    def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """The buffer (and spare) of ``shape``; a packed one bound as its rank-3 view (the same memory)."""
+        super()._allocate(name, shape, dtype)
+        if name in self.packed:
+            self.values[name] = self.device.wrap(self.graph_view(name, self.arrays[name]))
+            if self.double_buffer:
+                self.spare_values[name] = self.device.wrap(self.graph_view(name, self.spare_arrays[name]))
+
+    def graph_view(self, name: str, view: np.ndarray) -> np.ndarray:
+        """``view`` (rows of buffer ``name``) in the graph's shape: a packed buffer's ``[rows, capacity, h*d]``
+        (a reshape of contiguous rows: the same memory), any other as it is."""
+        if name not in self.packed:
+            return view
+        out = view.reshape(view.shape[0], view.shape[2], view.shape[3])
+        if not np.shares_memory(out, view):  # pragma: no cover - rows of a C-ordered array reshape as a view
+            raise RuntimeInputError(f"KV buffer {name!r} cannot be shown packed without a copy")
+        return out
 
     @classmethod
     def build(cls, pairs: list[KVPair], settings: Settings) -> "PositionalMemory":
@@ -228,7 +251,7 @@ class PositionalMemory(Memory):
         return {"positional_capacity": self.capacity}
 
     def slicing_specs(self) -> dict[str, list]:
-        return {name: list(SLICE_DIMS) for name in self.shapes}
+        return {name: list(PACKED_SLICE_DIMS if name in self.packed else SLICE_DIMS) for name in self.shapes}
 
     # ------------------------------------------------------------------------------------ states
     def state_write(self, seq, select=None):

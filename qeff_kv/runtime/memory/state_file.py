@@ -106,10 +106,11 @@ def _identity(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> str:
 
 
 def default_selection(session) -> str:
-    """The serving regex for this graph: ``.*P.*`` with a prefix, else the exact unprefixed regex."""
+    """The serving regex for this graph: ``.*P.*`` with a prefix, else the exact unprefixed regex (in the graph's
+    KV dialect)."""
     if session.prefix is not None:
         return naming.substring_regex(session.prefix)
-    return naming.exact_regex(None, session.layout.stems)
+    return naming.exact_regex(None, session.layout.stems, session.layout.dialect or naming.RETAINED_STATE)
 
 
 def export_state(session, seq: Sequence, select: str | None = None, *, checksum: bool = True) -> KVState:
