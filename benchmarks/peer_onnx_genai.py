@@ -32,9 +32,11 @@ def qeff(python: str, *args: str) -> str:
     env = dict(os.environ)
     code = "import sys; sys.argv[0] = 'qeff-kv'; from qeff_kv_cli.main import main; sys.exit(main())"
     shim = Path(tempfile.gettempdir()) / "qeff_kv_cli_shim"
-    if not (shim / "qeff_kv_cli").exists():
+    link = shim / "qeff_kv_cli"
+    if not link.exists() or link.resolve() != (ROOT / "cli").resolve():   # another checkout's shim
         shim.mkdir(exist_ok=True)
-        (shim / "qeff_kv_cli").symlink_to(ROOT / "cli")
+        link.unlink(missing_ok=True)
+        link.symlink_to(ROOT / "cli")
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{shim}"  # cli/ imports as qeff_kv_cli
     out = subprocess.run([python, "-c", code, *args], env=env, capture_output=True, text=True)
     if out.returncode != 0:

@@ -77,7 +77,8 @@ def test_export_prints_location_and_buffer_table(tmp_path):
     assert manifest["ctx_len"] == 64 and manifest["prefill_seq_len"] == 8 and manifest["prefix"] == "VLLM"
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["qeff-kv-tiny-llama.onnx", "manifest.json", "export_params.json", "custom_io.yaml",
-         "specializations.json", "tokenizer.json", "tokenizer_config.json"])
+         "specializations.json", "tokenizer.json", "tokenizer_config.json", "genai_config.json",
+         "inference_metadata.yaml"])
 
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:
