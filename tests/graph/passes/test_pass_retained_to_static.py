@@ -197,3 +197,14 @@ def test_cli_exit_codes(own_graphs, tmp_path):
     one_error(cli("rewrite", own_graphs / "own_llama_fused_vllm.onnx", "-o", tmp_path / "x.onnx", "--to",
                   "static-cache"), "GroupQueryAttention")
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_export_folder_sidecars_left_behind(own_graphs, tmp_path):
+    """The export's genai_config.json and inference_metadata.yaml bind retained-state ports: not carried beside
+    the static graph (which check then passes, no sidecar to contradict it)."""
+    src = own_graphs.export("qeff_llama_default.onnx").onnx_path
+    assert (src.parent / "genai_config.json").is_file()
+    res = cli("rewrite", src, "-o", tmp_path / "out" / "static.onnx", "--to", "static-cache")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["static.onnx"]
+    assert cli("check", tmp_path / "out" / "static.onnx").exit_code == 0
