@@ -9,8 +9,11 @@ reads ``Reshape(Transpose(retained output))``, the same values it read before; t
 ``ReduceMax(position_ids, axis 1) + 1`` (exact for a row whose positions are contiguous, padding, ``-1``, only after
 them); every other input and output (name, dtype, shape, order) is as it was.
 
-``kv_heads`` comes from the ``kv_num_heads`` attribute of the ``Attention`` that reads the updated cache; a buffer
-not updated by one ``TensorScatter`` at axis 1 from the cache input itself, or whose heads cannot be read, is
+``kv_heads`` comes from the ``kv_num_heads`` attribute of the ``Attention`` that reads the updated cache (or from the
+``Reshape(updated cache, [0, 0, kv_heads, head_dim])`` heads view of a graph converted from retained state, whose
+shape views ``Reshape(cache, [0, kv_heads, -1, head_dim])`` read by ``Shape`` alone then read the retained buffer, of
+that same shape); a buffer not updated by one ``TensorScatter`` at axis 1 from the cache input itself (or read
+otherwise), or whose heads cannot be read, is
 refused in one line before anything changes. Values are renamed and rewired as ``ir.Value`` objects, never strings.
 """
 
@@ -23,6 +26,7 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes._patterns import const_array
 
 _PERM = [0, 2, 1, 3]   # [batch, capacity, heads, head_dim] <-> [batch, heads, capacity, head_dim]
 
@@ -37,21 +41,47 @@ def _plan_pair(graph: ir.Graph, x: ir.Value, parsed: naming.KVName) -> tuple:
     name = x.name
     users = [(n, i) for n, i in x.uses() if n.op_type == "TensorScatter" and n.domain in ("", "ai.onnx") and i == 0]
     out_names = {v.name for v in graph.outputs}
-    if len(users) != 1 or len(x.uses()) != 1 or users[0][0].outputs[0].name != parsed.output or \
+    views = [n for n, i in x.uses() if i == 0 and _shape_view(n) is not None]
+    if len(users) != 1 or len(x.uses()) != 1 + len(views) or users[0][0].outputs[0].name != parsed.output or \
             parsed.output not in out_names:
         raise DialectError(f"cannot convert {name}: it is not updated by exactly one TensorScatter into {parsed.output}")
     node = users[0][0]
     shape = x.shape
     if shape is None or len(shape) != 3 or _attr(node, "axis", -2) not in (1, -2):
         raise DialectError(f"cannot convert {name}: not a [batch, capacity, heads*head_dim] cache scattered at axis 1")
-    heads = {_attr(n, "kv_num_heads") for n, _ in node.outputs[0].uses() if n.op_type == "Attention"}
-    heads.discard(None)
     width = shape[2]
+    heads = {_attr(n, "kv_num_heads") for n, _ in node.outputs[0].uses() if n.op_type == "Attention"}
+    heads |= {_split_heads(n, width) for n, i in node.outputs[0].uses() if n.op_type == "Reshape" and i == 0}
+    heads.discard(None)
     if len(heads) != 1 or not isinstance(width, int) or width % next(iter(heads)):
         raise DialectError(f"cannot convert {name}: its kv_heads are unknown (no Attention with kv_num_heads reads "
                            f"{parsed.output}, or {width} is not a multiple of it)")
     kv_heads = int(next(iter(heads)))
+    if any(_shape_view(n) != (kv_heads, width // kv_heads) for n in views):
+        raise DialectError(f"cannot convert {name}: a shape view of it is not [batch, {kv_heads}, capacity, "
+                           f"{width // kv_heads}]")
     return x, node, kv_heads, width // kv_heads
+
+
+def _shape_view(node: ir.Node) -> tuple[int, int] | None:
+    """``(h, d)`` of a ``Reshape(cache, [0, h, -1, d])`` that only ``Shape``/``Size`` read (how a graph converted by
+    :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` gives the old readers of the retained
+    buffer's shape its ``[batch, heads, capacity, head_dim]`` shape), else ``None``."""
+    shape = const_array(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
+    if shape is None or shape.shape != (4,) or shape[0] != 0 or shape[2] != -1 or min(shape[1], shape[3]) <= 0:
+        return None
+    if any(n.op_type not in ("Shape", "Size") for n, _ in node.outputs[0].uses()):
+        return None
+    return int(shape[1]), int(shape[3])
+
+
+def _split_heads(reshape: ir.Node, width) -> int | None:
+    """``h`` of a ``Reshape(cache, [0, 0, h, d])`` with ``h * d == width`` (the heads view a graph converted by
+    :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` reads), else ``None``."""
+    shape = const_array(reshape.inputs[1]) if len(reshape.inputs) > 1 else None
+    if shape is None or shape.shape != (4,) or list(shape[:2]) != [0, 0] or not isinstance(width, int):
+        return None
+    return int(shape[2]) if shape[2] > 0 and shape[3] > 0 and int(shape[2]) * int(shape[3]) == width else None
 
 
 class StaticToRetainedPass(InvariantPass):
@@ -141,6 +171,9 @@ def _convert_pair(graph: ir.Graph, parsed: naming.KVName, x: ir.Value, node: ir.
     packed = _const(graph, f"qeff_kv.to_retained.packed.{width}", np.array([0, 0, width], np.int64))
     buf = ir.Value(name=new.name, shape=ir.Shape([batch, kv_heads, capacity, head_dim]), type=x.type)
     graph.inputs[graph.inputs.index(x)] = buf
+    for reader, idx in list(x.uses()):   # shape views Reshape(x, [0, heads, -1, head_dim]): the same shape of buf
+        if reader is not node:
+            reader.replace_input_with(idx, buf)
     heads = _add(graph, "Reshape", [node.inputs[1], split], f"{tag}/update_heads")
     update = _add(graph, "Transpose", [heads], f"{tag}/update", perm=_PERM)
     scatter = ir.node("TensorScatter", [buf, update, write_idx], attributes={"axis": 2}, num_outputs=1,

@@ -9,8 +9,9 @@ rename (of ``ir.Value`` objects, never strings).
 
 A growing past/present graph (``present = Concat(past, new)``) is refused in one line: its attention reads every
 position of a buffer that grows, which no renaming makes a fixed-capacity cache. :func:`conversion_pass` plans the
-conversion between any two dialects (:class:`~qeff_kv.graph.passes.static_to_retained.StaticToRetainedPass` for a
-static cache) and refuses, in one line, what is not built.
+conversion between any two dialects (:class:`~qeff_kv.graph.passes.static_to_retained.StaticToRetainedPass` from a
+static cache, :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` into one, from retained state or
+shared past/present) and refuses, in one line, what is not built or cannot be converted exactly.
 
 All checks run before the first rename: a refused conversion leaves the model untouched.
 """
@@ -24,6 +25,8 @@ from qeff_kv.contract.layout import NO_KV, KVLayout
 from qeff_kv.errors import ContractError, DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes import retained_to_static
+from qeff_kv.graph.passes.retained_to_static import RetainedToStaticPass
 from qeff_kv.graph.passes.static_to_retained import StaticToRetainedPass
 
 #: what ``rewrite --to`` takes: a dialect name of :data:`qeff_kv.contract.naming.DIALECTS`, or the shared-buffer
@@ -54,9 +57,6 @@ def refusal(layout: KVLayout, dialect: str) -> str | None:
     source = layout.dialect
     if source is None:
         return "KV buffers are named only by a sidecar; convert the graph those names come from"
-    if dialect == naming.STATIC_CACHE and source != naming.STATIC_CACHE:
-        return (f"{source} -> {naming.STATIC_CACHE} is not built: the {source} update (ScatterND at position_ids) "
-                "would have to be rebuilt as a TensorScatter on packed [batch, capacity, heads*head_dim] buffers")
     if source == naming.STATIC_CACHE and dialect == naming.PAST_PRESENT:
         return (f"{naming.STATIC_CACHE} -> {SHARED_PAST_PRESENT} is not built directly: convert to "
                 f"{naming.RETAINED_STATE} first, then to {SHARED_PAST_PRESENT}")
@@ -76,6 +76,9 @@ def conversion_pass(model: ir.Model, to: str) -> InvariantPass | None:
         return None
     if layout.dialect == naming.STATIC_CACHE:
         return StaticToRetainedPass()
+    if dialect == naming.STATIC_CACHE:
+        retained_to_static.plan(model)   # refused (one line) before anything changes
+        return RetainedToStaticPass()
     return ToDialectPass(dialect)
 
 
