@@ -91,8 +91,9 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
     """After a rewrite: the sidecars of ``src_dir`` that describe ``source_name`` rewritten for ``model`` (the
     rewritten graph, saved at ``dst_graph``) beside it, atomically. Nothing when ``src_dir`` has none, when they
     describe another graph, or when the new graph goes to another name in the same folder (they still describe
-    the source graph there), nor when the rewritten graph's KV cache is in another dialect than retained state (they
-    bind retained-state ports: ``rewrite --to static-cache``/``shared-past-present`` leaves them behind)."""
+    the source graph there). A file whose format cannot describe the rewritten graph (:func:`reasons`: a static cache
+    for both, shared-buffer past/present for the workflow form written here) is not carried over, and removed when
+    the graph was converted in place (it would name ports the graph no longer has)."""
     dst_dir = dst_graph.parent
     if src_dir.resolve() == dst_dir.resolve() and dst_graph.name != source_name:
         return []
