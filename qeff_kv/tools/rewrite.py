@@ -27,7 +27,7 @@ from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import naming
 from qeff_kv.errors import ExternalDataError, RewriteError
 from qeff_kv.graph.passes import SetKVPrefixPass
-from qeff_kv.graph.passes.to_dialect import conversion_pass, target_dialect
+from qeff_kv.graph.passes.dialects.to_dialect import conversion_pass, target_dialect
 
 
 @dataclass
@@ -161,7 +161,7 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     At most one of ``prefix`` (add or change to it) and ``strip=True`` (remove any prefix) may be given, and one
     of them must be unless ``to`` is. ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes
     them uniform. ``to`` (``retained-state``, ``static-cache``, ``shared-past-present``) converts the KV cache to
-    that dialect first (:func:`qeff_kv.graph.passes.to_dialect.conversion_pass`; the prefix kept unless changed
+    that dialect first (:func:`qeff_kv.graph.passes.dialects.to_dialect.conversion_pass`; the prefix kept unless changed
     too); a conversion that cannot be made exactly raises :class:`~qeff_kv.errors.DialectError`.
     """
     # ------------------------------------------------------------------ arguments (nothing read yet)

@@ -10,10 +10,10 @@ from qeff_kv.graph.passes.ort_invalid_index import OrtInvalidIndexPass
 from qeff_kv.graph.passes.pack_gqa_qkv import PackGQAQKVPass
 from qeff_kv.graph.passes.pack_shared_input_matmuls import PackSharedInputMatMulsPass
 from qeff_kv.graph.passes.remove_passthrough import RemovePassThroughPass
-from qeff_kv.graph.passes.retained_to_static import RetainedToStaticPass
+from qeff_kv.graph.passes.dialects.retained_to_static import RetainedToStaticPass
 from qeff_kv.graph.passes.set_kv_prefix import SetKVPrefixPass
-from qeff_kv.graph.passes.static_to_retained import StaticToRetainedPass
-from qeff_kv.graph.passes.to_dialect import ToDialectPass
+from qeff_kv.graph.passes.dialects.static_to_retained import StaticToRetainedPass
+from qeff_kv.graph.passes.dialects.to_dialect import ToDialectPass
 
 __all__ = ["FoldLayoutPairsPass", "FuseSkipRMSNormPass", "GateVisionEncoderPass", "OrtInvalidIndexPass", "PackGQAQKVPass",
            "PackSharedInputMatMulsPass", "RemovePassThroughPass", "RetainedToStaticPass",

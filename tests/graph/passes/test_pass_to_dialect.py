@@ -13,7 +13,7 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import DialectError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes import StaticToRetainedPass, ToDialectPass
-from qeff_kv.graph.passes.to_dialect import conversion_pass
+from qeff_kv.graph.passes.dialects.to_dialect import conversion_pass
 from qeff_kv.tools.check import check
 
 CAP = 32

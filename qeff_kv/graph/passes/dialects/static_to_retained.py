@@ -65,7 +65,7 @@ def _plan_pair(graph: ir.Graph, x: ir.Value, parsed: naming.KVName) -> tuple:
 
 def _shape_view(node: ir.Node) -> tuple[int, int] | None:
     """``(h, d)`` of a ``Reshape(cache, [0, h, -1, d])`` that only ``Shape``/``Size`` read (how a graph converted by
-    :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` gives the old readers of the retained
+    :class:`~qeff_kv.graph.passes.dialects.retained_to_static.RetainedToStaticPass` gives the old readers of the retained
     buffer's shape its ``[batch, heads, capacity, head_dim]`` shape), else ``None``."""
     shape = const_array(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
     if shape is None or shape.shape != (4,) or shape[0] != 0 or shape[2] != -1 or min(shape[1], shape[3]) <= 0:
@@ -77,7 +77,7 @@ def _shape_view(node: ir.Node) -> tuple[int, int] | None:
 
 def _split_heads(reshape: ir.Node, width) -> int | None:
     """``h`` of a ``Reshape(cache, [0, 0, h, d])`` with ``h * d == width`` (the heads view a graph converted by
-    :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` reads), else ``None``."""
+    :class:`~qeff_kv.graph.passes.dialects.retained_to_static.RetainedToStaticPass` reads), else ``None``."""
     shape = const_array(reshape.inputs[1]) if len(reshape.inputs) > 1 else None
     if shape is None or shape.shape != (4,) or list(shape[:2]) != [0, 0] or not isinstance(width, int):
         return None

@@ -9,8 +9,8 @@ rename (of ``ir.Value`` objects, never strings).
 
 A growing past/present graph (``present = Concat(past, new)``) is refused in one line: its attention reads every
 position of a buffer that grows, which no renaming makes a fixed-capacity cache. :func:`conversion_pass` plans the
-conversion between any two dialects (:class:`~qeff_kv.graph.passes.static_to_retained.StaticToRetainedPass` from a
-static cache, :class:`~qeff_kv.graph.passes.retained_to_static.RetainedToStaticPass` into one, from retained state or
+conversion between any two dialects (:class:`~qeff_kv.graph.passes.dialects.static_to_retained.StaticToRetainedPass` from a
+static cache, :class:`~qeff_kv.graph.passes.dialects.retained_to_static.RetainedToStaticPass` into one, from retained state or
 shared past/present) and refuses, in one line, what is not built or cannot be converted exactly.
 
 All checks run before the first rename: a refused conversion leaves the model untouched.
@@ -25,9 +25,9 @@ from qeff_kv.contract.layout import NO_KV, KVLayout
 from qeff_kv.errors import ContractError, DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
-from qeff_kv.graph.passes import retained_to_static
-from qeff_kv.graph.passes.retained_to_static import RetainedToStaticPass
-from qeff_kv.graph.passes.static_to_retained import StaticToRetainedPass
+from qeff_kv.graph.passes.dialects import retained_to_static
+from qeff_kv.graph.passes.dialects.retained_to_static import RetainedToStaticPass
+from qeff_kv.graph.passes.dialects.static_to_retained import StaticToRetainedPass
 
 #: what ``rewrite --to`` takes: a dialect name of :data:`qeff_kv.contract.naming.DIALECTS`, or the shared-buffer
 #: past/present spelled out
