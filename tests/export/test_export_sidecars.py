@@ -73,9 +73,9 @@ def test_rewrite_keeps_sidecars_in_step(own_vllm_graph, tmp_path):
 
 
 def test_a_conversion_keeps_only_the_sidecars_that_can_describe_it(own_vllm_graph, tmp_path):
-    """rewrite --to shared-past-present: genai_config.json follows with the new names (still a shared buffer); the
-    workflow form written here binds only retained-state ports, so inference_metadata.yaml is not carried over, and an
-    in-place conversion removes the stale one rather than leave a file naming ports the graph no longer has."""
+    """rewrite --to shared-past-present: both sidecars follow with the new names (still a shared buffer); --to
+    static-cache: neither format written here describes a TensorScatter cache, so none is carried over, and an in-place
+    conversion removes the stale ones rather than leave files naming ports the graph no longer has."""
     src = tmp_path / "src"
     shutil.copytree(own_vllm_graph, src)
     onnx_name = json.loads((src / "manifest.json").read_text())["onnx"]
@@ -90,8 +90,8 @@ def test_a_conversion_keeps_only_the_sidecars_that_can_describe_it(own_vllm_grap
     assert doc["search"]["past_present_share_buffer"] is True
     ins, outs = [t.name for t in layout.inputs], [t.name for t in layout.outputs]
     got = sidecars.read_declared(out.parent, ins, outs)
-    assert [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
-    assert not (out.parent / sidecars.INFERENCE_METADATA_FILE).exists()
+    assert got.form == "pipeline.workflow" and [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(layout)
     rw.rewrite(src / onnx_name, in_place=True, to="shared-past-present")
-    assert not (src / sidecars.INFERENCE_METADATA_FILE).exists()
     assert json.loads((src / sidecars.GENAI_CONFIG_FILE).read_text()) == doc
+    rw.rewrite(src / onnx_name, in_place=True, to="static-cache")
+    assert not any((src / n).exists() for n in sidecars.SIDECAR_FILES)

@@ -1,4 +1,5 @@
-"""Writing ``inference_metadata.yaml`` in the ``pipeline.workflow`` form for our retained-state graphs.
+"""Writing ``inference_metadata.yaml`` in the ``pipeline.workflow`` form for our retained-state graphs (and their
+shared-buffer past/present twins, `rewrite --to shared-past-present`: the same buffers under other names).
 
 What onnx-genai 0.1.0.dev6 loads (tried against it, benchmarks/peer_onnx_genai.py): ``schema_version: v1.2`` (the
 first version with ``package.tokenizer.special_tokens``, where the EOS ids go), one ONNX component ``decoder`` whose
@@ -35,7 +36,10 @@ _POLICY_OUT = {"accepted_len": ("int64", ["batch"]), "active": ("bool", ["batch"
 
 
 def unsupported_reason(layout: KVLayout) -> str | None:
-    extra = [t.name for t in layout.inputs if t.name not in _TEXT_INPUTS and naming.parse_kv_name(t.name) is None]
+    if layout.dialect not in (naming.RETAINED_STATE, naming.PAST_PRESENT) or layout.grows:
+        return (f"the workflow form written here binds buffers the graph updates in place; a "
+                f"{layout.dialect or 'sidecar-declared'} graph ({layout.update}) is not one")
+    extra = [t.name for t in layout.inputs if t.name not in _TEXT_INPUTS and naming.parse_any_kv_name(t.name) is None]
     if extra:
         return f"the workflow form written here binds input_ids, position_ids and KV buffers; the graph also takes {extra[0]!r}"
     if layout.input("input_ids") is None or layout.output("logits") is None:
