@@ -202,11 +202,11 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
         result.written = False
         return result
     graphio.save(model, dst_path, source_dir=src.parent)
-    _carry_sidecars(src, dst_path, model)
+    _carry_sidecars(src, dst_path, model, dict(renamed), converted=result.dialect != old_dialect)
     return result
 
 
-def _carry_sidecars(src: Path, dst_path: Path, model) -> None:
+def _carry_sidecars(src: Path, dst_path: Path, model, renames: dict[str, str], *, converted: bool) -> None:
     """The runtime sidecars beside ``src`` (genai_config.json, inference_metadata.yaml), rewritten for the new
     names beside the output (:func:`qeff_kv.graph.sidecars.carry_over`; in place: updated where they are)."""
-    sidecars.carry_over(src.parent, dst_path, model, source_name=src.name)
+    sidecars.carry_over(src.parent, dst_path, model, source_name=src.name, renames=renames, converted=converted)

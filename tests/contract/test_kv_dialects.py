@@ -4,14 +4,18 @@ retained state; what ``check``, ``buffers`` and ``rewrite`` make of each."""
 from __future__ import annotations
 
 import re
+import shutil
 
+import dialect_loops
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import yaml
 from onnx import TensorProto, helper
 
 import _kv_graphs as kvg
+from suite import REPO
 from qeff_kv.contract import naming
 from qeff_kv.contract.layout import NO_KV, KVLayout, TensorInfo
 from qeff_kv.errors import ContractError
@@ -226,3 +230,25 @@ def test_buffers_refuses_a_graph_whose_kv_it_cannot_name(tmp_path):
     with pytest.raises(ContractError) as exc:
         buffers.buffers_report(path)
     assert str(exc.value) == f"{path}: {NO_KV}"
+
+
+def test_another_writers_sidecar_follows_a_rename_and_leaves_with_a_conversion(tmp_path):
+    """mobius' model.io-form inference_metadata.yaml beside a static-cache graph: `check` reads it, a prefix rewrite
+    renames exactly the ports it names (in place), and a conversion in place removes it (it would name ports the
+    converted graph no longer has)."""
+    path = dialect_loops.static_cache_graph(tmp_path / "model.onnx", layers=2, capacity=64, kv_heads=2,
+                                            head_dim=16, q_heads=4)
+    shutil.copy(REPO / "fixtures" / "sidecars" / "mobius-0.1.0-static.yaml", tmp_path / "inference_metadata.yaml")
+    rep = check.check(path)
+    assert rep.rule("sidecar").status == "pass" and rep.rule("sidecar").note == "checked: inference_metadata.yaml"
+    rewrite.rewrite(path, in_place=True, prefix="VLLM")
+    doc = yaml.safe_load((tmp_path / "inference_metadata.yaml").read_text())
+    sc = doc["model"]["io"]["static_cache"]
+    assert sc["key_cache_inputs"] == ["key_cache.0_VLLM", "key_cache.1_VLLM"]
+    assert sc["value_cache_outputs"] == ["updated_value_cache.0_VLLM", "updated_value_cache.1_VLLM"]
+    assert sc["write_indices_input"] == naming.WRITE_INDICES_INPUT   # not a KV buffer: as it was
+    rep = check.check(path, expected_prefix="VLLM")
+    assert rep.ok and rep.rule("sidecar").status == "pass", rep.format_text()
+    rewrite.rewrite(path, in_place=True, to="retained-state")
+    assert not (tmp_path / "inference_metadata.yaml").exists()
+    assert check.check(path).rule("sidecar").status == "skip"

@@ -87,13 +87,17 @@ def _facts_from_yaml(doc: dict, onnx_name: str, window: int | None) -> SidecarFa
                         bos_token_id=special.get("bos_token_id"), sliding_window=window)
 
 
-def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: str) -> list[Path]:
+def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: str,
+               renames: dict[str, str] | None = None, converted: bool = False) -> list[Path]:
     """After a rewrite: the sidecars of ``src_dir`` that describe ``source_name`` rewritten for ``model`` (the
     rewritten graph, saved at ``dst_graph``) beside it, atomically. Nothing when ``src_dir`` has none, when they
     describe another graph, or when the new graph goes to another name in the same folder (they still describe
     the source graph there). A file whose format cannot describe the rewritten graph (:func:`reasons`: a static cache
     for both, shared-buffer past/present for the workflow form written here) is not carried over, and removed when
-    the graph was converted in place (it would name ports the graph no longer has)."""
+    the graph was converted in place (it would name ports the graph no longer has). Another writer's
+    ``inference_metadata.yaml`` (mobius' ``model.io`` form...) that names the graph's old ports follows a renaming
+    (``renames``: old -> new port names; every string equal to an old name becomes the new one) and, after a
+    conversion (``converted``), is not carried over (removed in place)."""
     dst_dir = dst_graph.parent
     if src_dir.resolve() == dst_dir.resolve() and dst_graph.name != source_name:
         return []
@@ -114,7 +118,14 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
     if ypath.is_file():
         doc = inference_metadata.load(ypath)
         decoder = ((doc.get("pipeline") or {}).get("workflow") or {}).get("components", {}).get("decoder") or {}
-        if (decoder.get("implementation") or {}).get("artifact") == source_name:
+        if not decoder and _names_any(doc, renames or {}):   # another writer's form, naming this graph's ports
+            if converted:
+                _drop_stale(dst_dir / INFERENCE_METADATA_FILE, dst_dir.resolve() == src_dir.resolve())
+            else:
+                fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE,
+                                  yaml.safe_dump(_renamed_leaves(doc, renames or {}), sort_keys=False))
+                written.append(dst_dir / INFERENCE_METADATA_FILE)
+        elif (decoder.get("implementation") or {}).get("artifact") == source_name:
             if INFERENCE_METADATA_FILE in skip:
                 _drop_stale(dst_dir / INFERENCE_METADATA_FILE, dst_dir.resolve() == src_dir.resolve())
             else:
@@ -122,6 +133,28 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
                 fsutil.write_text(dst_dir / INFERENCE_METADATA_FILE, yaml_text(layout, facts))
                 written.append(dst_dir / INFERENCE_METADATA_FILE)
     return written
+
+
+def _names_any(doc, names: dict[str, str]) -> bool:
+    """Whether some string of ``doc`` (at any depth) is one of ``names``' keys."""
+    if isinstance(doc, str):
+        return doc in names
+    if isinstance(doc, dict):
+        return any(_names_any(v, names) for v in doc.values())
+    if isinstance(doc, list):
+        return any(_names_any(v, names) for v in doc)
+    return False
+
+
+def _renamed_leaves(doc, names: dict[str, str]):
+    """``doc`` with every string equal to a key of ``names`` replaced by its value (port names, never substrings)."""
+    if isinstance(doc, str):
+        return names.get(doc, doc)
+    if isinstance(doc, dict):
+        return {k: _renamed_leaves(v, names) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_renamed_leaves(v, names) for v in doc]
+    return doc
 
 
 def _drop_stale(path: Path, same_folder: bool) -> None:
