@@ -19,7 +19,7 @@ dialect as its writer means it (the suite's own reference). Build the five packa
     for b in "default" "int4 --keep-quantized" "static --static-cache --max-seq-len 256" \\
              "static-int4 --static-cache --max-seq-len 256 --keep-quantized" "strict --ep onnx-standard"; do
         set -- $b; mobius build-gguf $G -o BUILDS/$1 "${@:2}" --runtime onnx-genai; done
-    python benchmarks/peer_dialects.py BUILDS --out results/peer_dialects.json
+    python benchmarks/peer_dialects.py BUILDS --out benchmarks/results/peer_dialects.json
 """
 
 from __future__ import annotations
