@@ -80,3 +80,20 @@ def concat_tensor(values: list[ir.Value], axis: int, name: str, rows_of: list[in
         shape = [sum(i.size for i in infos)] if infos[0].ndim == 1 else \
             [sum(i.shape[0] for i in infos)] + list(infos[0].shape[1:])
     return ir.LazyTensor(compute, dtype=infos[0].tensor.dtype, shape=ir.Shape(shape), name=name)
+
+
+def named_const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    """The initializer ``name`` of ``graph``, registered with ``arr`` when it is not there yet."""
+    v = graph.initializers.get(name)
+    if v is None:
+        v = ir.Value(name=name, const_value=ir.tensor(arr))
+        graph.register_initializer(v)
+    return v
+
+
+def append_node(graph: ir.Graph, op: str, inputs, name: str, **attrs) -> ir.Value:
+    """A one-output node ``op`` appended to ``graph``, node and output both named ``name``; its output."""
+    node = ir.node(op, inputs, attributes=attrs, name=name, num_outputs=1)
+    node.outputs[0].name = name
+    graph.append(node)
+    return node.outputs[0]

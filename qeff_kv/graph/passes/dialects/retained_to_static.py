@@ -38,6 +38,7 @@ from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.inplace import inplace_issues
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes._patterns import append_node, named_const
 
 OPSET = 24   # TensorScatter's
 _TARGETS = ("portable", "onnxruntime")
@@ -167,21 +168,6 @@ def plan(model: ir.Model) -> list[tuple]:
 
 
 # ------------------------------------------------------------------ rewriting
-def _const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    v = graph.initializers.get(name)
-    if v is None:
-        v = ir.Value(name=name, const_value=ir.tensor(arr))
-        graph.register_initializer(v)
-    return v
-
-
-def _add(graph: ir.Graph, op: str, inputs, name: str, **attrs) -> ir.Value:
-    node = ir.node(op, inputs, attributes=attrs, name=name, num_outputs=1)
-    node.outputs[0].name = name
-    graph.append(node)
-    return node.outputs[0]
-
-
 def _static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Append ``write_indices`` and ``nonpad_kv_seqlen`` and make every reader of ``pos`` read
     ``where(write_indices[b] + j < nonpad_kv_seqlen[b], pos[b, j], -1)``."""
@@ -190,17 +176,17 @@ def _static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
     write_idx, nonpad = (ir.Value(name=n, shape=ir.Shape([batch]), type=ir.TensorType(ir.DataType.INT64))
                          for n in (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT))
     graph.inputs.extend([write_idx, nonpad])
-    zero, one = _const(graph, f"{_TAG}.zero", np.array(0, np.int64)), _const(graph, f"{_TAG}.one", np.array(1, np.int64))
-    axis1 = _const(graph, f"{_TAG}.axis1", np.array([1], np.int64))
-    pad = _const(graph, f"{_TAG}.padding_position", np.array(-1, np.int64))
-    seq = _add(graph, "Gather", [_add(graph, "Shape", [pos], f"{_TAG}/positions_shape"), one], f"{_TAG}/seq_len",
+    zero, one = named_const(graph, f"{_TAG}.zero", np.array(0, np.int64)), named_const(graph, f"{_TAG}.one", np.array(1, np.int64))
+    axis1 = named_const(graph, f"{_TAG}.axis1", np.array([1], np.int64))
+    pad = named_const(graph, f"{_TAG}.padding_position", np.array(-1, np.int64))
+    seq = append_node(graph, "Gather", [append_node(graph, "Shape", [pos], f"{_TAG}/positions_shape"), one], f"{_TAG}/seq_len",
                axis=0)
-    steps = _add(graph, "Range", [zero, seq, one], f"{_TAG}/steps")
-    slots = _add(graph, "Add", [_add(graph, "Unsqueeze", [write_idx, axis1], f"{_TAG}/first_slot"), steps],
+    steps = append_node(graph, "Range", [zero, seq, one], f"{_TAG}/steps")
+    slots = append_node(graph, "Add", [append_node(graph, "Unsqueeze", [write_idx, axis1], f"{_TAG}/first_slot"), steps],
                  f"{_TAG}/slots")
-    held = _add(graph, "Unsqueeze", [nonpad, axis1], f"{_TAG}/held")
-    valid = _add(graph, "Less", [slots, held], f"{_TAG}/valid")
-    masked = _add(graph, "Where", [valid, pos, pad], f"{_TAG}/positions")
+    held = append_node(graph, "Unsqueeze", [nonpad, axis1], f"{_TAG}/held")
+    valid = append_node(graph, "Less", [slots, held], f"{_TAG}/valid")
+    masked = append_node(graph, "Where", [valid, pos, pad], f"{_TAG}/positions")
     for node, idx in readers:
         node.replace_input_with(idx, masked)
     return write_idx, nonpad
@@ -216,21 +202,21 @@ def _convert_pair(graph: ir.Graph, item: tuple, write_idx: ir.Value) -> None:
     packed_shape = ir.Shape([batch, capacity, width])
     buf = ir.Value(name=new.name, shape=packed_shape, type=x.type)
     graph.inputs[graph.inputs.index(x)] = buf
-    packed = _const(graph, f"{_TAG}.packed.{width}", np.array([0, 0, width], np.int64))
-    split = _const(graph, f"{_TAG}.split.{heads}x{head_dim}", np.array([0, 0, heads, head_dim], np.int64))
+    packed = named_const(graph, f"{_TAG}.packed.{width}", np.array([0, 0, width], np.int64))
+    split = named_const(graph, f"{_TAG}.split.{heads}x{head_dim}", np.array([0, 0, heads, head_dim], np.int64))
     # shape-only readers: a view of the packed buffer with the old [batch, heads, capacity, head_dim] shape
-    shaped = _const(graph, f"{_TAG}.heads_first.{heads}x{head_dim}", np.array([0, heads, -1, head_dim], np.int64))
+    shaped = named_const(graph, f"{_TAG}.heads_first.{heads}x{head_dim}", np.array([0, heads, -1, head_dim], np.int64))
     if x.uses():
-        x.replace_all_uses_with(_add(graph, "Reshape", [buf, shaped], f"{tag}/shape_view"))
+        x.replace_all_uses_with(append_node(graph, "Reshape", [buf, shaped], f"{tag}/shape_view"))
     updates = node.inputs[2 if node.op_type == "ScatterND" else 1]   # ScatterND(data, indices, updates)
-    update = _add(graph, "Reshape", [_add(graph, "Transpose", [updates], f"{tag}/update_positions_first",
+    update = append_node(graph, "Reshape", [append_node(graph, "Transpose", [updates], f"{tag}/update_positions_first",
                                           perm=_PERM), packed], f"{tag}/update")
     scatter = ir.node("TensorScatter", [buf, update, write_idx], attributes={"axis": 1}, num_outputs=1,
                       name=f"{tag}/TensorScatter")
     y = scatter.outputs[0]
     y.name, y.shape, y.type = new.output, packed_shape, x.type
     graph.append(scatter)
-    view = _add(graph, "Transpose", [_add(graph, "Reshape", [y, split], f"{tag}/heads")], f"{tag}/view", perm=_PERM)
+    view = append_node(graph, "Transpose", [append_node(graph, "Reshape", [y, split], f"{tag}/heads")], f"{tag}/view", perm=_PERM)
     graph.outputs[graph.outputs.index(out)] = y
     out.replace_all_uses_with(view)
     graph.remove(node, safe=True)
@@ -243,7 +229,7 @@ def _to_opset(model: ir.Model) -> None:
             axes = np.array(node.attributes.pop("axes").value, np.int64)
             name = f"{_TAG}.axes.{'_'.join(map(str, axes.tolist()))}"
             node.resize_inputs(2)
-            node.replace_input_with(1, _const(model.graph, name, axes))
+            node.replace_input_with(1, named_const(model.graph, name, axes))
     model.opset_imports[""] = OPSET
 
 

@@ -26,7 +26,7 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
-from qeff_kv.graph.passes._patterns import const_array
+from qeff_kv.graph.passes._patterns import append_node, const_array, named_const
 
 _PERM = [0, 2, 1, 3]   # [batch, capacity, heads, head_dim] <-> [batch, heads, capacity, head_dim]
 
@@ -132,30 +132,15 @@ def _others(model: ir.Model) -> tuple:
                  for values in io_signature(model))
 
 
-def _const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    v = graph.initializers.get(name)
-    if v is None:
-        v = ir.Value(name=name, const_value=ir.tensor(arr))
-        graph.register_initializer(v)
-    return v
-
-
-def _add(graph: ir.Graph, op: str, inputs, name: str, **attrs) -> ir.Value:
-    node = ir.node(op, inputs, attributes=attrs, name=name, num_outputs=1)
-    node.outputs[0].name = name
-    graph.append(node)
-    return node.outputs[0]
-
-
 def _derive_static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
     """``write_indices = position_ids[:, 0]`` and ``nonpad_kv_seqlen = max(position_ids, axis 1) + 1``."""
     tag = "qeff_kv.to_retained"
-    zero = _const(graph, f"{tag}.zero", np.array(0, np.int64))
-    axis1 = _const(graph, f"{tag}.axis1", np.array([1], np.int64))
-    one = _const(graph, f"{tag}.one", np.array(1, np.int64))
-    first = _add(graph, "Gather", [pos, zero], f"{tag}/{naming.WRITE_INDICES_INPUT}", axis=1)
-    last = _add(graph, "ReduceMax", [pos, axis1], f"{tag}/max_position", keepdims=0)
-    held = _add(graph, "Add", [last, one], f"{tag}/{naming.NONPAD_KV_SEQLEN_INPUT}")
+    zero = named_const(graph, f"{tag}.zero", np.array(0, np.int64))
+    axis1 = named_const(graph, f"{tag}.axis1", np.array([1], np.int64))
+    one = named_const(graph, f"{tag}.one", np.array(1, np.int64))
+    first = append_node(graph, "Gather", [pos, zero], f"{tag}/{naming.WRITE_INDICES_INPUT}", axis=1)
+    last = append_node(graph, "ReduceMax", [pos, axis1], f"{tag}/max_position", keepdims=0)
+    held = append_node(graph, "Add", [last, one], f"{tag}/{naming.NONPAD_KV_SEQLEN_INPUT}")
     return first, held
 
 
@@ -166,23 +151,23 @@ def _convert_pair(graph: ir.Graph, parsed: naming.KVName, x: ir.Value, node: ir.
     batch, capacity, width = x.shape.dims
     new = parsed.in_dialect(naming.RETAINED_STATE)
     tag = f"qeff_kv.to_retained/{new.name}"
-    split = _const(graph, f"qeff_kv.to_retained.split.{kv_heads}x{head_dim}",
+    split = named_const(graph, f"qeff_kv.to_retained.split.{kv_heads}x{head_dim}",
                    np.array([0, 0, kv_heads, head_dim], np.int64))
-    packed = _const(graph, f"qeff_kv.to_retained.packed.{width}", np.array([0, 0, width], np.int64))
+    packed = named_const(graph, f"qeff_kv.to_retained.packed.{width}", np.array([0, 0, width], np.int64))
     buf = ir.Value(name=new.name, shape=ir.Shape([batch, kv_heads, capacity, head_dim]), type=x.type)
     graph.inputs[graph.inputs.index(x)] = buf
     for reader, idx in list(x.uses()):   # shape views Reshape(x, [0, heads, -1, head_dim]): the same shape of buf
         if reader is not node:
             reader.replace_input_with(idx, buf)
-    heads = _add(graph, "Reshape", [node.inputs[1], split], f"{tag}/update_heads")
-    update = _add(graph, "Transpose", [heads], f"{tag}/update", perm=_PERM)
+    heads = append_node(graph, "Reshape", [node.inputs[1], split], f"{tag}/update_heads")
+    update = append_node(graph, "Transpose", [heads], f"{tag}/update", perm=_PERM)
     scatter = ir.node("TensorScatter", [buf, update, write_idx], attributes={"axis": 2}, num_outputs=1,
                       name=f"{tag}/TensorScatter")
     out = scatter.outputs[0]
     out.name, out.shape, out.type = new.output, ir.Shape([batch, kv_heads, capacity, head_dim]), x.type
     graph.append(scatter)
-    back = _add(graph, "Transpose", [out], f"{tag}/positions_first", perm=_PERM)
-    view = _add(graph, "Reshape", [back, packed], f"{tag}/packed")
+    back = append_node(graph, "Transpose", [out], f"{tag}/positions_first", perm=_PERM)
+    view = append_node(graph, "Reshape", [back, packed], f"{tag}/packed")
     old_out = node.outputs[0]
     graph.outputs[graph.outputs.index(old_out)] = out
     old_out.replace_all_uses_with(view)
