@@ -74,22 +74,13 @@ def tokens_cell(path: Path, ids: list[int], ref: list[int], n: int) -> str:
     return "tokens equal" if got == ref else f"TOKENS DIFFER at {next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}"
 
 
-def rewrite_cell(path: Path, work: Path, ids, ref, n) -> str:
-    out = work / "vllm" / path.name
+def rewritten_cell(path: Path, out: Path, ids, ref, n, *, expect=check.ANY, **how) -> str:
+    """``rewrite(path, out, **how)``, then ``check`` on the result and the plain loop's tokens on it."""
     try:
-        rewrite.rewrite(path, out, prefix="VLLM")
+        rewrite.rewrite(path, out, **how)
     except QeffKvError as exc:
         return one_line(exc)
-    return f"{checked(out, expected_prefix='VLLM')}; {tokens_cell(out, ids, ref, n)}"
-
-
-def convert_cell(path: Path, work: Path, ids, ref, n) -> str:
-    out = work / "retained" / path.name
-    try:
-        rewrite.rewrite(path, out, to="retained-state")
-    except QeffKvError as exc:
-        return one_line(exc)
-    return f"{checked(out)}; {tokens_cell(out, ids, ref, n)}"
+    return f"{checked(out, expected_prefix=expect)}; {tokens_cell(out, ids, ref, n)}"
 
 
 def run_cell(path: Path, ids, ref, n) -> str:
@@ -109,7 +100,9 @@ def row(build: Path, n: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="peer-dialects-") as tmp:
         work = Path(tmp)
         cells = {"check": checked(path), "buffers": buffers_cell(path),
-                 "rewrite": rewrite_cell(path, work, ids, ref, n), "convert": convert_cell(path, work, ids, ref, n),
+                 "rewrite": rewritten_cell(path, work / "vllm" / path.name, ids, ref, n, expect="VLLM",
+                                           prefix="VLLM"),
+                 "convert": rewritten_cell(path, work / "retained" / path.name, ids, ref, n, to="retained-state"),
                  "run": run_cell(path, ids, ref, n)}
     return {"build": build.name, "reference_tokens": ref, **cells, "seconds": round(time.perf_counter() - t0, 1)}
 
