@@ -9,7 +9,8 @@ this script records, per column, the result or the one-line refusal:
 * ``buffers``: ``qeff-kv buffers`` (pairs, dialect, update, bytes per sequence);
 * ``rewrite``: ``--kv-cache-prefix VLLM`` in the graph's own dialect, then ``check --kv-cache-prefix VLLM``, and the
   greedy tokens of the plain loop on the rewritten graph equal to those on the build;
-* ``convert``: ``rewrite --to retained-state``, ``check`` on the result, and the plain loop's tokens equal;
+* ``convert``: ``rewrite --to retained-state --capacity 256`` (a growing build is rebuilt over a static cache of that
+  capacity first), ``check`` on the result, and the plain loop's tokens equal;
 * ``run``: qeff-kv's runtime (``Session``) on the build as it is, tokens equal to the plain loop's.
 
 The reference is ``tests/helpers/dialect_loops.greedy_loop``: a plain onnxruntime greedy loop that feeds each
@@ -86,7 +87,7 @@ def rewrite_cell(path: Path, work: Path, ids, ref, n) -> str:
 def convert_cell(path: Path, work: Path, ids, ref, n) -> str:
     out = work / "retained" / path.name
     try:
-        rewrite.rewrite(path, out, to="retained-state")
+        rewrite.rewrite(path, out, to="retained-state", capacity=CAPACITY)
     except QeffKvError as exc:
         return one_line(exc)
     return f"{checked(out)}; {tokens_cell(out, ids, ref, n)}"
