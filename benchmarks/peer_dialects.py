@@ -9,7 +9,8 @@ this script records, per column, the result or the one-line refusal:
 * ``buffers``: ``qeff-kv buffers`` (pairs, dialect, update, bytes per sequence);
 * ``rewrite``: ``--kv-cache-prefix VLLM`` in the graph's own dialect, then ``check --kv-cache-prefix VLLM``, and the
   greedy tokens of the plain loop on the rewritten graph equal to those on the build;
-* ``convert``: ``rewrite --to retained-state``, ``check`` on the result, and the plain loop's tokens equal;
+* ``convert``: ``rewrite --to retained-state --capacity 256`` (a growing build is rebuilt over a static cache of that
+  capacity first), ``check`` on the result, and the plain loop's tokens equal;
 * ``run``: qeff-kv's runtime (``Session``) on the build as it is, tokens equal to the plain loop's.
 
 The reference is ``tests/helpers/dialect_loops.greedy_loop``: a plain onnxruntime greedy loop that feeds each
@@ -102,7 +103,8 @@ def row(build: Path, n: int) -> dict:
         cells = {"check": checked(path), "buffers": buffers_cell(path),
                  "rewrite": rewritten_cell(path, work / "vllm" / path.name, ids, ref, n, expect="VLLM",
                                            prefix="VLLM"),
-                 "convert": rewritten_cell(path, work / "retained" / path.name, ids, ref, n, to="retained-state"),
+                 "convert": rewritten_cell(path, work / "retained" / path.name, ids, ref, n, to="retained-state",
+                                           capacity=CAPACITY),
                  "run": run_cell(path, ids, ref, n)}
     return {"build": build.name, "reference_tokens": ref, **cells, "seconds": round(time.perf_counter() - t0, 1)}
 

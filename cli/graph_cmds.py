@@ -33,9 +33,12 @@ _MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
               help="Accept a graph whose layers carry different prefixes and make them uniform.")
 @click.option("--to", "to", default=None, type=click.Choice(["retained-state", "static-cache", "shared-past-present"]),
               help="Convert the KV cache to this dialect (docs/naming.md \"Dialects\"); the prefix is kept.")
+@click.option("--capacity", "capacity", default=None, type=DIM, metavar="N",
+              help="With --to: the positions of the fixed-capacity cache a growing past/present graph is rebuilt "
+                   "over (required for one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix: bool, in_place: bool,
-                allow_mixed_prefixes: bool, to: str | None, as_json: bool) -> None:
+                allow_mixed_prefixes: bool, to: str | None, capacity: int | None, as_json: bool) -> None:
     """Add, change or strip the KV-cache prefix of a graph, or convert its KV cache to another dialect (--to).
 
     Renames exactly the KV buffers (input and its output together); weights are never loaded.
@@ -48,7 +51,7 @@ def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix
     if output is None and not in_place:
         raise click.UsageError("give -o OUTPUT, or --in-place to rewrite MODEL itself")
     result = _rewrite.rewrite(model, output, prefix=prefix, strip=strip_prefix, in_place=in_place,
-                              allow_mixed=allow_mixed_prefixes, to=to)
+                              allow_mixed=allow_mixed_prefixes, to=to, capacity=capacity)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:

@@ -155,14 +155,16 @@ def _kv_renames(before: list[str], after: list[str]) -> list[tuple[str, str]]:
 
 def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, prefix: str | None = None,
             strip: bool = False, in_place: bool = False, allow_mixed: bool = False,
-            to: str | None = None) -> RewriteResult:
+            to: str | None = None, capacity: int | None = None) -> RewriteResult:
     """Rewrite the KV-cache prefix of the graph at ``src`` into ``dst`` (or ``src`` itself with ``in_place``).
 
     At most one of ``prefix`` (add or change to it) and ``strip=True`` (remove any prefix) may be given, and one
     of them must be unless ``to`` is. ``allow_mixed`` accepts a graph whose layers carry different prefixes and makes
     them uniform. ``to`` (``retained-state``, ``static-cache``, ``shared-past-present``) converts the KV cache to
-    that dialect first (:func:`qeff_kv.graph.passes.dialects.to_dialect.conversion_pass`; the prefix kept unless changed
-    too); a conversion that cannot be made exactly raises :class:`~qeff_kv.errors.DialectError`.
+    that dialect first (:func:`qeff_kv.graph.passes.dialects.to_dialect.conversion_pass`; the prefix kept unless
+    changed too); a conversion that cannot be made exactly raises :class:`~qeff_kv.errors.DialectError`.
+    ``capacity``: the positions of the fixed-capacity cache a growing past/present graph is rebuilt over (required
+    for one).
     """
     # ------------------------------------------------------------------ arguments (nothing read yet)
     validate.path_like("src", src, error=RewriteError)
@@ -170,6 +172,9 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     for label, v in (("strip", strip), ("in_place", in_place), ("allow_mixed", allow_mixed)):
         validate.flag(label, v, error=RewriteError)
     new_prefix = _new_prefix(prefix, strip, to)
+    capacity = validate.optional_int("capacity", capacity, error=RewriteError)
+    if capacity is not None and to is None:
+        raise RewriteError("capacity is for a conversion: give to= (--to DIALECT) with it")
     if to is not None:
         target_dialect(to)
     src = Path(src)
@@ -183,7 +188,8 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     src_dir, dst_dir = src.parent.resolve(), dst_path.parent.resolve()
 
     old_dialect = layout.dialect
-    convert = None if to is None else conversion_pass(model, to)   # planned first: refused before anything changes
+    # planned first: refused before anything changes
+    convert = None if to is None else conversion_pass(model, to, capacity)
     if new_prefix is _KEEP:
         new_prefix = old_prefixes[0] if len(old_prefixes) == 1 else None
     before = [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]

@@ -167,3 +167,108 @@ def static_cache_graph(path, *, layers: int = 2, seed: int = 0, capacity: int = 
 
         rewrite(path, in_place=True, prefix=prefix)
     return path
+
+
+def step_logits(onnx_path, chunks: Sequence[Sequence[int]], *, capacity: int) -> list[np.ndarray]:
+    """The logits of each step when ``chunks`` are fed one after another (a chunked prefill), one sequence, fed as
+    :func:`greedy_loop` feeds the graph's dialect."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    dialect, grows = _kv_dialect(sess.get_inputs()), _grows(sess)
+    state = {i.name: _zeros(i, dialect, capacity, grows) for i in sess.get_inputs()
+             if naming.parse_any_kv_name(i.name) is not None}
+    out_names = [o.name for o in sess.get_outputs()]
+    start, logits = 0, []
+    for ids in chunks:
+        results = dict(zip(out_names, sess.run(None, _feeds(sess, dialect, state, list(ids), start))))
+        logits.append(results[naming.LOGITS_OUTPUT][0])
+        for name in state:
+            state[name] = results[naming.parse_any_kv_name(name).output]
+        start += len(ids)
+    return logits
+
+
+# ------------------------------------------------------------------ the handmade growing (mobius default) graph
+def _mask_nodes() -> list:
+    """mobius-onnx's default mask: ``attention_mask`` cast to bool, broadcast to ``[batch, 1, seq, total]``."""
+    m, ids = naming.ATTENTION_MASK_INPUT, naming.INPUT_IDS_INPUT
+    return [helper.make_node("Cast", [m], ["mask/bool"], to=TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["mask/bool", "axis1"], ["mask/rows"]),
+            helper.make_node("Shape", [ids], ["mask/batch"], start=0, end=1),
+            helper.make_node("Shape", [ids], ["mask/seq"], start=1, end=2),
+            helper.make_node("Shape", [m], ["mask/total"], start=1, end=2),
+            helper.make_node("Concat", ["mask/batch", "mask/seq", "mask/total"], ["mask/shape"], axis=0),
+            helper.make_node("Expand", ["mask/rows", "mask/shape"], ["mask/expanded"]),
+            helper.make_node("Unsqueeze", ["mask/expanded", "axis1"], ["mask/4d"])]
+
+
+def _growing_layer(i: int, rng, nodes: list, inits: list, h: str, *, hidden, q_heads, kv_heads, head_dim,
+                   four_d: bool) -> str:
+    kv_dim, q_dim = kv_heads * head_dim, q_heads * head_dim
+    p = f"layers.{i}"
+    for w, shape in (("wq", (hidden, q_dim)), ("wk", (hidden, kv_dim)), ("wv", (hidden, kv_dim)),
+                     ("wo", (q_dim, hidden))):
+        inits.append(_init(rng, f"{p}.{w}", shape, 1.0 / np.sqrt(shape[0])))
+    nodes += [helper.make_node("MatMul", [h, f"{p}.{w}"], [f"{p}/{w[1]}"]) for w in ("wq", "wk", "wv")]
+    qkv = [f"{p}/q", f"{p}/k", f"{p}/v"]
+    if four_d:   # [batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]
+        for name, heads in zip(list(qkv), (q_heads, kv_heads, kv_heads)):
+            nodes += [helper.make_node("Reshape", [name, f"split{heads}"], [f"{name}/split"]),
+                      helper.make_node("Transpose", [f"{name}/split"], [f"{name}/4d"], perm=[0, 2, 1, 3])]
+        qkv = [f"{n}/4d" for n in qkv]
+    past = [naming.dialect_name(naming.PAST_PRESENT, s, i) for s in naming.EXPORT_STEMS]
+    present = [naming.dialect_name(naming.PAST_PRESENT, s, i, output=True) for s in naming.EXPORT_STEMS]
+    attn = f"{p}/attn"
+    nodes.append(helper.make_node("Attention", qkv + ["mask/4d"] + past, [attn] + present, name=f"{p}/Attention",
+                                  kv_num_heads=kv_heads, q_num_heads=q_heads, scale=float(1.0 / np.sqrt(head_dim)),
+                                  is_causal=1, softcap=0.0))
+    if four_d:
+        nodes += [helper.make_node("Transpose", [attn], [f"{attn}/seq_first"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Reshape", [f"{attn}/seq_first", "packed"], [f"{attn}/packed"])]
+        attn = f"{attn}/packed"
+    nodes += [helper.make_node("MatMul", [attn, f"{p}.wo"], [f"{p}/o"]),
+              helper.make_node("Add", [h, f"{p}/o"], [f"{p}/res"]),
+              helper.make_node("Tanh", [f"{p}/res"], [f"{p}/h"])]
+    return f"{p}/h"
+
+
+def growing_attention_graph(path, *, layers: int = 2, seed: int = 0, positions: int = 64, vocab: int = 64,
+                            hidden: int = 32, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 8,
+                            four_d: bool = False) -> Path:
+    """Write a tiny seeded-random growing past/present decoder as mobius-onnx's default build wires it: ai.onnx
+    ``Attention(q, k, v, mask, past_key_values.<i>.key, past_key_values.<i>.value) -> (y, present.<i>.key,
+    present.<i>.value)`` (opset 24, 3-D q/k/v; ``four_d``: 4-D), the mask built from ``attention_mask``; the same
+    blocks as :func:`static_cache_graph` (its twin for one seed)."""
+    rng = np.random.default_rng(seed)
+    inits = [_init(rng, "embed", (vocab, hidden), 1.0), _init(rng, "pos_embed", (positions, hidden), 1.0),
+             _init(rng, "lm_head", (hidden, vocab), 2.0 / np.sqrt(hidden)),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+             numpy_helper.from_array(np.array([0, 0, q_heads * head_dim], np.int64), "packed")]
+    inits += [numpy_helper.from_array(np.array([0, 0, n, head_dim], np.int64), f"split{n}")
+              for n in sorted({q_heads, kv_heads})]
+    nodes = [helper.make_node("Gather", ["embed", naming.INPUT_IDS_INPUT], ["tok"]),
+             helper.make_node("Gather", ["pos_embed", naming.POSITION_IDS_INPUT], ["pos"]),
+             helper.make_node("Add", ["tok", "pos"], ["h0"])] + _mask_nodes()
+    h = "h0"
+    for i in range(layers):
+        h = _growing_layer(i, rng, nodes, inits, h, hidden=hidden, q_heads=q_heads, kv_heads=kv_heads,
+                           head_dim=head_dim, four_d=four_d)
+    nodes.append(helper.make_node("MatMul", [h, "lm_head"], [naming.LOGITS_OUTPUT]))
+    tok_shape = ["batch", "sequence_len"]
+    inputs = [helper.make_tensor_value_info(naming.INPUT_IDS_INPUT, TensorProto.INT64, tok_shape),
+              helper.make_tensor_value_info(naming.ATTENTION_MASK_INPUT, TensorProto.INT64, ["batch", "total"]),
+              helper.make_tensor_value_info(naming.POSITION_IDS_INPUT, TensorProto.INT64, tok_shape)]
+    outputs = [helper.make_tensor_value_info(naming.LOGITS_OUTPUT, TensorProto.FLOAT, tok_shape + [vocab])]
+    for i in range(layers):
+        for stem in naming.EXPORT_STEMS:
+            for output, values, n in ((False, inputs, "past"), (True, outputs, "past + sequence_len")):
+                values.append(helper.make_tensor_value_info(
+                    naming.dialect_name(naming.PAST_PRESENT, stem, i, output=output), TensorProto.FLOAT,
+                    ["batch", kv_heads, n, head_dim]))
+    model = helper.make_model(helper.make_graph(nodes, "growing_decoder", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+    model = onnx.shape_inference.infer_shapes(model)
+    onnx.checker.check_model(model)
+    onnx.save(model, Path(path))
+    return Path(path)

@@ -6,6 +6,7 @@
 from qeff_kv.graph.passes.fold_layout_pairs import FoldLayoutPairsPass
 from qeff_kv.graph.passes.fuse_skip_rmsnorm import FuseSkipRMSNormPass
 from qeff_kv.graph.passes.gate_vision_encoder import GateVisionEncoderPass
+from qeff_kv.graph.passes.dialects.growing_to_static import GrowingToStaticPass
 from qeff_kv.graph.passes.ort_invalid_index import OrtInvalidIndexPass
 from qeff_kv.graph.passes.pack_gqa_qkv import PackGQAQKVPass
 from qeff_kv.graph.passes.pack_shared_input_matmuls import PackSharedInputMatMulsPass
@@ -15,6 +16,7 @@ from qeff_kv.graph.passes.set_kv_prefix import SetKVPrefixPass
 from qeff_kv.graph.passes.dialects.static_to_retained import StaticToRetainedPass
 from qeff_kv.graph.passes.dialects.to_dialect import ToDialectPass
 
-__all__ = ["FoldLayoutPairsPass", "FuseSkipRMSNormPass", "GateVisionEncoderPass", "OrtInvalidIndexPass", "PackGQAQKVPass",
-           "PackSharedInputMatMulsPass", "RemovePassThroughPass", "RetainedToStaticPass",
+__all__ = ["FoldLayoutPairsPass", "FuseSkipRMSNormPass", "GateVisionEncoderPass", "GrowingToStaticPass",
+           "OrtInvalidIndexPass", "PackGQAQKVPass", "PackSharedInputMatMulsPass", "RemovePassThroughPass",
+           "RetainedToStaticPass",
            "SetKVPrefixPass", "StaticToRetainedPass", "ToDialectPass"]

@@ -7,11 +7,14 @@ initializer and metadata entry is as it was, and every pair still pairs. Both di
 ``[batch, kv_heads, capacity, head_dim]`` buffer updated in place at ``position_ids``, so the conversion is a pure
 rename (of ``ir.Value`` objects, never strings).
 
-A growing past/present graph (``present = Concat(past, new)``) is refused in one line: its attention reads every
-position of a buffer that grows, which no renaming makes a fixed-capacity cache. :func:`conversion_pass` plans the
-conversion between any two dialects (:class:`~qeff_kv.graph.passes.dialects.static_to_retained.StaticToRetainedPass` from a
-static cache, :class:`~qeff_kv.graph.passes.dialects.retained_to_static.RetainedToStaticPass` into one, from retained state or
-shared past/present) and refuses, in one line, what is not built or cannot be converted exactly.
+A growing past/present graph is not renamed: its attention reads every position of a buffer that grows. It is
+rebuilt over a static cache of a given capacity where its attention is mobius-onnx's (ai.onnx ``Attention`` with past
+inputs: :class:`~qeff_kv.graph.passes.dialects.growing_to_static.GrowingToStaticPass`), and refused in one line
+otherwise (``present = Concat(past, new)``, GroupQueryAttention...). :func:`conversion_pass` plans the conversion
+between any two dialects (:class:`~qeff_kv.graph.passes.dialects.static_to_retained.StaticToRetainedPass` from a static
+cache, :class:`~qeff_kv.graph.passes.dialects.retained_to_static.RetainedToStaticPass` into one, from retained state or
+shared past/present; growing -> static -> retained as a :class:`ConversionChain`) and refuses, in one line, what is not
+built or cannot be converted exactly.
 
 All checks run before the first rename: a refused conversion leaves the model untouched.
 """
@@ -24,8 +27,10 @@ from qeff_kv.contract import naming
 from qeff_kv.contract.layout import NO_KV, KVLayout
 from qeff_kv.errors import ContractError, DialectError
 from qeff_kv.graph.graphio import layout_of
+from qeff_kv.graph.passes.dialects import growing_to_static
 from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
 from qeff_kv.graph.passes.dialects import retained_to_static
+from qeff_kv.graph.passes.dialects.growing_to_static import GrowingToStaticPass
 from qeff_kv.graph.passes.dialects.retained_to_static import RetainedToStaticPass
 from qeff_kv.graph.passes.dialects.static_to_retained import StaticToRetainedPass
 
@@ -46,14 +51,19 @@ def target_dialect(to: object) -> str:
 
 
 def refusal(layout: KVLayout, dialect: str) -> str | None:
-    """Why the graph of ``layout`` cannot be converted to ``dialect`` exactly, or ``None`` if it can."""
+    """Why the graph of ``layout`` cannot be converted to ``dialect`` exactly, or ``None`` if it can (a growing
+    graph: ``None`` for the targets :class:`GrowingToStaticPass` builds, whose own :func:`growing_to_static.refusal`
+    reads the graph)."""
     if not layout.kv_names:
         return NO_KV
     if len(set(layout.dialects)) > 1:
         return f"KV buffers are spelled in mixed dialects ({', '.join(sorted(set(layout.dialects)))})"
     if layout.grows:
+        if dialect in (naming.STATIC_CACHE, naming.RETAINED_STATE):
+            return None
         return (f"grows by concatenation: {layout.pairs[0].output_name} = Concat({layout.pairs[0].input_name}, new) "
-                "cannot be converted to a fixed-capacity cache without rebuilding attention")
+                f"is not built into a fixed-capacity {SHARED_PAST_PRESENT} cache: convert to {naming.RETAINED_STATE} "
+                f"first (with a capacity), then to {SHARED_PAST_PRESENT}")
     source = layout.dialect
     if source is None:
         return "KV buffers are named only by a sidecar; convert the graph those names come from"
@@ -63,15 +73,64 @@ def refusal(layout: KVLayout, dialect: str) -> str | None:
     return None
 
 
-def conversion_pass(model: ir.Model, to: str) -> InvariantPass | None:
-    """The pass that converts ``model``'s KV cache to dialect ``to`` (:data:`TARGETS`); ``None`` when it is already
-    in it. Raises :class:`DialectError` (one line) for a conversion that cannot be made exactly."""
+def _growing_refusal(model: ir.Model, dialect: str, capacity: int | None) -> str | None:
+    """Why a growing graph cannot be rebuilt into ``dialect`` (static cache, or retained state through it)."""
+    if capacity is None:
+        return ("grows by concatenation: a fixed-capacity cache needs a capacity (positions a sequence may hold; "
+                "--capacity N)")
+    why = growing_to_static.refusal(model)
+    if why is not None or dialect != naming.RETAINED_STATE:
+        return why
+    if naming.POSITION_IDS_INPUT not in {v.name for v in model.graph.inputs}:
+        return (f"the graph takes no {naming.POSITION_IDS_INPUT} to derive {naming.WRITE_INDICES_INPUT} from; "
+                f"convert to {naming.STATIC_CACHE} only")
+    if growing_to_static.packs_heads(model):
+        return (f"its attention takes 4-D keys and values, whose {naming.STATIC_CACHE} form is not converted on to "
+                f"{naming.RETAINED_STATE}; convert to {naming.STATIC_CACHE} only")
+    return None
+
+
+def _capacity_refusal(layout: KVLayout, capacity: int) -> str | None:
+    """A capacity given for a fixed-capacity graph must be the one it has."""
+    axis = 1 if layout.dialect == naming.STATIC_CACHE else 2
+    held = {p.input.shape[axis] for p in layout.pairs if p.input.shape is not None and len(p.input.shape) > axis}
+    sizes = [d for d in held if isinstance(d, int)]
+    if not sizes or max(sizes) != capacity:
+        return (f"the graph's cache already holds {max(sizes) if sizes else 'a fixed number of'} positions; "
+                f"capacity {capacity} cannot change that")
+    return None
+
+
+class ConversionChain:
+    """Passes run in order on one model (growing -> static cache -> retained state); not a pass itself. Every
+    refusal is planned before the first one runs (:func:`conversion_pass`)."""
+
+    def __init__(self, *passes: InvariantPass):
+        self.passes = passes
+
+    def __call__(self, model: ir.Model) -> None:
+        for p in self.passes:
+            p(model)
+
+
+def conversion_pass(model: ir.Model, to: str, capacity: int | None = None) -> InvariantPass | ConversionChain | None:
+    """The pass (or chain) that converts ``model``'s KV cache to dialect ``to`` (:data:`TARGETS`); ``None`` when it
+    is already in it. ``capacity``: the positions of the fixed-capacity cache a growing graph is rebuilt over (for
+    any other graph, if given, the capacity it has). Raises :class:`DialectError` (one line) for a conversion that
+    cannot be made exactly."""
     dialect = target_dialect(to)
     layout = layout_of(model)
     why = refusal(layout, dialect)
+    if why is None and layout.grows:
+        why = _growing_refusal(model, dialect, capacity)
+    elif why is None and capacity is not None:
+        why = _capacity_refusal(layout, capacity)
     if why is not None:
         raise (ContractError if why == NO_KV else DialectError)(
             why if why == NO_KV else f"cannot convert to {to}: {why}")
+    if layout.grows:
+        to_static = GrowingToStaticPass(capacity)
+        return to_static if dialect == naming.STATIC_CACHE else ConversionChain(to_static, StaticToRetainedPass())
     if layout.dialect == dialect:
         return None
     if layout.dialect == naming.STATIC_CACHE:
@@ -100,7 +159,7 @@ class ToDialectPass(InvariantPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         layout = layout_of(model)
-        why = refusal(layout, self.dialect)
+        why = refusal(layout, self.dialect) or ("a growing cache is not renamed" if layout.grows else None)
         if why is not None or layout.dialect not in _RENAMED:
             raise DialectError(f"cannot rename into {self.dialect}: {why or layout.dialect}")
         layout.require_valid()
