@@ -17,7 +17,7 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import DialectError, RewriteError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes import GrowingToStaticPass
-from qeff_kv.graph.passes.to_dialect import conversion_pass
+from qeff_kv.graph.passes.dialects.to_dialect import conversion_pass
 from qeff_kv.tools.check import check
 from qeff_kv.tools.rewrite import rewrite
 
