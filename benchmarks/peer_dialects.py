@@ -56,7 +56,7 @@ def checked(path: Path, **kw) -> str:
     if rep.ok:
         return f"pass ({rep.dialect or 'declared'}, {rep.update})"
     first = rep.rule(rep.failed[0]).violations[0].message
-    return f"fails {', '.join(rep.failed)}: {first}"
+    return f"fails {', '.join(rep.failed)}: {first if len(first) <= 90 else first[:87] + '...'}"
 
 
 def buffers_cell(path: Path) -> str:
