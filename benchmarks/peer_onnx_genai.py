@@ -2,7 +2,8 @@
 
 For each target (and the fused target with ``--kv-cache-prefix VLLM``, and a rewrite of it), export a checkpoint
 with qeff-kv, run onnx-genai (``Engine.from_dir``) on the folder with only ``inference_metadata.yaml``, then with
-only ``genai_config.json``, and compare its greedy tokens with ``qeff-kv generate``'s for a few prompts.
+only ``genai_config.json``, and compare its greedy tokens with ``qeff-kv generate``'s for a few prompts; the same for
+the fused export converted to shared-buffer past/present and the portable one converted to a static cache.
 
 Run it with the python that has onnx-genai (0.1.0.dev6); qeff-kv runs in a subprocess with ``--qeff-python``
 (default: this python) and ``PYTHONPATH`` set to this checkout::
@@ -67,20 +68,21 @@ def peer(folder: Path, keep: str, prompts: list[str], n: int) -> list[list[int]]
         return " ".join(str(exc).split())[:300]
 
 
-def converted(python: str, folder: Path, ref: list, n: int) -> list[tuple[str, str, str]]:
-    """The export converted in place to shared-buffer past/present (``rewrite --to shared-past-present``): its
-    genai_config.json follows the new names; the workflow form written here does not describe it (removed)."""
-    conv = folder.parent / f"{folder.name}-shared-past-present"
+def converted(python: str, folder: Path, ref: list, n: int, dialect: str, label: str) -> list[tuple[str, str, str]]:
+    """The export converted in place (``rewrite --to DIALECT``), its sidecars as the rewrite leaves them:
+    shared-past-present keeps both (new names); static-cache keeps inference_metadata.yaml (an indexed_scatter
+    group) and drops genai_config.json (no TensorScatter form)."""
+    conv = folder.parent / f"{folder.name}-{dialect}"
     shutil.rmtree(conv, ignore_errors=True)
     shutil.copytree(folder, conv)
     onnx_name = json.loads((conv / "manifest.json").read_text())["onnx"]
-    qeff(python, "rewrite", str(conv / onnx_name), "--in-place", "--to", "shared-past-present")
+    qeff(python, "rewrite", str(conv / onnx_name), "--in-place", "--to", dialect)
     rows = []
     for keep in SIDECARS:
         got = peer(conv, keep, PROMPTS, n)
         verdict = (f"equal ({len(PROMPTS)} prompts x {n} tokens)" if got == ref
                    else got if isinstance(got, str) else f"DIFFERENT: {got} vs {ref}")
-        rows.append(("onnxruntime-fused, rewrite --to shared-past-present", keep, verdict))
+        rows.append((f"{label}, rewrite --to {dialect}", keep, verdict))
     return rows
 
 
@@ -104,7 +106,9 @@ def main() -> int:
                        else got if isinstance(got, str) else f"DIFFERENT: {got} vs {ref}")
             rows.append((label, keep, verdict))
         if target == "onnxruntime-fused" and not extra:
-            rows += converted(args.qeff_python, folder, ref, args.max_tokens)
+            rows += converted(args.qeff_python, folder, ref, args.max_tokens, "shared-past-present", label)
+        if target == "portable":   # retained_to_static refuses the fused target (GroupQueryAttention)
+            rows += converted(args.qeff_python, folder, ref, args.max_tokens, "static-cache", label)
     print(f"| export | sidecar onnx-genai read | greedy tokens vs qeff-kv generate |")
     print("|---|---|---|")
     for row in rows:

@@ -74,8 +74,9 @@ def test_rewrite_keeps_sidecars_in_step(own_vllm_graph, tmp_path):
 
 def test_a_conversion_keeps_only_the_sidecars_that_can_describe_it(own_vllm_graph, tmp_path):
     """rewrite --to shared-past-present: both sidecars follow with the new names (still a shared buffer); --to
-    static-cache: neither format written here describes a TensorScatter cache, so none is carried over, and an in-place
-    conversion removes the stale ones rather than leave files naming ports the graph no longer has."""
+    static-cache: genai_config.json has no TensorScatter form, so an in-place conversion removes it rather than leave
+    a file naming ports the graph no longer has; inference_metadata.yaml is regenerated as an indexed_scatter group
+    (tests/graph/test_sidecars_static.py checks what it says)."""
     src = tmp_path / "src"
     shutil.copytree(own_vllm_graph, src)
     onnx_name = json.loads((src / "manifest.json").read_text())["onnx"]
@@ -94,4 +95,7 @@ def test_a_conversion_keeps_only_the_sidecars_that_can_describe_it(own_vllm_grap
     rw.rewrite(src / onnx_name, in_place=True, to="shared-past-present")
     assert json.loads((src / sidecars.GENAI_CONFIG_FILE).read_text()) == doc
     rw.rewrite(src / onnx_name, in_place=True, to="static-cache")
-    assert not any((src / n).exists() for n in sidecars.SIDECAR_FILES)
+    assert not (src / sidecars.GENAI_CONFIG_FILE).exists()
+    static = graphio.layout_of(graphio.load(src / onnx_name))
+    got = sidecars.read_declared(src, [t.name for t in static.inputs], [t.name for t in static.outputs])
+    assert got.update == "indexed_scatter" and [(p.input, p.output, p.layer) for p in got.pairs] == _pairs(static)

@@ -1,4 +1,4 @@
-"""Runtime sidecars beside a retained-state graph: ``genai_config.json`` and ``inference_metadata.yaml``.
+"""Runtime sidecars beside a retained-state, shared-buffer past/present or static-cache graph: ``genai_config.json`` and ``inference_metadata.yaml``.
 
 * :func:`write_sidecars` writes both for a graph (from its layout and :class:`SidecarFacts`), atomically; a file the
   format cannot describe truthfully is not written (:func:`reasons` says why).
@@ -93,7 +93,8 @@ def carry_over(src_dir: Path, dst_graph: Path, model: ir.Model, *, source_name: 
     rewritten graph, saved at ``dst_graph``) beside it, atomically. Nothing when ``src_dir`` has none, when they
     describe another graph, or when the new graph goes to another name in the same folder (they still describe
     the source graph there). A file whose format cannot describe the rewritten graph (:func:`reasons`: a static cache
-    for both, shared-buffer past/present for the workflow form written here) is not carried over, and removed when
+    for ``genai_config.json``; the workflow form is regenerated from the new layout, an ``indexed_scatter`` group for a
+    static cache) is not carried over, and removed when
     the graph was converted in place (it would name ports the graph no longer has). Another writer's
     ``inference_metadata.yaml`` (mobius' ``model.io`` form...) that names the graph's old ports follows a renaming
     (``renames``: old -> new port names; every string equal to an old name becomes the new one) and, after a

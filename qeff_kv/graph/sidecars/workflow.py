@@ -1,5 +1,6 @@
 """Writing ``inference_metadata.yaml`` in the ``pipeline.workflow`` form for our retained-state graphs (and their
-shared-buffer past/present twins, `rewrite --to shared-past-present`: the same buffers under other names).
+shared-buffer past/present twins, `rewrite --to shared-past-present`: the same buffers under other names), and for
+static-cache graphs (`rewrite --to static-cache`, mobius-onnx ``--static-cache``).
 
 What onnx-genai 0.1.0.dev6 loads (tried against it, benchmarks/peer_onnx_genai.py): ``schema_version: v1.2`` (the
 first version with ``package.tokenizer.special_tokens``, where the EOS ids go), one ONNX component ``decoder`` whose
@@ -14,9 +15,19 @@ The schema refuses unknown fields, so what it has no field for is in the header 
 the proposal has no update kind for a graph that writes its own slots from ``position_ids`` (position ``p`` at slot
 ``p``, or ``p % W`` in a ring): no ``update`` is written for those groups. ``position_ids`` is bound to a literal
 placeholder of its own length symbol: the runtime feeds the port by its role.
+
+A static cache (``key_cache.{i}`` ``[batch, capacity, kv_heads*head_dim]`` -> ``updated_key_cache.{i}``, written by
+TensorScatter at ``write_indices``, attention over ``nonpad_kv_seqlen``) is one ``full_attention`` group with
+``update: {kind: indexed_scatter, write_indices: cache_lengths, capacity: package.sequence_capacity,
+write_indices_ports, kv_length_ports}``, ``logical_lengths: cache_lengths``, ``layout: bsh``, ``sequence_axis: 1``,
+``aliasing: required`` (TensorScatter writes the input's buffer); the capacity (and ``max_sequence_length``) is the
+buffers' axis 1. The decoder binds ``write_indices`` to the ``cache_lengths`` cell (the length before the step) and
+``nonpad_kv_seqlen`` to a literal placeholder (the length after it, which the runtime feeds by the group's port).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from qeff_kv.contract import naming
 from qeff_kv.contract.layout import KVLayout, KVPair, TensorInfo
@@ -28,23 +39,56 @@ SCHEMA_VERSION = "v1.2"
 #: our state kind -> the proposal's state group kind
 GROUP_KINDS = {"full": "full_attention", "ring": "sliding_attention", "latent": "multi_latent_attention",
                "recurrent": "recurrent"}
-_TEXT_INPUTS = ("input_ids", "position_ids")
-_DIMS = {"batch_size": "batch", "batch": "batch", "seq_len": "sequence"}
+_TEXT_INPUTS = (naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT)
+_STATIC_INPUTS = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
+#: a static cache's packed ``[batch, capacity, kv_heads*head_dim]`` buffer as the schema spells it (positions: axis 1)
+STATIC_LAYOUT, STATIC_SEQUENCE_AXIS = "bsh", 1
+#: the state cell that is both a static cache's write cursor and its valid length before a step
+_LENGTHS_CELL = "cache_lengths"
+_DIMS = {"batch_size": "batch", "batch": "batch", "seq_len": "sequence", "sequence_len": "sequence"}
 _POLICY_OUT = {"accepted_len": ("int64", ["batch"]), "active": ("bool", ["batch"]),
                "cache_lengths": ("int64", ["batch"]), "done": ("bool", ["batch"]),
                "token": ("int64", ["batch", "sequence"])}
 
 
+def is_static(layout: KVLayout) -> bool:
+    """A static-cache graph (``key_cache.{i}`` -> ``updated_key_cache.{i}`` by TensorScatter at ``write_indices``)."""
+    return layout.dialect == naming.STATIC_CACHE
+
+
 def unsupported_reason(layout: KVLayout) -> str | None:
-    if layout.dialect not in (naming.RETAINED_STATE, naming.PAST_PRESENT) or layout.grows:
-        return (f"the workflow form written here binds buffers the graph updates in place; a "
+    if layout.dialect not in (naming.RETAINED_STATE, naming.PAST_PRESENT, naming.STATIC_CACHE) or layout.grows:
+        return (f"the workflow form written here binds buffers the graph updates in place or by indexed scatter; a "
                 f"{layout.dialect or 'sidecar-declared'} graph ({layout.update}) is not one")
-    extra = [t.name for t in layout.inputs if t.name not in _TEXT_INPUTS and naming.parse_any_kv_name(t.name) is None]
+    allowed = _TEXT_INPUTS + (_STATIC_INPUTS if is_static(layout) else ())
+    extra = [t.name for t in layout.inputs if t.name not in allowed and naming.parse_any_kv_name(t.name) is None]
     if extra:
-        return f"the workflow form written here binds input_ids, position_ids and KV buffers; the graph also takes {extra[0]!r}"
-    if layout.input("input_ids") is None or layout.output("logits") is None:
+        return f"the workflow form written here binds {', '.join(allowed)} and KV buffers; the graph also takes {extra[0]!r}"
+    if layout.input(naming.INPUT_IDS_INPUT) is None or layout.output(naming.LOGITS_OUTPUT) is None:
         return "the graph has no input_ids input or no logits output"
+    return _static_reason(layout) if is_static(layout) else None
+
+
+def _static_reason(layout: KVLayout) -> str | None:
+    missing = [n for n in _STATIC_INPUTS if layout.input(n) is None]
+    if missing:
+        return f"a static cache is declared with its {missing[0]!r} input, which the graph lacks"
+    kinds = set(layout.state_kinds.values()) - {"full"}
+    if kinds:
+        return f"the static cache declared here is one full-attention group; this graph keeps {', '.join(sorted(kinds))}"
+    for p in layout.pairs:
+        if not p.packed or not (isinstance(p.axis2, int) or p.axis2 == naming.CTX_DIM):
+            return (f"{p.input_name!r} is not a packed [batch, capacity, kv_heads*head_dim] buffer with a known "
+                    f"capacity (shape {list(p.input.shape or ())})")
     return None
+
+
+def static_capacity(layout: KVLayout, ctx_len: int) -> int:
+    """The positions a static cache holds: its buffers' axis 1 (``ctx_len`` where the axis is named so)."""
+    caps = {p.capacity(ctx_len) for p in layout.pairs}
+    if len(caps) != 1 or None in caps:
+        raise SidecarError(f"the static cache's buffers do not share one known capacity ({sorted(map(str, caps))})")
+    return caps.pop()
 
 
 def _contract(dtype: str, shape, batch: bool = True) -> dict:
@@ -61,6 +105,15 @@ def _shape(t: TensorInfo, ctx_len: int, window: int | None, rename: dict | None 
         v = dims.get(d, d) if isinstance(d, str) else d
         out.append("batch" if i == 0 else (v if v is not None else f"d{i}"))
     return out
+
+
+def _own_length(t: TensorInfo) -> dict | None:
+    """``position_ids``' length gets a symbol of its own (the runtime binds it to a literal placeholder, which must
+    not tie the prompt's length), whatever the graph calls it."""
+    shape = t.shape or ()
+    if t.name != naming.POSITION_IDS_INPUT or len(shape) < 2 or not isinstance(shape[1], str):
+        return None
+    return {shape[1]: "position_len"}
 
 
 def _literal(dtype: str, shape: list, default, batch: bool = True) -> dict:
@@ -88,10 +141,17 @@ def _groups(layout: KVLayout) -> dict[str, list[KVPair]]:
     return groups
 
 
-def _group(kind: str, pairs: list[KVPair]) -> dict:
+def _group(kind: str, pairs: list[KVPair], static: bool = False) -> dict:
     group: dict = {"kind": GROUP_KINDS[kind]}
     if kind == "recurrent":
         group.update({"layout": "batch_major", "aliasing": "required", "update": {"kind": "replace"}})
+    elif static:   # TensorScatter writes the input's buffer at write_indices: aliased, capacity fixed
+        group.update({"sequence_axis": STATIC_SEQUENCE_AXIS, "layout": STATIC_LAYOUT,
+                      "logical_lengths": _LENGTHS_CELL, "aliasing": "required",
+                      "update": {"kind": "indexed_scatter", "write_indices": _LENGTHS_CELL,
+                                 "capacity": "package.sequence_capacity",
+                                 "write_indices_ports": {"decoder": naming.WRITE_INDICES_INPUT},
+                                 "kv_length_ports": {"decoder": naming.NONPAD_KV_SEQLEN_INPUT}}})
     else:
         group.update({"sequence_axis": 2, "layout": "head_major_bnsh", "aliasing": "required"})
     group["reuse"] = {"prefix_reusable": kind != "recurrent", "evictable_prefix": False}
@@ -103,9 +163,7 @@ def _group(kind: str, pairs: list[KVPair]) -> dict:
 
 def _ports(layout: KVLayout, facts: SidecarFacts) -> tuple[dict, dict]:
     window = facts.sliding_window
-    ins = {t.name: _contract(t.dtype, _shape(t, facts.ctx_len, window,
-                                             {"seq_len": "position_len"} if t.name == "position_ids" else None))
-           for t in layout.inputs}
+    ins = {t.name: _contract(t.dtype, _shape(t, facts.ctx_len, window, _own_length(t))) for t in layout.inputs}
     outs = {t.name: _contract(t.dtype, _shape(t, facts.ctx_len, window)) for t in layout.outputs}
     return ins, outs
 
@@ -117,8 +175,10 @@ def _inputs(layout: KVLayout, facts: SidecarFacts, seeds: dict[str, list]) -> di
               "package.cache_lengths": _literal("int64", ["batch"], 0),
               "package.done": _literal("bool", ["batch"], False),
               "package.sequence_capacity": _literal("int64", [1], ctx, batch=False)}
-    if layout.input("position_ids") is not None:
+    if layout.input(naming.POSITION_IDS_INPUT) is not None:
         inputs["package.position_ids"] = _literal("int64", ["batch", "position_len"], 0)
+    if is_static(layout):
+        inputs["package.kv_lengths"] = _literal("int64", ["batch"], 0)
     for name, shape in seeds.items():
         inputs[name] = _literal("float32", shape, 0.0)
     inputs["request.input_ids"] = {"contract": _contract("int64", ["batch", "sequence"]),
@@ -149,9 +209,11 @@ def _state(groups: dict[str, list[KVPair]], shapes: dict[str, list]) -> tuple[di
 
 def _steps(layout: KVLayout, groups: dict[str, list[KVPair]]) -> list[dict]:
     pairs = [p for ps in groups.values() for p in ps]
-    invoke_in = {"input_ids": "request.input_ids"}
-    if layout.input("position_ids") is not None:
-        invoke_in["position_ids"] = "package.position_ids"
+    invoke_in = {naming.INPUT_IDS_INPUT: "request.input_ids"}
+    if layout.input(naming.POSITION_IDS_INPUT) is not None:
+        invoke_in[naming.POSITION_IDS_INPUT] = "package.position_ids"
+    if is_static(layout):   # the cursor is the cache length before the step; the valid length the runtime feeds
+        invoke_in.update({naming.WRITE_INDICES_INPUT: _LENGTHS_CELL, naming.NONPAD_KV_SEQLEN_INPUT: "package.kv_lengths"})
     invoke_in.update({p.input_name: alias_label(p) for p in pairs})
     invoke_out = {"logits": "step.logits", **{p.output_name: "body." + alias_label(p) for p in pairs}}
     cells = [alias_label(p) for p in pairs] + ["cache_lengths", "active", "done", "accepted_len"]
@@ -187,6 +249,8 @@ def build(layout: KVLayout, facts: SidecarFacts) -> dict:
     reason = unsupported_reason(layout)
     if reason is not None:
         raise SidecarError(reason)
+    if is_static(layout):   # the buffer holds what it holds: its capacity bounds the sequence
+        facts = dataclasses.replace(facts, ctx_len=static_capacity(layout, facts.ctx_len))
     groups = _groups(layout)
     ins, outs = _ports(layout, facts)
     state, seeds = _state(groups, {n: c["shape"] for n, c in ins.items()})
@@ -195,7 +259,7 @@ def build(layout: KVLayout, facts: SidecarFacts) -> dict:
                                        "stage": "pre_adapter"}},
                 "components": _components(facts, ins, outs), "state": state, "effects": {},
                 "serving": {"active": "active", "done": "done", "accepted_len": "accepted_len",
-                            "state_service": {"groups": {g: _group(g.removeprefix("kv_"), ps)
+                            "state_service": {"groups": {g: _group(g.removeprefix("kv_"), ps, is_static(layout))
                                                          for g, ps in groups.items()}}},
                 "steps": _steps(layout, groups)}
     doc: dict = {"schema_version": SCHEMA_VERSION, "model": {"max_sequence_length": facts.ctx_len}}
@@ -212,11 +276,18 @@ def header(layout: KVLayout, facts: SidecarFacts) -> str:
     """The comment lines above the document: what the schema has no field for."""
     kinds = sorted({k for k in layout.state_kinds.values()})
     prefix = layout.prefix
+    if is_static(layout):
+        capacity = f"capacity: {static_capacity(layout, facts.ctx_len)} positions (the buffers' axis 1)"
+        update = (f"# update indexed_scatter: TensorScatter writes the new positions into the input's buffer at "
+                  f"{naming.WRITE_INDICES_INPUT} (the cache length before the step); {naming.NONPAD_KV_SEQLEN_INPUT} "
+                  "is the valid length after it (the runtime feeds both ports; package.kv_lengths is a placeholder)")
+    else:
+        capacity = f"capacity: ctx_len {facts.ctx_len}" + (
+            f", ring window {facts.sliding_window}" if "ring" in kinds else "")
+        update = ("# no update kind: the proposal has none yet for a graph that writes its own slots from position_ids "
+                  "(position p at slot p, p % W in a ring); the retained output aliases the input (aliasing: required)")
     return "\n".join([
         f"# inference_metadata.yaml written by qeff-kv: ONNX Inference Metadata proposal (onnx/onnx#8184), "
         f"pipeline.workflow form, schema_version {SCHEMA_VERSION}",
         f"# qeff-kv KV prefix: {prefix if prefix is not None else '(none)'}; state kinds: {', '.join(kinds)}; "
-        f"capacity: ctx_len {facts.ctx_len}" + (f", ring window {facts.sliding_window}" if "ring" in kinds else ""),
-        "# no update kind: the proposal has none yet for a graph that writes its own slots from position_ids "
-        "(position p at slot p, p % W in a ring); the retained output aliases the input (aliasing: required)",
-        ""])
+        + capacity, update, ""])
