@@ -12,7 +12,8 @@ allocated. It says
   with the checkpoint policy;
 * the **dimensions** (:class:`Dims`): the buffers' ``ctx_len``, the prefill chunk, a fixed ``seq_len``, the slots;
 * the **KV dialect**'s control inputs (:mod:`.execution.dialect_feeds`: a static cache's ``write_indices`` and
-  ``nonpad_kv_seqlen``, a past/present graph's ``attention_mask``), a growing past/present graph refused;
+  ``nonpad_kv_seqlen``, a past/present graph's ``attention_mask``); a growing past/present graph fed from the
+  fixed buffers (:attr:`GraphDescription.grows`, :mod:`.execution.growing`);
 * **media** (a vision-language graph's image inputs, :class:`~qeff_kv.runtime.multimodal.media.LanguageMedia`), multimodal
   RoPE, **speculation** (``num_logits_to_keep`` and its ``K``), ``comp_ctx_lengths``, the logits, and whether the
   buffers are bound **in place**.
@@ -116,6 +117,9 @@ class GraphDescription:
     eos_token_ids: tuple[int, ...]
     #: the KV dialect's control inputs (``write_indices``, ``nonpad_kv_seqlen``, ``attention_mask``), fed each run
     feeds: feeds_mod.DialectFeeds = field(default_factory=feeds_mod.DialectFeeds)
+    #: a past/present graph that grows by concatenation: each run is fed the held past (a copy of the fixed
+    #: buffers' positions) and its present's new positions are copied back (:mod:`.execution.growing`)
+    grows: bool = False
 
     @property
     def pad_short(self) -> bool:
@@ -142,7 +146,13 @@ class GraphDescription:
     def swaps_buffers(self) -> bool:
         """Some buffer has a spare that takes the outputs (not in place, or recurrent states the graph replaces
         whole): the two swap after each run, so the buffers are bound again before each."""
-        return not self.inplace or self.memory.replaced_states
+        return self.double_buffered or self.memory.replaced_states
+
+    @property
+    def double_buffered(self) -> bool:
+        """A second set of positional buffers takes the outputs: not in place, unless the graph grows (its presents
+        are copied back into the one set)."""
+        return not self.inplace and not self.grows
 
     @classmethod
     def resolve(cls, ir_model: ir.Model, manifest: dict | None, name: str,
@@ -155,16 +165,18 @@ class GraphDescription:
         _require_dialect(layout, name)
         media = _media(layout, man, asked.image_token_id, name)
         names_in = _require_decoder_io(layout, media, feeds_mod.CONTROL_INPUTS.get(layout.dialect, ()))
-        speculative = layout.speculative
-        speculative_tokens = layout.speculative_tokens or (man.get("speculative_tokens") if speculative else None)
         rings = ring_mod.resolve(layout, man, asked.sliding_window)
         positional, recurrent = rec_mod.split_pairs(layout)
+        _require_growable(layout, name, media=media, rings=rings, recurrent=recurrent, names_in=names_in,
+                          inplace=asked.inplace)
+        speculative = layout.speculative
+        speculative_tokens = layout.speculative_tokens or (man.get("speculative_tokens") if speculative else None)
         dims = _dims(ir_model, layout, man, asked, names_in, positional, rings)
         feeds = feeds_mod.resolve(layout, names_in, dims.ctx_len)
         _require_unpadded(feeds, dims, name)
         inplace, issues, replaced = _inplace(ir_model, layout, asked.inplace)
-        batching = _batching("batch_index" in names_in, dims, inplace=inplace, rings=rings, media=media,
-                             recurrent=bool(recurrent))
+        batching = _batching("batch_index" in names_in, dims, inplace=inplace or layout.grows, rings=rings,
+                             media=media, recurrent=bool(recurrent))
         memory = Memory(tuple(positional), tuple(recurrent), rings, ring_within=_ring_within(ir_model, rings),
                         replaced_states=replaced, checkpoints=asked.checkpoints,
                         kinds=tuple(sorted(set(layout.state_kinds.values()))))
@@ -175,21 +187,36 @@ class GraphDescription:
                    speculative_tokens=speculative_tokens, ccl=ccl_mod.INPUT in names_in, ccl_listed=man.get("ccl"),
                    own_graph=naming.TARGET_META in ir_model.metadata_props, inplace=inplace,
                    inplace_issues=tuple(issues), vocab_size=vocab_size, logits_dtype=logits_dtype,
-                   eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])), feeds=feeds)
+                   eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])), feeds=feeds,
+                   grows=layout.grows)
 
 
 # ============================================================================================ the steps of resolve
 def _require_dialect(layout: KVLayout, name: str) -> None:
     """The dialects the runtime feeds (one line otherwise, never run wrongly): retained state, a shared-buffer
-    past/present graph and a static cache (their control inputs: :mod:`.execution.dialect_feeds`). A past/present
-    graph that grows by concatenation keeps no fixed buffer; a sidecar's ports say nothing of how they are fed."""
-    if layout.grows:
-        raise ContractError(f"{name} grows by concatenation: not retained-state; the runtime keeps fixed buffers")
+    past/present graph (shared-buffer or growing) and a static cache (their control inputs:
+    :mod:`.execution.dialect_feeds`); a sidecar's ports say nothing of how they are fed."""
     if layout.pairs and layout.dialect is None:
         raise ContractError(f"{name} is a sidecar-declared graph ({layout.update}): the runtime cannot tell how to "
                             "feed its ports; convert it with qeff-kv rewrite --to retained-state")
     if len(layout.dialects) > 1:
         raise ContractError(f"{name} mixes KV dialects ({', '.join(layout.dialects)}); the runtime runs one")
+
+
+def _require_growable(layout: KVLayout, name: str, *, media, rings, recurrent, names_in: dict,
+                      inplace: bool | None) -> None:
+    """A growing past/present graph is fed the held past of one length per run (:mod:`.execution.growing`): one
+    line for what that cannot feed exactly (slots named per row, rings, recurrent state, image positions that are
+    not slots) and for ``inplace=True`` (its present is a new tensor)."""
+    if not layout.grows:
+        return
+    why = ("it has batch_index (continuous batching)" if BATCH_INDEX in names_in
+           else "it has sliding-window rings" if rings
+           else "it keeps recurrent state" if recurrent
+           else "it is a vision-language graph (its positions are not its cache slots)" if media is not None
+           else "inplace=True was asked (its present is a new tensor, copied back)" if inplace else None)
+    if why is not None:
+        raise ContractError(f"{name} grows by concatenation and {why}: the runtime cannot feed it exactly")
 
 
 def _require_unpadded(feeds: feeds_mod.DialectFeeds, dims: Dims, name: str) -> None:
@@ -293,6 +320,8 @@ def _logits(layout: KVLayout) -> tuple[int | None, np.dtype]:
 def _inplace(ir_model: ir.Model, layout: KVLayout, asked: bool | None) -> tuple[bool, list[str], bool]:
     """``(bind in place, why not (the graph's in-place issues), recurrent states replaced whole)``:
     ``asked=None`` binds in place when the graph is safe, ``False`` never, ``True`` refuses an unsafe graph."""
+    if layout.grows:   # fed a copy of the held past; the present copied back (execution/growing.py)
+        return False, ["it grows by concatenation: its past is a copy of the buffers, its present copied back"], False
     issues = inplace_issues(ir_model, layout)
     messages = [i.message for i in issues if not i.replaced]
     safe = not messages

@@ -184,7 +184,7 @@ class Session:
         row's last slot)."""
         mem = self.graph.memory
         return ({"full": list(mem.positional), "recurrent": list(mem.recurrent)},
-                Settings(self.max_sequences, self.graph.dims.ctx_len, not self.inplace, self.rings, mem.checkpoints,
+                Settings(self.max_sequences, self.graph.dims.ctx_len, self.graph.double_buffered, self.rings, mem.checkpoints,
                          self.graph.swaps_buffers, device))
 
     def _require_memory(self) -> None:

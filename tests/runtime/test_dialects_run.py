@@ -1,6 +1,6 @@
 """Issue 49: the runtime runs a shared-buffer past/present graph and a static-cache graph exactly (tokens equal to a
-plain onnxruntime loop / the retained-state original), with the cache verbs; a growing past/present graph is refused
-in one line."""
+plain onnxruntime loop / the retained-state original), with the cache verbs; a growing past/present graph bound in
+place is refused in one line (it runs from the fixed buffers: tests/runtime/test_dialects_grow.py)."""
 
 from __future__ import annotations
 
@@ -180,7 +180,9 @@ def _growing_graph(path: Path) -> Path:
     return path
 
 
-def test_growing_past_present_is_refused(tmp_path):
+def test_growing_past_present_in_place_is_refused(tmp_path):
+    """A growing graph runs from the fixed buffers (tests/runtime/test_dialects_grow.py), never in place."""
     with pytest.raises(ContractError) as err:
-        Session(_growing_graph(tmp_path / "grows.onnx"), ctx_len=16)
-    assert str(err.value) == "grows.onnx grows by concatenation: not retained-state; the runtime keeps fixed buffers"
+        Session(_growing_graph(tmp_path / "grows.onnx"), ctx_len=16, inplace=True)
+    assert str(err.value) == ("grows.onnx grows by concatenation and inplace=True was asked (its present is a new "
+                              "tensor, copied back): the runtime cannot feed it exactly")

@@ -26,6 +26,7 @@ import onnxruntime as ort
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
 from qeff_kv.runtime import ccl as ccl_mod
+from qeff_kv.runtime.execution.growing import GrowingKV
 from qeff_kv.runtime.execution.row_views import RowViews
 
 #: a step's shape: (rows, seq_len, logits rows kept)
@@ -57,12 +58,16 @@ class GraphBinding:
         self.feeds = session.graph.feeds.with_device(session.device)
         #: each KV input's output (the pair's, in the graph's dialect)
         self.outputs = {p.input_name: p.output_name for p in session.layout.pairs}
+        #: a growing past/present graph's feeding from the fixed buffers (:mod:`.growing`), else None
+        self.growing = (GrowingKV(session.cache.positional.arrays, self.outputs, session.device)
+                        if session.graph.grows else None)
         #: the small inputs of each step shape, as numpy arrays (what a step writes) and as their bound values
         self.small: dict[StepShape, dict[str, np.ndarray]] = {}
         self.small_values: dict[StepShape, dict[str, ort.OrtValue]] = {}
         #: each step shape's logits buffer (array, value), when the vocabulary is known before the first run
         self.logits: dict[StepShape, tuple[np.ndarray, ort.OrtValue]] = {}
-        self.logits_prebound = session.vocab_size is not None and not full_logits(session.layout)
+        self.logits_prebound = (session.vocab_size is not None and not full_logits(session.layout)
+                                and self.growing is None)   # a growing step may be several runs of fewer rows
         #: the step shape whose small inputs are bound now, and the CCL length bound now
         self.bound: StepShape | None = None
         self.ccl_bound: int | None = None
@@ -90,7 +95,13 @@ class GraphBinding:
         return hasattr(self.io, "clear_binding_outputs")
 
     def bind_kv(self) -> None:
-        """The KV buffers as the whole buffers: each input, and its output in place or to its spare."""
+        """The KV buffers as the whole buffers: each input, and its output in place or to its spare (a growing
+        graph: its presents, the step's rows from the first)."""
+        if self.growing is not None:
+            self.growing.bind_outputs(self.bind_out)
+            self.growing.use_rows(0)
+            self.kv_views = None
+            return
         for name, value, spare in self.session.cache.bindings():
             self.io.bind_ortvalue_input(name, value)
             self.bind_out(self.outputs[name], spare if spare is not None else value)
@@ -108,7 +119,11 @@ class GraphBinding:
             self.kv_views = views
 
     def bind_views(self, views: dict[str, ort.OrtValue]) -> None:
-        """Bind ``views`` (input name -> value) as both the KV inputs and their retained outputs."""
+        """Bind ``views`` (input name -> value) as both the KV inputs and their retained outputs (a growing
+        graph: the step's rows are those of ``views``)."""
+        if self.growing is not None:
+            self.growing.use_rows(self.rows.span_of(views)[0])
+            return
         for p in self.session.layout.pairs:
             self.io.bind_ortvalue_input(p.input_name, views[p.input_name])
             self.bind_out(p.output_name, views[p.input_name])
@@ -122,6 +137,10 @@ class GraphBinding:
             self.io.bind_ortvalue_output(name, value)
         if name not in self.out_order:
             self.out_order.append(name)
+
+    def outputs_by_name(self) -> dict[str, ort.OrtValue]:
+        """Every output of the last run, by name."""
+        return dict(zip(self.out_order, self.io.get_outputs()))
 
     def output(self, name: str) -> np.ndarray:
         """The value of output ``name`` after the last run."""
@@ -169,18 +188,21 @@ class GraphBinding:
                 self.ccl_bound = length
         if s.graph.swaps_buffers:
             self.bind_kv()
-        self.feeds.feed(self.io, self.small[(rows, seq_len, keep)]["position_ids"])
+        key, out = (rows, seq_len, keep), None
         try:
-            self.io.run()
+            if self.growing is not None:
+                out = self.growing.run(self.io, self.small[key], self.small_values[key], self.feeds,
+                                       self.outputs_by_name)
+            else:
+                self.feeds.feed(self.io, self.small[key]["position_ids"])
+                self.io.run()
         except QeffKvError:
             raise
         except Exception as exc:
             raise RuntimeInputError(f"onnxruntime failed: {' '.join(str(exc).split())[:400]}") from None
         s.cache.swap()
-        if self.logits_prebound:
-            out = self.logits[(rows, seq_len, keep)][0]
-        else:
-            out = self.output("logits")
+        if out is None:
+            out = self.logits[key][0] if self.logits_prebound else self.output("logits")
         return _logits_rows(out, rows, keep, last_index)
 
     # ------------------------------------------------------------------------------------ introspection

@@ -30,6 +30,13 @@ class RowViews:
         """Rows ``0 .. rows-1`` of every buffer, as a batch-``rows`` buffer."""
         return self._span(0, rows)
 
+    def span_of(self, views: dict[str, ort.OrtValue]) -> tuple[int, int]:
+        """``(start, stop)``: the rows ``views`` (made here) are of."""
+        for span, made in self._views.items():
+            if made is views:
+                return span
+        raise RuntimeInputError("KV views not made by these row views")
+
     def _span(self, start: int, stop: int) -> dict[str, ort.OrtValue]:
         if (start, stop) not in self._views:
             views = {}
