@@ -122,18 +122,27 @@ class KVPair:
         state (no position axis)."""
         if self.recurrent:
             return None
+        if self.grows:   # the runtime keeps a growing past in buffers of ctx_len positions
+            return ctx_len
         return _dim_value(self.axis2, ctx_len, sliding_window)
+
+    @property
+    def grows(self) -> bool:
+        """A past/present pair whose output has more positions than its input (present = concat(past, new))."""
+        a, b = self.input.shape, self.output.shape
+        return (self.dialect == naming.PAST_PRESENT and a is not None and b is not None and len(a) > 2
+                and len(b) > 2 and a[2] != b[2])
 
     def bytes_per_sequence(self, ctx_len: int | None = None, sliding_window: int | None = None) -> int | None:
         """Bytes of one sequence's slice (all dims but the batch axis): ``ctx_len`` stands for symbolic dims
-        named like the context axis, ``sliding_window`` for dims named ``sliding_window``. ``None`` if a dim is
-        unknown."""
+        named like the context axis (and a growing pair's positions axis), ``sliding_window`` for dims named
+        ``sliding_window``. ``None`` if a dim is unknown."""
         shape = self.input.shape
         if shape is None or len(shape) < 1:
             return None
         total = itemsize(self.input.dtype)
-        for d in shape[1:]:
-            v = _dim_value(d, ctx_len, sliding_window)
+        for i, d in enumerate(shape[1:], start=1):
+            v = ctx_len if self.grows and i == 2 else _dim_value(d, ctx_len, sliding_window)
             if v is None:
                 return None
             total *= v
@@ -309,9 +318,7 @@ class KVLayout:
     def grows(self) -> bool:
         """A past/present graph whose outputs grow by concatenation (``present`` has more positions than ``past``:
         not retained state); a shared-buffer one keeps the same positions axis."""
-        return any(p.dialect == naming.PAST_PRESENT and p.input.shape is not None and p.output.shape is not None
-                   and len(p.input.shape) > 2 and len(p.output.shape) > 2 and p.input.shape[2] != p.output.shape[2]
-                   for p in self.pairs)
+        return any(p.grows for p in self.pairs)
 
     @property
     def update(self) -> str | None:
