@@ -166,3 +166,16 @@ def test_a_graph_with_other_inputs_gets_no_sidecars(tmp_path):
     layout = KVLayout.from_io(layout.inputs + [TensorInfo("batch_index", "int64", ("batch_size", 1))], layout.outputs)
     assert set(sidecars.reasons(layout)) == set(sidecars.SIDECAR_FILES)
     assert sidecars.write_sidecars(layout, tmp_path, _facts(1)) == []
+
+
+def test_a_layers_recurrent_cells_are_one_state_each():
+    """A hybrid layer's conv_state and recurrent_state (no key/value role) are two cells of one layer, not one
+    declared twice; the same cell twice still is."""
+    from qeff_kv.graph.sidecars.declared import Declared, DeclaredPair, check_against
+
+    cells = [DeclaredPair(f"{stem}.0", f"{stem}.0_RetainedState", None, 0, "recurrent")
+             for stem in ("conv_state", "recurrent_state")]
+    names = [p.input for p in cells], [p.output for p in cells]
+    assert len(check_against(Declared("pipeline.workflow", list(cells)), *names, source="x.yaml").pairs) == 2
+    with pytest.raises(SidecarError, match="layer 0 state declared twice"):
+        check_against(Declared("pipeline.workflow", cells + cells[:1]), *names, source="x.yaml")

@@ -120,13 +120,13 @@ def check_against(declared: Declared, inputs: Iterable, outputs: Iterable, *, so
     """``declared`` if it names only ports the graph has and pairs them as the graph does; else SidecarError.
     ``inputs``/``outputs``: the graph's names (or :class:`~qeff_kv.contract.layout.TensorInfo`)."""
     ins, outs = _names(inputs), _names(outputs)
-    seen: dict[tuple[str, str | None, int], str] = {}
+    seen: dict[tuple[str, str, int], str] = {}
     for p in declared.pairs:
         if p.input not in ins:
             raise SidecarError(f"{source}: declares KV input {p.input!r} (layer {p.layer}), which the graph lacks")
         if p.output not in outs:
             raise SidecarError(f"{source}: declares KV output {p.output!r} (layer {p.layer}), which the graph lacks")
-        key = (p.group, p.role, p.layer)
+        key = (p.group, p.role or p.input, p.layer)   # a state cell (no key/value role): one per buffer
         if key in seen:
             raise SidecarError(f"{source}: layer {p.layer} {p.role or 'state'} declared twice "
                                f"({seen[key]!r} and {p.input!r})")

@@ -5,6 +5,8 @@ cannot be converted exactly is refused in one line with nothing changed."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
@@ -199,12 +201,14 @@ def test_cli_exit_codes(own_graphs, tmp_path):
     assert not (tmp_path / "x.onnx").exists()
 
 
-def test_export_folder_sidecars_left_behind(own_graphs, tmp_path):
-    """The export's genai_config.json and inference_metadata.yaml bind retained-state ports: not carried beside
-    the static graph (which check then passes, no sidecar to contradict it)."""
+def test_export_folder_sidecars_follow_the_static_graph(own_graphs, tmp_path):
+    """Beside the static graph: inference_metadata.yaml written anew for it (an indexed_scatter group naming its
+    ports; check's sidecar rule passes), genai_config.json not (it has no TensorScatter form)."""
     src = own_graphs.export("qeff_llama_default.onnx").onnx_path
     assert (src.parent / "genai_config.json").is_file()
     res = cli("rewrite", src, "-o", tmp_path / "out" / "static.onnx", "--to", "static-cache")
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["static.onnx"]
-    assert cli("check", tmp_path / "out" / "static.onnx").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["inference_metadata.yaml", "static.onnx"]
+    res = cli("check", tmp_path / "out" / "static.onnx", "--json")
+    assert res.exit_code == 0, res.output
+    assert {r["id"]: r["status"] for r in json.loads(res.stdout)["rules"]}["sidecar"] == "pass"

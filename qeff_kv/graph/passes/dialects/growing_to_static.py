@@ -34,9 +34,11 @@ import numpy as np
 import onnx_ir as ir
 
 from qeff_kv.contract import naming
+from qeff_kv.contract.layout import KVLayout
 from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
-from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes._patterns import named_const
+from qeff_kv.graph.passes.dialects.base import ConversionPass
 
 #: TensorScatter and Attention's ``nonpad_kv_seqlen`` input are ai.onnx 24
 MIN_OPSET = 24
@@ -209,12 +211,11 @@ def _new_names(buffers: list[_Buffer]) -> list[str]:
     return out
 
 
-class GrowingToStaticPass(InvariantPass):
+class GrowingToStaticPass(ConversionPass):
     """Rebuild every growing ``Attention`` with past inputs over a static cache of ``capacity`` positions (see the
     module docstring)."""
 
-    keeps_io = False
-    _before: tuple | None = None
+    target = naming.STATIC_CACHE
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -242,14 +243,7 @@ class GrowingToStaticPass(InvariantPass):
         graph.inputs.extend([write_idx, nonpad])
         return ir.passes.PassResult(model, modified=True)
 
-    def requires(self, model: ir.Model) -> None:
-        super().requires(model)
-        self._before = (_others(model), layout_of(model).prefixes)
-
-    def check(self, model: ir.Model) -> None:
-        layout = layout_of(model)
-        if set(layout.dialects) != {naming.STATIC_CACHE} or layout.unpaired_inputs or layout.unpaired_outputs:
-            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
+    def check_more(self, model: ir.Model, layout: KVLayout) -> None:
         outputs = {v.name: v for v in model.graph.outputs}
         for x in model.graph.inputs:
             parsed = naming.parse_any_kv_name(x.name or "")
@@ -260,22 +254,6 @@ class GrowingToStaticPass(InvariantPass):
             if x.shape is None or x.shape[1] != self.capacity or scatter is None or \
                     scatter.op_type != "TensorScatter" or scatter.inputs[0] is not x:
                 self.violated(f"{x.name} is not a [batch, {self.capacity}, width] cache scattered into {out.name}")
-        if self._before is not None and (_others(model), layout.prefixes) != self._before:
-            self.violated("it changed a prefix or a graph input or output that is not a KV buffer or a dialect input")
-
-
-def _others(model: ir.Model) -> tuple:
-    drop = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT, naming.ATTENTION_MASK_INPUT)
-    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None and v[0] not in drop)
-                 for values in io_signature(model))
-
-
-def _const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    v = graph.initializers.get(name)
-    if v is None:
-        v = ir.Value(name=name, const_value=ir.tensor(arr))
-        graph.register_initializer(v)
-    return v
 
 
 def _op(op: str, inputs, name: str, **attrs) -> ir.Node:
@@ -294,7 +272,7 @@ def _convert_buffer(graph: ir.Graph, b: _Buffer, capacity: int, write_idx: ir.Va
     graph.inputs[graph.inputs.index(b.past)] = cache
     new, nodes = b.node.inputs[b.slot - 3], []
     if b.rank == 4:
-        packed_shape = _const(graph, f"{_TAG}.packed.{width}", np.array([0, 0, width], np.int64))
+        packed_shape = named_const(graph, f"{_TAG}.packed.{width}", np.array([0, 0, width], np.int64))
         nodes.append(_op("Transpose", [new], f"{tag}/positions_first", perm=_PERM))
         nodes.append(_op("Reshape", [nodes[-1].outputs[0], packed_shape], f"{tag}/packed_new"))
         new = nodes[-1].outputs[0]
@@ -305,7 +283,8 @@ def _convert_buffer(graph: ir.Graph, b: _Buffer, capacity: int, write_idx: ir.Va
     nodes.append(scatter)
     read = out
     if b.rank == 4:
-        split = _const(graph, f"{_TAG}.split.{b.heads}x{b.head_dim}", np.array([0, 0, b.heads, b.head_dim], np.int64))
+        split = named_const(graph, f"{_TAG}.split.{b.heads}x{b.head_dim}",
+                            np.array([0, 0, b.heads, b.head_dim], np.int64))
         nodes.append(_op("Reshape", [out, split], f"{tag}/heads"))
         nodes.append(_op("Transpose", [nodes[-1].outputs[0]], f"{tag}/heads_first", perm=_PERM))
         read = nodes[-1].outputs[0]

@@ -34,10 +34,11 @@ import onnx
 import onnx_ir as ir
 
 from qeff_kv.contract import naming
+from qeff_kv.contract.layout import KVLayout
 from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
 from qeff_kv.graph.inplace import inplace_issues
-from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes.dialects.base import ConversionPass
 from qeff_kv.graph.passes._patterns import append_node, named_const
 
 OPSET = 24   # TensorScatter's
@@ -176,14 +177,15 @@ def _static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
     write_idx, nonpad = (ir.Value(name=n, shape=ir.Shape([batch]), type=ir.TensorType(ir.DataType.INT64))
                          for n in (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT))
     graph.inputs.extend([write_idx, nonpad])
-    zero, one = named_const(graph, f"{_TAG}.zero", np.array(0, np.int64)), named_const(graph, f"{_TAG}.one", np.array(1, np.int64))
+    zero = named_const(graph, f"{_TAG}.zero", np.array(0, np.int64))
+    one = named_const(graph, f"{_TAG}.one", np.array(1, np.int64))
     axis1 = named_const(graph, f"{_TAG}.axis1", np.array([1], np.int64))
     pad = named_const(graph, f"{_TAG}.padding_position", np.array(-1, np.int64))
-    seq = append_node(graph, "Gather", [append_node(graph, "Shape", [pos], f"{_TAG}/positions_shape"), one], f"{_TAG}/seq_len",
-               axis=0)
+    shape = append_node(graph, "Shape", [pos], f"{_TAG}/positions_shape")
+    seq = append_node(graph, "Gather", [shape, one], f"{_TAG}/seq_len", axis=0)
     steps = append_node(graph, "Range", [zero, seq, one], f"{_TAG}/steps")
-    slots = append_node(graph, "Add", [append_node(graph, "Unsqueeze", [write_idx, axis1], f"{_TAG}/first_slot"), steps],
-                 f"{_TAG}/slots")
+    first = append_node(graph, "Unsqueeze", [write_idx, axis1], f"{_TAG}/first_slot")
+    slots = append_node(graph, "Add", [first, steps], f"{_TAG}/slots")
     held = append_node(graph, "Unsqueeze", [nonpad, axis1], f"{_TAG}/held")
     valid = append_node(graph, "Less", [slots, held], f"{_TAG}/valid")
     masked = append_node(graph, "Where", [valid, pos, pad], f"{_TAG}/positions")
@@ -216,7 +218,8 @@ def _convert_pair(graph: ir.Graph, item: tuple, write_idx: ir.Value) -> None:
     y = scatter.outputs[0]
     y.name, y.shape, y.type = new.output, packed_shape, x.type
     graph.append(scatter)
-    view = append_node(graph, "Transpose", [append_node(graph, "Reshape", [y, split], f"{tag}/heads")], f"{tag}/view", perm=_PERM)
+    heads = append_node(graph, "Reshape", [y, split], f"{tag}/heads")
+    view = append_node(graph, "Transpose", [heads], f"{tag}/view", perm=_PERM)
     graph.outputs[graph.outputs.index(out)] = y
     out.replace_all_uses_with(view)
     graph.remove(node, safe=True)
@@ -233,12 +236,11 @@ def _to_opset(model: ir.Model) -> None:
     model.opset_imports[""] = OPSET
 
 
-class RetainedToStaticPass(InvariantPass):
+class RetainedToStaticPass(ConversionPass):
     """Convert every retained-state (or shared past/present) KV pair of a portable/onnxruntime export to a
     static-cache pair (see the module docstring)."""
 
-    keeps_io = False
-    _others: tuple | None = None
+    target = naming.STATIC_CACHE
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         layout = layout_of(model)
@@ -262,22 +264,9 @@ class RetainedToStaticPass(InvariantPass):
         graph.sort()
         return ir.passes.PassResult(model, modified=True)
 
-    def requires(self, model: ir.Model) -> None:
-        super().requires(model)
-        self._others = _others(model)
-
-    def check(self, model: ir.Model) -> None:
-        layout = layout_of(model)
-        if set(layout.dialects) != {naming.STATIC_CACHE} or layout.unpaired_inputs or layout.unpaired_outputs:
-            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
-        if self._others is not None and _others(model) != self._others:
-            self.violated("it changed a graph input or output that is not a KV buffer or a static-cache input")
+    def check_more(self, model: ir.Model, layout: KVLayout) -> None:
         issues = inplace_issues(model, layout)
         if issues:
             self.violated(f"{issues[0].buffer}: {issues[0].message}")
 
 
-def _others(model: ir.Model) -> tuple:
-    drop = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
-    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None and v[0] not in drop)
-                 for values in io_signature(model))

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from qeff_kv.contract import naming
 from qeff_kv.errors import DialectError
 from qeff_kv.graph.graphio import layout_of
-from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
+from qeff_kv.graph.passes.dialects.base import ConversionPass
 from qeff_kv.graph.passes._patterns import append_node, const_array, named_const
 
 _PERM = [0, 2, 1, 3]   # [batch, capacity, heads, head_dim] <-> [batch, heads, capacity, head_dim]
@@ -84,11 +84,10 @@ def _split_heads(reshape: ir.Node, width) -> int | None:
     return int(shape[2]) if shape[2] > 0 and shape[3] > 0 and int(shape[2]) * int(shape[3]) == width else None
 
 
-class StaticToRetainedPass(InvariantPass):
+class StaticToRetainedPass(ConversionPass):
     """Convert every static-cache KV pair to a retained-state pair (see the module docstring)."""
 
-    keeps_io = False
-    _others: tuple | None = None
+    target = naming.RETAINED_STATE
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -114,22 +113,6 @@ class StaticToRetainedPass(InvariantPass):
         graph.sort()
         return ir.passes.PassResult(model, modified=True)
 
-    def requires(self, model: ir.Model) -> None:
-        super().requires(model)
-        self._others = _others(model)
-
-    def check(self, model: ir.Model) -> None:
-        layout = layout_of(model)
-        if set(layout.dialects) != {naming.RETAINED_STATE} or layout.unpaired_inputs or layout.unpaired_outputs:
-            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
-        if self._others is not None and _others(model) != self._others:
-            self.violated("it changed a graph input or output that is not a KV buffer or a static-cache input")
-
-
-def _others(model: ir.Model) -> tuple:
-    drop = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
-    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None and v[0] not in drop)
-                 for values in io_signature(model))
 
 
 def _derive_static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
