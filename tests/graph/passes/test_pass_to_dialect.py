@@ -78,6 +78,12 @@ def test_static_retained_shared_retained_names(static_graph, tmp_path):
     _convert(tmp_path / "r1.onnx", tmp_path / "pp.onnx", "shared-past-present")
     again = _convert(tmp_path / "pp.onnx", tmp_path / "r2.onnx", naming.RETAINED_STATE)
     assert _io(again) == _io(first)
+    # static -> shared past/present in one conversion (through retained state): the same graph, the same tokens
+    direct = _convert(static_graph, tmp_path / "pp2.onnx", "shared-past-present")
+    assert _io(direct) == _io(graphio.load(tmp_path / "pp.onnx"))
+    want = dialect_loops.greedy_loop(static_graph, [1, 5, 9, 13, 17, 21], 8, capacity=CAP)
+    assert dialect_loops.greedy_loop(tmp_path / "pp2.onnx", [1, 5, 9, 13, 17, 21], 8, capacity=CAP) == want
+    assert check(tmp_path / "pp2.onnx").ok
 
 
 def test_growing_refused_in_one_line(tmp_path):

@@ -67,9 +67,6 @@ def refusal(layout: KVLayout, dialect: str) -> str | None:
     source = layout.dialect
     if source is None:
         return "KV buffers are named only by a sidecar; convert the graph those names come from"
-    if source == naming.STATIC_CACHE and dialect == naming.PAST_PRESENT:
-        return (f"{naming.STATIC_CACHE} -> {SHARED_PAST_PRESENT} is not built directly: convert to "
-                f"{naming.RETAINED_STATE} first, then to {SHARED_PAST_PRESENT}")
     return None
 
 
@@ -133,8 +130,9 @@ def conversion_pass(model: ir.Model, to: str, capacity: int | None = None) -> In
         return to_static if dialect == naming.STATIC_CACHE else ConversionChain(to_static, StaticToRetainedPass())
     if layout.dialect == dialect:
         return None
-    if layout.dialect == naming.STATIC_CACHE:
-        return StaticToRetainedPass()
+    if layout.dialect == naming.STATIC_CACHE:   # to past/present: through retained state, then renamed
+        to_retained = StaticToRetainedPass()
+        return to_retained if dialect == naming.RETAINED_STATE else ConversionChain(to_retained, ToDialectPass(dialect))
     if dialect == naming.STATIC_CACHE:
         retained_to_static.plan(model)   # refused (one line) before anything changes
         return RetainedToStaticPass()
