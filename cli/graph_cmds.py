@@ -35,7 +35,7 @@ _MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=str))
               help="Convert the KV cache to this dialect (docs/naming.md \"Dialects\"); the prefix is kept.")
 @click.option("--capacity", "capacity", default=None, type=DIM, metavar="N",
               help="With --to: the positions of the fixed-capacity cache a growing past/present graph is rebuilt "
-                   "over (required for one).")
+                   "over (required for one); with --to static-cache, the buffers' fixed size (else kept symbolic).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def rewrite_cmd(model: str, output: str | None, prefix: str | None, strip_prefix: bool, in_place: bool,
                 allow_mixed_prefixes: bool, to: str | None, capacity: int | None, as_json: bool) -> None:

@@ -164,7 +164,7 @@ def rewrite(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, pre
     that dialect first (:func:`qeff_kv.graph.passes.dialects.to_dialect.conversion_pass`; the prefix kept unless
     changed too); a conversion that cannot be made exactly raises :class:`~qeff_kv.errors.DialectError`.
     ``capacity``: the positions of the fixed-capacity cache a growing past/present graph is rebuilt over (required
-    for one).
+    for one); with ``to="static-cache"`` on a graph whose positions axis is symbolic, the static buffers' fixed size.
     """
     # ------------------------------------------------------------------ arguments (nothing read yet)
     validate.path_like("src", src, error=RewriteError)

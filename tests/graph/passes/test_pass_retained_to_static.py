@@ -22,6 +22,7 @@ from qeff_kv.errors import DialectError
 from qeff_kv.graph import graphio
 from qeff_kv.graph.passes import RetainedToStaticPass
 from qeff_kv.graph.passes.dialects.to_dialect import conversion_pass
+from qeff_kv.runtime import Session
 from qeff_kv.tools.check import check
 
 pytestmark = requires_torch
@@ -212,3 +213,21 @@ def test_export_folder_sidecars_follow_the_static_graph(own_graphs, tmp_path):
     res = cli("check", tmp_path / "out" / "static.onnx", "--json")
     assert res.exit_code == 0, res.output
     assert {r["id"]: r["status"] for r in json.loads(res.stdout)["rules"]}["sidecar"] == "pass"
+
+
+def test_a_capacity_fixes_the_static_buffers(own_graphs, tmp_path):
+    """--to static-cache --capacity N: the packed buffers hold N positions as mobius writes them (a static axis),
+    the tokens are the symbolic graph's, and the runtime takes its capacity from the graph (no --ctx-len)."""
+    src = own_graphs.export("qeff_llama_default.onnx").onnx_path
+    res = cli("rewrite", src, "-o", tmp_path / "fixed.onnx", "--to", "static-cache", "--capacity", str(OWN_CTX_LEN))
+    assert res.exit_code == 0, res.output
+    layout = graphio.layout_of(graphio.load(tmp_path / "fixed.onnx"))
+    assert {(p.input.shape[1], p.output.shape[1]) for p in layout.pairs} == {(OWN_CTX_LEN, OWN_CTX_LEN)}
+    assert check(tmp_path / "fixed.onnx").ok
+    want = dialect_loops.greedy_loop(src, PROMPT_A, 8, capacity=OWN_CTX_LEN)
+    assert dialect_loops.greedy_loop(tmp_path / "fixed.onnx", PROMPT_A, 8, capacity=OWN_CTX_LEN) == want
+    assert Session(tmp_path / "fixed.onnx").generate([PROMPT_A], max_tokens=8, stop_tokens=[])[0].tokens == want
+    # a retained graph keeps its symbolic axis: a capacity there is refused in one line
+    res = cli("rewrite", src, "-o", tmp_path / "r.onnx", "--to", "shared-past-present", "--capacity", "64")
+    one_error(res, "cannot convert to shared-past-present: a capacity applies to a growing graph or to a conversion "
+                   "to static-cache; this graph's positions axis stays symbolic (bound at run time)")

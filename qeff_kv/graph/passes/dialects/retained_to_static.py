@@ -194,11 +194,13 @@ def _static_inputs(graph: ir.Graph, pos: ir.Value) -> tuple[ir.Value, ir.Value]:
     return write_idx, nonpad
 
 
-def _convert_pair(graph: ir.Graph, item: tuple, write_idx: ir.Value) -> None:
-    """Replace ``x`` by its packed static buffer and its updater by a TensorScatter at axis 1 into the static
-    output; readers of the old output read a 4-D view of the new one."""
+def _convert_pair(graph: ir.Graph, item: tuple, write_idx: ir.Value, fixed: int | None) -> None:
+    """Replace ``x`` by its packed static buffer (``fixed`` positions, when given, for a symbolic positions axis)
+    and its updater by a TensorScatter at axis 1 into the static output; readers of the old output read a 4-D view
+    of the new one."""
     parsed, x, out, node, heads, head_dim = item
     batch, _, capacity, _ = x.shape.dims
+    capacity = capacity if fixed is None or isinstance(capacity, int) else fixed
     new = parsed.in_dialect(naming.STATIC_CACHE)
     tag, width = f"{_TAG}/{new.name}", heads * head_dim
     packed_shape = ir.Shape([batch, capacity, width])
@@ -242,6 +244,13 @@ class RetainedToStaticPass(ConversionPass):
 
     target = naming.STATIC_CACHE
 
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise DialectError(f"RetainedToStaticPass needs a positive int capacity, got {capacity!r}")
+        #: positions of the static buffers when the graph's axis is symbolic (``None``: kept symbolic)
+        self.capacity = capacity
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         layout = layout_of(model)
         if layout.dialect not in (naming.RETAINED_STATE, naming.PAST_PRESENT) or layout.grows:
@@ -260,7 +269,7 @@ class RetainedToStaticPass(ConversionPass):
         _to_opset(model)
         write_idx, _ = _static_inputs(graph, pos)
         for item in plan_:
-            _convert_pair(graph, item, write_idx)
+            _convert_pair(graph, item, write_idx, self.capacity)
         graph.sort()
         return ir.passes.PassResult(model, modified=True)
 

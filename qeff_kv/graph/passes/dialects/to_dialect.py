@@ -87,14 +87,17 @@ def _growing_refusal(model: ir.Model, dialect: str, capacity: int | None) -> str
     return None
 
 
-def _capacity_refusal(layout: KVLayout, capacity: int) -> str | None:
-    """A capacity given for a fixed-capacity graph must be the one it has."""
-    axis = 1 if layout.dialect == naming.STATIC_CACHE else 2
-    held = {p.input.shape[axis] for p in layout.pairs if p.input.shape is not None and len(p.input.shape) > axis}
-    sizes = [d for d in held if isinstance(d, int)]
-    if not sizes or max(sizes) != capacity:
-        return (f"the graph's cache already holds {max(sizes) if sizes else 'a fixed number of'} positions; "
-                f"capacity {capacity} cannot change that")
+def _capacity_refusal(layout: KVLayout, capacity: int, dialect: str) -> str | None:
+    """A capacity given for a fixed-capacity graph must be the one it has; a symbolic positions axis takes it only
+    in a conversion to a static cache (whose buffers then hold ``capacity`` positions, as mobius writes them)."""
+    sizes = {p.axis2 for p in layout.pairs if isinstance(p.axis2, int) and not isinstance(p.axis2, bool)}
+    if not sizes:
+        if dialect == naming.STATIC_CACHE and layout.dialect != naming.STATIC_CACHE:
+            return None
+        return (f"a capacity applies to a growing graph or to a conversion to {naming.STATIC_CACHE}; this graph's "
+                "positions axis stays symbolic (bound at run time)")
+    if max(sizes) != capacity:
+        return f"the graph's cache already holds {max(sizes)} positions; capacity {capacity} cannot change that"
     return None
 
 
@@ -121,7 +124,7 @@ def conversion_pass(model: ir.Model, to: str, capacity: int | None = None) -> In
     if why is None and layout.grows:
         why = _growing_refusal(model, dialect, capacity)
     elif why is None and capacity is not None:
-        why = _capacity_refusal(layout, capacity)
+        why = _capacity_refusal(layout, capacity, dialect)
     if why is not None:
         raise (ContractError if why == NO_KV else DialectError)(
             why if why == NO_KV else f"cannot convert to {to}: {why}")
@@ -135,7 +138,7 @@ def conversion_pass(model: ir.Model, to: str, capacity: int | None = None) -> In
         return to_retained if dialect == naming.RETAINED_STATE else ConversionChain(to_retained, ToDialectPass(dialect))
     if dialect == naming.STATIC_CACHE:
         retained_to_static.plan(model)   # refused (one line) before anything changes
-        return RetainedToStaticPass()
+        return RetainedToStaticPass(capacity)
     return ToDialectPass(dialect)
 
 
