@@ -97,6 +97,18 @@ def greedy_loop(onnx_path, prompt_ids: Sequence[int], n_tokens: int, *, capacity
     return tokens
 
 
+def session_greedy(session, prompt, n: int, seq=None) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from a qeff-kv ``Session`` (the first from the prefill's logits), by
+    ``prefill`` and ``decode`` one sequence at a time: what the runtime tests compare with :func:`greedy_loop`."""
+    seq = seq if seq is not None else session.add_sequence()
+    tok = int(np.argmax(session.prefill(seq, prompt)))
+    out = [tok]
+    while len(out) < n:
+        tok = int(np.argmax(session.decode({seq: tok})[seq]))
+        out.append(tok)
+    return out
+
+
 # ------------------------------------------------------------------ the handmade static-cache graph
 def _init(rng, name: str, shape, scale: float):
     return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dialect_loops import greedy_loop
+from dialect_loops import greedy_loop, session_greedy
 from growing_graph import growing_decoder
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, RuntimeInputError
@@ -22,17 +22,6 @@ CAPACITY = 32
 N = 8
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*grows by concatenation.*:RuntimeWarning")
-
-
-def greedy(session: Session, prompt, n: int, seq=None) -> list[int]:
-    """``n`` greedy tokens after ``prompt`` (the first from the prefill's logits), by prefill and decode."""
-    seq = seq if seq is not None else session.add_sequence()
-    tok = int(np.argmax(session.prefill(seq, prompt)))
-    out = [tok]
-    while len(out) < n:
-        tok = int(np.argmax(session.decode({seq: tok})[seq]))
-        out.append(tok)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +42,7 @@ def test_growing_tokens_equal_a_plain_loop(grows, ref):
     assert not s.inplace and s.inplace_issues        # a copy of the held past in, the present's new positions back
     assert not s.cache.positional.spare_arrays        # one set of fixed buffers
     assert s.cache.positional.arrays[s.layout.pairs[0].input_name].shape == (1, 2, CAPACITY, 8)
-    assert greedy(s, PROMPT, N) == ref[tuple(PROMPT)]
+    assert session_greedy(s, PROMPT, N) == ref[tuple(PROMPT)]
     mask = s.binding.feeds.last[naming.ATTENTION_MASK_INPUT]
     assert mask.shape == (1, len(PROMPT) + N - 1) and mask.all()
     assert s.binding.growing.last_runs == [(0, 1, len(PROMPT) + N - 2)]
@@ -69,18 +58,18 @@ def test_growing_chunked_prefill_unpadded(grows, ref):
         return run(rows, seq_len, *a, **kw)
 
     s._run = watch
-    assert greedy(s, PROMPT, N) == ref[tuple(PROMPT)]
+    assert session_greedy(s, PROMPT, N) == ref[tuple(PROMPT)]
     assert widths[:3] == [4, 4, 1]                     # the short chunk runs at its length, never padded
 
 
 def test_growing_rewind_regenerates(grows, ref):
     s = Session(grows, ctx_len=CAPACITY)
     seq = s.add_sequence()
-    assert greedy(s, PROMPT, N, seq) == ref[tuple(PROMPT)]
+    assert session_greedy(s, PROMPT, N, seq) == ref[tuple(PROMPT)]
     s.truncate(seq, len(PROMPT) - 3)
-    assert greedy(s, PROMPT[-3:], N, seq) == ref[tuple(PROMPT)]
+    assert session_greedy(s, PROMPT[-3:], N, seq) == ref[tuple(PROMPT)]
     s.truncate(seq, 0)
-    assert greedy(s, OTHER, N, seq) == ref[tuple(OTHER)]
+    assert session_greedy(s, OTHER, N, seq) == ref[tuple(OTHER)]
 
 
 def test_growing_save_load_continues(grows, ref, tmp_path):
@@ -92,7 +81,7 @@ def test_growing_save_load_continues(grows, ref, tmp_path):
     loaded = other.load_state(path)
     assert loaded.length == len(PROMPT)
     other.truncate(loaded, len(PROMPT) - 1)
-    assert greedy(other, PROMPT[-1:], N, loaded) == ref[tuple(PROMPT)]
+    assert session_greedy(other, PROMPT[-1:], N, loaded) == ref[tuple(PROMPT)]
 
 
 def test_growing_two_sequences_of_different_lengths(grows, ref):

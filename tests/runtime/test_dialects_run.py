@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 import onnx
 
-from dialect_loops import greedy_loop, static_cache_graph
+from dialect_loops import greedy_loop, session_greedy, static_cache_graph
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.graph import graphio
@@ -23,17 +23,6 @@ PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 13]
 OTHER = [9, 1, 33, 4, 21]
 CAPACITY = 32
 N = 8
-
-
-def greedy(session: Session, prompt, n: int, seq=None) -> list[int]:
-    """``n`` greedy tokens after ``prompt`` (the first from the prefill's logits), by prefill and decode."""
-    seq = seq if seq is not None else session.add_sequence()
-    tok = int(np.argmax(session.prefill(seq, prompt)))
-    out = [tok]
-    while len(out) < n:
-        tok = int(np.argmax(session.decode({seq: tok})[seq]))
-        out.append(tok)
-    return out
 
 
 # ------------------------------------------------------------------ shared-buffer past/present
@@ -56,10 +45,10 @@ def shared_buffer_graph(own_graph, tmp_path_factory) -> Path:
 
 
 def test_shared_buffer_tokens_equal_the_retained_original(own_graph, shared_buffer_graph):
-    ref = greedy(Session(own_graph), PROMPT, N)
+    ref = session_greedy(Session(own_graph), PROMPT, N)
     s = Session(shared_buffer_graph, ctx_len=64, prefill_seq_len=4)
     assert s.layout.dialect == naming.PAST_PRESENT and s.layout.update == "shared-buffer"
-    assert greedy(s, PROMPT, N) == ref
+    assert session_greedy(s, PROMPT, N) == ref
     # attention_mask: [rows, positions held after the step], ones below the row's held length
     mask = s.binding.feeds.last[naming.ATTENTION_MASK_INPUT]
     assert mask.shape == (1, len(PROMPT) + N - 1) and mask.all()
@@ -83,17 +72,17 @@ def test_static_cache_tokens_equal_a_plain_loop(static_graph, static_ref):
     s = Session(static_graph)
     assert s.ctx_len == CAPACITY and s.layout.update == "indexed-scatter"
     assert s.cache.positional.arrays[s.layout.pairs[0].input_name].shape == (1, 1, CAPACITY, 16)
-    assert greedy(s, PROMPT, N) == static_ref[tuple(PROMPT)]
+    assert session_greedy(s, PROMPT, N) == static_ref[tuple(PROMPT)]
     # chunked prefill (4, 4, 1 tokens: the short chunk unpadded) gives the same tokens
-    assert greedy(Session(static_graph, prefill_seq_len=4), PROMPT, N) == static_ref[tuple(PROMPT)]
+    assert session_greedy(Session(static_graph, prefill_seq_len=4), PROMPT, N) == static_ref[tuple(PROMPT)]
     # double-buffered (outputs to a spare set, swapped after each run): the same
-    assert greedy(Session(static_graph, inplace=False), PROMPT, N) == static_ref[tuple(PROMPT)]
+    assert session_greedy(Session(static_graph, inplace=False), PROMPT, N) == static_ref[tuple(PROMPT)]
 
 
 def test_static_cache_in_place(static_graph):
     s = Session(static_graph)
     assert s.inplace and not s.inplace_issues
-    greedy(s, PROMPT, 2)
+    session_greedy(s, PROMPT, 2)
     outs, ins = s.bound_output_pointers(), s.kv_data_pointers()
     assert all(outs[p.output_name] == ins[p.input_name] for p in s.layout.pairs)
 
@@ -102,11 +91,11 @@ def test_static_cache_rewind_regenerates(static_graph, static_ref):
     s = Session(static_graph)
     seq = s.add_sequence()
     ref = static_ref[tuple(PROMPT)]
-    assert greedy(s, PROMPT, N, seq) == ref
+    assert session_greedy(s, PROMPT, N, seq) == ref
     s.truncate(seq, len(PROMPT) - 3)
-    assert greedy(s, PROMPT[-3:], N, seq) == ref
+    assert session_greedy(s, PROMPT[-3:], N, seq) == ref
     s.truncate(seq, 0)
-    assert greedy(s, OTHER, N, seq) == static_ref[tuple(OTHER)]
+    assert session_greedy(s, OTHER, N, seq) == static_ref[tuple(OTHER)]
 
 
 def test_static_cache_two_sequences_in_lock_step(static_graph, static_ref):
@@ -149,7 +138,7 @@ def test_static_cache_save_load_state(static_graph, static_ref, tmp_path):
     loaded = other.load_state(path)
     assert loaded.length == len(PROMPT)
     other.truncate(loaded, len(PROMPT) - 1)
-    assert greedy(other, PROMPT[-1:], N, loaded) == ref
+    assert session_greedy(other, PROMPT[-1:], N, loaded) == ref
 
 
 def test_static_cache_capacity_is_kept(static_graph):
