@@ -20,7 +20,8 @@ from qeff_kv.contract.layout import KVLayout
 from qeff_kv.errors import SidecarError
 from qeff_kv.graph.sidecars.declared import Declared, DeclaredPair, SidecarFacts, STEM_ROLES
 
-_CONTROL_INPUTS = ("input_ids", "position_ids", "attention_mask")
+#: the graph inputs genai_config.json feeds beside the KV (its keys under ``model.decoder.inputs`` are the same words)
+_CONTROL_INPUTS = (naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT, naming.ATTENTION_MASK_INPUT)
 _PATTERN_KEYS = (("past_key_names", "present_key_names", "key"), ("past_value_names", "present_value_names", "value"))
 
 
@@ -57,11 +58,11 @@ def build(layout: KVLayout, facts: SidecarFacts) -> dict:
     if reason is not None:
         raise SidecarError(reason)
     prefix = layout.prefix
-    inputs = {"input_ids": "input_ids"}
-    for name in ("position_ids", "attention_mask"):
+    inputs = {"input_ids": naming.INPUT_IDS_INPUT}
+    for name in _CONTROL_INPUTS[1:]:
         if layout.input(name) is not None:
             inputs[name] = name
-    outputs = {"logits": "logits"}
+    outputs = {"logits": naming.LOGITS_OUTPUT}
     for past, present, role in _PATTERN_KEYS:
         stem = next(s for s, r in STEM_ROLES.items() if r == role)
         inputs[past] = pattern(stem, prefix, layout.dialect)
