@@ -97,6 +97,18 @@ def greedy_loop(onnx_path, prompt_ids: Sequence[int], n_tokens: int, *, capacity
     return tokens
 
 
+def convert(src, dst, to: str):
+    """``src`` converted to dialect ``to`` (:func:`qeff_kv.graph.passes.dialects.to_dialect.conversion_pass`) and saved
+    at ``dst``; returns the converted model."""
+    from qeff_kv.graph import graphio
+    from qeff_kv.graph.passes.dialects.to_dialect import conversion_pass
+
+    model = graphio.load(src)
+    conversion_pass(model, to)(model)
+    graphio.save(model, dst, source_dir=Path(src).parent)
+    return model
+
+
 def session_greedy(session, prompt, n: int, seq=None) -> list[int]:
     """``n`` greedy tokens after ``prompt`` from a qeff-kv ``Session`` (the first from the prefill's logits), by
     ``prefill`` and ``decode`` one sequence at a time: what the runtime tests compare with :func:`greedy_loop`."""

@@ -35,10 +35,7 @@ def _io(model) -> list[str]:
 
 
 def _convert(src, dst, to: str = naming.STATIC_CACHE):
-    model = graphio.load(src)
-    conversion_pass(model, to)(model)
-    graphio.save(model, dst, source_dir=src.parent)
-    return model
+    return dialect_loops.convert(src, dst, to)
 
 
 @pytest.fixture(scope="module")

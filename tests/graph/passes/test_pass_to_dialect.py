@@ -24,20 +24,13 @@ def _io(model) -> list[str]:
     return [v.name for v in list(model.graph.inputs) + list(model.graph.outputs)]
 
 
-def _convert(src, dst, to: str):
-    model = graphio.load(src)
-    conversion_pass(model, to)(model)
-    graphio.save(model, dst, source_dir=src.parent)
-    return model
-
-
 @pytest.fixture(scope="module")
 def static_graph(tmp_path_factory):
     return dialect_loops.static_cache_graph(tmp_path_factory.mktemp("static") / "static.onnx", capacity=CAP)
 
 
 def test_static_to_retained_same_tokens(static_graph, tmp_path):
-    model = _convert(static_graph, tmp_path / "retained.onnx", naming.RETAINED_STATE)
+    model = dialect_loops.convert(static_graph, tmp_path / "retained.onnx", naming.RETAINED_STATE)
     names = _io(model)
     assert naming.WRITE_INDICES_INPUT not in names and naming.NONPAD_KV_SEQLEN_INPUT not in names
     assert "past_key.0" in names and "past_value.1_RetainedState" in names
@@ -52,7 +45,7 @@ def test_static_to_retained_same_tokens(static_graph, tmp_path):
 
 def test_static_to_retained_keeps_prefix(tmp_path):
     src = dialect_loops.static_cache_graph(tmp_path / "s.onnx", capacity=CAP, prefix="VLLM")
-    model = _convert(src, tmp_path / "r.onnx", naming.RETAINED_STATE)
+    model = dialect_loops.convert(src, tmp_path / "r.onnx", naming.RETAINED_STATE)
     assert graphio.layout_of(model).prefixes == ["VLLM"]
     assert "past_key.0_VLLM_RetainedState" in _io(model)
     assert check(tmp_path / "r.onnx", expected_prefix="VLLM").ok
@@ -63,23 +56,23 @@ def test_static_to_retained_keeps_prefix(tmp_path):
 def test_retained_shared_round_trip(own_graphs, tmp_path):
     src = own_graphs / "qeff_llama_default.onnx"
     want = dialect_loops.greedy_loop(src, PROMPT_A, 8, capacity=OWN_CTX_LEN)
-    shared = _convert(src, tmp_path / "pp.onnx", "shared-past-present")
+    shared = dialect_loops.convert(src, tmp_path / "pp.onnx", "shared-past-present")
     assert graphio.layout_of(shared).update == "shared-buffer"
     assert "past_key_values.0.key" in _io(shared) and "present.1.value" in _io(shared)
     assert dialect_loops.greedy_loop(tmp_path / "pp.onnx", PROMPT_A, 8, capacity=OWN_CTX_LEN) == want
-    back = _convert(tmp_path / "pp.onnx", tmp_path / "rs.onnx", naming.RETAINED_STATE)
+    back = dialect_loops.convert(tmp_path / "pp.onnx", tmp_path / "rs.onnx", naming.RETAINED_STATE)
     assert _io(back) == _io(graphio.load(src))
     assert dialect_loops.greedy_loop(tmp_path / "rs.onnx", PROMPT_A, 8, capacity=OWN_CTX_LEN) == want
     assert check(tmp_path / "rs.onnx").ok
 
 
 def test_static_retained_shared_retained_names(static_graph, tmp_path):
-    first = _convert(static_graph, tmp_path / "r1.onnx", naming.RETAINED_STATE)
-    _convert(tmp_path / "r1.onnx", tmp_path / "pp.onnx", "shared-past-present")
-    again = _convert(tmp_path / "pp.onnx", tmp_path / "r2.onnx", naming.RETAINED_STATE)
+    first = dialect_loops.convert(static_graph, tmp_path / "r1.onnx", naming.RETAINED_STATE)
+    dialect_loops.convert(tmp_path / "r1.onnx", tmp_path / "pp.onnx", "shared-past-present")
+    again = dialect_loops.convert(tmp_path / "pp.onnx", tmp_path / "r2.onnx", naming.RETAINED_STATE)
     assert _io(again) == _io(first)
     # static -> shared past/present in one conversion (through retained state): the same graph, the same tokens
-    direct = _convert(static_graph, tmp_path / "pp2.onnx", "shared-past-present")
+    direct = dialect_loops.convert(static_graph, tmp_path / "pp2.onnx", "shared-past-present")
     assert _io(direct) == _io(graphio.load(tmp_path / "pp.onnx"))
     want = dialect_loops.greedy_loop(static_graph, [1, 5, 9, 13, 17, 21], 8, capacity=CAP)
     assert dialect_loops.greedy_loop(tmp_path / "pp2.onnx", [1, 5, 9, 13, 17, 21], 8, capacity=CAP) == want
@@ -102,7 +95,7 @@ def test_growing_refused_in_one_line(tmp_path):
 def test_foreign_retained_to_static_refused(static_graph, tmp_path):
     """A retained graph no qeff-kv target wrote (here: converted from a static cache) is refused: how its attention
     reads the cache is not known (our exports: tests/graph/passes/test_pass_retained_to_static.py)."""
-    model = _convert(static_graph, tmp_path / "r.onnx", naming.RETAINED_STATE)
+    model = dialect_loops.convert(static_graph, tmp_path / "r.onnx", naming.RETAINED_STATE)
     with pytest.raises(DialectError, match="not a qeff-kv export") as exc:
         conversion_pass(model, naming.STATIC_CACHE)
     assert "\n" not in str(exc.value)

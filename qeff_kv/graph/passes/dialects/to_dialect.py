@@ -27,9 +27,9 @@ from qeff_kv.contract import naming
 from qeff_kv.contract.layout import NO_KV, KVLayout
 from qeff_kv.errors import ContractError, DialectError
 from qeff_kv.graph.graphio import layout_of
-from qeff_kv.graph.passes.dialects import growing_to_static
-from qeff_kv.graph.passes._invariants import InvariantPass, io_signature
-from qeff_kv.graph.passes.dialects import retained_to_static
+from qeff_kv.graph.passes._invariants import InvariantPass
+from qeff_kv.graph.passes.dialects import growing_to_static, retained_to_static
+from qeff_kv.graph.passes.dialects.base import ConversionPass
 from qeff_kv.graph.passes.dialects.growing_to_static import GrowingToStaticPass
 from qeff_kv.graph.passes.dialects.retained_to_static import RetainedToStaticPass
 from qeff_kv.graph.passes.dialects.static_to_retained import StaticToRetainedPass
@@ -142,21 +142,18 @@ def conversion_pass(model: ir.Model, to: str, capacity: int | None = None) -> In
     return ToDialectPass(dialect)
 
 
-class ToDialectPass(InvariantPass):
+class ToDialectPass(ConversionPass):
     """Rename every KV buffer into ``dialect`` (retained state or past/present), prefixes kept.
 
     ``ensures``: every KV buffer is spelled in ``dialect`` and paired, the prefixes are as they were, and every
     non-KV input and output is as it was.
     """
 
-    keeps_io = False
-    _before: tuple | None = None
-
     def __init__(self, dialect: str):
         super().__init__()
         if dialect not in _RENAMED:
             raise DialectError(f"ToDialectPass renames between {' and '.join(_RENAMED)}, not into {dialect}")
-        self.dialect = dialect
+        self.dialect = self.target = dialect
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         layout = layout_of(model)
@@ -177,19 +174,3 @@ class ToDialectPass(InvariantPass):
         for v, new in plan:
             v.name = new
         return ir.passes.PassResult(model, modified=bool(plan))
-
-    def requires(self, model: ir.Model) -> None:
-        super().requires(model)
-        self._before = (_non_kv(model), layout_of(model).prefixes)
-
-    def check(self, model: ir.Model) -> None:
-        layout = layout_of(model)
-        if set(layout.dialects) != {self.dialect} or layout.unpaired_inputs or layout.unpaired_outputs:
-            self.violated(f"dialects {layout.dialects}, unpaired {layout.unpaired_inputs + layout.unpaired_outputs}")
-        if self._before is not None and (_non_kv(model), layout.prefixes) != self._before:
-            self.violated("it changed a prefix or a graph input or output that is not a KV buffer")
-
-
-def _non_kv(model: ir.Model) -> tuple:
-    return tuple(tuple(v for v in values if naming.parse_any_kv_name(v[0] or "") is None)
-                 for values in io_signature(model))
