@@ -118,3 +118,8 @@ class KVLoadError(QeffKvError):
 class SidecarError(QeffKvError):
     """A runtime sidecar (``genai_config.json``, ``inference_metadata.yaml``) is unreadable, names a port the graph
     lacks, or pairs the graph's KV buffers differently than the graph does."""
+
+
+class AdapterError(QeffKvError):
+    """A LoRA adapter cannot be used: unreadable or unsupported PEFT folder (DoRA and other variants), a rank,
+    module or base that does not fit the graph, an adapter name unknown to the session or server."""

@@ -111,6 +111,39 @@ VISION_ENCODER_GATED = "gated"
 #: (:func:`qeff_kv.graph.graphio.load`), so that saving beside it can find its external data
 SOURCE_PATH_META = "qeff_kv.source_path"
 
+#: LoRA adapters mixed per row (docs/lora.md): the graph's per-row adapter slot (int64 ``[batch_size]``; slot 0 is
+#: the zero adapter, the base) and scale (the graph's float type, ``[batch_size]``; 0 for a base row), and per
+#: adapted module ``lora_A.{layer}.{module}`` ``[lora_slots, in_features, lora_rank]`` and ``lora_B.{layer}.{module}``
+#: ``[lora_slots, lora_rank, out_features]`` (``module``: its path inside the decoder layer as PEFT names it,
+#: ``self_attn.q_proj``). Inputs, never buffers: never prefixed, never retained.
+LORA_IDS_INPUT = "lora_ids"
+LORA_SCALES_INPUT = "lora_scales"
+LORA_SLOTS_DIM = "lora_slots"
+LORA_RANK_DIM = "lora_rank"
+#: graph metadata of an export with adapters (JSON: ``max_rank``, ``modules``, ``adapters`` the export was proved
+#: with): :mod:`qeff_kv.contract.lora`
+LORA_META = "qeff_kv.lora"
+_LORA_RE = re.compile(r"lora_(?P<part>[AB])\.(?P<layer>(?:0|[1-9][0-9]*))\.(?P<module>[A-Za-z_][A-Za-z0-9_.]*)")
+
+
+def lora_input_name(part: str, layer: int, module: str) -> str:
+    """``lora_A.{layer}.{module}`` (``part`` ``"A"`` or ``"B"``)."""
+    if part not in ("A", "B"):
+        raise ValueError(f"a LoRA input is part A or B, not {part!r}")
+    return f"lora_{part}.{int(layer)}.{module}"
+
+
+def parse_lora_name(name: str) -> tuple[str, int, str] | None:
+    """``(part, layer, module)`` of a LoRA weight input name, else ``None``."""
+    m = _LORA_RE.fullmatch(name)
+    return None if m is None else (m.group("part"), int(m.group("layer")), m.group("module"))
+
+
+def is_lora_input(name: str) -> bool:
+    """Whether ``name`` is one of the adapter inputs (the per-row slots and scales, or an A/B weight)."""
+    return name in (LORA_IDS_INPUT, LORA_SCALES_INPUT) or parse_lora_name(name) is not None
+
+
 MAX_PREFIX_LEN = 64
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9]{1,64}")
