@@ -89,6 +89,15 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--hidden-states", is_flag=True,
               help="One more output, hidden_states: the final hidden state at the logits' rows (what 'qeff-kv "
                    "serve' pools for /v1/embeddings). Text decoders only.")
+@click.option("--lora", multiple=True, metavar="NAME=PEFT_DIR",
+              help="A LoRA adapter (a PEFT folder) the graph takes per row; repeat for several. The graph adapts "
+                   "their modules at their largest rank and is proved with each (docs/lora.md).")
+@click.option("--max-lora-rank", type=int,
+              help="The largest adapter rank the graph takes (default with --lora: the largest given). Alone: "
+                   "the graph takes any adapter up to this rank at run time.")
+@click.option("--lora-targets",
+              help="With --max-lora-rank alone: the module names adapted, comma-separated (default: q_proj, k_proj, "
+                   "v_proj, o_proj, gate_proj, up_proj, down_proj).")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "

@@ -12,7 +12,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from qeff_kv.contract import naming, statespec
+from qeff_kv.contract import naming
+from qeff_kv.contract import statespec
+from qeff_kv.contract.lora import LoraGeometry
 from qeff_kv.errors import ContractError
 
 Dim = int | str | None
@@ -281,6 +283,11 @@ class KVLayout:
             self.non_kv_retained.append((base if base in in_by_name else None, out_name))  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------------------------------- queries
+    @property
+    def lora(self) -> "LoraGeometry | None":
+        """The graph's LoRA adapter inputs (:mod:`qeff_kv.contract.lora`), ``None`` without."""
+        return LoraGeometry.from_io(self.inputs, self.metadata)
+
     @property
     def prefixes(self) -> list[str | None]:
         """Distinct prefixes among KV buffers (inputs and outputs), in order of first appearance."""

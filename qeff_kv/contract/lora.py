@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
+
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError
 
@@ -60,6 +62,16 @@ class LoraGeometry:
 
     def get(self, layer: int, module: str) -> LoraModule | None:
         return next((m for m in self.modules if m.layer == layer and m.module == module), None)
+
+    def zero_feeds(self, rows: int) -> dict[str, np.ndarray]:
+        """Every adapter input of a ``rows``-row step with no adapter: one zero slot of rank 1, slot 0, scale 0
+        (the base model exactly)."""
+        dt = np.dtype(self.dtype)
+        feeds = {naming.LORA_IDS_INPUT: np.zeros(rows, np.int64), naming.LORA_SCALES_INPUT: np.zeros(rows, dt)}
+        for m in self.modules:
+            feeds[m.a_name] = np.zeros((1, m.in_features, 1), dt)
+            feeds[m.b_name] = np.zeros((1, 1, m.out_features), dt)
+        return feeds
 
     def metadata(self) -> str:
         """The :data:`~qeff_kv.contract.naming.LORA_META` value an export writes."""

@@ -82,5 +82,7 @@ def _metadata(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
         meta[naming.STATE_SPEC_META] = geometry["state_spec"].dumps()
     if geometry.get("mla"):   # MLA's latent cache: the expanded cache's geometry (qeff_kv.tools.buffers)
         meta[naming.MLA_META] = json.dumps(geometry["mla"], sort_keys=True)
+    if geometry.get("lora"):   # the adapters' largest rank and modules, and those the export was proved with
+        meta[naming.LORA_META] = json.dumps(geometry["lora"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         meta[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)

@@ -92,6 +92,15 @@ class ExportOptions:
     #: :func:`~qeff_kv.export.api.resolve` from ``config.json``, never a flag): its own blocks become MatMulNBits
     #: (:mod:`qeff_kv.export.weights.prequant`)
     prequant: str | None = None
+    #: LoRA adapters the graph takes per row (docs/lora.md): ``(name, PEFT folder)`` pairs (``"name=DIR"`` strings
+    #: accepted); the graph adapts their modules at the largest rank among them (or :attr:`max_lora_rank`) and the
+    #: export is proved with each of them
+    lora: tuple[tuple[str, str], ...] | None = None
+    #: the largest adapter rank the graph takes; alone (no :attr:`lora`), the graph adapts :attr:`lora_targets`
+    max_lora_rank: int | None = None
+    #: with :attr:`max_lora_rank` alone: the module names adapted (comma-separated, e.g. ``q_proj,v_proj``; default
+    #: the attention and MLP projections)
+    lora_targets: str | None = None
 
     def __post_init__(self) -> None:
         """The kinds, refused in one line before anything is read: flags are real booleans (``"no"`` is refused,
@@ -104,6 +113,8 @@ class ExportOptions:
             validate.optional_int(label, getattr(self, label), minimum=lo, error=ExportError)
         for label in ("single_graph", "gguf_grid", "hidden_states"):   # truthy values taken as the flag
             object.__setattr__(self, label, bool(getattr(self, label)))
+        validate.optional_int("max_lora_rank", self.max_lora_rank, minimum=1, error=ExportError)
+        object.__setattr__(self, "lora", lora_pairs(self.lora))
 
     @property
     def target_info(self) -> targets.TargetInfo:
@@ -169,7 +180,13 @@ class ExportOptions:
             raise ExportError(f"--gguf-grid takes the GGUF's blocks of 32 values; --block-size {self.block_size} "
                               "cannot be used with it")
         check_mla_cache(self)
+        check_lora(self)
         return self
+
+    @property
+    def adapts(self) -> bool:
+        """The graph takes LoRA adapters (``--lora`` or ``--max-lora-rank``)."""
+        return bool(self.lora) or self.max_lora_rank is not None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -189,7 +206,12 @@ class ExportOptions:
             del d["prequant"]
         if d["mla_cache"] in (None, "full"):
             del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
-        for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens"):
+        if d["lora"] is None:
+            del d["lora"]
+        else:
+            d["lora"] = [list(pair) for pair in d["lora"]]
+        for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens",
+                    "max_lora_rank", "lora_targets"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
         return d
@@ -221,6 +243,54 @@ def options_of(options: ExportOptions | None, given: dict, caller: str = "export
     if not isinstance(options, ExportOptions):
         raise ExportError(f"options must be an ExportOptions, got {type(options).__name__}")
     return replace(options, **given) if given else options
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def lora_pairs(value) -> tuple[tuple[str, str], ...] | None:
+    """``--lora`` as ``((name, folder), ...)``: from ``"name=DIR"`` strings or pairs; names are 1-64 characters of
+    letters, digits, ``.``, ``_``, ``-`` and unique (one line each otherwise)."""
+    if value is None or value == () or value == []:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ExportError(f"lora must be a list of name=PEFT_DIR, got {value!r}")
+    pairs = []
+    for item in value:
+        if isinstance(item, str):
+            name, sep, folder = item.partition("=")
+            if not sep or not folder:
+                raise ExportError(f"--lora takes name=PEFT_DIR, got {item!r}")
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            name, folder = item
+        else:
+            raise ExportError(f"--lora takes name=PEFT_DIR, got {item!r}")
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+            raise ExportError(f"adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                              "or digit")
+        pairs.append((name, os.fspath(folder)))
+    names = [n for n, _ in pairs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ExportError(f"adapter name {dup!r} is given twice")
+    return tuple(pairs)
+
+
+def check_lora(options: "ExportOptions") -> None:
+    """The adapter options' combinations (one line each); the adapters themselves are read and fitted at the
+    resolve stage (:func:`qeff_kv.export.api.resolve`)."""
+    if options.lora_targets is not None:
+        if options.lora:
+            raise ExportError("--lora-targets is for --max-lora-rank alone; with --lora the adapters' own modules "
+                              "are adapted")
+        if options.max_lora_rank is None:
+            raise ExportError("--lora-targets needs --max-lora-rank R")
+        names = [t.strip() for t in options.lora_targets.split(",")]
+        if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", t) for t in names):
+            raise ExportError(f"--lora-targets takes module names separated by commas, got {options.lora_targets!r}")
+    if options.adapts and options.mla_cache == "latent":
+        raise ExportError("LoRA adapters are not supported with --mla-cache latent (its absorbed attention "
+                          "replaces the projections the adapters change)")
 
 
 MLA_CACHES = ("full", "latent")

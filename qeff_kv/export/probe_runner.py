@@ -49,7 +49,12 @@ class ProbeRunner:
         #: a speculative-decoding graph: ``num_logits_to_keep`` ``[n, 1]`` says how many last rows' logits to return
         self.keeps_logits = naming.LOGITS_TO_KEEP_INPUT in in_names
         self.pairs = [(p.input_name, p.output_name) for p in layout.pairs]
+        #: inputs fed on every step beside the tokens and the KV: a graph with adapters runs as the base model
+        #: (:meth:`~qeff_kv.contract.lora.LoraGeometry.zero_feeds`) unless a caller feeds adapters here
         self.extra: dict[str, np.ndarray] = {}
+        self.lora = layout.lora
+        if self.lora is not None:
+            self.extra.update(self.lora.zero_feeds(1))
         self.kv: dict[str, np.ndarray] = {}
         spec = layout.state_spec   # each layer's kind and capacity (ring layers: the window)
         for p in layout.pairs:

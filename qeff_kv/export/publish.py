@@ -203,5 +203,8 @@ def manifest(onnx_name: str, layout, config: dict, options: opt.ExportOptions, g
         "state_spec": geometry["state_spec"].to_json() if geometry.get("state_spec") is not None else None,
         # recurrent / hybrid models only: the mixer, its layers and its state geometry
         **({"recurrent": geometry["recurrent"]} if "recurrent" in geometry else {}),
+        # LoRA adapters mixed per row (docs/lora.md): the graph's rank and modules, the adapters it was proved with
+        **({"lora": {**geometry["lora"], "folders": {n: str(Path(p).resolve()) for n, p in options.lora or ()}}}
+           if "lora" in geometry else {}),
         "exporter": {"name": "qeff-kv", "version": __version__, "opset": opt.OPSET, "ir_version": opt.IR_VERSION},
     }

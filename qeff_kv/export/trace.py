@@ -20,6 +20,8 @@ from qeff_kv.support import limits
 from qeff_kv.contract import naming, statespec
 from qeff_kv.errors import ExportError
 from qeff_kv.export.modeling import caches, mla, moe, rope
+from qeff_kv.export.modeling import lora as lora_mod
+from qeff_kv.export.lora_plan import LoraPlan
 from qeff_kv.export import targets
 from qeff_kv.export.modeling import recurrent as recurrent_mod
 from qeff_kv.export import transformers_adapter as hf
@@ -61,7 +63,9 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
         vision = vlm_mod.language_inputs(io, vision, facts, options, next(model.parameters()).dtype)
     io.args += kv
     _trailing_inputs(options, io)
+    routing = _lora_inputs(model, options, next(model.parameters()).dtype, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
+    wrapper.lora = routing
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
     (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
@@ -79,6 +83,10 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
                     state_spec=spec)
     if facts.recurrent is not None:
         geometry["recurrent"] = recurrent_mod.geometry(facts.recurrent)
+    if routing is not None:
+        plan = LoraPlan.of(options)
+        geometry["lora"] = {"max_rank": plan.max_rank, "modules": sorted({a.module for a in routing.adapted}),
+                            "adapters": list(plan.names)}
     return geometry
 
 
@@ -152,6 +160,28 @@ def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:
     if options.hidden_states:   # the last output
         io.out_names.append(naming.HIDDEN_STATES_OUTPUT)
         io.dyn[naming.HIDDEN_STATES_OUTPUT] = dict(io.dyn["logits"])
+
+
+def _lora_inputs(model, options: opt.ExportOptions, dtype, io: GraphIO) -> lora_mod.Routing | None:
+    """The adapter inputs, last (:mod:`qeff_kv.contract.lora`): ``lora_ids``, ``lora_scales``, then each adapted
+    module's A and B stacks; the routing that adds their delta while tracing. ``None`` without adapters."""
+    plan = LoraPlan.of(options)
+    if plan is None:
+        return None
+    adapted = lora_mod.find_modules(model, hf.decoder(model), plan.modules, plan.targets)
+    io.args += [torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=dtype)]
+    io.in_names += [naming.LORA_IDS_INPUT, naming.LORA_SCALES_INPUT]
+    io.dyn[naming.LORA_IDS_INPUT] = io.dyn[naming.LORA_SCALES_INPUT] = {0: "batch_size"}
+    slots, rank = naming.LORA_SLOTS_DIM, naming.LORA_RANK_DIM
+    for item in adapted:
+        a_name = naming.lora_input_name("A", item.layer, item.module)
+        b_name = naming.lora_input_name("B", item.layer, item.module)
+        io.args += [torch.zeros((2, item.in_features, plan.max_rank), dtype=dtype),
+                    torch.zeros((2, plan.max_rank, item.out_features), dtype=dtype)]
+        io.in_names += [a_name, b_name]
+        io.dyn[a_name] = {0: slots, 2: rank}
+        io.dyn[b_name] = {0: slots, 1: rank}
+    return lora_mod.Routing(adapted)
 
 
 def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec, num_layers: int,

@@ -78,6 +78,8 @@ class RetainedStateLM(torch.nn.Module):
         self.logit_scale = facts.logit_scale
         self.logits_scaling = facts.logits_scaling
         self.softcap = facts.final_logit_softcapping
+        #: LoRA adapters mixed per row (:class:`~qeff_kv.export.modeling.lora.Routing`): its inputs come last
+        self.lora = None
 
     @property
     def sliding(self) -> SlidingPlan:
@@ -95,6 +97,7 @@ class RetainedStateLM(torch.nn.Module):
         multimodal RoPE positions; the decoder then gets ``position_ids [4, B, S]`` (the text positions first, as
         transformers' Qwen2.5-VL takes them), padded rows repeating their sequence's last valid row."""
         pad_rows = self.target.fills_padding
+        rest, adapters = self._adapter_inputs(list(rest))
         if rope_rows is not None and pad_rows:
             rope_rows = fill_padding_rows(rope_rows.permute(1, 2, 0), position_ids).permute(2, 0, 1)
         rest = list(rest)
@@ -116,7 +119,7 @@ class RetainedStateLM(torch.nn.Module):
         base = hf.decoder(self.lm)
         rec = None if self.recurrent is None else recurrent.RecurrentStep(states, is_pad, batch_index, self.recurrent)
         mixers = contextlib.nullcontext() if rec is None else recurrent.mixers_routed(self.lm, rec)
-        with self.target.tracing(cache), mixers:
+        with self.target.tracing(cache), mixers, adapters:
             tokens = dict(input_ids=step.input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
             model_pos = step.position_ids if rope_rows is None else torch.cat([step.position_ids.unsqueeze(0),
                                                                                rope_rows])
@@ -137,6 +140,15 @@ class RetainedStateLM(torch.nn.Module):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return (logits, *self._retained(cache, rec), *((hidden_last,) if self.hidden else ()))
+
+    def _adapter_inputs(self, rest: list) -> tuple[list, contextlib.AbstractContextManager]:
+        """``rest`` without the adapter inputs (the last ones: ``lora_ids``, ``lora_scales``, then A and B per
+        adapted module), and the context in which the adapted modules add their per-row delta."""
+        if self.lora is None:
+            return rest, contextlib.nullcontext()
+        n = 2 + 2 * len(self.lora)
+        ids, scales, *weights = rest[-n:]
+        return rest[:-n], self.lora.active(ids, scales, weights)
 
     def _split(self, flat: list) -> tuple[list, dict]:
         """The KV inputs as ``past[layer] = (key, value)`` (``None`` for a layer that does not attend) and

@@ -120,6 +120,9 @@ class GraphDescription:
     #: a past/present graph that grows by concatenation: each run is fed the held past (a copy of the fixed
     #: buffers' positions) and its present's new positions are copied back (:mod:`.execution.growing`)
     grows: bool = False
+    #: the graph's LoRA adapter inputs (:mod:`qeff_kv.contract.lora`; fed by
+    #: :class:`~qeff_kv.runtime.execution.adapter_feeds.AdapterFeeds`), ``None`` without
+    lora: object = None
 
     @property
     def pad_short(self) -> bool:
@@ -188,7 +191,7 @@ class GraphDescription:
                    own_graph=naming.TARGET_META in ir_model.metadata_props, inplace=inplace,
                    inplace_issues=tuple(issues), vocab_size=vocab_size, logits_dtype=logits_dtype,
                    eos_token_ids=tuple([eos] if isinstance(eos, int) else list(eos or [])), feeds=feeds,
-                   grows=layout.grows)
+                   grows=layout.grows, lora=layout.lora)
 
 
 # ============================================================================================ the steps of resolve
@@ -246,7 +249,7 @@ def _require_decoder_io(layout: KVLayout, media, control: tuple[str, ...] = ()) 
     kv_inputs = {p.input_name for p in layout.pairs}
     extra = [n for n in names_in if n not in kv_inputs
              and n not in ("input_ids", "position_ids", BATCH_INDEX, ccl_mod.INPUT, naming.LOGITS_TO_KEEP_INPUT)
-             and n not in control
+             and n not in control and not naming.is_lora_input(n)
              and (media is None or n not in media.input_names)]
     if extra:
         raise ContractError(f"graph has inputs the runtime does not know how to feed: {extra}")

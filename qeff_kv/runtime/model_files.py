@@ -37,6 +37,12 @@ class ModelFiles:
     manifest: dict | None = None
 
     @property
+    def source_name(self) -> str | None:
+        """The model the graph was exported from (the manifest's ``source``, its last path component), else None."""
+        source = (self.manifest or {}).get("source")
+        return None if not isinstance(source, str) else source.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+    @property
     def tokenizer_path(self) -> Path | None:
         p = self.folder / "tokenizer.json"
         return p if p.is_file() else None

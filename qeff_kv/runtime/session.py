@@ -37,10 +37,9 @@ The language graph of a vision-language model also takes its image buffer and ``
 (:mod:`qeff_kv.runtime.multimodal.media`, bound in place; the images come from :mod:`qeff_kv.runtime.multimodal.vision`) and, with
 multimodal RoPE, ``position_ids [4, batch, seq_len]`` (:mod:`qeff_kv.runtime.multimodal.positions`).
 
-The session opens the graph and feeds it (``prefill``, ``decode``); its cache verbs (``truncate``, ``copy``,
-``export_state`` ...) are one call to ``session.cache`` (:class:`~qeff_kv.runtime.memory.hybrid.HybridMemory`, built
-from the memory registry) or to :mod:`~qeff_kv.runtime.memory.state_file`. Two collaborators, each an object with its
-own state and a reference to the session, do the rest, and the session's public methods of their names call them:
+The session feeds the graph (``prefill``, ``decode``); its cache verbs are one call to ``session.cache``
+(:class:`~qeff_kv.runtime.memory.hybrid.HybridMemory`) or :mod:`~qeff_kv.runtime.memory.state_file`; its adapter
+verbs (``load_adapter`` ...) one call to :mod:`~qeff_kv.runtime.adapters`. Two collaborators do the rest:
 
 * ``session.binding`` (:class:`~qeff_kv.runtime.execution.binding.GraphBinding`): the executor and every value
   bound to it, and the run;
@@ -65,6 +64,7 @@ from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.graph.passes.ort_invalid_index import OrtInvalidIndexPass
 from qeff_kv.runtime import arguments
+from qeff_kv.runtime.adapters import SessionAdapters
 from qeff_kv.runtime.arguments import check_session_args
 from qeff_kv.runtime import ccl as ccl_mod
 from qeff_kv.runtime.execution import device as device_mod
@@ -138,6 +138,7 @@ class Session:
         # the collaborators, each with its own state and this session: what is bound and run, the generation loop
         self.binding = GraphBinding(self, io, executor_session)
         self.binding.bind()
+        self.lora = SessionAdapters(self)   # the LoRA adapters (runtime/adapters.py)
         self.generation = GenerationLoop(self)
 
     # ------------------------------------------------------------------------------------ construction
@@ -331,6 +332,7 @@ class Session:
             pos_mod.write(pos, 0, seq.length + off, cnt, None if rope is None else rope[:, off:off + cnt],
                           pos_mod.delta(seq.rope_marks))
             self.graph.batching.fill_prefill(arrays, seq)
+            self.binding.adapt_rows(arrays, ((0, seq),))
             logits = self._run(1, width, np.array([cnt - 1]), needed=seq.length + off + cnt)[0]
             self.timings.prefill_runs += 1
             self.cache.positional.wrote(seq, seq.length + off + cnt)
@@ -365,6 +367,7 @@ class Session:
             arrays["input_ids"].fill(0)
             pos_mod.clear(arrays["position_ids"])
         batching.fill_decode(arrays, seqs, toks, self.cache.sequences)
+        self.binding.adapt_rows(arrays, ((batching.logits_row(r, s), s) for r, s in enumerate(seqs)))
         logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
@@ -420,9 +423,9 @@ class Session:
 
     # ------------------------------------------------------------------------------------ the cache verbs
     # one hop: each verb is the cache's (runtime/memory/hybrid.py) or the state-file module's
-    def add_sequence(self) -> Sequence:
-        """A new empty sequence in a free slot."""
-        return self.cache.create()
+    def add_sequence(self, adapter: str | None = None, lora_scale: float = 1.0) -> Sequence:
+        """A new empty sequence in a free slot; ``adapter``: the LoRA adapter it runs with (``session.lora``)."""
+        return self.cache.create() if adapter is None else self.lora.new_sequence(adapter, lora_scale)
 
     def remove_sequence(self, seq: Sequence) -> None:
         self.cache.destroy(seq)
@@ -442,7 +445,7 @@ class Session:
         return self.cache.reusable(seq, n)
 
     def memory(self) -> dict:
-        """Bytes the cache holds (:meth:`.HybridMemory.memory`)."""
+        """Bytes the cache holds (:meth:`.HybridMemory.memory`)."""   # the adapters' bytes: session.lora.nbytes()
         return self.cache.memory()
 
     def copy(self, src: Sequence, dst: Sequence, n: int) -> None:
@@ -480,9 +483,8 @@ class Session:
             "sliding_window": self.sliding_window, "ring_capacities": dict(self.rings.capacities),
             "vision_language": None if self.media is None else self.media.kind,
             "recurrent_states": list(rec.shapes), "recurrent_double_buffered": rec.double_buffer,
-            "checkpoint_every": rec.policy.every if rec else None,
-            "max_checkpoints": rec.policy.keep if rec else None,
-        }
+            "checkpoint_every": rec.policy.every if rec else None, "max_checkpoints": rec.policy.keep if rec else None,
+            "lora": None if self.graph.lora is None else {**self.graph.lora.to_json(), "loaded": self.lora.names}}
 
     def kv_data_pointers(self) -> dict[str, int]:
         """Address of every KV input buffer currently bound (for tests and diagnostics)."""

@@ -26,6 +26,7 @@ import onnxruntime as ort
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
 from qeff_kv.runtime import ccl as ccl_mod
+from qeff_kv.runtime.execution.adapter_feeds import AdapterFeeds
 from qeff_kv.runtime.execution.growing import GrowingKV
 from qeff_kv.runtime.execution.row_views import RowViews
 
@@ -74,6 +75,9 @@ class GraphBinding:
         #: the outputs in the order first bound (IOBinding returns them in that order)
         self.out_order: list[str] = []
         self.kv_views: dict[str, ort.OrtValue] | None = None
+        #: a graph with LoRA inputs: the session's adapters, their stacks bound once, each row's slot and scale
+        self.adapters = (AdapterFeeds(session.graph.lora, session.device, session.files.source_name)
+                         if session.graph.lora is not None else None)
 
     # ------------------------------------------------------------------------------------ outputs and state
     def bind(self) -> None:
@@ -169,6 +173,8 @@ class GraphBinding:
         if s.speculative:
             shapes[naming.LOGITS_TO_KEEP_INPUT] = (keep, 1)
         pairs = {k: s.device.buffer(shape, np.int64) for k, shape in shapes.items()}
+        if self.adapters is not None:
+            pairs.update({k: s.device.buffer(shape, dt) for k, (shape, dt) in self.adapters.small_shapes(rows).items()})
         arrays = self.small[key] = {k: a for k, (a, _) in pairs.items()}
         self.small_values[key] = {k: v for k, (_, v) in pairs.items()}
         if self.logits_prebound:
@@ -188,6 +194,8 @@ class GraphBinding:
                 self.ccl_bound = length
         if s.graph.swaps_buffers:
             self.bind_kv()
+        if self.adapters is not None:
+            self.adapters.bind(self.io)
         key, out = (rows, seq_len, keep), None
         try:
             if self.growing is not None:
@@ -204,6 +212,12 @@ class GraphBinding:
         if out is None:
             out = self.logits[key][0] if self.logits_prebound else self.output("logits")
         return _logits_rows(out, rows, keep, last_index)
+
+    def adapt_rows(self, arrays: dict[str, np.ndarray], rows) -> None:
+        """Each ``(row, sequence)`` of the step whose small inputs are ``arrays`` runs with its sequence's adapter,
+        every other row as the base (a graph without adapters: nothing to write)."""
+        if self.adapters is not None:
+            self.adapters.fill(arrays, rows)
 
     # ------------------------------------------------------------------------------------ introspection
     def kv_data_pointers(self) -> dict[str, int]:

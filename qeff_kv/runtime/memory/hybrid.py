@@ -59,6 +59,8 @@ class Sequence:
             full-length buffers (a rewind then stops where the window would need a lower position).
         rope_marks: multimodal RoPE: the images it holds and the RoPE offset of the text after each
             (:mod:`.rope_marks`).
+        adapter: the LoRA adapter its rows run with (a name the session holds), ``None``: the base model;
+            ``lora_scale`` multiplies the adapter's delta (docs/lora.md).
     """
 
     id: int
@@ -71,6 +73,8 @@ class Sequence:
     written: int = 0
     floor: int = 0
     rope_marks: list[RopeMark] = field(default_factory=list)
+    adapter: str | None = None
+    lora_scale: float = 1.0
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Sequence(id={self.id}, slot={self.slot}, length={self.length}, pending={self.pending})"

@@ -1,0 +1,106 @@
+"""A session's LoRA adapters, the verbs (docs/lora.md): ``session.lora``, a :class:`SessionAdapters`.
+
+``session.lora.load(name, PEFT_DIR)`` reads an adapter once (fitted to the graph: its modules, rank, hidden sizes and
+base), ``session.lora.use(seq, name, scale)`` makes a sequence run with it (before its first token: a sequence's KV
+is its adapter's), ``session.add_sequence(adapter=name)`` does both at once, ``unload`` forgets one no sequence
+uses. Every row of a step takes its own sequence's adapter (:class:`~qeff_kv.runtime.execution.adapter_feeds.AdapterFeeds`).
+A graph exported without adapters refuses every verb in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from qeff_kv.errors import AdapterError
+
+
+class SessionAdapters:
+    """The adapter verbs of one :class:`~qeff_kv.runtime.session.Session`."""
+
+    def __init__(self, session):
+        self.session = session
+
+    @property
+    def feeds(self):
+        """The binding's :class:`~qeff_kv.runtime.execution.adapter_feeds.AdapterFeeds`; refused in one line for a
+        graph without adapter inputs."""
+        feeds = self.session.binding.adapters
+        if feeds is None:
+            raise AdapterError(f"{self.session.files.onnx_path.name} takes no LoRA adapters: export it with --lora "
+                               "name=PEFT_DIR or --max-lora-rank R")
+        return feeds
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the graph takes adapters."""
+        return self.session.binding.adapters is not None
+
+    @property
+    def names(self) -> list[str]:
+        """The adapters loaded, in slot order (none for a graph without adapters)."""
+        return list(self.session.binding.adapters.adapters) if self.enabled else []
+
+    def geometry(self):
+        """The graph's :class:`~qeff_kv.contract.lora.LoraGeometry` (``None`` without adapters)."""
+        return self.session.graph.lora
+
+    def load(self, name: str, source: str | os.PathLike | object):
+        """Load adapter ``name`` from a PEFT folder (or an adapter already read); returns the adapter."""
+        return self.feeds.load(name, source)
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name``; refused while a sequence uses it."""
+        feeds = self.feeds
+        feeds.require(name)
+        users = [s.id for s in self.session.cache.sequences if s.adapter == name]
+        if users:
+            raise AdapterError(f"adapter {name!r} is in use by sequence {users[0]}: remove it first")
+        feeds.unload(name)
+
+    def get(self, name: str):
+        """The adapter ``name`` (:class:`qeff_kv.tools.adapters.Adapter`), refused in one line when not loaded."""
+        return self.feeds.require(name)
+
+    def use(self, seq, name: str | None, scale: float = 1.0) -> None:
+        """Run ``seq`` with adapter ``name`` (``None``: the base) at ``scale``; only before its first token, since
+        what its cache holds was computed with its adapter."""
+        seq = self.session.cache.get(seq)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise AdapterError(f"a LoRA scale must be a finite number, got {scale!r}")
+        if name is not None:
+            self.feeds.require(name)
+        if seq.length and (name, float(scale)) != (seq.adapter, seq.lora_scale):
+            raise AdapterError(f"sequence {seq.id} holds {seq.length} positions computed with "
+                               f"{describe(seq.adapter, seq.lora_scale)}; it cannot switch to {describe(name, scale)}")
+        seq.adapter, seq.lora_scale = name, float(scale)
+
+    def new_sequence(self, name: str, scale: float = 1.0):
+        """A new empty sequence running with adapter ``name`` (:meth:`use`); nothing is left behind on a refusal."""
+        self.feeds.require(name)
+        seq = self.session.cache.create()
+        try:
+            self.use(seq, name, scale)
+        except AdapterError:
+            self.session.cache.destroy(seq)
+            raise
+        return seq
+
+    def nbytes(self) -> int:
+        """Bytes of the bound adapter stacks (every loaded adapter, at the graph's rank)."""
+        return self.feeds.nbytes() if self.enabled else 0
+
+    def summary(self) -> dict:
+        """What the session's adapters are (for ``describe`` and ``/v1/models``)."""
+        if not self.enabled:
+            return {}
+        from qeff_kv.tools import adapters as adapters_mod
+
+        return {n: adapters_mod.summary(a) for n, a in self.feeds.adapters.items()}
+
+
+def describe(name: str | None, scale: float = 1.0) -> str:
+    """``adapter 'a' (scale 0.5)`` or ``the base model``, for messages."""
+    if name is None:
+        return "the base model"
+    return f"adapter {name!r}" + ("" if scale == 1.0 else f" (scale {scale:g})")
