@@ -24,6 +24,7 @@ from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryErr
 from qeff_kv.export import checkpoint as checkpoint_mod
 from qeff_kv.export.facts import family
 from qeff_kv.export import graph_passes, publish, sources
+from qeff_kv.export.lora_plan import LoraPlan
 from qeff_kv.export.weights import prequant
 from qeff_kv.export import options as opt
 from qeff_kv.export.publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
@@ -71,6 +72,7 @@ def export_model(model: str | Path | None = None, out_dir: str | Path | None = N
     say = progress or (lambda _msg: None)
     source, config, options = resolve(model, options)
     family.ModelFacts.from_config(config).require_exportable(options)
+    LoraPlan.of(options)   # the adapters read and their ranks checked (one line each) before anything is loaded
     params = opt.hashed_params(config, options, source.fingerprint())
     params["specializations_format"] = specializations_format
     digest = opt.params_hash(params)
@@ -167,6 +169,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     import contextlib
 
     from qeff_kv.export.weights import quantize as quant_mod
+    from qeff_kv.export import lora_proof as lora_proof_mod
     from qeff_kv.export import verify as verify_mod
 
     if streamed is None:
@@ -193,6 +196,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
                                                                     streamed=streamed is not None,
                                                                     one_pass=scheme is not None)
+    plan = LoraPlan.of(options)
+    lora_proof = None if streamed is not None else lora_proof_mod.references(torch_model, plan, probe, options.dtype)
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
         tokenizer = _tokenizer_of(source, tmp)
@@ -206,6 +211,9 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     weights_record = _weights_record(source, options, scheme, probe, natural, verification, geometry, tmp, onnx_path,
                                      say)
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
+    if plan is not None and plan.adapters:   # each adapter proved as the base model is
+        records["lora_verification"] = lora_proof_mod.verify(
+            onnx_path, options, probe, lora_proof, "a streamed export" if streamed is not None else skipped, say)
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:

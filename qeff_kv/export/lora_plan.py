@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qeff_kv.errors import ExportError
+from qeff_kv.tools import adapters as adapters_mod
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class LoraPlan:
         """The plan of an :class:`~qeff_kv.export.options.ExportOptions`, or ``None`` without adapters."""
         if not options.adapts:
             return None
-        read = tuple(_read(folder, name=name) for name, folder in options.lora or ())
+        read = tuple(adapters_mod.read_adapter(folder, name=name) for name, folder in options.lora or ())
         if not read:
             targets = None if options.lora_targets is None else \
                 tuple(t.strip() for t in options.lora_targets.split(","))
@@ -46,8 +47,3 @@ class LoraPlan:
         modules = tuple(sorted({m for a in read for m in a.modules}))
         return cls(int(options.max_lora_rank or rank), modules, None, read)
 
-
-def _read(folder, name):
-    from qeff_kv.tools import adapters as adapters_mod
-
-    return adapters_mod.read_adapter(folder, name=name)
