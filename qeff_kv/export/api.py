@@ -24,7 +24,7 @@ from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryErr
 from qeff_kv.export import checkpoint as checkpoint_mod
 from qeff_kv.export.facts import family
 from qeff_kv.export import graph_passes, publish, sources
-from qeff_kv.export.lora_plan import LoraPlan
+from qeff_kv.export.adapters.plan import LoraPlan
 from qeff_kv.export.weights import prequant
 from qeff_kv.export import options as opt
 from qeff_kv.export.publish import MANIFEST_FILE, PARAMS_FILE, Progress, vision_onnx_name  # noqa: F401 (re-exported)
@@ -169,7 +169,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     import contextlib
 
     from qeff_kv.export.weights import quantize as quant_mod
-    from qeff_kv.export import lora_proof as lora_proof_mod
+    from qeff_kv.export.adapters import proof as lora_proof_mod
     from qeff_kv.export import verify as verify_mod
 
     if streamed is None:
@@ -196,8 +196,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
                                                                     streamed=streamed is not None,
                                                                     one_pass=scheme is not None)
-    plan = LoraPlan.of(options)
-    lora_proof = None if streamed is not None else lora_proof_mod.references(torch_model, plan, probe, options.dtype)
+        plan = LoraPlan.of(options)   # each adapter's reference, on the same weights
+        lora_proof = lora_proof_mod.references(torch_model, plan, probe, options.dtype)
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
         tokenizer = _tokenizer_of(source, tmp)
@@ -213,7 +213,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     records = {"checkpoint": ckpt, "verification": verification.to_json()}
     if plan is not None and plan.adapters:   # each adapter proved as the base model is
         records["lora_verification"] = lora_proof_mod.verify(
-            onnx_path, options, probe, lora_proof, "a streamed export" if streamed is not None else skipped, say)
+            onnx_path, options, probe, lora_proof, skipped, say)
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:

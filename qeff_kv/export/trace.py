@@ -21,7 +21,7 @@ from qeff_kv.contract import naming, statespec
 from qeff_kv.errors import ExportError
 from qeff_kv.export.modeling import caches, mla, moe, rope
 from qeff_kv.export.modeling import lora as lora_mod
-from qeff_kv.export.lora_plan import LoraPlan
+from qeff_kv.export.adapters.plan import LoraPlan
 from qeff_kv.export import targets
 from qeff_kv.export.modeling import recurrent as recurrent_mod
 from qeff_kv.export import transformers_adapter as hf

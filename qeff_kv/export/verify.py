@@ -331,7 +331,7 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
                  extra_feeds: dict | None = None) -> VerificationResult:
     """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
     A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first.
-    ``extra_feeds``: inputs fed on every step over the runner's own (an adapter's: :mod:`.lora_proof`)."""
+    ``extra_feeds``: inputs fed on every step over the runner's own (an adapter's: :mod:`.adapters.proof`)."""
     t0 = time.perf_counter()
     runner = _open_runner(onnx_path, probe, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, vision_path=vision_path)
     runner.extra.update(extra_feeds or {})

@@ -18,7 +18,7 @@ from qeff_kv.contract.lora import LoraGeometry, LoraModule
 from qeff_kv.errors import VerificationError
 from qeff_kv.export import transformers_adapter as hf
 from qeff_kv.export import verify as verify_mod
-from qeff_kv.export.lora_plan import LoraPlan
+from qeff_kv.export.adapters.plan import LoraPlan
 from qeff_kv.export.modeling import lora as lora_mod
 
 
