@@ -74,6 +74,9 @@ def export_model(model: str | Path | None = None, out_dir: str | Path | None = N
     family.ModelFacts.from_config(config).require_exportable(options)
     LoraPlan.of(options)   # the adapters read and their ranks checked (one line each) before anything is loaded
     params = opt.hashed_params(config, options, source.fingerprint())
+    if options.lora:   # the adapters the export is proved with: another file under the same name is another export
+        params["lora_files"] = {name: opt.files_fingerprint(sorted(Path(folder).glob("adapter_*")))
+                                for name, folder in options.lora}
     params["specializations_format"] = specializations_format
     digest = opt.params_hash(params)
     dest = opt.cache_dir(str(config["architectures"][0]), source.name, digest) if out_dir is None else Path(out_dir)

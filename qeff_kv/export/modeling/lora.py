@@ -21,7 +21,9 @@ import torch
 from qeff_kv.errors import ExportError
 
 #: the module names adapted when no adapter names them (``--max-lora-rank`` alone): attention and MLP projections
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: (``qkv_proj`` and ``gate_up_proj`` where a family fuses them: Phi-3)
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                   "gate_up_proj")
 #: modules never adapted: routers decide, experts are routed statically (their weights read directly)
 _NEVER = re.compile(r"(?:^|\.)(?:experts|router|gate)(?:\.|$)")
 
