@@ -193,14 +193,15 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         loaded["architectures"] = [type(torch_model).__name__]
     facts = family.ModelFacts.from_config(loaded)
     facts.require_exportable(options)
+    plan = LoraPlan.of(options)
+    lora_proof_mod.check_fit(torch_model, plan, options.dtype, source.describe())   # adapters of another model
     vision = _vision_geometry(torch_model, options, facts)
     transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size))
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
                                                                     streamed=streamed is not None,
                                                                     one_pass=scheme is not None)
-        plan = LoraPlan.of(options)   # each adapter's reference, on the same weights
-        lora_proof = lora_proof_mod.references(torch_model, plan, probe, options.dtype)
+        lora_proof = lora_proof_mod.references(torch_model, plan, probe, options.dtype)   # on the same weights
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
         tokenizer = _tokenizer_of(source, tmp)
@@ -211,12 +212,12 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
                                           scheme)
     del torch_model
     verification = verify_mod.verify_export(onnx_path, vision_path, options, probe, reference, skipped, say)
+    lora_record = lora_proof_mod.verify(onnx_path, options, probe, lora_proof, skipped, say) \
+        if plan is not None and plan.adapters else None   # on the graph the base was proved on (before --weights)
     weights_record = _weights_record(source, options, scheme, probe, natural, verification, geometry, tmp, onnx_path,
                                      say)
-    records = {"checkpoint": ckpt, "verification": verification.to_json()}
-    if plan is not None and plan.adapters:   # each adapter proved as the base model is
-        records["lora_verification"] = lora_proof_mod.verify(
-            onnx_path, options, probe, lora_proof, skipped, say)
+    records = {"checkpoint": ckpt, "verification": verification.to_json(),
+               **({} if lora_record is None else {"lora_verification": lora_record})}   # each adapter's proof
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:

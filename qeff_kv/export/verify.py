@@ -334,7 +334,8 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
     ``extra_feeds``: inputs fed on every step over the runner's own (an adapter's: :mod:`.adapters.proof`)."""
     t0 = time.perf_counter()
     runner = _open_runner(onnx_path, probe, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, vision_path=vision_path)
-    runner.extra.update(extra_feeds or {})
+    if extra_feeds:
+        runner.extra.update(extra_feeds)
     rtol = RTOL.get(dtype, RTOL["float16"])
     prompt, chunk = probe.prompt, probe.chunk
     try:

@@ -65,3 +65,56 @@ def peft_logits(model_dir: Path, adapter_dir: Path, input_ids, merged: bool = Fa
         out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
                     use_cache=False)
     return out.logits.float().numpy()
+
+
+def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompts, max_new_tokens: int,
+                merged: bool = False) -> list[list[int]]:
+    """transformers ``generate`` greedy tokens (``max_new_tokens`` each, no stop token) of every prompt of
+    ``prompts``, with the adapter of ``adapter_dir`` applied by PEFT (``merged``: folded into the base weights by
+    ``merge_and_unload``; ``None``: the base model alone), fp32, eager attention."""
+    import torch
+    import transformers
+
+    if adapter_dir is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    else:
+        model = peft_model(model_dir, adapter_dir, merged=merged)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.int64)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def dequantized_model_dir(model_dir: Path, out_dir: Path, weights: str, block_size: int) -> Path:
+    """The model of ``model_dir`` with the weights ``--weights int4|int8 --block-size B`` quantizes replaced by
+    their quantized-then-dequantized values (onnxruntime's own kernel: qeff_kv's ``quantize_stream.dequantized``,
+    proved equal to MatMulNBits' reading in tests/export/test_export_stream.py), saved to ``out_dir``: a Linear
+    weight with at least one block of input features, and the vocabulary tables (symmetric) where their width is a
+    whole number of blocks."""
+    import torch
+    import transformers
+
+    from qeff_kv.export.schemes import WeightScheme, min_k
+    from qeff_kv.export.weights.quantize_stream import dequantized
+
+    scheme = WeightScheme(weights, block_size, 1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tables = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                continue
+            w = module.weight
+            k = int(w.shape[1])
+            if id(w) in tables:
+                if k >= min_k(block_size) and k % block_size == 0:
+                    w.copy_(torch.from_numpy(dequantized(w.numpy().copy(), scheme, True)))
+            elif isinstance(module, torch.nn.Linear) and k >= min_k(block_size):
+                w.copy_(torch.from_numpy(dequantized(w.numpy().copy(), scheme)))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)

@@ -28,6 +28,22 @@ def geometry_of(routing: lora_mod.Routing, plan: LoraPlan, dtype: str) -> LoraGe
                         dtype, plan.max_rank, plan.names)
 
 
+def check_fit(model, plan: LoraPlan | None, dtype: str, base_name: str) -> None:
+    """Refuse (:class:`~qeff_kv.errors.AdapterError`, one line) an adapter of ``plan`` that does not fit ``model``
+    before anything is traced or written, whether or not the export is verified: its modules and layers, its rank,
+    its hidden sizes, and its ``base_model_name_or_path`` against ``base_name`` (the source the manifest records,
+    compared by its last path component, as a Session compares it when it loads an adapter)."""
+    if plan is None or not plan.adapters:
+        return
+    from qeff_kv.tools import adapters as adapters_mod
+
+    hf.find_decoder(model)
+    routing = lora_mod.Routing(lora_mod.find_modules(model, hf.decoder(model), plan.modules, plan.targets))
+    geometry = geometry_of(routing, plan, dtype)
+    for adapter in plan.adapters:
+        adapters_mod.fit(adapter, geometry, base_name=base_name)
+
+
 def references(model, plan: LoraPlan | None, probe, dtype: str) -> dict | None:
     """PyTorch's :class:`~qeff_kv.export.verify.Reference` on ``probe`` with each adapter of ``plan``, and the
     stacked adapter inputs the graph will be fed; ``None`` without adapters or without a probe."""
