@@ -172,14 +172,14 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     import contextlib
 
     from qeff_kv.export.weights import quantize as quant_mod
-    from qeff_kv.export.adapters import proof as lora_proof_mod
     from qeff_kv.export import verify as verify_mod
 
     if streamed is None:
-        torch_model = source.load_torch_model(options, say)
+        torch_model = source.load_torch_model(options, say)   # torch missing: refused here, in one line
         ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
     else:
         torch_model, ckpt = streamed.model, streamed.record
+    from qeff_kv.export.adapters import proof as lora_proof_mod
     # --weights int4|int8 from a streamed checkpoint: quantized as the weights stream, no float graph; verified
     # against the reference on the quantized-then-dequantized weights (see docs/export.md)
     scheme = quant_mod.WeightScheme(options.weights, options.block_size, options.accuracy_level) \
