@@ -27,6 +27,7 @@ import numpy as np
 
 from qeff_kv.contract.lora import LoraGeometry
 from qeff_kv.errors import AdapterError
+from qeff_kv.support import fsutil
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -115,13 +116,7 @@ def _read_config(folder: Path, name: str) -> dict:
     file = folder / CONFIG_FILE
     if not file.is_file():
         raise AdapterError(f"adapter {name}: {folder} has no {CONFIG_FILE} (not a PEFT adapter folder)")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"adapter {name}: {file} is not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"adapter {name}: {file} is not a JSON object")
-    return config
+    return fsutil.read_json_object(file, AdapterError)
 
 
 def _weights_file(folder: Path, name: str) -> Path:

@@ -187,7 +187,7 @@ def test_folder_refusals(made, tmp_path):
     with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):
         read_adapter(pickled)
     (pickled / "adapter_config.json").write_text("{not json")
-    with pytest.raises(AdapterError, match="is not JSON"):
+    with pytest.raises(AdapterError, match="not valid JSON"):
         read_adapter(pickled)
     cut = edited(made["plain"], tmp_path / "cut")
     data = (cut / "adapter_model.safetensors").read_bytes()
