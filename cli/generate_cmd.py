@@ -16,7 +16,7 @@ from click.core import ParameterSource
 from qeff_kv.runtime.decoding.sampling import GREEDY
 from qeff_kv.runtime.generate_job import GenerateRequest, run_generate
 
-from .params import COUNT, DIM, ID, SLIDING_WINDOW, THREADS, sampling_options
+from .params import COUNT, DIM, FLOAT, ID, SLIDING_WINDOW, THREADS, sampling_options
 
 
 def _deprecated_max_new_tokens(ctx: click.Context, param, value):
@@ -125,6 +125,12 @@ def _max_tokens(ctx: click.Context, param, value):
 @click.option("--speculative-k", type=DIM, default=None, metavar="K",
               help="With --speculative: drafts per step (default and maximum: the graph's K). Needed on a graph that "
                    "records no K (the peer's target graphs): K+1 must fit the prefill length and ctx_len.")
+@click.option("--lora", default=None, metavar="[NAME=]PEFT_DIR",
+              help="Run every prompt with this LoRA adapter (a PEFT folder; NAME: the folder's name unless given), "
+                   "loaded once, on a graph exported with adapter inputs (export --lora or --max-lora-rank; "
+                   "docs/lora.md). A graph without them is refused.")
+@click.option("--lora-scale", type=FLOAT, default=None, metavar="S",
+              help="With --lora: multiply the adapter's delta by S (default 1; 0 runs the base model).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (sequences, timings).")
 def generate_cmd(as_json, **options) -> None:
     """Generate tokens from MODEL (an .onnx file or an export folder) with a persistent in-place KV cache."""

@@ -123,3 +123,8 @@ class SidecarError(QeffKvError):
 class AdapterError(QeffKvError):
     """A LoRA adapter cannot be used: unreadable or unsupported PEFT folder (DoRA and other variants), a rank,
     module or base that does not fit the graph, an adapter name unknown to the session or server."""
+
+
+class StateAdapterError(StateFileError, AdapterError):
+    """A KV state computed with a LoRA adapter that this session does not hold (not loaded, or other weights under
+    its name): a state error (a hand-off answers 400) and an adapter error."""

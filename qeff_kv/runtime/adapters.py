@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from pathlib import Path
 
-from qeff_kv.errors import AdapterError
+from qeff_kv.errors import AdapterError, StateAdapterError
+from qeff_kv.runtime.memory.hybrid import describe_adapter as describe
 
 
 class SessionAdapters:
@@ -70,13 +73,20 @@ class SessionAdapters:
             raise AdapterError(f"a LoRA scale must be a finite number, got {scale!r}")
         if name is not None:
             self.feeds.require(name)
+        elif scale != 1.0:
+            raise AdapterError(f"lora_scale {scale!r} goes with an adapter; give adapter=NAME")
         if seq.length and (name, float(scale)) != (seq.adapter, seq.lora_scale):
             raise AdapterError(f"sequence {seq.id} holds {seq.length} positions computed with "
                                f"{describe(seq.adapter, seq.lora_scale)}; it cannot switch to {describe(name, scale)}")
         seq.adapter, seq.lora_scale = name, float(scale)
 
-    def new_sequence(self, name: str, scale: float = 1.0):
-        """A new empty sequence running with adapter ``name`` (:meth:`use`); nothing is left behind on a refusal."""
+    def new_sequence(self, name: str | None, scale: float = 1.0):
+        """A new empty sequence running with adapter ``name`` (:meth:`use`; ``None``: the base model, where a scale
+        has nothing to scale); nothing is left behind on a refusal."""
+        if name is None:
+            if scale != 1.0:   # refused as use() refuses it
+                raise AdapterError(f"lora_scale {scale!r} goes with an adapter; give adapter=NAME")
+            return self.session.cache.create()
         self.feeds.require(name)
         seq = self.session.cache.create()
         try:
@@ -85,6 +95,25 @@ class SessionAdapters:
             self.session.cache.destroy(seq)
             raise
         return seq
+
+    def identity(self, name: str) -> str:
+        """The SHA-256 of adapter ``name``'s weights (what a state computed with it records)."""
+        return self.feeds.identity(name)
+
+    def check_state(self, name: str, scale: float, identity: str, where: str) -> None:
+        """A state computed with adapter ``name`` (weights ``identity``) at ``scale`` can continue here: the graph
+        takes adapters and this session holds ``name`` with those weights; else one line."""
+        what = describe(name, scale)
+        if not self.enabled:
+            raise StateAdapterError(f"{where}: computed with {what}; {self.session.files.onnx_path.name} takes no "
+                                    "LoRA adapters")
+        held = self.feeds.adapters
+        if name not in held:
+            raise StateAdapterError(f"{where}: computed with {what}, which this session has not loaded (loaded: "
+                                    f"{', '.join(held) or 'none'}); load it first (session.lora.load, --lora)")
+        if identity != self.identity(name):
+            raise StateAdapterError(f"{where}: computed with {what}, but the adapter loaded as {name!r} "
+                                    f"({held[name].path}) has other weights")
 
     def nbytes(self) -> int:
         """Bytes of the bound adapter stacks (every loaded adapter, at the graph's rank)."""
@@ -99,8 +128,18 @@ class SessionAdapters:
         return {n: adapters_mod.summary(a) for n, a in self.feeds.adapters.items()}
 
 
-def describe(name: str | None, scale: float = 1.0) -> str:
-    """``adapter 'a' (scale 0.5)`` or ``the base model``, for messages."""
-    if name is None:
-        return "the base model"
-    return f"adapter {name!r}" + ("" if scale == 1.0 else f" (scale {scale:g})")
+def adapter_option(text: str) -> tuple[str, str]:
+    """``--lora [NAME=]PEFT_DIR`` as ``(name, folder)``: an existing folder as given is the folder (named as it is
+    called), else ``NAME=PEFT_DIR``; one line otherwise."""
+    if not isinstance(text, (str, os.PathLike)) or not str(text):
+        raise AdapterError(f"--lora takes [NAME=]PEFT_DIR, got {text!r}")
+    text = os.fspath(text)
+    if Path(text).is_dir():
+        return Path(text).resolve().name, text
+    name, sep, folder = text.partition("=")
+    if not sep or not folder:
+        raise AdapterError(f"--lora {text}: no such adapter folder (give PEFT_DIR or NAME=PEFT_DIR)")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise AdapterError(f"--lora {text}: adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting "
+                           "with a letter or digit")
+    return name, folder

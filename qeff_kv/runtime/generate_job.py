@@ -5,6 +5,7 @@ The optional tokenizer is :func:`qeff_kv.runtime.text.tokenizer.load_tokenizer`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -23,6 +24,7 @@ from qeff_kv.support import validate
 from qeff_kv.support.validate import integer_array
 from qeff_kv.runtime.decoding.sampling import FIELDS as SAMPLING_FIELDS, SamplingParams
 from qeff_kv.runtime.decoding.stopping import asked_tokens
+from qeff_kv.runtime.adapters import adapter_option, describe as describe_adapter
 from qeff_kv.runtime.model_files import resolve_model
 from qeff_kv.runtime.session import Session, TokenEvent
 from qeff_kv.runtime.vision_language import VisionLanguageModel
@@ -109,6 +111,10 @@ class GenerateRequest:
     #: drafts per verification step with ``speculative`` (default and maximum: the graph's K; needed on a graph that
     #: records no K, the peer's target graphs)
     speculative_k: int | None = None
+    #: a LoRA adapter every prompt runs with (``PEFT_DIR`` or ``NAME=PEFT_DIR``; docs/lora.md), loaded once, on a
+    #: graph exported with adapter inputs; ``lora_scale`` multiplies its delta (default 1)
+    lora: str | None = None
+    lora_scale: float | None = None
     #: filled in: ``(image, [w, h], [w, h])`` of each ``--image`` resized to an export's fixed image size
     resized: list = field(default_factory=list)
     #: the deprecated name of ``max_tokens`` (one release; a DeprecationWarning, the same count)
@@ -198,17 +204,21 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     stops = [] if req.ignore_eos else list(session.eos_token_ids)
     stops += [t for t in req.stop_tokens if t not in stops]
 
+    adapter = _load_adapter(req, session)
     if req.load_state is not None:
         seq = session.load_state(req.load_state)
+        _check_loaded_adapter(req, seq, adapter)
         requests: list = [(seq, prompts[0]) if prompts else seq]
     elif req.images or req.image_inputs:   # a vision-language model was opened
         requests = [model.prompt(p, arrays) for p, arrays in zip(prompts, image_inputs)]
     else:
         requests = prompts
+    if adapter is not None and req.load_state is None and req.speculative is None:
+        requests = [(session.add_sequence(adapter, _scale(req)), r) for r in requests]   # each with the adapter
     t0 = time.perf_counter()
     spec_stats = None
     if req.speculative is not None:
-        results, spec_stats = _speculative(req, session, requests, stops, on_token)
+        results, spec_stats = _speculative(req, session, requests, stops, on_token, adapter)
     else:
         results = session.generate(requests, max_tokens=req.max_tokens, sampling=req.sampling,
                                    stop_tokens=stops, on_capacity=req.on_capacity, callback=on_token)
@@ -216,8 +226,32 @@ def run_generate(req: GenerateRequest, on_token: Callable[[TokenEvent], None] | 
     saved = None
     if req.save_state is not None:
         saved = str(session.save_state(results[0].sequence, req.save_state, select=req.select))
-    return _report(req, files, session, tok, results, stops, saved,
-                   _timings(session, open_s, wall, spec_stats))
+    report = _report(req, files, session, tok, results, stops, saved, _timings(session, open_s, wall, spec_stats))
+    report["lora"] = None if adapter is None else {**session.lora.summary()[adapter], "scale": _scale(req)}
+    return report
+
+
+def _scale(req: GenerateRequest) -> float:
+    return 1.0 if req.lora_scale is None else float(req.lora_scale)
+
+
+def _load_adapter(req: GenerateRequest, session: Session) -> str | None:
+    """``--lora``: the adapter loaded once into ``session`` (refused in one line on a graph without adapter inputs,
+    or one it does not fit); its name, or ``None``."""
+    if req.lora is None:
+        return None
+    name, folder = adapter_option(req.lora)
+    session.lora.load(name, folder)
+    return name
+
+
+def _check_loaded_adapter(req: GenerateRequest, seq, adapter: str | None) -> None:
+    """A state continued with ``--lora`` was computed with that adapter at that scale (one line otherwise; a state
+    of an adapter not given is refused by the load itself)."""
+    if adapter is not None and (seq.adapter, seq.lora_scale) != (adapter, _scale(req)):
+        raise RuntimeInputError(f"--load-state {req.load_state}: computed with "
+                                f"{describe_adapter(seq.adapter, seq.lora_scale)}, not with "
+                                f"{describe_adapter(adapter, _scale(req))} (--lora, --lora-scale)")
 
 
 def _check_request(req: GenerateRequest) -> None:
@@ -242,6 +276,22 @@ def _check_request(req: GenerateRequest) -> None:
         _check_speculative(req)
     elif req.speculative_k is not None:
         raise RuntimeInputError("--speculative-k goes with --speculative")
+    _check_lora(req)
+
+
+def _check_lora(req: GenerateRequest) -> None:
+    """``--lora`` and ``--lora-scale``: their kinds and that the scale goes with an adapter (one line each)."""
+    if req.lora is not None:
+        if not isinstance(req.lora, (str, os.PathLike)):
+            raise RuntimeInputError(f"lora must be a PEFT folder or NAME=PEFT_DIR, got {req.lora!r}")
+        adapter_option(req.lora)   # the form, before the graph is opened
+    scale = req.lora_scale
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise RuntimeInputError(f"--lora-scale must be a finite number, got {scale!r}")
+    if req.lora is None:
+        raise RuntimeInputError("--lora-scale scales the adapter of --lora; give --lora [NAME=]PEFT_DIR too")
 
 
 def _prompts(req: GenerateRequest, files) -> tuple[object, list[list[int]], list]:
@@ -345,11 +395,12 @@ def _check_speculative(req: GenerateRequest) -> None:
         raise RuntimeInputError("--speculative needs --max-tokens of at least 1")
 
 
-def _speculative(req: GenerateRequest, session: Session, requests: list, stops: list[int], on_token):
-    """One request decoded speculatively: ``([Generation], stats as JSON)``."""
+def _speculative(req: GenerateRequest, session: Session, requests: list, stops: list[int], on_token,
+                 adapter: str | None = None):
+    """One request decoded speculatively (with ``adapter``, when given): ``([Generation], stats as JSON)``."""
     decoder = SpeculativeDecoder(session, make_drafter(req.speculative, threads=req.threads), k=req.speculative_k)
     gen = decoder.generate(requests[0], max_tokens=req.max_tokens, sampling=req.sampling,
-                           stop_tokens=stops)
+                           stop_tokens=stops, adapter=adapter, lora_scale=_scale(req))
     if on_token is not None:
         for t in gen.tokens:
             on_token(TokenEvent(0, t, gen.sequence))

@@ -425,7 +425,7 @@ class Session:
     # one hop: each verb is the cache's (runtime/memory/hybrid.py) or the state-file module's
     def add_sequence(self, adapter: str | None = None, lora_scale: float = 1.0) -> Sequence:
         """A new empty sequence in a free slot; ``adapter``: the LoRA adapter it runs with (``session.lora``)."""
-        return self.cache.create() if adapter is None else self.lora.new_sequence(adapter, lora_scale)
+        return self.lora.new_sequence(adapter, lora_scale)
 
     def remove_sequence(self, seq: Sequence) -> None:
         self.cache.destroy(seq)

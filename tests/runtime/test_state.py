@@ -158,8 +158,8 @@ def test_refuses_foreign_and_future_files(graphs, saved, tmp_path):
     _refused(sess(graphs), other, "not a qeff-kv state file")
     state = read_state(saved)
     future = tmp_path / "v2.safetensors"
-    save_file(state.tensors, str(future), metadata=dict(state.metadata, format_version="2"))
-    _refused(sess(graphs), future, "format version '2'")
+    save_file(state.tensors, str(future), metadata=dict(state.metadata, format_version="3"))
+    _refused(sess(graphs), future, "format version '3'")
     _refused(sess(graphs), tmp_path / "missing.safetensors", "no such state file")
 
 

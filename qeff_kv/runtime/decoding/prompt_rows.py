@@ -54,6 +54,7 @@ def prefill_rows(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
         arrays["input_ids"][0, :] = part
         pos_mod.write(arrays["position_ids"], 0, seq.length, width)
         session.graph.batching.fill_prefill(arrays, seq)
+        session.binding.adapt_rows(arrays, ((0, seq),))
         out = session.binding.run(1, width, np.array([width - 1]), needed=seq.length + width, keep=width)
         rows.append(out[0] if width > 1 else out)   # [width, vocab] (one row: run gives [1, vocab])
         session.timings.prefill_runs += 1

@@ -83,6 +83,7 @@ def score_rows(session, feeds: Seq[tuple[Sequence, Seq[int]]]) -> list[np.ndarra
         pos_mod.write(arrays["position_ids"], r, seq.length, width, delta=pos_mod.delta(seq.rope_marks))
         if session.continuous_batching:
             arrays["batch_index"][r, 0] = seq.slot
+    session.binding.adapt_rows(arrays, enumerate(seqs))   # row r: seqs[r] (never lock step, refused above)
     needed = max(s.length for s in seqs) + width
     if width > 1:
         out = session.binding.run(rows, width, np.full(rows, width - 1), needed=needed, keep=width)
@@ -309,9 +310,11 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: Seq[int], *, max_tokens: int = DEFAULT_MAX_TOKENS,
                  sampling: SamplingParams | None = None, stop_tokens: Iterable[int] | None = None,
-                 max_new_tokens: int | None = None) -> Generation:
-        """The tokens plain :meth:`Session.generate` would give for ``prompt`` (a new sequence), decoded
-        speculatively; :attr:`stats` says how. ``max_new_tokens``: the deprecated name of ``max_tokens``."""
+                 max_new_tokens: int | None = None, adapter: str | None = None,
+                 lora_scale: float = 1.0) -> Generation:
+        """The tokens plain :meth:`Session.generate` would give for ``prompt`` (a new sequence, running with LoRA
+        ``adapter`` at ``lora_scale`` when given), decoded speculatively; :attr:`stats` says how.
+        ``max_new_tokens``: the deprecated name of ``max_tokens``."""
         s = self.session
         max_tokens = check_asked(asked_tokens(max_tokens, max_new_tokens), least=1)
         if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -324,7 +327,7 @@ class SpeculativeDecoder:
         if max_tokens > context_room(s.ctx_len, len(toks)):   # the prompt is fed, its first new token not
             raise RuntimeInputError(f"{len(toks)} prompt + {max_tokens} new tokens need {len(toks) + max_tokens - 1} "
                                     f"positions; the capacity is ctx_len={s.ctx_len}")
-        seq = s.add_sequence()
+        seq = s.add_sequence(adapter, lora_scale)
         self.stats = stats = SpeculativeStats(self.drafter.name)
         gen = Generation(seq, [], len(toks))
         tok = sample(s.prefill(seq, toks), params, seq.length)

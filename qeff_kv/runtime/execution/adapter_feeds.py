@@ -10,6 +10,7 @@ padding is zeros). The stacks are bound once and stay bound; a step writes only 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterable
 
@@ -33,7 +34,10 @@ class AdapterFeeds:
         self.adapters: dict = {}
         #: the stacks bound now (input name -> value), rebuilt when the set changes
         self.values: dict | None = None
+        #: how many times the stacks were built (once per change of the set, not per step)
+        self.builds = 0
         self._bound = False
+        self._identities: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------ the set
     def load(self, name: str, source) -> object:
@@ -62,6 +66,7 @@ class AdapterFeeds:
         """Forget adapter ``name`` (the caller has checked that no sequence uses it); the slots after it move down."""
         self.require(name)
         del self.adapters[name]
+        self._identities.pop(name, None)
         self.values = None
 
     def require(self, name: str):
@@ -80,8 +85,24 @@ class AdapterFeeds:
         return 1 + list(self.adapters).index(name)
 
     def nbytes(self) -> int:
-        """Bytes of the bound stacks (every loaded adapter at the graph's rank, and the zero slot)."""
-        return sum(int(np.prod(v.shape())) * np.dtype(self.geometry.dtype).itemsize for v in (self.values or {}).values())
+        """Bytes of the stacks (every loaded adapter at the graph's rank, and the zero slot): bound now, or bound
+        at the next run."""
+        g = self.geometry
+        rank = g.max_rank or max([a.rank for a in self.adapters.values()] + [1])
+        per_slot = sum(m.in_features + m.out_features for m in g.modules) * rank
+        return (1 + len(self.adapters)) * per_slot * np.dtype(g.dtype).itemsize
+
+    def identity(self, name: str) -> str:
+        """SHA-256 of adapter ``name``'s weights as the graph takes them (every module's A and scaled B): what a
+        state computed with it records, so that it continues only under the same weights."""
+        if name not in self._identities:
+            h = hashlib.sha256()
+            for (layer, module), (a, b) in sorted(self.require(name).weights.items()):
+                h.update(f"|{layer}|{module}|{list(a.shape)}|{list(b.shape)}|".encode())
+                h.update(np.ascontiguousarray(a, np.float32).tobytes())
+                h.update(np.ascontiguousarray(b, np.float32).tobytes())
+            self._identities[name] = h.hexdigest()
+        return self._identities[name]
 
     # ------------------------------------------------------------------------------------ a run
     def bind(self, io) -> None:
@@ -98,6 +119,7 @@ class AdapterFeeds:
         from qeff_kv.tools import adapters as adapters_mod
 
         arrays = adapters_mod.stack(list(self.adapters.values()), self.geometry)
+        self.builds += 1
         values = {}
         for input_name, array in arrays.items():
             buf, value = self.device.buffer(array.shape, array.dtype)

@@ -26,6 +26,8 @@ from qeff_kv.runtime.execution.dialect_feeds import row_spans
 
 #: the small inputs with a row per step row (``input_ids [rows, seq_len]``, ``position_ids [(4,) rows, seq_len]``)
 STEP_ROWS = (naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT)
+#: the small inputs of one value per step row (a LoRA graph's ``lora_ids [rows]``, ``lora_scales [rows]``)
+ROW_VALUES = (naming.LORA_IDS_INPUT, naming.LORA_SCALES_INPUT)
 
 
 class GrowingKV:
@@ -69,6 +71,7 @@ class GrowingKV:
         for n in lengths:
             idx = np.flatnonzero(held == n)
             parts = {k: np.ascontiguousarray(small[k][..., idx, :]) for k in STEP_ROWS}
+            parts.update({k: np.ascontiguousarray(small[k][idx]) for k in ROW_VALUES if k in small})
             kept = [self.device.wrap(a) for a in parts.values()]
             for k, value in zip(parts, kept):
                 io.bind_ortvalue_input(k, value)
@@ -76,7 +79,7 @@ class GrowingKV:
             if logits is None:
                 logits = np.empty((len(held),) + out.shape[1:], out.dtype)
             logits[idx] = out
-        for k in STEP_ROWS:   # the step's own values, as the binding left them
+        for k in parts:   # the step's own values, as the binding left them
             io.bind_ortvalue_input(k, small_values[k])
         return logits
 

@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 import onnxruntime as ort
 
-from qeff_kv.errors import RuntimeInputError
+from qeff_kv.errors import AdapterError, RuntimeInputError
 from qeff_kv.support.limits import positive_int
 from qeff_kv.contract.layout import KVPair
 from qeff_kv.runtime.memory import registry
@@ -78,6 +78,23 @@ class Sequence:
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Sequence(id={self.id}, slot={self.slot}, length={self.length}, pending={self.pending})"
+
+
+def describe_adapter(name: str | None, scale: float = 1.0) -> str:
+    """``adapter 'a' (scale 0.5)`` or ``the base model``: what a sequence runs with, for messages."""
+    if name is None:
+        return "the base model"
+    return f"adapter {name!r}" + ("" if scale == 1.0 else f" (scale {scale:g})")
+
+
+def take_adapter(dst: Sequence, name: str | None, scale: float, what: str) -> None:
+    """``dst`` receives positions computed with adapter ``name`` at ``scale`` (a copy, a restored state): it runs
+    with them from now on. Refused in one line when ``dst`` holds positions computed with another adapter (an
+    empty sequence takes the adapter of what it receives)."""
+    if dst.length and (dst.adapter, dst.lora_scale) != (name, scale):
+        raise AdapterError(f"sequence {dst.id} holds {dst.length} positions computed with "
+                           f"{describe_adapter(dst.adapter, dst.lora_scale)}; {what} was computed with "
+                           f"{describe_adapter(name, scale)}: give an empty sequence or one of the same adapter")
 
 
 def _length_arg(n, verb: str) -> int:
@@ -204,7 +221,8 @@ class HybridMemory:
         """Keep positions ``[0, n)``; O(1) for the positional memory (only the valid length moves). Drops a pending
         token unless ``n`` equals the current length. A rewind some memory cannot serve exactly (a ring that
         overwrote the window, an image that would be cut, a recurrent state without a checkpoint at ``n``) is
-        refused in one line and changes nothing; ``n == 0`` (a reset) always works."""
+        refused in one line and changes nothing; ``n == 0`` (a reset) always works. The sequence keeps its LoRA
+        adapter."""
         s = self.get(seq)
         n = _length_arg(n, "truncate")
         if n > s.length:
@@ -221,28 +239,31 @@ class HybridMemory:
 
     def copy(self, src: Sequence | int, dst: Sequence | int, n: int) -> None:
         """Copy the first ``n`` positions of ``src`` into ``dst`` in place (llama.cpp's ``seq_cp``: fork a shared
-        prompt); ``dst`` then holds ``n`` positions (its own are dropped) and no pending token. A copy some memory
-        cannot serve is refused in one line naming what can be copied; nothing changes on a refusal."""
+        prompt); ``dst`` then holds ``n`` positions (its own are dropped) and no pending token, and runs with
+        ``src``'s LoRA adapter (refused when ``dst`` holds positions of another: :func:`take_adapter`). A copy some
+        memory cannot serve is refused in one line naming what can be copied; nothing changes on a refusal."""
         s, d = self.get(src), self.get(dst)
         if s is d:
             raise RuntimeInputError(f"cannot copy sequence {s.id} into itself; give another sequence")
         n = _length_arg(n, "copy")
         if n > s.length:
             raise RuntimeInputError(f"cannot copy {n} positions of sequence {s.id}: it holds {s.length}")
+        take_adapter(d, s.adapter, s.lora_scale, f"sequence {s.id}")   # refused before anything changes
         if 0 < n:
             self._refuse(lambda m: m.copy_refusal(s, n))
         for m in self.memories:
             m.copy(s, d, n)
+        d.adapter, d.lora_scale = s.adapter, s.lora_scale
         d.length = n
         d.tokens = list(s.tokens[:n])
         d.pending = None
         d.pending_emitted = False
 
     def relocate(self, seq: Sequence | int, slot: int) -> Sequence | None:
-        """Move ``seq`` into ``slot``, its identity, positions, tokens and pending token unchanged: into a free slot
-        its rows move; with the sequence holding ``slot`` it exchanges rows and slots (that sequence is returned).
-        Lock step runs every row up to the highest one fed, so sequences in use are kept in the lowest rows this
-        way. A memory that cannot move its rows refuses in one line; nothing changes on a refusal."""
+        """Move ``seq`` into ``slot``, its identity, positions, tokens, pending token and adapter unchanged: into a
+        free slot its rows move; with the sequence holding ``slot`` it exchanges rows and slots (that sequence is
+        returned). Lock step runs every row up to the highest one fed, so sequences in use are kept in the lowest
+        rows this way. A memory that cannot move its rows refuses in one line; nothing changes on a refusal."""
         s = self.get(seq)
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.max_sequences:
             raise RuntimeInputError(f"slot must be an int in [0, {self.max_sequences}), got {slot!r}")

@@ -14,6 +14,9 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   it (``Session.copy``); else a kept source is **truncated** to the prefix and continued in its slot; else the
   prompt starts from scratch in a fresh slot. Ring buffers that cannot serve the prefix refuse the copy or the
   rewind (a :class:`~qeff_kv.errors.QeffKvError`): the prompt is then prefilled whole, in the slot taken.
+* **Adapters.** A sequence's cache is its LoRA adapter's (``Sequence.adapter``, ``lora_scale``): a prompt asked for
+  with ``adapter=(name, scale)`` reuses only sequences of that adapter and scale, and its fresh sequence runs with
+  it; the default is the base model's, so a base prompt never continues an adapter's cache.
 * **Placement on a lock-step session** (:attr:`PrefixCache.low_rows`): a step runs every row up to the highest
   one fed, and a kept row below a running one costs a row of every step (its attention over its whole length: a
   stream in slot 7 above seven kept 1000-token sequences steps at 27.5 ms, in slot 0 at 5.9 ms, SmolLM2-135M int4).
@@ -45,6 +48,8 @@ from qeff_kv.runtime.memory.hybrid import Sequence
 
 #: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
 MIN_REUSE = 2
+#: what a sequence runs with when no LoRA adapter is named: ``(adapter, lora_scale)`` of the base model
+BASE = (None, 1.0)
 
 
 class CacheListener(Protocol):
@@ -110,15 +115,19 @@ class PrefixCache:
         return len(self.session.cache.free_slots()) + len(self._kept)
 
     # ------------------------------------------------------------------------------------ questions
-    def lookup(self, prompt: Seq[int], running: Iterable[Sequence] = ()) -> tuple[Sequence | None, int]:
+    def lookup(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE
+               ) -> tuple[Sequence | None, int]:
         """The sequence (kept, or one of ``running``) sharing the longest reusable prefix of ``prompt`` and that
         prefix's length, or ``(None, 0)``: at most ``len(prompt) - 1`` tokens, ending where the source can return
-        to (``Session.reusable``), at least :data:`MIN_REUSE`. Changes nothing."""
+        to (``Session.reusable``), at least :data:`MIN_REUSE`. Only sequences running with ``adapter`` (``(LoRA
+        adapter name or None, scale)``: a cache is its adapter's) are sources. Changes nothing."""
         limit = len(prompt) - 1
         best, best_n = None, 0
         if not self.reuse or limit < MIN_REUSE:
             return None, 0
         for s in list(self._kept.values()) + list(running):
+            if (s.adapter, s.lora_scale) != tuple(adapter):
+                continue
             n = common_prefix(s.tokens, prompt, limit)
             if n:
                 n = self.session.reusable(s, n)
@@ -126,10 +135,10 @@ class PrefixCache:
                 best, best_n = s, n
         return (best, best_n) if best_n >= MIN_REUSE else (None, 0)
 
-    def longest_prefix(self, prompt: Seq[int], running: Iterable[Sequence] = ()) -> int:
+    def longest_prefix(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE) -> int:
         """How many leading tokens of ``prompt`` a kept (or ``running``) sequence can give (the rules of
         :meth:`lookup`); changes nothing (what a router asks a replica)."""
-        return self.lookup(prompt, running)[1]
+        return self.lookup(prompt, running, adapter)[1]
 
     # ------------------------------------------------------------------------------------ taking a slot
     def make_room(self) -> None:
@@ -137,14 +146,18 @@ class PrefixCache:
         if not self.session.cache.free_slots() and self._kept:
             self.evict()
 
-    def fresh(self) -> Sequence:
-        """A new empty sequence: in a free slot, else in the slot of the least recently used kept sequence. On a
-        lock-step session the new sequence takes the lowest slot that no sequence in use holds (see
-        :meth:`_lowest_for_new`)."""
+    def fresh(self, adapter: tuple = BASE) -> Sequence:
+        """A new empty sequence (running with ``adapter``: ``(LoRA adapter name or None, scale)``): in a free slot,
+        else in the slot of the least recently used kept sequence. On a lock-step session the new sequence takes the
+        lowest slot that no sequence in use holds (see :meth:`_lowest_for_new`)."""
+        if tuple(adapter) != BASE:
+            self.session.lora.get(adapter[0])   # refused in one line before any kept sequence is evicted
         self.make_room()
         if self.low_rows:
             self._lowest_for_new()
-        return self.session.add_sequence()
+        if tuple(adapter) == BASE:
+            return self.session.add_sequence()
+        return self.session.add_sequence(adapter=adapter[0], lora_scale=adapter[1])
 
     def _lowest_for_new(self) -> None:
         """Lock step runs every row up to the highest one fed, kept rows below included (each attends over its
@@ -174,25 +187,26 @@ class PrefixCache:
         except QeffKvError:   # a memory that cannot move its rows: everything stays where it is
             pass
 
-    def acquire(self, prompt: Seq[int], running: Iterable[Sequence] = ()) -> tuple[Sequence, int]:
-        """The sequence to prefill ``prompt`` into and how many of its leading tokens it already holds (copied
-        from a source that stays, the truncated kept source itself, or 0 in a fresh slot); see the module
-        docstring."""
-        best, n = self.lookup(prompt, running)
+    def acquire(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE
+                ) -> tuple[Sequence, int]:
+        """The sequence to prefill ``prompt`` into, running with ``adapter`` (``(LoRA adapter name or None,
+        scale)``), and how many of its leading tokens it already holds (copied from a source of that adapter that
+        stays, the truncated kept source itself, or 0 in a fresh slot); see the module docstring."""
+        best, n = self.lookup(prompt, running, adapter)
         if best is None:
-            return self.fresh(), 0
+            return self.fresh(adapter), 0
         kept = best in self
         must_copy = not kept or n < best.length   # the source stays: running, or kept and longer than the prefix
         if self.copies and must_copy and (self.session.cache.free_slots() or len(self._kept) > kept):
             return self._copied(best, n, kept)
         if not kept:
-            return self.fresh(), 0
+            return self.fresh(adapter), 0
         return self._truncated(best, n)
 
     def _copied(self, src: Sequence, n: int, kept: bool) -> tuple[Sequence, int]:
         if kept:
             self._kept.move_to_end(src.id)   # the source is the most recently used: not the one evicted
-        dst = self.fresh()
+        dst = self.fresh((src.adapter, src.lora_scale))
         try:
             self.session.copy(src, dst, n)
         except QeffKvError:   # e.g. ring buffers that cannot serve the prefix: prefill it whole in dst

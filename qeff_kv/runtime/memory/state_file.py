@@ -9,7 +9,9 @@ File format (version 1, see ``docs/state-files.md``):
   ``num_layers``, ``shapes`` (JSON), ``dtype``, ``valid_length``, ``pending_token`` (empty: none),
   ``pending_emitted``, ``kv_fingerprint`` (the graph's KV contract), ``model_fingerprint`` (a sample of its
   weights), ``model_identity`` (``checkpoint`` or ``sampled``: which identity the model is checked by) and
-  ``checkpoint`` (the checkpoint identity the export recorded, empty for none), ``selection`` (the regex that
+  ``checkpoint`` (the checkpoint identity the export recorded, empty for none), a LoRA adapter's ``lora_adapter``,
+  ``lora_scale`` and ``lora_identity`` (version 2: a state computed with an adapter; a base state stays version 1),
+  ``selection`` (the regex that
   chose the buffers), ``rope_marks`` (JSON, multimodal RoPE models: each image's positions and the RoPE offset of
   the text after it; absent when there is none), ``ring_written``, ``capacities`` (JSON: ring buffer -> slots) and ``sliding_window`` (the
   ring bookkeeping; files without them are full-length states), ``created_by``, and ``checksum``: SHA-256 over
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -47,7 +50,7 @@ from qeff_kv import __version__
 from qeff_kv.support import fsutil
 from qeff_kv.contract import naming
 from qeff_kv.errors import RuntimeInputError, StateFileError
-from qeff_kv.runtime.memory.hybrid import Sequence
+from qeff_kv.runtime.memory.hybrid import Sequence, take_adapter
 from qeff_kv.graph import graphio
 from qeff_kv.runtime import weight_fibers as fibers_mod
 from qeff_kv.runtime.memory.base import meta_int
@@ -55,6 +58,12 @@ from qeff_kv.runtime.model_files import is_checkpoint_identity
 
 FORMAT = "qeff-kv-state"
 FORMAT_VERSION = "1"
+#: a state computed with a LoRA adapter (docs/lora.md): version 1 and ``lora_adapter``, ``lora_scale``,
+#: ``lora_identity``. A base model's state stays version 1; a reader of version 1 alone refuses an adapter's state
+#: instead of continuing it on the base model
+ADAPTER_FORMAT_VERSION = "2"
+READ_VERSIONS = (FORMAT_VERSION, ADAPTER_FORMAT_VERSION)
+_ADAPTER_KEYS = ("lora_adapter", "lora_scale", "lora_identity")
 _REQUIRED = ("format", "format_version", "prefix", "num_layers", "shapes", "dtype", "valid_length",
              "pending_token", "pending_emitted", "kv_fingerprint", "model_fingerprint", "checksum")
 
@@ -159,10 +168,44 @@ def export_state(session, seq: Sequence, select: str | None = None, *, checksum:
         **entries,
         "created_by": f"qeff-kv {__version__}",
     }
+    meta.update(_adapter_entries(session, seq))
     if all(t >= 0 for t in seq.tokens):   # the token ids, under the checksum (a file) or the identity (a hand-off)
         meta["tokens"] = json.dumps(seq.tokens, separators=(",", ":"))
     meta["checksum"] = _checksum(meta, tensors) if checksum else _identity(meta, tensors)
     return KVState(tensors, meta)
+
+
+def _adapter_entries(session, seq: Sequence) -> dict[str, str]:
+    """The entries of a state computed with a LoRA adapter (none for the base model): the version that says so,
+    the adapter's name, scale and weights' identity."""
+    if seq.adapter is None:
+        return {}
+    return {"format_version": ADAPTER_FORMAT_VERSION, "lora_adapter": seq.adapter, "lora_scale": repr(seq.lora_scale),
+            "lora_identity": session.lora.identity(seq.adapter)}
+
+
+def state_adapter(meta: dict[str, str], where: str = "state") -> tuple[str | None, float]:
+    """The LoRA adapter a state's metadata says it was computed with (``None``: the base model) and its scale."""
+    if meta.get("format_version") != ADAPTER_FORMAT_VERSION:
+        if any(k in meta for k in _ADAPTER_KEYS):
+            raise StateFileError(f"{where}: malformed state metadata (a version {FORMAT_VERSION} state names an "
+                                 "adapter)")
+        return None, 1.0
+    name, scale = meta.get("lora_adapter"), meta.get("lora_scale", "")
+    try:
+        value = float(scale)
+    except ValueError:
+        value = math.nan
+    if not name or not math.isfinite(value) or not meta.get("lora_identity"):
+        raise StateFileError(f"{where}: malformed state metadata (lora_adapter, lora_scale, lora_identity)")
+    return name, value
+
+
+def _check_adapter(session, meta: dict[str, str], where: str) -> None:
+    """A state computed with an adapter continues only where that adapter is loaded, with the same weights."""
+    name, scale = state_adapter(meta, where)
+    if name is not None:
+        session.lora.check_state(name, scale, meta["lora_identity"], where)
 
 
 #: session -> the fiber fingerprint of its weights (computed once per session: :func:`weights_fibers`)
@@ -202,6 +245,7 @@ def check_metadata(session, meta: dict, where: str = "state") -> None:
         n = meta_int(meta["valid_length"])
     except (KeyError, ValueError, TypeError):
         raise StateFileError(f"{where}: malformed state metadata") from None
+    _check_adapter(session, meta, where)
     if n > session.ctx_len:
         raise StateFileError(f"{where}: holds {n} positions; this session's capacity is ctx_len={session.ctx_len}")
 
@@ -223,6 +267,7 @@ def _validate(session, state: KVState, where: str) -> list:
     if sorted(state.tensors) != sorted(cache.state_expected(parts)):
         raise StateFileError(f"{where}: tensors {sorted(state.tensors)[:3]}... do not match the graph's KV inputs")
     cache.state_check_tensors(state.tensors, shapes, parts, where)
+    _check_adapter(session, meta, where)
     if pending_tok is not None and (pending_tok < 0 or (session.vocab_size and pending_tok >= session.vocab_size)):
         raise StateFileError(f"{where}: pending token {pending_tok} is outside the vocabulary")
     return parts
@@ -237,9 +282,9 @@ def _check_container(state: KVState, where: str) -> dict[str, str]:
     meta = state.metadata
     if meta.get("format") != FORMAT:
         raise StateFileError(f"{where}: not a qeff-kv state file (its format entry is not {FORMAT!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StateFileError(
-            f"{where}: state format version {meta.get('format_version')!r}; this qeff-kv reads version {FORMAT_VERSION}")
+    if meta.get("format_version") not in READ_VERSIONS:
+        raise StateFileError(f"{where}: state format version {meta.get('format_version')!r}; this qeff-kv reads "
+                             f"versions {' and '.join(READ_VERSIONS)}")
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
         raise StateFileError(f"{where}: state metadata lacks {missing[0]!r}")
@@ -327,9 +372,14 @@ def _check_model(session, meta: dict[str, str], where: str) -> None:
 
 
 def import_state(session, state: KVState, seq: Sequence | None = None, *, where: str = "state") -> Sequence:
-    """Validate ``state`` against ``session`` and copy it into ``seq`` (default: a new sequence)."""
+    """Validate ``state`` against ``session`` and copy it into ``seq`` (default: a new sequence), which then runs
+    with the state's LoRA adapter (refused in one line when ``seq`` holds positions of another)."""
     parts = _validate(session, state, where)
+    adapter, scale = state_adapter(state.metadata, where)
+    if seq is not None:
+        take_adapter(session.cache.get(seq), adapter, scale, where)
     target = session.cache.create() if seq is None else session.cache.get(seq)
+    target.adapter, target.lora_scale = adapter, scale
     n = state.valid_length
     session.cache.state_read(target, state.tensors, parts)   # each memory's rows and bookkeeping
     target.length = n
