@@ -146,6 +146,16 @@ def option_groups(names: list[str]) -> list[tuple[str, list[str]]]:
               metavar="DIR",
               help="Vision-language exports: image_url parts may name local files under DIR (file:// URLs); "
                    "default: data: URLs only.")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PEFT_DIR",
+              help="A LoRA adapter served from the start (repeatable; vLLM's flag, also its JSON form "
+                   "'{\"name\": NAME, \"path\": PEFT_DIR}'): a model of /v1/models that a request's model selects; "
+                   "ids 0, 1, ... in this order (llama-server's lora field). Needs a graph exported with --lora or "
+                   "--max-lora-rank (docs/lora.md).")
+@click.option("--max-loras", type=DIM, default=8, show_default=True, metavar="N",
+              help="LoRA adapters loaded at once; loading one more is refused.")
+@click.option("--allow-runtime-lora-updating", is_flag=True,
+              help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; also with "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the environment).")
 @click.option("--disaggregate", is_flag=True,
               help="Prefill and decode in separate Ray actors handing KV states over (needs ray).")
 @click.option("--prefill-replicas", type=DIM, default=1, show_default=True, help="With --disaggregate.")

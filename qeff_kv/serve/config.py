@@ -7,6 +7,7 @@ attribute              section                                             prese
 ``http``               :class:`~.http.http_config.HttpSection`              always
 ``engine``             :class:`~.engine.session_from_config.EngineSection`  always
 ``sampling``           :class:`~.engine.defaults.SamplingSection`           always
+``lora``               :class:`~.engine.lora.LoraSection`                   always
 ``speculation``        :class:`~.engine.session_from_config.SpeculativeSection`  with ``--speculative``
 ``disaggregation``     :class:`~.cluster.disagg_config.DisaggregateSection`  with ``--disaggregate``
 ``events``             :class:`~.cluster.kv_events.KVEventsSection`         with ``--kv-events``
@@ -32,6 +33,7 @@ from qeff_kv.serve.cluster.disagg_config import DisaggregateSection
 from qeff_kv.serve.cluster.kv_events import KVEventsSection
 from qeff_kv.serve.cluster.pd import PDSection
 from qeff_kv.serve.engine.defaults import SamplingSection
+from qeff_kv.serve.engine.lora import LoraSection
 from qeff_kv.serve.engine.session_from_config import EngineSection, ServedModel, SpeculativeSection, served_model
 from qeff_kv.serve.http.http_config import HttpSection
 
@@ -40,6 +42,7 @@ SECTIONS = (("http", HttpSection, "HTTP server", False),
             ("engine", EngineSection, "Engine", False),
             ("speculation", SpeculativeSection, "Speculative decoding", True),
             ("sampling", SamplingSection, "Sampling defaults (for fields a request leaves out)", False),
+            ("lora", LoraSection, "LoRA adapters", False),
             ("disaggregation", DisaggregateSection, "Disaggregated serving (Ray)", True),
             ("events", KVEventsSection, "KV cache events", True),
             ("pd", PDSection, "P/D between servers (vLLM's protocol)", True))
@@ -61,6 +64,7 @@ class ServeConfig:
     http: HttpSection
     engine: EngineSection
     sampling: SamplingSection
+    lora: LoraSection
     speculation: SpeculativeSection | None
     disaggregation: DisaggregateSection | None
     events: KVEventsSection | None
@@ -111,6 +115,10 @@ class ServeConfig:
                                     "plainly)")
         for attr in ("speculation", "events", "pd"):
             self._refuse_unread(attr)
+        self.lora.check()
+        if self.lora.allow_runtime_lora_updating and self.disaggregate:
+            raise RuntimeInputError("--allow-runtime-lora-updating does not go with --disaggregate (every replica "
+                                    "loads the --lora-modules at start)")
         for section in (self.sampling, self.speculation, self.disaggregation, self.events, self.pd):
             if section is not None:
                 section.check()

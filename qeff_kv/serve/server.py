@@ -17,13 +17,17 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
     if config.disaggregation is not None:
         from qeff_kv.serve.cluster.disagg import start_disaggregated
 
-        return start_disaggregated(model, config.engine, config.disaggregation, config.events)
+        return start_disaggregated(model, config.engine, config.disaggregation, config.events, config.lora)
     from qeff_kv.serve.cluster.kv_events import open_publisher
+    from qeff_kv.serve.engine.lora import open_adapters
     from qeff_kv.serve.engine.scheduler import Scheduler
 
     session = open_session(config.engine, model, speculative=config.speculation is not None)
+    adapters = open_adapters(config.lora, session, model.name)   # --lora-modules read and fitted: one-line refusals
     speculation = open_speculation(config, session)
     kv_events = open_publisher(config.events)
+    if kv_events is not None and adapters is not None:
+        kv_events.lora_ids = adapters.lora_id   # an adapter's blocks carry its lora_int_id
     connector = None
     try:
         if config.pd is not None:   # vLLM's P/D protocol (serve/pd.py): after the session opened, before serving
@@ -33,7 +37,7 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
         eng = config.engine
         engine = Scheduler(session, max_queue=eng.max_queue, reuse_prompts=eng.reuse_prompts, model_name=model.name,
                            prefill_chunk=eng.prefill_chunk, speculation=speculation, kv_events=kv_events,
-                           connector=connector)
+                           connector=connector, adapters=adapters)
         engine.vision = open_vision(session, config)   # a vision-language export: images over HTTP (serve/images.py)
         return engine
     except BaseException:

@@ -439,11 +439,11 @@ def test_the_prefix_cache_reuses_only_sequences_of_the_same_adapter(world):
     generate(s, [(done, P0)])
     cache.keep(done)
     longer = P0 + world.refs("a1", P0)[:3]
-    assert cache.lookup(longer) == (None, 0) and cache.lookup(longer, adapter=("a1", 0.5)) == (None, 0)
-    assert cache.lookup(longer, adapter=("a1", 1.0)) == (done, len(longer) - 1)
+    assert cache.lookup(longer) == (None, 0) and cache.lookup(longer, lora=("a1", 0.5)) == (None, 0)
+    assert cache.lookup(longer, lora=("a1", 1.0)) == (done, len(longer) - 1)
     base, n = cache.acquire(longer)   # the base model: a fresh sequence, nothing reused
     assert (base.adapter, n) == (None, 0) and base is not done
-    seq, n = cache.acquire(longer, adapter=("a1", 1.0))
+    seq, n = cache.acquire(longer, lora=("a1", 1.0))
     assert (seq.adapter, n) == ("a1", len(longer) - 1)
     got = generate(s, [(seq, longer[n:]), (base, longer)], n=4)
     assert got == [world.refs("a1", P0)[3:7], world.refs(None, longer, 4)]

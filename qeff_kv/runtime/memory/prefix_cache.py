@@ -14,9 +14,6 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   it (``Session.copy``); else a kept source is **truncated** to the prefix and continued in its slot; else the
   prompt starts from scratch in a fresh slot. Ring buffers that cannot serve the prefix refuse the copy or the
   rewind (a :class:`~qeff_kv.errors.QeffKvError`): the prompt is then prefilled whole, in the slot taken.
-* **Adapters.** A sequence's cache is its LoRA adapter's (``Sequence.adapter``, ``lora_scale``): a prompt asked for
-  with ``adapter=(name, scale)`` reuses only sequences of that adapter and scale, and its fresh sequence runs with
-  it; the default is the base model's, so a base prompt never continues an adapter's cache.
 * **Placement on a lock-step session** (:attr:`PrefixCache.low_rows`): a step runs every row up to the highest
   one fed, and a kept row below a running one costs a row of every step (its attention over its whole length: a
   stream in slot 7 above seven kept 1000-token sequences steps at 27.5 ms, in slot 0 at 5.9 ms, SmolLM2-135M int4).
@@ -30,33 +27,46 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   (a :class:`~qeff_kv.errors.QeffKvError`). A session whose ``copy`` is ``None`` (a memory without the verb)
   reuses by truncating in place only, and forks of OpenAI's ``n`` prefill instead of copying.
 
+* **LoRA adapters** (docs/lora.md): a sequence's KV was computed with its adapter and scale (``Sequence.adapter``,
+  ``Sequence.lora_scale``), so prompts are reused only between sequences of one adapter at one scale: every
+  question and :meth:`fresh` take the ``lora`` key of the prompt (:func:`lora_of`: ``(adapter, scale)``, ``None`` for
+  the base model) and only sources of that key are looked at; a new sequence runs with it.
+
 Nothing is changed by :meth:`lookup` or :meth:`longest_prefix` (what a router asks a replica). Every sequence the
 cache's user destroys goes through :meth:`remove` (or :meth:`release`), so that a :class:`CacheListener` (the KV
 events publisher, :mod:`qeff_kv.serve.cluster.kv_events`) is told what every sequence holds: ``holds(key, tokens)`` when a
-sequence's prompt is prefilled (:meth:`held`), kept, truncated or removed (``tokens`` empty), ``clear()`` when
-every kept sequence is dropped at once.
+sequence's prompt is prefilled (:meth:`held`), kept, truncated or removed (``tokens`` empty), with ``lora=(adapter,
+scale)`` for a sequence of an adapter; ``clear()`` when every kept sequence is dropped at once.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence as Seq
-from typing import Protocol
+from typing import Optional, Protocol
 
 from qeff_kv.errors import QeffKvError
 from qeff_kv.runtime.memory.hybrid import Sequence
 
 #: shortest common prefix worth reusing (a kept sequence sharing only a BOS token is not worth a slot)
 MIN_REUSE = 2
-#: what a sequence runs with when no LoRA adapter is named: ``(adapter, lora_scale)`` of the base model
-BASE = (None, 1.0)
+
+#: the adapter a sequence's KV was computed with: ``(adapter name, scale)``, ``None`` for the base model
+LoraKey = Optional[tuple[str, float]]
+
+
+def lora_of(seq) -> LoraKey:
+    """``seq``'s :data:`LoraKey`: its adapter and scale, ``None`` for the base model."""
+    name = getattr(seq, "adapter", None)
+    return None if name is None else (name, float(seq.lora_scale))
 
 
 class CacheListener(Protocol):
     """Told what the session's sequences hold (the KV events publisher diffs blocks from it)."""
 
     def holds(self, key: int, tokens: Seq[int]) -> None:
-        """Sequence ``key`` now holds exactly ``tokens`` at positions ``[0, len(tokens))`` (empty: nothing)."""
+        """Sequence ``key`` now holds exactly ``tokens`` at positions ``[0, len(tokens))`` (empty: nothing). A
+        sequence of a LoRA adapter is told with ``lora=(adapter, scale)`` too (a listener of adapters takes it)."""
 
     def clear(self) -> None:
         """No sequence holds anything any more."""
@@ -115,18 +125,17 @@ class PrefixCache:
         return len(self.session.cache.free_slots()) + len(self._kept)
 
     # ------------------------------------------------------------------------------------ questions
-    def lookup(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE
-               ) -> tuple[Sequence | None, int]:
-        """The sequence (kept, or one of ``running``) sharing the longest reusable prefix of ``prompt`` and that
-        prefix's length, or ``(None, 0)``: at most ``len(prompt) - 1`` tokens, ending where the source can return
-        to (``Session.reusable``), at least :data:`MIN_REUSE`. Only sequences running with ``adapter`` (``(LoRA
-        adapter name or None, scale)``: a cache is its adapter's) are sources. Changes nothing."""
+    def lookup(self, prompt: Seq[int], running: Iterable[Sequence] = (),
+               lora: LoraKey = None) -> tuple[Sequence | None, int]:
+        """The sequence (kept, or one of ``running``) of adapter key ``lora`` sharing the longest reusable prefix of
+        ``prompt`` and that prefix's length, or ``(None, 0)``: at most ``len(prompt) - 1`` tokens, ending where the
+        source can return to (``Session.reusable``), at least :data:`MIN_REUSE`. Changes nothing."""
         limit = len(prompt) - 1
         best, best_n = None, 0
         if not self.reuse or limit < MIN_REUSE:
             return None, 0
         for s in list(self._kept.values()) + list(running):
-            if (s.adapter, s.lora_scale) != tuple(adapter):
+            if lora_of(s) != lora:   # another adapter (or scale): other KV for the same tokens
                 continue
             n = common_prefix(s.tokens, prompt, limit)
             if n:
@@ -135,10 +144,10 @@ class PrefixCache:
                 best, best_n = s, n
         return (best, best_n) if best_n >= MIN_REUSE else (None, 0)
 
-    def longest_prefix(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE) -> int:
-        """How many leading tokens of ``prompt`` a kept (or ``running``) sequence can give (the rules of
-        :meth:`lookup`); changes nothing (what a router asks a replica)."""
-        return self.lookup(prompt, running, adapter)[1]
+    def longest_prefix(self, prompt: Seq[int], running: Iterable[Sequence] = (), lora: LoraKey = None) -> int:
+        """How many leading tokens of ``prompt`` a kept (or ``running``) sequence of adapter key ``lora`` can give
+        (the rules of :meth:`lookup`); changes nothing (what a router asks a replica)."""
+        return self.lookup(prompt, running, lora)[1]
 
     # ------------------------------------------------------------------------------------ taking a slot
     def make_room(self) -> None:
@@ -146,18 +155,18 @@ class PrefixCache:
         if not self.session.cache.free_slots() and self._kept:
             self.evict()
 
-    def fresh(self, adapter: tuple = BASE) -> Sequence:
-        """A new empty sequence (running with ``adapter``: ``(LoRA adapter name or None, scale)``): in a free slot,
-        else in the slot of the least recently used kept sequence. On a lock-step session the new sequence takes the
+    def fresh(self, lora: LoraKey = None) -> Sequence:
+        """A new empty sequence running with adapter key ``lora`` (``None``: the base model): in a free slot, else
+        in the slot of the least recently used kept sequence. On a lock-step session the new sequence takes the
         lowest slot that no sequence in use holds (see :meth:`_lowest_for_new`)."""
-        if tuple(adapter) != BASE:
-            self.session.lora.get(adapter[0])   # refused in one line before any kept sequence is evicted
+        if lora is not None:
+            self.session.lora.get(lora[0])   # an adapter not loaded: refused before any kept sequence is evicted
         self.make_room()
         if self.low_rows:
             self._lowest_for_new()
-        if tuple(adapter) == BASE:
+        if lora is None:
             return self.session.add_sequence()
-        return self.session.add_sequence(adapter=adapter[0], lora_scale=adapter[1])
+        return self.session.add_sequence(adapter=lora[0], lora_scale=lora[1])
 
     def _lowest_for_new(self) -> None:
         """Lock step runs every row up to the highest one fed, kept rows below included (each attends over its
@@ -187,26 +196,26 @@ class PrefixCache:
         except QeffKvError:   # a memory that cannot move its rows: everything stays where it is
             pass
 
-    def acquire(self, prompt: Seq[int], running: Iterable[Sequence] = (), adapter: tuple = BASE
-                ) -> tuple[Sequence, int]:
-        """The sequence to prefill ``prompt`` into, running with ``adapter`` (``(LoRA adapter name or None,
-        scale)``), and how many of its leading tokens it already holds (copied from a source of that adapter that
-        stays, the truncated kept source itself, or 0 in a fresh slot); see the module docstring."""
-        best, n = self.lookup(prompt, running, adapter)
+    def acquire(self, prompt: Seq[int], running: Iterable[Sequence] = (),
+                lora: LoraKey = None) -> tuple[Sequence, int]:
+        """The sequence (of adapter key ``lora``) to prefill ``prompt`` into and how many of its leading tokens it
+        already holds (copied from a source that stays, the truncated kept source itself, or 0 in a fresh slot);
+        see the module docstring."""
+        best, n = self.lookup(prompt, running, lora)
         if best is None:
-            return self.fresh(adapter), 0
+            return self.fresh(lora), 0
         kept = best in self
         must_copy = not kept or n < best.length   # the source stays: running, or kept and longer than the prefix
         if self.copies and must_copy and (self.session.cache.free_slots() or len(self._kept) > kept):
-            return self._copied(best, n, kept)
+            return self._copied(best, n, kept, lora)
         if not kept:
-            return self.fresh(adapter), 0
+            return self.fresh(lora), 0
         return self._truncated(best, n)
 
-    def _copied(self, src: Sequence, n: int, kept: bool) -> tuple[Sequence, int]:
+    def _copied(self, src: Sequence, n: int, kept: bool, lora: LoraKey) -> tuple[Sequence, int]:
         if kept:
             self._kept.move_to_end(src.id)   # the source is the most recently used: not the one evicted
-        dst = self.fresh((src.adapter, src.lora_scale))
+        dst = self.fresh(lora)
         try:
             self.session.copy(src, dst, n)
         except QeffKvError:   # e.g. ring buffers that cannot serve the prefix: prefill it whole in dst
@@ -221,7 +230,7 @@ class PrefixCache:
         except QeffKvError:   # ring buffers: the rewind is refused; prefill from scratch in this slot
             self.session.truncate(seq, 0)
             n = 0
-        self._tell(seq.id, seq.tokens)
+        self._tell(seq, seq.tokens)
         self.reused_tokens += n
         return seq, n
 
@@ -229,7 +238,7 @@ class PrefixCache:
     def held(self, seq: Sequence) -> None:
         """``seq``'s prompt is prefilled: tell the listener what it holds (while it runs, it can be a source)."""
         if self.reuse:
-            self._tell(seq.id, seq.tokens)
+            self._tell(seq, seq.tokens)
 
     def release(self, seq: Sequence, keep: bool = True) -> bool:
         """A sequence is done: kept (most recently used) when ``keep``, reuse is on and every token id is known;
@@ -251,7 +260,7 @@ class PrefixCache:
             items = list(self._kept.items())
             items.insert(place, (seq.id, seq))
             self._kept = collections.OrderedDict(items)
-        self._tell(seq.id, seq.tokens)
+        self._tell(seq, seq.tokens)
 
     def forget(self, seq: Sequence) -> int:
         """Stop keeping ``seq`` (a kept sequence) without destroying it; returns its place in the LRU order."""
@@ -269,13 +278,18 @@ class PrefixCache:
         """Destroy ``seq`` (kept or not) in the session."""
         self._kept.pop(seq.id, None)
         self.session.remove_sequence(seq)
-        self._tell(seq.id, ())
+        self._tell(seq, ())
 
     def clear(self) -> None:
         """Destroy every kept sequence."""
         while self._kept:
             self.evict()
 
-    def _tell(self, key: int, tokens: Seq[int]) -> None:
-        if self.listener is not None:
-            self.listener.holds(key, list(tokens))
+    def _tell(self, seq: Sequence, tokens: Seq[int]) -> None:
+        if self.listener is None:
+            return
+        lora = lora_of(seq) if tokens else None
+        if lora is None:
+            self.listener.holds(seq.id, list(tokens))
+        else:   # a sequence of an adapter: its blocks are the adapter's (KV events carry its lora_id)
+            self.listener.holds(seq.id, list(tokens), lora=lora)

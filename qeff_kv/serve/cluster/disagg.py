@@ -21,6 +21,10 @@ frontend), and turns the Ray stream into a :class:`~qeff_kv.serve.engine.engine.
 flight with ``Finished(finish_reason="error")``; Ray restarts it and the engine keeps serving. The engine's
 figures and health come from the watch's last readings: no HTTP route waits on Ray.
 
+LoRA adapters (``--lora-modules``): every replica loads them at start (the same ids everywhere); a request's adapter
+goes with it to its prefill replica (a sequence of that adapter, reusing only that adapter's prompts) and its decode
+replica (the handed-off sequence runs with it). They are not loaded or unloaded at run time here.
+
 The prefill and decode exports may differ (e.g. an fp32 portable prefill and an int4 fused decode) when they
 are exports of one checkpoint with one KV contract; a pair that is not is refused at start-up in one line
 (:func:`qeff_kv.serve.cluster.transfer.pair_refusal`).
@@ -41,6 +45,7 @@ from qeff_kv.serve.cluster.disagg_config import DisaggregateSection
 from qeff_kv.serve.cluster.kv_events import KVEventsSection
 from qeff_kv.serve.engine.session_from_config import EngineSection, ServedModel
 from qeff_kv.serve.engine.engine import Engine, Finished, GenerationRequest, RequestHandle, check_request
+from qeff_kv.serve.engine.lora import LoraSection, open_adapters, served_table
 from qeff_kv.serve.cluster.kv_connector import InBandConnector
 from qeff_kv.serve.cluster.ray_cluster import join_or_start, one_line, ray_module, replica_options
 from qeff_kv.serve.cluster.replicas import ReplicaWatch
@@ -64,28 +69,31 @@ class PrefillWorker:
     """The prefill replica (a Ray actor): one request at a time."""
 
     def __init__(self, model: ServedModel | str, engine: EngineSection, reuse_prompts: bool = True,
-                 kv_events: tuple | None = None):
+                 kv_events: tuple | None = None, lora: LoraSection | None = None):
         from qeff_kv.serve.cluster.kv_events import open_publisher
         from qeff_kv.serve.engine.session_from_config import open_prefill_session
 
         session = open_prefill_session(engine, model)
+        adapters = open_adapters(lora or LoraSection(), session, _name(model))
         # --kv-events: (section, rank): this replica publishes on the endpoint's port + rank
         self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
+        if self.kv_events is not None and adapters is not None:
+            self.kv_events.lora_ids = adapters.lora_id
         self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
         self.connector = InBandConnector()   # the transfer goes back through Ray's object store as the return value
 
     def facts(self) -> dict:
         return facts(self.prefiller.session)
 
-    def prefill(self, request_id: str, prompt, sampling):
-        return self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling))
+    def prefill(self, request_id: str, prompt, sampling, lora=None):
+        return self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling, lora))
 
     calls = 0   # prefill_routed calls of this process (orders its reports)
 
-    def prefill_routed(self, request_id: str, prompt, sampling):
+    def prefill_routed(self, request_id: str, prompt, sampling, lora=None):
         """:meth:`prefill`, and what the replica keeps afterwards for the router (two returns: the transfer goes
         to the decode replica by reference, the report to the frontend; :mod:`.routing`)."""
-        out = self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling))
+        out = self.connector.save(request_id, self.prefiller.run(request_id, prompt, sampling, lora))
         self.calls += 1
         return out, routing.report(self.prefiller.prefix_cache, out.cached_tokens, self.calls,
                                    os.getpid())
@@ -97,6 +105,10 @@ class PrefillWorker:
     def stats(self) -> dict:
         return {"prompt_tokens_reused": self.prefiller.reused_tokens, "pid": os.getpid()}
 
+
+def _name(model: ServedModel | str) -> str:
+    return model if isinstance(model, str) else model.name
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -104,11 +116,13 @@ class PrefillWorker:
 class DecodeWorker:
     """The decode replica (an async Ray actor): a Scheduler admitting handed-off sequences."""
 
-    def __init__(self, model: ServedModel | str, engine: EngineSection):
+    def __init__(self, model: ServedModel | str, engine: EngineSection, lora: LoraSection | None = None):
         from qeff_kv.serve.engine.scheduler import Scheduler
         from qeff_kv.serve.engine.session_from_config import open_session
 
-        self.scheduler = Scheduler(open_session(engine, model), max_queue=engine.max_queue, reuse_prompts=False)
+        session = open_session(engine, model)
+        self.scheduler = Scheduler(session, max_queue=engine.max_queue, reuse_prompts=False,
+                                   adapters=open_adapters(lora or LoraSection(), session, _name(model)))
         self.connector = InBandConnector()
         self.handoffs = {"handoffs": 0, "handoff_bytes": 0, "handoff_prefill_s": 0.0, "handoff_extract_s": 0.0}
 
@@ -265,7 +279,7 @@ class DisaggregatedEngine(Engine):
         the transfer's reference."""
         req, i = f.req, f.prefill
         transfer, report = self._prefill[i].prefill_routed.options(num_returns=2).remote(
-            req.request_id, req.prompt, req.sampling)
+            req.request_id, req.prompt, req.sampling, req.lora)
         ticket = f.ticket if f.ticket is not None else self.router.dispatched(i, req.prompt)   # a retry: anew
         f.ticket = None
 
@@ -403,7 +417,7 @@ class DisaggregatedEngine(Engine):
 
 # ============================================================================================ start-up
 def start_disaggregated(model: ServedModel, engine: EngineSection, section: DisaggregateSection,
-                        events: KVEventsSection | None = None) -> DisaggregatedEngine:
+                        events: KVEventsSection | None = None, lora: LoraSection | None = None) -> DisaggregatedEngine:
     """Start (or join, ``section.ray_address``) Ray, the prefill and decode replicas of ``model`` (the decode
     export; the prefill replicas': ``section.prefill_export``, else the same), check the pair, and return the
     engine. Without an address a local Ray instance is started and stopped by the engine's ``close()``."""
@@ -424,9 +438,9 @@ def start_disaggregated(model: ServedModel, engine: EngineSection, section: Disa
     engine = dataclasses.replace(engine, threads=threads)
     Pre = ray.remote(PrefillWorker).options(**opts["prefill"])
     Dec = ray.remote(DecodeWorker).options(**opts["decode"])
-    pre = [Pre.remote(pre_model, engine, engine.reuse_prompts, kv_events=(events, i) if events is not None else None)
-           for i in range(section.prefill_replicas)]
-    dec = [Dec.remote(model, engine) for _ in range(section.decode_replicas)]
+    pre = [Pre.remote(pre_model, engine, engine.reuse_prompts, kv_events=(events, i) if events is not None else None,
+                      lora=lora) for i in range(section.prefill_replicas)]
+    dec = [Dec.remote(model, engine, lora) for _ in range(section.decode_replicas)]
 
     def give_up(message: str):
         for a in pre + dec:
@@ -443,5 +457,7 @@ def start_disaggregated(model: ServedModel, engine: EngineSection, section: Disa
     why = pair_refusal(pre_facts, dec_facts)
     if why is not None:
         give_up(why)
-    return DisaggregatedEngine(pre, dec, model_name=model.name, decode_facts=dec_facts, max_queue=engine.max_queue,
-                               owns_ray=owns, route=section.route)
+    eng = DisaggregatedEngine(pre, dec, model_name=model.name, decode_facts=dec_facts, max_queue=engine.max_queue,
+                              owns_ray=owns, route=section.route)
+    eng.adapters = served_table(lora or LoraSection(), model.name) if dec_facts.get("lora") else None
+    return eng

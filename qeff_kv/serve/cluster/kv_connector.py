@@ -41,6 +41,7 @@ This module needs Ray only when a :class:`RayHoldConnector` is made (the ``[ray]
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -244,6 +245,7 @@ class RayHoldConnector(KVConnector):
         tid = uuid.uuid4().hex
         ref = self._ray.put(transfer)
         meta = {k: v for k, v in transfer.state.metadata.items() if k != "checksum"}
+        meta["serve_lora"] = json.dumps(transfer.lora)   # the adapter a consumer's request must run (pd.py)
         # waited for: the hold is in place before the answer naming it leaves
         held = self._ray.get(self._holder.hold.remote(tid, [ref], self.hold_seconds, transfer.nbytes, request_id,
                                                       meta), timeout=LOAD_TIMEOUT)

@@ -9,7 +9,9 @@ epoch as a float; ``data_parallel_rank`` the replica's rank, 0 for the local eng
 
 * ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``: blocks now held,
   in chain order; ``parent_block_hash`` the hash of the block before the first one (``None`` at the start of a
-  sequence); ``token_ids`` the tokens of every listed block, concatenated; ``lora_id`` ``None``; ``medium``
+  sequence); ``token_ids`` the tokens of every listed block, concatenated; ``lora_id`` ``None`` for the base model,
+  for a sequence of a LoRA adapter the adapter's ``lora_int_id`` (vLLM's integer id: ``--lora-modules`` in
+  their order 1, 2, ..., adapters loaded at run time the next ones; ``/v1/models`` lists it); ``medium``
   ``"GPU"`` (vLLM's name for an engine's primary KV cache, where prefix hits are made, whatever the device);
 * ``["BlockRemoved", block_hashes, medium]``: blocks no sequence holds any more;
 * ``["AllBlocksCleared"]``: nothing is held (sent when the publisher starts: the server's start-up, a restarted
@@ -29,7 +31,11 @@ hybrid sequence are published like any other, though prompt reuse there returns 
 
 where ``parent`` is ``b"\\x00"`` for a sequence's first block, else ``b"\\x01"`` followed by the parent block's
 hash as 8 bytes big-endian (two's complement), and ``tokens`` are the block's token ids, each 4 bytes big-endian
-unsigned. Hashes are int64 (msgpack ints, as vLLM's ``ExternalBlockHash`` int form).
+unsigned. Hashes are int64 (msgpack ints, as vLLM's ``ExternalBlockHash`` int form). The first block of a sequence of a
+LoRA adapter (whose KV differs from the base model's for the same tokens) has ``parent`` ``b"\\x02"`` followed by
+the adapter's name in UTF-8 (its length first, 4 bytes big-endian) and its scale (8 bytes, a big-endian IEEE
+double): as vLLM puts the adapter's name into its block hashes, the same tokens under two adapters (or two scales)
+are different blocks, and one adapter's blocks hash alike on every server.
 
 **Never slowing the engine.** The engine thread only diffs the blocks of the sequence it tells about (SHA-256 of
 the new blocks only) and appends the batch to a bounded queue (:data:`MAX_QUEUE` batches); a background thread
@@ -69,22 +75,30 @@ REPLAY_BUFFER = 10_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def block_hash(parent: int | None, tokens: Seq[int]) -> int:
-    """The chained hash of one block (see the module docstring)."""
-    head = b"\x00" if parent is None else b"\x01" + int(parent).to_bytes(8, "big", signed=True)
+def block_hash(parent: int | None, tokens: Seq[int], lora: tuple[str, float] | None = None) -> int:
+    """The chained hash of one block (see the module docstring); ``lora``: the adapter and scale of a sequence's
+    first block."""
+    if parent is not None:
+        head = b"\x01" + int(parent).to_bytes(8, "big", signed=True)
+    elif lora is not None:
+        name = lora[0].encode("utf-8")
+        head = b"\x02" + struct.pack(">I", len(name)) + name + struct.pack(">d", float(lora[1]))
+    else:
+        head = b"\x00"
     digest = hashlib.sha256(head + struct.pack(f">{len(tokens)}I", *tokens)).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def block_hashes(tokens: Seq[int], block_size: int, parent: int | None = None) -> list[int]:
+def block_hashes(tokens: Seq[int], block_size: int, parent: int | None = None,
+                 lora: tuple[str, float] | None = None) -> list[int]:
     """The hashes of the full blocks of ``tokens`` (up to the first unknown, negative, token id), chained from
-    ``parent``."""
+    ``parent`` (``lora``: a sequence's adapter and scale, read for its first block)."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[i:i + block_size]
         if min(block) < 0:
             break
-        parent = block_hash(parent, block)
+        parent = block_hash(parent, block, lora)
         out.append(parent)
     return out
 
@@ -121,25 +135,27 @@ class BlockTable:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise RuntimeInputError(f"--kv-events-block-size must be a positive int, got {block_size!r}")
         self.block_size = block_size
-        self._chains: dict[int, tuple[list[int], list[int]]] = {}   # key -> (its full blocks' tokens, hashes)
+        self._chains: dict[int, tuple] = {}   # key -> (its full blocks' tokens, hashes, its adapter)
         self._refs: collections.Counter[int] = collections.Counter()
 
-    def holds(self, key: int, tokens: Seq[int]) -> list[list]:
-        """Sequence ``key`` holds exactly ``tokens``: the events (BlockRemoved, then BlockStored) of blocks whose
-        reference count left or reached zero."""
+    def holds(self, key: int, tokens: Seq[int], lora: tuple[str, float] | None = None,
+              lora_id: int | None = None) -> list[list]:
+        """Sequence ``key`` holds exactly ``tokens`` (computed with adapter and scale ``lora``, whose integer id is
+        ``lora_id``; None: the base model): the events (BlockRemoved, then BlockStored) of blocks whose reference
+        count left or reached zero."""
         bs = self.block_size
-        old_tokens, old = self._chains.get(key, ([], []))
+        old_tokens, old, old_lora = self._chains.get(key, ([], [], None))
         full = list(tokens[:len(tokens) // bs * bs])
         same = 0   # leading blocks unchanged
-        while same < len(old) and same * bs + bs <= len(full) and \
+        while old_lora == lora and same < len(old) and same * bs + bs <= len(full) and \
                 old_tokens[same * bs:same * bs + bs] == full[same * bs:same * bs + bs]:
             same += 1
-        new = old[:same] + block_hashes(full[same * bs:], bs, old[same - 1] if same else None)
+        new = old[:same] + block_hashes(full[same * bs:], bs, old[same - 1] if same else None, lora)
         full = full[:len(new) * bs]   # up to an unknown token id
         events = self._removed(old[same:])
-        events += self._stored(new, same, full)
+        events += self._stored(new, same, full, lora_id)
         if new:
-            self._chains[key] = (full, new)
+            self._chains[key] = (full, new, lora)
         else:
             self._chains.pop(key, None)
         return events
@@ -158,7 +174,7 @@ class BlockTable:
                 gone.append(h)
         return [["BlockRemoved", gone, MEDIUM]] if gone else []
 
-    def _stored(self, chain: list[int], start: int, tokens: list[int]) -> list[list]:
+    def _stored(self, chain: list[int], start: int, tokens: list[int], lora_id: int | None = None) -> list[list]:
         """One BlockStored per run of consecutive blocks of ``chain[start:]`` that no sequence held before."""
         bs, events, run = self.block_size, [], None
         for i in range(start, len(chain)):
@@ -167,7 +183,7 @@ class BlockTable:
                 run = None
                 continue
             if run is None:
-                run = ["BlockStored", [], chain[i - 1] if i else None, [], bs, None, MEDIUM]
+                run = ["BlockStored", [], chain[i - 1] if i else None, [], bs, lora_id, MEDIUM]
                 events.append(run)
             run[1].append(chain[i])
             run[3].extend(tokens[i * bs:(i + 1) * bs])
@@ -243,6 +259,9 @@ class KVEventPublisher:
         self.table = BlockTable(block_size)
         self.topic = topic.encode("utf-8")
         self.rank = rank
+        #: adapter name -> its ``lora_int_id`` (the server's :class:`~qeff_kv.serve.engine.lora.AdapterTable`
+        #: ``lora_id``), or None: an adapter's blocks are published with ``lora_id`` None
+        self.lora_ids = None
         #: batches dropped because the queue was full (their sequence numbers never appear on the wire)
         self.dropped = 0
         #: batches sent
@@ -263,9 +282,10 @@ class KVEventPublisher:
         self.clear()   # a subscriber's view starts empty
 
     # ------------------------------------------------------------------------------------ CacheListener
-    def holds(self, key: int, tokens: Seq[int]) -> None:
+    def holds(self, key: int, tokens: Seq[int], lora: tuple[str, float] | None = None) -> None:
+        lora_id = self.lora_ids(lora[0]) if lora is not None and self.lora_ids is not None else None
         with self._lock:
-            events = self.table.holds(key, tokens)
+            events = self.table.holds(key, tokens, lora, lora_id)
             if events:
                 self._enqueue(events)
 

@@ -89,10 +89,12 @@ def start_connector(section: PDSection, host: str, port: int):
     return connector
 
 
-def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAsk | None:
+def prepare(engine, p: Params, ids: list[int], structured: bool = False, lora=None) -> KVAsk | None:
     """The request's ``kv_transfer_params`` (checked by :mod:`~qeff_kv.serve.wire.openai_io`) made ready for the engine: a producer's
     is passed on (the scheduler holds the sequence when it ends); a consumer's state is loaded (blocking: call it
-    off the event loop), checked and given as the request's state, or the fallback of the module docstring."""
+    off the event loop), checked and given as the request's state, or the fallback of the module docstring.
+    ``lora``: the LoRA adapter and scale the request runs with; a held state computed with another is refused (a
+    400 before it is taken)."""
     kvp = p.kv_transfer_params
     if not kvp or not (kvp.get("do_remote_decode") or kvp.get("do_remote_prefill")):
         return None
@@ -109,7 +111,7 @@ def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAs
     tokens = json.dumps(list(ids), separators=(",", ":"))   # as the state's metadata spells them
     try:
         meta = connector.peek(kvp)   # nothing taken: a refusal below leaves the state for its owner
-        _check_held(engine.session, meta, tokens, len(ids), kvp, connector)
+        _check_held(engine.session, meta, tokens, len(ids), kvp, connector, lora)
         transfer = connector.load(kvp, tokens=tokens)
     except KVLoadError as exc:
         if kvp.get("kv_load_failure_policy") == "fail":
@@ -118,6 +120,7 @@ def prepare(engine, p: Params, ids: list[int], structured: bool = False) -> KVAs
         connector.note_fallback()
         return KVAsk(answer={"kv_load": "recomputed", "kv_load_error": str(exc)})
     _check_state(engine.session, transfer.state, ids, kvp)
+    _check_lora(transfer.lora, lora, kvp)
     return KVAsk(params=kvp, state=transfer.state)
 
 
@@ -125,7 +128,18 @@ def _where(kvp: dict) -> str:
     return f"kv_transfer_params (state {kvp['transfer_id']} of producer {kvp['remote_engine_id']})"
 
 
-def _check_held(session, meta: dict | None, tokens: str, n: int, kvp: dict, connector) -> None:
+def _check_lora(held, lora, kvp: dict) -> None:
+    """The held state's adapter key (``held``: JSON-decoded, or a transfer's) is the request's ``lora``."""
+    held = tuple(held) if held is not None else None
+    want = tuple(lora) if lora is not None else None
+    if held != want:
+        def say(key):
+            return "the base model" if key is None else f"LoRA adapter {key[0]!r} at scale {key[1]:g}"
+        raise bad(f"{_where(kvp)} was prefilled with {say(held)}; this request runs {say(want)}",
+                  "kv_transfer_params")
+
+
+def _check_held(session, meta: dict | None, tokens: str, n: int, kvp: dict, connector, lora=None) -> None:
     """The held state's metadata (None: the connector cannot read it without taking it) against this server's
     graph and this request's prompt: a 400 before anything is taken."""
     from qeff_kv.runtime.memory.state_file import check_metadata
@@ -138,6 +152,8 @@ def _check_held(session, meta: dict | None, tokens: str, n: int, kvp: dict, conn
             held = json.loads(meta.get("tokens") or "null")
             raise StateFileError(f"{_where(kvp)} holds another prompt ({len(held) if isinstance(held, list) else 0} "
                                  f"tokens) than this request's ({n} tokens)")
+        if "serve_lora" in meta:
+            _check_lora(json.loads(meta["serve_lora"]), lora, kvp)
     except (StateFileError, ValueError, RecursionError) as exc:
         connector.note_take_refused()
         raise bad(str(exc) if isinstance(exc, StateFileError) else f"{_where(kvp)}: malformed state metadata",

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.runtime.memory.prefix_cache import PrefixCache
+from qeff_kv.runtime.memory.prefix_cache import PrefixCache, lora_of
 from qeff_kv.runtime.decoding.sampling import sample
 from qeff_kv.runtime.memory.state_file import KVState, default_selection, export_state
 
@@ -43,7 +43,9 @@ class KVTransfer:
     """One prefilled sequence in flight. ``state``: the selected buffers' valid positions and the metadata;
     ``slicing``: the peer-style spec of what was cut (``Name`` regex, ``DimSpecs``, ``ctx_start``, ``positions``);
     ``prefill_s`` / ``extract_s``: the prefill worker's time in the prefill and in cutting the buffers;
-    ``cached_tokens``: prompt tokens the prefill worker took from a kept sequence instead of prefilling them."""
+    ``cached_tokens``: prompt tokens the prefill worker took from a kept sequence instead of prefilling them;
+    ``lora``: the LoRA adapter and scale the KV was computed with (None: the base model), which the decode side
+    runs the sequence with (refused where it does not serve that adapter)."""
 
     request_id: str
     state: KVState
@@ -51,6 +53,7 @@ class KVTransfer:
     prefill_s: float = 0.0
     extract_s: float = 0.0
     cached_tokens: int = 0
+    lora: tuple[str, float] | None = None
 
     @property
     def valid_length(self) -> int:
@@ -90,7 +93,7 @@ def extract(session, seq, request_id: str = "", select: str | None = None) -> KV
     t0 = time.perf_counter()
     state = export_state(session, seq, select=regex, checksum=False)
     spec = slicing_spec(session, regex, seq.length)
-    return KVTransfer(request_id, state, spec, extract_s=time.perf_counter() - t0)
+    return KVTransfer(request_id, state, spec, extract_s=time.perf_counter() - t0, lora=lora_of(seq))
 
 
 def install(session, transfer: KVTransfer, seq=None):
@@ -109,7 +112,8 @@ def facts(session) -> dict:
             "prefix": session.prefix or "", "sliding_window": session.sliding_window,
             "capacities": dict(session.rings.capacities), "ctx_len": session.ctx_len,
             "vocab_size": session.vocab_size, "max_sequences": session.max_sequences,
-            "eos_token_ids": list(session.eos_token_ids), "bytes_per_position": session.cache.bytes_per_position}
+            "eos_token_ids": list(session.eos_token_ids), "bytes_per_position": session.cache.bytes_per_position,
+            "lora": session.lora.enabled}
 
 
 def pair_refusal(prefill: dict, decode: dict) -> str | None:
@@ -159,9 +163,10 @@ class Prefiller:
         """Prompt tokens taken from kept sequences instead of prefilled, over every request."""
         return self.prefix_cache.reused_tokens
 
-    def run(self, request_id: str, prompt, sampling) -> KVTransfer:
-        """Prefill ``prompt`` (from a kept sequence's common prefix where there is one), sample the first token
-        with ``sampling`` (resolved: a seed the decode side shares), and return the transfer."""
+    def run(self, request_id: str, prompt, sampling, lora: tuple[str, float] | None = None) -> KVTransfer:
+        """Prefill ``prompt`` (from a kept sequence's common prefix where there is one, of the same adapter key
+        ``lora``) with LoRA adapter ``lora`` (None: the base model), sample the first token with ``sampling``
+        (resolved: a seed the decode side shares), and return the transfer."""
         sess, cache = self.session, self.prefix_cache
         prompt = list(prompt)
         if not prompt or len(prompt) > sess.ctx_len:
@@ -170,7 +175,7 @@ class Prefiller:
         for stale in sess.sequences:   # a request that failed half-way left its sequence
             if stale not in cache:
                 cache.remove(stale)
-        seq, cached = cache.acquire(prompt)
+        seq, cached = cache.acquire(prompt, lora=lora)
         try:
             t0 = time.perf_counter()
             logits = sess.prefill(seq, prompt[cached:])
@@ -185,8 +190,8 @@ class Prefiller:
         out.prefill_s, out.cached_tokens = prefill_s, cached
         return out
 
-    def longest_prefix(self, prompt) -> int:
+    def longest_prefix(self, prompt, lora: tuple[str, float] | None = None) -> int:
         """How many leading tokens of ``prompt`` a kept sequence would give :meth:`run` (the question a router
         asks; nothing changes): :meth:`PrefixCache.longest_prefix <qeff_kv.runtime.memory.prefix_cache.PrefixCache.longest_prefix>`.
         A sliding-window export's rings may still refuse it at run time (the prompt is then prefilled whole)."""
-        return self.prefix_cache.longest_prefix(list(prompt))
+        return self.prefix_cache.longest_prefix(list(prompt), lora=lora)

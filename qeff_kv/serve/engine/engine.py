@@ -66,6 +66,9 @@ class GenerationRequest:
     #: alternatives) comes before the first token; needs a graph that returns every position's logits
     #: (:mod:`qeff_kv.runtime.decoding.prompt_rows`)
     prompt_logprobs: int | None = None
+    #: the LoRA adapter the request runs with and its scale (:mod:`.lora`; None: the base model): its sequence is
+    #: that adapter's, and reuses only prompts of that adapter at that scale
+    lora: tuple[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,8 @@ class Engine(ABC):
     model_name: str
     ctx_len: int
     max_sequences: int
+    #: the LoRA adapters served (:class:`~.lora.AdapterTable`), or None: a graph without adapter inputs
+    adapters = None
 
     @abstractmethod
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -266,6 +271,18 @@ class Engine(ABC):
         """None when the engine can run requests, else why not (one line; ``/health`` answers 503 with it). Never
         blocks."""
         return None
+
+    # ---- optional: LoRA adapters loaded and unloaded at run time (an engine without them answers 501)
+    def update_adapter(self, verb: str, name: str, adapter=None):
+        """``verb`` ``"load"`` (``adapter``: a PEFT folder read by :func:`.lora.read`; returns its
+        :class:`~.lora.ServedAdapter`) or ``"unload"`` adapter ``name``, as a control action of the engine's thread
+        between two turns (:func:`.lora.load`, :func:`.lora.unload`: refused while a request uses it). An engine
+        without control actions (``run_on_engine``) loads adapters at start only: NotImplementedError."""
+        run = getattr(self, "run_on_engine", None)
+        if run is None:
+            raise NotImplementedError(f"this engine ({type(self).__name__}) loads adapters at start only "
+                                      "(--lora-modules)")
+        return run(("lora", verb, name, adapter)).result(timeout=120)
 
     # ---- optional: slot state files (POST /slots/{id}); an engine without them answers 501
     def slot_action(self, slot: int, action: str, path=None) -> dict:

@@ -102,6 +102,11 @@ class Inbox:
             self.admitted += 1 + len(group[2])
             return group
 
+    def waiting_requests(self) -> list[GenerationRequest]:
+        """Every waiting request (each choice of each group)."""
+        with self.lock:
+            return [r for _, first, others in self.waiting for r in [first] + [o for _, o in others]]
+
     def left(self, n: int = 1) -> None:
         """``n`` admitted sequences ended."""
         with self.lock:

@@ -48,6 +48,10 @@ sequence can return to (a checkpoint of its recurrent state, or its whole length
 the prompt is prefilled from scratch (llama.cpp's server rule). A prompt fed in several chunks takes its
 prompt-boundary checkpoints at its end and one token before (the point a repeated prompt returns to), not at each
 chunk's.
+
+LoRA adapters (:mod:`.lora`): a request of an adapter (``GenerationRequest.lora``) runs in a sequence of that
+adapter and reuses only prompts of that adapter at that scale; rows of different adapters decode in one step. An
+adapter is loaded or unloaded as a control action between two turns.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from qeff_kv.serve.engine.decode_step import Failed, decode, to_lower
 from qeff_kv.serve.engine.engine import (Engine, Finished, GenerationRequest, RequestHandle, TokenOut,
                                          check_request)
 from qeff_kv.serve.engine.forks import ChoiceGroups, choice_requests
+from qeff_kv.serve.engine import lora as lora_mod
 from qeff_kv.serve.engine.inbox import Inbox, free_slots
 from qeff_kv.serve.engine.prefill_turns import TURN_TOKENS, PrefillTurns  # noqa: F401  (TURN_TOKENS: documented here)
 
@@ -87,7 +92,7 @@ class Scheduler(Engine):
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
                  prefill_chunk: int | str | None = None, speculation=None, kv_events=None,
-                 connector=None):
+                 connector=None, adapters=None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
         self.session = session
@@ -112,6 +117,8 @@ class Scheduler(Engine):
         self.inbox = Inbox(self.max_sequences, session.cache.memory_capacity)
         #: n's parked choices
         self.choices = ChoiceGroups()
+        #: the LoRA adapters served (:class:`~.lora.AdapterTable`), or None
+        self.adapters = adapters
         #: the requests decoding (the engine thread's)
         self.running: list[Active] = []
         self._thread = threading.Thread(target=self._loop, name="qeff-kv-engine", daemon=True)
@@ -139,7 +146,7 @@ class Scheduler(Engine):
 
     def stats(self) -> dict:
         out = self.inbox.stats()
-        for extra in (self.speculation, self.kv_events, self.connector):
+        for extra in (self.speculation, self.kv_events, self.connector, self.adapters):
             if extra is not None:
                 out.update(extra.stats())
         return out
@@ -163,8 +170,9 @@ class Scheduler(Engine):
         return self.run_on_engine(("slot", slot, action, path)).result(timeout=120)
 
     def run_on_engine(self, what):
-        """Queue ``what`` for the engine thread, between two turns: ``("slot", slot, action, path)`` or ``("call",
-        fn)`` (``fn(scheduler)``: tests, diagnostics); a ``Future`` of its result."""
+        """Queue ``what`` for the engine thread, between two turns: ``("slot", slot, action, path)``, ``("lora",
+        "load" | "unload", name, adapter)`` (:meth:`~.engine.Engine.update_adapter`) or ``("call", fn)``
+        (``fn(scheduler)``: tests, diagnostics); a ``Future`` of its result."""
         return self.inbox.run(what)
 
     def close(self) -> None:
@@ -239,7 +247,7 @@ class Scheduler(Engine):
             try:
                 a = self._start(handle, req)
                 for h, r in others:   # the other choices, parked in empty sequences until a's prompt is done
-                    self.choices.park(a, admitted(h, r, self.prefix_cache.fresh(), ctx_len=self.ctx_len,
+                    self.choices.park(a, admitted(h, r, self.prefix_cache.fresh(r.lora), ctx_len=self.ctx_len,
                                                   vocab_size=self.session.vocab_size))
             except Exception as exc:   # noqa: BLE001 - this request fails, the others go on
                 # what was started (a and its parked choices) finishes through _finish, the rest is told here;
@@ -258,6 +266,11 @@ class Scheduler(Engine):
         if req.state is not None:
             self.prefix_cache.make_room()
             seq = self.session.import_state(req.state)
+            try:   # the hand-off runs with the request's adapter (P/D: the producer ran it with the same)
+                lora_mod.adopt(self.session, seq, req.lora)
+            except Exception:
+                self.prefix_cache.remove(seq)
+                raise
             # a P/D consumer reports the prompt it loaded as cached (the in-process decode replica reports its own)
             a = admitted(handle, req, seq, ctx_len=self.ctx_len, vocab_size=vocab,
                          cached=seq.length if req.kv_transfer_params else 0)
@@ -269,9 +282,10 @@ class Scheduler(Engine):
             self._emit(a, seq.pending)
             return a
         if req.images is not None or req.prompt_logprobs is not None:   # neither reuses a cached prefix
-            seq, cached = self.prefix_cache.fresh(), 0
+            seq, cached = self.prefix_cache.fresh(req.lora), 0
         else:   # a kept sequence to continue and how many of its positions are reused (running prompts too)
-            seq, cached = self.prefix_cache.acquire(req.prompt, [a.seq for a in self.running if a.req.images is None])
+            seq, cached = self.prefix_cache.acquire(req.prompt, [a.seq for a in self.running if a.req.images is None],
+                                                    req.lora)
         a = admitted(handle, req, seq, ctx_len=self.ctx_len, vocab_size=vocab, todo=list(req.prompt[cached:]),
                      cached=cached)
         self.inbox.count("prompt_tokens_reused", cached)
@@ -310,6 +324,8 @@ class Scheduler(Engine):
             return
         self.turns.note_decode(step.seconds)
         self.inbox.count("decode_steps", 1)
+        if self.adapters is not None:   # rows of different adapters in this one step
+            self.adapters.note_step([a.req.lora for a in batch])
         for a, out in zip(batch, step.rows):
             if not isinstance(out, list):
                 self._take(a, out)
@@ -410,6 +426,8 @@ def _check(sched: Scheduler, r: GenerationRequest, n: int) -> None:
         why = "prompt logprobs go with one choice (n = 1)" if n > 1 else unsupported(sched.session)
         if why is not None:
             raise RuntimeInputError(why)
+    if r.lora is not None:
+        sched.session.lora.get(r.lora[0])   # a one-line AdapterError when it is not loaded
 
 
 def _control(sched: Scheduler, what):
@@ -420,6 +438,12 @@ def _control(sched: Scheduler, what):
         slot, action, path = what[1:]
         return slots_mod.run(sched.session, sched.prefix_cache, sched.busy_slots(), slot, action,
                              Path(path) if path is not None else None)
+    if what[0] == "lora":   # an adapter loaded or unloaded between two turns
+        verb, name, adapter = what[1:]
+        if verb == "load":
+            return lora_mod.load(sched.session, sched.adapters, name, adapter)
+        requests = [a.req for a in _busy(sched)] + sched.inbox.waiting_requests()
+        return lora_mod.unload(sched.session, sched.adapters, sched.prefix_cache, requests, name)
     if what[0] == "call":   # a function of the scheduler, run between two turns (tests, diagnostics)
         return what[1](sched)
     raise RuntimeInputError(f"unknown engine action {what[0]!r}")

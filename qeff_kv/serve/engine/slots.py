@@ -13,6 +13,9 @@ sequence, kept for prompt reuse)).
   following a symbolic link and must be a regular file in the state folder.
 * ``erase``: drop the slot's cached sequence.
 
+A sequence of a LoRA adapter is saved only where the runtime's state files record the adapter (a restored
+sequence then runs with it, and prompt reuse keys it by its adapter); elsewhere its save is refused in one line.
+
 :func:`run` takes what it reads and holds nothing (the scheduler calls it on its thread): the session, the slots
 requests run in, and the :class:`~qeff_kv.runtime.memory.prefix_cache.PrefixCache` that says the slot's occupant
 (``in_slot``, ``evict``, ``forget``, ``keep``).
@@ -83,8 +86,19 @@ def _save(session, slot: int, seq, path: Path) -> dict:
         raise RuntimeInputError(f"slot {slot} holds no sequence to save")
     if any(t < 0 for t in seq.tokens):
         raise RuntimeInputError(f"slot {slot} holds a sequence whose token ids are unknown; it cannot be saved")
+    if getattr(seq, "adapter", None) is not None and not _records_adapter(session, seq):
+        # TODO(issue 50): the runtime's state files record the adapter (another branch); until then a file of an
+        # adapter's sequence would restore as the base model's KV, so it is refused
+        raise RuntimeInputError(f"slot {slot} holds a sequence of LoRA adapter {seq.adapter!r}; this version's state "
+                                "files do not record the adapter, so it cannot be saved")
     session.save_state(seq, path)   # one file, staged and renamed: a refused save leaves nothing behind
     return {"id_slot": slot, "filename": path.name, "n_saved": seq.length, "n_written": path.stat().st_size}
+
+
+def _records_adapter(session, seq) -> bool:
+    """Whether the runtime's state of ``seq`` records its LoRA adapter (a metadata entry naming it)."""
+    meta = session.export_state(seq, checksum=False).metadata
+    return any("adapter" in key and value == seq.adapter for key, value in meta.items())
 
 
 def read_state_file(path: Path) -> tuple[state_mod.KVState, int]:

@@ -57,6 +57,7 @@ class _Prepared:
     tool_names: tuple = ()        # the names of the request's tools (calls to others are text)
     kv: KVAsk | None = None       # vLLM's P/D protocol (serve/pd.py): a producer's ask, a consumer's loaded state
     images: object = None         # a vision-language prompt's images (serve/images.py), or None
+    lora: tuple | None = None     # the LoRA adapter and scale it runs with (serve/engine/lora.py), or None: the base
 
 
 @dataclass
@@ -90,6 +91,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     _add_plain_routes(app, front)
     discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json,
                                tool_support=front.tools)
+    discovery.add_lora_routes(app, engine=engine, auth=front.auth, json_body=read_json)
     _add_slot_routes(app, front)
     _add_generation_routes(app, front)
     discovery.alias_without_v1(app)   # last: every /v1 route also without the prefix
@@ -134,7 +136,12 @@ class _Frontend:
 
     def model_card(self) -> dict:
         return {"id": self.engine.model_name, "object": "model", "created": self.created, "owned_by": "qeff-kv",
-                "max_model_len": self.engine.ctx_len, "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
+                "root": self.engine.model_name, "parent": None, "max_model_len": self.engine.ctx_len,
+                "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
+
+    def model_cards(self) -> list[dict]:
+        """The served model, then each LoRA adapter (vLLM's entries: ``parent`` the served model)."""
+        return [self.model_card()] + discovery.adapter_cards(self.engine, self.created)
 
     # ------------------------------------------------------------------------------------ generation
     def prompt_ids(self, p: Params, tools: ToolRequest | None = None, turn: Turn = Turn()) -> list[int]:
@@ -162,7 +169,9 @@ class _Frontend:
         if chat and isinstance(body, dict):
             check_chat_size(body.get("messages"), self.app.state.text_limit, self.engine.ctx_len)
         p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n,
-                  kv_role=getattr(getattr(self.engine, "connector", None), "role", None))
+                  kv_role=getattr(getattr(self.engine, "connector", None), "role", None),
+                  adapters=discovery.adapter_names(self.engine))
+        lora = discovery.request_lora(self.engine, p.model, body.get("lora"))
         spec, field = parse_structured(body)
         tools = _tool_request(body, chat, spec)
         parser = self.tools().parser if tools is not None else None
@@ -179,10 +188,10 @@ class _Frontend:
             ids = self.prompt_ids(p, tools, turn)
         names = tuple(t["function"]["name"] for t in tools.tools) if tools is not None else ()
         return _Prepared(p, ids, spec, field, parser, names,
-                         prepare_kv(self.engine, p, ids, structured=spec is not None), images)
+                         prepare_kv(self.engine, p, ids, structured=spec is not None, lora=lora), images, lora)
 
     def submit(self, p: Params, ids: list[int], rid: str, param: str, constraint=None, kv: KVAsk | None = None,
-               images=None) -> list:
+               images=None, lora=None) -> list:
         """The request's choices submitted: one handle per choice (``n``)."""
         engine = self.engine
         if len(ids) > engine.ctx_len:
@@ -197,7 +206,7 @@ class _Frontend:
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.text.eos_token_ids),
             logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
             kv_transfer_params=kv.params if kv is not None else None, images=images,
-            prompt_logprobs=p.logprobs if p.echo else None)
+            prompt_logprobs=p.logprobs if p.echo else None, lora=lora)
         try:
             if p.n == 1:
                 return [engine.submit(req)]
@@ -220,8 +229,9 @@ class _Frontend:
         constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if p.max_tokens == 0 and p.logprobs is None:   # echo of the prompt alone: nothing to run
-            return echo_only(rid, p, ids, self.text.tokenizer, self.engine.model_name)
-        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv, prep.images)
+            return echo_only(rid, p, ids, self.text.tokenizer, p.model or self.engine.model_name)
+        handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv, prep.images,
+                              prep.lora)
         tokenizer = self.text.tokenizer
         echo = "" if not p.echo else p.prompt_text if p.prompt_text is not None else tokenizer.decode(ids)
         runs = [Run(request, h, p, len(ids), tokenizer, self.metrics, arrival, self.background,
@@ -229,7 +239,7 @@ class _Frontend:
                     if p.logprobs is not None else None,
                     tools=ToolStream(parser, prep.tool_names) if parser is not None else None, grammar=constraint)
                 for h in handles]
-        model = self.engine.model_name
+        model = p.model or self.engine.model_name   # an adapter's requests answer with its name (vLLM)
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
             return StreamingResponse(sse(runs, rid, chat, created_at=int(time.time()), model=model, echo=echo),
@@ -268,15 +278,16 @@ def _add_plain_routes(app: FastAPI, front: _Frontend) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         front.auth(request)
-        return {"object": "list", "data": [front.model_card()]}
+        return {"object": "list", "data": front.model_cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         front.auth(request)
-        if model_id != engine.model_name:
+        card = next((c for c in front.model_cards() if c["id"] == model_id), None)
+        if card is None:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {engine.model_name!r}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
-        return front.model_card()
+        return card
 
 
 def _add_slot_routes(app: FastAPI, front: _Frontend) -> None:

@@ -1,4 +1,5 @@
-"""Discovery and browser access: ``/tokenize`` and ``/detokenize`` (vLLM's shapes), and CORS.
+"""Discovery and browser access: ``/tokenize`` and ``/detokenize`` (vLLM's shapes), CORS, and the LoRA adapters served
+(``/v1/models`` entries, vLLM's load and unload routes, llama-server's ``/lora-adapters``: docs/lora.md#serving).
 
 ``POST /tokenize``: ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
 "add_generation_prompt": true, "continue_final_message": false, "tools": [...]}`` (rendered through the export's
@@ -26,7 +27,7 @@ from fastapi import FastAPI, Request
 
 from qeff_kv.errors import QeffKvError
 from qeff_kv.serve.http.bodies import check_text_fits, encode_text
-from qeff_kv.serve.wire.openai_io import APIError, is_int, checked_messages, bad
+from qeff_kv.serve.wire.openai_io import APIError, is_int, checked_messages, bad, check_model
 
 
 def add_cors(app: FastAPI, origins: list[str] | None) -> None:
@@ -77,10 +78,13 @@ def check_chat_size(messages, limit: int | None, ctx_len: int) -> None:
 
 
 def _check_model(body: dict, engine) -> None:
-    model = body.get("model")
-    if model is not None and model != engine.model_name:
-        raise bad(f"the model {model!r} does not exist; this server serves {engine.model_name!r}", "model",
-                  "model_not_found")
+    check_model(body.get("model"), engine.model_name, adapter_names(engine))
+
+
+def adapter_names(engine) -> list[str]:
+    """The LoRA adapters ``engine`` serves (a request's ``model`` may name one)."""
+    table = getattr(engine, "adapters", None)
+    return table.names() if table is not None else []
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -190,3 +194,132 @@ def alias_without_v1(app: FastAPI) -> None:
         if methods:
             app.add_api_route(r.path[3:], r.endpoint, methods=methods, response_class=r.response_class,
                               include_in_schema=False)
+
+
+# ============================================================================================ LoRA adapters
+def request_lora(engine, model: str | None, field) -> tuple[str, float] | None:
+    """The LoRA adapter and scale a request runs with (its ``model`` (checked), llama-server's ``lora`` field, the
+    global scales: :meth:`~qeff_kv.serve.engine.lora.AdapterTable.resolve`), None for the base model; a 400 naming
+    the field otherwise."""
+    from qeff_kv.serve.wire.lora_io import lora_pairs
+
+    pairs = lora_pairs(field)
+    table = getattr(engine, "adapters", None)
+    if table is None:
+        if pairs and any(scale != 0 for _, scale in pairs):
+            raise bad("this server serves no LoRA adapters (its graph takes none)", "lora")
+        return None
+    try:
+        return table.resolve(model, pairs)
+    except QeffKvError as exc:
+        raise bad(str(exc), "lora" if pairs is not None else "model") from None
+
+
+def adapter_cards(engine, created: int) -> list[dict]:
+    """``/v1/models`` entries of the LoRA adapters, as vLLM lists them: ``root`` the adapter's folder, ``parent``
+    the served model; ``lora_int_id``: the integer id of KV events."""
+    table = getattr(engine, "adapters", None)
+    return [{"id": a.name, "object": "model", "created": created, "owned_by": "qeff-kv", "root": a.path,
+             "parent": engine.model_name, "max_model_len": engine.ctx_len, "lora_int_id": a.lora_int_id}
+            for a in (table.listed() if table is not None else [])]
+
+
+def _updating(engine):
+    """The adapter table when the load and unload routes work; else the error answering them."""
+    table = getattr(engine, "adapters", None)
+    if table is None:
+        raise bad("this server serves no LoRA adapters: its graph takes none (export it with --lora name=PEFT_DIR or "
+                  "--max-lora-rank R)", "lora_name")
+    if not table.updating:
+        raise APIError("loading and unloading LoRA adapters at run time is off: start the server with "
+                       "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", status=404,
+                       type="not_found_error", code="runtime_lora_updating_off")
+    return table
+
+
+def _engine_call(fn, *args):
+    """``fn(*args)`` (an engine's adapter verb); an engine without it: 501."""
+    try:
+        return fn(*args)
+    except NotImplementedError as exc:
+        raise APIError(str(exc), status=501, type="not_supported_error", code="lora_updating_unsupported") from None
+
+
+def load_adapter(engine, body) -> str:
+    """``POST /v1/load_lora_adapter`` (blocking: run it off the event loop): read, fit and serve the adapter."""
+    from qeff_kv.serve.engine import lora
+    from qeff_kv.serve.wire.lora_io import load_body
+
+    table = _updating(engine)
+    name, path = load_body(body)
+    try:
+        table.check_room(name)
+    except QeffKvError as exc:
+        raise bad(str(exc), "lora_name") from None
+    try:
+        _engine_call(engine.update_adapter, "load", name, lora.read(path, name))
+    except QeffKvError as exc:   # unreadable, DoRA, a rank above the graph's, ...: one line
+        raise bad(str(exc), "lora_path") from None
+    return f"Success: LoRA adapter '{name}' added successfully."
+
+
+def unload_adapter(engine, body) -> str:
+    """``POST /v1/unload_lora_adapter`` (blocking): refused while a running or waiting request uses it."""
+    from qeff_kv.serve.wire.lora_io import unload_body
+
+    table = _updating(engine)
+    name, int_id = unload_body(body)
+    served = table.get(name)
+    if served is None or (int_id is not None and int_id != served.lora_int_id):
+        raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, type="not_found_error",
+                       param="lora_name", code="lora_not_found")
+    try:
+        _engine_call(engine.update_adapter, "unload", name)
+    except QeffKvError as exc:
+        raise bad(str(exc), "lora_name", "lora_in_use" if "in use" in str(exc) else None) from None
+    return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def set_scales(engine, body) -> dict:
+    """``POST /lora-adapters`` (llama-server's): the global scales, at most one non-zero."""
+    from qeff_kv.serve.wire.lora_io import lora_pairs
+
+    pairs = lora_pairs(body, "body")
+    table = getattr(engine, "adapters", None)
+    if table is None:
+        if pairs:
+            raise bad("this server serves no LoRA adapters (its graph takes none)", "id")
+        return {"success": True}
+    try:
+        table.set_scales(pairs)
+    except QeffKvError as exc:
+        raise bad(str(exc), "scale") from None
+    return {"success": True}
+
+
+def add_lora_routes(app: FastAPI, *, engine, auth, json_body) -> None:
+    """vLLM's load and unload routes and llama-server's ``/lora-adapters`` (docs/lora.md#serving)."""
+    from fastapi.responses import PlainTextResponse
+
+    @app.get("/lora-adapters")
+    async def list_adapters(request: Request):
+        auth(request)
+        table = getattr(engine, "adapters", None)
+        return table.scales() if table is not None else []
+
+    @app.post("/lora-adapters")
+    async def scales(request: Request):
+        auth(request)
+        return set_scales(engine, await json_body(request))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request):
+        auth(request)
+        body = await json_body(request)
+        return PlainTextResponse(await asyncio.to_thread(load_adapter, engine, body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request):
+        auth(request)
+        body = await json_body(request)
+        return PlainTextResponse(await asyncio.to_thread(unload_adapter, engine, body))

@@ -21,6 +21,7 @@ GAUGES = {
     "qeff_kv_sequences_cached": ("sequences_cached", "Finished sequences kept for prompt reuse."),
     "qeff_kv_kv_bytes_used": ("kv_bytes_used", "KV cache bytes holding valid positions (active and cached sequences)."),
     "qeff_kv_kv_bytes_capacity": ("kv_bytes_capacity", "KV cache bytes allocated."),
+    "qeff_kv_lora_adapters": ("lora_adapters", "LoRA adapters served."),
 }
 
 
@@ -31,6 +32,9 @@ COUNTERS = {
     "qeff_kv_speculative_accepted_tokens": ("speculative_accepted",
                                             "Drafted tokens accepted (equal to plain decoding's pick)."),
     "qeff_kv_speculative_verifications": ("speculative_verifications", "Decode steps that verified drafts."),
+    # LoRA adapters (serve/engine/lora.py)
+    "qeff_kv_lora_mixed_decode_steps": ("lora_mixed_steps",
+                                        "Decode steps whose rows ran more than one adapter (the base model counts)."),
     # --kv-events (serve/kv_events.py)
     "qeff_kv_kv_events_batches": ("kv_events_batches", "KV event batches queued for the ZeroMQ publisher."),
     "qeff_kv_kv_events_dropped": ("kv_events_dropped",

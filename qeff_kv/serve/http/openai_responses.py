@@ -222,8 +222,8 @@ async def respond(front, request):
     prep = await asyncio.to_thread(front.prepare, chat, True)
     p = prep.params
     constraint = await front.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
-    answer = Answer(body, front.engine.model_name)
-    handle = front.submit(p, prep.ids, answer.id, "input", constraint, None)[0]
+    answer = Answer(body, p.model or front.engine.model_name)
+    handle = front.submit(p, prep.ids, answer.id, "input", constraint, None, lora=prep.lora)[0]
     tools = ToolStream(prep.parser, prep.tool_names) if prep.parser is not None else None
     run = Run(request, handle, p, len(prep.ids), front.text.tokenizer, front.metrics, arrival, front.background,
               tools=tools, grammar=constraint)

@@ -10,7 +10,8 @@ string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream`
 (token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions; with ``logprobs`` the prompt
 tokens' logprobs too, on a graph exported with ``--speculative-tokens K``; ``max_tokens: 0`` with it), the
 vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``, and vLLM's
-``kv_transfer_params`` (its P/D protocol, on a server with ``--kv-role``; :mod:`.pd`). Accepted with no
+``kv_transfer_params`` (its P/D protocol, on a server with ``--kv-role``; :mod:`.pd`); ``model`` may name a LoRA
+adapter the server serves, and llama-server's ``lora`` (:mod:`.lora_io`) choose one. Accepted with no
 effect on the output, as OpenAI defines them: ``user``, ``safety_identifier``, ``prompt_cache_key``,
 ``metadata``, ``service_tier`` ``auto``/``default``, ``store: false``, ``best_of: 1``. The sampling fields a
 request leaves out take the server's defaults (:class:`~.defaults.SamplingDefaults`). Structured output
@@ -34,6 +35,7 @@ MAX_LOGPROBS_COMPLETIONS = 5
 HONOURED = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+    "lora",
 })
 #: structured output (read by :mod:`.structured_io`): OpenAI's, vLLM's and llama-server's names
 STRUCTURED = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -135,6 +137,8 @@ class Params:
     messages: list[dict] | None = None
     #: vLLM's P/D protocol: the request's ``kv_transfer_params`` (checked by :func:`_kv_transfer`), or None
     kv_transfer_params: dict | None = None
+    #: the ``model`` given (the served model's name or a LoRA adapter's), or None
+    model: str | None = None
 
 
 def is_int(v) -> bool:
@@ -193,18 +197,28 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad(f"unknown field {key!r}: not supported by {route} on this server", key)
 
 
-def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv_role: str | None = None) -> Params:
+def check_model(model, model_name: str, adapters=()) -> None:
+    """``model``, when given, is the served model's name or one of its LoRA ``adapters``; else a 400
+    ``model_not_found``."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad(f"model must be a string, got {model!r}", "model")
+    if model != model_name and model not in adapters:
+        also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise bad(f"the model {model!r} does not exist; this server serves {model_name!r}{also}", "model",
+                  "model_not_found")
+
+
+def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv_role: str | None = None,
+          adapters=()) -> Params:
+    """The checked request (``adapters``: the names of the LoRA adapters served, which ``model`` may name;
+    llama-server's ``lora`` is read by :func:`.lora_io.lora_pairs`)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise bad(f"model must be a string, got {model!r}", "model")
-        if model != model_name:
-            raise bad(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
-                      "model_not_found")
+    check_model(body.get("model"), model_name, adapters)
     _refuse_unsupported(body, chat)
-    p = Params()
+    p = Params(model=body.get("model"))
     mt = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     p.max_tokens = _int(body, mt, 1 if chat else 0, ctx_len)
     _sampling(body, p)
