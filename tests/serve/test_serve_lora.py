@@ -399,3 +399,31 @@ def test_disaggregated_replicas_run_the_requests_adapter(lora, reference):
             engine.close()
         if owns:
             ray.shutdown()
+
+
+def test_a_slot_of_an_adapter_saves_and_restores_only_with_it(lora, reference, tmp_path):
+    """llama-server's slot save/restore (serve/engine/slots.py) on an adapter's sequence: the file records the
+    adapter, a restore continues it exactly with the adapter, and a session without that adapter refuses it."""
+    from qeff_kv.errors import StateFileError
+    from qeff_kv.runtime.memory.prefix_cache import PrefixCache
+    from qeff_kv.runtime.session import Session
+    from qeff_kv.serve.engine import slots
+
+    s = Session(lora["folder"])
+    s.lora.load("a1", lora["a1"])
+    cache = PrefixCache(s)
+    seq = s.add_sequence(adapter="a1")
+    s.prefill(seq, PROMPT[:-1])
+    cache.keep(seq)
+    saved = slots.run(s, cache, set(), seq.slot, "save", tmp_path / "a1.bin")
+    assert saved["n_saved"] == len(PROMPT) - 1
+    slots.run(s, cache, set(), seq.slot, "erase", None)
+    restored = slots.run(s, cache, set(), 0, "restore", tmp_path / "a1.bin")
+    assert restored["n_restored"] == len(PROMPT) - 1
+    again = cache.in_slot(0)
+    assert (again.adapter, again.lora_scale) == ("a1", 1.0)
+    assert s.generate([(again, PROMPT[-1:])], max_tokens=NEW)[0].tokens == reference("a1")
+    bare = Session(lora["folder"])
+    with pytest.raises(StateFileError, match="a1"):
+        slots.run(bare, PrefixCache(bare), set(), 0, "restore", tmp_path / "a1.bin")
+    assert bare.sequences == [] or all(q.length == 0 for q in bare.sequences)

@@ -86,19 +86,10 @@ def _save(session, slot: int, seq, path: Path) -> dict:
         raise RuntimeInputError(f"slot {slot} holds no sequence to save")
     if any(t < 0 for t in seq.tokens):
         raise RuntimeInputError(f"slot {slot} holds a sequence whose token ids are unknown; it cannot be saved")
-    if getattr(seq, "adapter", None) is not None and not _records_adapter(session, seq):
-        # TODO(issue 50): the runtime's state files record the adapter (another branch); until then a file of an
-        # adapter's sequence would restore as the base model's KV, so it is refused
-        raise RuntimeInputError(f"slot {slot} holds a sequence of LoRA adapter {seq.adapter!r}; this version's state "
-                                "files do not record the adapter, so it cannot be saved")
-    session.save_state(seq, path)   # one file, staged and renamed: a refused save leaves nothing behind
+    # one file, staged and renamed (a refused save leaves nothing behind); a LoRA adapter's sequence records its
+    # adapter, and restores only where that adapter is loaded (runtime/memory/state_file.py)
+    session.save_state(seq, path)
     return {"id_slot": slot, "filename": path.name, "n_saved": seq.length, "n_written": path.stat().st_size}
-
-
-def _records_adapter(session, seq) -> bool:
-    """Whether the runtime's state of ``seq`` records its LoRA adapter (a metadata entry naming it)."""
-    meta = session.export_state(seq, checksum=False).metadata
-    return any("adapter" in key and value == seq.adapter for key, value in meta.items())
 
 
 def read_state_file(path: Path) -> tuple[state_mod.KVState, int]:
