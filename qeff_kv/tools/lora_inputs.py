@@ -67,9 +67,10 @@ def lora_lines(layout: KVLayout, human) -> list[str]:
         return [f"LoRA adapter inputs: malformed ({s['error']}); see 'qeff-kv check' rule lora"]
     weights = len(s["inputs"]) - 2
     rank = s["max_rank"]
+    slots, rank_axis = _fmt(s["slots_axis"]), _fmt(s["rank_axis"])
     lines = [f"LoRA adapter inputs (not KV: never prefixed, never retained): {naming.LORA_IDS_INPUT}, "
              f"{naming.LORA_SCALES_INPUT} and {weights} lora_A/lora_B weights "
-             f"[{_fmt(s['slots_axis'])}, in, {_fmt(s['rank_axis'])}] / [{_fmt(s['slots_axis'])}, {_fmt(s['rank_axis'])}, out]",
+             f"[{slots}, in, {rank_axis}] / [{slots}, {rank_axis}, out]",
              f"  adapted modules ({s['adapted']} over {s['layers']} layers): {', '.join(s['modules'])}; {s['dtype']}",
              "  max rank " + ("unknown (no qeff_kv.lora metadata, rank axis symbolic)" if rank is None else str(rank))
              + ("" if s["bytes_per_slot"] is None
@@ -91,7 +92,8 @@ def check_lora_settings(lora_slots, lora_rank) -> None:
             positive_int(label, v)
 
 
-def lora_symbols(layout: KVLayout, lora_slots: int | None = None, lora_rank: int | None = None) -> dict[str, int] | None:
+def lora_symbols(layout: KVLayout, lora_slots: int | None = None,
+                 lora_rank: int | None = None) -> dict[str, int] | None:
     """The values of the adapter weights' dynamic axes for the specializations (``{}`` when both are fixed, ``None``
     without adapter inputs). A given value must fit a fixed axis; a rank above the graph's is refused."""
     check_lora_settings(lora_slots, lora_rank)

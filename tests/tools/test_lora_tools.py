@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
@@ -111,7 +110,8 @@ def lora_graph(tmp_path: Path, prefix: str | None = None, *, skip=(), rename=Non
                                                                    (dims or {}).get(name, shape)))
     for out in retained:
         src = naming.retained_source(out)
-        proto.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, ["lora_slots", 16, "lora_rank"]))
+        proto.graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT,
+                                                                ["lora_slots", 16, "lora_rank"]))
         proto.graph.node.append(helper.make_node("Identity", [src], [out], name=f"keep_{out}"))
     if meta == "default":
         meta = json.dumps({"max_rank": 8, "modules": sorted(MODULES), "adapters": ["a"]})
@@ -316,6 +316,8 @@ def test_buffers_reports_adapter_inputs_apart_from_kv(exports):
         f"  max rank 8; bytes per adapter slot at rank 8: 52 KiB ({slot} bytes)",
         "  export proved with: a1, a2"]
     assert slot == 53248
+    r = CliRunner().invoke(main, ["buffers", str(exports["proved"].parent), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["lora"] == lora
     assert "lora" not in buffers_report(exports["base"]).to_json()
     assert "LoRA" not in buffers_report(exports["base"]).format_text()
 

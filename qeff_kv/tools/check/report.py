@@ -195,7 +195,7 @@ class CheckReport:
                     if self.sliding else "")
                  + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")
                  + (f", LoRA adapter inputs ({self.lora['adapted']} modules, max rank "
-                    f"{self.lora['max_rank'] if self.lora['max_rank'] is not None else 'unknown'})" if self.lora else "")
+                    f"{'unknown' if self.lora['max_rank'] is None else self.lora['max_rank']})" if self.lora else "")
                  + (f", {self.dialect or 'declared'} dialect ({self.update}; pairs from {self.source})"
                     if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else "")]
         for r in self.rules:
