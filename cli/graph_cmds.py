@@ -145,11 +145,18 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_wind
 @click.option("--speculative-tokens", type=DIM, default=None, metavar="K",
               help="Speculative-decoding graph (a num_logits_to_keep input): decode runs K+1 tokens; default: the "
                    "graph metadata qeff_kv.speculative_tokens.")
+@click.option("--lora-slots", type=DIM, default=None, metavar="N",
+              help="Graph with LoRA adapter inputs: adapter slots compiled (symbol lora_slots; slot 0 is the base); "
+                   "default: 1 + the adapters the export was proved with (1 + 1 when none).")
+@click.option("--lora-rank", type=DIM, default=None, metavar="R",
+              help="Graph with LoRA adapter inputs: the stacked adapters' rank (symbol lora_rank); default: the "
+                   "graph metadata's max_rank.")
 def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: int, batch_size: int,
                        full_batch_size: int | None, fmt: str, precision: str, ccl: str | None,
                        sliding_window: int | None, img_size: int | None, vision_size: int | None,
                        vision_batch_size: int, max_num_images: int | None, vision_precision: str | None,
-                       vision_model: str | None, speculative_tokens: int | None) -> None:
+                       vision_model: str | None, speculative_tokens: int | None, lora_slots: int | None,
+                       lora_rank: int | None) -> None:
     """Write the prefix-aware custom_io.yaml and specializations.json for an existing graph.
 
     For a vision-language graph the files carry the vision buffers and symbols too; for the dual layout's
@@ -161,7 +168,7 @@ def compile_config_cmd(model: str, out_dir: str, prefill_seq_len: int, ctx_len: 
         full_batch_size=full_batch_size, fmt=fmt, precision=precision, ccl=ccl,  # type: ignore[arg-type]
         sliding_window=sliding_window, img_size=img_size, vision_size=vision_size,
         vision_batch_size=vision_batch_size, max_num_images=max_num_images, vision_precision=vision_precision,
-        vision_model=vision_model, speculative_tokens=speculative_tokens)
+        vision_model=vision_model, speculative_tokens=speculative_tokens, lora_slots=lora_slots, lora_rank=lora_rank)
     for p in paths:
         click.echo(f"wrote {p}")
 

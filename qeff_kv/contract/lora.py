@@ -13,6 +13,7 @@ This module reads and checks that layout; the adapters themselves (PEFT folders)
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -20,6 +21,18 @@ import numpy as np
 
 from qeff_kv.contract import naming
 from qeff_kv.errors import ContractError
+
+
+#: what starts like an adapter input (``lora_ids``, ``lora_scales``, ``lora_A.``/``lora_B.``), whether or not it is one
+_LORA_LIKE_RE = re.compile(r"lora_(?:ids|scales|[AB]\.)")
+#: the float types an adapter's weights and scales may have (numpy spelling)
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def looks_like_lora(name: str) -> bool:
+    """Whether ``name`` starts like an adapter input (``lora_ids_VLLM``, ``lora_A.01.q``: ``check`` reports those
+    that :func:`~qeff_kv.contract.naming.is_lora_input` does not take)."""
+    return _LORA_LIKE_RE.match(name) is not None
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,8 @@ def _metadata(metadata: Mapping[str, str] | None) -> dict:
         meta = json.loads(raw)
     except ValueError:
         raise ContractError(f"graph metadata {naming.LORA_META} is not JSON") from None
+    if not isinstance(meta, dict):
+        raise ContractError(f"graph metadata {naming.LORA_META} is not a JSON object")
     rank = meta.get("max_rank")
     if rank is not None and (not isinstance(rank, int) or rank < 1):
         raise ContractError(f"graph metadata {naming.LORA_META}: max_rank must be a positive integer, not {rank!r}")

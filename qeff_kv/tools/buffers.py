@@ -6,7 +6,8 @@
   ``ctx_len`` and, for sliding-window ring buffers (axis 2 ``sliding_window``), at the window ``W`` taken from
   the graph metadata ``qeff_kv.sliding_window`` or given by the caller), the non-KV retained buffers, the
   canonical regexes for the graph's prefix and, with a regex, exactly which I/O
-  names it selects and whether that equals the KV set.
+  names it selects and whether that equals the KV set. A graph with LoRA adapter inputs gets them apart from the KV
+  (:mod:`qeff_kv.tools.lora_inputs`: modules, max rank, bytes per adapter slot at that rank).
 * :func:`resolve_graph`: the graph an export folder's manifest names (``compile-config``'s from-graph half is
   :mod:`qeff_kv.tools.compile_from_graph`).
 """
@@ -23,6 +24,7 @@ from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.compile_config import check_sliding_window, resolve_sliding_window
+from qeff_kv.tools.lora_inputs import lora_lines, lora_summary
 from qeff_kv.errors import ContractError, QeffKvError, RuntimeInputError
 from qeff_kv.contract.layout import NO_KV, KVLayout, KVPair, itemsize
 
@@ -210,6 +212,7 @@ def _notes(layout: KVLayout, sliding_window: int | None) -> list[str]:
         lines.append("non-KV retained buffers: none")
     if kind is not None:
         lines.append(f"{multimodal.describe_kind(kind)}")
+    lines += lora_lines(layout, human_bytes)
     return lines
 
 
@@ -319,6 +322,8 @@ class BuffersReport:
             # only on speculative-decoding / vision-language graphs: other graphs' key set stays as it was
             **({"speculative_tokens": lay.speculative_tokens} if lay.speculative else {}),
             **({"vision_language": kind} if (kind := multimodal.graph_kind(lay)) else {}),
+            # only on graphs with LoRA adapter inputs (not KV: listed apart from the pairs)
+            **({"lora": lora} if (lora := lora_summary(lay)) is not None else {}),
         }
 
     def to_json_text(self) -> str:

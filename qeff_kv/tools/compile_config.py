@@ -23,6 +23,10 @@ Vision-language graphs (contract section 6; :mod:`qeff_kv.contract.multimodal`):
 * the dual layout's vision graph gets ``custom_io_vision.yaml`` (``pixel_values`` in, ``vision_embeds`` out, at the
   model dtype) and ``specializations_vision.json``: one entry (``batch_size`` = ``vision_batch_size``,
   [``max_num_images``], ``img_size``), named ``Vision`` in the named format, as the peer names its vision program.
+
+A graph with LoRA adapter inputs (docs/lora.md) gets ``lora_slots`` and ``lora_rank`` in every specialization (its
+dynamic adapter axes; :mod:`qeff_kv.tools.lora_inputs`); ``custom_io.yaml`` lists the KV alone, never an adapter input.
+Other graphs' files are as they were.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from qeff_kv.errors import ContractError, RuntimeInputError
 from qeff_kv.contract.ccl import ccl_below_prefill
 from qeff_kv.contract.layout import KVLayout
 from qeff_kv.support.limits import positive_int
+from qeff_kv.tools.lora_inputs import lora_symbols
 
 SpecFormat = Literal["flat", "named"]
 CUSTOM_IO_FILE = "custom_io.yaml"
@@ -167,7 +172,8 @@ def resolve_speculative(layout: KVLayout, speculative_tokens=None) -> int | None
 def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                     full_batch_size: int | None = None, fmt: SpecFormat = "flat",
                     ccl: "Seq[int] | None" = None, sliding_window: int | None = None,
-                    vision_symbols: "dict[str, int] | None" = None, speculative_tokens: int | None = None) -> dict:
+                    vision_symbols: "dict[str, int] | None" = None, speculative_tokens: int | None = None,
+                    lora: "dict[str, int] | None" = None) -> dict:
     """Prefill (``seq_len`` = prefill length) and decode (``seq_len`` = 1) specializations.
 
     ``flat`` is the format every compiler release reads; ``named`` is the newer
@@ -187,6 +193,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
 
     With ``speculative_tokens`` ``K`` (a speculative-decoding graph, QEfficient's TLM): every entry carries
     ``num_logits_to_keep`` (1 for prefill) and decode runs ``seq_len = K+1`` with ``num_logits_to_keep = K+1``.
+
+    With ``lora`` (a graph with LoRA adapter inputs: ``lora_slots`` and ``lora_rank`` of its dynamic adapter axes,
+    :func:`qeff_kv.tools.lora_inputs.lora_symbols`): every entry carries them (before ``comp_ctx_lengths``).
     """
     _check_spec_arguments(prefill_seq_len, ctx_len, batch_size, full_batch_size, sliding_window, fmt)
     prefill, decode = _prefill_and_decode(prefill_seq_len, ctx_len, batch_size, full_batch_size)
@@ -203,6 +212,9 @@ def specializations(prefill_seq_len: int, ctx_len: int, *, batch_size: int = 1,
                                     f"positions does not fit ctx_len {ctx_len}")
         prefill = {**prefill, naming.LOGITS_TO_KEEP_INPUT: "1"}
         decode = {**decode, "seq_len": width, naming.LOGITS_TO_KEEP_INPUT: width}
+    if lora:
+        syms = {k: str(positive_int(k, v)) for k, v in lora.items()}
+        prefill, decode = {**prefill, **syms}, {**decode, **syms}
     entries = _ccl_entries(prefill, decode, ccl, prefill_seq_len) if ccl else [("Prefill", prefill), ("Decode", decode)]
     if fmt == "flat":
         return {"specializations": [sym for _, sym in entries]}
@@ -368,7 +380,8 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
                          sliding_window: int | None = None, vision: dict | None = None,
                          single_graph: bool | None = None, vision_graph: "KVLayout | str | Path | None" = None,
                          vision_batch_size: int = 1, max_num_images: int | None = None,
-                         vision_precision: str | None = None, speculative_tokens: int | None = None) -> list[Path]:
+                         vision_precision: str | None = None, speculative_tokens: int | None = None,
+                         lora_slots: int | None = None, lora_rank: int | None = None) -> list[Path]:
     """Write both files into ``out_dir`` atomically; return their paths.
 
     ``sliding_window``: the model's window ``W`` (default: the graph metadata ``qeff_kv.sliding_window``). It
@@ -383,6 +396,9 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     ``custom_io_vision.yaml`` and ``specializations_vision.json`` (returned after the other two).
     ``vision_precision``: the vision buffers' precision (default: the model dtype, their own dtype in the graph).
     ``speculative_tokens``: ``K`` of a speculative-decoding graph (default: its metadata; :func:`resolve_speculative`).
+    ``lora_slots``/``lora_rank``: a graph with LoRA adapter inputs has its dynamic ``lora_slots`` and ``lora_rank``
+    axes given values (default: 1 + the adapters its export was proved with, or 1 + 1; the metadata's max_rank:
+    :func:`qeff_kv.tools.lora_inputs.lora_symbols`); ``custom_io.yaml`` never lists the adapter inputs (not KV).
     """
     out_dir = Path(out_dir)
     check_precision(precision)
@@ -397,7 +413,8 @@ def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_l
     spec = specializations(prefill_seq_len, ctx_len, batch_size=batch_size,
                            full_batch_size=full_batch_size, fmt=fmt, ccl=ccl,
                            sliding_window=window if layout.has_sliding else None, vision_symbols=syms,
-                           speculative_tokens=resolve_speculative(layout, speculative_tokens))
+                           speculative_tokens=resolve_speculative(layout, speculative_tokens),
+                           lora=lora_symbols(layout, lora_slots, lora_rank))
     text = custom_io_yaml(layout, precision, vision_precision=vision_precision)
     files = [(out_dir / CUSTOM_IO_FILE, text), (out_dir / SPECIALIZATIONS_FILE, json.dumps(spec, indent=2) + "\n")]
     if vis is not None:

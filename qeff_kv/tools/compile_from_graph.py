@@ -19,6 +19,7 @@ from qeff_kv.graph import graphio
 from qeff_kv.support import validate
 from qeff_kv.tools.compile_config import (SpecFormat, check_precision, check_sliding_window, check_vision_precision,
                                           resolve_sliding_window, specializations, write_compile_config)
+from qeff_kv.tools.lora_inputs import check_lora_settings
 
 
 def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -29,7 +30,8 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                                    vision_size: int | None = None, vision_batch_size: int = 1,
                                    max_num_images: int | None = None, vision_precision: str | None = None,
                                    vision_model: str | os.PathLike | None = None,
-                                   speculative_tokens: int | None = None) -> list[Path]:
+                                   speculative_tokens: int | None = None, lora_slots: int | None = None,
+                                   lora_rank: int | None = None) -> list[Path]:
     """``custom_io.yaml`` and ``specializations.json`` for the graph at ``path``, named after its own prefix.
 
     A continuous-batching graph (KV batch axis ``full_batch_size``) needs ``full_batch_size``; a graph
@@ -46,7 +48,9 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     and ``specializations_vision.json``. A vision encoder graph given as ``path`` is refused (give the language
     graph, and this one as ``vision_model``); a text graph refuses the vision settings. A speculative-decoding
     graph (a ``num_logits_to_keep`` input) takes ``speculative_tokens`` ``K`` (default: its metadata): its decode
-    specialization runs ``K+1`` tokens.
+    specialization runs ``K+1`` tokens. A graph with LoRA adapter inputs takes ``lora_slots`` (default: 1 + the
+    adapters its export was proved with, or 1 + 1) and ``lora_rank`` (default: its metadata's max_rank); a graph
+    without them refuses both.
     """
     # Arguments first (nothing read yet), then the graph: compile files are written only for a graph that
     # passes every check rule.
@@ -55,6 +59,7 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
     _check_paths_and_precisions(path, out_dir, vision_model, precision, vision_precision, vision_args)
     ccl = parse_ccl(ccl, ctx_len, prefill_seq_len=prefill_seq_len if isinstance(prefill_seq_len, int) else None)
     check_sliding_window(sliding_window)
+    check_lora_settings(lora_slots, lora_rank)
     specializations(prefill_seq_len, ctx_len, batch_size=batch_size, full_batch_size=full_batch_size, fmt=fmt,
                     ccl=ccl, sliding_window=sliding_window)
     layout = _checked_layout(path)
@@ -67,7 +72,7 @@ def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.Pa
                                 precision=precision, ccl=ccl, sliding_window=sliding_window, vision=vision,
                                 vision_graph=vision_model, vision_batch_size=vision_batch_size,
                                 max_num_images=max_num_images, vision_precision=vision_precision,
-                                speculative_tokens=speculative_tokens)
+                                speculative_tokens=speculative_tokens, lora_slots=lora_slots, lora_rank=lora_rank)
 
 
 def _check_paths_and_precisions(path, out_dir, vision_model, precision, vision_precision, vision_args: dict) -> None:

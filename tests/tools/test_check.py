@@ -21,7 +21,7 @@ from qeff_kv_cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 RULE_IDS = ["kv-present", "pairing", "pair-match", "layers", "prefix", "regex-exact", "regex-substring",
-            "non-kv-unprefixed", "inplace", "sidecar", "onnx-checker"]
+            "non-kv-unprefixed", "inplace", "sidecar", "lora", "onnx-checker"]
 
 
 def _check(tmp_path: Path, proto: onnx.ModelProto, **kw) -> qcheck.CheckReport:
@@ -43,7 +43,8 @@ def test_graphs_pass(any_graph):
     report = qcheck.check(any_graph, expected_prefix=prefix)
     assert report.ok, report.format_text()
     # the graphs sit in a shared folder without sidecars: that rule alone is skipped
-    assert [(r.id, r.status) for r in report.rules] == [(i, "skip" if i == "sidecar" else "pass") for i in RULE_IDS]
+    assert [(r.id, r.status) for r in report.rules] == [(i, "skip" if i in ("sidecar", "lora") else "pass")
+                                                       for i in RULE_IDS]
     assert report.num_layers == 2 and report.prefix == prefix
     assert_retained_state_graph(any_graph, prefix=prefix, num_layers=2)
     if prefix:
@@ -69,7 +70,7 @@ def test_json_report_is_stable(graphs):
                        "failed", "rules"]
     assert j["schema"] == "qeff-kv.check/1" and j["ok"] is True and j["prefix"] == "VLLM"
     assert j["expected_prefix"] == {"prefix": "VLLM"} and j["num_layers"] == 2
-    assert j["summary"] == {"pass": 10, "fail": 0, "skip": 1} and j["failed"] == []
+    assert j["summary"] == {"pass": 10, "fail": 0, "skip": 2} and j["failed"] == []
     assert [r["id"] for r in j["rules"]] == RULE_IDS
     assert all(list(r) == ["id", "description", "status", "note", "violations"] for r in j["rules"])
     # Deterministic: the same file gives byte-identical JSON.
@@ -296,10 +297,10 @@ def test_cli_exit_codes(graphs, tmp_path):
     runner = CliRunner()
     ok = runner.invoke(main, ["check", str(graphs / "qeff_llama_vllm.onnx"), "--kv-cache-prefix", "VLLM"])
     assert ok.exit_code == 0
-    assert ok.output.splitlines()[-1] == "OK: 10 passed, 0 failed, 1 skipped"
+    assert ok.output.splitlines()[-1] == "OK: 10 passed, 0 failed, 2 skipped"
     bad = runner.invoke(main, ["check", str(graphs / "qeff_llama_vllm.onnx"), "--no-kv-cache-prefix"])
     assert bad.exit_code == 1
-    assert bad.output.splitlines()[-1] == "FAILED (prefix): 9 passed, 1 failed, 1 skipped"
+    assert bad.output.splitlines()[-1] == "FAILED (prefix): 9 passed, 1 failed, 2 skipped"
     assert "  FAIL  prefix" in bad.output
     assert "- [prefix past_key.0_VLLM] KV buffers carry prefix 'VLLM' but (none) is expected" in bad.output
     garbage = tmp_path / "g.onnx"

@@ -27,7 +27,7 @@ from qeff_kv.tools.rewrite import rewrite
 from qeff_kv_cli.main import main
 
 RULE_IDS = ["kv-present", "pairing", "pair-match", "layers", "prefix", "regex-exact", "regex-substring",
-            "non-kv-unprefixed", "inplace", "sidecar", "onnx-checker"]
+            "non-kv-unprefixed", "inplace", "sidecar", "lora", "onnx-checker"]
 CTX, CHUNK = 48, 4
 
 
@@ -182,7 +182,7 @@ def test_check_our_exports(exports, single):
     assert report.ok, report.format_text()
     j = report.to_json()
     assert j["vision_language"] == ("single" if single else "dual")
-    assert j["summary"] == {"pass": 10, "fail": 0, "skip": 1}   # sidecar: none beside a vision-language export
+    assert j["summary"] == {"pass": 10, "fail": 0, "skip": 2}   # sidecar: none beside; lora: no adapters
     assert [r["id"] for r in j["rules"]] == RULE_IDS
     if not single:
         v = qcheck.check(res.out_dir / res.manifest["vision_onnx"], expected_prefix="VLLM")
@@ -190,7 +190,7 @@ def test_check_our_exports(exports, single):
         assert [(r.id, r.status) for r in v.rules] == [
             ("kv-present", "skip"), ("pairing", "pass"), ("pair-match", "pass"), ("layers", "skip"),
             ("prefix", "skip"), ("regex-exact", "skip"), ("regex-substring", "skip"), ("non-kv-unprefixed", "pass"),
-            ("inplace", "skip"), ("sidecar", "skip"), ("onnx-checker", "pass")]
+            ("inplace", "skip"), ("sidecar", "skip"), ("lora", "skip"), ("onnx-checker", "pass")]
         # the command line: both graphs of the folder, with the prefix
         r = CliRunner().invoke(main, ["check", str(res.onnx_path), str(res.out_dir / res.manifest["vision_onnx"]),
                                       "--kv-cache-prefix", "VLLM"])

@@ -14,6 +14,9 @@ KV buffer, no rule is about it, and the report says the graph has it (``"comp_ct
 of the JSON, present only then).
 A rule that attention is really limited by its length may come later.
 
+A graph with LoRA adapter inputs (docs/lora.md) adds ``"lora"`` (the adapted modules, ``max_rank``, dtype, the adapters
+the export was proved with) at the end of the JSON when rule ``lora`` reads the set; other graphs' JSON is unchanged.
+
 So is ``num_logits_to_keep`` (a speculative-decoding graph, QEfficient's "target language model"): the report
 says so (``"num_logits_to_keep": {"speculative_tokens": K}`` at the end of the JSON, ``K`` from the graph
 metadata or ``null``; present only then).
@@ -44,6 +47,8 @@ RULES: dict[str, str] = {
     "inplace": "each KV input is updated in place into its retained output; every other reader runs before the update",
     "sidecar": "an inference_metadata.yaml or genai_config.json beside the graph names only its ports, pairs them as "
                "the graph does (layers in numeric order) and names every KV pair",
+    "lora": "the LoRA adapter inputs form one set (lora_ids, lora_scales, lora_A/lora_B pairs, one slots and one rank "
+            "axis, one float type), never prefixed, retained or selected as KV",
     "onnx-checker": "onnx.checker.check_model passes",
 }
 
@@ -119,6 +124,9 @@ class CheckReport:
     dialect: str | None = None
     update: str | None = None
     source: str = "names"
+    #: the graph's LoRA adapter inputs (:meth:`qeff_kv.contract.lora.LoraGeometry.to_json`; ``None``: none, or a
+    #: malformed set, which rule ``lora`` fails)
+    lora: dict | None = None
 
     @property
     def sliding(self) -> bool:
@@ -166,6 +174,7 @@ class CheckReport:
             **({"sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
                if self.sliding else {}),
             **({"vision_language": self.vision_language} if self.vision_language else {}),
+            **({"lora": self.lora} if self.lora is not None else {}),
             # only on graphs of another dialect (or pairs a sidecar names): our own graphs' key set stays as it was
             **({"dialect": self.dialect, "update": self.update, "source": self.source}
                if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else {}),
@@ -185,6 +194,8 @@ class CheckReport:
                     f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
                     if self.sliding else "")
                  + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")
+                 + (f", LoRA adapter inputs ({self.lora['adapted']} modules, max rank "
+                    f"{'unknown' if self.lora['max_rank'] is None else self.lora['max_rank']})" if self.lora else "")
                  + (f", {self.dialect or 'declared'} dialect ({self.update}; pairs from {self.source})"
                     if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else "")]
         for r in self.rules:

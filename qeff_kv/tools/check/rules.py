@@ -42,6 +42,8 @@ Rules, in order:
                       (a list sorted as strings, ``key_cache.10`` before ``key_cache.2``, mis-pairs every layer past
                       9: refused), and names every KV pair of the graph (so its prefix is the graph's). ``skip``
                       without a sidecar (:mod:`qeff_kv.graph.sidecars`).
+``lora``              the LoRA adapter inputs (docs/lora.md) form one well-formed set and are never prefixed, retained
+                      or selected as KV (:mod:`qeff_kv.tools.check.lora_rule`); ``skip`` without adapter inputs.
 ``onnx-checker``      ``onnx.checker.check_model`` passes (graph proto only: external weights never loaded).
 
 Reading the file can fail (missing, not ONNX, truncated, unsafe external data): that raises a typed error
@@ -62,8 +64,9 @@ from qeff_kv.graph import graphio, sidecars
 from qeff_kv.contract import multimodal, naming
 from qeff_kv.support import validate
 from qeff_kv.tools.check import state_rules as state_rules
+from qeff_kv.tools.check.lora_rule import rule_lora
 from qeff_kv.tools.check.report import ANY, FAIL, PASS, RULES, CheckReport, RuleResult, fmt_ints, fmt_prefix
-from qeff_kv.errors import GraphReadError
+from qeff_kv.errors import ContractError, GraphReadError
 from qeff_kv.graph.inplace import inplace_issues
 from qeff_kv.contract.layout import NO_KV, KVLayout
 
@@ -377,6 +380,7 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     _rule_non_kv(layout, results["non-kv-unprefixed"])
     _rule_inplace(model, layout, results["inplace"])
     _rule_sidecar(model, layout, results["sidecar"])
+    rule_lora(layout, results["lora"])
     results["onnx-checker"].skip("in-memory model (no file to check)")
     prefixes = layout.prefixes
     return CheckReport(
@@ -386,4 +390,12 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         speculative_tokens=layout.speculative_tokens, sliding_layers=layout.sliding_layers,
         sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
         vision_language=multimodal.graph_kind(layout), dialect=layout.dialect, update=layout.update,
-        source=layout.source)
+        source=layout.source, lora=_lora_json(layout))
+
+
+def _lora_json(layout: KVLayout) -> dict | None:
+    try:
+        geo = layout.lora
+    except ContractError:   # rule lora says why
+        return None
+    return None if geo is None else geo.to_json()

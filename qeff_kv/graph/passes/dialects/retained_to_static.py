@@ -80,6 +80,10 @@ def _graph_refusal(model: ir.Model) -> str | None:
         return "a vision-language graph (image rows) has no static-cache form"
     if meta.get(naming.CONTINUOUS_BATCHING_META) == "true":
         return "continuous batching (batch_index picks the cache row) has no static-cache form"
+    lora = [v.name for v in model.graph.inputs if naming.is_lora_input(v.name)]
+    if lora:
+        return (f"the LoRA adapter inputs ({', '.join(lora[:3])}{', ...' if len(lora) > 3 else ''}: {len(lora)}) have "
+                f"no static-cache form and would be dropped; {naming.RETAINED_STATE} and shared-past-present keep them")
     known = {naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT}
     extra = [v.name for v in model.graph.inputs if v.name not in known and naming.parse_any_kv_name(v.name) is None]
     if extra:
