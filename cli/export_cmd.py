@@ -97,7 +97,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "the graph takes any adapter up to this rank at run time.")
 @click.option("--lora-targets",
               help="With --max-lora-rank alone: the module names adapted, comma-separated (default: q_proj, k_proj, "
-                   "v_proj, o_proj, gate_proj, up_proj, down_proj).")
+                   "v_proj, o_proj, gate_proj, up_proj, down_proj, and Phi-3's fused qkv_proj, gate_up_proj).")
 @click.option("--verify/--no-verify", "verify", default=None,
               help="Run the written graph in onnxruntime on a probe prompt and compare logits and greedy tokens "
                    "with the PyTorch model before calling the export done. Default: on when a second copy of the "
