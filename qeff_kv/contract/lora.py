@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -33,6 +34,18 @@ def looks_like_lora(name: str) -> bool:
     """Whether ``name`` starts like an adapter input (``lora_ids_VLLM``, ``lora_A.01.q``: ``check`` reports those
     that :func:`~qeff_kv.contract.naming.is_lora_input` does not take)."""
     return _LORA_LIKE_RE.match(name) is not None
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def adapter_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name an adapter (``None``: it can): 1-64 letters, digits, ``.``, ``_`` or ``-``, starting
+    with a letter or digit (the export's and ``generate``'s ``--lora``; a served adapter's name is a model id, with
+    the server's own rule: :mod:`qeff_kv.serve.engine.lora`)."""
+    if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
+        return None
+    return f"adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 @dataclass(frozen=True)

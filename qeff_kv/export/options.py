@@ -17,6 +17,7 @@ import numpy as np
 
 from qeff_kv.contract import ccl as ccl_values
 from qeff_kv.contract import naming
+from qeff_kv.contract.lora import adapter_name_problem
 from qeff_kv.support import validate
 from qeff_kv.errors import ExportError
 from qeff_kv.support.limits import positive_int
@@ -245,9 +246,6 @@ def options_of(options: ExportOptions | None, given: dict, caller: str = "export
     return replace(options, **given) if given else options
 
 
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
 def lora_pairs(value) -> tuple[tuple[str, str], ...] | None:
     """``--lora`` as ``((name, folder), ...)``: from ``"name=DIR"`` strings or pairs; names are 1-64 characters of
     letters, digits, ``.``, ``_``, ``-`` and unique (one line each otherwise)."""
@@ -265,9 +263,8 @@ def lora_pairs(value) -> tuple[tuple[str, str], ...] | None:
             name, folder = item
         else:
             raise ExportError(f"--lora takes name=PEFT_DIR, got {item!r}")
-        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
-            raise ExportError(f"adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                              "or digit")
+        if adapter_name_problem(name) is not None:
+            raise ExportError(adapter_name_problem(name))
         pairs.append((name, os.fspath(folder)))
     names = [n for n, _ in pairs]
     dup = next((n for n in names if names.count(n) > 1), None)

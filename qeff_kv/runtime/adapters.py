@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 
+from qeff_kv.contract.lora import adapter_name_problem
 from qeff_kv.errors import AdapterError, StateAdapterError
 from qeff_kv.runtime.memory.hybrid import describe_adapter as describe
 
@@ -69,12 +69,9 @@ class SessionAdapters:
         """Run ``seq`` with adapter ``name`` (``None``: the base) at ``scale``; only before its first token, since
         what its cache holds was computed with its adapter."""
         seq = self.session.cache.get(seq)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise AdapterError(f"a LoRA scale must be a finite number, got {scale!r}")
+        check_scale(name, scale)
         if name is not None:
             self.feeds.require(name)
-        elif scale != 1.0:
-            raise AdapterError(f"lora_scale {scale!r} goes with an adapter; give adapter=NAME")
         if seq.length and (name, float(scale)) != (seq.adapter, seq.lora_scale):
             raise AdapterError(f"sequence {seq.id} holds {seq.length} positions computed with "
                                f"{describe(seq.adapter, seq.lora_scale)}; it cannot switch to {describe(name, scale)}")
@@ -83,9 +80,8 @@ class SessionAdapters:
     def new_sequence(self, name: str | None, scale: float = 1.0):
         """A new empty sequence running with adapter ``name`` (:meth:`use`; ``None``: the base model, where a scale
         has nothing to scale); nothing is left behind on a refusal."""
+        check_scale(name, scale)
         if name is None:
-            if scale != 1.0:   # refused as use() refuses it
-                raise AdapterError(f"lora_scale {scale!r} goes with an adapter; give adapter=NAME")
             return self.session.cache.create()
         self.feeds.require(name)
         seq = self.session.cache.create()
@@ -128,6 +124,14 @@ class SessionAdapters:
         return {n: adapters_mod.summary(a) for n, a in self.feeds.adapters.items()}
 
 
+def check_scale(name: str | None, scale) -> None:
+    """A LoRA scale is a finite number, and goes with an adapter (the base model has nothing to scale)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise AdapterError(f"a LoRA scale must be a finite number, got {scale!r}")
+    if name is None and scale != 1.0:
+        raise AdapterError(f"lora_scale {scale!r} goes with an adapter; give adapter=NAME")
+
+
 def adapter_option(text: str) -> tuple[str, str]:
     """``--lora [NAME=]PEFT_DIR`` as ``(name, folder)``: an existing folder as given is the folder (named as it is
     called), else ``NAME=PEFT_DIR``; one line otherwise."""
@@ -139,7 +143,6 @@ def adapter_option(text: str) -> tuple[str, str]:
     name, sep, folder = text.partition("=")
     if not sep or not folder:
         raise AdapterError(f"--lora {text}: no such adapter folder (give PEFT_DIR or NAME=PEFT_DIR)")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
-        raise AdapterError(f"--lora {text}: adapter name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting "
-                           "with a letter or digit")
+    if adapter_name_problem(name) is not None:
+        raise AdapterError(f"--lora {text}: {adapter_name_problem(name)}")
     return name, folder
