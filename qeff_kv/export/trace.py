@@ -63,7 +63,8 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
         vision = vlm_mod.language_inputs(io, vision, facts, options, next(model.parameters()).dtype)
     io.args += kv
     _trailing_inputs(options, io)
-    routing = _lora_inputs(model, options, next(model.parameters()).dtype, io)
+    plan = LoraPlan.of(options)   # the adapters read once for the trace
+    routing = _lora_inputs(model, plan, next(model.parameters()).dtype, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
     wrapper.lora = routing
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
@@ -84,7 +85,6 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     if facts.recurrent is not None:
         geometry["recurrent"] = recurrent_mod.geometry(facts.recurrent)
     if routing is not None:
-        plan = LoraPlan.of(options)
         geometry["lora"] = {"max_rank": plan.max_rank, "modules": sorted({a.module for a in routing.adapted}),
                             "adapters": list(plan.names)}
     return geometry
@@ -162,10 +162,9 @@ def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:
         io.dyn[naming.HIDDEN_STATES_OUTPUT] = dict(io.dyn["logits"])
 
 
-def _lora_inputs(model, options: opt.ExportOptions, dtype, io: GraphIO) -> lora_mod.Routing | None:
+def _lora_inputs(model, plan: LoraPlan | None, dtype, io: GraphIO) -> lora_mod.Routing | None:
     """The adapter inputs, last (:mod:`qeff_kv.contract.lora`): ``lora_ids``, ``lora_scales``, then each adapted
     module's A and B stacks; the routing that adds their delta while tracing. ``None`` without adapters."""
-    plan = LoraPlan.of(options)
     if plan is None:
         return None
     adapted = lora_mod.find_modules(model, hf.decoder(model), plan.modules, plan.targets)
