@@ -222,18 +222,21 @@ def family_exports(family_models, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("family_exports")
     cache: dict = {}
+    notes: dict = {}   # (name, target) -> the export's progress lines
 
     def get(name: str, target: str):
         key = (name, target)
         if key not in cache:
+            notes[key] = []
             try:
                 cache[key] = export_model(family_models(name), root / f"{name}-{target}", ctx_len=CTX,
-                                          prefill_seq_len=CHUNK, target=target)
+                                          prefill_seq_len=CHUNK, target=target, progress=notes[key].append)
             except Exception as exc:  # noqa: BLE001
                 cache[key] = exc
         return cache[key]
 
     get.root = root
+    get.notes = notes
     return get
 
 

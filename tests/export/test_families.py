@@ -2,9 +2,9 @@
 
 For each (family, target) cell of ``families.EXPECT``:
 
-* ``exact``: the export (verified at export against PyTorch) gives transformers' greedy tokens on two prompts
-  unlike the tracing input, its logits after the first prefill chunk are within tolerance of transformers',
-  and ``qeff-kv check`` passes every rule (in-place safety included);
+* ``exact``: the export (streamed from the checkpoint, verified at export against PyTorch) gives transformers'
+  greedy tokens on two prompts unlike the tracing input, its logits after the first prefill chunk are within
+  tolerance of transformers', and ``qeff-kv check`` passes every rule (in-place safety included);
 * ``refused: MSG``: export raises an :class:`ExportError` whose one-line message starts with ``MSG``, before
   anything is written.
 
@@ -43,6 +43,9 @@ def test_family_cell(name, target, family_exports, family_refs):
     if isinstance(result, BaseException):
         raise result
     assert result.manifest["verification"]["status"] == "passed"
+    notes = family_exports.notes[(name, target)]   # streamed from the checkpoint: no family loads whole (issue 51)
+    assert any("without its weights (they stream from the checkpoint" in n for n in notes), notes
+    assert not any("loading the whole model" in n for n in notes), notes
     refs = family_refs(name)
     got = [PlainLoop(result.onnx_path, CTX).greedy(p, NEW, CHUNK) for p in PROMPTS]
     assert got == refs

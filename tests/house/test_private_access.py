@@ -27,10 +27,10 @@ PKG = Path(__file__).resolve().parents[2] / "qeff_kv"
 
 #: other libraries' private names the package uses on purpose, and the modules that use them (only there)
 THIRD_PARTY = {
-    "_C": ("export/modeling/graph_ops.py", "export/weights/stream.py"),   # torch's C extension: Graph, JIT passes
-    "_jit_pass_onnx_constant_fold": ("export/weights/stream.py",),          # torch's JIT pass
-    "_jit_pass_onnx_graph_shape_type_inference": ("export/weights/stream.py",),   # torch's JIT pass
-    "_model_to_graph": ("export/weights/stream.py",),                       # torch.onnx.utils
+    "_C": ("export/modeling/graph_ops.py", "export/weights/stand_ins.py"),   # torch's C extension: Graph, JIT passes
+    "_jit_pass_onnx_constant_fold": ("export/weights/stand_ins.py",),          # torch's JIT pass
+    "_jit_pass_onnx_graph_shape_type_inference": ("export/weights/stand_ins.py",),   # torch's JIT pass
+    "_model_to_graph": ("export/weights/stand_ins.py",),                       # torch.onnx.utils
     "_parameters": ("export/weights/stream.py",),                           # torch.nn.Module's parameter table
     "_get_const": ("export/modeling/graph_ops.py",),                        # torch.onnx.symbolic_helper
     "_is_none": ("export/modeling/graph_ops.py",),

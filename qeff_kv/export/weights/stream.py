@@ -9,10 +9,10 @@ the graph is written (issue 39).
 * :func:`tag`: each stand-in's storage is filled with a number naming the *class* of its checkpoint tensor
   (equal bytes, dtype and shape: one class), so that the TorchScript exporter's deduplication of equal
   initializers merges exactly what it merges when the weights are real.
-* :func:`capture`: ``torch.onnx.export(export_params=False)`` with the exporter's constant-folded parameter
-  table recorded; each folded tensor is traced back to its stand-in by storage (a view: the same parameter, maybe
-  permuted) or is a real buffer. Anything else (a folded arithmetic on a weight) is refused: the caller falls
-  back to the whole-model path rather than write a wrong weight.
+* capture (:func:`.stand_ins.recorded_parameters`): ``torch.onnx.export(export_params=False)`` with the
+  exporter's constant-folded parameter table recorded; each folded tensor is traced back to its stand-in by storage
+  (a view: the same parameter, maybe permuted) or is a real buffer. Arithmetic on a weight is not folded (it stays
+  in the graph), and a folded tensor that depends on a stand-in refuses the capture (:mod:`.stand_ins`).
 * :func:`attach_weights`: the raw graph's parameter inputs become initializers, each an ``onnx_ir.LazyTensor``
   that reads its checkpoint tensor (converted to the export dtype, permuted) only when the graph is saved.
 * :func:`streamed_weights`: module hooks that load a module's own parameters from the checkpoint just before its
@@ -29,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from qeff_kv.errors import ExportError
+from qeff_kv.export.weights.stand_ins import is_stand_in, recorded_parameters, reference_reads  # noqa: F401
 
 
 class StreamRefused(Exception):
@@ -117,10 +118,6 @@ def plan(model, store) -> Plan:
     return out
 
 
-def is_stand_in(t, the_plan: Plan) -> bool:
-    return t.numel() > 0 and t.untyped_storage().data_ptr() in the_plan.keys
-
-
 def tag(model, the_plan: Plan, classes: dict[str, int]) -> None:
     """Fill each stand-in with the number of its checkpoint tensor's class (``classes``: key -> class)."""
     import torch
@@ -136,73 +133,6 @@ def tag(model, the_plan: Plan, classes: dict[str, int]) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- capture
-def _negate(the_plan: Plan) -> None:
-    """Every stand-in's storage negated in place (twice: as before)."""
-    for p in the_plan.params:
-        p.data.as_strided((p.untyped_storage().nbytes() // p.element_size(),), (1,), 0).neg_()
-
-
-@contextlib.contextmanager
-def recorded_parameters(the_plan: Plan):
-    """While inside, the TorchScript exporter's constant-folded parameter table (name -> tensor) of the last
-    export is kept in the yielded dict under ``"params"``, and under ``"derived"`` the names of folded tensors
-    computed from a stand-in's values (not a view of it): the constant folding runs a second time on a copy of
-    the graph with every stand-in negated, and a folded tensor that changes with them was computed from them."""
-    import torch
-    from torch.onnx._internal.torchscript_exporter import utils as ts_utils
-
-    original = ts_utils._model_to_graph
-    fold = torch._C._jit_pass_onnx_constant_fold
-    infer = torch._C._jit_pass_onnx_graph_shape_type_inference
-    box: dict = {"derived": []}
-
-    def shapes_without_stand_ins(graph, params, opset):
-        """ONNX shape inference never reads a weight's values, yet torch serializes every tensor it is given
-        (an expanded stand-in as a whole contiguous copy: 7.6 GB at the 8B shape, after which the pass failed and
-        torch ignored the failure); the stand-ins are left out (their shapes are on the graph's values already)."""
-        return infer(graph, {k: v for k, v in params.items() if not is_stand_in(v, the_plan)}, opset)
-
-    def recorded(*args, **kwargs):
-        graph, params, out = original(*args, **kwargs)
-        box["params"] = dict(params)
-        return graph, params, out
-
-    def checked_fold(graph, params, opset):
-        copy = graph.copy()
-        folded = fold(graph, params, opset)
-        _negate(the_plan)
-        try:
-            other = fold(copy, dict(params), opset)
-        finally:
-            _negate(the_plan)
-        box["derived"] += [name for name, t in folded.items()
-                           if not is_stand_in(t, the_plan) and name in other
-                           and (other[name].shape != t.shape or not torch.equal(other[name], t))]
-        return folded
-
-    linear = torch.nn.functional.linear
-
-    def linear_on_a_copy(x, weight, bias=None):
-        """A half-precision stand-in multiplied as a contiguous copy: torch's CPU kernel for an expanded float16
-        weight is ~90x slower than for a contiguous one (14.4 s against 0.16 s for one 14336x4096 MLP weight and
-        32 tokens: an hour of tracing at 8B); ``contiguous`` leaves no node in the ONNX graph."""
-        if weight.dtype in (torch.float16, torch.bfloat16) and is_stand_in(weight, the_plan):
-            weight = weight.contiguous()
-        return linear(x, weight, bias)
-
-    ts_utils._model_to_graph = recorded
-    torch._C._jit_pass_onnx_constant_fold = checked_fold
-    torch._C._jit_pass_onnx_graph_shape_type_inference = shapes_without_stand_ins
-    torch.nn.functional.linear = linear_on_a_copy
-    try:
-        yield box
-    finally:
-        ts_utils._model_to_graph = original
-        torch._C._jit_pass_onnx_constant_fold = fold
-        torch._C._jit_pass_onnx_graph_shape_type_inference = infer
-        torch.nn.functional.linear = linear
-
-
 def _permutation(t, shape: tuple) -> tuple | None:
     """The axes of the stand-in of ``shape`` that ``t`` (a view of it) shows, in order; refuses another view."""
     import torch
@@ -273,7 +203,8 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
 def streamed_weights(model, the_plan: Plan, store, transform=None):
     """While inside, each module with parameters of its own reads them from the checkpoint right before its
     forward and drops them right after (the stand-ins come back): the model runs with one module's weights in
-    memory at a time. ``transform(key, array)``: what the module computes with instead of the checkpoint's
+    memory at a time; a weight read outside its module's forward is read for that operation
+    (:func:`.stand_ins.reference_reads`). ``transform(key, array)``: what the module computes with instead of the checkpoint's
     array (:func:`dequantizing`: the weights a quantized graph holds)."""
     import torch
 
@@ -281,16 +212,17 @@ def streamed_weights(model, the_plan: Plan, store, transform=None):
     stand_ins: dict[int, dict] = {}   # id(module) -> its stand-ins while its forward runs
     tick = _pass_ticker(the_plan)
 
+    def weight(p):
+        key = the_plan.key_of(p)
+        arr = store.array(key, p.dtype)
+        return torch.from_numpy(arr if transform is None else transform(key, arr))
+
     def before(module, _args):
         stand_ins[id(module)] = dict(module._parameters)
         for name, p in stand_ins[id(module)].items():
-            key = the_plan.key_of(p) if p is not None else None
-            if key is not None:
+            if p is not None and the_plan.key_of(p) is not None:
                 tick(p.numel() * p.element_size())
-                arr = store.array(key, p.dtype)
-                if transform is not None:
-                    arr = transform(key, arr)
-                module._parameters[name] = torch.nn.Parameter(torch.from_numpy(arr), requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(weight(p), requires_grad=False)
 
     def after(module, _args, _out):
         module._parameters.update(stand_ins.pop(id(module)))
@@ -300,7 +232,8 @@ def streamed_weights(model, the_plan: Plan, store, transform=None):
             handles.append(module.register_forward_pre_hook(before))
             handles.append(module.register_forward_hook(after))
     try:
-        yield model
+        with reference_reads(the_plan, weight):   # a weight read outside its module's forward
+            yield model
     finally:
         for h in handles:
             h.remove()
@@ -365,15 +298,6 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
 # ------------------------------------------------------------------------------------------- the load stage
 #: ``QEFF_KV_EXPORT_STREAM=0`` exports with the whole model loaded, as before streaming (for comparisons).
 STREAM_ENV = "QEFF_KV_EXPORT_STREAM"
-#: ``model_type`` -> why its streamed graph is not the model's (found by the family matrix: the streamed graph failed
-#: verification where the whole-model graph passes): these load whole, said in one line
-NOT_STREAMED = {
-    "diffllama": "its streamed graph's logits are not finite (differential attention's lambdas)",
-    "jetmoe": "its streamed graph differs from the model (mixture of attention heads and experts)",
-    "lfm2": "its streamed graph differs from the model (short-convolution mixer)",
-}
-
-
 @dataclass
 class Streamed:
     """A skeleton model, its checkpoint and the plan between them (see the module docstring)."""
@@ -396,11 +320,7 @@ class Streamed:
         return recorded_parameters(self.plan)
 
     def attach(self, ir_model: ir.Model, recorded: dict) -> int:
-        """The captured graph's parameters as initializers (lazy where they come from the checkpoint); refuses
-        (:class:`StreamRefused`) a graph holding a weight folded by arithmetic (Gemma's ``1 + weight``)."""
-        if recorded["derived"]:
-            raise StreamRefused(f"the exporter folds arithmetic on weights ({recorded['derived'][0]} and "
-                                f"{len(recorded['derived']) - 1} more)")
+        """The captured graph's parameters as initializers (lazy where they come from the checkpoint)."""
         return attach_weights(ir_model, lineage(recorded["params"], self.plan), self.store, self.plan.dtype)
 
 
@@ -417,10 +337,6 @@ def open_streamed(source, options, say) -> Streamed | None:
 
     if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
-        return None
-    why_not = NOT_STREAMED.get(str(source.config().get("model_type")))
-    if why_not is not None:
-        say(f"streaming is not possible ({source.config().get('model_type')}: {why_not}): loading the whole model")
         return None
     torch, _transformers = hf.import_transformers()   # the one-line refusal without the export extra
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]

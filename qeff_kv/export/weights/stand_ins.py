@@ -1,0 +1,227 @@
+"""The stand-ins' guards: nothing a streamed export writes or compares with may carry a stand-in's value (issue 51).
+
+A streamed export (:mod:`.stream`) traces a skeleton whose parameters are *stand-ins*: tensors of the right shape over
+one element per row, filled with a number naming their class. A stand-in's value is never a weight's; three
+channels could carry it into a result, each closed here:
+
+* **Constant folding** (:func:`recorded_parameters`). The TorchScript exporter folds nodes whose inputs are all
+  constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``) is the same storage, written from
+  the checkpoint with its permutation; any other fold (Gemma's ``1 + w``, DiffLlama's ``exp(sum(lq * lk))``, a cast)
+  would compute with the stand-in's value. So a stand-in read by any node but ``Transpose`` is not offered to the
+  folding at all: its arithmetic stays in the graph as nodes over the weight's initializer (onnxruntime folds them
+  when the session loads, from the real weight). Then the **guard**: the folding runs once more on a copy of the
+  graph with no stand-in offered; a folded tensor of the first run that is neither a (view of a) stand-in nor folded
+  identically without any stand-in depends on one, and the capture is refused (:class:`StandInValue`), whatever the
+  verification would say (``--no-verify`` cannot write it). It is structural: the negation test it replaces missed
+  ``lq * lk`` (unchanged when both change sign) and any fold that overflows either way.
+* **Python reads while tracing** (:func:`traced_reads`): ``.item()``, ``bool()``, ``.tolist()``... of a stand-in
+  bake its value into the traced graph: refused.
+* **The streamed reference** (:func:`reference_reads`): :func:`.stream.streamed_weights` gives a module its weights
+  for its own forward; a model that reads a child's weight from the parent's forward (LFM2's short convolution reads
+  ``conv.weight`` in its decode step, JetMoe's attention experts are called through ``map``/``reduce``, not
+  ``forward``) would compute the reference with the stand-in. Inside the reference, an operation given a stand-in
+  is given the checkpoint's tensor instead (read for that operation). This, not the graph, was why DiffLlama-free
+  LFM2 and JetMoe "streamed to wrong graphs": their streamed graphs were the whole-model graphs byte for byte, their
+  references were not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from qeff_kv.errors import ExportError
+
+
+class StandInValue(ExportError):
+    """A streamed capture would carry a stand-in's value (the message names where)."""
+
+
+def is_stand_in(t, the_plan) -> bool:
+    """Whether tensor ``t`` lies over a stand-in's storage (the stand-in itself or a view of it)."""
+    return t.untyped_storage().data_ptr() in the_plan.keys   # (an empty storage's address is 0: never a key)
+
+
+# ----------------------------------------------------------------------------------------------- constant folding
+#: the ONNX nodes whose fold of a stand-in is a view of it (written from the checkpoint, permuted)
+VIEW_NODES = frozenset({"onnx::Transpose"})
+
+
+def computed_from(graph, params: dict, the_plan) -> set[str]:
+    """The names of the stand-in parameters that a node other than a view reads (see the module docstring)."""
+    stand_ins = {name for name, t in params.items() if is_stand_in(t, the_plan)}
+    out: set[str] = set()
+    for node in graph.nodes():
+        if node.kind() in VIEW_NODES:
+            continue
+        out.update(v.debugName() for v in node.inputs() if v.debugName() in stand_ins)
+    return out
+
+
+def dependent_folds(folded: dict, clean: dict, the_plan) -> list[str]:
+    """The folded tensors that depend on a stand-in: not a (view of a) stand-in and not folded identically from the
+    real tensors alone (``clean``: the folding without any stand-in)."""
+    import torch
+
+    return [name for name, t in folded.items()
+            if not is_stand_in(t, the_plan)
+            and (name not in clean or clean[name].shape != t.shape or not torch.equal(clean[name], t))]
+
+
+@contextlib.contextmanager
+def recorded_parameters(the_plan):
+    """While inside, the TorchScript exporter's constant-folded parameter table (name -> tensor) of the last export
+    is kept in the yielded dict under ``"params"``; the folding leaves arithmetic on stand-ins in the graph and
+    refuses (:class:`StandInValue`) a folded tensor that still depends on one (the module docstring)."""
+    import torch
+    from torch.onnx._internal.torchscript_exporter import utils as ts_utils
+
+    original = ts_utils._model_to_graph
+    fold = torch._C._jit_pass_onnx_constant_fold
+    infer = torch._C._jit_pass_onnx_graph_shape_type_inference
+    box: dict = {}
+
+    def shapes_without_stand_ins(graph, params, opset):
+        """ONNX shape inference never reads a weight's values, yet torch serializes every tensor it is given
+        (an expanded stand-in as a whole contiguous copy: 7.6 GB at the 8B shape, after which the pass failed and
+        torch ignored the failure); the stand-ins are left out (their shapes are on the graph's values already)."""
+        return infer(graph, {k: v for k, v in params.items() if not is_stand_in(v, the_plan)}, opset)
+
+    def recorded(*args, **kwargs):
+        graph, params, out = original(*args, **kwargs)
+        box["params"] = dict(params)
+        return graph, params, out
+
+    def guarded_fold(graph, params, opset):
+        kept = computed_from(graph, params, the_plan)
+        copy = graph.copy()
+        folded = fold(graph, {k: v for k, v in params.items() if k not in kept}, opset)
+        clean = fold(copy, {k: v for k, v in params.items() if not is_stand_in(v, the_plan)}, opset)
+        derived = dependent_folds(folded, clean, the_plan)
+        if derived:
+            raise StandInValue(f"the constant folding computed {derived[0]} (and {len(derived) - 1} more) from a "
+                               "weight's stand-in")
+        folded.update({k: params[k] for k in kept})   # still parameters: their arithmetic stays in the graph
+        return folded
+
+    linear = torch.nn.functional.linear
+
+    def linear_on_a_copy(x, weight, bias=None):
+        """A half-precision stand-in multiplied as a contiguous copy: torch's CPU kernel for an expanded float16
+        weight is ~90x slower than for a contiguous one (14.4 s against 0.16 s for one 14336x4096 MLP weight and
+        32 tokens: an hour of tracing at 8B); ``contiguous`` leaves no node in the ONNX graph."""
+        if weight.dtype in (torch.float16, torch.bfloat16) and is_stand_in(weight, the_plan):
+            weight = weight.contiguous()
+        return linear(x, weight, bias)
+
+    ts_utils._model_to_graph = recorded
+    torch._C._jit_pass_onnx_constant_fold = guarded_fold
+    torch._C._jit_pass_onnx_graph_shape_type_inference = shapes_without_stand_ins
+    torch.nn.functional.linear = linear_on_a_copy
+    try:
+        with traced_reads(the_plan):
+            yield box
+    finally:
+        ts_utils._model_to_graph = original
+        torch._C._jit_pass_onnx_constant_fold = fold
+        torch._C._jit_pass_onnx_graph_shape_type_inference = infer
+        torch.nn.functional.linear = linear
+
+
+def _key(the_plan, t) -> str:
+    return the_plan.keys[t.untyped_storage().data_ptr()]
+
+
+# ------------------------------------------------------------------------------------------- reads of values
+#: the tensor methods that hand a tensor's values to Python (baked into a trace as constants)
+VALUE_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"})
+#: what a tensor function may do with a stand-in without its values (its shape, dtype, storage...)
+METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "element_size", "stride", "storage_offset",
+                      "untyped_storage", "data_ptr", "is_contiguous", "is_floating_point", "nelement", "ndimension",
+                      "__len__", "__repr__", "__format__", "__hash__", "requires_grad_", "__setstate__",
+                      "__reduce_ex__", "_make_subclass", "__deepcopy__"})
+
+
+def _tensors(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+#: the attribute that marks a tensor computed from stand-ins alone while tracing
+TAINT = "_qeff_kv_from_stand_ins"
+
+
+@contextlib.contextmanager
+def traced_reads(the_plan):
+    """While inside, a value computed from stand-ins alone (a stand-in, a view of one, or the result of an operation
+    whose tensor inputs all are such values: ``w.sum()``, ``exp(lq * lk)``) read into Python (:data:`VALUE_READS`)
+    raises :class:`StandInValue`. (A value that mixes in an activation is not followed: a Python read of it makes
+    the trace input-dependent whatever the weights are, and is the modeling code's concern.)"""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def from_stand_ins(t) -> bool:
+        return getattr(t, TAINT, None) is not None or is_stand_in(t, the_plan)
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            ins = list(_tensors((args, kwargs)))
+            tainted = [t for t in ins if from_stand_ins(t)]
+            if tainted and getattr(func, "__name__", "") in VALUE_READS:
+                key = getattr(tainted[0], TAINT, None) or _key(the_plan, tainted[0])
+                raise StandInValue(f"the model reads a value computed from {key} in Python while it is traced")
+            out = func(*args, **kwargs)
+            if tainted and len(tainted) == len(ins):
+                key = getattr(tainted[0], TAINT, None) or _key(the_plan, tainted[0])
+                for t in _tensors(out):
+                    if isinstance(t, torch.Tensor) and not is_stand_in(t, the_plan):
+                        setattr(t, TAINT, key)
+            return out
+
+    with Reads():
+        yield
+
+
+@contextlib.contextmanager
+def reference_reads(the_plan, load):
+    """While inside, an operation given a stand-in (or a stand-in's parameter seen outside its module's forward) is
+    given ``load(stand_in)`` (the checkpoint's tensor, same shape and dtype) instead; a *view* of a stand-in made
+    outside the guard (another shape or strides than its parameter's) cannot be mapped to the checkpoint and
+    raises :class:`StandInValue`."""
+    from torch.overrides import TorchFunctionMode
+
+    def real(t):
+        ptr = t.untyped_storage().data_ptr()
+        if tuple(t.shape) != the_plan.shapes[ptr] or t.storage_offset() != 0:
+            raise StandInValue(f"the model computes with a view of {the_plan.keys[ptr]} made outside its forward")
+        return load(t)
+
+    def swap(tree):
+        import torch
+
+        if isinstance(tree, torch.Tensor):
+            return real(tree) if is_stand_in(tree, the_plan) else tree
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(swap(x) for x in tree)
+        if isinstance(tree, dict):
+            return {k: swap(v) for k, v in tree.items()}
+        return tree
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") not in METADATA and any(
+                    is_stand_in(t, the_plan) for t in _tensors((args, kwargs))):
+                args, kwargs = swap(args), swap(kwargs)
+            return func(*args, **kwargs)
+
+    with Reads():
+        yield
