@@ -196,7 +196,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     plan = LoraPlan.of(options)
     lora_proof_mod.check_fit(torch_model, plan, options.dtype, source.describe())   # adapters of another model
     vision = _vision_geometry(torch_model, options, facts)
-    transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size))
+    transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size),
+                                                                  tmp / "packed")   # packed once, for both
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
                                                                     streamed=streamed is not None,
@@ -300,7 +301,7 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
     if scheme is not None:
         from qeff_kv.export.weights import quantize as quant_mod
 
-        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say)   # refuses (StreamRefused) what it cannot
+        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say, streamed.spill)   # refuses (StreamRefused)
         geometry["float_weight_bytes"] = float_bytes   # for the weights record (popped before the manifest)
         external = float_bytes > opt.EXTERNAL_DATA_THRESHOLD
     publish.save_graph(ir_model, onnx_path, say, external=external)
