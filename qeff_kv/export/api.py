@@ -176,7 +176,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
 
     if streamed is None:
         torch_model = source.load_torch_model(options, say)   # torch missing: refused here, in one line
-        ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
+        ckpt = checkpoint_mod.source_record(source, torch_model, options.dtype)  # before tracing touches it
     else:
         torch_model, ckpt = streamed.model, streamed.record
     from qeff_kv.export.adapters import proof as lora_proof_mod

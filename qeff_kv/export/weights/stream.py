@@ -447,24 +447,12 @@ def open_streamed(source, options, say) -> Streamed | None:
         return None
     from qeff_kv.export.publish import ticker
 
-    names = {name: the_plan.key_of(t) for name, t in model.state_dict(keep_vars=True).items()}
-    step = ticker("identity", sum(p.numel() * p.element_size() for p in the_plan.params), len(the_plan.params))
-
-    def resolve(name, t):
-        if not is_stand_in(t, the_plan):
-            return t
-        step(t.numel() * t.element_size())
-        return store.chunks(names[name], t.dtype)   # a few rows at a time: never a whole 2 GB table
-
-    say(f"reading {len(set(the_plan.keys.values()))} checkpoint tensors one at a time (identity)")
+    keys = store.keys()
+    say(f"reading {len(keys)} checkpoint tensors one at a time (identity, as stored)")
     digests: dict[str, str] = {}
-    record = checkpoint_mod.checkpoint_record(model, options.dtype, resolve=resolve, digests=digests)
-    classes: dict[str, int] = {}
-    by_digest: dict[str, int] = {}
-    for name, digest in digests.items():
-        key = names.get(name)
-        if key is not None:
-            classes[key] = by_digest.setdefault(digest, len(by_digest))
+    record = checkpoint_mod.stored_record(store, options.dtype, digests=digests,
+                                          step=ticker("identity", sum(map(store.stored_size, keys)), len(keys)))
+    classes = checkpoint_mod.tensor_classes(store, set(the_plan.keys.values()), digests, dtype)
     try:
         tag(model, the_plan, classes)
     except StreamRefused as exc:
