@@ -176,7 +176,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
 
     if streamed is None:
         torch_model = source.load_torch_model(options, say)   # torch missing: refused here, in one line
-        ckpt = checkpoint_mod.source_record(source, torch_model, options.dtype)  # before tracing touches it
+        ckpt = _checkpoint_record(source, torch_model, options.dtype)  # before tracing touches the model
     else:
         torch_model, ckpt = streamed.model, streamed.record
     from qeff_kv.export.adapters import proof as lora_proof_mod
@@ -225,6 +225,19 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         records.update(layout="single" if options.single_graph else "dual", image_token_id=facts.image_token_id,
                        vision=geometry["vision"], vision_onnx=None if vision_path is None else vision_path.name)
     return {"geometry": geometry, "vision_path": vision_path, "records": records}
+
+
+def _checkpoint_record(source, model, dtype: str) -> dict:
+    """The whole-model path's checkpoint identity: over a folder's tensors as stored (the streamed path's), else (the
+    bundled model, GGUF; a folder with a tensor dtype the checkpoint store does not read) over the loaded model."""
+    if source.kind == "folder":
+        from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+
+        try:
+            return checkpoint_mod.stored_record(CheckpointStore(source.path), dtype)
+        except ExportError:
+            pass
+    return checkpoint_mod.checkpoint_record(model, dtype)
 
 
 def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, verification, geometry: dict,

@@ -133,20 +133,6 @@ def stored_record(store, dtype: str, step=None, digests: dict | None = None) -> 
             "tensors": count, "bytes": nbytes, "version": RECORD_VERSION, "hashed": "stored"}
 
 
-def source_record(source, model, dtype: str) -> dict:
-    """The whole-model path's record: over the stored bytes for a folder (as the streamed path), else (the bundled
-    model, GGUF; a folder with a tensor dtype the store does not read) over the loaded ``model``."""
-    if source.kind == "folder":
-        from qeff_kv.errors import ExportError
-        from qeff_kv.export.weights.checkpoint_store import CheckpointStore
-
-        try:
-            return stored_record(CheckpointStore(source.path), dtype)
-        except ExportError:
-            pass
-    return checkpoint_record(model, dtype)
-
-
 def tensor_classes(store, keys, digests: dict, torch_dtype) -> dict[str, int]:
     """``key -> class`` for the checkpoint ``keys``: tensors equal as the export's ``torch_dtype`` holds them share a
     class. By their stored digests (and shapes) where that decides it (one stored dtype converted exactly and one
