@@ -51,12 +51,11 @@ def quantize_rows(quantizer, arr: np.ndarray, chunk_bytes: int) -> tuple:
 
 class PackedSpill:
     """The packed blocks of each weight the reference quantized, one file each under ``folder`` (created when the
-    first is written), until the writer takes them. ``computed``: how many weights were packed here."""
+    first is written), until the writer takes them."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self._files: dict[tuple[str, bool], tuple[Path, list]] = {}
-        self.computed = 0
 
     def blocks(self, key: str, arr: np.ndarray, quantizer, symmetric: bool, chunk_bytes: int) -> tuple:
         """The packed blocks of the checkpoint tensor ``key`` (``arr``, ``[out, in]``) under ``symmetric``: read back
@@ -65,7 +64,6 @@ class PackedSpill:
         if spilled is not None:
             return spilled
         out = quantize_rows(quantizer, arr, chunk_bytes)
-        self.computed += 1
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{len(self._files)}.bin"
         layout = []
