@@ -176,7 +176,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
 
     if streamed is None:
         torch_model = source.load_torch_model(options, say)   # torch missing: refused here, in one line
-        ckpt = checkpoint_mod.checkpoint_record(torch_model, options.dtype)  # before tracing touches the model
+        ckpt = _checkpoint_record(source, torch_model, options.dtype)  # before tracing touches the model
     else:
         torch_model, ckpt = streamed.model, streamed.record
     from qeff_kv.export.adapters import proof as lora_proof_mod
@@ -196,7 +196,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     plan = LoraPlan.of(options)
     lora_proof_mod.check_fit(torch_model, plan, options.dtype, source.describe())   # adapters of another model
     vision = _vision_geometry(torch_model, options, facts)
-    transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size))
+    transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size),
+                                                                  tmp / "packed")   # packed once, for both
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
         probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
                                                                     streamed=streamed is not None,
@@ -224,6 +225,19 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
         records.update(layout="single" if options.single_graph else "dual", image_token_id=facts.image_token_id,
                        vision=geometry["vision"], vision_onnx=None if vision_path is None else vision_path.name)
     return {"geometry": geometry, "vision_path": vision_path, "records": records}
+
+
+def _checkpoint_record(source, model, dtype: str) -> dict:
+    """The whole-model path's checkpoint identity: over a folder's tensors as stored (the streamed path's), else (the
+    bundled model, GGUF; a folder with a tensor dtype the checkpoint store does not read) over the loaded model."""
+    if source.kind == "folder":
+        from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+
+        try:
+            return checkpoint_mod.stored_record(CheckpointStore(source.path), dtype)
+        except ExportError:
+            pass
+    return checkpoint_mod.checkpoint_record(model, dtype)
 
 
 def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, verification, geometry: dict,
@@ -300,7 +314,7 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
     if scheme is not None:
         from qeff_kv.export.weights import quantize as quant_mod
 
-        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say)   # refuses (StreamRefused) what it cannot
+        float_bytes = quant_mod.quantize_in_memory(ir_model, scheme, say, streamed.spill)   # refuses (StreamRefused)
         geometry["float_weight_bytes"] = float_bytes   # for the weights record (popped before the manifest)
         external = float_bytes > opt.EXTERNAL_DATA_THRESHOLD
     publish.save_graph(ir_model, onnx_path, say, external=external)

@@ -1,18 +1,22 @@
 """The *checkpoint identity* of an export: which weights it was made from, independent of the graph.
 
-The exporter hashes the PyTorch model's ``state_dict`` right after loading (before tracing touches anything):
-SHA-256 over every tensor's name, dtype, shape and bytes, in name order, a tensor shared by several names
-(tied embeddings / output head) counted once under its first name. With the dtype the graph computes in it is
-recorded in the manifest (``checkpoint``) and in the graph's ``metadata_props`` (:data:`METADATA_KEY`), so that
-the portable, onnxruntime, fused and quantized exports of one checkpoint accept each other's KV state files
-(their weight layouts differ: packed QKV, fused norms, int4 blocks), and exports of another checkpoint do not.
-See ``docs/state-files.md``.
+A safetensors folder (record version 2, issue 51): SHA-256 over every tensor of its files exactly as stored, read
+from the files a chunk at a time (nothing converted, nothing loaded): in name order, one line per tensor of its
+name, stored dtype, shape and the SHA-256 of its bytes (so each byte is hashed once, and the per-tensor digests
+are what the streaming exporter merges equal tensors by). The streamed and the whole-model paths of one folder
+compute it the same way, before anything is traced, so they record the same identity. The bundled model and GGUF
+files (whose tensors are not safetensors) hash the loaded PyTorch model's ``state_dict`` instead (every tensor's
+name, dtype, shape and bytes in name order, a tensor shared by several names counted once): unchanged since
+version 1. Version 1 hashed a folder's loaded model too, converted to the compute dtype: the same folder has
+another digest from version 2 on.
 
-A streamed export (:mod:`.stream`) hashes the same bytes reading each tensor from the checkpoint in turn (the
-skeleton's stand-ins resolved one at a time), so both paths record the same identity.
+With the dtype the graph computes in it is recorded in the manifest (``checkpoint``) and in the graph's
+``metadata_props`` (:data:`METADATA_KEY`), so that the portable, onnxruntime, fused and quantized exports of one
+checkpoint accept each other's KV state files (their weight layouts differ: packed QKV, fused norms, int4 blocks),
+and exports of another checkpoint do not. See ``docs/state-files.md``.
 
-Cost: one SHA-256 pass over the weights in memory, nothing copied (each tensor's bytes are hashed through a
-view): 0.35 s for SmolLM2-135M's 538 MB in fp32 (about 1.5 GB/s on the 2-core test machine).
+Cost: one SHA-256 pass over the checkpoint's bytes as stored (a bf16 checkpoint: half the bytes of its float32
+copy, and no conversion).
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ import hashlib
 import numpy as np
 
 from qeff_kv.contract.naming import CHECKPOINT_META as METADATA_KEY  # noqa: F401 (the runtime reads the same key)
+
+
+#: the ``version`` of the manifest's ``checkpoint`` record (see the module docstring)
+RECORD_VERSION = 2
+#: (stored dtype, export dtype) pairs converted exactly and one to one: equal converted tensors are equal stored
+_ONE_TO_ONE = {("BF16", "bfloat16"), ("F16", "float16"), ("F32", "float32"), ("F64", "float64"),
+               ("BF16", "float32"), ("F16", "float32")}
 
 
 def identity_string(weights_sha256: str, dtype: str) -> str:
@@ -91,4 +102,56 @@ def checkpoint_record(model, dtype: str, resolve=None, digests: dict | None = No
     see :func:`weights_sha256`)."""
     digest, count, nbytes = weights_sha256(model, resolve, digests)
     return {"identity": identity_string(digest, dtype), "weights_sha256": digest, "dtype": dtype,
-            "tensors": count, "bytes": nbytes}
+            "tensors": count, "bytes": nbytes, "version": RECORD_VERSION, "hashed": "loaded model"}
+
+
+def stored_sha256(store, step=None) -> tuple[str, int, int, dict]:
+    """``(hex digest, tensors, bytes, {key: SHA-256 of its stored bytes})`` of every tensor of ``store`` (a
+    :class:`.weights.checkpoint_store.CheckpointStore`) as the files hold it; ``step(nbytes)`` after each."""
+    h = hashlib.sha256()
+    per: dict[str, str] = {}
+    nbytes = 0
+    for key in sorted(store.keys()):
+        one = hashlib.sha256()
+        for part in store.stored_bytes(key):
+            one.update(part)
+        per[key] = one.hexdigest()
+        h.update(f"|{key}|{store.stored_dtype(key)}|{list(store.shape(key))}|{per[key]}\n".encode())
+        nbytes += store.stored_size(key)
+        if step is not None:
+            step(store.stored_size(key))
+    return h.hexdigest(), len(per), nbytes, per
+
+
+def stored_record(store, dtype: str, step=None, digests: dict | None = None) -> dict:
+    """The manifest's ``checkpoint`` record of a safetensors folder (``store``): :func:`stored_sha256`.
+    ``digests``: receives each key's digest."""
+    digest, count, nbytes, per = stored_sha256(store, step)
+    if digests is not None:
+        digests.update(per)
+    return {"identity": identity_string(digest, dtype), "weights_sha256": digest, "dtype": dtype,
+            "tensors": count, "bytes": nbytes, "version": RECORD_VERSION, "hashed": "stored"}
+
+
+def tensor_classes(store, keys, digests: dict, torch_dtype) -> dict[str, int]:
+    """``key -> class`` for the checkpoint ``keys``: tensors equal as the export's ``torch_dtype`` holds them share a
+    class. By their stored digests (and shapes) where that decides it (one stored dtype converted exactly and one
+    to one: the same dtype, or bf16/fp16 widened to fp32), else by digests of the converted bytes (read again, a
+    few rows at a time: a lossy conversion may make two stored tensors equal)."""
+    keys = sorted(keys)
+    name = str(torch_dtype).removeprefix("torch.")
+    stored = {store.stored_dtype(k) for k in keys}
+    exact = len(stored) == 1 and (next(iter(stored)), name) in _ONE_TO_ONE
+    out: dict[str, int] = {}
+    seen: dict[tuple, int] = {}
+    for key in keys:
+        shape = store.shape(key)
+        if exact:
+            digest = digests[key]
+        else:
+            one = hashlib.sha256()
+            for arr in store.chunks(key, torch_dtype):
+                one.update(memoryview(arr.reshape(-1).view(np.uint8)))
+            digest = one.hexdigest()
+        out[key] = seen.setdefault((shape, digest), len(seen))
+    return out

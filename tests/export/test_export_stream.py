@@ -124,25 +124,59 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
     assert new.manifest["weights"]["float_graph_bytes"] > new.manifest["weights"]["graph_bytes"]
 
 
+def test_each_weight_is_quantized_once(sharded_bf16, tmp_path, monkeypatch):
+    """One quantization per weight (issue 51): the blocks the streamed reference packs (and dequantizes) are the
+    blocks the writer writes (qeff_kv/export/weights/packed_spill.py): onnxruntime's ``qbits_block_quant`` runs
+    once per packed weight of the graph, not once for the reference and again for the writer; the graph is byte for
+    byte the one the writer packs itself (without verification, no reference: no spill)."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    from qeff_kv.export import export_model
+
+    calls = []
+    real = mnq.DefaultWeightOnlyQuantizer.qbits_block_quant
+
+    def counting(self, fp32weight):
+        calls.append(tuple(fp32weight.shape))
+        return real(self, fp32weight)
+
+    monkeypatch.setattr(mnq.DefaultWeightOnlyQuantizer, "qbits_block_quant", counting)
+    kw = dict(ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused", weights="int4")
+    alone = export_model(sharded_bf16, tmp_path / "alone", verify=False, **kw)
+    # every column of every packed weight ([N, K/block, blob]; QKV and gate/up are packed: one weight each)
+    columns = sum(t[2][0] for t in _graph_digest(alone.onnx_path)["initializers"] if t[0].endswith("_Q4"))
+    assert columns == 3 * (64 + 2 * 32 + 64 + 2 * 128 + 64) + 2 * 256
+    assert sum(shape[1] for shape in calls) == columns   # the writer alone packs each column once
+    calls.clear()
+    both = export_model(sharded_bf16, tmp_path / "both", **kw)
+    assert both.manifest["verification"]["status"] == "passed"
+    # the reference packs each checkpoint weight (q, k and v apart), the writer writes those blocks: once
+    assert len(calls) == 3 * 7 + 2 and sum(shape[1] for shape in calls) == columns
+    assert _graph_digest(both.onnx_path) == _graph_digest(alone.onnx_path)
+
+
 def test_a_corrupted_packed_block_fails_verification(sharded_bf16, tmp_path, monkeypatch):
-    """The quantized graph is held to the quantize-dequantize reference: one packed block changed (the first block
-    of each column of the first weight packed) fails verification, and nothing is written."""
+    """The quantized graph is held to the quantize-dequantize reference: one packed block changed as the writer
+    writes it (the first block of each column of the first weight the reference packed) fails verification, and
+    nothing is written."""
     from qeff_kv.errors import VerificationError
     from qeff_kv.export import export_model
-    from qeff_kv.export.weights import quantize_stream
+    from qeff_kv.export.weights.packed_spill import PackedSpill
 
-    real = quantize_stream._quantize_columns
+    real = PackedSpill.take
     calls = []
 
-    def corrupting(quantizer, arr, transposed):
-        packed, scales, zp = real(quantizer, arr, transposed)
-        if not calls:
+    def corrupting(self, tensor, symmetric, transposed, dtype):
+        got = real(self, tensor, symmetric, transposed, dtype)
+        if got is not None and not calls:
+            packed, scales, zp = got
             packed = packed.copy()
             packed[:, 0, :] ^= 0x77
-        calls.append(packed.shape)
-        return packed, scales, zp
+            got = packed, scales, zp
+        calls.append(got is not None)
+        return got
 
-    monkeypatch.setattr(quantize_stream, "_quantize_columns", corrupting)
+    monkeypatch.setattr(PackedSpill, "take", corrupting)
     with pytest.raises(VerificationError, match=r"^verification failed after the prompt: logits differ from PyTorch "
                                                 r"by up to \S+ \(tolerance 0\.001\); .* \(a streamed export: "
                                                 r"QEFF_KV_EXPORT_STREAM=0 loads the whole model instead\)$"):
@@ -208,8 +242,12 @@ def test_streaming_holds_a_bounded_number_of_checkpoint_tensors(sharded_bf16, tm
     tensors = len(store.keys())
     assert tensors == 3 * 9 + 3
     # every tensor read for the identity, again per reference step (int4: one pass, the decode tokens fixed in
-    # advance), and once more when written
-    assert store.reads >= tensors * (3 if quant is None else 2) + (0 if quant is None else tensors - 3)
+    # advance), and once more when written; with int4 the packed weights are not read again: the writer writes the
+    # blocks the reference packed (one quantization per weight)
+    if quant is None:
+        assert store.reads >= tensors * 3
+    else:
+        assert tensors * 2 < store.reads <= tensors * 2 + tensors - (3 * 7 + 2)
     assert store.max_live <= 3   # the packed QKV weight reads its three parts together
     assert store.live == 0
 

@@ -80,6 +80,35 @@ class CheckpointStore:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(int(d) for d in self._where[key][2]["shape"])
 
+    def stored_size(self, key: str) -> int:
+        """The tensor's bytes as stored."""
+        begin, end = (int(x) for x in self._where[key][2]["data_offsets"])
+        return end - begin
+
+    def stored_dtype(self, key: str) -> str:
+        """The tensor's dtype as the file stores it (the safetensors name: ``BF16``, ``F32``...)."""
+        return self._where[key][2]["dtype"]
+
+    def stored_bytes(self, key: str, chunk_bytes: int | None = None):
+        """The tensor's bytes exactly as stored, about ``chunk_bytes`` at a time, read one chunk after the other
+        (nothing converted; counted as one read, alive while iterated): what the checkpoint identity hashes."""
+        path, start, info = self._where[key]
+        begin, end = (int(x) for x in info["data_offsets"])
+        step = max(1, CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+        self.reads += 1
+        self.live += 1
+        self.max_live = max(self.max_live, self.live)
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(start + begin)
+                for at in range(begin, end, step):
+                    buf = fh.read(min(step, end - at))
+                    if len(buf) != min(step, end - at):
+                        raise ExportError(f"{path}: truncated (tensor {key} lies past the end of the file)")
+                    yield buf
+        finally:
+            self.live -= 1
+
     def torch_tensor(self, key: str, dtype):
         """The tensor ``key`` as a torch tensor of ``dtype`` (uncounted: :meth:`array` is the counted door)."""
         import torch

@@ -132,17 +132,18 @@ def _replace_float_graph(onnx_path: Path, work: Path) -> int:
 
 
 # ------------------------------------------------------------------- quantized as the weights stream (no float graph)
-def quantize_in_memory(model, scheme: WeightScheme, say) -> bool:
+def quantize_in_memory(model, scheme: WeightScheme, say, spill=None) -> bool:
     """The streaming exporter's float graph (in memory, its weights lazy reads of the checkpoint) quantized in
     place by :func:`.quantize_stream.quantize_model_streamed`: the graph the float graph would have become on disk,
     never written. Returns the float weights' bytes (past :data:`.options.EXTERNAL_DATA_THRESHOLD` that float graph,
     and so its quantized graph, would have had external data); refuses (:class:`.stream.StreamRefused`: the exporter then loads the model whole) a graph
-    only the whole-graph quantizer handles."""
+    only the whole-graph quantizer handles. ``spill``: the blocks the streamed reference packed (written as they
+    are: :class:`.packed_spill.PackedSpill`)."""
     from qeff_kv.export.weights.quantize_stream import quantize_model_streamed
     from qeff_kv.export.weights.stream import StreamRefused
 
     float_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if quantize_model_streamed(model, scheme, say, min_k(scheme.block_size)) is None:
+    if quantize_model_streamed(model, scheme, say, min_k(scheme.block_size), spill=spill) is None:
         raise StreamRefused(f"--weights {scheme.scheme} on this graph needs the whole-graph quantizer")
     return float_bytes
 

@@ -43,12 +43,16 @@ class _Blocks:
     """One weight's packed blocks, scales and zero points, computed once when the first of them is written and
     dropped when the last one is."""
 
-    def __init__(self, weight: ir.TensorProtocol, quantizer, parts: int, transposed: bool = False):
+    def __init__(self, weight: ir.TensorProtocol, quantizer, parts: int, transposed: bool = False, spill=None,
+                 symmetric: bool = True):
         self.weight, self.quantizer, self.parts, self.transposed = weight, quantizer, parts, transposed
+        self.spill, self.symmetric = spill, symmetric
         self.result = None
         self.taken = 0
 
     def get(self, i: int) -> np.ndarray:
+        if self.result is None and self.spill is not None:   # packed once already, by the reference
+            self.result = self.spill.take(self.weight, self.symmetric, self.transposed, self.weight.dtype.numpy())
         if self.result is None:
             arr = self.weight.numpy()
             self.result = _quantize_columns(self.quantizer, arr, self.transposed)
@@ -80,9 +84,10 @@ def _lazy(blocks: _Blocks, i: int, name: str, dtype: ir.DataType, shape: tuple) 
     return ir.LazyTensor(lambda: ir.tensor(blocks.get(i), name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
 
 
-def quantize_streamed(model: ir.Model, scheme, min_k: int) -> int:
+def quantize_streamed(model: ir.Model, scheme, min_k: int, spill=None) -> int:
     """Replace each eligible MatMul of ``model`` (loaded with its external data unread) by ``MatMulNBits`` with
-    lazily packed weights. Returns how many."""
+    lazily packed weights (``spill``: a :class:`.packed_spill.PackedSpill` holding blocks packed already). Returns
+    how many."""
     import logging
 
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
@@ -110,7 +115,7 @@ def quantize_streamed(model: ir.Model, scheme, min_k: int) -> int:
         kpack = 8 // bits
         kb = (k + block - 1) // block
         blob = (block + kpack - 1) // kpack
-        blocks = _Blocks(t, quantizer, 2 if scheme.symmetric else 3)
+        blocks = _Blocks(t, quantizer, 2 if scheme.symmetric else 3, spill=spill, symmetric=scheme.symmetric)
         q = ir.Value(name=f"{w.name}_Q{bits}", const_value=_lazy(blocks, 0, f"{w.name}_Q{bits}", ir.DataType.UINT8,
                                                                  (n, kb, blob)))
         s = ir.Value(name=f"{w.name}_scales", const_value=_lazy(blocks, 1, f"{w.name}_scales", t.dtype, (n, kb)))
@@ -154,7 +159,7 @@ def _const(name: str, arr: np.ndarray) -> ir.Value:
     return ir.Value(name=name, const_value=ir.tensor(arr, name=name))
 
 
-def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
+def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int, spill=None) -> int:
     """:func:`.vocab_tables.quantize_vocab_weights` on the ir model, the tables' blocks computed when written: the
     head ``Gemm(transB=1)`` -> ``MatMulNBits``, the embedding ``Gather`` -> ``GatherBlockQuantized`` over the same
     packed initializer. Returns the tables quantized."""
@@ -184,7 +189,7 @@ def quantize_vocab_streamed(model: ir.Model, scheme, min_k: int) -> int:
         if k % block:
             continue
         kb = k // block
-        blocks = _Blocks(t, quantizer, 2, transposed=True)
+        blocks = _Blocks(t, quantizer, 2, transposed=True, spill=spill)
         qname, sname = f"{name}_Q{bits}", f"{name}_scales"
         q = ir.Value(name=qname, const_value=_lazy(blocks, 0, qname, ir.DataType.UINT8,
                                                    (rows, kb, (block + kpack - 1) // kpack)))
@@ -273,10 +278,11 @@ def quantize_graph_streamed(float_path, scheme, say, min_k: int, gguf=None):
     return quantize_model_streamed(ir.load(str(float_path)), scheme, say, min_k, gguf)
 
 
-def quantize_model_streamed(model: ir.Model, scheme, say, min_k: int, gguf=None):
+def quantize_model_streamed(model: ir.Model, scheme, say, min_k: int, gguf=None, spill=None):
     """:func:`quantize_graph_streamed` on a float ir model (loaded from disk, or the streaming exporter's graph
     in memory whose weights are lazy reads of the checkpoint: then no float graph is ever written); ``None``
-    where :func:`supports` says no, else ``model``, changed in place."""
+    where :func:`supports` says no, else ``model``, changed in place. ``spill``: the blocks the streamed reference
+    packed (:class:`.packed_spill.PackedSpill`), written as they are instead of packed again."""
     import time
 
     from qeff_kv.errors import ExportError
@@ -286,8 +292,8 @@ def quantize_model_streamed(model: ir.Model, scheme, say, min_k: int, gguf=None)
         return None
     ks = [int(n.inputs[1].const_value.shape[0]) for n in model.graph if n.op_type == "MatMul" and len(n.inputs) > 1
           and n.inputs[1] is not None and n.inputs[1].is_initializer() and len(n.inputs[1].const_value.shape) == 2]
-    n_matmul = quantize_streamed(model, scheme, min_k)
-    n_vocab = quantize_vocab_streamed(model, scheme, min_k)
+    n_matmul = quantize_streamed(model, scheme, min_k, spill)
+    n_vocab = quantize_vocab_streamed(model, scheme, min_k, spill)
     if n_matmul + n_vocab == 0:   # a setting that does nothing is refused, not recorded as done
         raise ExportError(f"--weights {scheme.scheme} --block-size {scheme.block_size} quantizes no weight matrix: "
                           f"the largest has {max(ks, default=0)} input features, fewer than one block; use a "
@@ -328,21 +334,27 @@ def _quantizer(scheme, symmetric: bool):
     return mnq.DefaultWeightOnlyQuantizer(cfg)
 
 
-def dequantized(weight: np.ndarray, scheme, symmetric: bool | None = None) -> np.ndarray:
+def dequantized(weight: np.ndarray, scheme, symmetric: bool | None = None, spill=None, key: str | None = None
+                ) -> np.ndarray:
     """A ``[out, in]`` weight (a Linear's layout; the graph's MatMul weight is its transpose, ``[K=in, N=out]``)
     as ``MatMulNBits`` reads it back: onnxruntime's own kernel (``qbits_block_quant``, the one that packs the
     graph's blocks) on the same values, then ``(q - zero point) * scale`` per block of ``scheme.block_size`` along
     ``in``: equal to onnxruntime dequantizing the same blocks. ``symmetric``: the vocabulary tables are always
-    symmetric (None: the scheme's). Rows :data:`CHUNK_BYTES` at a time, written over ``weight`` when it is
-    writable (the streamed reference's own fresh array)."""
+    symmetric (None: the scheme's). ``spill``: the blocks are kept there under the checkpoint ``key`` for the
+    writer (:class:`.packed_spill.PackedSpill`: packed once per weight). Rows :data:`CHUNK_BYTES` at a time,
+    written over ``weight`` when it is writable (the streamed reference's own fresh array)."""
+    from qeff_kv.export.weights.packed_spill import quantize_rows
+
     sym = scheme.symmetric if symmetric is None else symmetric
     quantizer = _quantizer(scheme, sym)
     out = weight if weight.flags.writeable and weight.flags.c_contiguous else np.array(weight)
+    packed, scales, zp = quantize_rows(quantizer, out, CHUNK_BYTES) if spill is None else \
+        spill.blocks(key, out, quantizer, sym, CHUNK_BYTES)
     rows = max(1, CHUNK_BYTES // max(1, out.shape[1] * out.itemsize))
     for r0 in range(0, out.shape[0], rows):
         part = out[r0:r0 + rows]
-        packed, scales, zp = quantizer.qbits_block_quant(np.ascontiguousarray(part.T))
-        part[...] = _dequantize(packed, scales, zp, scheme.bits, scheme.block_size, part.shape[1], sym)
+        part[...] = _dequantize(packed[r0:r0 + rows], scales[r0:r0 + rows], None if zp is None else zp[r0:r0 + rows],
+                                scheme.bits, scheme.block_size, part.shape[1], sym)
     return out
 
 

@@ -183,7 +183,10 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
 
 
 def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
-    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``), read when evaluated."""
+    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``), read when evaluated (a
+    :class:`.packed_spill.CheckpointTensor`: the writer finds the blocks the reference packed by its key)."""
+    from qeff_kv.export.weights.packed_spill import checkpoint_tensor
+
     shape = store.shape(key)
     if perm is not None:
         shape = tuple(shape[p] for p in perm)
@@ -195,7 +198,7 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
             arr = np.ascontiguousarray(arr.transpose(perm))
         return ir.tensor(arr, name=name)
 
-    return ir.LazyTensor(load, dtype=ir.DataType.from_numpy(np.dtype(np_dtype)), shape=ir.Shape(shape), name=name)
+    return checkpoint_tensor(load, ir.DataType.from_numpy(np.dtype(np_dtype)), ir.Shape(shape), name, key, perm)
 
 
 # ------------------------------------------------------------------------------------ the streamed reference
@@ -258,7 +261,7 @@ def _pass_ticker(the_plan: Plan):
     return tick
 
 
-def dequantizing(model, the_plan: Plan, scheme, min_k: int):
+def dequantizing(model, the_plan: Plan, scheme, min_k: int, spill=None):
     """``transform`` for :func:`streamed_weights`: the PyTorch reference of a ``--weights int4|int8`` graph
     quantized as it streams (no float graph): each weight the quantizers of :mod:`.quantize_stream` pack is
     quantized then dequantized (:func:`.quantize_stream.dequantized`, onnxruntime's own kernel), the rest as read.
@@ -268,7 +271,8 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
     (the input and output embeddings: ``Gather`` and the head's ``Gemm``) where float32 with ``in`` a whole
     number of blocks, always symmetric. A weight on which the rule and the graph disagree differs by the
     quantization error, far above verification's tolerance: the export then fails verification, it does not
-    pass wrongly."""
+    pass wrongly. ``spill``: a :class:`.packed_spill.PackedSpill` keeping each weight's blocks for the writer
+    (one quantization per weight)."""
     import torch
 
     from qeff_kv.export.weights.quantize_stream import dequantized
@@ -289,7 +293,7 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
             which[key] = None
 
     def transform(key: str, arr: np.ndarray) -> np.ndarray:
-        return dequantized(arr, scheme, which[key]) if key in which else arr
+        return dequantized(arr, scheme, which[key], spill, key) if key in which else arr
 
     transform.keys = which
     return transform
@@ -306,14 +310,19 @@ class Streamed:
     store: object
     plan: Plan
     record: dict
+    spill: object = None   # the packed blocks of a quantizing reference (:meth:`dequantizing`) for the writer
 
     def weights(self, transform=None):
         """Context: the skeleton runs with its weights streamed module by module (:func:`streamed_weights`)."""
         return streamed_weights(self.model, self.plan, self.store, transform)
 
-    def dequantizing(self, scheme, min_k: int):
-        """:func:`dequantizing` for this skeleton and plan."""
-        return dequantizing(self.model, self.plan, scheme, min_k)
+    def dequantizing(self, scheme, min_k: int, spill_folder=None):
+        """:func:`dequantizing` for this skeleton and plan; with ``spill_folder`` each weight's packed blocks are
+        kept there (:attr:`spill`) for the writer."""
+        from qeff_kv.export.weights.packed_spill import PackedSpill
+
+        self.spill = None if spill_folder is None else PackedSpill(spill_folder)
+        return dequantizing(self.model, self.plan, scheme, min_k, self.spill)
 
     def recorded(self):
         """Context: :func:`recorded_parameters` for this plan."""
@@ -354,24 +363,12 @@ def open_streamed(source, options, say) -> Streamed | None:
         return None
     from qeff_kv.export.publish import ticker
 
-    names = {name: the_plan.key_of(t) for name, t in model.state_dict(keep_vars=True).items()}
-    step = ticker("identity", sum(p.numel() * p.element_size() for p in the_plan.params), len(the_plan.params))
-
-    def resolve(name, t):
-        if not is_stand_in(t, the_plan):
-            return t
-        step(t.numel() * t.element_size())
-        return store.chunks(names[name], t.dtype)   # a few rows at a time: never a whole 2 GB table
-
-    say(f"reading {len(set(the_plan.keys.values()))} checkpoint tensors one at a time (identity)")
+    keys = store.keys()
+    say(f"reading {len(keys)} checkpoint tensors one at a time (identity, as stored)")
     digests: dict[str, str] = {}
-    record = checkpoint_mod.checkpoint_record(model, options.dtype, resolve=resolve, digests=digests)
-    classes: dict[str, int] = {}
-    by_digest: dict[str, int] = {}
-    for name, digest in digests.items():
-        key = names.get(name)
-        if key is not None:
-            classes[key] = by_digest.setdefault(digest, len(by_digest))
+    record = checkpoint_mod.stored_record(store, options.dtype, digests=digests,
+                                          step=ticker("identity", sum(map(store.stored_size, keys)), len(keys)))
+    classes = checkpoint_mod.tensor_classes(store, set(the_plan.keys.values()), digests, dtype)
     try:
         tag(model, the_plan, classes)
     except StreamRefused as exc:

@@ -55,6 +55,13 @@ def const_info(v: ir.Value | None) -> ConstInfo | None:
     return None
 
 
+class ConcatTensor(ir.LazyTensor):
+    """A lazy ``concatenate`` of ``parts`` (the tensors, as they were) along ``axis``: a consumer that computes
+    per part (the streamed quantizer's packed blocks, per column) can concatenate its results instead."""
+
+    __slots__ = ("parts", "axis")
+
+
 def concat_tensor(values: list[ir.Value], axis: int, name: str, rows_of: list[int] | None = None) -> ir.TensorProtocol:
     """``concatenate`` of the constants of ``values`` along ``axis`` as a tensor named ``name``; read only when
     its data is needed (when the graph is written) if any part is itself read lazily. ``rows_of``: per part, the
@@ -79,7 +86,11 @@ def concat_tensor(values: list[ir.Value], axis: int, name: str, rows_of: list[in
     else:
         shape = [sum(i.size for i in infos)] if infos[0].ndim == 1 else \
             [sum(i.shape[0] for i in infos)] + list(infos[0].shape[1:])
-    return ir.LazyTensor(compute, dtype=infos[0].tensor.dtype, shape=ir.Shape(shape), name=name)
+    if rows_of is not None:
+        return ir.LazyTensor(compute, dtype=infos[0].tensor.dtype, shape=ir.Shape(shape), name=name)
+    out = ConcatTensor(compute, dtype=infos[0].tensor.dtype, shape=ir.Shape(shape), name=name)
+    out.parts, out.axis = tuple(i.tensor for i in infos), axis
+    return out
 
 
 def named_const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
