@@ -204,3 +204,19 @@ def test_the_variable_must_be_a_number(monkeypatch):
         limits.available_memory()
     monkeypatch.setenv(GB, "1.5")
     assert limits.available_memory() == 1_500_000_000
+
+
+def test_a_vision_language_folder_is_refused_too(tmp_path, monkeypatch):
+    """A vision-language model loads whole (the vision tower and the language model): the same refusal."""
+    from hf_models import make_llava_dir
+
+    from qeff_kv.export import export_model
+
+    folder = make_llava_dir(tmp_path)
+    monkeypatch.setenv(GB, "0.1")
+    with pytest.raises(WholeModelMemoryError, match=rf"^{folder.name}: loading the whole model needs about "
+                                                    r"0\.\d GB \([\d.]+ [KM] parameters in float32; streaming is "
+                                                    r"not possible: a vision-language model loads whole\), 0\.1 GB "
+                                                    r"available; free memory or use a machine with more"):
+        export_model(folder, tmp_path / "o", **SMALL)
+    assert not (tmp_path / "o").exists()
