@@ -93,6 +93,11 @@ class VerificationMemoryError(ExportError, MemoryLimitError):
     """Verification on by default cannot fit in this machine's memory (refused up front, with the size needed)."""
 
 
+class WholeModelMemoryError(ExportError, MemoryLimitError):
+    """A model that cannot stream would be loaded whole, and that does not fit in this machine's memory (refused
+    before any weight is read, with the size needed, why it did not stream and the way out)."""
+
+
 class QueueFullError(QeffKvError):
     """The server's admission queue is full (HTTP 429): the request was not accepted; retry later."""
 

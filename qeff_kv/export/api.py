@@ -140,8 +140,9 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     """The torch stages: load (whole, or as a skeleton whose weights stream from the checkpoint: :mod:`.stream`),
     checkpoint identity, the reference for verification, trace (language and vision graphs), graph passes; then
     quantize and verify the staged graph. Returns ``geometry``, ``vision_path`` and the manifest ``records``."""
-    from qeff_kv.export.weights import stream
+    from qeff_kv.export.weights import budget, stream
 
+    say = budget.StreamReasons(say)   # keeps why streaming was refused, for the memory refusal below
     streamed = stream.open_streamed(source, options, say)
     if streamed is not None:
         try:
@@ -158,7 +159,9 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
             shutil.rmtree(tmp / "raw", ignore_errors=True)   # the staged files are written again below
             for old in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
                 old.unlink(missing_ok=True)
-    return _build_from(source, options, verify, say, tmp, onnx_path, None)
+    # the whole model: refused in one line, before any weight is read, where it cannot fit (weights/budget.py)
+    budget.require_whole_fits(source, options, say.reason or budget.reason_without_say(source))
+    return _build_from(source, options, verify, say.say, tmp, onnx_path, None)
 
 
 def capture_line(exc: BaseException) -> str:

@@ -40,8 +40,24 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+#: the memory available, in GB (10**9 bytes), instead of what this machine reports (tests and rehearsals of the
+#: memory refusals: a tiny model made "too big"); every memory check reads it through :func:`available_memory`
+MEMORY_ENV = "QEFF_KV_MEMORY_AVAILABLE_GB"
+
+
 def available_memory() -> int | None:
-    """Bytes of memory available now (``MemAvailable``), or ``None`` where it cannot be known."""
+    """Bytes of memory available now (``MemAvailable``), or ``None`` where it cannot be known; ``$``
+    :data:`MEMORY_ENV` (GB) where it is set."""
+    fake = os.environ.get(MEMORY_ENV, "").strip()
+    if fake:
+        try:
+            gb = float(fake)
+        except ValueError:
+            gb = -1.0
+        if not 0 <= gb < 1e12:
+            raise RuntimeInputError(f"{MEMORY_ENV}={fake!r} is not a number of GB (e.g. 12.5); unset it to use "
+                                    "the memory this machine reports")
+        return int(gb * 1e9)
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

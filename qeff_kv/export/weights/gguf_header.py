@@ -84,6 +84,12 @@ class _Reader:
 
 def check(path: str | os.PathLike, *, error: type[QeffKvError]) -> None:
     """Refuse (``error``, one line) a GGUF file whose structure is not whole; return quietly otherwise."""
+    tensor_table(path, error=error)
+
+
+def tensor_table(path: str | os.PathLike, *, error: type[QeffKvError]) -> list[tuple[str, list[int], int]]:
+    """``(name, dims, ggml type)`` of every tensor of a GGUF file whose structure is whole (:func:`check`'s
+    refusals otherwise); the header only, no tensor data is read."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -91,14 +97,14 @@ def check(path: str | os.PathLike, *, error: type[QeffKvError]) -> None:
             if size < 24:
                 raise error(f"{path}: truncated GGUF file ({size} bytes; the header alone takes 24)")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _walk(buf, size)
+                return _walk(buf, size)
     except _Corrupt as exc:
         raise error(f"{path}: truncated or corrupt GGUF file ({exc}; the file has {size} bytes)") from None
     except OSError as exc:
         raise error(f"{path}: unreadable ({exc.strerror or exc})") from None
 
 
-def _walk(buf, size: int) -> None:
+def _walk(buf, size: int) -> list[tuple[str, list[int], int]]:
     r = _Reader(buf, size)
     if bytes(buf[r.take(4, "magic"):4]) != MAGIC:
         raise _Corrupt("no GGUF magic")
@@ -141,3 +147,4 @@ def _walk(buf, size: int) -> None:
         end = data_start + offset + nbytes
         if end > size or (block is None and data_start + offset >= size):
             raise _Corrupt(f"tensor {name!r} data (bytes {data_start + offset}..{end}) lies past the end")
+    return [(name, dims, ttype) for name, dims, ttype, _offset in tensors]
