@@ -414,6 +414,7 @@ def open_streamed(source, options, say) -> Streamed | None:
     from qeff_kv.export import checkpoint as checkpoint_mod
     from qeff_kv.export import transformers_adapter as hf
     from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+    from qeff_kv.export.weights.expert_keys import ConversionRefused, converted_store
 
     if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
@@ -428,8 +429,9 @@ def open_streamed(source, options, say) -> Streamed | None:
     try:
         store = CheckpointStore(source.path)
         model = skeleton(source.path, dtype)
+        store = converted_store(store, model)   # per-expert tensors as the fused parameters (expert_keys.py)
         the_plan = plan(model, store)
-    except (StreamRefused, ExportError) as exc:
+    except (StreamRefused, ConversionRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
         return None
     except Exception as exc:   # noqa: BLE001 - a model transformers cannot build from its config alone
