@@ -160,11 +160,12 @@ class ConvertedStore:
         elif f.stack_dim != 0:
             yield self.array(key, dtype)
         else:
+            alive = self.inner.hold(np.empty(0))   # counted as one tensor while iterated, as the store's chunks
             for e in range(f.shape[0]):
-                slab = self.inner.hold(np.empty(f.shape[1:], dtype=_np_dtype(dtype)))
+                slab = np.empty(f.shape[1:], dtype=_np_dtype(dtype))
                 self._slab(f, e, dtype, slab)
                 yield slab
-                del slab
+            del alive
 
 
 def _np_dtype(torch_dtype):

@@ -273,35 +273,59 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
 def streamed_weights(model, the_plan: Plan, store, transform=None):
     """While inside, each module with parameters of its own reads them from the checkpoint right before its
     forward and drops them right after (the stand-ins come back): the model runs with one module's weights in
-    memory at a time. ``transform(key, array)``: what the module computes with instead of the checkpoint's
-    array (:func:`dequantizing`: the weights a quantized graph holds)."""
+    memory at a time. A parameter read outside its own module's forward (a router's
+    ``F.linear(x, self.classifier.weight)``, a short-convolution mixer's ``self.conv.weight``) is read when it is
+    accessed and dropped after the forward of the module running then. ``transform(key, array)``: what the module
+    computes with instead of the checkpoint's array (:func:`dequantizing`: the weights a quantized graph holds)."""
     import torch
 
     handles = []
     stand_ins: dict[int, dict] = {}   # id(module) -> its stand-ins while its forward runs
+    running: list[list] = []          # per module running (innermost last): (owner, name, stand-in) read on access
+    ours = {id(m) for m in model.modules()}
     tick = _pass_ticker(the_plan)
+
+    def real(p):
+        key = the_plan.key_of(p) if isinstance(p, torch.Tensor) else None
+        if key is None:
+            return None
+        tick(p.numel() * p.element_size())
+        arr = store.array(key, p.dtype)
+        return torch.nn.Parameter(torch.from_numpy(arr if transform is None else transform(key, arr)),
+                                  requires_grad=False)
 
     def before(module, _args):
         stand_ins[id(module)] = dict(module._parameters)
         for name, p in stand_ins[id(module)].items():
-            key = the_plan.key_of(p) if p is not None else None
-            if key is not None:
-                tick(p.numel() * p.element_size())
-                arr = store.array(key, p.dtype)
-                if transform is not None:
-                    arr = transform(key, arr)
-                module._parameters[name] = torch.nn.Parameter(torch.from_numpy(arr), requires_grad=False)
+            loaded = real(p)
+            if loaded is not None:
+                module._parameters[name] = loaded
+        running.append([])
 
     def after(module, _args, _out):
+        for owner, name, p in running.pop():
+            owner._parameters[name] = p
         module._parameters.update(stand_ins.pop(id(module)))
 
+    module_getattr = torch.nn.Module.__getattr__
+
+    def on_access(module, name):
+        value = module_getattr(module, name)
+        if running and id(module) in ours and name in module._parameters:
+            loaded = real(value)
+            if loaded is not None:
+                running[-1].append((module, name, value))
+                module._parameters[name] = value = loaded
+        return value
+
     for module in model.modules():
-        if any(p is not None for p in module._parameters.values()):
-            handles.append(module.register_forward_pre_hook(before))
-            handles.append(module.register_forward_hook(after))
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    torch.nn.Module.__getattr__ = on_access
     try:
         yield model
     finally:
+        torch.nn.Module.__getattr__ = module_getattr
         for h in handles:
             h.remove()
 
