@@ -220,14 +220,26 @@ def _permutation(t, shape: tuple) -> tuple | None:
     return None if perm == sorted(perm) else tuple(perm)
 
 
+def _view(t, shape: tuple) -> tuple:
+    """``(perm, reshaped)``: the axes of the stand-in of ``shape`` that ``t`` shows (:func:`_permutation`) and,
+    where ``t`` also adds or drops axes of size 1 (GPT-OSS's ``sinks.reshape(1, -1, 1, 1)``), ``t``'s shape, with
+    ``perm`` over the parameter's axes of size > 1 (else None); refuses another view."""
+    if t.dim() == len(shape):
+        return _permutation(t, shape), None
+    kept = tuple(d for d in shape if d != 1)
+    if t.storage_offset() != 0 or t.numel() != int(np.prod(shape)) or (shape and shape[-1] == 1 and kept):
+        raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
+    return _permutation(t.squeeze(), kept), tuple(t.shape)
+
+
 def lineage(params: dict, the_plan: Plan) -> dict:
-    """Each traced parameter's source: ``(checkpoint key, permutation or None)`` for a (view of a) stand-in,
-    or a numpy array for a real tensor (buffers and what was folded from them)."""
+    """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None)`` for a (view
+    of a) stand-in (:func:`_view`), or a numpy array for a real tensor (buffers and what was folded from them)."""
     out = {}
     for name, t in params.items():
         if is_stand_in(t, the_plan):
             ptr = t.untyped_storage().data_ptr()
-            out[name] = (the_plan.keys[ptr], _permutation(t, the_plan.shapes[ptr]))
+            out[name] = (the_plan.keys[ptr], *_view(t, the_plan.shapes[ptr]))
         else:
             out[name] = t.detach().contiguous().numpy().copy()
     return out
@@ -246,24 +258,27 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
         if isinstance(src, np.ndarray):
             value.const_value = ir.tensor(src, name=value.name)
         else:
-            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name)
+            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, src[2])
             lazy += 1
         graph.register_initializer(value)
     return lazy
 
 
-def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
-    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``), read when evaluated."""
+def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None) -> ir.LazyTensor:
+    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``; with ``reshaped``, its axes of
+    size 1 dropped before and the result given that shape: :func:`_view`), read when evaluated."""
     shape = store.shape(key)
+    kept = tuple(d for d in shape if d != 1) if reshaped is not None else shape
     if perm is not None:
-        shape = tuple(shape[p] for p in perm)
+        shape = tuple(kept[p] for p in perm)
+    shape = reshaped if reshaped is not None else shape
     np_dtype = {"torch.float32": np.float32, "torch.float16": np.float16}[str(torch_dtype)]
 
     def load():
-        arr = store.array(key, torch_dtype)
+        arr = store.array(key, torch_dtype).reshape(kept)
         if perm is not None:
             arr = np.ascontiguousarray(arr.transpose(perm))
-        return ir.tensor(arr, name=name)
+        return ir.tensor(arr.reshape(shape), name=name)
 
     return ir.LazyTensor(load, dtype=ir.DataType.from_numpy(np.dtype(np_dtype)), shape=ir.Shape(shape), name=name)
 
