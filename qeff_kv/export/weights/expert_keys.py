@@ -58,31 +58,23 @@ def key_map(model, checkpoint_keys, shape_of) -> tuple[dict[str, str], dict[str,
     """``(renamed, fused)``: model name -> the checkpoint key it reads under another name, and model name ->
     :class:`Fused` for a parameter assembled from per-expert tensors; both empty where transformers converts
     nothing. ``shape_of(key)``: a checkpoint tensor's shape."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \
-            rename_source_key
-    except ImportError:   # a transformers without conversion mappings: the checkpoint's names are the model's
+    from qeff_kv.export import transformers_adapter as hf
+
+    renamer = hf.checkpoint_renamer(model)
+    if renamer is None:   # no conversion mapping: the checkpoint's names are the model's
         return {}, {}
-    mapping = get_model_conversion_mapping(model)
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    if not renamings and not converters:
-        return {}, {}
-    names = dict(model.state_dict(keep_vars=True))
+    rename, sort_key = renamer
+    names = set(model.state_dict(keep_vars=True))
     renamed: dict[str, str] = {}
     groups: dict[str, tuple[object, dict[str, list[str]]]] = {}
-    for key in sorted(checkpoint_keys, key=dot_natural_key):
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
-        if target not in names and key in names:
-            target, pattern = key, None
+    for key in sorted(checkpoint_keys, key=sort_key):
+        target, converter, pattern = rename(key)
         if target not in names:
             continue
-        if pattern is None:
+        if converter is None:
             if target != key:
                 renamed[target] = key
             continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
         groups.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(key)
     fused = {target: _fused(target, converter, by_pattern, shape_of)
              for target, (converter, by_pattern) in groups.items()}

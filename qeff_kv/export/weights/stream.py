@@ -5,7 +5,8 @@ the graph is written (issue 39).
   the parameter's shape and dtype over a tiny storage (``base[S0, ..., S(n-2), 1].expand(shape)``: one element
   per row), so that a 70B model's skeleton takes megabytes. Buffers (RoPE caches...) are computed as usual.
   :func:`plan` maps each parameter to its checkpoint key (the same name, the same shape; a tied parameter is the
-  same object) or says why the checkpoint does not fit (the exporter then loads the model whole, as before).
+  same object; per-expert tensors stacked as transformers converts them: :mod:`.expert_keys`) or says why the
+  checkpoint does not fit (the exporter then loads the model whole, as before).
 * :func:`tag`: each stand-in's storage is filled with a number naming the *class* of its checkpoint tensor
   (equal bytes, dtype and shape: one class), so that the TorchScript exporter's deduplication of equal
   initializers merges exactly what it merges when the weights are real.
@@ -203,43 +204,20 @@ def recorded_parameters(the_plan: Plan):
         torch.nn.functional.linear = linear
 
 
-def _permutation(t, shape: tuple) -> tuple | None:
-    """The axes of the stand-in of ``shape`` that ``t`` (a view of it) shows, in order; refuses another view."""
-    import torch
-
-    strides = torch.empty(shape[:-1] + (1,) if shape else (), device="meta").expand(shape).stride()
-    if t.storage_offset() != 0 or t.dim() != len(shape):
-        raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
-    perm, free = [], list(range(len(shape)))
-    for size, stride in zip(t.shape, t.stride()):
-        match = next((j for j in free if shape[j] == size and (strides[j] == stride or size == 1)), None)
-        if match is None:
-            raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a permutation of {shape}")
-        perm.append(match)
-        free.remove(match)
-    return None if perm == sorted(perm) else tuple(perm)
-
-
-def _view(t, shape: tuple) -> tuple:
-    """``(perm, reshaped)``: the axes of the stand-in of ``shape`` that ``t`` shows (:func:`_permutation`) and,
-    where ``t`` also adds or drops axes of size 1 (GPT-OSS's ``sinks.reshape(1, -1, 1, 1)``), ``t``'s shape, with
-    ``perm`` over the parameter's axes of size > 1 (else None); refuses another view."""
-    if t.dim() == len(shape):
-        return _permutation(t, shape), None
-    kept = tuple(d for d in shape if d != 1)
-    if t.storage_offset() != 0 or t.numel() != int(np.prod(shape)) or (shape and shape[-1] == 1 and kept):
-        raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
-    return _permutation(t.squeeze(), kept), tuple(t.shape)
-
-
 def lineage(params: dict, the_plan: Plan) -> dict:
     """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None)`` for a (view
-    of a) stand-in (:func:`_view`), or a numpy array for a real tensor (buffers and what was folded from them)."""
+    of a) stand-in (:func:`.views.view_of`), or a numpy array for a real tensor (buffers and what was folded from
+    them)."""
+    from qeff_kv.export.weights.views import NotAView, view_of
+
     out = {}
     for name, t in params.items():
         if is_stand_in(t, the_plan):
             ptr = t.untyped_storage().data_ptr()
-            out[name] = (the_plan.keys[ptr], *_view(t, the_plan.shapes[ptr]))
+            try:
+                out[name] = (the_plan.keys[ptr], *view_of(t, the_plan.shapes[ptr]))
+            except NotAView as exc:
+                raise StreamRefused(str(exc)) from None
         else:
             out[name] = t.detach().contiguous().numpy().copy()
     return out
@@ -266,7 +244,7 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
 
 def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None) -> ir.LazyTensor:
     """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``; with ``reshaped``, its axes of
-    size 1 dropped before and the result given that shape: :func:`_view`), read when evaluated."""
+    size 1 dropped before and the result given that shape: :func:`.views.view_of`), read when evaluated."""
     shape = store.shape(key)
     kept = tuple(d for d in shape if d != 1) if reshaped is not None else shape
     if perm is not None:
@@ -370,7 +348,8 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
     quantized then dequantized (:func:`.quantize_stream.dequantized`, onnxruntime's own kernel), the rest as read.
 
     Which weights, by the rule those quantizers follow on the traced graph: a ``Linear`` weight ``[out, in]``
-    (the graph's MatMul weight ``[K=in, N=out]``) with ``in >= min_k``, float32 or float16; the vocabulary tables
+    (the graph's MatMul weight ``[K=in, N=out]``), or another module's 2-D ``weight`` (a MoE router's, multiplied
+    by ``F.linear``), with ``in >= min_k``, float32 or float16; the vocabulary tables
     (the input and output embeddings: ``Gather`` and the head's ``Gemm``) where float32 with ``in`` a whole
     number of blocks, always symmetric. A weight on which the rule and the graph disagree differs by the
     quantization error, far above verification's tolerance: the export then fails verification, it does not
@@ -383,7 +362,7 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
               if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)}
     which: dict[str, bool | None] = {}   # key -> symmetric (None: the scheme's)
     for module in model.modules():
-        w = module._parameters.get("weight") if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) else None
+        w = module._parameters.get("weight")
         key = the_plan.key_of(w) if w is not None and w.dim() == 2 else None
         if key is None:
             continue
@@ -391,7 +370,7 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int):
         if id(w) in tables:
             if w.dtype == torch.float32 and k >= min_k and k % scheme.block_size == 0:
                 which[key] = True
-        elif isinstance(module, torch.nn.Linear) and k >= min_k and w.dtype in (torch.float32, torch.float16):
+        elif not isinstance(module, torch.nn.Embedding) and k >= min_k and w.dtype in (torch.float32, torch.float16):
             which[key] = None
 
     def transform(key: str, arr: np.ndarray) -> np.ndarray:
