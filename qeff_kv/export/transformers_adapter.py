@@ -250,8 +250,8 @@ def checkpoint_renamer(model):
     ``(rename, sort_key)`` where ``rename(key) -> (model name, WeightConverter or None, matched source pattern)``
     renames a checkpoint key (all renamings, then at most one converter: its ``source_patterns`` and
     ``operations`` say how the keys it collects become the parameter) and ``sort_key`` orders keys as loading
-    collects them (experts in numeric order); ``None`` where this transformers has no conversion mapping or the
-    model none."""
+    collects them (experts in numeric order); ``None`` where this transformers has no conversion mapping (5.x
+    always has its legacy renamings: ``LayerNorm.gamma``...)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \

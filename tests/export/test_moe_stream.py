@@ -203,3 +203,31 @@ def test_streamed_reference_reads_weights_used_outside_their_module(family_model
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
     assert store.live == 0
     assert torch.nn.Module.__getattr__.__name__ == "__getattr__"   # the access hook is gone
+
+
+def test_a_view_by_axes_of_size_one_is_read_back_as_that_view():
+    """GPT-OSS's ``sinks.reshape(1, -1, 1, 1)``, folded by the exporter, is its parameter's checkpoint tensor
+    reshaped; a transposed 2-D weight is its permutation; a slice (an offset into the stand-in) is no view."""
+    import torch
+
+    from qeff_kv.export.weights import stream
+    from qeff_kv.export.weights.views import NotAView, view_of
+
+    sinks = stream.stand_in((4,), torch.float32)
+    assert view_of(sinks.reshape(1, -1, 1, 1), (4,)) == (None, (1, 4, 1, 1))
+    w = stream.stand_in((3, 5), torch.float32)
+    assert view_of(w.t(), (3, 5)) == ((1, 0), None)
+    assert view_of(w.t().reshape(5, 1, 3), (3, 5)) == ((1, 0), (5, 1, 3))
+    with pytest.raises(NotAView, match=r"^a folded weight of shape \(2, 5\) is not a view of its parameter"):
+        view_of(w[1:], (3, 5))
+
+    class Store:
+        def shape(self, key):
+            return (3, 5)
+
+        def array(self, key, dtype):
+            return np.arange(15, dtype=np.float32).reshape(3, 5)
+
+    got = stream.lazy_tensor(Store(), "w", (1, 0), torch.float32, "w", (5, 1, 3))
+    assert tuple(got.shape) == (5, 1, 3)
+    np.testing.assert_array_equal(got.numpy(), np.arange(15, dtype=np.float32).reshape(3, 5).T.reshape(5, 1, 3))
