@@ -243,3 +243,33 @@ def causal_lm_architectures() -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def checkpoint_renamer(model):
+    """transformers' checkpoint conversion for ``model`` (5.x ``conversion_mapping``, as loading applies it):
+    ``(rename, sort_key)`` where ``rename(key) -> (model name, WeightConverter or None, matched source pattern)``
+    renames a checkpoint key (all renamings, then at most one converter: its ``source_patterns`` and
+    ``operations`` say how the keys it collects become the parameter) and ``sort_key`` orders keys as loading
+    collects them (experts in numeric order); ``None`` where this transformers has no conversion mapping (5.x
+    always has its legacy renamings: ``LayerNorm.gamma``...)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \
+            rename_source_key
+    except ImportError:
+        return None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return None
+    names = dict(model.state_dict(keep_vars=True))
+
+    def rename(key: str):
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
+        if target not in names and key in names:   # as loading does: the key was the model's own name
+            return key, None, None
+        converter = None if pattern is None else next(c for c in converters if pattern in c.source_patterns)
+        return target, converter, pattern
+
+    return rename, dot_natural_key

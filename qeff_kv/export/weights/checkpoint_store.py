@@ -126,8 +126,11 @@ class CheckpointStore:
 
     def array(self, key: str, dtype) -> np.ndarray:
         """The tensor ``key`` converted to the torch ``dtype``, as a contiguous numpy array (counted while alive)."""
-        arr = np.ascontiguousarray(self.torch_tensor(key, dtype).numpy())
         self.reads += 1
+        return self.hold(np.ascontiguousarray(self.torch_tensor(key, dtype).numpy()))
+
+    def hold(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` counted in :attr:`live` while it is alive (an array assembled from this store's tensors)."""
         self.live += 1
         self.max_live = max(self.max_live, self.live)
         weakref.finalize(arr, self._release)

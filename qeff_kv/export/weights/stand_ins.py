@@ -1,8 +1,8 @@
-"""The stand-ins' guards: nothing a streamed export writes or compares with may carry a stand-in's value (issue 51).
+"""The stand-ins' guards: nothing a streamed export writes may carry a stand-in's value (issue 51).
 
 A streamed export (:mod:`.stream`) traces a skeleton whose parameters are *stand-ins*: tensors of the right shape over
 one element per row, filled with a number naming their class. A stand-in's value is never a weight's; three
-channels could carry it into a result, each closed here:
+channels could carry it into a result, the first two closed here, the third in :mod:`.stream`:
 
 * **Constant folding** (:func:`recorded_parameters`). The TorchScript exporter folds nodes whose inputs are all
   constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``) is the same storage, written from
@@ -16,12 +16,11 @@ channels could carry it into a result, each closed here:
   ``lq * lk`` (unchanged when both change sign) and any fold that overflows either way.
 * **Python reads while tracing** (:func:`traced_reads`): ``.item()``, ``bool()``, ``.tolist()``... of a stand-in
   bake its value into the traced graph: refused.
-* **The streamed reference** (:func:`reference_reads`): :func:`.stream.streamed_weights` gives a module its weights
-  for its own forward; a model that reads a child's weight from the parent's forward (LFM2's short convolution reads
-  ``conv.weight`` in its decode step, JetMoe's attention experts are called through ``map``/``reduce``, not
-  ``forward``) would compute the reference with the stand-in. Inside the reference, an operation given a stand-in
-  is given the checkpoint's tensor instead (read for that operation). This, not the graph, was why DiffLlama-free
-  LFM2 and JetMoe "streamed to wrong graphs": their streamed graphs were the whole-model graphs byte for byte, their
+* **The streamed reference** (:func:`.stream.streamed_weights`) gives a module its weights for its own forward; a
+  model that reads a child's weight from the parent's forward (LFM2's short convolution reads ``conv.weight`` in
+  its decode step, JetMoe's attention experts are called through ``map``/``reduce``, LongcatFlash's router reads
+  ``classifier.weight``) is given the checkpoint's tensor when it reads it. That, not the graph, was why LFM2 and
+  JetMoe "streamed to wrong graphs": their streamed graphs were the whole-model graphs byte for byte, their
   references were not.
 """
 
@@ -134,11 +133,6 @@ def _key(the_plan, t) -> str:
 # ------------------------------------------------------------------------------------------- reads of values
 #: the tensor methods that hand a tensor's values to Python (baked into a trace as constants)
 VALUE_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"})
-#: what a tensor function may do with a stand-in without its values (its shape, dtype, storage...)
-METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "element_size", "stride", "storage_offset",
-                      "untyped_storage", "data_ptr", "is_contiguous", "is_floating_point", "nelement", "ndimension",
-                      "__len__", "__repr__", "__format__", "__hash__", "requires_grad_", "__setstate__",
-                      "__reduce_ex__", "_make_subclass", "__deepcopy__"})
 
 
 def _tensors(tree):
@@ -185,43 +179,6 @@ def traced_reads(the_plan):
                     if isinstance(t, torch.Tensor) and not is_stand_in(t, the_plan):
                         setattr(t, TAINT, key)
             return out
-
-    with Reads():
-        yield
-
-
-@contextlib.contextmanager
-def reference_reads(the_plan, load):
-    """While inside, an operation given a stand-in (or a stand-in's parameter seen outside its module's forward) is
-    given ``load(stand_in)`` (the checkpoint's tensor, same shape and dtype) instead; a *view* of a stand-in made
-    outside the guard (another shape or strides than its parameter's) cannot be mapped to the checkpoint and
-    raises :class:`StandInValue`."""
-    from torch.overrides import TorchFunctionMode
-
-    def real(t):
-        ptr = t.untyped_storage().data_ptr()
-        if tuple(t.shape) != the_plan.shapes[ptr] or t.storage_offset() != 0:
-            raise StandInValue(f"the model computes with a view of {the_plan.keys[ptr]} made outside its forward")
-        return load(t)
-
-    def swap(tree):
-        import torch
-
-        if isinstance(tree, torch.Tensor):
-            return real(tree) if is_stand_in(tree, the_plan) else tree
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(swap(x) for x in tree)
-        if isinstance(tree, dict):
-            return {k: swap(v) for k, v in tree.items()}
-        return tree
-
-    class Reads(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if getattr(func, "__name__", "") not in METADATA and any(
-                    is_stand_in(t, the_plan) for t in _tensors((args, kwargs))):
-                args, kwargs = swap(args), swap(kwargs)
-            return func(*args, **kwargs)
 
     with Reads():
         yield

@@ -5,7 +5,8 @@ the graph is written (issue 39).
   the parameter's shape and dtype over a tiny storage (``base[S0, ..., S(n-2), 1].expand(shape)``: one element
   per row), so that a 70B model's skeleton takes megabytes. Buffers (RoPE caches...) are computed as usual.
   :func:`plan` maps each parameter to its checkpoint key (the same name, the same shape; a tied parameter is the
-  same object) or says why the checkpoint does not fit (the exporter then loads the model whole, as before).
+  same object; per-expert tensors stacked as transformers converts them: :mod:`.expert_keys`) or says why the
+  checkpoint does not fit (the exporter then loads the model whole, as before).
 * :func:`tag`: each stand-in's storage is filled with a number naming the *class* of its checkpoint tensor
   (equal bytes, dtype and shape: one class), so that the TorchScript exporter's deduplication of equal
   initializers merges exactly what it merges when the weights are real.
@@ -29,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export.weights.stand_ins import is_stand_in, recorded_parameters, reference_reads  # noqa: F401
+from qeff_kv.export.weights.stand_ins import is_stand_in, recorded_parameters  # noqa: F401
 
 
 class StreamRefused(Exception):
@@ -133,31 +134,22 @@ def tag(model, the_plan: Plan, classes: dict[str, int]) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- capture
-def _permutation(t, shape: tuple) -> tuple | None:
-    """The axes of the stand-in of ``shape`` that ``t`` (a view of it) shows, in order; refuses another view."""
-    import torch
-
-    strides = torch.empty(shape[:-1] + (1,) if shape else (), device="meta").expand(shape).stride()
-    if t.storage_offset() != 0 or t.dim() != len(shape):
-        raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
-    perm, free = [], list(range(len(shape)))
-    for size, stride in zip(t.shape, t.stride()):
-        match = next((j for j in free if shape[j] == size and (strides[j] == stride or size == 1)), None)
-        if match is None:
-            raise StreamRefused(f"a folded weight of shape {tuple(t.shape)} is not a permutation of {shape}")
-        perm.append(match)
-        free.remove(match)
-    return None if perm == sorted(perm) else tuple(perm)
 
 
 def lineage(params: dict, the_plan: Plan) -> dict:
-    """Each traced parameter's source: ``(checkpoint key, permutation or None)`` for a (view of a) stand-in,
-    or a numpy array for a real tensor (buffers and what was folded from them)."""
+    """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None)`` for a (view
+    of a) stand-in (:func:`.views.view_of`), or a numpy array for a real tensor (buffers and what was folded from
+    them)."""
+    from qeff_kv.export.weights.views import NotAView, view_of
+
     out = {}
     for name, t in params.items():
         if is_stand_in(t, the_plan):
             ptr = t.untyped_storage().data_ptr()
-            out[name] = (the_plan.keys[ptr], _permutation(t, the_plan.shapes[ptr]))
+            try:
+                out[name] = (the_plan.keys[ptr], *view_of(t, the_plan.shapes[ptr]))
+            except NotAView as exc:
+                raise StreamRefused(str(exc)) from None
         else:
             out[name] = t.detach().contiguous().numpy().copy()
     return out
@@ -176,27 +168,30 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
         if isinstance(src, np.ndarray):
             value.const_value = ir.tensor(src, name=value.name)
         else:
-            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name)
+            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, src[2])
             lazy += 1
         graph.register_initializer(value)
     return lazy
 
 
-def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
-    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``), read when evaluated (a
+def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None) -> ir.LazyTensor:
+    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``; with ``reshaped``, its axes of
+    size 1 dropped before and the result given that shape: :func:`.views.view_of`), read when evaluated (a
     :class:`.packed_spill.CheckpointTensor`: the writer finds the blocks the reference packed by its key)."""
     from qeff_kv.export.weights.packed_spill import checkpoint_tensor
 
     shape = store.shape(key)
+    kept = tuple(d for d in shape if d != 1) if reshaped is not None else shape
     if perm is not None:
-        shape = tuple(shape[p] for p in perm)
+        shape = tuple(kept[p] for p in perm)
+    shape = reshaped if reshaped is not None else shape
     np_dtype = {"torch.float32": np.float32, "torch.float16": np.float16}[str(torch_dtype)]
 
     def load():
-        arr = store.array(key, torch_dtype)
+        arr = store.array(key, torch_dtype).reshape(kept)
         if perm is not None:
             arr = np.ascontiguousarray(arr.transpose(perm))
-        return ir.tensor(arr, name=name)
+        return ir.tensor(arr.reshape(shape), name=name)
 
     return checkpoint_tensor(load, ir.DataType.from_numpy(np.dtype(np_dtype)), ir.Shape(shape), name, key, perm)
 
@@ -206,38 +201,59 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
 def streamed_weights(model, the_plan: Plan, store, transform=None):
     """While inside, each module with parameters of its own reads them from the checkpoint right before its
     forward and drops them right after (the stand-ins come back): the model runs with one module's weights in
-    memory at a time; a weight read outside its module's forward is read for that operation
-    (:func:`.stand_ins.reference_reads`). ``transform(key, array)``: what the module computes with instead of the checkpoint's
-    array (:func:`dequantizing`: the weights a quantized graph holds)."""
+    memory at a time. A parameter read outside its own module's forward (a router's
+    ``F.linear(x, self.classifier.weight)``, a short-convolution mixer's ``self.conv.weight``) is read when it is
+    accessed and dropped after the forward of the module running then. ``transform(key, array)``: what the module
+    computes with instead of the checkpoint's array (:func:`dequantizing`: the weights a quantized graph holds)."""
     import torch
 
     handles = []
     stand_ins: dict[int, dict] = {}   # id(module) -> its stand-ins while its forward runs
+    running: list[list] = []          # per module running (innermost last): (owner, name, stand-in) read on access
+    ours = {id(m) for m in model.modules()}
     tick = _pass_ticker(the_plan)
 
-    def weight(p):
-        key = the_plan.key_of(p)
+    def real(p):
+        key = the_plan.key_of(p) if isinstance(p, torch.Tensor) else None
+        if key is None:
+            return None
+        tick(p.numel() * p.element_size())
         arr = store.array(key, p.dtype)
-        return torch.from_numpy(arr if transform is None else transform(key, arr))
+        return torch.nn.Parameter(torch.from_numpy(arr if transform is None else transform(key, arr)),
+                                  requires_grad=False)
 
     def before(module, _args):
         stand_ins[id(module)] = dict(module._parameters)
         for name, p in stand_ins[id(module)].items():
-            if p is not None and the_plan.key_of(p) is not None:
-                tick(p.numel() * p.element_size())
-                module._parameters[name] = torch.nn.Parameter(weight(p), requires_grad=False)
+            loaded = real(p)
+            if loaded is not None:
+                module._parameters[name] = loaded
+        running.append([])
 
     def after(module, _args, _out):
+        for owner, name, p in running.pop():
+            owner._parameters[name] = p
         module._parameters.update(stand_ins.pop(id(module)))
 
+    module_getattr = torch.nn.Module.__getattr__
+
+    def on_access(module, name):
+        value = module_getattr(module, name)
+        if running and id(module) in ours and name in module._parameters:
+            loaded = real(value)
+            if loaded is not None:
+                running[-1].append((module, name, value))
+                module._parameters[name] = value = loaded
+        return value
+
     for module in model.modules():
-        if any(p is not None for p in module._parameters.values()):
-            handles.append(module.register_forward_pre_hook(before))
-            handles.append(module.register_forward_hook(after))
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after))
+    torch.nn.Module.__getattr__ = on_access
     try:
-        with reference_reads(the_plan, weight):   # a weight read outside its module's forward
-            yield model
+        yield model
     finally:
+        torch.nn.Module.__getattr__ = module_getattr
         for h in handles:
             h.remove()
 
@@ -267,7 +283,8 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int, spill=None):
     quantized then dequantized (:func:`.quantize_stream.dequantized`, onnxruntime's own kernel), the rest as read.
 
     Which weights, by the rule those quantizers follow on the traced graph: a ``Linear`` weight ``[out, in]``
-    (the graph's MatMul weight ``[K=in, N=out]``) with ``in >= min_k``, float32 or float16; the vocabulary tables
+    (the graph's MatMul weight ``[K=in, N=out]``), or another module's 2-D ``weight`` (a MoE router's, multiplied
+    by ``F.linear``), with ``in >= min_k``, float32 or float16; the vocabulary tables
     (the input and output embeddings: ``Gather`` and the head's ``Gemm``) where float32 with ``in`` a whole
     number of blocks, always symmetric. A weight on which the rule and the graph disagree differs by the
     quantization error, far above verification's tolerance: the export then fails verification, it does not
@@ -281,7 +298,7 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int, spill=None):
               if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)}
     which: dict[str, bool | None] = {}   # key -> symmetric (None: the scheme's)
     for module in model.modules():
-        w = module._parameters.get("weight") if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) else None
+        w = module._parameters.get("weight")
         key = the_plan.key_of(w) if w is not None and w.dim() == 2 else None
         if key is None:
             continue
@@ -289,7 +306,7 @@ def dequantizing(model, the_plan: Plan, scheme, min_k: int, spill=None):
         if id(w) in tables:
             if w.dtype == torch.float32 and k >= min_k and k % scheme.block_size == 0:
                 which[key] = True
-        elif isinstance(module, torch.nn.Linear) and k >= min_k and w.dtype in (torch.float32, torch.float16):
+        elif not isinstance(module, torch.nn.Embedding) and k >= min_k and w.dtype in (torch.float32, torch.float16):
             which[key] = None
 
     def transform(key: str, arr: np.ndarray) -> np.ndarray:
@@ -343,6 +360,7 @@ def open_streamed(source, options, say) -> Streamed | None:
     from qeff_kv.export import checkpoint as checkpoint_mod
     from qeff_kv.export import transformers_adapter as hf
     from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+    from qeff_kv.export.weights.expert_keys import ConversionRefused, converted_store
 
     if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
@@ -353,8 +371,9 @@ def open_streamed(source, options, say) -> Streamed | None:
     try:
         store = CheckpointStore(source.path)
         model = skeleton(source.path, dtype)
+        store = converted_store(store, model)   # per-expert tensors as the fused parameters (expert_keys.py)
         the_plan = plan(model, store)
-    except (StreamRefused, ExportError) as exc:
+    except (StreamRefused, ConversionRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
         return None
     except Exception as exc:   # noqa: BLE001 - a model transformers cannot build from its config alone

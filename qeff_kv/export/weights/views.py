@@ -1,0 +1,43 @@
+"""Which view of a stand-in a traced constant is (:mod:`.stream`): the exporter's folded parameter table holds
+the skeleton's stand-ins themselves or views of them (``Transpose(W)`` folded into a MatMul weight, GPT-OSS's
+``sinks.reshape(1, -1, 1, 1)``); each is read back from the checkpoint as that view of its tensor. A stand-in of
+``shape`` is ``base[S0, ..., S(n-2), 1].expand(shape)`` (its last axis has stride 0), so a view's strides tell
+which of the parameter's axes it shows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class NotAView(Exception):
+    """The folded tensor is not a permutation (or a reshape by axes of size 1) of its parameter."""
+
+
+def permutation(t, shape: tuple) -> tuple | None:
+    """The axes of the stand-in of ``shape`` that ``t`` (a view of it) shows, in order (None: in place);
+    refuses another view."""
+    import torch
+
+    strides = torch.empty(shape[:-1] + (1,) if shape else (), device="meta").expand(shape).stride()
+    if t.storage_offset() != 0 or t.dim() != len(shape):
+        raise NotAView(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
+    perm, free = [], list(range(len(shape)))
+    for size, stride in zip(t.shape, t.stride()):
+        match = next((j for j in free if shape[j] == size and (strides[j] == stride or size == 1)), None)
+        if match is None:
+            raise NotAView(f"a folded weight of shape {tuple(t.shape)} is not a permutation of {shape}")
+        perm.append(match)
+        free.remove(match)
+    return None if perm == sorted(perm) else tuple(perm)
+
+
+def view_of(t, shape: tuple) -> tuple:
+    """``(perm, reshaped)``: the axes of the stand-in of ``shape`` that ``t`` shows (:func:`permutation`) and,
+    where ``t`` also adds or drops axes of size 1, ``t``'s shape, with ``perm`` over the parameter's axes of size
+    > 1 (else None). A parameter whose last axis has size 1 (its stride is that of a real axis) is refused."""
+    if t.dim() == len(shape):
+        return permutation(t, shape), None
+    kept = tuple(d for d in shape if d != 1)
+    if t.storage_offset() != 0 or t.numel() != int(np.prod(shape)) or (shape and shape[-1] == 1 and kept):
+        raise NotAView(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
+    return permutation(t.squeeze(), kept), tuple(t.shape)
