@@ -140,13 +140,13 @@ def tensor_classes(store, keys, digests: dict, torch_dtype) -> dict[str, int]:
     few rows at a time: a lossy conversion may make two stored tensors equal)."""
     keys = sorted(keys)
     name = str(torch_dtype).removeprefix("torch.")
-    stored = {store.stored_dtype(k) for k in keys}
+    stored = {store.stored_dtype(k) for k in keys if k in digests}   # (a fused or renamed key: by its bytes)
     exact = len(stored) == 1 and (next(iter(stored)), name) in _ONE_TO_ONE
     out: dict[str, int] = {}
     seen: dict[tuple, int] = {}
     for key in keys:
         shape = store.shape(key)
-        if exact:
+        if exact and key in digests:
             digest = digests[key]
         else:
             one = hashlib.sha256()

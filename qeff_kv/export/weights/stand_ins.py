@@ -5,9 +5,9 @@ one element per row, filled with a number naming their class. A stand-in's value
 channels could carry it into a result, the first two closed here, the third in :mod:`.stream`:
 
 * **Constant folding** (:func:`recorded_parameters`). The TorchScript exporter folds nodes whose inputs are all
-  constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``) is the same storage, written from
-  the checkpoint with its permutation; any other fold (Gemma's ``1 + w``, DiffLlama's ``exp(sum(lq * lk))``, a cast)
-  would compute with the stand-in's value. So a stand-in read by any node but ``Transpose`` is not offered to the
+  constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``; a reshape by axes of size 1; a
+  cast to its own dtype) is the same storage, written from the checkpoint as that view; any other fold (Gemma's ``1 + w``, DiffLlama's ``exp(sum(lq * lk))``, a cast)
+  would compute with the stand-in's value. So a stand-in read by any other node is not offered to the
   folding at all: its arithmetic stays in the graph as nodes over the weight's initializer (onnxruntime folds them
   when the session loads, from the real weight). Then the **guard**: the folding runs once more on a copy of the
   graph with no stand-in offered; a folded tensor of the first run that is neither a (view of a) stand-in nor folded
@@ -41,8 +41,22 @@ def is_stand_in(t, the_plan) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- constant folding
-#: the ONNX nodes whose fold of a stand-in is a view of it (written from the checkpoint, permuted)
-VIEW_NODES = frozenset({"onnx::Transpose"})
+#: the ONNX nodes whose fold of a stand-in may be a view of it (written from the checkpoint permuted, or reshaped by
+#: axes of size 1: :mod:`.views`); a fold that is not a view is a new tensor, which the guard refuses
+VIEW_NODES = frozenset({"onnx::Transpose", "onnx::Reshape", "onnx::Unsqueeze", "onnx::Squeeze"})
+
+
+#: ONNX ``Cast``'s ``to`` of each torch dtype a stand-in may have
+_ONNX_DTYPE = {"torch.float32": 1, "torch.float16": 10, "torch.bfloat16": 16}
+
+
+def _identity_cast(node, params: dict) -> bool:
+    """A ``Cast`` of a parameter to its own dtype (a router's ``weight.float()`` in a float32 export): folded, it is
+    the parameter itself (the same storage), so a ``Transpose`` after it is still a view, as with real weights."""
+    if node.kind() != "onnx::Cast":
+        return False
+    t = params.get(node.inputsAt(0).debugName())
+    return t is not None and _ONNX_DTYPE.get(str(t.dtype)) == node.i("to")
 
 
 def computed_from(graph, params: dict, the_plan) -> set[str]:
@@ -50,7 +64,7 @@ def computed_from(graph, params: dict, the_plan) -> set[str]:
     stand_ins = {name for name, t in params.items() if is_stand_in(t, the_plan)}
     out: set[str] = set()
     for node in graph.nodes():
-        if node.kind() in VIEW_NODES:
+        if node.kind() in VIEW_NODES or _identity_cast(node, params):
             continue
         out.update(v.debugName() for v in node.inputs() if v.debugName() in stand_ins)
     return out

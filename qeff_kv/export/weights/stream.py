@@ -369,9 +369,9 @@ def open_streamed(source, options, say) -> Streamed | None:
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
     say(f"building {source.name} without its weights (they stream from the checkpoint, {options.dtype})")
     try:
-        store = CheckpointStore(source.path)
+        raw = CheckpointStore(source.path)
         model = skeleton(source.path, dtype)
-        store = converted_store(store, model)   # per-expert tensors as the fused parameters (expert_keys.py)
+        store = converted_store(raw, model)   # per-expert tensors as the fused parameters (expert_keys.py)
         the_plan = plan(model, store)
     except (StreamRefused, ConversionRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
@@ -382,11 +382,11 @@ def open_streamed(source, options, say) -> Streamed | None:
         return None
     from qeff_kv.export.publish import ticker
 
-    keys = store.keys()
+    keys = raw.keys()   # the identity is the files' tensors as stored (per expert), whatever the model fuses
     say(f"reading {len(keys)} checkpoint tensors one at a time (identity, as stored)")
     digests: dict[str, str] = {}
-    record = checkpoint_mod.stored_record(store, options.dtype, digests=digests,
-                                          step=ticker("identity", sum(map(store.stored_size, keys)), len(keys)))
+    record = checkpoint_mod.stored_record(raw, options.dtype, digests=digests,
+                                          step=ticker("identity", sum(map(raw.stored_size, keys)), len(keys)))
     classes = checkpoint_mod.tensor_classes(store, set(the_plan.keys.values()), digests, dtype)
     try:
         tag(model, the_plan, classes)
