@@ -233,6 +233,12 @@ class GgufSource(ModelSource):
                                   f"({_first_line(exc)})") from None
         return self._config_obj
 
+    def config_object(self):
+        """A copy of the transformers config converted from the GGUF metadata (what the whole-model load uses)."""
+        import copy
+
+        return copy.deepcopy(self._load_config_object())
+
     def _read_config(self) -> dict:
         cfg = self._load_config_object()
         data = cfg.to_dict()

@@ -64,15 +64,15 @@ def _meta_parameters():
         torch.nn.Module.register_parameter = original
 
 
-def skeleton(folder, dtype):
-    """The causal LM of ``folder``'s config in ``dtype``, eager attention, eval mode, every parameter a
-    stand-in (shared parameters stay shared)."""
+def skeleton(folder, dtype, config=None):
+    """The causal LM of ``folder``'s config (or of the config object ``config``: a GGUF's) in ``dtype``, eager
+    attention, eval mode, every parameter a stand-in (shared parameters stay shared)."""
     import torch
 
     from qeff_kv.export import transformers_adapter as hf
 
     _torch, transformers = hf.import_transformers()
-    cfg = transformers.AutoConfig.from_pretrained(folder)
+    cfg = config if config is not None else transformers.AutoConfig.from_pretrained(folder)
     with _meta_parameters(), torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     done: dict[int, torch.nn.Parameter] = {}
@@ -405,9 +405,9 @@ class Streamed:
 
 
 def open_streamed(source, options, say) -> Streamed | None:
-    """The streaming load stage for a safetensors folder: the skeleton, the plan, one read of the checkpoint
-    (tensor by tensor) for its identity and the classes of equal tensors. ``None`` where the model must be loaded
-    whole (the bundled model and GGUF files, vision-language models, ``QEFF_KV_EXPORT_STREAM=0``, or a
+    """The streaming load stage for a safetensors folder or a GGUF file (:mod:`.gguf_store`): the skeleton, the
+    plan, one read of the checkpoint (tensor by tensor) for its identity and the classes of equal tensors. ``None``
+    where the model must be loaded whole (the bundled model, vision-language models, ``QEFF_KV_EXPORT_STREAM=0``, or a
     checkpoint whose tensors are not the model's parameters by name and shape: said in one line)."""
     import os
 
@@ -415,7 +415,7 @@ def open_streamed(source, options, say) -> Streamed | None:
     from qeff_kv.export import transformers_adapter as hf
     from qeff_kv.export.weights.checkpoint_store import CheckpointStore
 
-    if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
+    if source.kind not in ("folder", "gguf") or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
         return None
     why_not = NOT_STREAMED.get(str(source.config().get("model_type")))
@@ -426,8 +426,14 @@ def open_streamed(source, options, say) -> Streamed | None:
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
     say(f"building {source.name} without its weights (they stream from the checkpoint, {options.dtype})")
     try:
-        store = CheckpointStore(source.path)
-        model = skeleton(source.path, dtype)
+        if source.kind == "gguf":   # tensors dequantized one at a time, under the model's names
+            from qeff_kv.export.weights.gguf_store import GgufStore
+
+            model = skeleton(None, dtype, source.config_object())
+            store = GgufStore(source.path, model)
+        else:
+            store = CheckpointStore(source.path)
+            model = skeleton(source.path, dtype)
         the_plan = plan(model, store)
     except (StreamRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
