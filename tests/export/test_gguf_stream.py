@@ -59,13 +59,14 @@ def test_the_store_holds_what_transformers_loads(ggufs, monkeypatch, kind, dtype
 
     from qeff_kv.export import options as opt
     from qeff_kv.export.sources import resolve_source
-    from qeff_kv.export.weights import gguf_store, stream
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export.weights import gguf_header, gguf_store, stream
 
     monkeypatch.setattr(gguf_store, "CHUNK_BYTES", 3000)   # 64-wide rows: 11 rows a chunk (the heads are 16 rows)
     source = resolve_source(ggufs[kind])
     tdtype = getattr(torch, dtype)
     skeleton = stream.skeleton(None, tdtype, source.config_object())
-    store = gguf_store.GgufStore(source.path, skeleton)
+    store = gguf_store.GgufStore(source.path, skeleton, *gguf_header.tensor_table(source.path, error=ExportError))
     the_plan = stream.plan(skeleton, store)
     whole = source.load_torch_model(opt.ExportOptions(dtype=dtype), lambda _m: None).state_dict()
     keys = set(the_plan.keys.values())

@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 from qeff_kv.errors import ExportError
-from qeff_kv.export.weights import gguf_header
 
 #: :meth:`GgufStore.chunks` dequantizes about this many bytes (float32) at a time
 CHUNK_BYTES = 64 << 20
@@ -63,9 +62,10 @@ def _legacy_only(arch: str) -> bool:
 
 class GgufStore:
     """The tensors of the GGUF file ``path`` keyed by the parameter names of ``model`` (the skeleton built from
-    the file's config)."""
+    the file's config). ``arch`` and ``table``: the file's ``general.architecture`` and its tensor table
+    ``[(name, numpy shape, ggml type id, absolute data offset), ...]`` (:func:`.gguf_header.tensor_table`)."""
 
-    def __init__(self, path: Path, model):
+    def __init__(self, path: Path, model, arch: str, table: list[tuple]):
         try:
             import gguf
             from transformers import modeling_gguf_pytorch_utils as tg
@@ -73,7 +73,6 @@ class GgufStore:
             raise ExportError(f"{Path(path).name}: the GGUF store needs the gguf package ({exc})") from None
         self.path = Path(path)
         self._gguf = gguf
-        arch, table = gguf_header.tensor_table(self.path, error=ExportError)
         if not _legacy_only(arch):
             raise ExportError(f"{self.path.name}: transformers converts {arch!r} GGUF weights with its own "
                               "conversion ops, which this store does not reproduce")

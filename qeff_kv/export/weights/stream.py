@@ -427,10 +427,11 @@ def open_streamed(source, options, say) -> Streamed | None:
     say(f"building {source.name} without its weights (they stream from the checkpoint, {options.dtype})")
     try:
         if source.kind == "gguf":   # tensors dequantized one at a time, under the model's names
+            from qeff_kv.export.weights import gguf_header
             from qeff_kv.export.weights.gguf_store import GgufStore
 
             model = skeleton(None, dtype, source.config_object())
-            store = GgufStore(source.path, model)
+            store = GgufStore(source.path, model, *gguf_header.tensor_table(source.path, error=ExportError))
         else:
             store = CheckpointStore(source.path)
             model = skeleton(source.path, dtype)
