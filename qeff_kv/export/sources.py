@@ -202,7 +202,9 @@ class FolderSource(ModelSource):
 
 
 class GgufSource(ModelSource):
-    """A GGUF file (llama.cpp's format), read by transformers' GGUF loader and dequantized to ``options.dtype``.
+    """A GGUF file (llama.cpp's format), read by transformers' GGUF loader and dequantized to ``options.dtype``
+    (:meth:`load_torch_model`: the whole-model path; an export streams it tensor by tensor instead,
+    :mod:`qeff_kv.export.weights.gguf_store`, from :meth:`config_object`).
 
     The config and the tokenizer (with its chat template) come from the file's metadata; the export folder then
     holds everything ``qeff-kv generate`` needs. Needs the ``gguf`` extra (gguf, accelerate).

@@ -51,34 +51,27 @@ class _Entry:
     hf_name: str | None        # the processor stores this tensor under its own name (GPT-2's head)
 
 
-def _legacy_only(arch: str) -> bool:
-    """True when transformers loads ``arch`` with the legacy loader this store reproduces."""
-    try:
-        from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    except ImportError:   # a transformers without the newer loader: everything is legacy
-        return True
-    return not is_gguf_arch_supported(arch)
-
-
 class GgufStore:
     """The tensors of the GGUF file ``path`` keyed by the parameter names of ``model`` (the skeleton built from
     the file's config). ``arch`` and ``table``: the file's ``general.architecture`` and its tensor table
     ``[(name, numpy shape, ggml type id, absolute data offset), ...]`` (:func:`.gguf_header.tensor_table`)."""
 
     def __init__(self, path: Path, model, arch: str, table: list[tuple]):
+        from qeff_kv.export import transformers_adapter as hf
+
         try:
             import gguf
-            from transformers import modeling_gguf_pytorch_utils as tg
         except ImportError as exc:
             raise ExportError(f"{Path(path).name}: the GGUF store needs the gguf package ({exc})") from None
         self.path = Path(path)
         self._gguf = gguf
-        if not _legacy_only(arch):
+        helpers = hf.gguf_tensor_helpers(arch)
+        if helpers is None:
             raise ExportError(f"{self.path.name}: transformers converts {arch!r} GGUF weights with its own "
                               "conversion ops, which this store does not reproduce")
-        config = tg.load_gguf_checkpoint(str(self.path), return_tensors=False)["config"]   # metadata only
-        self._processor = tg.TENSOR_PROCESSORS.get(arch, tg.TensorProcessor)(config=config)
-        names = tg.get_gguf_hf_weights_map(model, self._processor)
+        processor_for, weights_map, gguf_config = helpers
+        self._processor = processor_for(gguf_config(self.path))   # the config from the metadata, as the loader's
+        names = weights_map(model, self._processor)
         self._entries: dict[str, _Entry] = {}
         merged: set[str] = set()
         for t in table:

@@ -404,16 +404,31 @@ class Streamed:
         return attach_weights(ir_model, lineage(recorded["params"], self.plan), self.store, self.plan.dtype)
 
 
+def _skeleton_and_store(source, dtype):
+    """``(skeleton, store)``: a folder's safetensors (:class:`.checkpoint_store.CheckpointStore`), or a GGUF's
+    tensors dequantized one at a time under the model's names (:class:`.gguf_store.GgufStore`)."""
+    if source.kind == "gguf":
+        from qeff_kv.export.weights import gguf_header
+        from qeff_kv.export.weights.gguf_store import GgufStore
+
+        model = skeleton(None, dtype, source.config_object())
+        return model, GgufStore(source.path, model, *gguf_header.tensor_table(source.path, error=ExportError))
+    from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(source.path)
+    return skeleton(source.path, dtype), store
+
+
 def open_streamed(source, options, say) -> Streamed | None:
     """The streaming load stage for a safetensors folder or a GGUF file (:mod:`.gguf_store`): the skeleton, the
-    plan, one read of the checkpoint (tensor by tensor) for its identity and the classes of equal tensors. ``None``
-    where the model must be loaded whole (the bundled model, vision-language models, ``QEFF_KV_EXPORT_STREAM=0``, or a
-    checkpoint whose tensors are not the model's parameters by name and shape: said in one line)."""
+    plan, one read of the checkpoint (tensor by tensor) for its identity and the classes of equal tensors.
+    ``None`` where the model must be loaded whole (the bundled model, vision-language models,
+    ``QEFF_KV_EXPORT_STREAM=0``, or a checkpoint whose tensors are not the model's parameters by name and shape:
+    said in one line)."""
     import os
 
     from qeff_kv.export import checkpoint as checkpoint_mod
     from qeff_kv.export import transformers_adapter as hf
-    from qeff_kv.export.weights.checkpoint_store import CheckpointStore
 
     if source.kind not in ("folder", "gguf") or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
@@ -426,15 +441,7 @@ def open_streamed(source, options, say) -> Streamed | None:
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
     say(f"building {source.name} without its weights (they stream from the checkpoint, {options.dtype})")
     try:
-        if source.kind == "gguf":   # tensors dequantized one at a time, under the model's names
-            from qeff_kv.export.weights import gguf_header
-            from qeff_kv.export.weights.gguf_store import GgufStore
-
-            model = skeleton(None, dtype, source.config_object())
-            store = GgufStore(source.path, model, *gguf_header.tensor_table(source.path, error=ExportError))
-        else:
-            store = CheckpointStore(source.path)
-            model = skeleton(source.path, dtype)
+        model, store = _skeleton_and_store(source, dtype)
         the_plan = plan(model, store)
     except (StreamRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
