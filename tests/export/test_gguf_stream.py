@@ -122,3 +122,17 @@ def test_gguf_grid_streams_to_the_same_graph(ggufs, tmp_path, monkeypatch):
     assert new.manifest["weights"]["gguf_grid"]["fitted"]["weights"] == 14
     assert new.manifest["weights"]["gguf_grid"] == old.manifest["weights"]["gguf_grid"]
     assert _graph_digest(old.onnx_path) == _graph_digest(new.onnx_path)
+
+
+def test_a_parameter_the_file_lacks_loads_whole_said_in_one_line(tmp_path):
+    """A GGUF without one layer's norm: the store has no such key, the plan refuses, the export loads the model
+    whole (as before streaming) and says why in one line."""
+    from qeff_kv.export import export_model
+
+    path = write_tiny_llama_gguf(tmp_path / "no-norm.gguf", "Q8_0", "Q8_0", drop=("blk.1.ffn_norm.weight",))
+    notes: list[str] = []
+    export_model(path, tmp_path / "out", ctx_len=64, prefill_seq_len=8, target="onnxruntime", verify=False,
+                 progress=notes.append)
+    assert ("streaming is not possible (parameter model.layers.1.post_attention_layernorm.weight is not a tensor "
+            "of the checkpoint under that name): loading the whole model") in notes, notes
+    assert any("(GGUF, dequantized to float32)" in n for n in notes)

@@ -22,10 +22,10 @@ def shipped_gguf() -> Path | None:
 
 def write_tiny_llama_gguf(path: Path, matrix_type: str = "F32", table_type: str = "F32", *, hidden: int = 64,
                           ffn: int = 128, heads: int = 4, kv_heads: int = 2, layers: int = 2, tied: bool = True,
-                          seed: int = 7) -> Path:
+                          seed: int = 7, drop: tuple[str, ...] = ()) -> Path:
     """A Llama GGUF: its layer matrices stored as ``matrix_type`` (``F32``, ``F16``, ``Q8_0``, ``Q4_0``...), its
     embedding (and untied ``output`` head) as ``table_type``, norms F32 (not all ones); vocabulary 49152 (the
-    shipped tokenizer's)."""
+    shipped tokenizer's). ``drop``: GGUF tensor names left out of the file."""
     import gguf
 
     src = shipped_gguf()
@@ -52,6 +52,8 @@ def write_tiny_llama_gguf(path: Path, matrix_type: str = "F32", table_type: str 
 
     def add(name: str, rows: int, cols: int, kind: str, scale: float = 0.08) -> None:
         arr = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if name in drop:
+            return
         qtype = getattr(q, kind)
         if qtype == q.F32:
             w.add_tensor(name, arr)
@@ -61,7 +63,9 @@ def write_tiny_llama_gguf(path: Path, matrix_type: str = "F32", table_type: str 
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
 
     def norm(name: str) -> None:
-        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        arr = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+        if name not in drop:
+            w.add_tensor(name, arr)
 
     add("token_embd.weight", vocab, hidden, table_type, 0.5)
     if not tied:
