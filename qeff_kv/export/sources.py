@@ -202,7 +202,9 @@ class FolderSource(ModelSource):
 
 
 class GgufSource(ModelSource):
-    """A GGUF file (llama.cpp's format), read by transformers' GGUF loader and dequantized to ``options.dtype``.
+    """A GGUF file (llama.cpp's format), read by transformers' GGUF loader and dequantized to ``options.dtype``
+    (:meth:`load_torch_model`: the whole-model path; an export streams it tensor by tensor instead,
+    :mod:`qeff_kv.export.weights.gguf_store`, from :meth:`config_object`).
 
     The config and the tokenizer (with its chat template) come from the file's metadata; the export folder then
     holds everything ``qeff-kv generate`` needs. Needs the ``gguf`` extra (gguf, accelerate).
@@ -232,6 +234,12 @@ class GgufSource(ModelSource):
                 raise ExportError(f"{self.path}: cannot read the model config from the GGUF metadata "
                                   f"({_first_line(exc)})") from None
         return self._config_obj
+
+    def config_object(self):
+        """A copy of the transformers config converted from the GGUF metadata (what the whole-model load uses)."""
+        import copy
+
+        return copy.deepcopy(self._load_config_object())
 
     def _read_config(self) -> dict:
         cfg = self._load_config_object()

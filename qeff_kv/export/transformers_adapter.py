@@ -273,3 +273,21 @@ def checkpoint_renamer(model):
         return target, converter, pattern
 
     return rename, dot_natural_key
+
+
+def gguf_tensor_helpers(arch: str):
+    """What transformers' (legacy, dequantizing) GGUF loader does to each tensor of a GGUF of architecture ``arch``
+    (:mod:`.weights.gguf_store`): ``(processor_for(config), names(model, processor), gguf_config(path))`` (the
+    architecture's tensor processor, ``get_gguf_hf_weights_map`` and the metadata-only config the processors
+    read), or None when transformers converts ``arch`` with its newer conversion ops instead."""
+    from transformers import modeling_gguf_pytorch_utils as tg
+
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    except ImportError:   # a transformers without the newer GGUF loader: every architecture is legacy
+        is_gguf_arch_supported = None
+    if is_gguf_arch_supported is not None and is_gguf_arch_supported(arch):
+        return None
+    processor_class = tg.TENSOR_PROCESSORS.get(arch, tg.TensorProcessor)
+    return (lambda config: processor_class(config=config), tg.get_gguf_hf_weights_map,
+            lambda path: tg.load_gguf_checkpoint(str(path), return_tensors=False)["config"])

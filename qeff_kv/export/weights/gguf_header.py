@@ -90,6 +90,11 @@ def check(path: str | os.PathLike, *, error: type[QeffKvError]) -> None:
 def tensor_table(path: str | os.PathLike, *, error: type[QeffKvError]) -> list[tuple[str, list[int], int]]:
     """``(name, dims, ggml type)`` of every tensor of a GGUF file whose structure is whole (:func:`check`'s
     refusals otherwise); the header only, no tensor data is read."""
+    return [(name, dims, ttype) for name, dims, ttype, _offset in _guarded_walk(path, error)[2]]
+
+
+def _guarded_walk(path, error):
+    """:func:`_walk` over the file ``path``, its refusals as ``error`` (one line)."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -104,7 +109,17 @@ def tensor_table(path: str | os.PathLike, *, error: type[QeffKvError]) -> list[t
         raise error(f"{path}: unreadable ({exc.strerror or exc})") from None
 
 
-def _walk(buf, size: int) -> list[tuple[str, list[int], int]]:
+def tensor_index(path: str | os.PathLike, *, error: type[QeffKvError]) -> tuple[str, list[tuple]]:
+    """``(general.architecture, [(name, numpy shape, ggml type id, absolute data offset), ...])`` of a GGUF file whose
+    structure is whole (:func:`check`'s refusals otherwise); the tensor data is not read."""
+    arch, data_start, tensors = _guarded_walk(path, error)
+    return arch, [(name, tuple(int(d) for d in reversed(dims)), ttype, data_start + offset)
+                  for name, dims, ttype, offset in tensors]
+
+
+def _walk(buf, size: int) -> tuple[str, int, list[tuple]]:
+    """``(general.architecture, start of the tensor data, [(name, dims, type, offset), ...])``; refuses
+    (:class:`_Corrupt`) a file whose structure is not whole."""
     r = _Reader(buf, size)
     if bytes(buf[r.take(4, "magic"):4]) != MAGIC:
         raise _Corrupt("no GGUF magic")
@@ -116,10 +131,13 @@ def _walk(buf, size: int) -> list[tuple[str, list[int], int]]:
     # every metadata entry takes at least 8 + 4 + 1 bytes, every tensor info at least 8 + 4 + 4 + 8
     if n_kv * 13 > size or n_tensors * 24 > size:
         raise _Corrupt(f"{n_kv} metadata entries and {n_tensors} tensors cannot fit in the file")
-    alignment = DEFAULT_ALIGNMENT
+    alignment, arch = DEFAULT_ALIGNMENT, ""
     for i in range(n_kv):
         key = r.string(f"metadata key {i}")
         vtype = r.u32(f"metadata {key[:64]!r} type")
+        if key == b"general.architecture" and vtype == _STRING:
+            arch = r.string("general.architecture").decode("utf-8", "replace")
+            continue
         v = r.value(vtype, f"metadata {key[:64].decode('utf-8', 'replace')!r}")
         if key == b"general.alignment":
             if not isinstance(v, int) or v == 0 or v & (v - 1):
@@ -147,4 +165,4 @@ def _walk(buf, size: int) -> list[tuple[str, list[int], int]]:
         end = data_start + offset + nbytes
         if end > size or (block is None and data_start + offset >= size):
             raise _Corrupt(f"tensor {name!r} data (bytes {data_start + offset}..{end}) lies past the end")
-    return [(name, dims, ttype) for name, dims, ttype, _offset in tensors]
+    return arch, data_start, tensors

@@ -66,15 +66,15 @@ def _meta_parameters():
         torch.nn.Module.register_parameter = original
 
 
-def skeleton(folder, dtype):
-    """The causal LM of ``folder``'s config in ``dtype``, eager attention, eval mode, every parameter a
-    stand-in (shared parameters stay shared)."""
+def skeleton(folder, dtype, config=None):
+    """The causal LM of ``folder``'s config (or of the config object ``config``: a GGUF's) in ``dtype``, eager
+    attention, eval mode, every parameter a stand-in (shared parameters stay shared)."""
     import torch
 
     from qeff_kv.export import transformers_adapter as hf
 
     _torch, transformers = hf.import_transformers()
-    cfg = transformers.AutoConfig.from_pretrained(folder)
+    cfg = config if config is not None else transformers.AutoConfig.from_pretrained(folder)
     with _meta_parameters(), torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     done: dict[int, torch.nn.Parameter] = {}
@@ -350,27 +350,73 @@ class Streamed:
         return attach_weights(ir_model, lineage(recorded["params"], self.plan), self.store, self.plan.dtype)
 
 
+def _skeleton_and_store(source, dtype):
+    """``(skeleton, store)``: a folder's safetensors (:class:`.checkpoint_store.CheckpointStore`), or a GGUF's
+    tensors dequantized one at a time under the model's names (:class:`.gguf_store.GgufStore`)."""
+    if source.kind == "gguf":
+        from qeff_kv.export.weights import gguf_header
+        from qeff_kv.export.weights.gguf_store import GgufStore
+
+        model = skeleton(None, dtype, source.config_object())
+        return model, GgufStore(source.path, model, *gguf_header.tensor_index(source.path, error=ExportError))
+    from qeff_kv.export.weights.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(source.path)
+    return skeleton(source.path, dtype), store
+
+
+def _identity(model, raw, store, the_plan: Plan, dtype_name: str, dtype, say) -> tuple[dict, dict]:
+    """``(checkpoint record, key -> class of equal tensors)``, reading the checkpoint once, tensor by tensor: a
+    folder's files as stored (:func:`.checkpoint.stored_record`: the whole-model path computes the same); a GGUF's
+    tensors as the model holds them (dequantized, a few rows at a time: the loaded model's digest, as its whole
+    path records it)."""
+    from qeff_kv.export import checkpoint as checkpoint_mod
+    from qeff_kv.export.publish import ticker
+
+    if hasattr(raw, "stored_size"):
+        keys = raw.keys()   # the files' tensors as stored (per expert), whatever the model fuses
+        say(f"reading {len(keys)} checkpoint tensors one at a time (identity, as stored)")
+        digests: dict[str, str] = {}
+        record = checkpoint_mod.stored_record(raw, dtype_name, digests=digests,
+                                              step=ticker("identity", sum(map(raw.stored_size, keys)), len(keys)))
+        return record, checkpoint_mod.tensor_classes(store, set(the_plan.keys.values()), digests, dtype)
+    names = {name: the_plan.key_of(t) for name, t in model.state_dict(keep_vars=True).items()}
+    step = ticker("identity", sum(p.numel() * p.element_size() for p in the_plan.params), len(the_plan.params))
+
+    def resolve(name, t):
+        if not is_stand_in(t, the_plan):
+            return t
+        step(t.numel() * t.element_size())
+        return store.chunks(names[name], t.dtype)   # a few rows at a time: never a whole 2 GB table
+
+    say(f"reading {len(set(the_plan.keys.values()))} checkpoint tensors one at a time (identity)")
+    digests = {}
+    record = checkpoint_mod.checkpoint_record(model, dtype_name, resolve=resolve, digests=digests)
+    by_digest: dict[str, int] = {}
+    classes = {names[name]: by_digest.setdefault(digest, len(by_digest)) for name, digest in digests.items()
+               if names.get(name) is not None}
+    return record, classes
+
+
 def open_streamed(source, options, say) -> Streamed | None:
-    """The streaming load stage for a safetensors folder: the skeleton, the plan, one read of the checkpoint
-    (tensor by tensor) for its identity and the classes of equal tensors. ``None`` where the model must be loaded
-    whole (the bundled model and GGUF files, vision-language models, ``QEFF_KV_EXPORT_STREAM=0``, or a
-    checkpoint whose tensors are not the model's parameters by name and shape: said in one line)."""
+    """The streaming load stage for a safetensors folder or a GGUF file (:mod:`.gguf_store`): the skeleton, the
+    plan, one read of the checkpoint (tensor by tensor) for its identity and the classes of equal tensors.
+    ``None`` where the model must be loaded whole (the bundled model, vision-language models,
+    ``QEFF_KV_EXPORT_STREAM=0``, or a checkpoint whose tensors are not the model's parameters by name and shape:
+    said in one line)."""
     import os
 
-    from qeff_kv.export import checkpoint as checkpoint_mod
     from qeff_kv.export import transformers_adapter as hf
-    from qeff_kv.export.weights.checkpoint_store import CheckpointStore
     from qeff_kv.export.weights.expert_keys import ConversionRefused, converted_store
 
-    if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
+    if source.kind not in ("folder", "gguf") or os.environ.get(STREAM_ENV, "1") == "0" \
             or isinstance(source.config().get("vision_config"), dict):
         return None
     torch, _transformers = hf.import_transformers()   # the one-line refusal without the export extra
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
     say(f"building {source.name} without its weights (they stream from the checkpoint, {options.dtype})")
     try:
-        raw = CheckpointStore(source.path)
-        model = skeleton(source.path, dtype)
+        model, raw = _skeleton_and_store(source, dtype)
         store = converted_store(raw, model)   # per-expert tensors as the fused parameters (expert_keys.py)
         the_plan = plan(model, store)
     except (StreamRefused, ConversionRefused, ExportError) as exc:
@@ -380,14 +426,7 @@ def open_streamed(source, options, say) -> Streamed | None:
         say(f"streaming is not possible ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
             "loading the whole model")
         return None
-    from qeff_kv.export.publish import ticker
-
-    keys = raw.keys()   # the identity is the files' tensors as stored (per expert), whatever the model fuses
-    say(f"reading {len(keys)} checkpoint tensors one at a time (identity, as stored)")
-    digests: dict[str, str] = {}
-    record = checkpoint_mod.stored_record(raw, options.dtype, digests=digests,
-                                          step=ticker("identity", sum(map(raw.stored_size, keys)), len(keys)))
-    classes = checkpoint_mod.tensor_classes(store, set(the_plan.keys.values()), digests, dtype)
+    record, classes = _identity(model, raw, store, the_plan, options.dtype, dtype, say)
     try:
         tag(model, the_plan, classes)
     except StreamRefused as exc:
