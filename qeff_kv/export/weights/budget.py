@@ -119,7 +119,7 @@ def way_out(source, options, reason: str, fits_half: bool) -> str:
     outs = []
     if reason == f"{STREAM_ENV}=0":
         outs.append(f"unset {STREAM_ENV} (the streamed export holds a few tensors at a time)")
-    elif source.kind == "gguf":
+    elif source.kind == "gguf":   # a GGUF that does not stream (MoE experts merged at load, a newer conversion)
         outs.append("export the model's safetensors folder instead (it streams tensor by tensor)")
     elif getattr(options, "prequant", None):
         outs.append("export the model's float release with --weights int4 instead (it streams)")
@@ -155,12 +155,8 @@ def reason_without_say(source) -> str:
     ``None`` for before it looks at the checkpoint."""
     from qeff_kv.export.weights.stream import STREAM_ENV
 
-    if source.kind == "gguf":
-        return "a GGUF file is loaded and dequantized whole by transformers"
     if os.environ.get(STREAM_ENV, "1") == "0":
         return f"{STREAM_ENV}=0"
-    if isinstance(source.config().get("vision_config"), dict):
-        return "a vision-language model loads whole"
     return "the model loads whole"
 
 
