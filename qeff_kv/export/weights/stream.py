@@ -65,16 +65,17 @@ def _meta_parameters():
 
 
 def skeleton(folder, dtype):
-    """The causal LM of ``folder``'s config in ``dtype``, eager attention, eval mode, every parameter a
-    stand-in (shared parameters stay shared)."""
+    """The causal LM (image-text-to-text model: :mod:`.vlm_stream`) of ``folder``'s config in ``dtype``, eager
+    attention, eval mode, every parameter a stand-in (shared parameters stay shared)."""
     import torch
 
     from qeff_kv.export import transformers_adapter as hf
+    from qeff_kv.export.weights.vlm_stream import auto_class
 
     _torch, transformers = hf.import_transformers()
     cfg = transformers.AutoConfig.from_pretrained(folder)
     with _meta_parameters(), torch.device("cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+        model = auto_class(transformers, cfg).from_config(cfg, dtype=dtype, attn_implementation="eager")
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -100,18 +101,25 @@ class Plan:
         return self.keys.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
 
 
-def plan(model, store) -> Plan:
-    """Each parameter's checkpoint key: its own name with the same shape. Refuses (:class:`StreamRefused`) a
-    checkpoint whose names or shapes differ from the model's (renamed, fused or split tensors at load)."""
+def plan(model, store, rename=None) -> Plan:
+    """Each parameter's checkpoint key: its own name, or the key transformers loads into it
+    (``rename(model, keys)``: :func:`.vlm_stream.checkpoint_names`), with the same shape. Refuses
+    (:class:`StreamRefused`) a checkpoint whose names or shapes differ from the model's (renamed, fused or split
+    tensors at load)."""
     out = Plan()
     have = store.keys()
+    try:
+        renamed = {} if rename is None else rename(model, have)
+    except ValueError as exc:
+        raise StreamRefused(str(exc)) from None
     for name, p in model.named_parameters(remove_duplicate=True):
         ptr = p.untyped_storage().data_ptr()
-        if name not in have:
+        key = renamed.get(name, name)
+        if key not in have:
             raise StreamRefused(f"parameter {name} is not a tensor of the checkpoint under that name")
-        if store.shape(name) != tuple(p.shape):
-            raise StreamRefused(f"{name}: checkpoint shape {store.shape(name)}, model shape {tuple(p.shape)}")
-        out.keys[ptr], out.shapes[ptr], out.names[ptr] = name, tuple(p.shape), name
+        if store.shape(key) != tuple(p.shape):
+            raise StreamRefused(f"{name}: checkpoint shape {store.shape(key)}, model shape {tuple(p.shape)}")
+        out.keys[ptr], out.shapes[ptr], out.names[ptr] = key, tuple(p.shape), name
         out.params.append(p)
         out.dtype = p.dtype
     return out
@@ -407,16 +415,16 @@ class Streamed:
 def open_streamed(source, options, say) -> Streamed | None:
     """The streaming load stage for a safetensors folder: the skeleton, the plan, one read of the checkpoint
     (tensor by tensor) for its identity and the classes of equal tensors. ``None`` where the model must be loaded
-    whole (the bundled model and GGUF files, vision-language models, ``QEFF_KV_EXPORT_STREAM=0``, or a
+    whole (the bundled model and GGUF files, ``QEFF_KV_EXPORT_STREAM=0``, or a
     checkpoint whose tensors are not the model's parameters by name and shape: said in one line)."""
     import os
 
     from qeff_kv.export import checkpoint as checkpoint_mod
     from qeff_kv.export import transformers_adapter as hf
+    from qeff_kv.export.weights import vlm_stream
     from qeff_kv.export.weights.checkpoint_store import CheckpointStore
 
-    if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0" \
-            or isinstance(source.config().get("vision_config"), dict):
+    if source.kind != "folder" or os.environ.get(STREAM_ENV, "1") == "0":
         return None
     why_not = NOT_STREAMED.get(str(source.config().get("model_type")))
     if why_not is not None:
@@ -428,7 +436,8 @@ def open_streamed(source, options, say) -> Streamed | None:
     try:
         store = CheckpointStore(source.path)
         model = skeleton(source.path, dtype)
-        the_plan = plan(model, store)
+        the_plan = plan(model, store,
+                        vlm_stream.checkpoint_names if vlm_stream.is_vision_language(source.config()) else None)
     except (StreamRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
         return None

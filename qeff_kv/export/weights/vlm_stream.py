@@ -1,0 +1,64 @@
+"""Streaming a vision-language model (issue 51): the skeleton is the image-text-to-text class the whole path loads
+(:meth:`~qeff_kv.export.sources.FolderSource.load_torch_model`), and each parameter reads the checkpoint tensor that
+transformers itself would load into it.
+
+Hub checkpoints of Llava-style models keep the names of the classes before transformers 5
+(``language_model.model.layers.0...``, ``vision_tower...``, ``language_model.lm_head...``) while the class names its
+parameters ``model.language_model.layers.0...``, ``model.vision_tower...``, ``lm_head...``; transformers 5 renames
+at load (and back at save, so a tiny model saved by it has the old names too). The renaming is not re-typed here:
+:func:`checkpoint_names` runs transformers' own rules (``conversion_mapping.get_model_conversion_mapping`` and
+``core_model_loading.rename_source_key``, what ``from_pretrained`` runs) over the checkpoint's keys. A key that
+transformers converts (fuses, splits, permutes: a ``WeightConverter``) into a parameter is refused (``ValueError``;
+:func:`~qeff_kv.export.weights.stream.plan` refuses the stream with its message): the model then loads whole, said
+in one line.
+
+Both graphs of a dual layout are captured from the same skeleton (the vision graph's parameters attached lazily,
+as the language graph's), and the verification reference runs the skeleton with its weights streamed module by
+module, the vision tower's too (:func:`~qeff_kv.export.weights.stream.streamed_weights`).
+"""
+
+from __future__ import annotations
+
+
+def is_vision_language(config) -> bool:
+    """Whether a config (``config.json`` as a dict, or a transformers config) describes a vision-language model:
+    it has a vision config (the test the whole-model load makes)."""
+    vision = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
+    return vision is not None and not isinstance(vision, (str, int, float, bool))
+
+
+def auto_class(transformers, cfg):
+    """The auto class the whole path loads ``cfg`` with: image-text-to-text for a vision-language model."""
+    return transformers.AutoModelForImageTextToText if is_vision_language(cfg) else transformers.AutoModelForCausalLM
+
+
+def checkpoint_names(model, keys) -> dict[str, str]:
+    """``{model state name: checkpoint key}``: each checkpoint key renamed by transformers' load-time rules for
+    ``model``'s class (the names a key keeps are its own). Refuses (``ValueError``) a checkpoint key that
+    transformers converts into a parameter (a tensor computed from one or more checkpoint tensors at load), and
+    two checkpoint keys loading into one parameter."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \
+            rename_source_key
+    except ImportError as exc:   # another transformers: the names must then be the model's own
+        raise ValueError(f"this transformers does not expose its checkpoint renaming ({exc})") from None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    meta = model.state_dict(keep_vars=True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    out: dict[str, str] = {}
+    for key in sorted(keys, key=dot_natural_key):   # the order transformers renames in (group renamings need it)
+        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:   # as transformers: the key was the model's own
+            renamed, converted = rename_source_key(key, [], [], prefix, meta)
+        if renamed not in meta:
+            continue   # not a tensor of this model (transformers drops it too)
+        if converted is not None:
+            raise ValueError(f"checkpoint tensor {key} is converted into {renamed} at load ({converted}); "
+                                "streaming reads tensors as stored")
+        if renamed in out:
+            raise ValueError(f"checkpoint tensors {out[renamed]} and {key} both load into {renamed}")
+        out[renamed] = key
+    return out
