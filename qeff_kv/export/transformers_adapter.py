@@ -243,3 +243,29 @@ def causal_lm_architectures() -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def load_renaming(model):
+    """transformers' own renaming of checkpoint keys at load for ``model``'s class (what ``from_pretrained`` runs:
+    ``conversion_mapping.get_model_conversion_mapping`` and ``core_model_loading.rename_source_key``):
+    ``(rename, sort_key)``, ``rename(key) -> (the model's state name, the converter's pattern or None)``, keys to be
+    renamed in ``sort_key`` order; None where this transformers does not expose it."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \
+            rename_source_key
+    except ImportError:
+        return None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    meta = model.state_dict(keep_vars=True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, str | None]:
+        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:   # as transformers: the key was the model's own
+            renamed, converted = rename_source_key(key, [], [], prefix, meta)
+        return renamed, converted
+
+    return rename, dot_natural_key

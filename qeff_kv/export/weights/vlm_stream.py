@@ -7,7 +7,8 @@ Hub checkpoints of Llava-style models keep the names of the classes before trans
 parameters ``model.language_model.layers.0...``, ``model.vision_tower...``, ``lm_head...``; transformers 5 renames
 at load (and back at save, so a tiny model saved by it has the old names too). The renaming is not re-typed here:
 :func:`checkpoint_names` runs transformers' own rules (``conversion_mapping.get_model_conversion_mapping`` and
-``core_model_loading.rename_source_key``, what ``from_pretrained`` runs) over the checkpoint's keys. A key that
+``core_model_loading.rename_source_key``, what ``from_pretrained`` runs; reached through
+:func:`~qeff_kv.export.transformers_adapter.load_renaming`) over the checkpoint's keys. A key that
 transformers converts (fuses, splits, permutes: a ``WeightConverter``) into a parameter is refused (``ValueError``;
 :func:`~qeff_kv.export.weights.stream.plan` refuses the stream with its message): the model then loads whole, said
 in one line.
@@ -37,27 +38,21 @@ def checkpoint_names(model, keys) -> dict[str, str]:
     ``model``'s class (the names a key keeps are its own). Refuses (``ValueError``) a checkpoint key that
     transformers converts into a parameter (a tensor computed from one or more checkpoint tensors at load), and
     two checkpoint keys loading into one parameter."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, \
-            rename_source_key
-    except ImportError as exc:   # another transformers: the names must then be the model's own
-        raise ValueError(f"this transformers does not expose its checkpoint renaming ({exc})") from None
-    mapping = get_model_conversion_mapping(model)
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    meta = model.state_dict(keep_vars=True)
-    prefix = getattr(model, "base_model_prefix", None) or None
+    from qeff_kv.export import transformers_adapter as hf
+
+    found = hf.load_renaming(model)
+    if found is None:   # another transformers: the names must then be the model's own
+        raise ValueError("this transformers does not expose its checkpoint renaming")
+    rename, sort_key = found
+    meta = set(model.state_dict(keep_vars=True))
     out: dict[str, str] = {}
-    for key in sorted(keys, key=dot_natural_key):   # the order transformers renames in (group renamings need it)
-        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
-        if renamed not in meta and key in meta:   # as transformers: the key was the model's own
-            renamed, converted = rename_source_key(key, [], [], prefix, meta)
+    for key in sorted(keys, key=sort_key):   # the order transformers renames in (group renamings need it)
+        renamed, converted = rename(key)
         if renamed not in meta:
             continue   # not a tensor of this model (transformers drops it too)
         if converted is not None:
             raise ValueError(f"checkpoint tensor {key} is converted into {renamed} at load ({converted}); "
-                                "streaming reads tensors as stored")
+                             "streaming reads tensors as stored")
         if renamed in out:
             raise ValueError(f"checkpoint tensors {out[renamed]} and {key} both load into {renamed}")
         out[renamed] = key
