@@ -27,7 +27,6 @@ FAMILIES = {
 }
 #: the families that do not stream yet, and the reason their one line gives
 NOT_YET = {
-    "internvl": "a folded weight of shape (1, 16, 32) is not a view of its parameter (1, 17, 32)",
     "gemma3": "the exporter folds arithmetic on weights",
 }
 STREAMING = [f for f in FAMILIES if f not in NOT_YET]
@@ -131,7 +130,7 @@ def test_a_vlm_streams_to_the_whole_model_graphs(family, single, tmp_path_factor
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", sorted(NOT_YET))
+@pytest.mark.parametrize("family", sorted(NOT_YET) or [pytest.param("none", marks=pytest.mark.skip)])
 def test_a_vlm_that_cannot_stream_says_so_and_exports_whole(family, tmp_path_factory, monkeypatch):
     res, notes = _export(family, False, True, tmp_path_factory, monkeypatch)
     refusals = [n for n in notes if n.startswith("streaming is not possible (")]
@@ -192,3 +191,27 @@ def test_the_hub_names_and_the_class_names_both_stream(tmp_path_factory, monkeyp
     ref, _ = _export("llava", False, True, tmp_path_factory, monkeypatch)
     assert res.manifest["checkpoint"]["identity"] == ref.manifest["checkpoint"]["identity"]
     assert _greedy(res, "llava")[0] == _greedy(ref, "llava")[0]
+
+
+def test_a_folded_cut_of_a_weight_is_read_as_that_cut():
+    """InternVL's vision position table is folded as ``[:, :1]`` and ``[:, 1:]``: each is read from the checkpoint
+    as that cut; a cut along the last axis (which a stand-in cannot tell apart) or a transposed one is not a cut,
+    and two cuts of one weight with one shape (the exporter would merge their equal stand-ins) are refused."""
+    import torch
+
+    from qeff_kv.export.weights import stream
+    from qeff_kv.export.weights.vlm_stream import sliced_view
+
+    p = stream.stand_in((1, 17, 32), torch.float32)
+    assert sliced_view(p[:, :1], (1, 17, 32)) == ((0, 1), (0, 1), (0, 32))
+    assert sliced_view(p[:, 1:], (1, 17, 32)) == ((0, 1), (1, 17), (0, 32))
+    assert sliced_view(p[:, 3:9], (1, 17, 32)) == ((0, 1), (3, 9), (0, 32))
+    assert sliced_view(p, (1, 17, 32)) is None and sliced_view(p[..., :5], (1, 17, 32)) is None
+    q = stream.stand_in((6, 4), torch.float32)
+    assert sliced_view(q.t()[:, 1:], (6, 4)) is None and sliced_view(q[2:5], (6, 4)) == ((2, 5), (0, 4))
+    the_plan = stream.Plan(keys={p.untyped_storage().data_ptr(): "pos"},
+                           shapes={p.untyped_storage().data_ptr(): (1, 17, 32)})
+    assert stream.lineage({"a": p[:, :1], "b": p[:, 1:]}, the_plan) == {
+        "a": ("pos", None, ((0, 1), (0, 1), (0, 32))), "b": ("pos", None, ((0, 1), (1, 17), (0, 32)))}
+    with pytest.raises(stream.StreamRefused, match=r"^two views of pos of shape \(1, 1, 32\) are folded$"):
+        stream.lineage({"a": p[:, 1:2], "b": p[:, 2:3]}, the_plan)

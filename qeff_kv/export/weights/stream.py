@@ -229,13 +229,19 @@ def _permutation(t, shape: tuple) -> tuple | None:
 
 
 def lineage(params: dict, the_plan: Plan) -> dict:
-    """Each traced parameter's source: ``(checkpoint key, permutation or None)`` for a (view of a) stand-in,
-    or a numpy array for a real tensor (buffers and what was folded from them)."""
-    out = {}
+    """Each traced parameter's source: ``(checkpoint key, permutation or None[, cut])`` for a (view of a) stand-in
+    (``cut``: :func:`.vlm_stream.sliced_view`), or a numpy array for a real tensor (buffers and what was folded from
+    them). Refuses two views of one parameter with one shape (the exporter would merge their equal stand-ins)."""
+    from qeff_kv.export.weights.vlm_stream import sliced_view
+
+    out, views = {}, {}
     for name, t in params.items():
         if is_stand_in(t, the_plan):
             ptr = t.untyped_storage().data_ptr()
-            out[name] = (the_plan.keys[ptr], _permutation(t, the_plan.shapes[ptr]))
+            key, cut = the_plan.keys[ptr], sliced_view(t, the_plan.shapes[ptr])
+            out[name] = (key, None, cut) if cut else (key, _permutation(t, the_plan.shapes[ptr]))
+            if views.setdefault((ptr, tuple(t.shape)), out[name]) != out[name]:
+                raise StreamRefused(f"two views of {key} of shape {tuple(t.shape)} are folded")
         else:
             out[name] = t.detach().contiguous().numpy().copy()
     return out
@@ -254,21 +260,24 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
         if isinstance(src, np.ndarray):
             value.const_value = ir.tensor(src, name=value.name)
         else:
-            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name)
+            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, *src[2:])
             lazy += 1
         graph.register_initializer(value)
     return lazy
 
 
-def lazy_tensor(store, key: str, perm, torch_dtype, name: str) -> ir.LazyTensor:
-    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``), read when evaluated."""
-    shape = store.shape(key)
+def lazy_tensor(store, key: str, perm, torch_dtype, name: str, cut=None) -> ir.LazyTensor:
+    """The checkpoint tensor ``key`` in ``torch_dtype`` (cut to ``cut``'s ``(start, stop)`` per axis, axes permuted by
+    ``perm``), read when evaluated."""
+    shape = store.shape(key) if cut is None else tuple(b - a for a, b in cut)
     if perm is not None:
         shape = tuple(shape[p] for p in perm)
     np_dtype = {"torch.float32": np.float32, "torch.float16": np.float16}[str(torch_dtype)]
 
     def load():
         arr = store.array(key, torch_dtype)
+        if cut is not None:
+            arr = np.ascontiguousarray(arr[tuple(slice(a, b) for a, b in cut)])
         if perm is not None:
             arr = np.ascontiguousarray(arr.transpose(perm))
         return ir.tensor(arr, name=name)
