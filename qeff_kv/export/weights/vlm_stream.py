@@ -24,7 +24,9 @@ from __future__ import annotations
 def is_vision_language(config) -> bool:
     """Whether a config (``config.json`` as a dict, or a transformers config) describes a vision-language model:
     it has a vision config (the test the whole-model load makes)."""
-    vision = config.get("vision_config") if isinstance(config, dict) else getattr(config, "vision_config", None)
+    if isinstance(config, dict):
+        return isinstance(config.get("vision_config"), dict)
+    vision = getattr(config, "vision_config", None)
     return vision is not None and not isinstance(vision, (str, int, float, bool))
 
 
