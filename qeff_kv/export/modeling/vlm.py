@@ -189,9 +189,10 @@ def language_inputs(io, vision: dict, facts, options, dtype) -> dict:
     return vision
 
 
-def trace_vision(model, options, path: Path, vision: dict) -> None:
+def trace_vision(model, options, path: Path, vision: dict, *, export_params: bool = True) -> None:
     """The dual layout's vision graph: ``pixel_values [batch_size, channels, img_size, img_size] ->
-    vision_embeds [batch_size, vision_size, hidden]``."""
+    vision_embeds [batch_size, vision_size, hidden]``. ``export_params=False``: the parameters stay graph inputs
+    without data (the streaming export attaches them)."""
     dtype = next(model.parameters()).dtype
     args, names = (vision_pixels(vision, dtype),), [naming.PIXEL_VALUES]
     dyn = {naming.PIXEL_VALUES: {0: "batch_size", 2: "img_size", 3: "img_size"},
@@ -203,7 +204,7 @@ def trace_vision(model, options, path: Path, vision: dict) -> None:
         try:
             torch.onnx.export(VisionEncoder(model, vision.get("grid")).eval(), args, str(path), dynamo=False,
                               opset_version=OPSET, input_names=names, output_names=[naming.VISION_EMBEDS],
-                              dynamic_axes=dyn, do_constant_folding=True)
+                              dynamic_axes=dyn, do_constant_folding=True, export_params=export_params)
         except Exception as exc:
             raise ExportError(f"tracing the vision encoder of {type(model).__name__} failed: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from None

@@ -41,9 +41,10 @@ def is_stand_in(t, the_plan) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- constant folding
-#: the ONNX nodes whose fold of a stand-in may be a view of it (written from the checkpoint permuted, or reshaped by
-#: axes of size 1: :mod:`.views`); a fold that is not a view is a new tensor, which the guard refuses
-VIEW_NODES = frozenset({"onnx::Transpose", "onnx::Reshape", "onnx::Unsqueeze", "onnx::Squeeze"})
+#: the ONNX nodes whose fold of a stand-in may be a view of it (written from the checkpoint permuted, reshaped by axes
+#: of size 1: :mod:`.views`, or cut: :func:`.vlm_stream.sliced_view`); a fold that is not a view is a new tensor,
+#: which the guard refuses
+VIEW_NODES = frozenset({"onnx::Transpose", "onnx::Reshape", "onnx::Unsqueeze", "onnx::Squeeze", "onnx::Slice"})
 
 
 #: ONNX ``Cast``'s ``to`` of each torch dtype a stand-in may have
@@ -60,13 +61,25 @@ def _identity_cast(node, params: dict) -> bool:
 
 
 def computed_from(graph, params: dict, the_plan) -> set[str]:
-    """The names of the stand-in parameters that a node other than a view reads (see the module docstring)."""
+    """The names of the stand-in parameters that a folded computation other than a view would read: every stand-in
+    among the inputs (through any chain of nodes) of a node that is not a view and whose inputs are all constant
+    (parameters, ``Constant`` nodes and what is computed from them alone: what the folding folds). A stand-in whose
+    every reader is a view feeding a node with a runtime input (``MatMul(x, Transpose(W))``) stays foldable."""
+    names = {v.debugName() for v in graph.inputs()}
+    constant: set[str] = {n for n in names if n in params}
     stand_ins = {name for name, t in params.items() if is_stand_in(t, the_plan)}
+    sources: dict[str, set[str]] = {n: ({n} if n in stand_ins else set()) for n in constant}
     out: set[str] = set()
     for node in graph.nodes():
-        if node.kind() in VIEW_NODES or _identity_cast(node, params):
+        ins = [v.debugName() for v in node.inputs()]
+        if not all(i in constant for i in ins):
             continue
-        out.update(v.debugName() for v in node.inputs() if v.debugName() in stand_ins)
+        reads = set().union(*(sources[i] for i in ins)) if ins else set()
+        if reads and node.kind() not in VIEW_NODES and not _identity_cast(node, params):
+            out |= reads   # arithmetic the folding would compute from these stand-ins
+        for v in node.outputs():
+            constant.add(v.debugName())
+            sources[v.debugName()] = reads
     return out
 
 

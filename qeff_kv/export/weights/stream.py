@@ -67,16 +67,18 @@ def _meta_parameters():
 
 
 def skeleton(folder, dtype, config=None):
-    """The causal LM of ``folder``'s config (or of the config object ``config``: a GGUF's) in ``dtype``, eager
+    """The causal LM (image-text-to-text model: :mod:`.vlm_stream`) of ``folder``'s config (or of the config object
+    ``config``: a GGUF's) in ``dtype``, eager
     attention, eval mode, every parameter a stand-in (shared parameters stay shared)."""
     import torch
 
     from qeff_kv.export import transformers_adapter as hf
+    from qeff_kv.export.weights.vlm_stream import auto_class
 
     _torch, transformers = hf.import_transformers()
     cfg = config if config is not None else transformers.AutoConfig.from_pretrained(folder)
     with _meta_parameters(), torch.device("cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+        model = auto_class(transformers, cfg).from_config(cfg, dtype=dtype, attn_implementation="eager")
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -103,8 +105,9 @@ class Plan:
 
 
 def plan(model, store) -> Plan:
-    """Each parameter's checkpoint key: its own name with the same shape. Refuses (:class:`StreamRefused`) a
-    checkpoint whose names or shapes differ from the model's (renamed, fused or split tensors at load)."""
+    """Each parameter's checkpoint key: its own name with the same shape (``store``: a checkpoint as the model names
+    its parameters, :func:`.expert_keys.converted_store`). Refuses (:class:`StreamRefused`) a checkpoint whose names
+    or shapes differ from the model's."""
     out = Plan()
     have = store.keys()
     for name, p in model.named_parameters(remove_duplicate=True):
@@ -137,19 +140,24 @@ def tag(model, the_plan: Plan, classes: dict[str, int]) -> None:
 
 
 def lineage(params: dict, the_plan: Plan) -> dict:
-    """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None)`` for a (view
-    of a) stand-in (:func:`.views.view_of`), or a numpy array for a real tensor (buffers and what was folded from
-    them)."""
+    """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None, cut or None)`` for a
+    (view of a) stand-in (:func:`.views.view_of`; ``cut``: :func:`.vlm_stream.sliced_view`), or a numpy array for a
+    real tensor (buffers and what was folded from them). Refuses two views of one parameter with one shape (the
+    exporter would merge their equal stand-ins)."""
     from qeff_kv.export.weights.views import NotAView, view_of
+    from qeff_kv.export.weights.vlm_stream import sliced_view
 
-    out = {}
+    out, views = {}, {}
     for name, t in params.items():
         if is_stand_in(t, the_plan):
             ptr = t.untyped_storage().data_ptr()
+            key, cut = the_plan.keys[ptr], sliced_view(t, the_plan.shapes[ptr])
             try:
-                out[name] = (the_plan.keys[ptr], *view_of(t, the_plan.shapes[ptr]))
+                out[name] = (key, None, None, cut) if cut else (key, *view_of(t, the_plan.shapes[ptr]), None)
             except NotAView as exc:
                 raise StreamRefused(str(exc)) from None
+            if views.setdefault((ptr, tuple(t.shape)), out[name]) != out[name]:
+                raise StreamRefused(f"two views of {key} of shape {tuple(t.shape)} are folded")
         else:
             out[name] = t.detach().contiguous().numpy().copy()
     return out
@@ -168,19 +176,21 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
         if isinstance(src, np.ndarray):
             value.const_value = ir.tensor(src, name=value.name)
         else:
-            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, src[2])
+            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, *src[2:])
             lazy += 1
         graph.register_initializer(value)
     return lazy
 
 
-def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None) -> ir.LazyTensor:
-    """The checkpoint tensor ``key`` in ``torch_dtype`` (axes permuted by ``perm``; with ``reshaped``, its axes of
-    size 1 dropped before and the result given that shape: :func:`.views.view_of`), read when evaluated (a
-    :class:`.packed_spill.CheckpointTensor`: the writer finds the blocks the reference packed by its key)."""
+def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None,
+                cut=None) -> ir.LazyTensor:
+    """The checkpoint tensor ``key`` in ``torch_dtype`` (cut to ``cut``'s ``(start, stop)`` per axis; axes permuted by
+    ``perm``; with ``reshaped``, its axes of size 1 dropped before and the result given that shape:
+    :func:`.views.view_of`), read when evaluated (a :class:`.packed_spill.CheckpointTensor`: the writer finds the
+    blocks the reference packed by its key)."""
     from qeff_kv.export.weights.packed_spill import checkpoint_tensor
 
-    shape = store.shape(key)
+    shape = store.shape(key) if cut is None else tuple(b - a for a, b in cut)
     kept = tuple(d for d in shape if d != 1) if reshaped is not None else shape
     if perm is not None:
         shape = tuple(kept[p] for p in perm)
@@ -188,7 +198,10 @@ def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple |
     np_dtype = {"torch.float32": np.float32, "torch.float16": np.float16}[str(torch_dtype)]
 
     def load():
-        arr = store.array(key, torch_dtype).reshape(kept)
+        arr = store.array(key, torch_dtype)
+        if cut is not None:
+            arr = np.ascontiguousarray(arr[tuple(slice(a, b) for a, b in cut)])
+        arr = arr.reshape(kept)
         if perm is not None:
             arr = np.ascontiguousarray(arr.transpose(perm))
         return ir.tensor(arr.reshape(shape), name=name)
@@ -401,16 +414,14 @@ def _identity(model, raw, store, the_plan: Plan, dtype_name: str, dtype, say) ->
 def open_streamed(source, options, say) -> Streamed | None:
     """The streaming load stage for a safetensors folder or a GGUF file (:mod:`.gguf_store`): the skeleton, the
     plan, one read of the checkpoint (tensor by tensor) for its identity and the classes of equal tensors.
-    ``None`` where the model must be loaded whole (the bundled model, vision-language models,
-    ``QEFF_KV_EXPORT_STREAM=0``, or a checkpoint whose tensors are not the model's parameters by name and shape:
+    ``None`` where the model must be loaded whole (the bundled model, ``QEFF_KV_EXPORT_STREAM=0``, or a checkpoint whose tensors are not the model's parameters by name and shape:
     said in one line)."""
     import os
 
     from qeff_kv.export import transformers_adapter as hf
     from qeff_kv.export.weights.expert_keys import ConversionRefused, converted_store
 
-    if source.kind not in ("folder", "gguf") or os.environ.get(STREAM_ENV, "1") == "0" \
-            or isinstance(source.config().get("vision_config"), dict):
+    if source.kind not in ("folder", "gguf") or os.environ.get(STREAM_ENV, "1") == "0":
         return None
     torch, _transformers = hf.import_transformers()   # the one-line refusal without the export extra
     dtype = {"float32": torch.float32, "float16": torch.float16}[options.dtype]
