@@ -180,7 +180,7 @@ def test_a_folded_cut_of_a_weight_is_read_as_that_cut():
     import torch
 
     from qeff_kv.export.weights import stream
-    from qeff_kv.export.weights.vlm_stream import sliced_view
+    from qeff_kv.export.weights.views import sliced_view
 
     p = stream.stand_in((1, 17, 32), torch.float32)
     assert sliced_view(p[:, :1], (1, 17, 32)) == ((0, 1), (0, 1), (0, 32))

@@ -42,7 +42,7 @@ def is_stand_in(t, the_plan) -> bool:
 
 # ----------------------------------------------------------------------------------------------- constant folding
 #: the ONNX nodes whose fold of a stand-in may be a view of it (written from the checkpoint permuted, reshaped by axes
-#: of size 1: :mod:`.views`, or cut: :func:`.vlm_stream.sliced_view`); a fold that is not a view is a new tensor,
+#: of size 1: :mod:`.views`, or cut: :func:`.views.sliced_view`); a fold that is not a view is a new tensor,
 #: which the guard refuses
 VIEW_NODES = frozenset({"onnx::Transpose", "onnx::Reshape", "onnx::Unsqueeze", "onnx::Squeeze", "onnx::Slice"})
 

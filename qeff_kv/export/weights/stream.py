@@ -66,14 +66,27 @@ def _meta_parameters():
         torch.nn.Module.register_parameter = original
 
 
+def is_vision_language(config) -> bool:
+    """Whether a config (``config.json`` as a dict, or a transformers config) describes a vision-language model:
+    it has a vision config (the test the whole-model load makes)."""
+    if isinstance(config, dict):
+        return isinstance(config.get("vision_config"), dict)
+    vision = getattr(config, "vision_config", None)
+    return vision is not None and not isinstance(vision, (str, int, float, bool))
+
+
+def auto_class(transformers, cfg):
+    """The auto class the whole path loads ``cfg`` with: image-text-to-text for a vision-language model."""
+    return transformers.AutoModelForImageTextToText if is_vision_language(cfg) else transformers.AutoModelForCausalLM
+
+
 def skeleton(folder, dtype, config=None):
-    """The causal LM (image-text-to-text model: :mod:`.vlm_stream`) of ``folder``'s config (or of the config object
+    """The causal LM (image-text-to-text model for a vision-language config: :func:`auto_class`) of ``folder``'s config (or of the config object
     ``config``: a GGUF's) in ``dtype``, eager
     attention, eval mode, every parameter a stand-in (shared parameters stay shared)."""
     import torch
 
     from qeff_kv.export import transformers_adapter as hf
-    from qeff_kv.export.weights.vlm_stream import auto_class
 
     _torch, transformers = hf.import_transformers()
     cfg = config if config is not None else transformers.AutoConfig.from_pretrained(folder)
@@ -141,11 +154,10 @@ def tag(model, the_plan: Plan, classes: dict[str, int]) -> None:
 
 def lineage(params: dict, the_plan: Plan) -> dict:
     """Each traced parameter's source: ``(checkpoint key, permutation or None, reshaped or None, cut or None)`` for a
-    (view of a) stand-in (:func:`.views.view_of`; ``cut``: :func:`.vlm_stream.sliced_view`), or a numpy array for a
+    (view of a) stand-in (:func:`.views.view_of`; ``cut``: :func:`.views.sliced_view`), or a numpy array for a
     real tensor (buffers and what was folded from them). Refuses two views of one parameter with one shape (the
     exporter would merge their equal stand-ins)."""
-    from qeff_kv.export.weights.views import NotAView, view_of
-    from qeff_kv.export.weights.vlm_stream import sliced_view
+    from qeff_kv.export.weights.views import NotAView, sliced_view, view_of
 
     out, views = {}, {}
     for name, t in params.items():

@@ -41,3 +41,24 @@ def view_of(t, shape: tuple) -> tuple:
     if t.storage_offset() != 0 or t.numel() != int(np.prod(shape)) or (shape and shape[-1] == 1 and kept):
         raise NotAView(f"a folded weight of shape {tuple(t.shape)} is not a view of its parameter {shape}")
     return permutation(t.squeeze(), kept), tuple(t.shape)
+
+
+def sliced_view(t, shape: tuple) -> tuple | None:
+    """``((start, stop) per axis)`` where the folded tensor ``t`` is a cut of the stand-in of ``shape``
+    (``parameter[a0:b0, a1:b1, ...]``: the axes in order, step 1; InternVL's vision position table is folded as
+    ``[:, :1]`` and ``[:, 1:]``); None where it is not one (or is the whole parameter). The last axis must be whole:
+    a stand-in holds one element per row, so a cut along it cannot be told from another."""
+    import numpy as np
+
+    shape = tuple(int(d) for d in shape)
+    if not shape or t.dim() != len(shape) or int(t.shape[-1]) != shape[-1] \
+            or (t.storage_offset() == 0 and tuple(t.shape) == shape):
+        return None
+    base = shape[:-1] + (1,)
+    strides = tuple(int(np.prod(base[i + 1:], dtype=np.int64)) for i in range(len(shape) - 1)) + (0,)
+    if any(n > 1 and s != strides[i] for i, (n, s) in enumerate(zip(t.shape, t.stride()))) \
+            or t.storage_offset() >= int(np.prod(base, dtype=np.int64)):
+        return None
+    starts = np.unravel_index(t.storage_offset(), base)
+    cut = tuple((int(a), int(a) + int(n)) for a, n in zip(starts, t.shape))
+    return cut if all(b <= d for (_a, b), d in zip(cut, shape)) else None
