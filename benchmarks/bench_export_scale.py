@@ -2,6 +2,7 @@
 on the same random-weight bf16 checkpoints (benchmarks/make_checkpoint.py), from the 360M shape up.
 
     python benchmarks/bench_export_scale.py --shapes smollm2-360m --exporter both
+    python benchmarks/bench_export_scale.py --shapes llama-8b --exporter qeff --precisions int4 --gguf Q4_0
     python benchmarks/bench_export_scale.py --shapes llama-8b --exporter qeff \\
         --qeff-command "/work/main/.venv/bin/python -m qeff_kv_cli.main export"   # with PYTHONPATH=<other tree>
 
@@ -39,6 +40,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_checkpoint  # noqa: E402
+import make_gguf  # noqa: E402
 
 GB = 1e9
 QEFF_ARGS = {"fp16": ["--target", "portable", "--dtype", "float16"],
@@ -172,7 +174,7 @@ def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: d
         shutil.rmtree(out, ignore_errors=True)
     res.update({"shape": shape, "release": make_checkpoint.RELEASES[shape], "exporter": exporter,
                 "precision": precision, "verify": (not args.skip_verify) if exporter == "qeff" else None,
-                "command": shlex.join(cmd), "ckpt_bytes": info["bytes"],
+                "command": shlex.join(cmd), "ckpt_bytes": info["bytes"], "source": info.get("source", "bf16"),
                 "params": info["params"], "peak_over_ckpt": round(res["peak_tree_rss_bytes"] / info["bytes"], 2),
                 "loadavg_1min_start": round(load0, 2), "loadavg_1min_end": round(os.getloadavg()[0], 2),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
@@ -184,7 +186,7 @@ def run_one(args, shape: str, exporter: str, precision: str, ckpt: Path, info: d
 
 def run_key(r: dict) -> tuple:
     """What a new run replaces in the results file: same shape, exporter, weights and verification choice."""
-    return r["shape"], r["exporter"], r["precision"], r.get("verify")
+    return r["shape"], r["exporter"], r["precision"], r.get("verify"), r.get("source", "bf16")
 
 
 def trace_seconds(stage_lines: list) -> str:
@@ -197,7 +199,7 @@ def trace_seconds(stage_lines: list) -> str:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``."""
-    head = ("| shape | ckpt bf16 GB | exporter | weights | wall s | CPU s | CPU s per B params | trace s "
+    head = ("| shape | checkpoint | ckpt GB | exporter | weights | wall s | CPU s | CPU s per B params | trace s "
             "| peak RSS tree GB | of it anonymous GB | time -v max RSS GB | peak / ckpt | output GB | verified | rc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -206,7 +208,7 @@ def table(rows: list[dict]) -> str:
         anon = f"{r['peak_tree_anon_bytes'] / GB:.2f}" if r.get("peak_tree_anon_bytes") is not None else "-"
         verified = r["verified"] if r.get("verify") is not False else "--no-verify"
         per_b = f"{r['cpu_s'] / (r['params'] / 1e9):.0f}" if r.get("cpu_s") and r.get("params") else "-"
-        lines.append(f"| {r['release']} | {r['ckpt_bytes'] / GB:.2f} | {r['exporter']} | {r['precision']} | "
+        lines.append(f"| {r['release']} | {r.get('source', 'bf16')} | {r['ckpt_bytes'] / GB:.2f} | {r['exporter']} | {r['precision']} | "
                      f"{r['wall_s']:.0f} | {r['cpu_s'] if r['cpu_s'] is not None else '-'} | {per_b} | "
                      f"{trace_seconds(r.get('stages') or [])} | "
                      f"{r['peak_tree_rss_bytes'] / GB:.2f} | {anon} | {tmax} | {r['peak_over_ckpt']:.2f}x | "
@@ -234,6 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="kill a run after this many seconds")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "export_scale.json")
     ap.add_argument("--table", action="store_true", help="print the table of every run in --json and stop")
+    ap.add_argument("--gguf", choices=["Q4_0", "Q8_0"], help="export the checkpoint converted to a GGUF file of "
+                    "this type (benchmarks/make_gguf.py: llama.cpp's layout; written first when missing)")
     args = ap.parse_args(argv)
     if args.table:
         runs = json.loads(args.json.read_text())["runs"]
@@ -251,6 +255,12 @@ def main(argv=None) -> int:
     new = []
     for shape in args.shapes.split(","):
         ckpt, info = ensure_checkpoint(shape, args.ckpt_root)
+        if args.gguf:
+            path = args.ckpt_root / f"{shape}-{args.gguf.lower()}.gguf"
+            if not path.is_file():
+                print(f"writing {path}", flush=True)
+                make_gguf.write_gguf(ckpt, path, args.gguf)
+            ckpt, info = path, {"bytes": path.stat().st_size, "params": info["params"], "source": f"GGUF {args.gguf}"}
         for exporter in exporters:
             for precision in args.precisions.split(","):
                 new.append(run_one(args, shape, exporter, precision, ckpt, info))

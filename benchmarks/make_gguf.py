@@ -76,6 +76,7 @@ def write_gguf(folder: Path, out: Path, qtype: str) -> dict:
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
+    w.add_token_scores([0.0] * len(vocab))
     w.add_token_merges(list(tok["model"].get("merges") or []))
     t0, n = time.time(), 0
     for key in sorted(store.keys()):

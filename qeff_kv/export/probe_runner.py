@@ -24,9 +24,15 @@ class ProbeRunner:
         ~100x faster at 8B; a packed copy in memory); other graphs as without it."""
         import onnxruntime as ort
 
+        from qeff_kv.graph.inplace import inplace_issues
+
         graph = graphio.load(onnx_path)
         layout = graphio.layout_of(graph).require_valid()
         window = graph.metadata_props.get(naming.SLIDING_WINDOW_META)
+        #: the KV bound in place (one buffer per pair, input and output): the graph's updaters write into it, as the
+        #: runtime binds it; a graph the in-place rule does not pass is fed copies as before
+        self.in_place = bool(layout.pairs) and not inplace_issues(graph, layout)
+        self._bound: dict | None = None
         del graph
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -92,12 +98,38 @@ class ProbeRunner:
         if self.ccl is not None:
             need = max(pos) + 1
             feeds[naming.CCL_INPUT] = np.ones(next(v for v in self.ccl if v >= need), dtype=np.int64)
-        out = dict(zip(self.out_names, self.sess.run(None, feeds)))
-        for i, o in self.pairs:
-            self.kv[i] = out[o]
+        if self.in_place:
+            out = self._run_in_place(feeds)
+        else:
+            out = dict(zip(self.out_names, self.sess.run(None, feeds)))
+            for i, o in self.pairs:
+                self.kv[i] = out[o]
         if "image_idx" in self.extra and self.extra["image_idx"][0, 0] >= 0:   # the next chunk continues the image
             self.extra["image_idx"] = out[naming.NON_KV_OUTPUT_ALIASES["image_idx"]]
         return np.asarray(out["logits"])[0].astype(np.float64)
+
+    def _run_in_place(self, feeds: dict) -> dict:
+        """One step with each KV buffer bound as its pair's input and output (the arrays of ``self.kv``, updated in
+        place: no second copy of the cache per step, 0.27 GB at 8B and ctx 1024); the other outputs as arrays."""
+        import onnxruntime as ort
+
+        if self._bound is None:
+            self._bound = {i: ort.OrtValue.ortvalue_from_numpy(self.kv[i]) for i, _o in self.pairs}
+        binding = self.sess.io_binding()
+        for name, value in feeds.items():
+            if name not in self._bound:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        kv_out = {}
+        for i, o in self.pairs:
+            binding.bind_ortvalue_input(i, self._bound[i])
+            binding.bind_ortvalue_output(o, self._bound[i])
+            kv_out[o] = i
+        rest = [name for name in self.out_names if name not in kv_out]
+        for name in rest:
+            binding.bind_output(name, "cpu")
+        self.sess.run_with_iobinding(binding)
+        values = dict(zip([o for _i, o in self.pairs] + rest, binding.get_outputs()))
+        return {name: values[name].numpy() for name in rest}
 
     def add_image(self, pixel_values: np.ndarray, vision_path: Path | None) -> None:
         """Feed a vision-language graph its image: ``vision_embeds`` from the vision graph (dual layout) or

@@ -119,3 +119,25 @@ def test_cli_verify_flags_and_one_line_failure(tmp_path, monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("error: verification failed after the prompt")
     assert not (tmp_path / "bad" / "manifest.json").exists()
     assert issubclass(VerificationError, ExportError)
+
+
+def test_the_probe_binds_its_kv_in_place(tmp_path):
+    """Verification's runner binds each KV buffer as its pair's input and output (issue 51: no second copy of the
+    cache per step): the same logits as feeding copies back, and the same arrays updated in place."""
+    from qeff_kv.export import export_model
+    from qeff_kv.export.probe_runner import ProbeRunner
+
+    r = export_model(None, tmp_path / "out", ctx_len=24, prefill_seq_len=4, verify=False)
+    bound, copied = ProbeRunner(r.onnx_path, 24, 1), ProbeRunner(r.onnx_path, 24, 1)
+    copied.in_place = False
+    assert bound.in_place
+    address = {k: v.__array_interface__["data"][0] for k, v in bound.kv.items()}
+    got, want = [bound.step([5, 9, 2, 7], [0, 1, 2, 3], 0)], [copied.step([5, 9, 2, 7], [0, 1, 2, 3], 0)]
+    for t in range(4):
+        token = int(np.argmax(got[-1]))
+        got.append(bound.step([token], [4 + t], 0))
+        want.append(copied.step([token], [4 + t], 0))
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    assert {k: v.__array_interface__["data"][0] for k, v in bound.kv.items()} == address
+    for name, arr in bound.kv.items():
+        np.testing.assert_array_equal(arr, copied.kv[name])
