@@ -5,17 +5,19 @@ one element per row, filled with a number naming their class. A stand-in's value
 channels could carry it into a result, the first two closed here, the third in :mod:`.stream`:
 
 * **Constant folding** (:func:`recorded_parameters`). The TorchScript exporter folds nodes whose inputs are all
-  constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``; a reshape by axes of size 1; a
-  cast to its own dtype) is the same storage, written from the checkpoint as that view; any other fold (Gemma's ``1 + w``, DiffLlama's ``exp(sum(lq * lk))``, a cast)
-  would compute with the stand-in's value. So a stand-in read by any other node is not offered to the
-  folding at all: its arithmetic stays in the graph as nodes over the weight's initializer (onnxruntime folds them
-  when the session loads, from the real weight). Then the **guard**: the folding runs once more on a copy of the
-  graph with no stand-in offered; a folded tensor of the first run that is neither a (view of a) stand-in nor folded
-  identically without any stand-in depends on one, and the capture is refused (:class:`StandInValue`), whatever the
-  verification would say (``--no-verify`` cannot write it). It is structural: the negation test it replaces missed
-  ``lq * lk`` (unchanged when both change sign) and any fold that overflows either way.
+  constant. A fold of a stand-in that is a *view* (``Transpose``: a Linear's ``W.T``; a reshape by axes of size 1;
+  a cut along leading axes; a cast to its own dtype) is the same storage, written from the checkpoint as that view;
+  any other fold (Gemma's ``1 + w``, DiffLlama's ``exp(sum(lq * lk))``, a cast to another dtype) would compute
+  with the stand-in's value. So a stand-in that such a computation would read is not offered to the folding at
+  all (:func:`computed_from`): the computation stays in the graph as nodes over the weight's initializer
+  (onnxruntime folds them when the session loads, from the real weight). Then the **guard**: the folding runs once
+  more on a copy of the graph with no stand-in offered; a folded tensor of the first run that is neither a (view
+  of a) stand-in nor folded identically without any stand-in depends on one, and the capture is refused
+  (:class:`StandInValue`), whatever the verification would say (``--no-verify`` cannot write it). It is
+  structural: the negation test it replaces missed ``lq * lk`` (unchanged when both change sign) and any fold that
+  overflows either way.
 * **Python reads while tracing** (:func:`traced_reads`): ``.item()``, ``bool()``, ``.tolist()``... of a stand-in
-  bake its value into the traced graph: refused.
+  (or of a value computed from stand-ins alone) bake its value into the traced graph: refused.
 * **The streamed reference** (:func:`.stream.streamed_weights`) gives a module its weights for its own forward; a
   model that reads a child's weight from the parent's forward (LFM2's short convolution reads ``conv.weight`` in
   its decode step, JetMoe's attention experts are called through ``map``/``reduce``, LongcatFlash's router reads
