@@ -8,30 +8,14 @@ the reference is the same as transformers' on the loaded model; verification tha
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import pytest
 
+from onnx_digest import graph_digest
 from suite import requires_torch
 
 pytestmark = requires_torch
-
-
-def _graph_digest(path):
-    """Nodes (op, domain, name, inputs, outputs, attributes), inputs, outputs and initializers (name -> dtype,
-    dims, sha256 of the bytes) of an ONNX file, external data read."""
-    import onnx
-    from onnx import numpy_helper
-
-    m = onnx.load(str(path))
-    g = m.graph
-    nodes = [(n.op_type, n.domain, n.name, tuple(n.input), tuple(n.output),
-              tuple((a.name, onnx.helper.printable_attribute(a)) for a in n.attribute)) for n in g.node]
-    inits = [(t.name, t.data_type, tuple(t.dims), hashlib.sha256(numpy_helper.to_array(t).tobytes()).hexdigest())
-             for t in g.initializer]
-    return {"nodes": nodes, "initializers": inits, "inputs": [v.name for v in g.input],
-            "outputs": [v.name for v in g.output]}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +56,7 @@ def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeyp
     notes: list[str] = []
     new = export_model(sharded_bf16, tmp_path / "new", progress=notes.append, **kw)
     assert any(n.startswith("building llama-bf16 without its weights") for n in notes)
-    assert _graph_digest(old.onnx_path) == _graph_digest(new.onnx_path)
+    assert graph_digest(old.onnx_path) == graph_digest(new.onnx_path)
     assert old.manifest["checkpoint"] == new.manifest["checkpoint"]
     assert new.manifest["verification"]["status"] == "passed"
 
@@ -106,9 +90,9 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
     assert any(n.endswith("(packed as they are written)") for n in notes)
     assert not any("streaming is not possible" in n for n in notes)
     assert (new.onnx_path.parent / (new.onnx_path.name + ".data")).is_file() == external
-    digest = _graph_digest(new.onnx_path)
+    digest = graph_digest(new.onnx_path)
     assert any(n[0] == "MatMulNBits" for n in digest["nodes"])
-    assert _graph_digest(old.onnx_path) == digest
+    assert graph_digest(old.onnx_path) == digest
     a, b = onnx.load(str(old.onnx_path), load_external_data=False), onnx.load(str(new.onnx_path),
                                                                                load_external_data=False)
     assert [(o.domain, o.version) for o in a.opset_import] == [(o.domain, o.version) for o in b.opset_import]
@@ -144,7 +128,7 @@ def test_each_weight_is_quantized_once(sharded_bf16, tmp_path, monkeypatch):
     kw = dict(ctx_len=32, prefill_seq_len=8, target="onnxruntime-fused", weights="int4")
     alone = export_model(sharded_bf16, tmp_path / "alone", verify=False, **kw)
     # every column of every packed weight ([N, K/block, blob]; QKV and gate/up are packed: one weight each)
-    columns = sum(t[2][0] for t in _graph_digest(alone.onnx_path)["initializers"] if t[0].endswith("_Q4"))
+    columns = sum(t[2][0] for t in graph_digest(alone.onnx_path)["initializers"] if t[0].endswith("_Q4"))
     assert columns == 3 * (64 + 2 * 32 + 64 + 2 * 128 + 64) + 2 * 256
     assert sum(shape[1] for shape in calls) == columns   # the writer alone packs each column once
     calls.clear()
@@ -152,7 +136,7 @@ def test_each_weight_is_quantized_once(sharded_bf16, tmp_path, monkeypatch):
     assert both.manifest["verification"]["status"] == "passed"
     # the reference packs each checkpoint weight (q, k and v apart), the writer writes those blocks: once
     assert len(calls) == 3 * 7 + 2 and sum(shape[1] for shape in calls) == columns
-    assert _graph_digest(both.onnx_path) == _graph_digest(alone.onnx_path)
+    assert graph_digest(both.onnx_path) == graph_digest(alone.onnx_path)
 
 
 def test_a_corrupted_packed_block_fails_verification(sharded_bf16, tmp_path, monkeypatch):

