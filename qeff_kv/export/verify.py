@@ -382,7 +382,8 @@ def _steps_by_blocks(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: 
 def _whole_steps(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, kv_batch: int, ccl,
                  vision_path: Path | None, extra_feeds: dict | None) -> list[tuple[str, np.ndarray]]:
     runner = _open_runner(onnx_path, probe, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, vision_path=vision_path)
-    runner.extra.update(extra_feeds or {})
+    if extra_feeds:
+        runner.extra.update(extra_feeds)
     try:
         return _run_probe(runner, probe, ref, ctx_len)
     except Exception as exc:
@@ -402,8 +403,10 @@ def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int,
     rtol = RTOL.get(dtype, RTOL["float16"])
     prompt, chunk = probe.prompt, probe.chunk
     steps, blocks = None, None
-    if probe.block_layers and probe.pixel_values is None:
+    if probe.block_layers:
         try:
+            if probe.pixel_values is not None:
+                raise BlockRunRefused("its probe feeds an image")
             steps, blocks = _steps_by_blocks(onnx_path, probe, ref, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl,
                                              extra_feeds=extra_feeds)
         except BlockRunRefused as exc:
