@@ -11,7 +11,7 @@ import numpy as np
 from qeff_kv.support import capture
 from qeff_kv.graph import graphio
 from qeff_kv.contract import naming
-from qeff_kv.errors import VerificationError
+from qeff_kv.errors import ExportError, VerificationError
 
 
 class ProbeRunner:
@@ -201,6 +201,23 @@ class BlockProbeRunner:
             return open_session_on(path, packed=quantized > 0)
         finally:
             path.unlink(missing_ok=True)
+
+
+#: ``QEFF_KV_VERIFY_BLOCK_LAYERS=k``: verification runs the graph ``k`` decoder layers at a time whatever the memory
+#: (tests and comparisons); a graph that cannot be cut is then verified whole
+BLOCK_ENV = "QEFF_KV_VERIFY_BLOCK_LAYERS"
+
+
+def forced_block_layers() -> int | None:
+    """:data:`BLOCK_ENV`'s layers per block, or None."""
+    import os
+
+    value = os.environ.get(BLOCK_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ExportError(f"{BLOCK_ENV}={value!r} is not a number of layers (1 or more): set a number, or unset it")
+    return int(value)
 
 
 class BlockRunRefused(VerificationError):

@@ -33,7 +33,8 @@ from qeff_kv.contract.chunking import plan_chunks
 from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryError
 from qeff_kv.export.facts import family
 from qeff_kv.export import transformers_adapter as hf
-from qeff_kv.export.probe_runner import BlockProbeRunner, BlockRunRefused, ProbeRunner, first_line
+from qeff_kv.export.probe_runner import BlockProbeRunner, BlockRunRefused, ProbeRunner, first_line, \
+    forced_block_layers
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
 DECODE_STEPS = 4
@@ -61,7 +62,7 @@ class Probe:
     spatial_merge_size: int | None = None
     #: run the graph this many decoder layers at a time (:func:`block_layers_for`), None: whole
     block_layers: int | None = None
-    #: why the graph is run by blocks: the whole-graph refusal (None: forced by :data:`BLOCK_ENV`)
+    #: why the graph is run by blocks: the whole-graph refusal (None: forced by ``probe_runner.BLOCK_ENV``)
     block_reason: str | None = None
 
     def rope_rows(self) -> tuple[np.ndarray, int] | None:
@@ -163,39 +164,41 @@ def memory_allows(need: int, why: str = "", by_layer: int | None = None) -> tupl
 
 #: why a half-precision graph's verification needs its weights twice over (:func:`verification_bytes`)
 HALF_ON_CPU = "onnxruntime's CPU kernels hold a float16 graph's weights as float32"
-#: ``QEFF_KV_VERIFY_BLOCK_LAYERS=k``: verification runs the graph ``k`` decoder layers at a time whatever the memory
-#: (tests and comparisons); a graph that cannot be cut is then verified whole
-BLOCK_ENV = "QEFF_KV_VERIFY_BLOCK_LAYERS"
+#: a block's layers hold at most this many bytes as float32 (unless it is one layer): bounded, not all there is
+BLOCK_LAYER_BYTES = 2 << 30
 
 
 def layer_bytes(model) -> tuple[int, int, int]:
-    """``(layers, the largest layer's bytes, the other parameters' bytes)``: layers of the weightiest module list."""
+    """``(layers, the largest layer's bytes, the most any block holds besides its layers)``: the layers are the
+    weightiest module list; the other weights all go in one block but for the second largest of them (the
+    embedding and an untied head fall in the first and the last block)."""
     import torch
 
     def size(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
-    total = size(model)
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if not lists:
-        return 0, 0, total
-    layers = [size(m) for m in max(lists, key=size)]
-    return len(layers), max(layers), total - sum(layers)
+    layers = max(lists, key=size) if lists else torch.nn.ModuleList()
+    inside = {id(p) for p in layers.parameters()}
+    others = sorted((p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside), reverse=True)
+    sizes = [size(m) for m in layers] or [0]
+    return len(layers), max(sizes), sum(others) - (others[1] if len(others) > 1 and len(layers) > 1 else 0)
 
 
 def block_layers_for(model, streamed: bool, whole: int, say) -> tuple[int, str]:
     """``(layers per block, the whole-graph refusal)``: a half-precision graph whose whole-graph verification does not
-    fit (it needs ``whole`` bytes) is run a block of layers at a time, as many layers to a block as fit the memory
-    available now (onnxruntime holds a block's weights as float32: twice its bytes); where not even one layer
-    fits, the refusal, saying what block verification needs."""
-    n, layer, rest = layer_bytes(model)
-    held = 0 if streamed else layer * n + rest   # a model loaded whole stays beside the session
+    fit (it needs ``whole`` bytes) is run a block of layers at a time (onnxruntime holds a block's weights as
+    float32: twice its bytes), as many layers to a block as fit the memory available now and
+    :data:`BLOCK_LAYER_BYTES`; where not even one layer fits, the refusal, saying what block verification needs."""
+    n, layer, extra = layer_bytes(model)
+    held = 0 if streamed else sum(p.numel() * p.element_size() for p in model.parameters())   # beside the session
 
     def need(k: int) -> int:
-        return 2 * (k * layer + rest) + held + MEMORY_MARGIN
+        return 2 * (k * layer + extra) + held + MEMORY_MARGIN
 
     avail = limits.available_memory()
-    k = next((k for k in range(n, 0, -1) if avail is None or need(k) <= avail), 0)
+    k = next((k for k in range(n, 0, -1) if (k == 1 or 2 * k * layer <= BLOCK_LAYER_BYTES)
+              and (avail is None or need(k) <= avail)), 0)
     if k == 0 or n < 2:
         raise VerificationMemoryError(memory_allows(whole, HALF_ON_CPU, need(1) if n > 1 else None)[1])
     say(f"verifying {k} layer{'s' if k > 1 else ''} at a time (about {need(k) / 2**30:.1f} GiB; the whole graph "
@@ -371,9 +374,8 @@ def _compare(steps: list, ref: Reference, rtol: float) -> tuple[float, float]:
 
 def _steps_by_blocks(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, kv_batch: int, ccl,
                      extra_feeds: dict | None) -> tuple[list[tuple[str, np.ndarray]], int]:
-    """:func:`_run_probe`'s steps, the graph run ``probe.block_layers`` layers at a time (the same feeds: decode is
-    teacher-forced, so no step waits on the graph's output); and how many blocks.
-    :class:`~.probe_runner.BlockRunRefused` where the graph cannot be cut."""
+    """:func:`_run_probe`'s steps (the same feeds), the graph run ``probe.block_layers`` layers at a time; and how
+    many blocks. :class:`~.probe_runner.BlockRunRefused` where the graph cannot be cut."""
     runner = BlockProbeRunner(onnx_path, ctx_len, kv_batch, ccl, probe.block_layers)
     runner.extra.update(extra_feeds or {})
     return runner.run_steps(_run_probe(runner, probe, ref, ctx_len)), len(runner.plan)
@@ -436,7 +438,7 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     if verify is False:
         return None, None, "turned off (--no-verify)"
     facts = family.ModelFacts.from_config(model.config.to_dict())
-    blocks, why = _forced_blocks(), None
+    blocks, why = forced_block_layers(), None
     if verify is None and blocks is None:   # on by default at every size; where it cannot fit, a refusal first
         need, reason = verification_bytes(model, streamed, quantized=one_pass)
         ok, note = memory_allows(need, reason)
@@ -467,18 +469,6 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                           f"--no-verify skips it") from None
     return probe, reference, None
-
-
-def _forced_blocks() -> int | None:
-    """:data:`BLOCK_ENV`'s layers per block, or None."""
-    import os
-
-    value = os.environ.get(BLOCK_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ExportError(f"{BLOCK_ENV}={value!r} is not a number of layers (1 or more): set a number, or unset it")
-    return int(value)
 
 
 def verify_export(onnx_path: Path, vision_path: Path | None, options, probe, reference, skipped: str | None,

@@ -76,11 +76,11 @@ def _walk(runner, probe, ref):
 def test_blocks_of_one_layer_pass_are_recorded_and_agree_with_the_whole_graph(llama3, unverified, tmp_path,
                                                                               monkeypatch, dtype):
     from qeff_kv.export import export_model, verify
-    from qeff_kv.export.probe_runner import BlockProbeRunner, ProbeRunner
+    from qeff_kv.export.probe_runner import BLOCK_ENV, BlockProbeRunner, ProbeRunner
 
     kw = dict(ctx_len=CTX, prefill_seq_len=CHUNK, dtype=dtype)
     whole = export_model(llama3, tmp_path / "whole", **kw).manifest["verification"]
-    monkeypatch.setenv(verify.BLOCK_ENV, "1")
+    monkeypatch.setenv(BLOCK_ENV, "1")
     notes: list[str] = []
     v = export_model(llama3, tmp_path / "blocks", progress=notes.append, **kw).manifest["verification"]
     assert v["status"] == "passed" and v["blocks"] == 3 and "blocks" not in whole
@@ -111,8 +111,8 @@ def test_blocks_are_chosen_where_the_whole_graph_does_not_fit(llama3, tmp_path, 
     from qeff_kv.export import export_model, verify
 
     model = transformers.LlamaForCausalLM.from_pretrained(llama3, torch_dtype=torch.float16)
-    n, layer, rest = verify.layer_bytes(model)
-    assert n == 3 and layer > 0 and rest > 0
+    n, layer, rest = verify.layer_bytes(model)   # rest: the embedding or the head, and the final norm
+    assert n == 3 and layer > 0 and rest == 256 * 64 * 2 + 64 * 2
     monkeypatch.setattr(verify, "MEMORY_MARGIN", 0)
     monkeypatch.setattr(limits, "available_memory", lambda: 2 * (2 * layer + rest))   # two layers, not three
     notes: list[str] = []
@@ -121,6 +121,9 @@ def test_blocks_are_chosen_where_the_whole_graph_does_not_fit(llama3, tmp_path, 
     assert v["status"] == "passed" and v["blocks"] == 2
     assert any(n.startswith("verifying 2 layers at a time (about 0.0 GiB; the whole graph would need more than")
                for n in notes)
+    monkeypatch.setattr(verify, "BLOCK_LAYER_BYTES", 2 * layer)   # bounded even where more would fit
+    monkeypatch.setattr(limits, "available_memory", lambda: 1 << 40)
+    assert verify.block_layers_for(model, True, 1 << 50, notes.append)[0] == 1
     monkeypatch.setattr(limits, "available_memory", lambda: 2 * (layer + rest) - 1)
     with pytest.raises(VerificationMemoryError, match=r"^verification needs about 0\.0 GiB \(onnxruntime's CPU kernels "
                                                       r"hold a float16 graph's weights as float32; a layer at a time, "
