@@ -148,32 +148,26 @@ class Cut:
                         todo.append(c)
         return out
 
-    def _crossing(self, lv: int, moved: set[int]) -> set[str]:
-        """Values that depend on state data, read at level ``lv + 1`` or later (after ``moved`` moves up) but computed
-        on level ``lv`` and not moved."""
+    def _crossing(self, on_level: list[int], lv: int, moved: set[int]) -> set[str]:
+        """Values computed on level ``lv`` (the nodes ``on_level``), not moved, that depend on state data and are read
+        on a later level (or by a node of ``moved``, which moves up)."""
         crossing = set()
-        for k, names in enumerate(self.reads):
-            if self.const[k] or (self.level[k] <= lv and k not in moved):
+        for p in on_level:
+            if p in moved or not self.data[p]:
                 continue
-            for v in names:
-                p = self.producer.get(v)
-                if p is not None and self.data[p] and self.level[p] == lv and p not in moved:
-                    crossing.add(v)
+            for o in self.nodes[p].output:
+                if any(not self.const[c] and (self.level[c] > lv or c in moved) for c in self.consumers.get(o, ())):
+                    crossing.add(o)
         return crossing
 
     def _move_to_residual(self, i: int) -> None:
         prev = self.layers[self.layers.index(i) - 1]
-        tried = 0
-        for k in range(len(self.nodes) - 1, -1, -1):
-            if self.level[k] != prev or self.const[k] or self.nodes[k].op_type != "Add" or len(self.nodes[k].output) != 1:
-                continue
-            tried += 1
-            if tried > _MAX_CANDIDATES:
-                break
+        on_level = [k for k, lv in enumerate(self.level) if lv == prev and not self.const[k]]
+        candidates = [k for k in reversed(on_level) if self.nodes[k].op_type == "Add"
+                      and len(self.nodes[k].output) == 1]
+        for k in candidates[:_MAX_CANDIDATES]:
             moved = self._descendants_on(k, prev)
-            if not moved:
-                continue
-            if self._crossing(prev, moved) <= {self.nodes[k].output[0]}:
+            if moved and self._crossing(on_level, prev, moved) <= {self.nodes[k].output[0]}:
                 for m in moved:
                     self.level[m] = i
                 return

@@ -84,7 +84,8 @@ def test_blocks_of_one_layer_pass_are_recorded_and_agree_with_the_whole_graph(ll
     notes: list[str] = []
     v = export_model(llama3, tmp_path / "blocks", progress=notes.append, **kw).manifest["verification"]
     assert v["status"] == "passed" and v["blocks"] == 3 and "blocks" not in whole
-    assert {k: v[k] for k in ("steps", "prompt_len", "chunk")} == {k: whole[k] for k in ("steps", "prompt_len", "chunk")}
+    same = ("steps", "prompt_len", "chunk")
+    assert {k: v[k] for k in same} == {k: whole[k] for k in same}
     assert abs(v["max_abs_diff"] - whole["max_abs_diff"]) <= 0.05 * whole["tolerance"]
     assert any(n.startswith("verified in 3 blocks: max |logit difference| ") for n in notes)
 
