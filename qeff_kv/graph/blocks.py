@@ -6,10 +6,14 @@ state inputs (past key/value, recurrent states; reading only a state's ``Shape``
 is the last layer whose anchors it depends on (``-1``: the prologue: embedding, mask, RoPE, positions), so a
 layer's attention and MLP stand on its level, and the next layer's input norm and projections too (they come before
 its anchors). Between layers ``i-1`` and ``i`` the cut is moved back to the residual stream: the latest node ``r``
-on level ``i-1`` whose descendants on that level can all move to level ``i`` with nothing but ``r``'s output and
-prologue values crossing the cut. Where no such node exists, where an anchor depends on a later layer, a layer's
-state output is computed on another level, or node names that carry ``layers.N`` disagree with the level found, the
-graph is not cut (:class:`BlockCutError`); callers then run it whole.
+on level ``i-1`` whose descendants on that level can all move to level ``i`` with nothing but ``r``'s outputs and
+prologue-like values crossing the cut (``r`` is the residual ``Add``; in a fused graph, the
+``SkipSimplifiedLayerNormalization`` that adds the residual and normalizes it for the next layer: both cross); a
+value of an earlier layer read past the cut counts as crossing. Where no such node exists, where an anchor depends
+on a later layer, a layer's state output is computed on another level, or node names that carry ``layers.N``
+disagree with the level found, the graph is not cut (:class:`BlockCutError`); callers then run it whole (or refuse).
+Any cut the search accepts is a correct partition (every value a block reads from an earlier one is carried): the
+checks keep the cut at the residual stream, so a block's memory is its layers' weights and a few activations.
 
 Each block is a graph of its own (:func:`block_model`): its nodes; the constants and initializers they read
 (copied into every block that reads them; external data keeps pointing at the original data file, so a block's
@@ -27,7 +31,7 @@ from onnx import helper
 
 #: a node name's layer, where the tracer wrote one (``/model/layers.3/mlp/...``): a check of the structural cut only
 _LAYER_IN_NAME = re.compile(r"(?:^|/)layers\.(0|[1-9][0-9]*)(?:/|$)")
-_MAX_CANDIDATES = 64
+_MAX_CANDIDATES = 2000
 #: reading only a value's shape is no dependence on its data
 _SHAPE_OPS = ("Shape", "Size")
 
@@ -95,6 +99,7 @@ class Cut:
         self.layers = sorted({layer for layer, _, _ in states})
         self.states = states
         self.const = self._constants()
+        self.separators: set[int] = set()
         self.level = self._levels()
         self._check_states()
         for i in self.layers[1:]:
@@ -160,23 +165,41 @@ class Cut:
                     crossing.add(o)
         return crossing
 
+    def _earlier_reads(self, prev: int) -> tuple[set[str], dict[int, list[str]]]:
+        """Values computed before level ``prev`` that depend on state data: those read after it (they would cross the
+        cut too), and those each node on ``prev`` reads (they cross where that node moves up)."""
+        after, on_prev = set(), {}
+        for c, names in enumerate(self.reads):
+            if self.const[c] or self.level[c] < prev:
+                continue
+            old = [v for v in names if v in self.producer and self.data[self.producer[v]]
+                   and self.level[self.producer[v]] < prev]
+            if old and self.level[c] > prev:
+                after.update(old)
+            elif old:
+                on_prev[c] = old
+        return after, on_prev
+
     def _move_to_residual(self, i: int) -> None:
         prev = self.layers[self.layers.index(i) - 1]
         on_level = [k for k, lv in enumerate(self.level) if lv == prev and not self.const[k]]
-        candidates = [k for k in reversed(on_level) if self.nodes[k].op_type == "Add"
-                      and len(self.nodes[k].output) == 1]
-        for k in candidates[:_MAX_CANDIDATES]:
+        after, on_prev = self._earlier_reads(prev)
+        for k in list(reversed(on_level))[:_MAX_CANDIDATES]:
             moved = self._descendants_on(k, prev)
-            if moved and self._crossing(on_level, prev, moved) <= {self.nodes[k].output[0]}:
+            crossing = self._crossing(on_level, prev, moved) | after
+            crossing.update(v for m in moved for v in on_prev.get(m, ()))
+            if moved and crossing <= set(self.nodes[k].output):
                 for m in moved:
                     self.level[m] = i
+                self.separators.add(k)   # a fused residual add and norm carries the next layer's name
                 return
         raise BlockCutError(f"no residual value separates layer {prev} from layer {i}")
 
     def _check_names(self) -> None:
         for k, n in enumerate(self.nodes):
             m = _LAYER_IN_NAME.search(n.name)
-            if m and not self.const[k] and self.level[k] >= 0 and int(m.group(1)) != self.level[k]:
+            if m and not self.const[k] and self.level[k] >= 0 and int(m.group(1)) != self.level[k] \
+                    and k not in self.separators:
                 raise BlockCutError(f"node {n.name!r} falls in layer {self.level[k]} by the graph's structure")
 
     # ------------------------------------------------------------------------------------------ blocks

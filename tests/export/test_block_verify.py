@@ -4,6 +4,8 @@ that cannot be cut at the residual stream verified whole or refused in one line,
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -161,33 +163,44 @@ def test_a_weight_broken_in_one_layer_fails_block_verification(llama3, unverifie
         verify.verify_graph(broken, probe, ref, **kw)
 
 
-def test_a_graph_not_cut_at_the_residual_stream_is_verified_whole_or_refused(llama3, unverified, tmp_path):
-    """Layer 1 also reads layer 0's attention output (times zero: the same logits): no single residual value
-    separates the layers, so blocks are refused; forced, the graph is verified whole; chosen for memory, the
-    export is refused in one line."""
+def _skip_a_layer(src: int):
+    """A rewrite: layer ``src + 1`` also adds layer ``src``'s attention output times zero (the same logits)."""
     from onnx import helper
 
-    from qeff_kv.contract import naming
-    from qeff_kv.graph import blocks
-    from qeff_kv.export import verify
-    from qeff_kv.export.probe_runner import BlockRunRefused
-
-    def skip_a_layer(graph):
+    def change(graph):
         nodes = list(graph.node)
-        attn0 = next(n for n in nodes if n.name.endswith("layers.0/self_attn/o_proj/MatMul")).output[0]
-        add = next(n for n in nodes if n.name.startswith("/model/layers.1/") and n.op_type == "Add"
-                   and any(i.startswith("/model/layers.1/self_attn/o_proj") for i in n.input))
+        attn = next(n for n in nodes if n.name.endswith(f"layers.{src}/self_attn/o_proj/MatMul")).output[0]
+        add = next(n for n in nodes if n.name.startswith(f"/model/layers.{src + 1}/") and n.op_type == "Add"
+                   and any(i.startswith(f"/model/layers.{src + 1}/self_attn/o_proj") for i in n.input))
         at = nodes.index(add)
         extra = [helper.make_node("Constant", [], ["skip_zero"], value=helper.make_tensor("z", 1, [], [0.0])),
-                 helper.make_node("Mul", [attn0, "skip_zero"], ["skip_mul"]),
+                 helper.make_node("Mul", [attn, "skip_zero"], ["skip_mul"]),
                  helper.make_node("Add", [add.input[0], "skip_mul"], ["skip_add"])]
         add.input[0] = "skip_add"
         del graph.node[:]
         graph.node.extend(nodes[:at] + extra + nodes[at:])
 
+    return change
+
+
+@pytest.mark.parametrize("src,why", [
+    # layer 1 reads layer 1's input and layer 2 reads layer 1's attention: no node's outputs alone separate them
+    (1, "no residual value separates layer 1 from layer 2"),
+    # layer 0's own input is the embedding (no state in it): the structure allows a cut after layer 0's attention,
+    # which the traced names refuse
+    (0, "node '/model/layers.0/Add' falls in layer 1 by the graph's structure"),
+])
+def test_a_graph_not_cut_at_the_residual_stream_is_verified_whole_or_refused(llama3, unverified, tmp_path, src, why):
+    """A layer also reads an earlier layer's attention output: blocks are refused; forced, the graph is verified
+    whole; chosen for memory, the export is refused in one line."""
+    from qeff_kv.contract import naming
+    from qeff_kv.graph import blocks
+    from qeff_kv.export import verify
+    from qeff_kv.export.probe_runner import BlockRunRefused
+
     skipped = tmp_path / "skip.onnx"
-    _rewrite(unverified["float32"], skipped, skip_a_layer)
-    with pytest.raises(BlockRunRefused, match=r"^no residual value separates layer 0 from layer 1$"):
+    _rewrite(unverified["float32"], skipped, _skip_a_layer(src))
+    with pytest.raises(BlockRunRefused, match=f"^{re.escape(why)}$"):
         verify.BlockProbeRunner(skipped, CTX, 1, None, 1)
     with pytest.raises(blocks.BlockCutError):
         blocks.Cut(onnx.load(str(skipped), load_external_data=False),
@@ -198,10 +211,8 @@ def test_a_graph_not_cut_at_the_residual_stream_is_verified_whole_or_refused(lla
     notes: list[str] = []
     v = verify.verify_graph(skipped, probe, ref, ctx_len=CTX, dtype="float32", say=notes.append)
     assert v.status == "passed" and "blocks" not in v.extra
-    assert notes == ["verifying a block of layers at a time is not possible (no residual value separates layer 0 "
-                     "from layer 1): the whole graph at once"]
+    assert notes == [f"verifying a block of layers at a time is not possible ({why}): the whole graph at once"]
     probe.block_reason = "verification needs about 9.0 GiB and 1.0 GiB is available: free memory, or pass --no-verify"
     with pytest.raises(VerificationMemoryError, match=r"^the graph cannot be verified a block of layers at a time "
-                                                      r"\(no residual value separates layer 0 from layer 1\), and "
-                                                      r"verification needs about 9\.0 GiB"):
+                                                      rf"\({re.escape(why)}\), and verification needs about 9\.0 GiB"):
         verify.verify_graph(skipped, probe, ref, ctx_len=CTX, dtype="float32", say=notes.append)
