@@ -160,8 +160,8 @@ class BlockProbeRunner:
                                     f"({first_line(exc)})") from None
         return [(label, rows[s][j]) for label, (s, j) in where]
 
-    def run(self, on_block=None) -> list[np.ndarray]:
-        """Each recorded step's logits ``[rows, vocab]`` (float64); ``on_block(block)`` after each block."""
+    def run(self) -> list[np.ndarray]:
+        """Each recorded step's logits ``[rows, vocab]`` (float64)."""
         carried: list[dict[str, np.ndarray]] = [{} for _ in self.recorded]
         logits: list[np.ndarray | None] = [None] * len(self.recorded)
         for b, block in enumerate(self.plan):
@@ -182,8 +182,6 @@ class BlockProbeRunner:
             for values in carried:
                 for v in [v for v in values if v not in later]:
                     del values[v]
-            if on_block is not None:
-                on_block(block)
         if any(x is None for x in logits):
             raise VerificationError("verification failed: no block of the graph computes its logits")
         return logits
