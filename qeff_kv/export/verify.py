@@ -33,7 +33,8 @@ from qeff_kv.contract.chunking import plan_chunks
 from qeff_kv.errors import ExportError, VerificationError, VerificationMemoryError
 from qeff_kv.export.facts import family
 from qeff_kv.export import transformers_adapter as hf
-from qeff_kv.export.probe_runner import ProbeRunner, first_line
+from qeff_kv.export.probe_runner import BlockProbeRunner, BlockRunRefused, ProbeRunner, first_line, \
+    forced_block_layers
 
 RTOL = {"float32": 1e-3, "float16": 3e-2}
 DECODE_STEPS = 4
@@ -59,6 +60,10 @@ class Probe:
     #: takes multimodal RoPE rows (:mod:`qeff_kv.contract.mrope`)
     grid: list[int] | None = None
     spatial_merge_size: int | None = None
+    #: run the graph this many decoder layers at a time (:func:`block_layers_for`), None: whole
+    block_layers: int | None = None
+    #: why the graph is run by blocks: the whole-graph refusal (None: forced by ``probe_runner.BLOCK_ENV``)
+    block_reason: str | None = None
 
     def rope_rows(self) -> tuple[np.ndarray, int] | None:
         """``(rows [3, len(prompt)], delta)`` of multimodal RoPE, or ``None``."""
@@ -145,12 +150,13 @@ def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dty
                  spatial_merge_size=vision.get("spatial_merge_size"))
 
 
-def memory_allows(need: int, why: str = "") -> tuple[bool, str]:
+def memory_allows(need: int, why: str = "", by_layer: int | None = None) -> tuple[bool, str]:
     """Whether ``need`` bytes fit in the memory available now; else the one-line refusal naming both (and
-    ``why``, what makes it that large)."""
+    ``why``, what makes it that large; ``by_layer``: what verifying a layer at a time would need)."""
     avail = limits.available_memory()
     if avail is None or need <= avail:
         return True, ""
+    why += f"; a layer at a time, about {by_layer / 2**30:.1f} GiB" if by_layer else ""
     return False, (f"verification needs about {need / 2**30:.1f} GiB{f' ({why})' if why else ''} and "
                    f"{avail / 2**30:.1f} GiB is available: free memory, or pass --no-verify to export without "
                    f"verification (recorded as skipped)")
@@ -158,6 +164,46 @@ def memory_allows(need: int, why: str = "") -> tuple[bool, str]:
 
 #: why a half-precision graph's verification needs its weights twice over (:func:`verification_bytes`)
 HALF_ON_CPU = "onnxruntime's CPU kernels hold a float16 graph's weights as float32"
+#: a block's layers hold at most this many bytes as float32 (unless it is one layer): bounded, not all there is
+BLOCK_LAYER_BYTES = 2 << 30
+
+
+def layer_bytes(model) -> tuple[int, int, int]:
+    """``(layers, the largest layer's bytes, the most any block holds besides its layers)``: the layers are the
+    weightiest module list; the other weights all go in one block but for the second largest of them (the
+    embedding and an untied head fall in the first and the last block)."""
+    import torch
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    layers = max(lists, key=size) if lists else torch.nn.ModuleList()
+    inside = {id(p) for p in layers.parameters()}
+    others = sorted((p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside), reverse=True)
+    sizes = [size(m) for m in layers] or [0]
+    return len(layers), max(sizes), sum(others) - (others[1] if len(others) > 1 and len(layers) > 1 else 0)
+
+
+def block_layers_for(model, streamed: bool, whole: int, say) -> tuple[int, str]:
+    """``(layers per block, the whole-graph refusal)``: a half-precision graph whose whole-graph verification does not
+    fit (it needs ``whole`` bytes) is run a block of layers at a time (onnxruntime holds a block's weights as
+    float32: twice its bytes), as many layers to a block as fit the memory available now and
+    :data:`BLOCK_LAYER_BYTES`; where not even one layer fits, the refusal, saying what block verification needs."""
+    n, layer, extra = layer_bytes(model)
+    held = 0 if streamed else sum(p.numel() * p.element_size() for p in model.parameters())   # beside the session
+
+    def need(k: int) -> int:
+        return 2 * (k * layer + extra) + held + MEMORY_MARGIN
+
+    avail = limits.available_memory()
+    k = next((k for k in range(n, 0, -1) if (k == 1 or 2 * k * layer <= BLOCK_LAYER_BYTES)
+              and (avail is None or need(k) <= avail)), 0)
+    if k == 0 or n < 2:
+        raise VerificationMemoryError(memory_allows(whole, HALF_ON_CPU, need(1) if n > 1 else None)[1])
+    say(f"verifying {k} layer{'s' if k > 1 else ''} at a time (about {need(k) / 2**30:.1f} GiB; the whole graph "
+        f"would need more than the {(avail or 0) / 2**30:.1f} GiB available)")
+    return k, memory_allows(whole, HALF_ON_CPU)[1]
 
 
 def verification_bytes(model, streamed: bool, quantized: bool = False) -> tuple[int, str]:
@@ -326,28 +372,60 @@ def _compare(steps: list, ref: Reference, rtol: float) -> tuple[float, float]:
     return worst, worst_tol
 
 
-def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
-                 kv_batch: int = 1, ccl=None, vision_path: Path | None = None,
-                 extra_feeds: dict | None = None) -> VerificationResult:
-    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
-    A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first.
-    ``extra_feeds``: inputs fed on every step over the runner's own (an adapter's: :mod:`.adapters.proof`)."""
-    t0 = time.perf_counter()
+def _steps_by_blocks(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, kv_batch: int, ccl,
+                     extra_feeds: dict | None) -> tuple[list[tuple[str, np.ndarray]], int]:
+    """:func:`_run_probe`'s steps (the same feeds), the graph run ``probe.block_layers`` layers at a time; and how
+    many blocks. :class:`~.probe_runner.BlockRunRefused` where the graph cannot be cut."""
+    runner = BlockProbeRunner(onnx_path, ctx_len, kv_batch, ccl, probe.block_layers)
+    runner.extra.update(extra_feeds or {})
+    return runner.run_steps(_run_probe(runner, probe, ref, ctx_len)), len(runner.plan)
+
+
+def _whole_steps(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, kv_batch: int, ccl,
+                 vision_path: Path | None, extra_feeds: dict | None) -> list[tuple[str, np.ndarray]]:
     runner = _open_runner(onnx_path, probe, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl, vision_path=vision_path)
     if extra_feeds:
         runner.extra.update(extra_feeds)
-    rtol = RTOL.get(dtype, RTOL["float16"])
-    prompt, chunk = probe.prompt, probe.chunk
     try:
-        steps = _run_probe(runner, probe, ref, ctx_len)
+        return _run_probe(runner, probe, ref, ctx_len)
     except Exception as exc:
         raise VerificationError(f"verification failed: onnxruntime could not run the exported graph "
                                 f"({first_line(exc)})") from None
+
+
+def verify_graph(onnx_path: Path, probe: Probe, ref: Reference, *, ctx_len: int, dtype: str,
+                 kv_batch: int = 1, ccl=None, vision_path: Path | None = None,
+                 extra_feeds: dict | None = None, say=None) -> VerificationResult:
+    """Run the graph on the probe and compare with ``ref``; raise :class:`VerificationError` on a mismatch.
+    A vision-language probe runs ``vision_path`` (the dual layout's vision graph) on its image first.
+    ``extra_feeds``: inputs fed on every step over the runner's own (an adapter's: :mod:`.adapters.proof`).
+    ``probe.block_layers``: the graph runs that many layers at a time (recorded as ``blocks``); one that cannot be
+    cut is run whole where that was forced, else refused as the whole graph's verification was."""
+    t0 = time.perf_counter()
+    rtol = RTOL.get(dtype, RTOL["float16"])
+    prompt, chunk = probe.prompt, probe.chunk
+    steps, blocks = None, None
+    if probe.block_layers:
+        try:
+            if probe.pixel_values is not None:
+                raise BlockRunRefused("its probe feeds an image")
+            steps, blocks = _steps_by_blocks(onnx_path, probe, ref, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl,
+                                             extra_feeds=extra_feeds)
+        except BlockRunRefused as exc:
+            if probe.block_reason is not None:
+                raise VerificationMemoryError(f"the graph cannot be verified a block of layers at a time ({exc}), "
+                                              f"and {probe.block_reason}") from None
+            (say or (lambda _m: None))(f"verifying a block of layers at a time is not possible ({exc}): the whole "
+                                       "graph at once")
+    if steps is None:
+        steps = _whole_steps(onnx_path, probe, ref, ctx_len=ctx_len, kv_batch=kv_batch, ccl=ccl,
+                             vision_path=vision_path, extra_feeds=extra_feeds)
     worst, worst_tol = _compare(steps, ref, rtol)
     return VerificationResult(status="passed", steps=len(steps), prompt_len=len(prompt), chunk=chunk,
                               max_abs_diff=float(f"{worst:.3g}"),
                               tolerance=float(f"{(worst_tol or rtol):.3g}"),
-                              seconds=round(time.perf_counter() - t0 + ref.seconds, 3))
+                              seconds=round(time.perf_counter() - t0 + ref.seconds, 3),
+                              extra={} if blocks is None else {"blocks": blocks})
 
 
 # ------------------------------------------------------------------------------------- the export's stages
@@ -359,13 +437,17 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     read the checkpoint again)."""
     if verify is False:
         return None, None, "turned off (--no-verify)"
-    if verify is None:   # on by default at every size; where it cannot fit, a refusal before the work
-        ok, note = memory_allows(*verification_bytes(model, streamed, quantized=one_pass))
-        if not ok:
+    facts = family.ModelFacts.from_config(model.config.to_dict())
+    blocks, why = forced_block_layers(), None
+    if verify is None and blocks is None:   # on by default at every size; where it cannot fit, a refusal first
+        need, reason = verification_bytes(model, streamed, quantized=one_pass)
+        ok, note = memory_allows(need, reason)
+        if not ok and (reason != HALF_ON_CPU or facts.vision_language):
             raise VerificationMemoryError(note)
+        if not ok:
+            blocks, why = block_layers_for(model, streamed, need, say)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0
-    facts = family.ModelFacts.from_config(model.config.to_dict())
     steps = max(DECODE_STEPS, (options.speculative_tokens or 0) + 1)   # a speculative graph verifies K+1 rows at once
     probe = make_probe(int(cfg.vocab_size), options.ctx_len, options.prefill_seq_len, slot=slot,
                        window=facts.sliding_window if facts.sliding_layers else None, decode_steps=steps,
@@ -376,6 +458,7 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
                               image_blocks=facts.bidirectional_images)
         except VerificationError as exc:
             raise ExportError(str(exc)) from None
+    probe.block_layers, probe.block_reason = blocks, why
     try:
         if one_pass and facts.recurrent is None and not facts.vision_language:
             reference = one_pass_run(model, probe, int(cfg.vocab_size))
@@ -397,6 +480,7 @@ def verify_export(onnx_path: Path, vision_path: Path | None, options, probe, ref
         f"{probe.decode_steps} decode steps)")
     result = verify_graph(onnx_path, probe, reference, ctx_len=options.ctx_len, dtype=options.dtype,
                           kv_batch=options.full_batch_size if options.continuous_batching else 1,
-                          ccl=options.ccl, vision_path=vision_path)
-    say(f"verified: max |logit difference| {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g})")
+                          ccl=options.ccl, vision_path=vision_path, say=say)
+    blocks = f" in {result.extra['blocks']} blocks" if "blocks" in result.extra else ""
+    say(f"verified{blocks}: max |logit difference| {result.max_abs_diff:.3g} (tolerance {result.tolerance:.3g})")
     return result
