@@ -1,9 +1,9 @@
 """The stand-ins' guards (qeff_kv/export/weights/stand_ins.py, issue 51): a streamed capture never carries a
 stand-in's value, whatever verification would say.
 
-* the constant folding: arithmetic on a weight stays in the graph (Gemma's ``1 + w``), and a fold that still
-  depends on a stand-in (a product of two views: unchanged when both stand-ins change sign, which the old
-  negation test missed) refuses the capture;
+* the constant folding: arithmetic on a weight stays in the graph (Gemma's ``1 + w``, a product of two views of
+  a weight: unchanged when both stand-ins change sign, which the old negation test missed), and a fold that still
+  depends on a stand-in refuses the capture;
 * Python reads of a stand-in's value while tracing are refused;
 * the streamed reference gives an operation the checkpoint's tensor where a model reads a child's weight outside
   the child's forward (LFM2's short convolution, JetMoe's attention experts).
@@ -69,12 +69,29 @@ class _Product:
         return M().eval()
 
 
-def test_a_fold_computed_from_stand_ins_refuses_the_capture(tmp_path):
+def test_a_product_of_two_views_stays_in_the_graph(tmp_path):
+    """``W.T * W.T`` reads the weight through views: it is not folded (the negation test this guard replaced missed
+    it: the product is unchanged when both factors change sign); the graph multiplies the real weight."""
+    import onnx
+
+    module = _Product.make()
+    the_plan = _plan_of(module)
+    box = _capture(module, the_plan, tmp_path / "m.onnx")
+    assert [t.untyped_storage().data_ptr() in the_plan.keys for t in box["params"].values()] == [True]
+    ops = [n.op_type for n in onnx.load(tmp_path / "m.onnx").graph.node]
+    assert ops.count("Mul") == 1 and "Transpose" in ops
+
+
+def test_the_guard_refuses_a_fold_that_depends_on_a_stand_in(tmp_path, monkeypatch):
+    """The backstop: were the analysis of what may fold to miss a computation (here: told that nothing is
+    computed from a stand-in), the second folding without stand-ins finds the product and refuses the capture."""
     from qeff_kv.errors import ExportError
+    from qeff_kv.export.weights import stand_ins
     from qeff_kv.export.weights.stand_ins import StandInValue
 
     module = _Product.make()
     the_plan = _plan_of(module)
+    monkeypatch.setattr(stand_ins, "computed_from", lambda *_args: set())
     with pytest.raises(StandInValue, match=r"^the constant folding computed \S+ \(and 0 more\) from a weight's "
                                            r"stand-in$"):
         _capture(module, the_plan, tmp_path / "m.onnx")

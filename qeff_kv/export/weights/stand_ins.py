@@ -62,6 +62,27 @@ def _identity_cast(node, params: dict) -> bool:
     return t is not None and _ONNX_DTYPE.get(str(t.dtype)) == node.i("to")
 
 
+def _sizes(value) -> tuple | None:
+    try:
+        sizes = value.type().sizes()
+    except RuntimeError:   # not a complete tensor type
+        return None
+    return None if sizes is None or any(d is None for d in sizes) else tuple(int(d) for d in sizes)
+
+
+def _view(node, params: dict) -> bool:
+    """Whether folding ``node`` over a stand-in gives a view :mod:`.views` can read back from the checkpoint: a
+    transpose, a cut, a cast to its own dtype, or a reshape that only adds or drops axes of size 1 (another reshape
+    (GPT-OSS's sinks ``[4] -> [2, 2]`` for GroupQueryAttention) is computed in the graph: a stand-in's values cannot
+    tell its row-major order)."""
+    kind = node.kind()
+    if kind == "onnx::Reshape":
+        src, dst = _sizes(node.inputsAt(0)), _sizes(node.output())
+        return src is not None and dst is not None and \
+            tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1)
+    return kind in VIEW_NODES or _identity_cast(node, params)
+
+
 def computed_from(graph, params: dict, the_plan) -> set[str]:
     """The names of the stand-in parameters that a folded computation other than a view would read: every stand-in
     among the inputs (through any chain of nodes) of a node that is not a view and whose inputs are all constant
@@ -77,7 +98,7 @@ def computed_from(graph, params: dict, the_plan) -> set[str]:
         if not all(i in constant for i in ins):
             continue
         reads = set().union(*(sources[i] for i in ins)) if ins else set()
-        if reads and node.kind() not in VIEW_NODES and not _identity_cast(node, params):
+        if reads and not _view(node, params):
             out |= reads   # arithmetic the folding would compute from these stand-ins
         for v in node.outputs():
             constant.add(v.debugName())
@@ -87,12 +108,25 @@ def computed_from(graph, params: dict, the_plan) -> set[str]:
 
 def dependent_folds(folded: dict, clean: dict, the_plan) -> list[str]:
     """The folded tensors that depend on a stand-in: not a (view of a) stand-in and not folded identically from the
-    real tensors alone (``clean``: the folding without any stand-in)."""
+    real tensors alone (``clean``: the folding without any stand-in; by name, or by value where the folding named a
+    new constant differently in the two runs)."""
     import torch
 
-    return [name for name, t in folded.items()
-            if not is_stand_in(t, the_plan)
-            and (name not in clean or clean[name].shape != t.shape or not torch.equal(clean[name], t))]
+    def key(t):
+        return str(t.dtype), tuple(t.shape), t.detach().contiguous().numpy().tobytes()
+
+    by_value = None
+    out = []
+    for name, t in folded.items():
+        if is_stand_in(t, the_plan):
+            continue
+        if name in clean and clean[name].shape == t.shape and torch.equal(clean[name], t):
+            continue
+        if by_value is None:
+            by_value = {key(c) for c in clean.values() if c.numel() <= 1 << 20}
+        if t.numel() > 1 << 20 or key(t) not in by_value:
+            out.append(name)
+    return out
 
 
 @contextlib.contextmanager
@@ -177,6 +211,21 @@ def _tensors(tree):
             yield from _tensors(x)
 
 
+#: what a tensor function tells of a stand-in without its values (under tracing ``weight.shape[0]`` is a tensor:
+#: reading it into Python reads a shape, not a weight)
+_SHAPE_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_cuda", "itemsize",
+                               "nbytes", "names"})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "stride", "element_size", "__len__", "nelement", "ndimension",
+                            "storage_offset", "is_contiguous", "data_ptr", "untyped_storage"})
+
+
+def _metadata(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _SHAPE_ATTRIBUTES
+    return name in _SHAPE_METHODS
+
+
 #: the attribute that marks a tensor computed from stand-ins alone while tracing
 TAINT = "_qeff_kv_from_stand_ins"
 
@@ -202,7 +251,7 @@ def traced_reads(the_plan):
                 key = getattr(tainted[0], TAINT, None) or _key(the_plan, tainted[0])
                 raise StandInValue(f"the model reads a value computed from {key} in Python while it is traced")
             out = func(*args, **kwargs)
-            if tainted and len(tainted) == len(ins):
+            if tainted and len(tainted) == len(ins) and not _metadata(func):
                 key = getattr(tainted[0], TAINT, None) or _key(the_plan, tainted[0])
                 for t in _tensors(out):
                     if isinstance(t, torch.Tensor) and not is_stand_in(t, the_plan):
