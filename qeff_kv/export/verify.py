@@ -439,12 +439,12 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
         return None, None, "turned off (--no-verify)"
     facts = family.ModelFacts.from_config(model.config.to_dict())
     blocks, why = forced_block_layers(), None
-    if verify is None and blocks is None:   # on by default at every size; where it cannot fit, a refusal first
+    if blocks is None:   # on by default at every size; where it cannot fit, blocks of layers or a refusal first
         need, reason = verification_bytes(model, streamed, quantized=one_pass)
         ok, note = memory_allows(need, reason)
-        if not ok and (reason != HALF_ON_CPU or facts.vision_language):
-            raise VerificationMemoryError(note)
-        if not ok:
+        if not ok and verify is None and (reason != HALF_ON_CPU or facts.vision_language):
+            raise VerificationMemoryError(note)   # (--verify runs it anyway: the user's choice)
+        if not ok and reason == HALF_ON_CPU and not facts.vision_language:   # --verify too
             blocks, why = block_layers_for(model, streamed, need, say)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     slot = min(1, options.full_batch_size - 1) if options.continuous_batching else 0

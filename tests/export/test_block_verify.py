@@ -124,6 +124,8 @@ def test_blocks_are_chosen_where_the_whole_graph_does_not_fit(llama3, tmp_path, 
     assert v["status"] == "passed" and v["blocks"] == 2
     assert any(n.startswith("verifying 2 layers at a time (about 0.0 GiB; the whole graph would need more than")
                for n in notes)
+    # --verify (verification asked for, not only on by default) takes blocks too (the 8B float16 benchmark row)
+    assert export_model(llama3, tmp_path / "asked", verify=True, **kw).manifest["verification"]["blocks"] == 2
     monkeypatch.setattr(verify, "BLOCK_LAYER_BYTES", 2 * layer)   # bounded even where more would fit
     monkeypatch.setattr(limits, "available_memory", lambda: 1 << 40)
     assert verify.block_layers_for(model, True, 1 << 50, notes.append)[0] == 1
