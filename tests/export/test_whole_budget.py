@@ -203,16 +203,18 @@ def test_the_variable_must_be_a_number(monkeypatch):
 
 
 def test_a_vision_language_folder_is_refused_too(tmp_path, monkeypatch):
-    """A vision-language model loads whole (the vision tower and the language model): the same refusal."""
+    """A vision-language model on the whole-model path (it streams since issue 51; ``QEFF_KV_EXPORT_STREAM=0``
+    loads it whole: the vision tower and the language model): the same refusal, both towers counted."""
     from hf_models import make_llava_dir
 
     from qeff_kv.export import export_model
 
     folder = make_llava_dir(tmp_path)
     monkeypatch.setenv(GB, "0.1")
+    monkeypatch.setenv(STREAM, "0")
     with pytest.raises(WholeModelMemoryError, match=rf"^{folder.name}: loading the whole model needs about "
                                                     r"0\.\d GB \([\d.]+ [KM] parameters in float32; streaming is "
-                                                    r"not possible: a vision-language model loads whole\), 0\.1 GB "
-                                                    r"available; free memory or use a machine with more"):
+                                                    r"not possible: QEFF_KV_EXPORT_STREAM=0\), 0\.1 GB "
+                                                    r"available; unset QEFF_KV_EXPORT_STREAM"):
         export_model(folder, tmp_path / "o", **SMALL)
     assert not (tmp_path / "o").exists()
