@@ -184,3 +184,22 @@ def test_the_reference_reads_a_weight_used_outside_its_module(tmp_path):
     assert sorted(set(store.reads)) == ["conv.weight", "own.weight"]
     with torch.no_grad():   # outside the guard the stand-in's values are what the parent would read
         assert not torch.equal(skel(x), want)
+
+
+def test_a_strided_choice_of_rows_is_read_back_as_that_view():
+    """MLA's per-head halves of ``kv_b_proj`` (``weight.view(H, n + v, r)[:, :n]``, maybe transposed) fold to views
+    whose strides name the rows they show: read back from the checkpoint, they equal the same ops on the weight."""
+    import torch
+
+    from qeff_kv.export.weights import stream
+    from qeff_kv.export.weights.views import read_rows, row_view
+
+    heads, nope, v, r = 3, 4, 2, 5
+    real = torch.arange(heads * (nope + v) * r, dtype=torch.float32).reshape(heads * (nope + v), r)
+    stand = stream.stand_in(real.shape, torch.float32)
+    for op in (lambda w: w.view(heads, nope + v, r)[:, :nope], lambda w: w.view(heads, nope + v, r)[:, nope:],
+               lambda w: w.view(heads, nope + v, r)[:, nope:].transpose(1, 2), lambda w: w.t()):
+        view = row_view(op(stand), tuple(real.shape))
+        assert view is not None
+        np.testing.assert_array_equal(read_rows(real.numpy(), view), op(real).numpy())
+    assert row_view(stand.reshape(-1)[:3], tuple(real.shape)) is None   # the last axis cut: not a row view

@@ -72,14 +72,14 @@ def _sizes(value) -> tuple | None:
 
 def _view(node, params: dict) -> bool:
     """Whether folding ``node`` over a stand-in gives a view :mod:`.views` can read back from the checkpoint: a
-    transpose, a cut, a cast to its own dtype, or a reshape that only adds or drops axes of size 1 (another reshape
-    (GPT-OSS's sinks ``[4] -> [2, 2]`` for GroupQueryAttention) is computed in the graph: a stand-in's values cannot
-    tell its row-major order)."""
+    transpose, a cut, a cast to its own dtype, or a reshape that only adds or drops axes of size 1 or reshapes the
+    leading axes (another reshape (GPT-OSS's sinks ``[4] -> [2, 2]`` for GroupQueryAttention) is computed in the
+    graph: a stand-in's values cannot tell its row-major order along its last axis)."""
     kind = node.kind()
-    if kind == "onnx::Reshape":
+    if kind == "onnx::Reshape":   # by size-1 axes, or of the leading axes (the last, a stand-in's stride 0, kept)
         src, dst = _sizes(node.inputsAt(0)), _sizes(node.output())
-        return src is not None and dst is not None and \
-            tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1)
+        return src is not None and dst is not None and (
+            tuple(d for d in src if d != 1) == tuple(d for d in dst if d != 1) or (src and dst and src[-1] == dst[-1]))
     return kind in VIEW_NODES or _identity_cast(node, params)
 
 

@@ -157,7 +157,7 @@ def lineage(params: dict, the_plan: Plan) -> dict:
     (view of a) stand-in (:func:`.views.view_of`; ``cut``: :func:`.views.sliced_view`), or a numpy array for a
     real tensor (buffers and what was folded from them). Refuses two views of one parameter with one shape (the
     exporter would merge their equal stand-ins)."""
-    from qeff_kv.export.weights.views import NotAView, sliced_view, view_of
+    from qeff_kv.export.weights.views import NotAView, row_view, sliced_view, view_of
 
     out, views = {}, {}
     for name, t in params.items():
@@ -167,7 +167,10 @@ def lineage(params: dict, the_plan: Plan) -> dict:
             try:
                 out[name] = (key, None, None, cut) if cut else (key, *view_of(t, the_plan.shapes[ptr]), None)
             except NotAView as exc:
-                raise StreamRefused(str(exc)) from None
+                rows = row_view(t, the_plan.shapes[ptr])   # a strided choice of rows (MLA's per-head halves)
+                if rows is None:
+                    raise StreamRefused(str(exc)) from None
+                out[name] = (key, None, None, None, rows)
             if views.setdefault((ptr, tuple(t.shape)), out[name]) != out[name]:
                 raise StreamRefused(f"two views of {key} of shape {tuple(t.shape)} are folded")
         else:
@@ -195,13 +198,21 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
 
 
 def lazy_tensor(store, key: str, perm, torch_dtype, name: str, reshaped: tuple | None = None,
-                cut=None) -> ir.LazyTensor:
+                cut=None, rows=None) -> ir.LazyTensor:
     """The checkpoint tensor ``key`` in ``torch_dtype`` (cut to ``cut``'s ``(start, stop)`` per axis; axes permuted by
     ``perm``; with ``reshaped``, its axes of size 1 dropped before and the result given that shape:
     :func:`.views.view_of`), read when evaluated (a :class:`.packed_spill.CheckpointTensor`: the writer finds the
     blocks the reference packed by its key)."""
     from qeff_kv.export.weights.packed_spill import checkpoint_tensor
 
+    if rows is not None:   # (:func:`.views.row_view`: never a MatMul weight the spill packed)
+        from qeff_kv.export.weights.views import read_rows
+
+        offset, other, _strides, col = rows
+        full = tuple(other[:col]) + (store.shape(key)[-1],) + tuple(other[col:])
+        np_dtype = {"torch.float32": np.float32, "torch.float16": np.float16}[str(torch_dtype)]
+        return ir.LazyTensor(lambda: ir.tensor(read_rows(store.array(key, torch_dtype), rows), name=name),
+                             dtype=ir.DataType.from_numpy(np.dtype(np_dtype)), shape=ir.Shape(full), name=name)
     shape = store.shape(key) if cut is None else tuple(b - a for a, b in cut)
     kept = tuple(d for d in shape if d != 1) if reshaped is not None else shape
     if perm is not None:

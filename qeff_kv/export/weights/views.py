@@ -62,3 +62,34 @@ def sliced_view(t, shape: tuple) -> tuple | None:
     starts = np.unravel_index(t.storage_offset(), base)
     cut = tuple((int(a), int(a) + int(n)) for a, n in zip(starts, t.shape))
     return cut if all(b <= d for (_a, b), d in zip(cut, shape)) else None
+
+
+def row_view(t, shape: tuple) -> tuple | None:
+    """``(offset, other shape, other strides, column axis)`` where ``t`` shows the stand-in of ``shape`` ``(..., C)``
+    as a strided choice of its rows with the last axis whole at ``column axis`` (MLA's per-head halves of
+    ``kv_b_proj``: ``weight.view(H, n + v, r)[:, :n]``, maybe transposed): row ``offset + sum(i_k * stride_k)`` over the
+    other axes. None where ``t`` is not such a view (no single whole, stride-0 axis of size ``C``, or a broadcast)."""
+    shape = tuple(int(d) for d in shape)
+    if not shape or shape[-1] == 1:
+        return None
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    cols = [j for j, (n, s) in enumerate(zip(t.shape, t.stride())) if n == shape[-1] and s == 0]
+    if len(cols) != 1:
+        return None
+    col = cols[0]
+    other = [(int(n), int(s)) for j, (n, s) in enumerate(zip(t.shape, t.stride())) if j != col]
+    if any(s == 0 and n > 1 for n, s in other):
+        return None
+    last = t.storage_offset() + sum((n - 1) * s for n, s in other)
+    if t.storage_offset() < 0 or last >= rows or any(s < 0 for _n, s in other):
+        return None
+    return int(t.storage_offset()), tuple(n for n, _s in other), tuple(s for _n, s in other), col
+
+
+def read_rows(arr: np.ndarray, view: tuple) -> np.ndarray:
+    """The :func:`row_view` ``view`` of the checkpoint tensor ``arr``."""
+    offset, other, strides, col = view
+    index = offset + sum(np.arange(n).reshape([-1 if k == i else 1 for k in range(len(other))]) * s
+                         for i, (n, s) in enumerate(zip(other, strides))) if other else np.array(offset)
+    picked = arr.reshape(-1, arr.shape[-1])[np.asarray(index).reshape(-1)].reshape(tuple(other) + (arr.shape[-1],))
+    return np.ascontiguousarray(np.moveaxis(picked, -1, col))
