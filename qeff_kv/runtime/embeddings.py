@@ -5,7 +5,8 @@
 (last-token pooling, as vLLM pools decoder embedding models), L2-normalised (as OpenAI's and vLLM's embeddings
 are). The output is bound for that prefill only (then every output is bound again as the session binds them), so
 the graph's other runs, whatever their shapes, never write it.
-:func:`unsupported` says why a session cannot.
+:func:`pooled` does the last part of such a prefill (the serving engine feeds a long text in chunks between
+other sequences' decode steps, the last chunk through it). :func:`unsupported` says why a session cannot.
 """
 
 from __future__ import annotations
@@ -37,10 +38,18 @@ def embed(session, seq, tokens: Seq[int]) -> np.ndarray:
         raise RuntimeInputError(why)
     if session.cache.get(seq).length:
         raise RuntimeInputError("embed takes an empty sequence")
+    return pooled(session, seq, tokens)
+
+
+def pooled(session, seq, tokens: Seq[int], **prefill_kw) -> np.ndarray:
+    """Prefill ``tokens`` (the last part of a text: what precedes them is already in ``seq``, fed by plain
+    ``session.prefill`` calls, as the serving engine feeds a prompt in chunks) with the ``hidden_states`` output
+    bound, and return the L2-normalised final hidden state of the last one, ``[hidden]`` float32. ``prefill_kw``:
+    passed to ``session.prefill`` (a recurrent graph's checkpoints). The session must embed (:func:`unsupported`)."""
     name = naming.HIDDEN_STATES_OUTPUT
     session.binding.bind_out(name, None)   # to the CPU, for this prefill's chunks
     try:
-        session.prefill(seq, tokens)
+        session.prefill(seq, tokens, **prefill_kw)
         out = session.binding.output(name)
     finally:
         # every output bound again as the session binds them, without hidden_states; the next step binds its logits
@@ -48,4 +57,3 @@ def embed(session, seq, tokens: Seq[int]) -> np.ndarray:
     vec = np.asarray(out, dtype=np.float64).reshape(-1, out.shape[-1])[-1]   # one row: the last token's
     norm = np.linalg.norm(vec)
     return (vec / norm if norm > 0 else vec).astype(np.float32)
-

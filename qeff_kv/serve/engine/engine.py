@@ -69,6 +69,18 @@ class GenerationRequest:
     #: the LoRA adapter the request runs with and its scale (:mod:`.lora`; None: the base model): its sequence is
     #: that adapter's, and reuses only prompts of that adapter at that scale
     lora: tuple[str, float] | None = None
+    #: an embedding input (``/v1/embeddings``): the prompt is prefilled as any prompt (queued, in the turns'
+    #: chunks) and its last token's final hidden state comes back as one :class:`Embedding` event; nothing is
+    #: generated (``max_tokens`` 0), the request ends ``"stop"``
+    embed: bool = False
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """An embedding request's vector: the last prompt token's final hidden state, L2-normalised, ``[hidden]``
+    float32 (:func:`qeff_kv.runtime.embeddings.pooled`)."""
+
+    vector: object
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,7 @@ class Finished:
     kv_transfer_params: dict | None = None
 
 
-Event = Union[TokenOut, Finished, PromptLogprobs]
+Event = Union[TokenOut, Finished, PromptLogprobs, Embedding]
 
 
 class RequestHandle:
@@ -199,7 +211,7 @@ def check_request(req, *, ctx_len: int, vocab_size: int | None, state_allowed: b
     it cannot apply one (``constraint_refused``)."""
     if not isinstance(req, GenerationRequest):
         raise RuntimeInputError(f"submit takes a GenerationRequest, got {type(req).__name__}")
-    least = 0 if req.prompt_logprobs is not None else 1
+    least = 0 if req.prompt_logprobs is not None or req.embed else 1
     if req.max_tokens is not None and (isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int)
                                        or req.max_tokens < least):
         raise RuntimeInputError(f"max_tokens must be an int >= {least} or None, got {req.max_tokens!r}")

@@ -45,13 +45,21 @@ class Inbox:
     def put(self, handles: list[RequestHandle], reqs: list[GenerationRequest], max_queue: int) -> None:
         """Queue one group (``n`` choices: ``n`` handles); refused when closed or full (``max_queue`` requests
         waiting beyond those a free slot is about to take)."""
+        self._put([(handles[0], reqs[0], list(zip(handles[1:], reqs[1:])))], max_queue)
+
+    def put_each(self, handles: list[RequestHandle], reqs: list[GenerationRequest], max_queue: int) -> None:
+        """Queue each request as a group of its own, one after another; refused (none queued) as :meth:`put`
+        refuses one request."""
+        self._put([(h, r, []) for h, r in zip(handles, reqs)], max_queue)
+
+    def _put(self, groups: list[Group], max_queue: int) -> None:
         with self.lock:
             if self.closed:
                 raise UnavailableError("the engine is closed")
             # the queue holds max_queue requests beyond those a free slot is about to take
             if len(self.waiting) >= max_queue + max(0, self.max_sequences - self.admitted):
                 raise QueueFullError(f"the queue is full ({max_queue} requests waiting); retry later")
-            self.waiting.append((handles[0], reqs[0], list(zip(handles[1:], reqs[1:]))))
+            self.waiting.extend(groups)
             self.counters["queue_depth"] = len(self.waiting)
         self.wake.set()
 

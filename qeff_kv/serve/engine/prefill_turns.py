@@ -12,6 +12,10 @@ averages ``auto`` reads. :meth:`PrefillTurns.feeds` feeds a turn chunk by chunk 
 the prompts completed with their logits, the requests whose prefill failed, the prompt logprobs to emit, the graph
 runs); the scheduler applies each outcome as it comes, before the next chunk is fed (a prompt's first token is not
 held back by the rest of the turn).
+
+An embedding input (``GenerationRequest.embed``) is fed as a prompt, in the same chunks; its last chunk is fed
+with the graph's ``hidden_states`` output bound (:func:`qeff_kv.runtime.embeddings.pooled`), and ``done`` carries
+its vector in place of logits.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_kv.errors import RuntimeInputError
+from qeff_kv.runtime import embeddings
 from qeff_kv.runtime.decoding.prompt_rows import log_softmax, prefill_rows
 from qeff_kv.serve.engine.engine import PromptLogprobs
 
@@ -35,8 +40,8 @@ TURN_TOKENS = 512
 
 @dataclass
 class Turn:
-    """What one prefill turn did: ``done`` (request, logits after its last prompt token), the prompts completed, in
-    order; ``failed`` (request, error), the requests whose prefill failed (both have left the queue); ``scored``
+    """What one prefill turn did: ``done`` (request, logits after its last prompt token; an embedding request's
+    vector), the prompts completed, in order; ``failed`` (request, error), the requests whose prefill failed (both have left the queue); ``scored``
     (request, :class:`~.engine.PromptLogprobs`), the prompt logprobs of the chunks fed, in order; ``runs``: the
     graph runs of the chunks fed."""
 
@@ -137,8 +142,12 @@ class PrefillTurns:
             kw["images"] = images
         t0, runs = time.perf_counter(), session.timings.prefill_runs
         try:
-            logits = (session.prefill(a.seq, chunk, **kw) if a.req.prompt_logprobs is None
-                      else self._scored_chunk(a, chunk, out))
+            if a.req.prompt_logprobs is not None:
+                logits = self._scored_chunk(a, chunk, out)
+            elif a.req.embed and n == len(a.todo):   # an embedding's last chunk: its vector instead of logits
+                logits = embeddings.pooled(session, a.seq, chunk, **kw)
+            else:
+                logits = session.prefill(a.seq, chunk, **kw)
         except Exception as exc:   # noqa: BLE001
             self.queue.remove(a)
             out.failed.append((a, f"prefill failed: {exc}"))

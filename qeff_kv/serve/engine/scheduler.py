@@ -32,6 +32,13 @@ returns :class:`~.forks.Forks`) and :func:`~.decode_step.decode` (per row a toke
 record is an :class:`~.active.Active`, its budget decided once when it is admitted; every token goes through one
 stop rule (:func:`~qeff_kv.runtime.decoding.stopping.check_stop`, in :meth:`Scheduler._emit`).
 
+An embedding input (``GenerationRequest.embed``, ``/v1/embeddings``) is a request like a prompt: queued, admitted
+as slots free, prefilled in the same turns' chunks between decode steps; its last chunk gives its vector (an
+:class:`~.engine.Embedding` event) and it ends ``"stop"``. Unlike a prompt it starts from an empty sequence (no
+reused prefix: the vector is the same bit for bit whatever the cache holds) and its sequence is freed, not kept:
+it generates nothing that a prompt continues, and a batch of documents kept would evict, least recently used
+first, the kept prompts that chats do reuse.
+
 So running streams keep flowing while a long prompt is prefilled: between two of their tokens the engine
 spends at most one turn's prompt tokens (``--prefill-chunk N`` lowers it; ``auto`` sizes it to about one
 decode step). HTTP handlers never call onnxruntime: they submit and read events.
@@ -67,7 +74,7 @@ from qeff_kv.runtime.decoding.stopping import LENGTH, STOP, check_stop
 from qeff_kv.runtime.memory.prefix_cache import PrefixCache
 from qeff_kv.serve.engine.active import Active, admitted
 from qeff_kv.serve.engine.decode_step import Failed, decode, to_lower
-from qeff_kv.serve.engine.engine import (Engine, Finished, GenerationRequest, RequestHandle, TokenOut,
+from qeff_kv.serve.engine.engine import (Embedding, Engine, Finished, GenerationRequest, RequestHandle, TokenOut,
                                          check_request)
 from qeff_kv.serve.engine.forks import ChoiceGroups, choice_requests
 from qeff_kv.serve.engine import lora as lora_mod
@@ -144,6 +151,17 @@ class Scheduler(Engine):
         self.inbox.put(handles, reqs, self.max_queue)
         return handles
 
+    def submit_batch(self, reqs: list[GenerationRequest]) -> list[RequestHandle]:
+        """Several requests of one client request (``/v1/embeddings``' list of inputs), each queued as a request of
+        its own (a sequence each, admitted as slots free), one after another in the queue; counted as one request
+        against ``max_queue`` (a batch longer than the queue still runs); all or none are queued."""
+        for r in reqs:
+            _check(self, r, 1)
+        wake = self.inbox.wake
+        handles = [RequestHandle(r.request_id, on_cancel=lambda h: wake.set()) for r in reqs]
+        self.inbox.put_each(handles, reqs, self.max_queue)
+        return handles
+
     def stats(self) -> dict:
         out = self.inbox.stats()
         for extra in (self.speculation, self.kv_events, self.connector, self.adapters):
@@ -189,7 +207,7 @@ class Scheduler(Engine):
         inbox = self.inbox
         while True:
             if inbox.closed:
-                self._shutdown()
+                _shutdown(self)
                 return
             try:
                 self._turn()
@@ -223,6 +241,10 @@ class Scheduler(Engine):
                 for a, error in fed.failed:
                     self._finish(a, "error", error, keep=False)
                 for a, logits in fed.done:
+                    if a.req.embed:   # its vector; its sequence freed (the module docstring says why)
+                        a.handle.emit(Embedding(logits))
+                        self._finish(a, STOP)
+                        continue
                     if a.req.images is None:
                         self.prefix_cache.held(a.seq)
                     self._prompt_done(a, logits)
@@ -281,7 +303,7 @@ class Scheduler(Engine):
             a.picker.accept(seq.pending)
             self._emit(a, seq.pending)
             return a
-        if req.images is not None or req.prompt_logprobs is not None:   # neither reuses a cached prefix
+        if req.images is not None or req.prompt_logprobs is not None or req.embed:   # none reuses a cached prefix
             seq, cached = self.prefix_cache.fresh(req.lora), 0
         else:   # a kept sequence to continue and how many of its positions are reused (running prompts too)
             seq, cached = self.prefix_cache.acquire(req.prompt, [a.seq for a in self.running if a.req.images is None],
@@ -376,20 +398,23 @@ class Scheduler(Engine):
         for f in forks.refeed:
             self.turns.enqueue(f)
         held = _hold_for_remote_decode(self.connector, self.session, a, reason)   # before it is kept or freed
-        self.prefix_cache.release(a.seq, keep and a.req.images is None)   # an image prompt's KV: not reused
+        # an image prompt's KV is not reused, an embedding's not kept (the module docstring)
+        self.prefix_cache.release(a.seq, keep and a.req.images is None and not a.req.embed)
         self.inbox.left(1)
         a.handle.emit(Finished(reason, len(a.req.prompt), a.cached, a.generated, error, held))
 
-    def _shutdown(self) -> None:
-        for a in list(self.turns.queue) + list(self.running):
-            self._finish(a, "cancelled", keep=False)
-        waiting, control = self.inbox.drain()
-        for h, r in waiting:
-            h.emit(Finished("cancelled", len(r.prompt), 0, 0))
-        for fut in control:
-            fut.set_exception(RuntimeInputError("the engine is closed"))
-        if self.speculation is not None:
-            self.speculation.close()
+
+def _shutdown(sched: Scheduler) -> None:
+    """The engine is closed: every request not finished ends ``cancelled``, every control action is refused."""
+    for a in list(sched.turns.queue) + list(sched.running):
+        sched._finish(a, "cancelled", keep=False)
+    waiting, control = sched.inbox.drain()
+    for h, r in waiting:
+        h.emit(Finished("cancelled", len(r.prompt), 0, 0))
+    for fut in control:
+        fut.set_exception(RuntimeInputError("the engine is closed"))
+    if sched.speculation is not None:
+        sched.speculation.close()
 
 
 def _select(a: Active, logits) -> Pick | Failed:
