@@ -207,6 +207,8 @@ class Scheduler(Engine):
         inbox = self.inbox
         while True:
             if inbox.closed:
+                for a in list(self.turns.queue) + list(self.running):
+                    self._finish(a, "cancelled", keep=False)
                 _shutdown(self)
                 return
             try:
@@ -405,9 +407,8 @@ class Scheduler(Engine):
 
 
 def _shutdown(sched: Scheduler) -> None:
-    """The engine is closed: every request not finished ends ``cancelled``, every control action is refused."""
-    for a in list(sched.turns.queue) + list(sched.running):
-        sched._finish(a, "cancelled", keep=False)
+    """The engine is closed (its admitted requests ended): every waiting request ends ``cancelled``, every control
+    action is refused."""
     waiting, control = sched.inbox.drain()
     for h, r in waiting:
         h.emit(Finished("cancelled", len(r.prompt), 0, 0))
