@@ -24,6 +24,7 @@ from typing import Callable
 
 from qeff_kv.support import capture, fsutil
 from qeff_kv.export.weights import gguf_header
+from qeff_kv.export.weights.checkpoint_store import tensor_files
 from qeff_kv.errors import ExportError, MissingDependencyError
 from qeff_kv.export import options as opt
 from qeff_kv.export.weights import prequant
@@ -332,4 +333,5 @@ def resolve_source(model: str | Path | None) -> ModelSource:
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; to export the GGUF file give its path, e.g. {ggufs[0]}" if ggufs else ""
         raise ExportError(f"{path}: no *.safetensors weights (pickled .bin weights are not loaded){hint}")
+    tensor_files(path)   # index entries, regular files, headers, a tensor in two files: refused before any read
     return FolderSource(path, path.resolve().name)

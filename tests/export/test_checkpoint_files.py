@@ -1,0 +1,219 @@
+"""Checkpoints are read as transformers reads them (issue 52, items 1, 2 and 6).
+
+* Which file holds a tensor: one rule for every reader (``checkpoint_store.tensor_files``): the index decides, a
+  stray file beside an indexed folder is never read, a tensor in two files no index decides between is refused in
+  one line naming both.
+* Index entries: a plain file name of the folder or a one-line refusal (``..``, absolute paths, ``/proc``,
+  ``/dev/zero``); only regular files are opened; symlinked shards (the Hugging Face cache's layout) still work.
+* Safetensors headers: validated as safetensors validates them before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from qeff_kv.errors import CheckpointError, ExportError
+from qeff_kv.export.weights.budget import safetensors_parameters
+from qeff_kv.export.weights.checkpoint_store import CheckpointStore, read_header, tensor_files
+
+A = np.arange(12, dtype=np.float32).reshape(3, 4)
+B = np.arange(6, dtype=np.int64)
+
+
+def raw_file(path: Path, header: dict, data: bytes, length: int | None = None) -> Path:
+    """A safetensors file written byte by byte (any header, valid or not)."""
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return path
+
+
+def valid_header() -> tuple[dict, bytes]:
+    return ({"a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+             "b": {"dtype": "I64", "shape": [6], "data_offsets": [48, 96]}}, A.tobytes() + B.tobytes())
+
+
+def stored(store: CheckpointStore, key: str) -> bytes:
+    return b"".join(store.stored_bytes(key))
+
+
+def one_line(exc_info, *needles) -> str:
+    msg = str(exc_info.value)
+    assert "\n" not in msg and isinstance(exc_info.value, CheckpointError), msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    return msg
+
+
+def write_index(folder: Path, weight_map: dict, name: str = "model.safetensors.index.json") -> None:
+    (folder / name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# ------------------------------------------------------------------------------------- headers (item 6)
+def _drop_offsets(h):
+    del h["b"]["data_offsets"]
+
+
+def _overlap(h):
+    h["b"]["data_offsets"] = [40, 88]
+
+
+def _gap(h):
+    h["a"]["data_offsets"], h["b"]["data_offsets"] = [0, 48], [56, 104]
+
+
+def _wrong_size(h):
+    h["a"]["shape"] = [3, 5]
+
+
+def _bad_dtype(h):
+    h["b"]["dtype"] = "Q4"
+
+
+def _metadata(h):
+    h["__metadata__"] = {"format": 1}
+
+
+HEADERS = [(_drop_offsets, "'b'", "data_offsets"), (_overlap, "'b'", "overlaps tensor 'a'"),
+           (_gap, "'b'", "leaves 8 bytes unused"), (_wrong_size, "'a'", "F32 x [3, 5] is 60"),
+           (_bad_dtype, "'b'", "not a safetensors dtype"), (_metadata, "__metadata__", "strings")]
+
+
+@pytest.mark.parametrize("mutate,tensor,what", HEADERS, ids=[m.__name__ for m, _t, _w in HEADERS])
+def test_a_header_safetensors_refuses_is_refused_in_one_line(tmp_path, mutate, tensor, what):
+    header, data = valid_header()
+    mutate(header)
+    raw_file(tmp_path / "model.safetensors", header, data + (b"\0" * 8 if mutate is _gap else b""))
+    with pytest.raises(CheckpointError) as exc:
+        CheckpointStore(tmp_path)
+    one_line(exc, "model.safetensors", tensor, what)
+
+
+@pytest.mark.parametrize("data,length,what", [(b"", None, "cover 96 bytes but the data section holds 0"),
+                                               (b"\0" * 104, None, "bytes no tensor names"),
+                                               (b"", 10**12, "header length"), (b"", 1, "header length")])
+def test_a_file_whose_header_does_not_fit_its_data_is_refused(tmp_path, data, length, what):
+    header, _data = valid_header()
+    raw_file(tmp_path / "model.safetensors", header, data, length)
+    with pytest.raises(CheckpointError) as exc:
+        read_header(tmp_path / "model.safetensors")
+    one_line(exc, "model.safetensors", what)
+
+
+def test_a_header_key_given_twice_is_refused(tmp_path):
+    text = b'{"a": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "a": {"dtype": "F32", "shape": [0], ' \
+           b'"data_offsets": [0, 0]}}'
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(CheckpointError) as exc:
+        read_header(tmp_path / "model.safetensors")
+    one_line(exc, "'a' appears twice")
+
+
+# ------------------------------------------------------------------------------------ which file (item 1)
+def test_a_tensor_in_two_files_without_an_index_is_refused_naming_both(tmp_path):
+    save_file({"a": np.zeros_like(A)}, str(tmp_path / "a-stale.safetensors"))
+    save_file({"a": A, "b": B}, str(tmp_path / "model.safetensors"))
+    for read in (CheckpointStore, tensor_files, safetensors_parameters):
+        with pytest.raises(CheckpointError) as exc:
+            read(tmp_path)
+        one_line(exc, "tensor 'a'", "'a-stale.safetensors'", "'model.safetensors'")
+
+
+def test_the_index_decides_and_a_stray_file_is_never_read(tmp_path):
+    save_file({"a": A}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": B}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    write_index(tmp_path, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
+    for stray in ("a-old.safetensors", "zz-old.safetensors"):   # sorts first, sorts last
+        save_file({"a": np.zeros_like(A), "c": B}, str(tmp_path / stray))
+    store = CheckpointStore(tmp_path)
+    assert store.keys() == {"a", "b"}
+    assert stored(store, "a") == A.tobytes() and stored(store, "b") == B.tobytes()
+    assert safetensors_parameters(tmp_path) == 18
+
+
+def test_a_tensor_in_two_indexed_files_is_refused(tmp_path):
+    """transformers loads every indexed file whole, the last by name winning: not always the weight_map's pick."""
+    save_file({"a": np.zeros_like(A)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"a": A, "b": B}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    write_index(tmp_path, {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors"})
+    with pytest.raises(CheckpointError) as exc:
+        tensor_files(tmp_path)
+    one_line(exc, "tensor 'a'", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+             "both named by the index")
+
+
+def test_an_index_entry_its_file_does_not_hold_is_refused(tmp_path):
+    save_file({"a": A}, str(tmp_path / "one.safetensors"))
+    save_file({"b": B}, str(tmp_path / "two.safetensors"))
+    write_index(tmp_path, {"a": "two.safetensors", "b": "two.safetensors"})
+    with pytest.raises(CheckpointError) as exc:
+        tensor_files(tmp_path)
+    one_line(exc, "tensor 'a'", "'two.safetensors'", "does not hold it")
+
+
+# ---------------------------------------------------------------------------------- index entries (item 2)
+@pytest.fixture
+def outside(tmp_path):
+    """A valid safetensors file outside the model folder (``tmp_path/model``)."""
+    save_file({"b": B}, str(tmp_path / "x.safetensors"))
+    (tmp_path / "model").mkdir()
+    save_file({"a": A}, str(tmp_path / "model" / "model.safetensors"))
+    return tmp_path / "x.safetensors"
+
+
+@pytest.mark.parametrize("entry", ["../x.safetensors", "OUTSIDE", "/proc/self/environ", "/dev/zero",
+                                   "sub/x.safetensors", "..", "x.bin", "sub\\x.safetensors", ""])
+def test_an_index_entry_that_is_not_a_plain_file_name_is_refused(outside, entry):
+    folder = outside.parent / "model"
+    (folder / "sub").mkdir()
+    save_file({"b": B}, str(folder / "sub" / "x.safetensors"))
+    entry = str(outside) if entry == "OUTSIDE" else entry
+    write_index(folder, {"a": "model.safetensors", "b": entry})
+    for read in (CheckpointStore, safetensors_parameters):
+        with pytest.raises(CheckpointError) as exc:
+            read(folder)
+        one_line(exc, "model.safetensors.index.json", f"names {entry!r}", "not a plain .safetensors file name")
+
+
+@pytest.mark.parametrize("entry", ["/proc/self/environ", "../pytorch_model.bin"])
+def test_a_hostile_pytorch_index_is_refused_too(outside, entry):
+    folder = outside.parent / "model"
+    write_index(folder, {"a": entry}, "pytorch_model.bin.index.json")
+    with pytest.raises(CheckpointError) as exc:
+        tensor_files(folder)
+    one_line(exc, "pytorch_model.bin.index.json", repr(entry))
+
+
+def test_a_shard_that_is_not_a_regular_file_is_never_opened(outside):
+    folder = outside.parent / "model"
+    os.symlink("/dev/zero", folder / "model-00002.safetensors")
+    for index in (False, True):
+        if index:
+            write_index(folder, {"a": "model.safetensors", "b": "model-00002.safetensors"})
+        with pytest.raises(CheckpointError) as exc:
+            tensor_files(folder)
+        one_line(exc, "model-00002.safetensors", "not a regular file")
+
+
+def test_symlinked_shards_of_the_hugging_face_cache_are_read(tmp_path):
+    """snapshots/<rev>/<file> -> ../../blobs/<hash>: the links leave the folder, their targets are regular files."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    save_file({"a": A}, str(blobs / "1111"))
+    save_file({"b": B}, str(blobs / "2222"))
+    os.symlink("../../blobs/1111", snap / "model-00001-of-00002.safetensors")
+    os.symlink("../../blobs/2222", snap / "model-00002-of-00002.safetensors")
+    write_index(snap, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
+    store = CheckpointStore(snap)
+    assert stored(store, "a") == A.tobytes() and stored(store, "b") == B.tobytes()
+
+
+def test_errors_are_export_errors():
+    assert issubclass(CheckpointError, ExportError)
