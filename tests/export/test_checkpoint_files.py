@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from suite import requires_torch
 from qeff_kv.errors import CheckpointError, ExportError
 from qeff_kv.export.weights.budget import safetensors_parameters
 from qeff_kv.export.weights.checkpoint_store import CheckpointStore, read_header, tensor_files
@@ -217,3 +218,86 @@ def test_symlinked_shards_of_the_hugging_face_cache_are_read(tmp_path):
 
 def test_errors_are_export_errors():
     assert issubclass(CheckpointError, ExportError)
+
+
+# ------------------------------------------------------------------ the exporter and transformers agree (item 1)
+PROMPT = [5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21]
+CTX, CHUNK, NEW = 32, 4, 8
+
+
+def _stale_zero_copy(folder: Path, key: str, stray: str) -> None:
+    """``folder`` indexed (every tensor in ``model.safetensors``), a stale all-zero copy of ``key`` in ``stray``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file as save_torch
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        keys = list(fh.keys())
+        save_torch({key: fh.get_tensor(key).zero_()}, str(folder / stray))
+    write_index(folder, {k: "model.safetensors" for k in keys})
+
+
+@requires_torch
+def test_a_stale_zero_copy_in_a_stray_file_never_reaches_the_graph(tmp_path):
+    """A pre-quantized checkpoint (its own reader, and the reference's weights) beside a stray file holding an
+    all-zero ``model.norm.weight`` that sorts last: the reader took it before (and verification passed, reading
+    the same copy); now the index decides, as transformers: its greedy tokens on the dequantized weights."""
+    from hf_models import PlainLoop, hf_greedy
+    from prequant_checkpoints import make_checkpoint
+
+    from qeff_kv.export import export_model
+
+    ck = make_checkpoint("awq", tmp_path / "ck", group=32, seed=1)
+    _stale_zero_copy(ck.folder, "model.norm.weight", "zz-stale.safetensors")
+    res = export_model(ck.folder, tmp_path / "ex", ctx_len=CTX, prefill_seq_len=CHUNK, target="onnxruntime")
+    assert res.manifest["verification"]["status"] == "passed"
+    assert PlainLoop(res.onnx_path, CTX).greedy(PROMPT, NEW, CHUNK) == hf_greedy(ck.reference, PROMPT, NEW)
+
+
+@requires_torch
+def test_the_stored_tensors_are_transformers_own_load(tmp_path):
+    """The streamed graph and its reference both read :class:`CheckpointStore`: its tensors, under the one
+    name->file rule, equal transformers' own load of the folder (sharded, a stale copy in a stray file)."""
+    import torch
+    import transformers
+    from hf_models import make_model_dir
+    from safetensors.torch import save_file as save_torch
+
+    src = make_model_dir("llama", tmp_path / "src", seed=3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    save_torch({"model.embed_tokens.weight": torch.zeros_like(model.model.embed_tokens.weight)},
+               str(folder / "model-00000-stale.safetensors"))   # sorts first
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    store = CheckpointStore(folder)
+    assert store.keys() == set(loaded)
+    for key in sorted(store.keys()):
+        assert np.array_equal(store.array(key, torch.float32), loaded[key].numpy()), key
+
+
+@requires_torch
+@pytest.mark.parametrize("case", ["duplicate", "proc-environ", "no-offsets"])
+def test_cli_export_refuses_a_hostile_checkpoint_in_one_line(tmp_path, case):
+    from cli_checks import cli, one_error, tree
+    from hf_models import make_model_dir
+
+    folder = make_model_dir("llama", tmp_path, seed=0)
+    needles = ["model.safetensors"]
+    if case == "duplicate":   # no index: the stale copy sorted first and was exported (and verified) before
+        save_file({"model.norm.weight": np.zeros(64, np.float32)}, str(folder / "a-stale.safetensors"))
+        needles += ["'model.norm.weight'", "'a-stale.safetensors'"]
+    elif case == "proc-environ":   # the whole path handed it to torch.load
+        write_index(folder, {"model.norm.weight": "/proc/self/environ"})
+        needles += ["'/proc/self/environ'", "not a plain .safetensors file name"]
+    else:
+        data = (folder / "model.safetensors").read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        del header["model.norm.weight"]["data_offsets"]
+        raw_file(folder / "model.safetensors", header, data[8 + length:])
+        needles += ["'model.norm.weight'", "data_offsets"]
+    before = tree(tmp_path)
+    res = cli("export", folder, "-o", tmp_path / "out", "--ctx-len", CTX, "--prefill-seq-len", CHUNK)
+    one_error(res, *needles)
+    assert tree(tmp_path) == before
