@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from suite import requires_torch
@@ -301,3 +303,111 @@ def test_cli_export_refuses_a_hostile_checkpoint_in_one_line(tmp_path, case):
     res = cli("export", folder, "-o", tmp_path / "out", "--ctx-len", CTX, "--prefill-seq-len", CHUNK)
     one_error(res, *needles)
     assert tree(tmp_path) == before
+
+
+# ------------------------------------------------------------- property: any header, any index (items 2 and 6)
+TENSORS = {"a": A, "b": B, "c": np.arange(4, dtype=np.float16).reshape(2, 2)}
+ENTRIES = ["model.safetensors", "../x.safetensors", "OUTSIDE", "/proc/self/environ", "/dev/zero", "sub/x.safetensors",
+           "missing.safetensors", "x.bin", "./model.safetensors", "model.safetensors\0"]
+_name = st.sampled_from(sorted(TENSORS))
+_small = st.integers(-24, 24)
+MUTATION = st.one_of(
+    st.tuples(st.just("drop"), _name, st.sampled_from(["dtype", "shape", "data_offsets"])),
+    st.tuples(st.just("offsets"), _name, _small, _small),
+    st.tuples(st.just("shape"), _name, st.lists(st.integers(-1, 6), max_size=3)),
+    st.tuples(st.just("dtype"), _name, st.sampled_from(["F32", "F16", "I64", "U8", "BF16", "Q4", 7])),
+    st.tuples(st.just("entry"), _name, st.sampled_from([None, 3, "x", [0, 8], {}])),
+    st.tuples(st.just("metadata"), st.sampled_from([{"format": "pt"}, {"format": 1}, ["pt"], "pt"])),
+    st.tuples(st.just("bytes"), _small),
+    st.tuples(st.just("length"), _small),
+    st.tuples(st.just("flip"), st.integers(0, 400), st.integers(0, 255)))
+INDEX = st.one_of(st.none(), st.dictionaries(_name, st.sampled_from(ENTRIES), min_size=1, max_size=3))
+
+
+def _mutated_file(path: Path, mutations) -> None:
+    """``TENSORS`` saved by safetensors, then its header and bytes mutated."""
+    save_file(TENSORS, str(path), metadata={"format": "pt"})
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    delta, flips = 0, []
+    for m in mutations:
+        if m[0] in ("drop", "offsets", "shape", "dtype") and not isinstance(header[m[1]], dict):
+            continue
+        if m[0] == "drop":
+            header[m[1]].pop(m[2], None)
+        elif m[0] == "offsets" and isinstance(header[m[1]].get("data_offsets"), list):
+            b, e = header[m[1]]["data_offsets"]
+            header[m[1]]["data_offsets"] = [b + m[2], e + m[3]]
+        elif m[0] in ("shape", "dtype"):
+            header[m[1]][m[0]] = m[2]
+        elif m[0] == "entry":
+            header[m[1]] = m[2]
+        elif m[0] == "metadata":
+            header["__metadata__"] = m[1]
+        elif m[0] == "bytes":
+            data = data[:max(0, len(data) + m[1])] if m[1] < 0 else data + b"\x01" * m[1]
+        elif m[0] == "length":
+            delta = m[1]
+        elif m[0] == "flip":
+            flips.append(m[1:])
+    text = bytearray(json.dumps(header).encode())
+    for at, value in flips:
+        text[at % len(text)] = value
+    path.write_bytes(struct.pack("<Q", max(0, len(text) + delta)) + bytes(text) + data)
+
+
+def _safetensors_reads(path: Path) -> dict | None:
+    """What safetensors itself reads of the file (``None``: it refuses it)."""
+    from safetensors.numpy import load_file
+
+    try:
+        return {k: v.tobytes() for k, v in load_file(str(path)).items()}
+    except Exception:   # noqa: BLE001 - any refusal of safetensors' own reader
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(mutations=st.lists(MUTATION, max_size=3), index=INDEX)
+def test_any_header_or_index_gives_the_right_tensors_or_one_typed_line(mutations, index):
+    import builtins
+    import io
+    import tempfile
+    from unittest import mock
+
+    with tempfile.TemporaryDirectory(prefix="ckpt-prop-") as tmp:
+        root = Path(tmp).resolve()
+        folder = root / "model"
+        (folder / "sub").mkdir(parents=True)
+        save_file({"b": B}, str(root / "x.safetensors"))
+        save_file({"b": B}, str(folder / "sub" / "x.safetensors"))
+        _mutated_file(folder / "model.safetensors", mutations)
+        if index is not None:
+            write_index(folder, {k: str(root / "x.safetensors") if v == "OUTSIDE" else v for k, v in index.items()})
+        touched, real_open, real_stat = [], builtins.open, os.stat
+
+        def opening(file, *a, **kw):
+            touched.append(file)
+            return real_open(file, *a, **kw)
+
+        def stating(file, *a, **kw):
+            touched.append(file)
+            return real_stat(file, *a, **kw)
+
+        with mock.patch.object(builtins, "open", opening), mock.patch.object(io, "open", opening), \
+                mock.patch.object(os, "stat", stating):
+            try:
+                store = CheckpointStore(folder)
+                got = {k: b"".join(store.stored_bytes(k)) for k in store.keys()}
+            except ExportError as exc:   # CheckpointError, or a dtype the store does not convert
+                assert "\n" not in str(exc) and str(exc), str(exc)
+                got = None
+        outside = [f for f in touched if isinstance(f, (str, Path)) and folder != Path(os.path.realpath(f))
+                   and folder not in Path(os.path.realpath(f)).parents]
+        assert outside == [], outside
+        theirs = _safetensors_reads(folder / "model.safetensors")
+        if got is not None:   # accepted: exactly what safetensors reads, the tensors the index names
+            assert theirs is not None and all(got[k] == theirs[k] for k in got)
+            assert index is None or set(index) <= set(got)
+        elif index is None and not any(m[0] == "dtype" for m in mutations):
+            assert theirs is None, "refused a file safetensors reads"
