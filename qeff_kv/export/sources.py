@@ -114,6 +114,9 @@ class ModelSource:
     def _read_config(self) -> dict:
         return read_config(self.path)
 
+    def check_files(self) -> None:
+        """Refuse, in one line, weight files that would not be read as transformers reads them (a folder's)."""
+
     def fingerprint(self) -> str | None:
         """Content fingerprint of the weights for the cache key; ``None`` when the weights are not a file."""
         raise NotImplementedError
@@ -174,6 +177,11 @@ class FolderSource(ModelSource):
 
     def fingerprint(self) -> str:
         return opt.weights_fingerprint(self.path)
+
+    def check_files(self) -> None:
+        """Index entries, regular files, safetensors headers, a tensor in two files: refused in one line before
+        any weight is read (``CheckpointError``; see docs/export.md "Which files of a folder are read")."""
+        tensor_files(self.path)
 
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
         torch, transformers = hf.import_transformers()
@@ -333,5 +341,4 @@ def resolve_source(model: str | Path | None) -> ModelSource:
         ggufs = sorted(path.glob("*.gguf"))
         hint = f"; to export the GGUF file give its path, e.g. {ggufs[0]}" if ggufs else ""
         raise ExportError(f"{path}: no *.safetensors weights (pickled .bin weights are not loaded){hint}")
-    tensor_files(path)   # index entries, regular files, headers, a tensor in two files: refused before any read
     return FolderSource(path, path.resolve().name)
