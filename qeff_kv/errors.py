@@ -51,6 +51,12 @@ class ExportError(QeffKvError):
     """A model cannot be exported (unknown architecture, unsupported option, missing files...)."""
 
 
+class CheckpointError(ExportError):
+    """A checkpoint folder that transformers would not read as given: an index entry that is not a plain file name
+    of the folder, a weights file that is not a regular file, a safetensors header that safetensors refuses, a
+    tensor held by two files that no index decides between."""
+
+
 class MissingDependencyError(QeffKvError):
     """An optional dependency (torch, transformers, tokenizers) is needed for this command."""
 

@@ -142,6 +142,7 @@ def _build(source, options: opt.ExportOptions, verify: bool | None, say: Progres
     quantize and verify the staged graph. Returns ``geometry``, ``vision_path`` and the manifest ``records``."""
     from qeff_kv.export.weights import budget, stream
 
+    source.check_files()   # the checkpoint's index and headers: refused before any weight is read, by any reader
     say = budget.StreamReasons(say)   # keeps why streaming was refused, for the memory refusal below
     streamed = stream.open_streamed(source, options, say)
     if streamed is not None:

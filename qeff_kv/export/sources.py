@@ -24,6 +24,7 @@ from typing import Callable
 
 from qeff_kv.support import capture, fsutil
 from qeff_kv.export.weights import gguf_header
+from qeff_kv.export.weights.checkpoint_store import tensor_files
 from qeff_kv.errors import ExportError, MissingDependencyError
 from qeff_kv.export import options as opt
 from qeff_kv.export.weights import prequant
@@ -113,6 +114,9 @@ class ModelSource:
     def _read_config(self) -> dict:
         return read_config(self.path)
 
+    def check_files(self) -> None:
+        """Refuse, in one line, weight files that would not be read as transformers reads them (a folder's)."""
+
     def fingerprint(self) -> str | None:
         """Content fingerprint of the weights for the cache key; ``None`` when the weights are not a file."""
         raise NotImplementedError
@@ -173,6 +177,11 @@ class FolderSource(ModelSource):
 
     def fingerprint(self) -> str:
         return opt.weights_fingerprint(self.path)
+
+    def check_files(self) -> None:
+        """Index entries, regular files, safetensors headers, a tensor in two files: refused in one line before
+        any weight is read (``CheckpointError``; see docs/export.md "Which files of a folder are read")."""
+        tensor_files(self.path)
 
     def load_torch_model(self, options: opt.ExportOptions, say: Progress):
         torch, transformers = hf.import_transformers()

@@ -28,14 +28,27 @@ def _need(params: int, per: int) -> str:
 
 
 def _header_only(folder: Path, params: int) -> Path:
-    """``folder``'s weights replaced by one safetensors file whose header declares ``params`` bf16 values and
-    whose payload is missing: reading any weight fails, the header is all the estimate may read."""
+    """``folder``'s weights replaced by one safetensors file whose header declares ``params`` bf16 values over a
+    payload that is a hole (a sparse file: a valid layout, issue 52, and no disk used); the header is all the
+    estimate may read (``no_load``: a whole-model load fails the test)."""
     for f in folder.glob("*.safetensors"):
         f.unlink()
     header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [params],
                                                        "data_offsets": [0, 2 * params]}}).encode()
-    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with open(folder / "model.safetensors", "wb") as fh:
+        fh.write(len(header).to_bytes(8, "little") + header)
+        fh.truncate(8 + len(header) + 2 * params)
     return folder
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    from qeff_kv.export.sources import FolderSource
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("the whole model was loaded")
+
+    monkeypatch.setattr(FolderSource, "load_torch_model", refused)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +65,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_an_8b_folder_that_does_not_stream_is_refused_from_its_header(tiny, tmp_path, monkeypatch):
+def test_an_8b_folder_that_does_not_stream_is_refused_from_its_header(tiny, tmp_path, monkeypatch, no_load):
     """``QEFF_KV_EXPORT_STREAM=0`` and 8.03 B parameters declared in a header with no payload: the refusal names
     the size, the reason and the way out; nothing is written, no weight was read (a load would fail)."""
     from qeff_kv.export import export_model
@@ -71,7 +84,7 @@ def test_an_8b_folder_that_does_not_stream_is_refused_from_its_header(tiny, tmp_
     assert not list(tmp_path.glob(".*export*"))   # no staging folder left
 
 
-def test_the_cli_says_it_in_one_line(tiny, tmp_path):
+def test_the_cli_says_it_in_one_line(tiny, tmp_path, no_load):
     big = _header_only(_copy(tiny, tmp_path / "llama-8b"), 8_030_000_000)
     res = cli("export", big, "-o", tmp_path / "o", "--ctx-len", 32, "--prefill-seq-len", 8, "--no-verify",
               env={STREAM: "0", GB: "21.9"})
@@ -81,7 +94,7 @@ def test_the_cli_says_it_in_one_line(tiny, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_float16_is_offered_where_it_fits(tiny, tmp_path, monkeypatch):
+def test_float16_is_offered_where_it_fits(tiny, tmp_path, monkeypatch, no_load):
     """2 B parameters: 33.2 GB in float32, 16.8 GB in float16 (fits 21.9 GB): the way out says --dtype float16;
     in float16 at 10 GB it is not offered again."""
     from qeff_kv.export import export_model

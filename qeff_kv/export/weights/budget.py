@@ -30,14 +30,13 @@ No torch at import time.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_kv.errors import ExportError, WholeModelMemoryError
 from qeff_kv.export.weights import gguf_header
-from qeff_kv.export.weights.checkpoint_store import INDEX_FILE, read_header
+from qeff_kv.export.weights.checkpoint_store import tensor_files
 from qeff_kv.support import limits
 
 #: peak bytes of a whole-model load and trace per byte of the model's weights in the export dtype (measured above)
@@ -63,19 +62,8 @@ class WholeEstimate:
 
 def safetensors_parameters(folder: Path) -> int:
     """The parameters of a safetensors folder from its files' headers (the index's files where it has one)."""
-    folder = Path(folder)
-    index = folder / INDEX_FILE
-    files = sorted(folder.glob("*.safetensors"))
-    if index.is_file():
-        try:
-            files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ExportError(f"{index}: unreadable safetensors index ({exc})") from None
-    shapes: dict[str, tuple[str, list]] = {}
-    for path in files:
-        _start, header = read_header(path)
-        for name, info in header.items():
-            shapes.setdefault(name, (str(info.get("dtype")), list(info.get("shape", ()))))
+    shapes = {name: (str(info["dtype"]), list(info["shape"]))
+              for name, (_path, _start, info) in tensor_files(Path(folder)).items()}
     packed = {name.rsplit(".", 1)[0] for name, (dtype, _shape) in shapes.items()
               if dtype == "I32" and name.rsplit(".", 1)[-1] in PACKED_MARKS}
     total = 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from qeff_kv.errors import ExportError
+from qeff_kv.errors import CheckpointError, ExportError
 from qeff_kv.export.weights.stand_ins import is_stand_in, recorded_parameters  # noqa: F401
 
 
@@ -453,6 +453,8 @@ def open_streamed(source, options, say) -> Streamed | None:
         model, raw = _skeleton_and_store(source, dtype)
         store = converted_store(raw, model)   # per-expert tensors as the fused parameters (expert_keys.py)
         the_plan = plan(model, store)
+    except CheckpointError:   # files transformers would not read as given: no whole load either
+        raise
     except (StreamRefused, ConversionRefused, ExportError) as exc:
         say(f"streaming is not possible ({exc}): loading the whole model")
         return None

@@ -13,6 +13,7 @@ import numpy as np
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export import transformers_adapter as hf
+from qeff_kv.export.weights.checkpoint_store import tensor_files
 from qeff_kv.export.weights.prequant import awq, compressed, gptq
 from qeff_kv.export.weights.prequant.blocks import QuantizedLinear
 from qeff_kv.export.weights.prequant.scheme import PrequantScheme
@@ -23,21 +24,19 @@ _EXACT_NUMPY = ("int8", "uint8", "int16", "int32", "int64", "float16", "float32"
 
 
 class Tensors:
-    """The folder's safetensors tensors by name (every ``*.safetensors`` file; files stay memory-mapped)."""
+    """The folder's safetensors tensors by name, each from the file :func:`.checkpoint_store.tensor_files` says
+    holds it (the index's choice; a tensor in two files refused), files memory-mapped."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
         self.files: dict[Path, object] = {}
-        self.where: dict[str, Path] = {}
-        for f in sorted(Path(folder).glob("*.safetensors")):
+        self.where: dict[str, Path] = {key: path for key, (path, _start, _info) in tensor_files(folder).items()}
+        for f in sorted(set(self.where.values())):
             try:
-                handle = safe_open(str(f), framework="pt")
+                self.files[f] = safe_open(str(f), framework="pt")
             except Exception as exc:   # noqa: BLE001 - a truncated or foreign file: one line
                 raise ExportError(f"{f}: unreadable safetensors file ({str(exc).splitlines()[0]})") from None
-            self.files[f] = handle
-            for k in handle.keys():
-                self.where[k] = f
 
     def has(self, key: str) -> bool:
         return key in self.where
