@@ -102,7 +102,7 @@ class ImageLimits:
 
 #: the image formats a server decodes: what cameras, browsers and screenshots make (no format whose Pillow plugin
 #: runs another program, such as EPS through Ghostscript)
-WEB_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF")
+WEB_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")   # JPEG: a camera's MPO too
 
 
 def _open_images(Image, images: Sequence[str | os.PathLike], limits: ImageLimits | None = None) -> list:
@@ -122,8 +122,12 @@ def _open_images(Image, images: Sequence[str | os.PathLike], limits: ImageLimits
 
 def _open_lazy(Image, path, limits: ImageLimits | None):
     """``Image.open``: the header read, nothing decoded (the size known)."""
+    formats = None if limits is None else limits.formats
+    if formats is not None:
+        Image.init()   # every plugin registered (Pillow's first pass knows a few: asking it for another fails)
+        formats = tuple(f for f in formats if f in Image.OPEN)   # those this Pillow has
     try:
-        return Image.open(path, formats=None if limits is None else limits.formats)
+        return Image.open(path, formats=formats)
     except FileNotFoundError:
         raise RuntimeInputError(f"image {os.fspath(path)}: no such file") from None
     except Exception as exc:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError, ValueError...
