@@ -47,8 +47,9 @@ def png_declaring(width: int, height: int, rows: int | None = None) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     comp = zlib.compressobj(9)
-    row = b"\0" * (width + 1)
-    data = b"".join(comp.compress(row) for _ in range(height if rows is None else rows)) + comp.flush()
+    rows = height if rows is None else rows
+    row = b"\0" * (width + 1) if rows else b""
+    data = b"".join(comp.compress(row) for _ in range(rows)) + comp.flush()
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
             + chunk(b"IDAT", data) + chunk(b"IEND", b""))
 
@@ -251,3 +252,56 @@ def test_processor_refusals_name_no_server_path(served, media, llava_cb_export):
     msg = refused(served, ask(data_url(media["photo"].read_bytes()), text="<image> one more"))
     assert msg.startswith("the export: the processor failed on the prompt and images (")
     assert str(llava_cb_export) not in msg and "qeff-kv-img-" not in msg
+
+
+# --------------------------------------------------------------------------------------- property test
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_MODES = ["1", "L", "P", "RGB", "RGBA", "CMYK", "I", "F", "LA", "I;16", "YCbCr", "RGBX"]
+_FORMATS = ["PNG", "GIF", "BMP", "TIFF", "WEBP", "JPEG"]
+
+
+@st.composite
+def _odd_image(draw) -> str:
+    """A real image of an odd mode and format (whatever Pillow can write of it), or a random TIFF/PNG."""
+    mode, fmt = draw(st.sampled_from(_MODES)), draw(st.sampled_from(_FORMATS))
+    size = (draw(st.integers(1, 90)), draw(st.integers(1, 90)))
+    try:
+        raw = encoded(PIL_Image.new(mode, size, draw(st.integers(0, 255))), fmt)
+    except (OSError, ValueError, KeyError, TypeError):
+        raw = encoded(PIL_Image.new("RGB", size), "PNG")
+    return data_url(raw, draw(st.sampled_from(["png", fmt.lower()])))
+
+
+def _truncated_png(data) -> str:
+    raw = encoded(PIL_Image.new("RGB", (40, 30), (3, 4, 5)))
+    return data_url(raw[:data])
+
+
+_BAD_BASE64 = st.text(alphabet="ABCxyz019+/=_-@ \n%é\u0000", max_size=40)
+_URL = st.one_of(
+    st.binary(max_size=300).map(data_url),                                             # random bytes
+    st.integers(0, 120).map(_truncated_png),                                           # truncated PNGs
+    st.tuples(st.integers(1, 2**31 - 1), st.integers(1, 2**31 - 1)).map(
+        lambda wh: data_url(png_declaring(*wh, rows=0))),                              # huge declared sizes
+    st.tuples(st.integers(1, 120), st.integers(1, 120), st.integers(0, 5)).map(
+        lambda t: data_url(png_declaring(*t))),                                        # short image data
+    _odd_image(),                                                                      # odd modes and formats
+    _BAD_BASE64.map(lambda s: "data:image/png;base64," + s),                           # bad base64
+    st.text(max_size=60).map(lambda s: "file://" + s),                                 # file URLs, odd characters
+    st.text(max_size=30).map(lambda s: "file:///" + s.replace("/", "%2F") + "%00"),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(urls=st.lists(_URL, min_size=1, max_size=2))
+def test_random_image_bodies_get_200_or_a_4xx_and_health_answers(served, urls):
+    r = post(served, ask(*urls), timeout=60, max_tokens=1)
+    assert r.status_code == 200 or 400 <= r.status_code < 500, r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"] and "\n" not in err["message"], err
+        assert err["type"] == "invalid_request_error" and "qeff-kv-img-" not in err["message"], err
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
