@@ -146,6 +146,9 @@ def option_groups(names: list[str]) -> list[tuple[str, list[str]]]:
               metavar="DIR",
               help="Vision-language exports: image_url parts may name local files under DIR (file:// URLs); "
                    "default: data: URLs only.")
+@click.option("--max-image-pixels", type=DIM, default=None, metavar="N",
+              help="Vision-language exports: the most pixels (width x height) of one image, read from its header "
+                   "before it is decoded; a request's images together get twice that (default 50000000).")
 @click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PEFT_DIR",
               help="A LoRA adapter served from the start (repeatable; vLLM's flag, also its JSON form "
                    "'{\"name\": NAME, \"path\": PEFT_DIR}'): a model of /v1/models that a request's model selects; "

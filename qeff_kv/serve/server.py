@@ -21,6 +21,7 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
     from qeff_kv.serve.cluster.kv_events import open_publisher
     from qeff_kv.serve.engine.lora import open_adapters
     from qeff_kv.serve.engine.scheduler import Scheduler
+    from qeff_kv.serve.http.images import start as start_images
 
     session = open_session(config.engine, model, speculative=config.speculation is not None)
     adapters = open_adapters(config.lora, session, model.name)   # --lora-modules read and fitted: one-line refusals
@@ -39,6 +40,7 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
                            prefill_chunk=eng.prefill_chunk, speculation=speculation, kv_events=kv_events,
                            connector=connector, adapters=adapters)
         engine.vision = open_vision(session, config)   # a vision-language export: images over HTTP (serve/images.py)
+        start_images(engine)   # its processor loaded now, once: no request waits for it or races another loading it
         return engine
     except BaseException:
         if kv_events is not None:
@@ -196,7 +198,8 @@ def create_app_of(http, engine, text, defaults, drain, max_n: int):
 
     return create_app(engine, text=text, api_key=http.api_key, state_dir=http.state_dir, drain=drain,
                       max_request_bytes=http.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES, defaults=defaults,
-                      max_n=max_n, allowed_origins=http.allowed_origins, media_path=http.allowed_local_media_path)
+                      max_n=max_n, allowed_origins=http.allowed_origins, media_path=http.allowed_local_media_path,
+                      max_image_pixels=http.max_image_pixels)
 
 
 def signal_name(sig: int) -> str:

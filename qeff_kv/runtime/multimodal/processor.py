@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -79,18 +81,82 @@ def _load_processor(transformers, folder: Path):
         hf_logging.set_verbosity(verbosity)
 
 
-def _open_images(Image, images: Sequence[str | os.PathLike]) -> list:
-    opened = []
-    for path in images:
-        try:
-            with Image.open(path) as im:
-                opened.append(im.convert("RGB"))
-        except FileNotFoundError:
-            raise RuntimeInputError(f"image {os.fspath(path)}: no such file") from None
-        except Exception as exc:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError, ValueError...
-            raise RuntimeInputError(f"image {os.fspath(path)}: cannot read it as an image "
-                                    f"({_first_line(exc)})") from None
-    return opened
+@dataclass(frozen=True)
+class ImageLimits:
+    """Bounds on the images :func:`image_prompt` decodes, checked from each file's header (Pillow reads the size
+    without decoding) before any pixel is decoded: a decompression bomb (a small file declaring a huge image) is
+    refused in one line instead of filling memory.
+
+    Attributes:
+        max_pixels: the most pixels (width x height) of one image.
+        max_total_pixels: the most pixels of all the images of one call together.
+        formats: the Pillow formats opened (None: any Pillow knows).
+        option: how the caller names the limit, appended to the refusal (``--max-image-pixels``).
+    """
+
+    max_pixels: int
+    max_total_pixels: int
+    formats: tuple[str, ...] | None = None
+    option: str = ""
+
+
+#: the image formats a server decodes: what cameras, browsers and screenshots make (no format whose Pillow plugin
+#: runs another program, such as EPS through Ghostscript)
+WEB_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")   # JPEG: a camera's MPO too
+
+
+def _open_images(Image, images: Sequence[str | os.PathLike], limits: ImageLimits | None = None) -> list:
+    """The images decoded to RGB: the first frame of a multi-frame file (GIF, APNG, TIFF) only. With ``limits``,
+    every header is read and checked before the first image is decoded."""
+    lazy = []
+    try:
+        for path in images:
+            lazy.append(_open_lazy(Image, path, limits))
+        if limits is not None:
+            _check_sizes(images, [im.size for im in lazy], limits)
+        return [_decoded(im, path) for im, path in zip(lazy, images)]
+    finally:
+        for im in lazy:
+            im.close()
+
+
+def _open_lazy(Image, path, limits: ImageLimits | None):
+    """``Image.open``: the header read, nothing decoded (the size known)."""
+    formats = None if limits is None else limits.formats
+    if formats is not None:
+        Image.init()   # every plugin registered (Pillow's first pass knows a few: asking it for another fails)
+        formats = tuple(f for f in formats if f in Image.OPEN)   # those this Pillow has
+    try:
+        return Image.open(path, formats=formats)
+    except FileNotFoundError:
+        raise RuntimeInputError(f"image {os.fspath(path)}: no such file") from None
+    except Exception as exc:  # noqa: BLE001 - PIL raises UnidentifiedImageError, OSError, ValueError...
+        raise RuntimeInputError(f"image {os.fspath(path)}: cannot read it as an image "
+                                f"({_first_line(exc)})") from None
+
+
+def _check_sizes(images, sizes: list[tuple[int, int]], limits: ImageLimits) -> None:
+    option = f" ({limits.option})" if limits.option else ""
+    for path, (w, h) in zip(images, sizes):
+        if w * h > limits.max_pixels:
+            raise RuntimeInputError(f"image {os.fspath(path)}: {w}x{h} pixels ({w * h}); the limit is "
+                                    f"{limits.max_pixels} pixels per image{option}")
+    total = sum(w * h for w, h in sizes)
+    if total > limits.max_total_pixels:
+        raise RuntimeInputError(f"the {len(sizes)} images hold {total} pixels together; the limit is "
+                                f"{limits.max_total_pixels} pixels per request{option}")
+
+
+def _decoded(im, path):
+    """The current (first) frame of ``im`` decoded to RGB."""
+    try:
+        out = im.convert("RGB")   # loads the current frame alone: frame 0, never the animation
+    except Exception as exc:  # noqa: BLE001 - truncated data, decoder errors...
+        raise RuntimeInputError(f"image {os.fspath(path)}: cannot read it as an image "
+                                f"({_first_line(exc)})") from None
+    if out.size != im.size:   # a decoder that grew the image past what its header declared: not decoded further
+        raise RuntimeInputError(f"image {os.fspath(path)}: the decoded size differs from the header's")
+    return out
 
 
 def _manifest_image_token_id(folder: Path) -> int | None:
@@ -163,8 +229,8 @@ def _chat_text(processor, folder: Path, text: str, n_images: int, system: str | 
 
 
 def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *, chat: bool = False,
-                 system: str | None = None, image_size: int | None = None,
-                 vision: dict | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
+                 system: str | None = None, image_size: int | None = None, vision: dict | None = None,
+                 limits: ImageLimits | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
     """The prompt token ids and image arrays for ``text`` about ``images``, made by the processor of the
     export (or model) folder ``folder``.
 
@@ -184,29 +250,85 @@ def image_prompt(folder: Path, text: str, images: Sequence[str | os.PathLike], *
     tokenizer then do the work, and each image placeholder is expanded here into the image's tokens
     (``prod(image_grid_thw) / merge_size^2``, or ``vision_size``), as the processor would.
 
+    ``limits``: :class:`ImageLimits` checked from the image headers before any image is decoded (None: any size
+    Pillow's own decompression-bomb guard lets through). Only the first frame of an animated image is decoded.
+
     Raises :class:`~qeff_kv.errors.MissingDependencyError` without transformers or Pillow, and
     :class:`~qeff_kv.errors.RuntimeInputError` (one line) for a folder without an image processor, an image
     file that is missing or unreadable, or a processor that fails on the input.
     """
-    folder = Path(folder)
-    images = list(images)
-    if not isinstance(text, str):
-        raise RuntimeInputError(f"the prompt must be text, got {type(text).__name__}")
-    if not images:
-        raise RuntimeInputError("no image given")
-    transformers, Image = _import_dependencies()
-    if not has_image_processor(folder):
-        raise RuntimeInputError(f"{folder}: no image processor ({PREPROCESSOR_FILE} is missing); "
-                                f"give the image arrays with --image-inputs FILE.npz")
-    pil_images = _open_images(Image, images)
-    if image_size is not None:
-        pil_images = [im.resize((int(image_size), int(image_size)), Image.BICUBIC) for im in pil_images]
-    try:
-        processor = _load_processor(transformers, folder)
-    except RuntimeInputError:
-        if vision is None:
-            raise
-        return _with_image_processor(transformers, folder, text, pil_images, chat, system, vision, image_size)
+    return ImagePrompter(folder, vision).prompt(text, images, chat=chat, system=system, image_size=image_size,
+                                                limits=limits)
+
+
+class ImagePrompter:
+    """:func:`image_prompt` for one folder, its processor loaded once (:meth:`load`: a server calls it at start-up)
+    and shared by threads: loading and running the processor hold a lock (transformers' lazy imports and a fast
+    tokenizer are not safe to enter from two threads at once); decoding the images does not."""
+
+    def __init__(self, folder: str | os.PathLike, vision: dict | None = None):
+        self.folder = Path(folder)
+        self.vision = vision
+        self._lock = threading.Lock()
+        self._loaded: tuple | None = None   # ("processor", p) | ("parts", image_processor, tokenizer) | ("error", e)
+
+    def load(self) -> "ImagePrompter":
+        """Load the folder's processor now (once; a failure is kept and raised by every :meth:`prompt`)."""
+        with self._lock:
+            self._load_locked()
+        return self
+
+    def _load_locked(self) -> tuple:
+        if self._loaded is None:
+            try:
+                self._loaded = self._load_parts()
+            except RuntimeInputError as exc:
+                self._loaded = ("error", exc)
+        return self._loaded
+
+    def _load_parts(self) -> tuple:
+        transformers, _ = _import_dependencies()
+        folder = self.folder
+        if not has_image_processor(folder):
+            raise RuntimeInputError(f"{folder}: no image processor ({PREPROCESSOR_FILE} is missing); "
+                                    f"give the image arrays with --image-inputs FILE.npz")
+        try:
+            return ("processor", _load_processor(transformers, folder))
+        except RuntimeInputError:
+            if self.vision is None:
+                raise
+        return ("parts", *_load_image_processor(transformers, folder))
+
+    def prompt(self, text: str, images: Sequence[str | os.PathLike], *, chat: bool = False,
+               system: str | None = None, image_size: int | None = None, limits: ImageLimits | None = None,
+               vision: dict | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
+        """:func:`image_prompt` with this folder's processor (``vision``: the vision facts now, default: those it
+        was made with)."""
+        images = list(images)
+        if not isinstance(text, str):
+            raise RuntimeInputError(f"the prompt must be text, got {type(text).__name__}")
+        if not images:
+            raise RuntimeInputError("no image given")
+        _, Image = _import_dependencies()
+        if self._loaded is None and not has_image_processor(self.folder):
+            self.load()   # the refusal, before any image is read
+        if self._loaded is not None and self._loaded[0] == "error":
+            raise self._loaded[1]
+        pil_images = _open_images(Image, images, limits)
+        if image_size is not None:
+            pil_images = [im.resize((int(image_size), int(image_size)), Image.BICUBIC) for im in pil_images]
+        with self._lock:
+            loaded = self._load_locked()
+            if loaded[0] == "error":
+                raise loaded[1]
+            if loaded[0] == "parts":
+                return _with_image_processor(loaded[1], loaded[2], self.folder, text, pil_images, chat, system,
+                                             self.vision if vision is None else vision, image_size)
+            return _with_processor(loaded[1], self.folder, text, pil_images, chat, system, image_size)
+
+
+def _with_processor(processor, folder: Path, text: str, pil_images: list, chat: bool, system: str | None,
+                    image_size: int | None) -> tuple[list[int], dict[str, np.ndarray]]:
     if chat:
         prompt = _chat_text(processor, folder, text, len(pil_images), system)
     else:
@@ -247,23 +369,39 @@ def image_sizes_of(images: Sequence[str | os.PathLike]) -> list[tuple[int, int]]
     return [im.size for im in _open_images(Image, images)]
 
 
-def _with_image_processor(transformers, folder: Path, text: str, pil_images: list, chat: bool, system: str | None,
-                          vision: dict, image_size: int | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
-    """:func:`image_prompt` with the image processor and the tokenizer alone (the processor's own expansion of
-    each image placeholder into its tokens, done here)."""
+def _load_image_processor(transformers, folder: Path) -> tuple:
+    """The folder's image processor and ``tokenizer.json`` alone (when the whole processor cannot be loaded)."""
     from transformers.utils import logging as hf_logging
-
-    from qeff_kv.runtime.text.chat import load_chat_template
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         image_processor = transformers.AutoImageProcessor.from_pretrained(folder, backend="pil")
-        out = image_processor(images=pil_images, return_tensors="np", **exact_size_kwargs(image_processor, image_size))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises
         raise RuntimeInputError(f"{folder}: cannot load the image processor ({_first_line(exc)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    tok_path = folder / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # noqa: BLE001 - a missing or unreadable tokenizer.json
+        raise RuntimeInputError(f"{tok_path}: cannot read the tokenizer ({_first_line(exc)})") from None
+    return image_processor, tokenizer
+
+
+def _with_image_processor(image_processor, tokenizer, folder: Path, text: str, pil_images: list, chat: bool,
+                          system: str | None, vision: dict, image_size: int | None = None
+                          ) -> tuple[list[int], dict[str, np.ndarray]]:
+    """:func:`image_prompt` with the image processor and the tokenizer alone (the processor's own expansion of
+    each image placeholder into its tokens, done here)."""
+    from qeff_kv.runtime.text.chat import load_chat_template
+
+    try:
+        out = image_processor(images=pil_images, return_tensors="np", **exact_size_kwargs(image_processor, image_size))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises
+        raise RuntimeInputError(f"{folder}: the image processor failed on the images ({_first_line(exc)})") from None
     arrays = {k: np.asarray(out[k]) for k in IMAGE_KEYS if k in out and out[k] is not None}
     if "pixel_values" not in arrays:
         raise RuntimeInputError(f"{folder}: the image processor returned no pixel_values")
@@ -274,13 +412,6 @@ def _with_image_processor(transformers, folder: Path, text: str, pil_images: lis
         counts = [int(vision["vision_size"])] * len(pil_images)
     else:
         raise RuntimeInputError(f"{folder}: cannot tell how many tokens an image takes (no vision_size)")
-    tok_path = folder / "tokenizer.json"
-    try:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    except Exception as exc:  # noqa: BLE001 - a missing or unreadable tokenizer.json
-        raise RuntimeInputError(f"{tok_path}: cannot read the tokenizer ({_first_line(exc)})") from None
     token = tokenizer.id_to_token(int(vision.get("image_token_id", -1))) if vision.get("image_token_id") is not None \
         else None
     if not token:

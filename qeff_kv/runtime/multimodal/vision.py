@@ -19,6 +19,7 @@ are not part of it (decode never reads them).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -68,6 +69,8 @@ class VisionStage:
             raise GraphReadError(f"{self.path}: onnxruntime cannot load it ({' '.join(str(exc).split())[:300]})") \
                 from None
         self._io = self._sess.io_binding()
+        #: one IOBinding holds the images of one call: concurrent calls (a server's request threads) take turns
+        self._lock = threading.Lock()
         self.runs = 0
         #: rows and hidden size of the output for an input shape, where the graph's output dims are symbolic
         self._out_dims: dict[tuple, tuple[int, int]] = {}
@@ -88,7 +91,12 @@ class VisionStage:
     def encode(self, images: list[np.ndarray], rows: int | None, hidden: int | None) -> np.ndarray:
         """Run each image once; returns ``[len(images), rows, hidden]``, each image's rows written in place. With
         ``rows`` or ``hidden`` unknown (a graph whose output dims are symbolic), the first image's output says them
-        (that one image is copied into place; later calls with images of that shape write in place)."""
+        (that one image is copied into place; later calls with images of that shape write in place). Thread-safe:
+        concurrent calls take turns (they share the binding)."""
+        with self._lock:
+            return self._encode(images, rows, hidden)
+
+    def _encode(self, images: list[np.ndarray], rows: int | None, hidden: int | None) -> np.ndarray:
         first = None
         if rows is None or hidden is None:
             rows, hidden = self._out_dims.get(tuple(images[0].shape), (rows, hidden))

@@ -72,13 +72,14 @@ class TextFacts:
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
                registry=None, defaults: SamplingDefaults | None = None, max_n: int = 1,
                allowed_origins: list[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               drain=None, media_path: str | None = None) -> FastAPI:
+               drain=None, media_path: str | None = None, max_image_pixels: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one).
     ``defaults``: the sampling a request leaves out (default: OpenAI's); ``max_n``: the largest ``n`` accepted;
     ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers); ``max_request_bytes``: larger
     request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a :class:`~.drain.Drain` (SIGTERM
     answers new requests 503 and lets running ones finish); ``media_path``: the folder ``image_url`` file URLs may
-    name (:mod:`.images`; None: data: URLs only)."""
+    name (:mod:`.images`; None: data: URLs only); ``max_image_pixels``: the most pixels of one image (None: the
+    default of :mod:`.images`)."""
     app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
     if drain is not None:
@@ -86,7 +87,7 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     discovery.add_cors(app, allowed_origins)
     front = _Frontend(app, engine, text, api_key=api_key, state_dir=state_dir, registry=registry,
                       defaults=defaults if defaults is not None else SamplingDefaults(), max_n=max_n)
-    front.media_path = media_path
+    front.media_path, front.max_image_pixels = media_path, max_image_pixels
     http_errors.install(app)
     _add_plain_routes(app, front)
     discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json,
@@ -104,6 +105,8 @@ class _Frontend:
 
     #: the folder image_url file URLs may name (serve/images.py); None: data: URLs only
     media_path: str | None = None
+    #: --max-image-pixels (serve/images.py); None: its default
+    max_image_pixels: int | None = None
 
     def __init__(self, app: FastAPI, engine: Engine, text: TextFacts, *, api_key: str | None,
                  state_dir: str | Path | None, registry, defaults: SamplingDefaults, max_n: int):
@@ -183,7 +186,8 @@ class _Frontend:
         if chat and has_images(p.messages):   # the export's processor and vision stage, as generate --image runs them
             ids, images = image_request(self.engine, p.messages, media_path=self.media_path, tools=tools,
                                         generation_prompt=turn.add_generation_prompt,
-                                        kv_transfer=p.kv_transfer_params is not None)
+                                        kv_transfer=p.kv_transfer_params is not None,
+                                        max_image_pixels=self.max_image_pixels)
         else:
             ids = self.prompt_ids(p, tools, turn)
         names = tuple(t["function"]["name"] for t in tools.tools) if tools is not None else ()

@@ -28,6 +28,9 @@ class HttpSection:
     #: vision-language exports: ``image_url`` parts may name local files under this folder (vLLM's
     #: --allowed-local-media-path); None: data: URLs only
     allowed_local_media_path: str | None = None
+    #: vision-language exports: the most pixels of one image, read from its header before it is decoded (the
+    #: images of a request together: twice that); None: serve/http/images.py's default (50 megapixels)
+    max_image_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_origins, str):   # "--allowed-origins a,b": the list
@@ -45,6 +48,8 @@ class HttpSection:
             raise RuntimeInputError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1024:
             raise RuntimeInputError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        if self.max_image_pixels is not None and self.max_image_pixels < 1:
+            raise RuntimeInputError(f"--max-image-pixels must be at least 1, got {self.max_image_pixels}")
         if self.drain_seconds is not None and not 0 <= self.drain_seconds <= 3600:
             raise RuntimeInputError(f"--drain-seconds must be in [0, 3600], got {self.drain_seconds}")
 
