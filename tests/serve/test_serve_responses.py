@@ -124,15 +124,18 @@ def test_text_format_json_schema(client):
     ({"previous_response_id": "resp_1"}, "previous_response_id",
      "previous_response_id is not supported: this server keeps no responses (send the earlier items in input)"),
     ({"frobnicate": 1}, "frobnicate", "unknown field 'frobnicate': not supported by /v1/responses on this server"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input",
-     "input[0].content[0]: only input_text / output_text parts are supported (got 'input_image')"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input",
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[0]", "input[0].content[0]: only input_text / output_text parts are supported (got "
+                            "'input_image')"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type",
      "input[0]: items of type 'reasoning' are not supported (message, function_call, function_call_output)"),
-    ({"tools": [{"type": "web_search"}]}, "tools", "tools[0]: only function tools are supported (got 'web_search')"),
-    ({"text": {"format": {"type": "yaml"}}}, "text", None),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type",
+     "tools[0]: only function tools are supported (got 'web_search')"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format", None),
     ({"stream": "yes"}, "stream", "stream must be true or false, got 'yes'"),
-    ({"instructions": ["x"]}, "instructions", "instructions must be a string"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "input[0].call_id must be a string"),
+    ({"instructions": ["x"]}, "instructions", "instructions must be a string, got ['x']"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id",
+     "input[0].call_id must be a string, got None"),
 ])
 def test_refusals(served, extra, param, message):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra}
@@ -141,3 +144,136 @@ def test_refusals(served, extra, param, message):
     assert r.status_code == 400 and err["param"] == param and "\n" not in err["message"]
     if message is not None:
         assert err["message"] == message
+
+
+# ============================================================================================ issue 52, item 8
+def _post(served, body, route="/v1/responses"):
+    return httpx.post(served.url + route, json=body, timeout=120)
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"stream": 1}, "stream", "stream must be true or false, got 1"),
+    ({"store": 0}, "store", "store must be true or false, got 0"),
+    ({"background": 0}, "background", "background must be true or false, got 0"),
+    ({"parallel_tool_calls": "true"}, "parallel_tool_calls", "parallel_tool_calls must be true or false, got 'true'"),
+    ({"user": 5}, "user", "user must be a string, got 5"),
+    ({"metadata": ["a"]}, "metadata", "metadata must be an object of string values, got ['a']"),
+    ({"metadata": {"a": 1}}, "metadata", "metadata['a'] must be a string of at most 512 characters, got 1"),
+    ({"metadata": {"a": "x" * 513}}, "metadata", None),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "metadata keys are at most 64 characters, got 65"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "metadata holds 17 keys; at most 16"),
+    ({"top_logprobs": False}, "top_logprobs", "top_logprobs must be an integer, got False"),
+    ({"stream_options": {"include_obfuscation": 0}}, "stream_options", "stream_options is not supported"),
+    ({"max_output_tokens": 2.0}, "max_output_tokens", "max_output_tokens must be an integer, got 2.0"),
+    ({"input": [{"role": "user", "content": "hi", "name": "x"}]}, "input[0].name", None),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f"}]}, "input[0].arguments",
+     "input[0].arguments must be a string, got None"),
+    ({"tools": [{**TOOL, "function": {}}]}, "tools[0].function", None),
+])
+def test_types_are_strict(served, extra, param, message):
+    """Booleans are JSON booleans, metadata OpenAI's map, unknown keys refused at every level."""
+    r = _post(served, {"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, r.text
+    if message is not None:
+        assert err["message"] == message
+
+
+def test_what_clients_send_is_accepted(served):
+    """openai-agents' bodies: the earlier turn's output items sent back as they came (ids, statuses,
+    annotations, logprobs), ``include: []``, ``store: false`` and the identifiers."""
+    first = _post(served, {"model": MODEL, "input": "hi", "max_output_tokens": 2, "temperature": 0}).json()
+    body = {"model": MODEL, "max_output_tokens": 2, "temperature": 0, "store": False, "background": False,
+            "include": [], "truncation": "disabled", "parallel_tool_calls": False, "user": "u",
+            "metadata": {"k": "v" * 512, "k" * 64: ""}, "safety_identifier": "s", "prompt_cache_key": "p",
+            "service_tier": "auto", "top_logprobs": 0, "stream_options": None, "reasoning": None,
+            "input": [{"role": "user", "content": "hi"}, *first["output"],
+                      {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                       "arguments": "{}", "status": "completed"},
+                      {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                      {"role": "user", "content": [{"type": "input_text", "text": "and?"}]}]}
+    r = _post(served, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == body["metadata"] and r.json()["user"] == "u"
+
+
+def test_every_openai_field_is_known():
+    """Each top-level field of the installed ``openai`` package's ``responses.create`` is honoured or refused with
+    its reason, never "unknown"."""
+    from openai.types.responses import response_create_params
+
+    from qeff_kv.serve.wire.responses_io import TYPES
+
+    base = response_create_params.ResponseCreateParamsBase
+    fields = set(base.__required_keys__ | base.__optional_keys__) | {"stream"}
+    assert not fields - set(TYPES), f"classify these fields of openai {openai.__version__}"
+
+
+@pytest.mark.parametrize("extra, param, banned", [
+    ({"max_output_tokens": 5000}, "max_output_tokens", "max_tokens"),
+    ({"temperature": 3}, "temperature", None),
+    ({"input": "x" * 300_000}, "input", "messages"),
+    ({"instructions": "x" * 300_000}, "input", "messages"),   # the whole chat: instructions and input
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "nothing"}}}}, "text.format",
+     "response_format"),
+    ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": "yes"}}}, "text.format",
+     "response_format"),
+    ({"tools": [{**TOOL, "name": 5}]}, "tools", "function"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "function."),
+])
+def test_errors_after_translation_name_the_responses_fields(served, extra, param, banned):
+    """An error the chat path raises names ``max_output_tokens``, ``input``, ``text.format``... (the fields the
+    client sent), never the chat fields it was translated to."""
+    r = _post(served, {"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"].startswith(param), r.text
+    if banned is not None:
+        assert banned not in err["message"] and banned not in err["param"], r.text
+
+
+def test_tokenize_errors_show_no_server_path(served):
+    """A chat template that fails names itself by its file name, never the export folder (any route)."""
+    from starlette.testclient import TestClient
+
+    from qeff_kv.runtime.text.chat import ChatTemplate
+    from qeff_kv.serve.http.app import TextFacts, create_app
+
+    folder = served.engine.session.files.folder
+    failing = ChatTemplate(folder / "tokenizer_config.json", "{{ raise_exception('no system role') }}")
+    app = create_app(served.engine, text=TextFacts(served.app.state.text.tokenizer, failing))
+    with TestClient(app) as tc:
+        for route, body in (("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/responses", {"input": "hi"})):
+            r = tc.post(route, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and "tokenizer_config.json: the chat template failed" in err["message"]
+            assert str(folder) not in r.text and str(folder.resolve()) not in r.text and folder.name not in r.text
+            assert err["param"] == ("input" if route == "/v1/responses" else "messages")
+
+
+# ============================================================================================ issue 52, item 12
+def test_cut_by_the_limit_the_message_is_incomplete_and_the_applied_sampling_echoed(served):
+    """Cut by ``max_output_tokens``: the message item is ``incomplete`` like the response (streamed too); the
+    response echoes the sampling applied: the server's defaults for what the request left out."""
+    from starlette.testclient import TestClient
+
+    from qeff_kv.serve.engine.defaults import SamplingDefaults
+    from qeff_kv.serve.http.app import create_app
+
+    app = create_app(served.engine, text=served.app.state.text, defaults=SamplingDefaults(temperature=0.0, top_p=0.95))
+    body = {"model": MODEL, "input": "hello", "max_output_tokens": 3}
+    with TestClient(app) as tc:
+        r = tc.post("/v1/responses", json=body).json()
+        assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert [o["status"] for o in r["output"]] == ["incomplete"]
+        assert (r["temperature"], r["top_p"], r["max_output_tokens"]) == (0.0, 0.95, 3)
+        with tc.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert [i["status"] for i in done] == ["incomplete"] and events[-1]["type"] == "response.incomplete"
+        assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+        assert events[-1]["response"]["top_p"] == 0.95
+        whole = tc.post("/v1/responses", json={**body, "max_output_tokens": 200, "temperature": 0.5}).json()
+    assert whole["status"] == "completed" and whole["output"][0]["status"] == "completed"
+    assert (whole["temperature"], whole["top_p"]) == (0.5, 0.95)

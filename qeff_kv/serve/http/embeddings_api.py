@@ -28,9 +28,7 @@ def inputs_of(body, front) -> list[list[int]]:
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise bad(f"unknown field {unknown[0]!r}: not supported by /v1/embeddings on this server", unknown[0])
-    if body.get("model") not in (None, front.engine.model_name):
-        raise bad(f"the model {body['model']!r} does not exist; this server serves {front.engine.model_name!r}",
-                  "model", "model_not_found")
+    front.names.check(body.get("model"))
     if body.get("dimensions") is not None:
         raise bad("dimensions is not supported (the embedding is the model's hidden size)", "dimensions")
     if body.get("encoding_format") not in (None, "float", "base64"):
