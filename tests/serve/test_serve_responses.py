@@ -13,6 +13,7 @@ byte, and the tool prompt is long), with :data:`serve_helpers.CHAT_TEMPLATE`.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -277,3 +278,87 @@ def test_cut_by_the_limit_the_message_is_incomplete_and_the_applied_sampling_ech
         whole = tc.post("/v1/responses", json={**body, "max_output_tokens": 200, "temperature": 0.5}).json()
     assert whole["status"] == "completed" and whole["output"][0]["status"] == "completed"
     assert (whole["temperature"], whole["top_p"]) == (0.5, 0.95)
+
+
+# ============================================================================================ property (issue 52)
+_CHAT_ONLY = re.compile(r"\b(messages|max_tokens|max_completion_tokens|response_format|tool_calls|tool_call_id)\b")
+
+
+def _bodies():
+    """Random Responses bodies: every field valid or of another JSON type, unknown keys, nested input items."""
+    from hypothesis import strategies as st
+
+    from qeff_kv.serve.wire.responses_io import TYPES
+
+    words = st.text(alphabet="abz ", max_size=6)
+    scalar = st.none() | st.booleans() | st.integers(-3, 3000) | st.floats(-3, 3, allow_nan=False) | words
+    json = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(words, inner,
+                                                                                             max_size=3), max_leaves=6)
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", 3]),
+                                  "text": st.sampled_from(["hi", 5, None])}) | json
+    item_keys = st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output", "id",
+                                 "status", "annotations", "x_odd"])
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 1]),
+                               "content": words | st.lists(part, max_size=2)}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", 1]),
+                               "name": st.sampled_from(["get_weather", None]),
+                               "arguments": st.sampled_from(['{"city": "x"}', {}, None])}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", None]),
+                               "output": words | st.lists(part, max_size=2)}),
+        st.dictionaries(item_keys, json, max_size=4), json)
+    valid = {
+        "model": st.sampled_from([MODEL, "gpt-4.1"]), "input": words | st.lists(item, min_size=1, max_size=3),
+        "instructions": words, "max_output_tokens": st.sampled_from([1, 2, 0, 5000]),
+        "temperature": st.sampled_from([0, 0.5, 3]), "top_p": st.sampled_from([0.5, 1, 0]),
+        "stream": st.booleans(), "tools": st.lists(st.sampled_from([TOOL, {"type": "web_search"}, {**TOOL, "x": 1}]),
+                                                   max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"},
+                                        {"type": "function", "name": "zz"}, {"type": "x"}]),
+        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                 {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}},
+                                 {"verbosity": "low"}, {"format": {"type": "yaml"}}]),
+        "metadata": st.dictionaries(words, words | st.integers(), max_size=3),
+    }
+    field = st.sampled_from(sorted(TYPES) + ["x_unknown"])
+    value = st.deferred(lambda: json)
+
+    @st.composite
+    def body(draw):
+        out = {}
+        keys = draw(st.lists(st.sampled_from(sorted(valid)), max_size=5)) + draw(st.lists(field, max_size=2))
+        for key in dict.fromkeys(keys):   # the honoured fields drawn more often than the others
+            out[key] = draw(valid[key] | json) if key in valid else draw(value)
+        out.setdefault("input", draw(valid["input"]))
+        if out.get("max_output_tokens") is None:   # short answers: the property is about the checks
+            out["max_output_tokens"] = 2
+        return out
+
+    return body()
+
+
+def test_property_random_bodies_answer_200_or_a_4xx_naming_their_fields(served):
+    """Random bodies: 200 (a stream read to its end) or a 4xx in OpenAI's error shape whose ``param`` is a field
+    the body used or the Responses API defines and whose message names no chat field; never a 500."""
+    from hypothesis import HealthCheck, given, settings
+
+    from qeff_kv.serve.wire.responses_io import TYPES
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(body=_bodies())
+    def check(body):
+        r = httpx.post(served.url + "/v1/responses", json=body, timeout=120)
+        if r.status_code == 200:
+            if body.get("stream") is True:
+                assert "event: response.completed" in r.text or "event: response.incomplete" in r.text, r.text
+            else:
+                assert r.json()["object"] == "response"
+            return
+        assert 400 <= r.status_code < 500, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+        root = re.split(r"[.\[]", err["param"])[0] if err["param"] else None
+        assert root is None or root in body or root in TYPES, (body, err)
+        assert not _CHAT_ONLY.search(err["message"]) and not _CHAT_ONLY.search(err["param"] or ""), (body, err)
+
+    check()
