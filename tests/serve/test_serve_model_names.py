@@ -51,7 +51,14 @@ def test_served_model_names_and_aliases(names_engine):
     engine, _, model = names_engine
     assert (model.name, model.aliases, model.any_name, engine.model_name) == (
         "tiny", ("gpt-4.1", "gpt-3.5-turbo"), False, "tiny")
-    with _app(names_engine, model_aliases=model.aliases) as tc:
+    from starlette.testclient import TestClient
+
+    from qeff_kv.serve.engine.defaults import SamplingDefaults
+    from qeff_kv.serve.server import create_app_of
+
+    config = ServeConfig("unused", served_model_name=["tiny", "gpt-4.1", "gpt-3.5-turbo"])
+    app = create_app_of(config.http, engine, names_engine[1], SamplingDefaults(), None, 1, model)   # as serve() does
+    with TestClient(app) as tc:
         cards = tc.get("/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["tiny", "gpt-4.1", "gpt-3.5-turbo"]
         assert all({k: v for k, v in c.items() if k != "id"} == {k: v for k, v in cards[0].items() if k != "id"}
