@@ -49,10 +49,36 @@ class ChunkType(click.ParamType):
         return n
 
 
+#: the options taking one or more values (argparse's nargs="+", as vLLM spells them): ``--served-model-name a b``
+SPREAD_OPTIONS = ("--served-model-name",)
+
+
+def spread(args: list[str]) -> list[str]:
+    """``--served-model-name a b c`` as click reads a repeated option (``--served-model-name a
+    --served-model-name b ...``): the values up to the next option (or ``--``)."""
+    out, i = [], 0
+    while i < len(args):
+        out.append(args[i])
+        if args[i] in SPREAD_OPTIONS:
+            flag, i = args[i], i + 1
+            first = True
+            while i < len(args) and (first or not args[i].startswith("-")):
+                out.extend([args[i]] if first else [flag, args[i]])
+                first, i = False, i + 1
+            continue
+        if args[i] == "--":
+            return out + args[i + 1:]
+        i += 1
+    return out
+
+
 class SectionedCommand(click.Command):
     """A command whose help lists its options in groups, one per section of :class:`ServeConfig` (click's own
     ``formatter.section``); options no section holds (``-h``) under "Options". One column width for every group
     (the one click gives the whole list), so that each option's text wraps as in one list."""
+
+    def parse_args(self, ctx, args):
+        return super().parse_args(ctx, spread(list(args)))
 
     def format_options(self, ctx, formatter) -> None:
         rows = {}
@@ -121,6 +147,13 @@ def option_groups(names: list[str]) -> list[tuple[str, list[str]]]:
 @click.option("--no-prompt-reuse", "reuse_prompts", flag_value=False, default=True,
               help="Destroy finished sequences instead of keeping them for reuse.")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
+@click.option("--served-model-name", multiple=True, metavar="NAME [NAME ...]",
+              help="vLLM's: the names requests may give as model; the first is the one answers report and "
+                   "/v1/models lists first, the others are aliases, each listed too (instead of --model-name).")
+@click.option("--accept-any-model-name", is_flag=True,
+              help="Answer a request naming any model with this one (llama-server's behaviour; the answer repeats "
+                   "the name asked for); a LoRA adapter's name still selects the adapter; /v1/models lists the "
+                   "served names.")
 @click.option("--speculative", metavar="lookup|DRAFT_DIR", default=None,
               help="Speculative decoding on a graph exported with --speculative-tokens K: each decode step verifies "
                    "every running sequence's drafts (prompt lookup, or a draft export of the same tokenizer); the "

@@ -99,7 +99,9 @@ class ServeConfig:
 
     def served_model(self) -> ServedModel:
         """The export resolved (a one-line error for a bad path), with the name it is served under."""
-        return served_model(self.export_dir, self.engine.model_name)
+        names = self.engine.names()
+        return served_model(self.export_dir, names[0] if names else None, names[1:],
+                            self.engine.accept_any_model_name)
 
     def check(self) -> None:
         """Refuse bad options before anything is loaded (one line each): the options of absent sections, each

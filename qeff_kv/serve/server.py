@@ -172,7 +172,8 @@ def serve(config: ServeConfig, *, on_ready=None) -> None:
         if http.state_dir is not None:
             fsutil.make_dirs(http.state_dir)
         drain = Drain(engine, grace_seconds(http))
-        server = draining_server(uvicorn_config(create_app_of(http, engine, text, defaults, drain, max_n)), drain)
+        server = draining_server(uvicorn_config(create_app_of(http, engine, text, defaults, drain, max_n, model)),
+                                 drain)
         if on_ready is not None:
             on_ready(engine)
         server.run(sockets=[sock])
@@ -191,15 +192,18 @@ def grace_seconds(http) -> float:
     return DEFAULT_GRACE_S if http.drain_seconds is None else http.drain_seconds
 
 
-def create_app_of(http, engine, text, defaults, drain, max_n: int):
-    """The app over ``engine`` with the HTTP section's settings."""
+def create_app_of(http, engine, text, defaults, drain, max_n: int, model: ServedModel | None = None):
+    """The app over ``engine`` with the HTTP section's settings (``model``: its aliases and whether any name is
+    answered)."""
     from qeff_kv.serve.http.app import create_app
     from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES
 
     return create_app(engine, text=text, api_key=http.api_key, state_dir=http.state_dir, drain=drain,
                       max_request_bytes=http.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES, defaults=defaults,
                       max_n=max_n, allowed_origins=http.allowed_origins, media_path=http.allowed_local_media_path,
-                      max_image_pixels=http.max_image_pixels)
+                      max_image_pixels=http.max_image_pixels,
+                      model_aliases=model.aliases if model is not None else (),
+                      accept_any_model_name=model.any_name if model is not None else False)
 
 
 def signal_name(sig: int) -> str:

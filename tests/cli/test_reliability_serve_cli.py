@@ -170,6 +170,8 @@ def test_a_port_in_use_is_one_line_without_the_serving_line(own_cb_graph, tmp_pa
     (["--api-key", "k\u00e9y"], "--api-key must be printable ASCII"),
     (["--model-name", "a\nb"], "--model-name must be 1-256 printable characters"),
     (["--model-name", "  "], "--model-name"),
+    (["--served-model-name", "a", "b", "a"], "--served-model-name: a name given twice"),
+    (["--served-model-name", "a", "--model-name", "b"], "give --served-model-name or --model-name, not both"),
     (["--checkpoint-every", "16"], "--checkpoint-every and --max-checkpoints go with a recurrent"),
     (["--max-checkpoints", "2"], "--checkpoint-every and --max-checkpoints go with a recurrent"),
     (["--disaggregate", "--state-dir", "x"], "--state-dir does not go with --disaggregate"),

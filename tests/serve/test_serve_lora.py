@@ -182,6 +182,24 @@ def test_chat_and_responses_select_the_adapter_by_model(client, served):
     assert resp.model == "a2" and want.startswith(resp.output_text)
 
 
+def test_any_model_name_answers_the_base_and_an_adapter_name_still_selects_it(served, reference):
+    """Issue 52: ``--accept-any-model-name`` (llama-server's behaviour): another name runs the base model and the
+    answer repeats it; an adapter's name still runs the adapter; /v1/models lists the served names only."""
+    from starlette.testclient import TestClient
+
+    from qeff_kv.serve.http.app import create_app
+
+    app = create_app(served.engine, text=served.text, accept_any_model_name=True)
+    with TestClient(app) as tc:
+        for model, adapter in (("gpt-3.5-turbo", None), ("a1", "a1"), ("tiny-lora", None)):
+            r = tc.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": NEW,
+                                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model and r.json()["choices"][0]["text"] == _text(served, reference(adapter))
+        assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["tiny-lora", "a1", "a2"]
+        assert tc.get("/v1/models/gpt-3.5-turbo").status_code == 404
+
+
 def test_prompt_reuse_never_crosses_adapters(client, served, reference):
     """The same prompt under a1, then a2, then the base: each exact (a kept sequence of another adapter is never
     reused); the same adapter again reuses its own."""

@@ -44,13 +44,37 @@ class EngineSection:
     max_checkpoints: int | None = None
     #: the name /v1/models lists and requests give as "model" (default: the export folder's name)
     model_name: str | None = None
+    #: vLLM's --served-model-name NAME [NAME ...]: the first is the name answers report and /v1/models lists
+    #: first, the others aliases requests may give (listed too); a string is one name
+    served_model_name: list[str] | str | None = None
+    #: llama-server's behaviour: a request naming any other model is answered by this one (its answer repeats the
+    #: name asked for); a LoRA adapter's name still selects the adapter
+    accept_any_model_name: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        elif self.served_model_name is not None:   # a list or tuple; empty (the command line's default): none
+            self.served_model_name = list(self.served_model_name) or None
 
     def check(self) -> None:
         """Refuse bad values in one line each, before anything is loaded."""
         ep_proofs.require(ep_proofs.resolve(self.device, None))   # a device proved for no graph kind: refused now
-        if self.model_name is not None and (not self.model_name.strip() or len(self.model_name) > 256 or
-                                            not self.model_name.isprintable()):
-            raise RuntimeInputError(f"--model-name must be 1-256 printable characters, got {self.model_name!r}")
+        if self.model_name is not None:
+            _check_name(self.model_name, "--model-name")
+        if self.served_model_name is not None:
+            if self.model_name is not None:
+                raise RuntimeInputError("give --served-model-name or --model-name, not both")
+            for name in self.served_model_name:
+                _check_name(name, "--served-model-name")
+            if len(set(self.served_model_name)) != len(self.served_model_name):
+                raise RuntimeInputError(f"--served-model-name: a name given twice in {self.served_model_name}")
+
+    def names(self) -> tuple[str, ...]:
+        """The names given (``--served-model-name``, else ``--model-name``); empty: the export's name."""
+        if self.served_model_name:
+            return tuple(self.served_model_name)
+        return (self.model_name,) if self.model_name is not None else ()
 
     def session_options(self) -> dict:
         """The :class:`~qeff_kv.runtime.Session` keywords every serving session takes from the section (the
@@ -60,6 +84,11 @@ class EngineSection:
         if self.checkpoint_every is not None or self.max_checkpoints is not None:
             kw.update(checkpoint_every=self.checkpoint_every, max_checkpoints=self.max_checkpoints)
         return kw
+
+
+def _check_name(name, flag: str) -> None:
+    if not isinstance(name, str) or not name.strip() or len(name) > 256 or not name.isprintable():
+        raise RuntimeInputError(f"{flag} must be 1-256 printable characters, got {name!r}")
 
 
 @dataclass
@@ -93,17 +122,22 @@ class ServedModel:
     folder: Path
     #: the export's manifest (None: a graph without one)
     manifest: dict | None
-    #: the name /v1/models lists (``--model-name``, else the export's name)
+    #: the name answers report and /v1/models lists first (``--served-model-name``'s first, ``--model-name``,
+    #: else the export's name)
     name: str
+    #: further names requests may give (``--served-model-name``'s others)
+    aliases: tuple[str, ...] = ()
+    #: any other name is this model too (``--accept-any-model-name``)
+    any_name: bool = False
 
 
-def served_model(export: str, model_name: str | None = None) -> ServedModel:
+def served_model(export: str, model_name: str | None = None, aliases=(), any_name: bool = False) -> ServedModel:
     """``export`` resolved (a one-line error for a bad path) into the :class:`ServedModel`."""
     from qeff_kv.runtime.model_files import resolve_model
 
     files = resolve_model(export)
     return ServedModel(path=export, folder=files.folder, manifest=files.manifest,
-                       name=model_name or model_name_of(export))
+                       name=model_name or model_name_of(export), aliases=tuple(aliases), any_name=any_name)
 
 
 def open_session(section: EngineSection, model: ServedModel | str, *, speculative: bool = False):

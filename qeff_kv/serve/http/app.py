@@ -34,7 +34,7 @@ from qeff_kv.serve.http.drain import DrainGate
 from qeff_kv.serve.engine.engine import Engine, GenerationRequest
 from qeff_kv.serve.http.images import has_images, image_request
 from qeff_kv.serve.http.metrics import Metrics
-from qeff_kv.serve.wire.openai_io import APIError, Params, bad, parse
+from qeff_kv.serve.wire.openai_io import APIError, ModelNames, Params, bad, parse
 from qeff_kv.serve.cluster.pd import KVAsk, answer_field, prepare as prepare_kv
 from qeff_kv.serve.http.prefill import Turn, parse_turn, render as render_chat
 from qeff_kv.serve.http.responses import Run, choice, collect, sse, usage
@@ -72,14 +72,16 @@ class TextFacts:
 def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, state_dir: str | Path | None = None,
                registry=None, defaults: SamplingDefaults | None = None, max_n: int = 1,
                allowed_origins: list[str] | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               drain=None, media_path: str | None = None, max_image_pixels: int | None = None) -> FastAPI:
+               drain=None, media_path: str | None = None, max_image_pixels: int | None = None,
+               model_aliases=(), accept_any_model_name: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``. ``registry``: a prometheus ``CollectorRegistry`` (default: a new one).
     ``defaults``: the sampling a request leaves out (default: OpenAI's); ``max_n``: the largest ``n`` accepted;
     ``allowed_origins``: browser origins allowed by CORS (None: no CORS headers); ``max_request_bytes``: larger
     request bodies get a 413 before they are read (:mod:`.bodies`); ``drain``: a :class:`~.drain.Drain` (SIGTERM
     answers new requests 503 and lets running ones finish); ``media_path``: the folder ``image_url`` file URLs may
     name (:mod:`.images`; None: data: URLs only); ``max_image_pixels``: the most pixels of one image (None: the
-    default of :mod:`.images`)."""
+    default of :mod:`.images`); ``model_aliases``, ``accept_any_model_name``: the names requests may give besides
+    the engine's (:class:`~qeff_kv.serve.wire.openai_io.ModelNames`)."""
     app = FastAPI(title="qeff-kv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(BodyLimit, limit=max_request_bytes, respond=http_errors.send_error)
     if drain is not None:
@@ -88,6 +90,8 @@ def create_app(engine: Engine, *, text: TextFacts, api_key: str | None = None, s
     front = _Frontend(app, engine, text, api_key=api_key, state_dir=state_dir, registry=registry,
                       defaults=defaults if defaults is not None else SamplingDefaults(), max_n=max_n)
     front.media_path, front.max_image_pixels = media_path, max_image_pixels
+    front.names = app.state.model_names = ModelNames(engine.model_name, tuple(model_aliases), accept_any_model_name)
+    app.state.private_paths = http_errors.server_paths(engine, text, state_dir, media_path)
     http_errors.install(app)
     _add_plain_routes(app, front)
     discovery.add_token_routes(app, engine=engine, text=text, auth=front.auth, json_body=read_json,
@@ -137,14 +141,19 @@ class _Frontend:
             raise APIError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                            code="invalid_api_key")
 
-    def model_card(self) -> dict:
-        return {"id": self.engine.model_name, "object": "model", "created": self.created, "owned_by": "qeff-kv",
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "qeff-kv",
                 "root": self.engine.model_name, "parent": None, "max_model_len": self.engine.ctx_len,
                 "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
 
     def model_cards(self) -> list[dict]:
-        """The served model, then each LoRA adapter (vLLM's entries: ``parent`` the served model)."""
-        return [self.model_card()] + discovery.adapter_cards(self.engine, self.created)
+        """The served model under each of its names (an alias as its own entry, as vLLM lists them), then each LoRA
+        adapter (vLLM's entries: ``parent`` the served model)."""
+        return [self.model_card(n) for n in self.names.listed] + discovery.adapter_cards(self.engine, self.created)
+
+    def reported(self, p: Params) -> str:
+        """The ``model`` an answer to ``p`` carries (:meth:`~qeff_kv.serve.wire.openai_io.ModelNames.reported`)."""
+        return self.names.reported(p.model, discovery.adapter_names(self.engine))
 
     # ------------------------------------------------------------------------------------ generation
     def prompt_ids(self, p: Params, tools: ToolRequest | None = None, turn: Turn = Turn()) -> list[int]:
@@ -171,10 +180,10 @@ class _Frontend:
         it runs on the event loop)."""
         if chat and isinstance(body, dict):
             check_chat_size(body.get("messages"), self.app.state.text_limit, self.engine.ctx_len)
-        p = parse(body, chat=chat, model_name=self.engine.model_name, ctx_len=self.engine.ctx_len, max_n=self.max_n,
-                  kv_role=getattr(getattr(self.engine, "connector", None), "role", None),
-                  adapters=discovery.adapter_names(self.engine))
-        lora = discovery.request_lora(self.engine, p.model, body.get("lora"))
+        adapters = discovery.adapter_names(self.engine)
+        p = parse(body, chat=chat, model_name=self.names, ctx_len=self.engine.ctx_len, max_n=self.max_n,
+                  kv_role=getattr(getattr(self.engine, "connector", None), "role", None), adapters=adapters)
+        lora = discovery.request_lora(self.engine, p.model if p.model in adapters else None, body.get("lora"))
         spec, field = parse_structured(body)
         tools = _tool_request(body, chat, spec)
         parser = self.tools().parser if tools is not None else None
@@ -233,7 +242,7 @@ class _Frontend:
         constraint = await self.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if p.max_tokens == 0 and p.logprobs is None:   # echo of the prompt alone: nothing to run
-            return echo_only(rid, p, ids, self.text.tokenizer, p.model or self.engine.model_name)
+            return echo_only(rid, p, ids, self.text.tokenizer, self.reported(p))
         handles = self.submit(p, ids, rid, "messages" if chat else "prompt", constraint, prep.kv, prep.images,
                               prep.lora)
         tokenizer = self.text.tokenizer
@@ -243,7 +252,7 @@ class _Frontend:
                     if p.logprobs is not None else None,
                     tools=ToolStream(parser, prep.tool_names) if parser is not None else None, grammar=constraint)
                 for h in handles]
-        model = p.model or self.engine.model_name   # an adapter's requests answer with its name (vLLM)
+        model = self.reported(p)   # an adapter's requests answer with its name (vLLM)
         if p.stream:
             # the background task also runs when the client left before the stream started: the request is cancelled
             return StreamingResponse(sse(runs, rid, chat, created_at=int(time.time()), model=model, echo=echo),
@@ -289,7 +298,8 @@ def _add_plain_routes(app: FastAPI, front: _Frontend) -> None:
         front.auth(request)
         card = next((c for c in front.model_cards() if c["id"] == model_id), None)
         if card is None:
-            raise APIError(f"the model {model_id!r} does not exist; this server serves {engine.model_name!r}",
+            served = " or ".join(map(repr, front.names.listed))
+            raise APIError(f"the model {model_id!r} does not exist; this server serves {served}",
                            status=404, type="not_found_error", param="model", code="model_not_found")
         return card
 

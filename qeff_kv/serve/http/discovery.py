@@ -77,8 +77,10 @@ def check_chat_size(messages, limit: int | None, ctx_len: int) -> None:
                   f"more than {limit}", "messages", "context_length_exceeded")
 
 
-def _check_model(body: dict, engine) -> None:
-    check_model(body.get("model"), engine.model_name, adapter_names(engine))
+def _check_model(body: dict, engine, names=None) -> None:
+    """``model`` one of the served ``names`` (a :class:`~qeff_kv.serve.wire.openai_io.ModelNames`; default: the
+    engine's name) or of the adapters."""
+    check_model(body.get("model"), names or engine.model_name, adapter_names(engine))
 
 
 def adapter_names(engine) -> list[str]:
@@ -99,10 +101,10 @@ TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_gen
                    "continue_final_message", "tools", "return_token_strs")
 
 
-def tokenize(body, *, engine, text, limit: int | None = None, tool_support=None) -> dict:
+def tokenize(body, *, engine, text, limit: int | None = None, tool_support=None, names=None) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_model(body, engine)
+    _check_model(body, engine, names)
     unknown = set(body) - set(TOKENIZE_FIELDS)
     if unknown:
         raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /tokenize", sorted(unknown)[0])
@@ -148,10 +150,10 @@ def _rendered_chat(body: dict, engine, text, limit, tool_support) -> str:
         raise bad(str(exc), "messages") from None
 
 
-def detokenize(body, *, engine, text) -> dict:
+def detokenize(body, *, engine, text, names=None) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_model(body, engine)
+    _check_model(body, engine, names)
     unknown = set(body) - {"model", "tokens"}
     if unknown:
         raise bad(f"unknown field {sorted(unknown)[0]!r}: not supported by /detokenize", sorted(unknown)[0])
@@ -174,13 +176,13 @@ def add_token_routes(app: FastAPI, *, engine, text, auth, json_body, tool_suppor
         auth(request)
         body = await json_body(request)   # tokenizing a large text runs in a worker thread, off the event loop
         return await asyncio.to_thread(tokenize, body, engine=engine, text=text, limit=app.state.text_limit,
-                                       tool_support=tool_support)
+                                       tool_support=tool_support, names=getattr(app.state, "model_names", None))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         auth(request)
         body = await json_body(request)
-        return await asyncio.to_thread(detokenize, body, engine=engine, text=text)
+        return await asyncio.to_thread(detokenize, body, engine=engine, text=text, names=getattr(app.state, "model_names", None))
 
 
 def alias_without_v1(app: FastAPI) -> None:

@@ -37,9 +37,7 @@ def inputs_of(body, front) -> list[list[int]]:
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise bad(f"unknown field {unknown[0]!r}: not supported by /v1/embeddings on this server", unknown[0])
-    if body.get("model") not in (None, front.engine.model_name):
-        raise bad(f"the model {body['model']!r} does not exist; this server serves {front.engine.model_name!r}",
-                  "model", "model_not_found")
+    front.names.check(body.get("model"))
     if body.get("dimensions") is not None:
         raise bad("dimensions is not supported (the embedding is the model's hidden size)", "dimensions")
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -108,7 +106,7 @@ async def respond(front, request):
     data = [{"object": "embedding", "index": i, "embedding": _encoded(vec, body.get("encoding_format"))}
             for i, vec in enumerate(vectors)]
     tokens = sum(len(ids) for ids in items)
-    return {"object": "list", "data": data, "model": engine.model_name,
+    return {"object": "list", "data": data, "model": front.names.reported(body.get("model")),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

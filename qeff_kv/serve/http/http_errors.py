@@ -8,12 +8,16 @@
 * :class:`JsonErrorH11Protocol`: uvicorn's h11 protocol whose answer to a malformed request (two Content-Length
   headers, a bad chunk size, HTTP/0.9, a garbled request line) is a 400 in that shape instead of plain text.
 
-Bodies are ASCII JSON: a message quoting a client's string with a lone surrogate still encodes.
+Bodies are ASCII JSON: a message quoting a client's string with a lone surrogate still encodes. No server path
+reaches a client: a message naming a file under the server's own folders (the export, its chat template, the state
+and media folders: :func:`server_paths`) names the file alone (:func:`scrubbed`), whatever route raised it.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,12 +40,42 @@ def error_response(exc: APIError, headers: dict | None = None) -> Response:
     return Response(error_bytes(exc), status_code=exc.status, headers=headers, media_type="application/json")
 
 
+def server_paths(engine, text, *folders) -> tuple[str, ...]:
+    """The server's own folders an error must not show: the export's, its chat template's, and ``folders`` (the
+    state and media folders; None skipped), as given and resolved, longest first."""
+    found = [getattr(getattr(getattr(engine, "session", None), "files", None), "folder", None),
+             getattr(getattr(text, "chat_template", None), "source", None), *folders]
+    out = set()
+    for f in found:
+        if f is None or not str(f):
+            continue
+        path = Path(f)
+        if path.suffix:   # a file (the template's source): its folder
+            path = path.parent
+        for p in (path, path.resolve()):
+            if len(str(p)) > 1:
+                out.add(str(p))
+    return tuple(sorted(out, key=len, reverse=True))
+
+
+def scrubbed(exc: APIError, paths) -> APIError:
+    """``exc`` with every path under one of ``paths`` shown as its file name alone (the folder itself as its
+    name)."""
+    if not paths:
+        return exc
+    pattern = re.compile("(?:" + "|".join(re.escape(p) for p in paths) + r")(?:/[^\s'\":,;()]*)*")
+    message = pattern.sub(lambda m: Path(m.group(0)).name or "the server's folder", exc.message)
+    if message == exc.message:
+        return exc
+    return APIError(message, status=exc.status, type=exc.type, param=exc.param, code=exc.code)
+
+
 def install(app: FastAPI) -> None:
     """Register the error handlers on ``app``."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+        return error_response(scrubbed(exc, getattr(request.app.state, "private_paths", ())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -85,8 +119,9 @@ class InternalErrors:
             from qeff_kv.serve.http.discovery import cors_headers
 
             request = Request(scope)
-            answer = error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                             type="server_error"), headers=cors_headers(request.app, request))
+            err = APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
+            answer = error_response(scrubbed(err, getattr(request.app.state, "private_paths", ())),
+                                    headers=cors_headers(request.app, request))
             await answer(scope, receive, send)
 
 

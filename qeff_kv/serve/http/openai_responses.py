@@ -6,9 +6,12 @@
 
 Stateless: nothing is stored, so ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are
 refused in one line (a client keeps the conversation itself, sending earlier ``function_call`` and
-``function_call_output`` items back in ``input``, as openai-agents does). Every field is honoured or refused
-(:data:`FIELDS`); input items and content parts of other kinds (images, files, reasoning) are refused naming where
-they are.
+``function_call_output`` items back in ``input``, as openai-agents does). The body is checked strictly and
+translated by :mod:`~qeff_kv.serve.wire.responses_io` (every field honoured or refused, of its JSON type; input
+items and content parts of other kinds refused naming where they are); an error the chat path raises afterwards
+names the client's own fields (``max_output_tokens``, ``text.format``, ``input[i]``). The response echoes the
+sampling applied (the server's defaults for what the request left out); one cut by ``max_output_tokens`` is
+``incomplete``, and so is its message item.
 """
 
 from __future__ import annotations
@@ -19,173 +22,34 @@ import time
 import uuid
 
 from qeff_kv.serve.http.bodies import read_json
-from qeff_kv.serve.wire.openai_io import bad
+from qeff_kv.serve.http.choices import max_tokens_of, sampling_of
 from qeff_kv.serve.http.responses import Run, collect
+from qeff_kv.serve.wire.openai_io import APIError
+from qeff_kv.serve.wire.responses_io import chat_body
 from qeff_kv.serve.structured.tool_io import ToolStream
-
-#: top-level fields: honoured (None), or accepted only with one of these values (with the reason otherwise)
-FIELDS = {
-    "model": None, "input": None, "instructions": None, "max_output_tokens": None, "temperature": None,
-    "top_p": None, "stream": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None, "text": None,
-    "metadata": None, "user": None, "safety_identifier": None, "prompt_cache_key": None,
-    "store": ((False,), "store: true is not supported: this server keeps no responses (send the conversation in "
-                       "input)"),
-    "previous_response_id": ((), "previous_response_id is not supported: this server keeps no responses (send the "
-                                 "earlier items in input)"),
-    "conversation": ((), "conversation is not supported: this server keeps no conversations"),
-    "background": ((False,), "background responses are not supported"),
-    "truncation": (("disabled",), "truncation: only \"disabled\" is supported"),
-    "include": (([],), "include is not supported (no reasoning, search or logprob items)"),
-    "reasoning": (({},), "reasoning is not supported by this server"),
-    "service_tier": (("auto", "default"), "service_tier: only auto or default"),
-    "stream_options": (({}, {"include_obfuscation": False}), "stream_options is not supported"),
-    "top_logprobs": ((0,), "top_logprobs is not supported on /v1/responses"),
-    "max_tool_calls": ((), "max_tool_calls is not supported"),
-    "prompt": ((), "prompt templates are not supported"),
-}
-
-
-def check_fields(body) -> None:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    for key, v in body.items():
-        if key not in FIELDS:
-            raise bad(f"unknown field {key!r}: not supported by /v1/responses on this server", key)
-        rule = FIELDS[key]
-        if rule is not None and v is not None and v not in rule[0]:
-            raise bad(rule[1], key)
-
-
-def _text_of(content, where: str) -> str:
-    """A message's content: a string, or a list of ``input_text`` / ``output_text`` parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{where}.content must be a string or a list of text parts", "input")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise bad(f"{where}.content[{j}]: only input_text / output_text parts are supported (got {kind!r})",
-                      "input")
-        out.append(part["text"])
-    return "".join(out)
-
-
-def messages_of(body: dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages (function calls as an assistant's ``tool_calls``, their
-    outputs as ``role: tool`` messages)."""
-    items = body.get("input")
-    msgs = [{"role": "system", "content": body["instructions"]}] if isinstance(body.get("instructions"), str) else []
-    if isinstance(items, str):
-        return msgs + [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad("input must be a string or a non-empty list of items", "input")
-    for i, it in enumerate(items):
-        where = f"input[{i}]"
-        kind = it.get("type", "message") if isinstance(it, dict) else None
-        if kind == "message" and it.get("role") in ("user", "system", "developer", "assistant"):
-            msgs.append({"role": it["role"], "content": _text_of(it.get("content"), where)})
-        elif kind in ("function_call", "function_call_output") and not isinstance(it.get("call_id"), str):
-            raise bad(f"{where}.call_id must be a string", "input")
-        elif kind == "function_call":
-            call = {"id": it.get("call_id"), "type": "function",
-                    "function": {"name": it.get("name"), "arguments": it.get("arguments")}}
-            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
-                msgs[-1]["tool_calls"].append(call)   # parallel calls: one assistant turn
-            else:
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            out = it.get("output")
-            msgs.append({"role": "tool", "tool_call_id": it.get("call_id"),
-                         "content": out if isinstance(out, str) else _text_of(out, where)})
-        else:
-            raise bad(f"{where}: items of type {kind!r} are not supported (message, function_call, "
-                      "function_call_output)", "input")
-    return msgs
-
-
-def chat_body(body: dict) -> dict:
-    """The chat-completions request that answers ``body``."""
-    check_fields(body)
-    if body.get("stream") not in (None, True, False):
-        raise bad(f"stream must be true or false, got {body['stream']!r}", "stream")
-    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
-        raise bad("instructions must be a string", "instructions")
-    chat = {"messages": messages_of(body)}
-    for src, dst in (("model", "model"), ("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
-                     ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
-        if body.get(src) is not None:
-            chat[dst] = body[src]
-    tools = body.get("tools")
-    if tools not in (None, []):
-        if not isinstance(tools, list):
-            raise bad("tools must be a list", "tools")
-        chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None:
-        chat["tool_choice"] = choice
-    fmt = _format(body.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
-    return chat
-
-
-def _tool(t, i: int) -> dict:
-    if not isinstance(t, dict) or t.get("type") != "function":
-        kind = t.get("type") if isinstance(t, dict) else t
-        raise bad(f"tools[{i}]: only function tools are supported (got {kind!r})", "tools")
-    unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
-    if unknown:
-        raise bad(f"tools[{i}].{unknown[0]} is not supported", "tools")
-    return {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                             if t.get(k) is not None}}
-
-
-def _format(text) -> dict | None:
-    """``text.format`` as chat's ``response_format`` (None: plain text)."""
-    if text is None:
-        return None
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") not in (None,
-                                                                                                          "medium"):
-        raise bad("text takes format only (verbosity is not supported)", "text")
-    fmt = text.get("format")
-    if fmt is None or fmt == {"type": "text"}:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "json_object" and set(fmt) == {"type"}:
-        return {"type": "json_object"}
-    if kind == "json_schema" and not set(fmt) - {"type", "name", "schema", "strict", "description"}:
-        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    raise bad(f"text.format must be text, json_object or json_schema {{name, schema, strict, description}}, got "
-              f"{fmt!r}"[:300], "text")
-
 
 # ============================================================================================ the answer
 class Answer:
     """What a response object repeats from its request, and its ids."""
 
-    def __init__(self, body: dict, model: str):
+    def __init__(self, body: dict, model: str, applied: dict):
         self.id = "resp_" + uuid.uuid4().hex
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.body, self.model = body, model
+        self.applied = applied   # max_output_tokens, temperature, top_p as run (the server's defaults filled in)
 
     def response(self, status: str, output: list, run: Run | None = None) -> dict:
         b = self.body
         incomplete = status == "incomplete"
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-               "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+               "instructions": b.get("instructions"), "max_output_tokens": self.applied["max_output_tokens"],
                "model": self.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
                "previous_response_id": None, "reasoning": None, "store": False,
-               "temperature": b.get("temperature"), "text": b.get("text") or {"format": {"type": "text"}},
+               "temperature": self.applied["temperature"], "text": b.get("text") or {"format": {"type": "text"}},
                "tool_choice": b.get("tool_choice") or "auto", "tools": b.get("tools") or [],
-               "top_p": b.get("top_p"), "truncation": "disabled", "metadata": b.get("metadata") or {},
+               "top_p": self.applied["top_p"], "truncation": "disabled", "metadata": b.get("metadata") or {},
                "user": b.get("user"), "usage": None}
         if run is not None:
             u = run.usage()
@@ -213,17 +77,26 @@ def status_of(run: Run) -> str:
     return "incomplete" if run.finish_reason == "length" else "completed"
 
 
+def applied(p, defaults) -> dict:
+    """What the response echoes of its sampling: the values run (the request's, else the server's defaults)."""
+    s = sampling_of(p, defaults)
+    return {"max_output_tokens": max_tokens_of(p, defaults), "temperature": s.temperature, "top_p": s.top_p}
+
+
 async def respond(front, request):
     """``POST /v1/responses``: check and translate, submit, answer (or stream)."""
     arrival = time.monotonic()
     front.auth(request)
     body = await read_json(request)
-    chat = await asyncio.to_thread(chat_body, body)
-    prep = await asyncio.to_thread(front.prepare, chat, True)
-    p = prep.params
-    constraint = await front.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
-    answer = Answer(body, p.model or front.engine.model_name)
-    handle = front.submit(p, prep.ids, answer.id, "input", constraint, None, lora=prep.lora)[0]
+    chat, names = await asyncio.to_thread(chat_body, body)
+    try:   # errors of the chat path, named as the client named its fields
+        prep = await asyncio.to_thread(front.prepare, chat, True)
+        p = prep.params
+        constraint = await front.constraints.compile(prep.spec, prep.field) if prep.spec is not None else None
+        answer = Answer(body, front.reported(p), applied(p, front.defaults))
+        handle = front.submit(p, prep.ids, answer.id, "input", constraint, None, lora=prep.lora)[0]
+    except APIError as exc:
+        raise names.renamed(exc) from None
     tools = ToolStream(prep.parser, prep.tool_names) if prep.parser is not None else None
     run = Run(request, handle, p, len(prep.ids), front.text.tokenizer, front.metrics, arrival, front.background,
               tools=tools, grammar=constraint)
@@ -237,7 +110,7 @@ async def respond(front, request):
     if run.error is not None:
         raise run.error_object()
     text, calls = tools.calls_in(text) if tools is not None else (text, [])
-    output = ([answer.message(text)] if text or not calls else []) + [call_item(c) for c in calls]
+    output = ([answer.message(text, status_of(run))] if text or not calls else []) + [call_item(c) for c in calls]
     return answer.response(status_of(run), output, run)
 
 
@@ -277,7 +150,7 @@ async def events(answer: Answer, run: Run):
     if opened:
         yield ev("response.output_text.done", text=text, logprobs=[], **where)
         yield ev("response.content_part.done", part=_part(text), **where)
-        output.append(answer.message(text))
+        output.append(answer.message(text, status_of(run)))
         yield ev("response.output_item.done", output_index=0, item=output[-1])
     for c in calls:
         for piece in _call_events(ev, c, len(output)):

@@ -13,6 +13,7 @@ import time
 
 from qeff_kv.serve.http.choices import Logprobs
 from qeff_kv.serve.http.drain import shutting_down
+from qeff_kv.serve.http.http_errors import scrubbed
 from qeff_kv.serve.engine.engine import Finished, PromptLogprobs, TokenOut
 from qeff_kv.serve.http.metrics import Metrics
 from qeff_kv.serve.wire.openai_io import APIError, Params
@@ -201,7 +202,8 @@ class Run:
         if why is not None:
             return APIError(f"the request's grammar failed while generating: {why}", param=None,
                             code="invalid_grammar")
-        return APIError(f"generation failed: {self.error}", status=500, type="server_error")
+        failed = APIError(f"generation failed: {self.error}", status=500, type="server_error")
+        return scrubbed(failed, getattr(self.request.app.state, "private_paths", ()))   # in a stream too
 
     def usage(self) -> dict:
         cached = self.final.cached_tokens if self.final is not None else 0

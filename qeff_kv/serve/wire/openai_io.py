@@ -197,20 +197,50 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad(f"unknown field {key!r}: not supported by {route} on this server", key)
 
 
-def check_model(model, model_name: str, adapters=()) -> None:
-    """``model``, when given, is the served model's name or one of its LoRA ``adapters``; else a 400
-    ``model_not_found``."""
-    if model is None:
-        return
-    if not isinstance(model, str):
-        raise bad(f"model must be a string, got {model!r}", "model")
-    if model != model_name and model not in adapters:
+@dataclass(frozen=True)
+class ModelNames:
+    """The names a server answers to: ``name`` (what answers report and ``/v1/models`` lists first), its
+    ``aliases`` (vLLM's further ``--served-model-name`` names: accepted in requests, listed, answered as ``name``),
+    and ``any_name`` (llama-server's behaviour, ``--accept-any-model-name``: any other name is this model too, and
+    the answer repeats the name asked for)."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    any_name: bool = False
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def check(self, model, adapters=()) -> None:
+        """``model``, when given, is one of the names or of the LoRA ``adapters`` (or any string with
+        ``any_name``); else a 400 ``model_not_found``."""
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise bad(f"model must be a string, got {model!r}", "model")
+        if model in self.listed or model in adapters or self.any_name:
+            return
+        names = " or ".join(map(repr, self.listed))
         also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
-        raise bad(f"the model {model!r} does not exist; this server serves {model_name!r}{also}", "model",
-                  "model_not_found")
+        raise bad(f"the model {model!r} does not exist; this server serves {names}{also}", "model", "model_not_found")
+
+    def reported(self, model: str | None, adapters=()) -> str:
+        """The ``model`` an answer carries: an adapter's own name, the name asked for on a server answering any
+        name, else :attr:`name`."""
+        if model is not None and (model in adapters or (self.any_name and model not in self.listed)):
+            return model
+        return self.name
 
 
-def parse(body, *, chat: bool, model_name: str, ctx_len: int, max_n: int = 1, kv_role: str | None = None,
+def check_model(model, model_name: "str | ModelNames", adapters=()) -> None:
+    """``model``, when given, is the served model's name (one of its :class:`ModelNames`) or one of its LoRA
+    ``adapters``; else a 400 ``model_not_found``."""
+    names = model_name if isinstance(model_name, ModelNames) else ModelNames(model_name)
+    names.check(model, adapters)
+
+
+def parse(body, *, chat: bool, model_name: "str | ModelNames", ctx_len: int, max_n: int = 1, kv_role: str | None = None,
           adapters=()) -> Params:
     """The checked request (``adapters``: the names of the LoRA adapters served, which ``model`` may name;
     llama-server's ``lora`` is read by :func:`.lora_io.lora_pairs`)."""
