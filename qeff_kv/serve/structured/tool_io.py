@@ -14,8 +14,9 @@
   whose calls, if any, are parsed afterwards.
 * :class:`ToolStream` turns the streamed text into content deltas (held back from a format's opening text on) and,
   at the end, the calls. An answer the token limit ended (``finish_reason: "length"``) keeps its complete calls;
-  the unfinished call after them is dropped, never shown as content (OpenAI's ``finish_reason`` stays ``length``). Calls are only to offered tools: text whose parsed calls name a function not in the
-  request's ``tools`` is content, not calls.
+  the unfinished call after them is dropped, never shown as content (OpenAI's ``finish_reason`` stays ``length``).
+  Calls are only to offered tools: text whose parsed calls name a function not in the request's ``tools`` is
+  content, not calls.
 
 Bounds: at most :data:`MAX_TOOLS` tools (OpenAI's), each ``parameters`` within the schema bounds of
 :mod:`.structured_io`; a past call's ``arguments`` nested deeper than :data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH` or holding a

@@ -3,9 +3,9 @@ chosen from (:class:`ToolFacts`: the tokenizer's added tokens and what the chat 
 
 A parser knows three things about its format: whether the facts say the model speaks it (:meth:`matches`), how to
 read calls out of generated text (:meth:`parse`; ``cut=True`` for text the token limit ended: the calls whose JSON
-object is complete, the unfinished one after them dropped, never returned as content), and the Lark grammar that forces one call or several to a given
-set of functions with arguments valid against their parameter schemas (:meth:`forced_grammar`, for
-``tool_choice`` ``required`` or a named function).
+object is complete, the unfinished one after them dropped, never returned as content), and the Lark grammar that
+forces one call or several to a given set of functions with arguments valid against their parameter schemas
+(:meth:`forced_grammar`, for ``tool_choice`` ``required`` or a named function).
 """
 
 from __future__ import annotations

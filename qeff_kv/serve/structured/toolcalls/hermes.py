@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json, complete_json,
-                                                     drop_cut_marker, json_item, marker)
+from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json,
+                                                     complete_json, drop_cut_marker, json_item, marker)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)

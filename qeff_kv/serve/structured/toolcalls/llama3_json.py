@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json, drop_cut_marker,
-                                                     json_item, opens_call)
+from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json,
+                                                     drop_cut_marker, json_item, opens_call)
 
 TAG = "<|python_tag|>"
 

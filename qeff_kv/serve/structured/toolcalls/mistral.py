@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 
-from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json, complete_json,
-                                                     drop_cut_marker, json_item, marker, strip_defs, with_defs_at_root)
+from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json,
+                                                     complete_json, drop_cut_marker, json_item, marker, strip_defs,
+                                                     with_defs_at_root)
 
 TAG = "[TOOL_CALLS]"
 
