@@ -260,8 +260,9 @@ class Constraints:
             except QeffKvError as exc:
                 self.unavailable = exc
             except Exception as exc:   # noqa: BLE001 - llguidance's own, on a tokenizer it cannot take
-                self.unavailable = RuntimeInputError(f"structured output is unavailable: llguidance cannot take this "
-                                               f"export's tokenizer ({type(exc).__name__}: {str(exc)[:200]})")
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+                self.unavailable = RuntimeInputError("structured output is unavailable: llguidance cannot take this "
+                                                     f"export's tokenizer ({why})")
             finally:
                 self._built.set()
 
