@@ -210,3 +210,25 @@ def test_without_llguidance_the_server_starts_and_a_constrained_request_names_it
         assert plain.status_code == 200, plain.text
     finally:
         srv.stop()
+
+
+def test_a_tokenizer_llguidance_cannot_take_leaves_plain_serving_and_names_why(monkeypatch):
+    import asyncio
+
+    from qeff_kv.serve.structured import constrained
+    from qeff_kv.serve.structured.constrained import GrammarSpec
+    from qeff_kv.serve.structured.structured_io import Constraints
+    from qeff_kv.serve.wire.openai_io import APIError
+
+    def refuse(*a, **kw):
+        raise ValueError("bad merges")
+
+    monkeypatch.setattr(constrained, "Grammars", refuse)
+    c = Constraints(object(), [0])
+    c.build()                                   # no exception: the app still starts
+    assert c.built
+    with pytest.raises(APIError) as exc:
+        asyncio.run(c.compile(GrammarSpec("json_object"), "response_format"))
+    assert (exc.value.status, exc.value.message) == (400, "response_format: structured output is unavailable: "
+                                                          "llguidance cannot take this export's tokenizer "
+                                                          "(ValueError: bad merges)")
