@@ -303,7 +303,9 @@ def test_forced_tool_with_defs_and_refs(client, choice):
     tool_choice = {"type": "function", "function": {"name": "Trip"}} if choice == "named" else "required"
     out = client.chat.completions.create(model="out", messages=_ask("Plan a trip from Paris to Rome."), tools=tools,
                                          tool_choice=tool_choice, max_tokens=150, temperature=0)
-    assert out.choices[0].finish_reason == "tool_calls"
+    # several calls may run on to the limit (max_tokens or the context): the complete ones, "length" (issue 52)
+    assert out.choices[0].finish_reason in ("tool_calls", "length"), out.usage
+    assert out.choices[0].message.tool_calls and out.choices[0].message.content is None
     for call in out.choices[0].message.tool_calls:
         args = json.loads(call.function.arguments)
         model = Trip if call.function.name == "Trip" else City

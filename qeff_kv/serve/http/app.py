@@ -125,6 +125,8 @@ class _Frontend:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.background: set[asyncio.Task] = set()
         self.constraints = Constraints(text.tokenizer, text.eos_token_ids)
+        self.constraints.build()   # now, before the server listens: no request's compile time pays for it
+        app.state.constraints = self.constraints
         self._tool_support: ToolSupport | None = None   # made on first use (it renders the template once)
 
     def tools(self) -> ToolSupport:

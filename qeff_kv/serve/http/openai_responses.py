@@ -109,8 +109,8 @@ async def respond(front, request):
     text = await collect(run)
     if run.error is not None:
         raise run.error_object()
-    text, calls = tools.calls_in(text) if tools is not None else (text, [])
-    output = ([answer.message(text, status_of(run))] if text or not calls else []) + [call_item(c) for c in calls]
+    text, calls = tools.calls_in(text, run.finish_reason == "length") if tools is not None else (text, [])
+    output = ([answer.message(text or "", status_of(run))] if text or not calls else []) + [call_item(c) for c in calls]
     return answer.response(status_of(run), output, run)
 
 
@@ -141,7 +141,7 @@ async def events(answer: Answer, run: Run):
         return
     calls = []
     if run.tools is not None:
-        tail, calls = run.tools.finish()
+        tail, calls = run.tools.finish(run.finish_reason == "length")
         if tail:
             for piece in _open_and_delta(ev, answer, where, tail, opened):
                 yield piece

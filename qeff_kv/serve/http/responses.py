@@ -46,11 +46,11 @@ def choice(index: int, content: str, run: "Run", chat: bool) -> dict:
         return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": run.finish_reason}
     message = {"role": "assistant", "content": content}
     if run.tools is not None:   # the calls parsed out of the text (the parser the template's facts chose)
-        content, calls = run.tools.calls_in(content)
+        content, calls = run.tools.calls_in(content, cut=run.finish_reason == "length")
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls_json(calls)
-            run.finish_reason = "tool_calls"
+            run.finish_reason = tool_finish(run)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": run.finish_reason}
 
 
@@ -144,13 +144,19 @@ async def sse(runs: list["Run"], rid: str, chat: bool, *, created_at: int, model
 
 def tool_chunks(i: int, run: "Run", chunk):
     """The end of a streamed answer with tools: held content, then one ``delta.tool_calls`` chunk per call."""
-    tail, calls = run.tools.finish()
+    tail, calls = run.tools.finish(cut=run.finish_reason == "length")
     if tail:
         yield chunk(i, tail, None)
     for j, call in enumerate(calls_json(calls)):
         yield chunk(i, {"tool_calls": [{"index": j, **call}]}, None)
     if calls:
-        run.finish_reason = "tool_calls"
+        run.finish_reason = tool_finish(run)
+
+
+def tool_finish(run: "Run") -> str:
+    """The finish reason of an answer with calls: ``tool_calls``, or ``length`` when the token limit ended it (the
+    unfinished call after the complete ones dropped), as OpenAI answers."""
+    return "length" if run.finish_reason == "length" else "tool_calls"
 
 
 class Run:

@@ -21,8 +21,9 @@ Bounds, checked before anything is compiled (a 400 naming the field and the boun
 :data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH` levels and holds at most :data:`MAX_SCHEMA_NODES` objects and lists; a regex or
 grammar text (a ``choice`` list as the grammar it becomes) at most :data:`MAX_GRAMMAR_CHARS` characters; a
 ``choice`` at most :data:`MAX_CHOICES` strings. :class:`Constraints` compiles on its own worker threads (with
-large stacks: llguidance recurses over a grammar's rules) within :data:`COMPILE_TIMEOUT_S`; whatever goes wrong
-there is the request's ``invalid_grammar``.
+large stacks: llguidance recurses over a grammar's rules) within :data:`COMPILE_TIMEOUT_S` (the compile alone:
+llguidance's tokenizer is built once, before the server takes requests); whatever goes wrong there is the request's
+``invalid_grammar``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from qeff_kv.errors import QeffKvError
+from qeff_kv.errors import QeffKvError, RuntimeInputError
 from qeff_kv.serve.wire.json_values import MAX_INNER_DEPTH, check_encodable, json_depth, json_in_string
 from qeff_kv.serve.structured.constrained import GrammarSpec, lark_string
 from qeff_kv.serve.wire.openai_io import APIError, bad, known_keys
@@ -224,25 +225,52 @@ def _structured_outputs(so) -> GrammarSpec:
 
 
 class Constraints:
-    """One app's compiler of grammar specs into per-request constraints: llguidance's tokenizer is built from the
-    export's tokenizer on the first constrained request (once), each spec is compiled (with its first mask) on the
-    compiling threads (:data:`COMPILE_THREADS`, :data:`COMPILE_STACK_BYTES`) within :data:`COMPILE_TIMEOUT_S`, and
-    a spec that cannot be compiled in time, or at all, is a 400 ``invalid_grammar`` naming the field and why."""
+    """One app's compiler of grammar specs into per-request constraints. llguidance's tokenizer is built from the
+    export's tokenizer once, by :meth:`build` (called when the app is made, before the server listens: ``/health``
+    answering means it is built, and no request pays for it); each spec is compiled (with its first mask) on the
+    compiling threads (:data:`COMPILE_THREADS`, :data:`COMPILE_STACK_BYTES`) within :data:`COMPILE_TIMEOUT_S`, which
+    covers that compile only, and a spec that cannot be compiled in time, or at all, is a 400 ``invalid_grammar``
+    naming the field and why. Without llguidance (or without an eos id) the server still starts: its constrained
+    requests are 400s naming what is missing."""
 
-    def __init__(self, tokenizer, eos_token_ids, timeout: float = COMPILE_TIMEOUT_S):
+    def __init__(self, tokenizer, eos_token_ids, timeout: float | None = None):
         self.tokenizer, self.eos_token_ids = tokenizer, tuple(eos_token_ids)
-        self.timeout = timeout
+        self.timeout = COMPILE_TIMEOUT_S if timeout is None else timeout
         self._grammars = None
+        #: why grammars cannot be compiled here (llguidance missing, no eos id...), once :meth:`build` has run
+        self.unavailable: QeffKvError | None = None
+        self._built = threading.Event()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
-    def grammars(self):
-        from qeff_kv.serve.structured.constrained import Grammars
+    @property
+    def built(self) -> bool:
+        """:meth:`build` has run (llguidance's tokenizer is ready, or :attr:`unavailable` says why not)."""
+        return self._built.is_set()
 
+    def build(self) -> None:
+        """Build llguidance's tokenizer (once; later calls return at once, concurrent ones wait for the first)."""
         with self._lock:
-            if self._grammars is None:
+            if self._built.is_set():
+                return
+            try:
+                from qeff_kv.serve.structured.constrained import Grammars
+
                 self._grammars = Grammars(self.tokenizer, self.eos_token_ids)
-            return self._grammars
+            except QeffKvError as exc:
+                self.unavailable = exc
+            except Exception as exc:   # noqa: BLE001 - llguidance's own, on a tokenizer it cannot take
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+                self.unavailable = RuntimeInputError("structured output is unavailable: llguidance cannot take this "
+                                                     f"export's tokenizer ({why})")
+            finally:
+                self._built.set()
+
+    def grammars(self):
+        self.build()
+        if self.unavailable is not None:
+            raise self.unavailable
+        return self._grammars
 
     def pool(self) -> ThreadPoolExecutor:
         """The compiling threads, started (all of them, with their large stacks) on first use."""
@@ -257,6 +285,8 @@ class Constraints:
     async def compile(self, spec: GrammarSpec, field: str):
         from qeff_kv.serve.structured.constrained import ConstraintError
 
+        if not self.built:   # built with the app; one made without that builds here, outside the compile's time
+            await asyncio.to_thread(self.build)
         work = asyncio.get_running_loop().run_in_executor(self.pool(), self._compile, spec)
         try:
             return await asyncio.wait_for(work, self.timeout)

@@ -13,8 +13,10 @@
   format's call(s) with arguments valid against the function's ``parameters`` (vLLM's rule); ``auto`` is free text
   whose calls, if any, are parsed afterwards.
 * :class:`ToolStream` turns the streamed text into content deltas (held back from a format's opening text on) and,
-  at the end, the calls. Calls are only to offered tools: text whose parsed calls name a function not in the
-  request's ``tools`` is content, not calls.
+  at the end, the calls. An answer the token limit ended (``finish_reason: "length"``) keeps its complete calls;
+  the unfinished call after them is dropped, never shown as content (OpenAI's ``finish_reason`` stays ``length``).
+  Calls are only to offered tools: text whose parsed calls name a function not in the request's ``tools`` is
+  content, not calls.
 
 Bounds: at most :data:`MAX_TOOLS` tools (OpenAI's), each ``parameters`` within the schema bounds of
 :mod:`.structured_io`; a past call's ``arguments`` nested deeper than :data:`~qeff_kv.serve.wire.json_values.MAX_INNER_DEPTH` or holding a
@@ -235,16 +237,20 @@ class ToolStream:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
-    def calls_in(self, text: str) -> tuple[str, list]:
-        """``text`` parsed into content and calls; all of it content when a call names a function not offered."""
-        content, calls = self.parser.parse(text)
+    def calls_in(self, text: str, cut: bool = False) -> tuple[str, list]:
+        """``text`` parsed into content and calls; all of it content when a call names a function not offered.
+        ``cut``: the token limit ended the text (the unfinished call at its end dropped: :meth:`ToolParser.parse`)."""
+        content, calls = self.parser.parse(text, cut)
         if calls and self.offered is not None and any(c.name not in self.offered for c in calls):
             return text, []
         return content, calls
 
-    def finish(self) -> tuple[str, list]:
-        """The content not yet emitted and the calls."""
-        content, calls = self.calls_in(self.text)
+    def finish(self, cut: bool = False) -> tuple[str, list]:
+        """The content not yet emitted and the calls (``cut``: as :meth:`calls_in`; the held text of an unfinished
+        call is never released as content)."""
+        content, calls = self.calls_in(self.text, cut)
         if calls:
             return "", calls
-        return self._emit_to(len(self.text)), []
+        if not cut:
+            return self._emit_to(len(self.text)), []
+        return self._emit_to(len(content) if content and self.text.startswith(content) else 0), []

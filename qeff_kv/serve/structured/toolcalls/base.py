@@ -2,9 +2,10 @@
 chosen from (:class:`ToolFacts`: the tokenizer's added tokens and what the chat template renders).
 
 A parser knows three things about its format: whether the facts say the model speaks it (:meth:`matches`), how to
-read calls out of generated text (:meth:`parse`), and the Lark grammar that forces one call or several to a given
-set of functions with arguments valid against their parameter schemas (:meth:`forced_grammar`, for
-``tool_choice`` ``required`` or a named function).
+read calls out of generated text (:meth:`parse`; ``cut=True`` for text the token limit ended: the calls whose JSON
+object is complete, the unfinished one after them dropped, never returned as content), and the Lark grammar that
+forces one call or several to a given set of functions with arguments valid against their parameter schemas
+(:meth:`forced_grammar`, for ``tool_choice`` ``required`` or a named function).
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ class ToolParser(ABC):
         """The facts say the model speaks this format."""
 
     @abstractmethod
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """The content before the calls (None when empty) and the calls, from the whole generated text. Text that
-        does not parse as calls is returned as content, with no calls."""
+        does not parse as calls is returned as content, with no calls. ``cut``: the token limit ended the text, so
+        an unfinished call at its end (and a part of an opening marker) is dropped: the calls before it are
+        returned, and with none the content before it (a call counts once its JSON object is complete)."""
 
     @abstractmethod
     def forced_grammar(self, tools: list[dict], several: bool) -> str:
@@ -125,6 +128,29 @@ class ToolParser(ABC):
         """An assistant turn's earlier calls (OpenAI's ``tool_calls``) as this format writes them (for templates
         that do not render ``tool_calls`` themselves)."""
         raise NotImplementedError
+
+
+def drop_cut_marker(text: str, markers) -> str:
+    """``text`` without a tail that is the beginning of one of ``markers`` (a marker cut by the token limit)."""
+    for k in range(max((len(m) for m in markers), default=0) - 1, 0, -1):
+        if any(len(m) > k and text.endswith(m[:k]) for m in markers):
+            return text[:-k]
+    return text
+
+
+def opens_call(tail: str, starts) -> bool:
+    """``tail`` (non-empty) begins as a call of the format does (one of ``starts``, or a beginning of one)."""
+    tail = tail.lstrip()
+    return bool(tail) and any(tail.startswith(s) or s.startswith(tail) for s in starts)
+
+
+def complete_json(text: str):
+    """The JSON value at the start of ``text`` (after whitespace) and where it ends, or None when it is not whole."""
+    start = len(text) - len(text.lstrip())
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
 
 
 def json_item(schema: dict) -> str:

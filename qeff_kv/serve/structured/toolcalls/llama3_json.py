@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from qeff_kv.serve.structured.toolcalls.base import ToolParser, ToolFacts, any_call_schema, call_from_json, json_item
+from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json,
+                                                     drop_cut_marker, json_item, opens_call)
 
 TAG = "<|python_tag|>"
 
@@ -21,10 +22,14 @@ class Llama3JsonParser(ToolParser):
     def matches(cls, facts: ToolFacts) -> bool:
         return facts.has_token(TAG)
 
-    def parse(self, text: str):
+    def parse(self, text: str, cut: bool = False):
+        if cut:
+            text = drop_cut_marker(text, self.starts)
         body = text.strip()
         if body.startswith(TAG):
             body = body[len(TAG):].strip()
+            if cut and not body:   # the limit ended the answer right after the tag
+                return None, []
         if not body.startswith("{"):
             return (text or None), []
         decoder, calls, i = json.JSONDecoder(), [], 0
@@ -32,6 +37,8 @@ class Llama3JsonParser(ToolParser):
             try:
                 obj, i = decoder.raw_decode(body, i)
             except ValueError:
+                if cut and opens_call(body[i:], self.starts):   # the unfinished call the limit ended: dropped
+                    break
                 return (text or None), []
             call = call_from_json(obj, "parameters")
             if call is None:

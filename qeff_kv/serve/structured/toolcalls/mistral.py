@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 
-from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json, json_item, marker, strip_defs,
-                   with_defs_at_root)
+from qeff_kv.serve.structured.toolcalls.base import (ToolFacts, ToolParser, any_call_schema, call_from_json,
+                                                     complete_json, drop_cut_marker, json_item, marker, strip_defs,
+                                                     with_defs_at_root)
 
 TAG = "[TOOL_CALLS]"
 
@@ -22,19 +23,21 @@ class MistralParser(ToolParser):
     def matches(cls, facts: ToolFacts) -> bool:
         return facts.has_token(TAG)
 
-    def parse(self, text: str):
+    def parse(self, text: str, cut: bool = False):
+        if cut:
+            text = drop_cut_marker(text, self.starts)
         at = text.find(TAG)
         if at < 0:
             return (text or None), []
-        try:
-            items, _ = json.JSONDecoder().raw_decode(text[at + len(TAG):].strip())
-        except ValueError:
+        whole = complete_json(text[at + len(TAG):])
+        if whole is None and not cut:
             return (text or None), []
+        items = whole[0] if whole is not None else _whole_items(text[at + len(TAG):])
         items = items if isinstance(items, list) else [items]
         calls = [call_from_json(obj, "arguments") for obj in items]
-        if not calls or any(c is None for c in calls):
-            return (text or None), []
         content = text[:at].strip()
+        if any(c is None for c in calls) or not (calls or cut):
+            return (text or None), []
         return (content or None), calls
 
     def forced_grammar(self, tools, several):
@@ -48,3 +51,21 @@ class MistralParser(ToolParser):
     def format_calls(self, calls):
         return TAG + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls],
                                 ensure_ascii=False)
+
+
+def _whole_items(rest: str) -> list:
+    """The complete objects of a call list the token limit ended (``[{...}, {...}, {"na``: the first two)."""
+    rest = rest.lstrip()
+    if not rest.startswith("["):
+        return []
+    items, i = [], 1
+    while True:
+        found = complete_json(rest[i:])
+        if found is None:
+            return items
+        items.append(found[0])
+        i += found[1]
+        tail = rest[i:].lstrip()
+        if not tail.startswith(","):
+            return items
+        i = len(rest) - len(tail) + 1
