@@ -3,7 +3,8 @@ several exports of one model, side by side (e.g. fp32 vs int4 weights).
 
     python benchmarks/bench_lm_eval.py --lm-eval /tmp/venv/bin/python NAME=EXPORT [NAME=EXPORT ...] [--json PATH]
 
-Each export must return every prompt position's logits (exported with ``--speculative-tokens K``): lm-eval scores
+Any export scores (one exported with ``--speculative-tokens K`` returns every position's logits of a prefill
+chunk in one run, faster; another is fed one position per run: the same values). lm-eval scores
 each choice with a loglikelihood request (``/v1/completions`` with ``echo: true, logprobs: 1, max_tokens: 1``, the
 prompt as token ids), which reads the prompt tokens' logprobs. For each export the script starts ``qeff-kv serve``
 on a free port, runs ``lm_eval`` (installed in the interpreter given by ``--lm-eval``: lm-eval is not a
