@@ -113,6 +113,18 @@ def test_a_prompt_scored_position_by_position_lets_running_streams_step(own_cb_g
     assert groups + [run] == [2] * 10, spy.calls
 
 
+def test_prompt_logprobs_with_images_are_refused_before_anything_runs(own_cb_graph):
+    """The one prompt scoring cannot take (issue 52): one with images, whose image rows are fed in one call."""
+    session = Session(own_cb_graph)
+    sched = Scheduler(session, reuse_prompts=False)
+    try:
+        with pytest.raises(RuntimeInputError, match=r"^prompt logprobs are not computed for a prompt with images$"):
+            sched.submit(_req(0, [5, 6, 7], 1, prompt_logprobs=1, images=object()))
+        assert session.timings.prefill_runs == 0
+    finally:
+        sched.close()
+
+
 def test_a_turn_feeds_its_budget_to_several_prompts_in_whole_prefill_lengths(own_cb_graph):
     """A turn's prompt tokens go to the oldest prefilling request and what is left to the next: two short prompts
     finish in one turn (both rows decode from the next step on); a prompt cut by the budget is cut at whole
