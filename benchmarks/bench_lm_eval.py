@@ -3,13 +3,15 @@ several exports of one model, side by side (e.g. fp32 vs int4 weights).
 
     python benchmarks/bench_lm_eval.py --lm-eval /tmp/venv/bin/python NAME=EXPORT [NAME=EXPORT ...] [--json PATH]
 
-Each export must return every prompt position's logits (exported with ``--speculative-tokens K``): lm-eval scores
+Any export scores (one exported with ``--speculative-tokens K`` returns every position's logits of a prefill
+chunk in one run, faster; another is fed one position per run: the same values). lm-eval scores
 each choice with a loglikelihood request (``/v1/completions`` with ``echo: true, logprobs: 1, max_tokens: 1``, the
 prompt as token ids), which reads the prompt tokens' logprobs. For each export the script starts ``qeff-kv serve``
 on a free port, runs ``lm_eval`` (installed in the interpreter given by ``--lm-eval``: lm-eval is not a
 dependency of qeff-kv) on the local task ``tiny_mc`` (``benchmarks/data/tiny_mc.jsonl``: 40 four-way questions,
 20 capitals and 20 everyday facts; read from disk, nothing downloaded), with the export's own ``tokenizer.json``,
-and reports ``acc`` and ``acc_norm`` with their standard errors. ``--task-file`` takes another JSONL file of
+and reports ``acc`` and ``acc_norm`` with their standard errors, and the scoring throughput (the server's prompt
+tokens over the sum of its times to first token, from ``/metrics``). ``--task-file`` takes another JSONL file of
 ``{"question", "choices", "label"}``.
 """
 
@@ -85,8 +87,23 @@ def run_lm_eval(python: str, export: Path, port: int, task_dir: Path, out: Path)
     if not found:
         raise SystemExit(f"lm_eval wrote no results under {out}")
     res = json.loads(found[-1].read_text())["results"]["tiny_mc"]
+    tokens, scoring_s = scoring_metrics(port)
     return {"acc": res["acc,none"], "acc_stderr": res["acc_stderr,none"], "acc_norm": res["acc_norm,none"],
-            "acc_norm_stderr": res["acc_norm_stderr,none"], "wall_s": round(wall, 1)}
+            "acc_norm_stderr": res["acc_norm_stderr,none"], "wall_s": round(wall, 1), "prompt_tokens": tokens,
+            "scoring_s": round(scoring_s, 1), "scored_tok_s": round(tokens / scoring_s, 1) if scoring_s else None}
+
+
+def scoring_metrics(port: int) -> tuple[int, float]:
+    """The server's prompt tokens and the sum of its times to first token (``/metrics``): with ``max_tokens: 1``
+    and one request at a time, the time spent scoring prompts (lm-eval's own overhead excluded)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("qeff_kv_prompt_tokens_total", "qeff_kv_time_to_first_token_seconds_sum"):
+            values[name] = float(value)
+    return int(values.get("qeff_kv_prompt_tokens_total", 0)), values.get("qeff_kv_time_to_first_token_seconds_sum", 0.0)
 
 
 def main() -> None:
@@ -113,10 +130,11 @@ def main() -> None:
             print(name, results[name], flush=True)
     n = sum(1 for _ in a.task_file.open())
     print(f"\n{a.task_file.name}: {n} questions, 4 choices each\n")
-    print("| export | acc | acc_norm | lm_eval wall (s) |\n|---|---|---|---|")
+    print("| export | acc | acc_norm | lm_eval wall (s) | prompt tokens | scoring (s) | scored tokens/s |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['acc']:.3f} ± {r['acc_stderr']:.3f} | {r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} "
-              f"| {r['wall_s']} |")
+              f"| {r['wall_s']} | {r['prompt_tokens']} | {r['scoring_s']} | {r['scored_tok_s']} |")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
 

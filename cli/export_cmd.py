@@ -85,7 +85,9 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--speculative-tokens", type=DIM, metavar="K",
               help="Speculative decoding (QEfficient's target language model): the graph takes num_logits_to_keep "
                    "and a decode step verifies up to K drafted tokens (K+1 tokens in, logits for each out); the "
-                   "decode specialization has seq_len K+1. Use with 'qeff-kv generate --speculative'.")
+                   "decode specialization has seq_len K+1. Use with 'qeff-kv generate --speculative'. Also the "
+                   "faster export for prompt logprobs (echo + logprobs, lm-eval's multiple-choice tasks): one run "
+                   "per prefill chunk instead of one per prompt token; any export can score prompts.")
 @click.option("--hidden-states", is_flag=True,
               help="One more output, hidden_states: the final hidden state at the logits' rows (what 'qeff-kv "
                    "serve' pools for /v1/embeddings). Text decoders only.")

@@ -111,6 +111,25 @@ def test_the_graph_carries_history_and_ignores_padding(sess):
     assert h.tokens != g.tokens
 
 
+def test_prompt_rows_feed_a_recurrent_graph_position_by_position(sess):
+    """Issue 52: prompt logprobs on a recurrent graph (its last row only), one position per run: row i the logits
+    a plain prefill of the first i + 1 tokens gives, and the state and checkpoints a plain prefill leaves."""
+    from qeff_kv.runtime.decoding.prompt_rows import prefill_rows
+
+    prompt = [5, 17, 3, 40, 22, 9, 31, 8, 2, 11, 46]   # 11 tokens: checkpoints 8, 10, 11
+    a, b = sess.add_sequence(), sess.add_sequence()
+    rows = prefill_rows(sess, a, prompt)
+    np.testing.assert_allclose(rows[-1], sess.prefill(b, prompt), rtol=1e-5, atol=1e-5)
+    assert sess.cache.recurrent.positions(a) == sess.cache.recurrent.positions(b) == [8, 10, 11]
+    for name, arr in sess.cache.recurrent.arrays.items():
+        np.testing.assert_allclose(arr[a.slot], arr[b.slot], rtol=1e-5, atol=1e-5, err_msg=name)
+    for i in (0, 3, 7):
+        c = sess.add_sequence()
+        np.testing.assert_allclose(rows[i], sess.prefill(c, prompt[:i + 1], checkpoint=False), rtol=1e-5,
+                                   atol=1e-5)
+        sess.remove_sequence(c)
+
+
 # ------------------------------------------------------------------------------------------------- checkpoints
 def test_checkpoints_where_the_policy_says_and_memory_reports_them(sess):
     prompt = list(range(3, 14))   # 11 tokens

@@ -43,6 +43,7 @@ class FakeSession:
 
     def __init__(self, prefill_seq_len: int = 4, fail_prefill: set | None = None, copy_error=None):
         self.prefill_seq_len, self.recurrent = prefill_seq_len, False
+        self.speculative = False   # the last row's logits only: prompt logprobs fed position by position
         self.timings = SimpleNamespace(prefill_runs=0)
         self.fed: list[tuple[int, list[int]]] = []
         self.fail_prefill, self.copy_error = fail_prefill or set(), copy_error
@@ -277,7 +278,7 @@ def test_prompt_logprobs_are_returned_not_emitted(monkeypatch):
     from qeff_kv.serve.engine import prefill_turns
 
     monkeypatch.setattr(prefill_turns, "prefill_rows",
-                        lambda session, seq, chunk: np.stack([session.logits(t + 1) for t in chunk]))
+                        lambda session, seq, chunk, **kw: np.stack([session.logits(t + 1) for t in chunk]))
     turns = PrefillTurns(FakeSession(), prefill_chunk=8)
     a = active(0, prompt=(1, 2, 3))
     a.req = request(0, (1, 2, 3), prompt_logprobs=1)
@@ -287,6 +288,38 @@ def test_prompt_logprobs_are_returned_not_emitted(monkeypatch):
     assert who is a and isinstance(event, PromptLogprobs) and [e[0] for e in event.entries] == [1, 2, 3]
     with pytest.raises(TimeoutError):   # nothing emitted: the scheduler emits what the turn returns
         next(a.handle.iter_sync(timeout=0))
+
+
+def test_a_prompt_scored_position_by_position_leaves_running_streams_their_pace(monkeypatch):
+    """Issue 52: on a graph returning its last row only, a scored prompt costs one graph run per position; while
+    sequences decode, a turn feeds it as many positions as a plain turn makes runs (budget / prefill length), so
+    the running streams step between its chunks; with nothing running it takes the whole budget."""
+    from qeff_kv.serve.engine import prefill_turns
+
+    fed = []
+
+    def rows(session, seq, chunk, **kw):
+        fed.append(len(chunk))
+        session.timings.prefill_runs += len(chunk)
+        seq.length += len(chunk)
+        return np.stack([session.logits(t + 1) for t in chunk])
+
+    monkeypatch.setattr(prefill_turns, "prefill_rows", rows)
+    turns = PrefillTurns(FakeSession(prefill_seq_len=4), prefill_chunk=8)
+    a = active(0, prompt=tuple(i % 7 + 1 for i in range(20)))
+    a.req = request(0, a.req.prompt, prompt_logprobs=0)
+    b = active(1, prompt=(1, 2))
+    turns.enqueue(a)
+    turns.enqueue(b)
+    turn = turns.turn(running=True)
+    assert fed == [2] and turn.runs == 2 and len(a.todo) == 18 and turns.queue == [a, b]   # b waits its turn
+    turns.turn(running=True)
+    assert fed == [2, 2]
+    turn = turns.turn(running=False)
+    assert turn.failed == [] and fed == [2, 2, 8] and len(a.todo) == 8
+    turns.chunk = 3   # a budget below one prefill length: still one position per turn
+    turns.turn(running=True)
+    assert fed[-1] == 1
 
 
 def test_the_auto_turn_follows_the_decode_step_only_while_sequences_run():

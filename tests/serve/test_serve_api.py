@@ -311,11 +311,14 @@ def test_bad_sampling_fields_are_400(served, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and "\n" not in err["message"]
 
 
-def test_completion_echo_with_logprobs_is_refused_without_prompt_rows(served):
-    """Prompt logprobs need a graph returning every position's logits (tests/serve/test_serve_prompt_logprobs.py)."""
-    r = _post(served, "/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert "export it with --speculative-tokens K" in r.json()["error"]["message"]
+def test_completion_echo_with_logprobs_scores_a_plain_export(served):
+    """Prompt logprobs on a graph returning its last row only: scored position by position (issue 52; the values
+    against transformers: tests/serve/test_serve_prompt_logprobs.py)."""
+    r = _post(served, "/v1/completions", {"prompt": "hi there", "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert len(lp["tokens"]) == r.json()["usage"]["prompt_tokens"] + 1
 
 
 # ------------------------------------------------------------------------------------------ defaults, discovery

@@ -78,6 +78,53 @@ def test_running_streams_advance_between_prefill_chunks(own_cb_graph):
         assert any(c[0] == "decode" for c in spy.calls[i + 1:j]), spy.calls
 
 
+def test_a_prompt_scored_position_by_position_lets_running_streams_step(own_cb_graph):
+    """Issue 52: prompt logprobs on a graph returning its last row only, one graph run per position: while a
+    stream runs, a turn feeds the scored prompt budget / prefill length positions (16 / 8 = 2), then the stream
+    steps; both give the tokens they give alone."""
+    from qeff_kv.serve.engine.engine import PromptLogprobs
+
+    session = Session(own_cb_graph)
+    spy = Spy(session)
+    sched = Scheduler(session, reuse_prompts=False, prefill_chunk=16)
+    try:
+        short = sched.submit(_req(0, [5, 6, 7], 60))
+        deadline = time.monotonic() + 30
+        while not any(c[0] == "decode" for c in spy.calls) and time.monotonic() < deadline:
+            time.sleep(0.001)   # the short one is running
+        prompt = [random.Random(2).randrange(3, 256) for _ in range(20)]
+        scored = sched.submit(_req(1, prompt, 2, prompt_logprobs=1))
+        events = list(scored.iter_sync(timeout=60))
+        a, _ = _run(short)
+    finally:
+        sched.close()
+    assert a == _alone(own_cb_graph, [5, 6, 7], 60)
+    assert [e.token for e in events if isinstance(e, TokenOut)] == _alone(own_cb_graph, prompt, 2)
+    assert sum(len(e.entries) for e in events if isinstance(e, PromptLogprobs)) == len(prompt)
+    short_id = spy.calls[0][2]
+    fed = [i for i, c in enumerate(spy.calls) if c[0] == "prefill" and c[2] != short_id]
+    assert len(fed) == len(prompt) and all(spy.calls[i][1] == 1 for i in fed)   # one position per run
+    groups, run = [], 0   # the scored prompt's runs between two decode steps
+    for c in spy.calls[fed[0]:fed[-1] + 1]:
+        if c[0] == "decode":
+            groups, run = groups + [run], 0
+        elif c[2] != short_id:
+            run += 1
+    assert groups + [run] == [2] * 10, spy.calls
+
+
+def test_prompt_logprobs_with_images_are_refused_before_anything_runs(own_cb_graph):
+    """The one prompt scoring cannot take (issue 52): one with images, whose image rows are fed in one call."""
+    session = Session(own_cb_graph)
+    sched = Scheduler(session, reuse_prompts=False)
+    try:
+        with pytest.raises(RuntimeInputError, match=r"^prompt logprobs are not computed for a prompt with images$"):
+            sched.submit(_req(0, [5, 6, 7], 1, prompt_logprobs=1, images=object()))
+        assert session.timings.prefill_runs == 0
+    finally:
+        sched.close()
+
+
 def test_a_turn_feeds_its_budget_to_several_prompts_in_whole_prefill_lengths(own_cb_graph):
     """A turn's prompt tokens go to the oldest prefilling request and what is left to the next: two short prompts
     finish in one turn (both rows decode from the next step on); a prompt cut by the budget is cut at whole

@@ -1,11 +1,12 @@
-"""Prompt logprobs (issue 41): ``/v1/completions`` with ``echo`` + ``logprobs`` scores every prompt token in the
-prefill, from a speculative-decoding graph's rows of logits (``--speculative-tokens K``: a ``num_logits_to_keep``
-input), as lm-evaluation-harness's loglikelihood requests need. Through the official ``openai`` client: each
-prompt token's logprob equal to transformers' ``log_softmax`` on the same weights (the prompt longer than a prefill
-chunk, so chunk boundaries are crossed), the first one null (as vLLM), the top alternatives the reference's best;
-``max_tokens: 0``; streamed equal to not streamed; the one-line refusals on a graph without the rows, for ``n > 1``
-and for ``max_tokens: 0`` without ``echo``; :func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows` leaves the cache a
-plain prefill leaves.
+"""Prompt logprobs (issues 41, 52): ``/v1/completions`` with ``echo`` + ``logprobs`` scores every prompt token,
+as lm-evaluation-harness's loglikelihood requests need, on any export: a speculative-decoding graph's rows of logits
+(``--speculative-tokens K``: a ``num_logits_to_keep`` input, one run per chunk), or a plain graph's last row fed
+position by position (one run per token). Through the official ``openai`` client, on both exports: each prompt
+token's logprob equal to transformers' ``log_softmax`` on the same weights (the prompt longer than a prefill chunk,
+so chunk boundaries are crossed), the first one null (as vLLM), the top alternatives the reference's best;
+``max_tokens: 0``; streamed equal to not streamed; the one-line refusals for ``n > 1`` and for ``max_tokens: 0``
+without ``echo``; :func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows` leaves the cache a plain prefill
+leaves, writes nothing when refused, and gives the same values on both graphs (a property test).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from qeff_kv.errors import RuntimeInputError  # noqa: E402
 from serve_helpers import LiveServer, chat_export  # noqa: E402
@@ -58,6 +61,15 @@ def served(spec_export, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def plain(own_cb_graph, tmp_path_factory):
+    """The export a user serves: the last row's logits only (no --speculative-tokens)."""
+    srv = _serve(chat_export(own_cb_graph, tmp_path_factory.mktemp("plp-plain") / "plain"))
+    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def reference(own_graphs):
     """transformers' log_softmax of every position, on the bundled weights: ``[n, vocab]`` (row i scores token
     i + 1)."""
@@ -70,8 +82,10 @@ def reference(own_graphs):
     return torch.log_softmax(logits, -1).numpy()
 
 
-def test_prompt_logprobs_equal_transformers(served, reference):
-    out = served.client.completions.create(model="tiny-spec", prompt=PROMPT_IDS, echo=True, logprobs=2,
+@pytest.mark.parametrize("export", ["served", "plain"])
+def test_prompt_logprobs_equal_transformers(export, request, reference):
+    served = request.getfixturevalue(export)
+    out = served.client.completions.create(model=served.folder.name, prompt=PROMPT_IDS, echo=True, logprobs=2,
                                            max_tokens=1, temperature=0)
     lp = out.choices[0].logprobs
     n = len(PROMPT_IDS)
@@ -118,26 +132,33 @@ def test_streamed_equals_not_streamed(served):
     assert tokens == whole.tokens and values == whole.token_logprobs
 
 
-def test_refusals(served, own_cb_graph, tmp_path):
+def test_refusals(served):
     c = served.client
     with pytest.raises(openai.BadRequestError, match=r"prompt logprobs go with one choice \(n = 1\)"):
         c.completions.create(model="tiny-spec", prompt=PROMPT_IDS, echo=True, logprobs=1, max_tokens=1, n=2)
     with pytest.raises(openai.BadRequestError, match=r"max_tokens 0 goes with echo"):
         c.completions.create(model="tiny-spec", prompt=PROMPT_IDS, max_tokens=0)
-    plain = _serve(chat_export(own_cb_graph, tmp_path / "plain"))
-    try:
-        client = openai.OpenAI(base_url=plain.url + "/v1", api_key="x", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as err:
-            client.completions.create(model="plain", prompt=PROMPT_IDS, echo=True, logprobs=1, max_tokens=1)
-        assert err.value.body["message"] == (
-            "the graph returns the logits of the last prompt position only; export it with --speculative-tokens K "
-            "(a num_logits_to_keep input) for prompt logprobs")
-        # logprobs without echo, and echo without logprobs, still work there
-        assert client.completions.create(model="plain", prompt="ab", logprobs=1, max_tokens=1).choices[0].logprobs
-        assert client.completions.create(model="plain", prompt="ab", echo=True, max_tokens=1).choices[0].text[:2] \
-            == "ab"
-    finally:
-        plain.stop()
+
+
+def test_a_plain_export_scores_as_the_speculative_one(served, plain):
+    """Issue 52: the export a user serves scores prompts (it answered 400 "export it with --speculative-tokens K");
+    the values and the generated token are those of the all-rows graph, streamed as not."""
+    kw = dict(prompt=PROMPT_IDS, echo=True, logprobs=3, max_tokens=2, temperature=0)
+    rows = served.client.completions.create(model="tiny-spec", **kw).choices[0]
+    one_by_one = plain.client.completions.create(model="plain", **kw).choices[0]
+    assert one_by_one.logprobs.tokens == rows.logprobs.tokens and one_by_one.text == rows.text
+    assert one_by_one.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(one_by_one.logprobs.token_logprobs[1:], rows.logprobs.token_logprobs[1:], atol=2e-4)
+    for a, b in zip(one_by_one.logprobs.top_logprobs[1:], rows.logprobs.top_logprobs[1:]):
+        assert a.keys() == b.keys()
+    streamed = []
+    for chunk in plain.client.completions.create(model="plain", stream=True, **kw):
+        streamed += [v for c in chunk.choices if c.logprobs is not None for v in c.logprobs.token_logprobs]
+    assert streamed == one_by_one.logprobs.token_logprobs
+    # logprobs without echo, and echo without logprobs, still work there
+    assert plain.client.completions.create(model="plain", prompt="ab", logprobs=1, max_tokens=1).choices[0].logprobs
+    assert plain.client.completions.create(model="plain", prompt="ab", echo=True, max_tokens=1).choices[0].text[:2] \
+        == "ab"
 
 
 def test_prefill_rows_leaves_the_cache_of_a_plain_prefill(spec_export):
@@ -171,11 +192,66 @@ def test_prefill_rows_on_a_lock_step_session(tmp_path, reference):
                                atol=2e-4)
 
 
-def test_prefill_rows_refused_on_a_plain_graph(own_cb_graph):
+def test_prefill_rows_on_a_plain_graph_feeds_position_by_position(own_cb_graph, reference):
+    """A graph returning its last row only: one graph run per position, the values transformers' (top ids too),
+    and the cache a plain prefill leaves (the next steps equal)."""
+    from qeff_kv.runtime import open_session
+    from qeff_kv.runtime.decoding.prompt_rows import chunked, log_softmax, prefill_rows
+
+    s = open_session(own_cb_graph)
+    assert not chunked(s)
+    a, b = s.add_sequence(), s.add_sequence()
+    runs = s.timings.prefill_runs
+    rows = prefill_rows(s, a, PROMPT_IDS)
+    assert s.timings.prefill_runs - runs == len(PROMPT_IDS) and rows.shape == (len(PROMPT_IDS), s.vocab_size)
+    np.testing.assert_allclose(log_softmax(rows), reference, atol=2e-4)
+    assert list(np.argmax(rows, axis=-1)) == list(np.argmax(reference, axis=-1))
+    last = s.prefill(b, PROMPT_IDS)
+    np.testing.assert_allclose(rows[-1], last, atol=1e-5)
+    assert s.cache.get(a).length == s.cache.get(b).length == len(PROMPT_IDS)
+    np.testing.assert_allclose(s.decode({a: 5})[a], s.decode({b: 5})[b], atol=1e-5)
+
+
+def test_prefill_rows_writes_nothing_when_refused(own_cb_graph):
+    """A token outside the vocabulary late in the prompt: refused in one line before the first position is fed."""
     from qeff_kv.runtime import open_session
     from qeff_kv.runtime.decoding.prompt_rows import prefill_rows
 
     s = open_session(own_cb_graph)
-    with pytest.raises(RuntimeInputError, match=r"^the graph returns the logits of the last prompt position only; "
-                                                r"export it with --speculative-tokens K"):
-        prefill_rows(s, s.add_sequence(), PROMPT_IDS)
+    seq = s.add_sequence()
+    runs = s.timings.prefill_runs
+    with pytest.raises(RuntimeInputError) as err:
+        prefill_rows(s, seq, PROMPT_IDS[:5] + [s.vocab_size])
+    assert "\n" not in str(err.value) and s.cache.get(seq).length == 0 and s.timings.prefill_runs == runs
+
+
+@pytest.fixture(scope="module")
+def both_sessions(spec_export, own_cb_graph):
+    from qeff_kv.runtime import open_session
+
+    return open_session(spec_export.out_dir), open_session(own_cb_graph)
+
+
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=30), st.integers(0, 20))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+def test_chunked_and_position_by_position_scoring_agree(both_sessions, prompt, cached):
+    """Property: on any prompt, after any already-cached prefix, the all-rows graph's chunks and the plain graph's
+    positions give the same logits (to float rounding) and the same best tokens, and leave the same length."""
+    from qeff_kv.runtime.decoding.prompt_rows import chunked, prefill_rows
+
+    spec, plain = both_sessions
+    assert chunked(spec) and not chunked(plain)
+    outs = []
+    for s in (spec, plain):
+        seq = s.add_sequence()
+        try:
+            if cached:
+                s.prefill(seq, [7 + i % 50 for i in range(cached)])
+            outs.append(prefill_rows(s, seq, prompt))
+            assert s.cache.get(seq).length == cached + len(prompt)
+        finally:
+            s.remove_sequence(seq)
+    np.testing.assert_allclose(outs[0], outs[1], atol=2e-4)
+    ranked = np.sort(outs[0], -1)
+    clear = ranked[:, -1] - ranked[:, -2] > 1e-3   # a near tie may rank either first
+    assert (np.argmax(outs[0], -1) == np.argmax(outs[1], -1))[clear].all()

@@ -1,13 +1,15 @@
 """A prefill that returns the logits of every prompt position (prompt logprobs: OpenAI's ``echo`` + ``logprobs``,
-lm-evaluation-harness's loglikelihood requests).
+lm-evaluation-harness's loglikelihood requests), on any export.
 
-An ordinary graph returns one row of logits per sequence (its last valid position). A speculative-decoding graph
+An ordinary graph returns one row of logits per call (its last valid position): :func:`prefill_rows` feeds the
+prompt position by position there, one :meth:`Session.prefill` call of one token each (the in-place cache is
+written as it goes, so the sequence ends prefilled as a plain prefill leaves it). A speculative-decoding graph
 (exported with ``--speculative-tokens K``: a ``num_logits_to_keep`` input) returns the ``n`` rows ending at the
 last valid one for any ``n`` it is given, so a prefill chunk of ``c`` tokens asking for ``c`` rows gets the logits
-after each of them: no other export option is needed. :func:`prefill_rows` feeds a prompt in chunks of the
-graph's prefill length that way (the same chunks, and on a lock-step session the same row views, that
-:meth:`Session.prefill` uses for a text decoder of this exporter), so the cache it leaves is the one a plain
-prefill leaves. :func:`unsupported` says why a session cannot.
+after each of them (:func:`chunked`): one call per chunk of the graph's prefill length instead of one per token,
+the same chunks (and on a lock-step session the same row views) that :meth:`Session.prefill` uses. Both give the
+same values (to float rounding). A fixed-``seq_len``, recurrent, vision-language or ring graph is fed position by
+position even with the rows (its prefill plan is not this module's).
 """
 
 from __future__ import annotations
@@ -17,32 +19,24 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime.arguments import check_prefill
 from qeff_kv.runtime.multimodal import positions as pos_mod
 from qeff_kv.runtime.memory.hybrid import Sequence
 
-#: the export option that adds the rows (named in every refusal)
-EXPORT_OPTION = "--speculative-tokens K"
+
+def chunked(session) -> bool:
+    """Whether ``session`` scores a prompt a chunk per graph run (its graph returns every row of a chunk); else
+    :func:`prefill_rows` feeds it one position per run."""
+    return bool(session.speculative and session.fixed_seq_len is None and not session.recurrent
+                and session.media is None and not session.graph.memory.ring_within)
 
 
-def unsupported(session) -> str | None:
-    """Why ``session`` cannot return every prompt position's logits, in one line; None when it can."""
-    if not session.speculative:
-        return (f"the graph returns the logits of the last prompt position only; export it with {EXPORT_OPTION} "
-                "(a num_logits_to_keep input) for prompt logprobs")
-    why = ("a fixed seq_len graph" if session.fixed_seq_len is not None
-           else "a recurrent graph" if session.recurrent else "a vision-language graph" if session.media is not None
-           else "another exporter's rings" if session.graph.memory.ring_within else None)
-    return None if why is None else f"prompt logprobs are not computed on {why}"
-
-
-def prefill_rows(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
+def prefill_rows(session, seq: Sequence, tokens: Seq[int], *, checkpoint: bool | Seq[int] = True) -> np.ndarray:
     """:meth:`Session.prefill` of ``tokens``, returning the logits after each of them, ``[n, vocab]`` (row ``i``
-    scores the token at position ``length + i + 1``; the last row is what ``prefill`` returns)."""
-    why = unsupported(session)
-    if why is not None:
-        raise RuntimeInputError(why)
+    scores the token at position ``length + i + 1``; the last row is what ``prefill`` returns). ``checkpoint``:
+    as :meth:`Session.prefill`'s (recurrent state; ``True``: the end of these tokens and one before)."""
+    if not chunked(session):
+        return _one_by_one(session, seq, tokens, checkpoint)
     seq = session.cache.get(seq)
     toks = check_prefill(seq, tokens, vocab_size=session.vocab_size, ctx_len=session.ctx_len)
     t0, S, rows = time.perf_counter(), session.prefill_seq_len, []
@@ -66,6 +60,18 @@ def prefill_rows(session, seq: Sequence, tokens: Seq[int]) -> np.ndarray:
     session.timings.prefill_s += time.perf_counter() - t0
     session.timings.prefill_tokens += len(toks)
     return np.concatenate(rows, axis=0)
+
+
+def _one_by_one(session, seq: Sequence, tokens: Seq[int], checkpoint: bool | Seq[int]) -> np.ndarray:
+    """The prompt fed one position per :meth:`Session.prefill` call (a graph returning its last row only); the
+    whole prompt checked first, so nothing is written when it is refused."""
+    seq = session.cache.get(seq)
+    toks = check_prefill(seq, tokens, vocab_size=session.vocab_size, ctx_len=session.ctx_len)
+    if session.media is not None:   # image tokens without images: refused before the first position is fed
+        session.media.check(toks, None, session.prefill_seq_len)
+    end = seq.length + len(toks)
+    marks = (end - 1, end) if checkpoint is True else checkpoint   # the prompt's boundary, not every position's
+    return np.stack([np.array(session.prefill(seq, [t], checkpoint=marks), copy=True) for t in toks])
 
 
 def log_softmax(rows: np.ndarray) -> np.ndarray:

@@ -4,7 +4,10 @@ Invariant: a turn feeds at most its budget of prompt tokens (``prefill_chunk``; 
 :data:`AUTO_SHARE` of a decode step), oldest prompt first, and cuts a prompt only at a whole number of prefill
 lengths unless the budget itself is below one: so every prompt's graph runs are the ones ``generate`` makes, and a
 served output does not depend on the load. A prompt with images (``GenerationRequest.images``) is fed whole in one
-call, its images bound for all of it (as ``generate`` feeds it).
+call, its images bound for all of it (as ``generate`` feeds it). A prompt scored position by position (prompt
+logprobs on a graph that returns its last row only: one graph run per token) counts a prefill length of the budget
+per position while sequences are decoding, so a turn makes no more graph runs than a plain one and running
+streams keep their pace.
 
 :class:`PrefillTurns` is one object per :class:`~.scheduler.Scheduler` and holds no scheduler: it holds the session
 it feeds, the requests still prefilling (:attr:`~PrefillTurns.queue`, oldest first), the turn's size and the moving
@@ -28,7 +31,7 @@ import numpy as np
 
 from qeff_kv.errors import RuntimeInputError
 from qeff_kv.runtime import embeddings
-from qeff_kv.runtime.decoding.prompt_rows import log_softmax, prefill_rows
+from qeff_kv.runtime.decoding.prompt_rows import chunked, log_softmax, prefill_rows
 from qeff_kv.serve.engine.engine import PromptLogprobs
 
 #: --prefill-chunk auto: the share of a decode step's time a turn's prefill chunk may take
@@ -101,12 +104,12 @@ class PrefillTurns:
         while left > 0 and self.queue:
             a = self.queue[0]
             # a prompt with images: all of it in one call (its images are bound for the whole prompt)
-            n = len(a.todo) if a.req.images is not None else self._share(len(a.todo), left, fed)
+            n, cost = self._size(a, left, fed, running)
             if n == 0:
                 return
             out = Turn()
             self._feed(a, n, out)
-            left, fed = left - n, fed + n
+            left, fed = left - n * cost, fed + n
             yield out
 
     def turn(self, running: bool) -> Turn:
@@ -118,6 +121,22 @@ class PrefillTurns:
             out.scored += part.scored
             out.runs += part.runs
         return out
+
+    def _size(self, a, left: int, fed: int, running: bool) -> tuple[int, int]:
+        """``(tokens, budget per token)`` of request ``a`` this chunk feeds: a prompt with images all at once (its
+        images are bound for the whole prompt); one scored position by position while sequences decode, a prefill
+        length of the budget per position (one graph run each, as a plain chunk is one), at least one per turn;
+        else :meth:`_share`."""
+        if a.req.images is not None:
+            return len(a.todo), 1
+        if running and self.single(a):
+            S = self.session.prefill_seq_len
+            return min(len(a.todo), left // S if left >= S or fed else 1), S
+        return self._share(len(a.todo), left, fed), 1
+
+    def single(self, a) -> bool:
+        """Whether ``a`` is prefilled one position per graph run (prompt logprobs on a last-row graph)."""
+        return a.req.prompt_logprobs is not None and not chunked(self.session)
 
     def _share(self, todo: int, left: int, fed: int) -> int:
         """Tokens of a prompt with ``todo`` still to prefill that a turn with ``left`` tokens left feeds: all of
@@ -143,7 +162,7 @@ class PrefillTurns:
         t0, runs = time.perf_counter(), session.timings.prefill_runs
         try:
             if a.req.prompt_logprobs is not None:
-                logits = self._scored_chunk(a, chunk, out)
+                logits = self._scored_chunk(a, chunk, out, kw)
             elif a.req.embed and n == len(a.todo):   # an embedding's last chunk: its vector instead of logits
                 logits = embeddings.pooled(session, a.seq, chunk, **kw)
             else:
@@ -152,7 +171,8 @@ class PrefillTurns:
             self.queue.remove(a)
             out.failed.append((a, f"prefill failed: {exc}"))
             return
-        self.prefill_tok_s = _average(self.prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
+        if not self.single(a):   # ``auto`` sizes turns by chunked prefill's cost per token
+            self.prefill_tok_s = _average(self.prefill_tok_s, (time.perf_counter() - t0) / len(chunk))
         del a.todo[:len(chunk)]
         out.runs += session.timings.prefill_runs - runs
         if a.todo:
@@ -160,11 +180,11 @@ class PrefillTurns:
         self.queue.remove(a)
         out.done.append((a, logits))
 
-    def _scored_chunk(self, a, chunk: list[int], out: Turn):
+    def _scored_chunk(self, a, chunk: list[int], out: Turn, kw: dict):
         """Prefill ``chunk`` keeping every position's logits (:func:`~qeff_kv.runtime.decoding.prompt_rows.prefill_rows`),
         add its tokens' :class:`~.engine.PromptLogprobs` to ``out.scored``, and return the logits after its last
         token."""
-        rows = prefill_rows(self.session, a.seq, chunk)
+        rows = prefill_rows(self.session, a.seq, chunk, checkpoint=kw.get("checkpoint", True))
         scoring = rows[:-1] if a.prompt_row is None else np.concatenate([a.prompt_row[None], rows[:-1]])
         out.scored.append((a, PromptLogprobs(prompt_entries(scoring, chunk, a.req.prompt_logprobs,
                                                             first=a.prompt_row is None))))

@@ -68,7 +68,6 @@ import traceback
 from pathlib import Path
 
 from qeff_kv.errors import RuntimeInputError
-from qeff_kv.runtime.decoding.prompt_rows import unsupported
 from qeff_kv.runtime.decoding.sampling import Pick
 from qeff_kv.runtime.decoding.stopping import LENGTH, STOP, check_stop
 from qeff_kv.runtime.memory.prefix_cache import PrefixCache
@@ -449,9 +448,10 @@ def _check(sched: Scheduler, r: GenerationRequest, n: int) -> None:
     if sched.speculation is not None and (r.sampling.adjusts or r.logprobs is not None):
         raise RuntimeInputError("logprobs, logit_bias and penalties are not supported with --speculative")
     if r.prompt_logprobs is not None:
-        why = "prompt logprobs go with one choice (n = 1)" if n > 1 else unsupported(sched.session)
-        if why is not None:
-            raise RuntimeInputError(why)
+        if n > 1:
+            raise RuntimeInputError("prompt logprobs go with one choice (n = 1)")
+        if r.images is not None:   # its image rows are fed in one call: no row per position
+            raise RuntimeInputError("prompt logprobs are not computed for a prompt with images")
     if r.lora is not None:
         sched.session.lora.get(r.lora[0])   # a one-line AdapterError when it is not loaded
 

@@ -24,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from qeff_kv.errors import QeffKvError, QueueFullError, UnavailableError
-from qeff_kv.runtime.decoding import prompt_rows
 from qeff_kv.serve.http import discovery, embeddings_api, http_errors, openai_responses
 from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from qeff_kv.serve.http.choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
@@ -192,7 +191,6 @@ class _Frontend:
         if tools is not None and tools.forced:
             spec, field = tools.grammar(parser), "tool_choice"
         check_logit_bias(p, self.engine)
-        check_prompt_logprobs(p, self.engine)
         turn, images = parse_turn(body, p.messages) if chat else Turn(), None
         if chat and has_images(p.messages):   # the export's processor and vision stage, as generate --image runs them
             ids, images = image_request(self.engine, p.messages, media_path=self.media_path, tools=tools,
@@ -377,16 +375,6 @@ def echo_only(rid: str, p: Params, ids: list[int], tokenizer, model: str):
     events = ["data: " + json.dumps({k: v for k, v in body.items() if k != "usage" or p.include_usage}) + "\n\n",
               "data: [DONE]\n\n"]
     return StreamingResponse(iter(events), media_type="text/event-stream")
-
-
-def check_prompt_logprobs(p: Params, engine) -> None:
-    """``echo`` + ``logprobs`` on a graph that returns the last position's logits only: a 400 naming the export
-    option that adds the others (:mod:`qeff_kv.runtime.decoding.prompt_rows`)."""
-    session = getattr(engine, "session", None)
-    if p.echo and p.logprobs is not None and session is not None:
-        why = prompt_rows.unsupported(session)
-        if why is not None:
-            raise bad(why, "logprobs")
 
 
 def check_logit_bias(p: Params, engine) -> None:

@@ -8,7 +8,7 @@ is silently ignored. Honoured: ``model``, ``prompt`` (text, token ids, or a list
 string or a list of up to 16), ``n`` (up to the server's ``--max-n``), ``stream``, ``stream_options``
 (``include_usage``), ``logprobs`` / ``top_logprobs`` (chat: a boolean and 0-20; completions: 0-5), ``logit_bias``
 (token id -> [-100, 100]), ``presence_penalty`` and ``frequency_penalty`` [-2, 2], ``echo`` (completions; with ``logprobs`` the prompt
-tokens' logprobs too, on a graph exported with ``--speculative-tokens K``; ``max_tokens: 0`` with it), the
+tokens' logprobs too, on any export; ``max_tokens: 0`` with it), the
 vLLM / llama-server extensions ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``, and vLLM's
 ``kv_transfer_params`` (its P/D protocol, on a server with ``--kv-role``; :mod:`.pd`); ``model`` may name a LoRA
 adapter the server serves, and llama-server's ``lora`` (:mod:`.lora_io`) choose one. Accepted with no
