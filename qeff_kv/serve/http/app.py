@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
-from qeff_kv.errors import QeffKvError, QueueFullError, UnavailableError
+from qeff_kv.errors import QeffKvError
 from qeff_kv.serve.http import discovery, embeddings_api, http_errors, openai_responses
 from qeff_kv.serve.http.bodies import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_text_fits, encode_text, read_json, text_limit
 from qeff_kv.serve.http.choices import Logprobs, TokenText, choice_samplings, max_tokens_of, sampling_of
@@ -220,19 +220,10 @@ class _Frontend:
             logprobs=p.logprobs, constraint=constraint, state=kv.state if kv is not None else None,
             kv_transfer_params=kv.params if kv is not None else None, images=images,
             prompt_logprobs=p.logprobs if p.echo else None, lora=lora)
-        try:
+        with http_errors.refused_submission(self.metrics, param):
             if p.n == 1:
                 return [engine.submit(req)]
             return engine.submit_n(req, choice_samplings(first, p.n))
-        except QueueFullError as exc:
-            self.metrics.rejected()
-            raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
-        except UnavailableError as exc:
-            self.metrics.rejected()
-            raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
-        except QeffKvError as exc:
-            self.metrics.rejected()
-            raise bad(str(exc), param) from None
 
     async def generate(self, request: Request, chat: bool):
         arrival = time.monotonic()

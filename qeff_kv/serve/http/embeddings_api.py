@@ -18,10 +18,10 @@ import uuid
 
 from fastapi.responses import Response
 
-from qeff_kv.errors import QeffKvError, QueueFullError, UnavailableError
 from qeff_kv.runtime import embeddings
 from qeff_kv.runtime.decoding.sampling import SamplingParams
 from qeff_kv.serve.engine.engine import Embedding, Finished, GenerationRequest
+from qeff_kv.serve.http import http_errors
 from qeff_kv.serve.http.bodies import check_text_fits, encode_text, read_json
 from qeff_kv.serve.http.responses import DISCONNECT_POLL_S
 from qeff_kv.serve.wire.openai_io import APIError, bad
@@ -84,17 +84,8 @@ async def respond(front, request):
     rid = "embd-" + uuid.uuid4().hex
     reqs = [GenerationRequest(f"{rid}-{i}", tuple(ids), 0, SamplingParams(), frozenset(), embed=True)
             for i, ids in enumerate(items)]
-    try:
+    with http_errors.refused_submission(front.metrics, "input"):
         handles = engine.submit_batch(reqs)
-    except QueueFullError as exc:
-        front.metrics.rejected()
-        raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
-    except UnavailableError as exc:
-        front.metrics.rejected()
-        raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
-    except QeffKvError as exc:
-        front.metrics.rejected()
-        raise bad(str(exc), "input") from None
     try:
         vectors = await _vectors(request, handles)
     finally:   # a client gone (or this handler cancelled): the inputs still waiting or running leave

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -24,10 +25,28 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from qeff_kv.serve.wire.openai_io import APIError
+from qeff_kv.errors import QeffKvError, QueueFullError, UnavailableError
+from qeff_kv.serve.wire.openai_io import APIError, bad
 
 _KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+@contextmanager
+def refused_submission(metrics, param: str):
+    """Around a submission to the engine: a full queue answers 429 ``queue_full``, an engine not taking work 503
+    ``unavailable``, any other library refusal a 400 naming ``param``; each counted as rejected in ``metrics``."""
+    try:
+        yield
+    except QueueFullError as exc:
+        metrics.rejected()
+        raise APIError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
+    except UnavailableError as exc:
+        metrics.rejected()
+        raise APIError(str(exc), status=503, type="server_error", code="unavailable") from None
+    except QeffKvError as exc:
+        metrics.rejected()
+        raise bad(str(exc), param) from None
 
 
 def error_bytes(exc: APIError) -> bytes:
