@@ -251,7 +251,7 @@ def _as_folder(d: Path):
 
 @requires_torch
 @pytest.mark.parametrize("fn, needles", [
-    (_truncate, ("model.safetensors: truncated", "lies past the end of the file")),
+    (_truncate, ("model.safetensors: the tensors cover", "(truncated: a corrupt file)")),
     (_as_folder, ("model.safetensors", "is not a file")),
     (_set_config(hidden_size=128), ("weights do not match config.json",)),
     (_set_config(num_hidden_layers=5), ("weights do not match config.json", "missing")),
