@@ -71,6 +71,17 @@ class LiveServer:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
 
+    @classmethod
+    def from_config(cls, config, **app_kwargs) -> "LiveServer":
+        """The server ``qeff-kv serve`` would build from ``config`` (a ``ServeConfig``, checked), its
+        ``TextFacts`` kept as ``text``."""
+        from qeff_kv.serve.server import build_engine, check_config, text_facts
+
+        check_config(config)
+        srv = cls(build_engine(config), text_facts(config), **app_kwargs)
+        srv.text = text_facts(config)
+        return srv
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)

@@ -38,13 +38,8 @@ TEXT = "embeddings, please"
 
 def _serve(folder, **kw):
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.server import build_engine, check_config, text_facts
 
-    config = ServeConfig(export_dir=str(folder), **kw)
-    check_config(config)
-    srv = LiveServer(build_engine(config), text_facts(config))
-    srv.text = text_facts(config)
-    return srv
+    return LiveServer.from_config(ServeConfig(export_dir=str(folder), **kw))
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,10 @@ CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k
 def served(tmp_path_factory):
     from qeff_kv.export import export_model
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.server import build_engine, check_config, text_facts
 
     root = tmp_path_factory.mktemp("responses")
     out = export_model(None, root / "export", ctx_len=1024, prefill_seq_len=64, verify=False)
-    folder = chat_export(out.out_dir, root / MODEL)
-    config = ServeConfig(export_dir=str(folder))
-    check_config(config)
-    srv = LiveServer(build_engine(config), text_facts(config))
+    srv = LiveServer.from_config(ServeConfig(export_dir=str(chat_export(out.out_dir, root / MODEL))))
     yield srv
     srv.stop()
 

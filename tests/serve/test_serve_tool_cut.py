@@ -53,13 +53,8 @@ def export(tmp_path_factory):
 
 def _server(folder):
     from qeff_kv.serve.config import ServeConfig
-    from qeff_kv.serve.server import build_engine, check_config, text_facts
 
-    config = ServeConfig(export_dir=str(folder))
-    check_config(config)
-    srv = LiveServer(build_engine(config), text_facts(config))
-    srv.text = text_facts(config)
-    return srv
+    return LiveServer.from_config(ServeConfig(export_dir=str(folder)))
 
 
 @pytest.fixture(scope="module")
