@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -27,7 +26,7 @@ import numpy as np
 
 from qeff_kv.contract.lora import LoraGeometry
 from qeff_kv.errors import AdapterError
-from qeff_kv.support import fsutil
+from qeff_kv.support import fsutil, safetensors_header
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -63,7 +62,6 @@ _BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 #: safetensors dtype -> (little-endian storage type, bytes per element)
 _STORAGE = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2), "F64": ("<f8", 8)}
-_MAX_HEADER = 100 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,39 +155,21 @@ def _check_config(config: dict, name: str) -> None:
 
 def _read_safetensors(file: Path, name: str) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32, read without torch (numpy cannot hold bfloat16: its bits
-    are widened into float32's upper half, which is exact)."""
-    size = file.stat().st_size
+    are widened into float32's upper half, which is exact); the header validated first
+    (:mod:`qeff_kv.support.safetensors_header`: a regular file, in-order ranges covering the data)."""
+    start, header, _size = safetensors_header.read_header(file, lambda msg: AdapterError(f"adapter {name}: {msg}"))
     with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise AdapterError(f"adapter {name}: {file} is truncated (no safetensors header)")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(size - 8, _MAX_HEADER):
-            raise AdapterError(f"adapter {name}: {file} is not a safetensors file (header of {length} bytes)")
-        try:
-            header = json.loads(fh.read(length))
-        except (ValueError, UnicodeDecodeError):
-            raise AdapterError(f"adapter {name}: {file} is not a safetensors file (bad header)") from None
-        if not isinstance(header, dict):
-            raise AdapterError(f"adapter {name}: {file} is not a safetensors file (bad header)")
-        return {key: _read_tensor(fh, 8 + length, size, key, info, f"adapter {name}: {file}")
-                for key, info in header.items() if key != "__metadata__"}
+        return {key: _read_tensor(fh, start, key, info, f"adapter {name}: {file}") for key, info in header.items()}
 
 
-def _read_tensor(fh, base: int, size: int, key: str, info, where: str) -> np.ndarray:
-    if not isinstance(info, dict) or info.get("dtype") not in _STORAGE:
-        dtype = info.get("dtype") if isinstance(info, dict) else None
-        raise AdapterError(f"{where}: tensor {key} is {dtype}, not F32, F16 or BF16")
-    storage, width = _STORAGE[info["dtype"]]
-    shape, offsets = info.get("shape"), info.get("data_offsets")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2):
-        raise AdapterError(f"{where}: tensor {key} has a malformed header entry")
-    begin, end = offsets
-    if not (0 <= begin <= end and base + end <= size and end - begin == math.prod(shape) * width):
-        raise AdapterError(f"{where}: tensor {key} lies outside the file or does not match its shape {shape}")
+def _read_tensor(fh, base: int, key: str, info: dict, where: str) -> np.ndarray:
+    """One tensor of a validated header (its range lies in the file and matches its shape)."""
+    if info["dtype"] not in _STORAGE:
+        raise AdapterError(f"{where}: tensor {key} is {info['dtype']}, not F32, F16 or BF16")
+    storage, _width = _STORAGE[info["dtype"]]
+    begin, end = info["data_offsets"]
     fh.seek(base + begin)
-    raw = np.frombuffer(fh.read(end - begin), dtype=storage).reshape(shape)
+    raw = np.frombuffer(fh.read(end - begin), dtype=storage).reshape(info["shape"])
     if info["dtype"] == "BF16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
     return raw.astype(np.float32)

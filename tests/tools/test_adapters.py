@@ -192,8 +192,13 @@ def test_folder_refusals(made, tmp_path):
     cut = edited(made["plain"], tmp_path / "cut")
     data = (cut / "adapter_model.safetensors").read_bytes()
     (cut / "adapter_model.safetensors").write_bytes(data[:-100])
-    with pytest.raises(AdapterError, match="lies outside the file"):
+    with pytest.raises(AdapterError, match=r"^adapter cut: .*adapter_model.safetensors: the tensors cover \d+ bytes "
+                                           r"but the data section holds \d+ \(truncated: a corrupt file\)$"):
         read_adapter(cut)
+    tail = edited(made["plain"], tmp_path / "tail")   # bytes no tensor names: refused as safetensors refuses them
+    (tail / "adapter_model.safetensors").write_bytes(data + bytes(16))
+    with pytest.raises(AdapterError, match=r"^adapter tail: .*\(bytes no tensor names: a corrupt file\)$"):
+        read_adapter(tail)
 
 
 def test_unmappable_keys_are_refused(made, tmp_path):

@@ -19,118 +19,32 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import weakref
 from pathlib import Path
 
 import numpy as np
 
 from qeff_kv.errors import CheckpointError, ExportError
+from qeff_kv.support import safetensors_header
 
 INDEX_FILE = "model.safetensors.index.json"
 #: the index files of a folder whose entries are checked (the .bin one is never read: pickled weights are not loaded)
 INDEX_FILES = (INDEX_FILE, "pytorch_model.bin.index.json")
 #: :meth:`CheckpointStore.chunks` reads about this many bytes at a time
 CHUNK_BYTES = 64 << 20
-#: the longest safetensors header safetensors itself reads (and the longest index file read)
-MAX_HEADER = 100_000_000
 
 
 #: safetensors dtype names -> torch dtype attribute names (the dtypes this store converts)
 _DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
            "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-#: every safetensors dtype -> bytes per element (a header is validated whatever dtype its tensors have)
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def _regular(path: Path, what: str) -> os.stat_result:
-    """``path``'s status, following links (a Hugging Face cache's shards link to its blobs): refused unless it is
-    a regular file (a device such as /dev/zero, a FIFO, a folder)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: {what} cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {what} is not a regular file (a device, a pipe or a folder is never read)")
-    return st
-
-
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _v in pairs]
-    if len(keys) != len(set(keys)):
-        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
-    return dict(pairs)
 
 
 def read_header(path: Path) -> tuple[int, dict]:
     """``(offset of the data, {name: {"dtype", "shape", "data_offsets"}})`` of a safetensors file, validated as
-    safetensors validates it before any tensor is read (:func:`check_layout`); :class:`CheckpointError` otherwise."""
-    path = Path(path)
-    size = _regular(path, "safetensors file").st_size
-    try:
-        with open(path, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise CheckpointError(f"{path}: safetensors file is not a regular file")
-            head = fh.read(8)
-            length = int.from_bytes(head, "little")
-            if len(head) < 8 or length < 2 or length > MAX_HEADER or 8 + length > size:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {length} does not fit a file "
-                                      f"of {size} bytes)")
-            text = fh.read(length)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: unreadable safetensors file ({exc.strerror})") from None
-    try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except ValueError as exc:   # not UTF-8, not JSON, a key twice
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    meta = header.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise CheckpointError(f"{path}: safetensors __metadata__ must map strings to strings")
-    check_layout(path, header, size - 8 - length)
-    return 8 + length, header
-
-
-def _entry(path: Path, name: str, info) -> tuple[int, int]:
-    """``(begin, end)`` of one header entry, checked: dtype known, shape of non-negative integers, data_offsets
-    two integers in order spanning dtype size x prod(shape) bytes."""
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{where}: its header entry is not an object")
-    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not a safetensors dtype")
-
-    def ints(v):
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-
-    if not ints(shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
-    if not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end] with begin <= end")
-    count = DTYPE_SIZES[dtype]
-    for d in shape:
-        count *= d
-    if offsets[1] - offsets[0] != count:
-        raise CheckpointError(f"{where}: holds {offsets[1] - offsets[0]} bytes, but {dtype} x {shape} is {count}")
-    return offsets[0], offsets[1]
-
-
-def check_layout(path: Path, header: dict, data_bytes: int) -> None:
-    """The entries' byte ranges, in order, neither overlap nor leave a gap and cover exactly the ``data_bytes``
-    after the header (safetensors refuses any other layout)."""
-    spans = sorted((*_entry(path, name, info), name) for name, info in header.items())
-    at, before = 0, None
-    for begin, end, name in spans:
-        if begin != at:
-            how = f"overlaps tensor {before!r}" if begin < at else f"leaves {begin - at} bytes unused before it"
-            raise CheckpointError(f"{path}: tensor {name!r} starts at byte {begin} and {how} (a corrupt header)")
-        at, before = end, name
-    if at != data_bytes:
-        raise CheckpointError(f"{path}: the tensors cover {at} bytes but the data section holds {data_bytes} "
-                              f"({'truncated' if at > data_bytes else 'bytes no tensor names'}: a corrupt file)")
+    safetensors validates it before any tensor is read (:mod:`qeff_kv.support.safetensors_header`);
+    :class:`CheckpointError` otherwise."""
+    start, header, _size = safetensors_header.read_header(path, CheckpointError)
+    return start, header
 
 
 def index_map(folder: Path, name: str = INDEX_FILE) -> dict[str, str] | None:
@@ -139,8 +53,8 @@ def index_map(folder: Path, name: str = INDEX_FILE) -> dict[str, str] | None:
     index = Path(folder) / name
     if not os.path.lexists(index):
         return None
-    if _regular(index, "index").st_size > MAX_HEADER:
-        raise CheckpointError(f"{index}: index larger than {MAX_HEADER} bytes")
+    if safetensors_header.regular(index, "index", CheckpointError).st_size > safetensors_header.MAX_HEADER:
+        raise CheckpointError(f"{index}: index larger than {safetensors_header.MAX_HEADER} bytes")
     try:
         weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
