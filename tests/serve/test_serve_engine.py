@@ -52,15 +52,20 @@ class Spy:
         return self._decode(feeds)
 
 
+def _until_decoding(spy, timeout: float = 30) -> None:
+    """Wait until the engine has made a decode step (the stream submitted first is running)."""
+    deadline = time.monotonic() + timeout
+    while not any(c[0] == "decode" for c in spy.calls) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_running_streams_advance_between_prefill_chunks(own_cb_graph):
     session = Session(own_cb_graph)
     spy = Spy(session)
     sched = Scheduler(session, reuse_prompts=False, prefill_chunk=8)
     try:
         short = sched.submit(_req(0, [5, 6, 7], 50))
-        deadline = time.monotonic() + 30
-        while not any(c[0] == "decode" for c in spy.calls) and time.monotonic() < deadline:
-            time.sleep(0.001)   # the short one is running
+        _until_decoding(spy)
         long_prompt = [random.Random(1).randrange(3, 256) for _ in range(40)]
         long = sched.submit(_req(1, long_prompt, 4))
         a, fa = _run(short)
@@ -89,9 +94,7 @@ def test_a_prompt_scored_position_by_position_lets_running_streams_step(own_cb_g
     sched = Scheduler(session, reuse_prompts=False, prefill_chunk=16)
     try:
         short = sched.submit(_req(0, [5, 6, 7], 60))
-        deadline = time.monotonic() + 30
-        while not any(c[0] == "decode" for c in spy.calls) and time.monotonic() < deadline:
-            time.sleep(0.001)   # the short one is running
+        _until_decoding(spy)
         prompt = [random.Random(2).randrange(3, 256) for _ in range(20)]
         scored = sched.submit(_req(1, prompt, 2, prompt_logprobs=1))
         events = list(scored.iter_sync(timeout=60))
