@@ -99,8 +99,7 @@ def _kv_shapes(model, options: opt.ExportOptions, num_layers: int, facts) -> lis
         # the experts run as the trace runs them (a streamed skeleton's stand-ins have no grouped_mm strides)
         with contextlib.nullcontext() if rec is None else recurrent_mod.mixers_bypassed(model, rec), \
                 moe.static_routing(model):
-            kv_shapes = caches.probe_kv_shapes(model, num_layers,
-                                               None if rec is None else tuple(rec.attention_layers))
+            kv_shapes = caches.probe_kv_shapes(model, num_layers, facts.cache_writers())
     except ExportError:
         raise
     except Exception as exc:  # a model that does not run through our cache cannot be exported

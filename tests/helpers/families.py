@@ -50,6 +50,15 @@ def _moe(**kw) -> dict:
     return dict(num_hidden_layers=2, **kw)
 
 
+#: Gemma 4's text model: 4 query heads of 16 (sliding layers) and 2 KV heads of 32 on its global layers
+#: (``global_head_dim``, ``num_global_key_value_heads`` with ``attention_k_eq_v``), per-layer embeddings of 8
+_GEMMA4 = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=2, attention_k_eq_v=True,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=128, enable_moe_block=True, num_experts=4,
+               top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0,
+               layer_types=["sliding_attention", "full_attention"])
+_GEMMA4_SHARED_TYPES = ["sliding_attention", "full_attention"] * 2
+
+
 FAMILIES: dict[str, Family] = {
     # --- dense, already exact ---------------------------------------------------------------------------
     "llama": Family("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
@@ -147,6 +156,22 @@ FAMILIES: dict[str, Family] = {
                                                    beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                    original_max_position_embeddings=32)),
                          note=f"window {SW}: ring buffers with attention sinks, MoE"),
+    # --- Gemma 4: per-layer embeddings (PLE), wider global heads, MoE beside the MLP; shared-KV layers -------
+    "gemma4_text": Family("Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4,
+                          note="per-layer embeddings, global layers with wider heads whose keys are the values "
+                               "(attention_k_eq_v), MoE beside the MLP, sliding layers"),
+    "gemma4_text_shared": Family("Gemma4TextConfig", "Gemma4ForCausalLM",
+                                 dict(_GEMMA4, num_hidden_layers=4, sliding_window=SW, num_kv_shared_layers=2,
+                                      use_double_wide_mlp=True, layer_types=_GEMMA4_SHARED_TYPES),
+                                 note=f"shared-KV layers 2 (sliding) and 3 (global) read layers 0 and 1 "
+                                      f"(num_kv_shared_layers, no buffers of their own), window {SW}: ring buffers, "
+                                      "per-layer embeddings, wider global heads, MoE"),
+    "gemma4_unified_text_shared": Family("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
+                                         dict(head_dim=16, global_head_dim=32, num_hidden_layers=4,
+                                              sliding_window=SW, num_kv_shared_layers=2,
+                                              layer_types=_GEMMA4_SHARED_TYPES, final_logit_softcapping=30.0),
+                                         note="gemma4_unified's text model: shared-KV layers 2 and 3, window "
+                                              f"{SW}, wider global heads"),
     # --- mixture of experts -----------------------------------------------------------------------------
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
                       _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

@@ -16,6 +16,7 @@ from qeff_kv.errors import ExportError
 from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
+    kv_sharing, kv_sharing_problem,
     latent_attention, logits_scaling, longrope_threshold, rope_layers, rope_types, sliding_layers)
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
 
@@ -91,6 +92,9 @@ class ModelFacts:
     #: recurrent / hybrid models: the mixer, its layers and its state geometry (:mod:`.recurrent_facts`);
     #: ``None`` for attention-only models
     recurrent: RecurrentFacts | None = None
+    #: shared-KV layers (Gemma 4's ``num_kv_shared_layers``): ``(layer, source)`` pairs; a shared layer keeps no
+    #: buffer and attends over the keys/values its source layer wrote in the same step (:func:`kv_sharing`)
+    kv_shared: tuple[tuple[int, int], ...] = ()
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -127,6 +131,7 @@ class ModelFacts:
             **chunked_attention(text, num_layers),
             top_model_type=str(config.get("model_type") or ""),
             recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
+            kv_shared=kv_sharing(text, num_layers),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
@@ -172,7 +177,11 @@ class ModelFacts:
         return None
 
     def _cache_refusal(self, options) -> str | None:
-        """Cache options this model's attention cannot take (sliding cache, latent MLA cache, ring buffers)."""
+        """Cache options this model's attention cannot take (sliding cache, latent MLA cache, ring buffers), or a
+        shared-KV layout with a layer that has nothing to share."""
+        reason = kv_sharing_problem(self.kv_shared, self.architecture)
+        if reason is not None:
+            return reason
         if getattr(options, "sliding_cache", None) is not None and not self.sliding_layers:
             return f"--sliding-cache {options.sliding_cache} is for models with sliding-window layers; this one has none"
         if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:
@@ -257,6 +266,19 @@ class ModelFacts:
             return (f"{cannot} attention within an image both ways (GroupQueryAttention masks causally); "
                     f"use --target onnxruntime")
         return None
+
+    @property
+    def kv_shared_layers(self) -> tuple[int, ...]:
+        """The layers that keep no keys/values of their own (they read their source's, :attr:`kv_shared`)."""
+        return tuple(layer for layer, _ in self.kv_shared)
+
+    def cache_writers(self) -> tuple[int, ...] | None:
+        """The layers that write keys/values through the cache (the probe's check), ``None``: every layer. A
+        recurrent model's attention layers; a shared-KV layer never writes."""
+        if self.recurrent is None and not self.kv_shared:
+            return None
+        every = self.recurrent.attention_layers if self.recurrent is not None else range(self.num_layers)
+        return tuple(i for i in every if i not in self.kv_shared_layers)
 
     def ring_layers(self, options) -> tuple[int, ...]:
         """The layers whose KV cache is a ring buffer of ``sliding_window`` slots (contract section 7): the

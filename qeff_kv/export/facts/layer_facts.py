@@ -194,3 +194,33 @@ def latent_attention(text: dict) -> bool:
     if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
         return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
     return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
+
+
+def kv_sharing(text: dict, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Layers that attend over an earlier layer's keys and values and keep none of their own (Gemma 4, Gemma 3n:
+    ``num_kv_shared_layers``), as ``(layer, source)`` pairs: the last ``num_kv_shared_layers`` layers each read the
+    last layer before them of the same ``layer_types`` entry (transformers 5.24 ``kv_sharing_modes``: that layer
+    "stores", the shared layers "reuse"). A shared layer whose type no earlier layer has gets source ``-1`` (see
+    :func:`kv_sharing_problem`). Empty without sharing."""
+    shared = int_or_none(text.get("num_kv_shared_layers")) or 0
+    if shared <= 0 or num_layers <= 0:
+        return ()
+    types = text.get("layer_types")
+    if not (isinstance(types, list) and len(types) >= num_layers):
+        types = ["full_attention"] * num_layers
+    first = max(num_layers - shared, 0)
+    pairs = []
+    for i in range(first, num_layers):
+        source = next((j for j in range(first - 1, -1, -1) if types[j] == types[i]), -1)
+        pairs.append((i, source))
+    return tuple(pairs)
+
+
+def kv_sharing_problem(pairs: tuple[tuple[int, int], ...], architecture: str) -> str | None:
+    """Why the shared-KV layout of :func:`kv_sharing` cannot be exported (a shared layer with no earlier
+    layer of its type to read), or ``None``."""
+    orphans = [layer for layer, source in pairs if source < 0]
+    if not orphans:
+        return None
+    return (f"{architecture}: shared-KV layers {orphans} (num_kv_shared_layers) have no earlier layer of their "
+            f"attention type to read keys and values from; fix the config's layer_types or num_kv_shared_layers")

@@ -17,7 +17,8 @@ import torch
 
 from qeff_kv.errors import ExportError
 from qeff_kv.export import transformers_adapter as hf
-from qeff_kv.export.modeling.graph_ops import GroupQueryAttentionOp, SplitHeads
+from qeff_kv.export.modeling.caches import zero_unwritten
+from qeff_kv.export.modeling.graph_ops import GroupedAttentionOp, GroupQueryAttentionOp, SliceSlots, SplitHeads
 from qeff_kv.export.modeling.rope import RotaryCaches, compact_rotary, patch_modeling_function, rotary_caches
 from qeff_kv.export.targets.base import Step, StepInputs, Target, decoder_module
 
@@ -60,6 +61,8 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
             window is not None and int(window) != cache.window):
         raise RuntimeError(f"layer {module.layer_idx}: the model's sliding window {window} is not the config's "
                            f"(window {cache.window} on layers {sorted(cache.window_layers)})")
+    if module.layer_idx in cache.shared:   # a shared-KV layer: its source's present, no append
+        return cache.attend_shared(module.layer_idx, query, scaling, kwargs.get("softcap"), kwargs.get("s_aux")), None
     out = cache.attend(module.layer_idx, query, key, value, scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
     return out, None
 
@@ -93,11 +96,15 @@ class FusedKVCache(hf.CacheProtocol):
     function unchanged; GroupQueryAttention does the in-place append.
 
     :attr:`rotated` records, per layer, whether its GQA node applies RoPE (the layer called the model's
-    ``apply_rotary_pos_emb``, see :func:`rotary_pass_through`)."""
+    ``apply_rotary_pos_emb``, see :func:`rotary_pass_through`).
+
+    ``shared``: shared-KV layers -> their source layer (:attr:`ModelFacts.kv_shared`); such a layer has no buffer
+    and attends in standard ops over the source's GQA present output (:meth:`attend_shared`)."""
 
     def __init__(self, past, position_ids: torch.Tensor, rotary: RotaryCaches | None = None,
-                 window: int | None = None, window_layers: tuple[int, ...] = ()):
+                 window: int | None = None, window_layers: tuple[int, ...] = (), shared: dict | None = None):
         super().__init__(len(past))
+        self.shared = dict(shared or {})
         self.past = past
         self.rotary = rotary
         self.window = window
@@ -141,6 +148,36 @@ class FusedKVCache(hf.CacheProtocol):
         self.retained[layer_idx] = (present_k, present_v)
         return SplitHeads.apply(out, d)
 
+    def attend_shared(self, layer_idx: int, query, scaling, softcap, sinks) -> torch.Tensor:
+        """A shared-KV layer's attention ``[B, S, Hq, D]``: over the first ``total`` slots of its source layer's
+        present buffers (what the source's GroupQueryAttention appended this step, never appended again), in
+        standard ops (:class:`GroupedAttentionOp`): slot ``j`` is visible to the query at position ``p`` when
+        ``j <= p`` (and ``j > p - window`` on a sliding layer); slots past a row's filled length are selected to
+        zero first (:func:`zero_unwritten`)."""
+        if self.pending_rope is not None:
+            raise RuntimeError(f"layer {layer_idx} shares keys/values but leaves its queries to GroupQueryAttention's "
+                               f"RoPE, which only a GQA node applies")
+        self.pending_kv = None
+        present = self.retained[self.shared[layer_idx]]
+        if present is None:
+            raise RuntimeError(f"layer {layer_idx} reads layer {self.shared[layer_idx]}'s keys/values before that "
+                               f"layer wrote them")
+        total = self.total.to(torch.int64)
+        keys, values = (SliceSlots.apply(t, total) for t in present)
+        slots = torch.arange(keys.shape[2], dtype=torch.int64)
+        written = (slots.reshape(1, 1, -1, 1) <= self.seqlens_k.to(torch.int64).reshape(-1, 1, 1, 1))
+        keys, values = zero_unwritten(keys, written), zero_unwritten(values, written)
+        q = self.position_ids.unsqueeze(-1)                                          # [B, S, 1]
+        visible = slots.reshape(1, 1, -1) <= q
+        if layer_idx in self.window_layers:
+            visible = visible & (slots.reshape(1, 1, -1) > q - self.window)
+        neg = torch.tensor(torch.finfo(query.dtype).min / 2, dtype=query.dtype)
+        mask = torch.where(visible.unsqueeze(1), torch.tensor(0, dtype=query.dtype), neg)
+        hq, d, hkv = int(query.shape[1]), int(query.shape[3]), int(keys.shape[1])
+        scale = float(scaling if scaling is not None else d ** -0.5)
+        return GroupedAttentionOp.apply(query, keys, values, mask, scale, hq, hkv, d, int(values.shape[-1]),
+                                        float(softcap or 0.0), sinks)
+
 
 def slot_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """The positions the model computes with: a padded row (``-1``) takes the position of the slot GQA writes
@@ -179,6 +216,8 @@ class FusedTarget(Target):
         #: GroupQueryAttention is windowed (``local_window_size``) on these layers
         self.window = sliding.window
         self.window_layers = tuple(facts.sliding_layers) if self.window else ()
+        #: shared-KV layers -> their source (:attr:`ModelFacts.kv_shared`)
+        self.shared = tuple(facts.kv_shared)
 
     def rotary(self, model):
         if self.rotary_caches is not None:
@@ -187,7 +226,7 @@ class FusedTarget(Target):
 
     def begin(self, x: StepInputs) -> Step:
         cache = FusedKVCache(x.past, x.position_ids, self.rotary_caches, window=self.window,
-                             window_layers=self.window_layers)
+                             window_layers=self.window_layers, shared=dict(self.shared))
         mask = torch.zeros((1, 1, 1, 1), dtype=x.dtype)  # GroupQueryAttention masks causally itself
         return Step(x.input_ids, slot_positions(x.position_ids), cache, mask)
 
