@@ -13,6 +13,11 @@ its *kind*, which says how a position maps to a slot and which positions the buf
   axis, no slots; every token overwrites it, so it is never sliced by position (``sliceable`` is false) and a
   rewind needs a checkpoint of it.
 
+A layer may keep no state at all: a shared-KV layer (Gemma 4's ``num_kv_shared_layers``) attends over the keys and
+values an earlier *source* layer wrote in the same step and has no buffer of its own. The spec records it in
+:attr:`StateSpec.shared` (``(layer, source)``; in the JSON an entry ``{"layer", "kind": "shared", "source"}``), so
+a graph whose layers are not ``0..N-1`` without gaps still describes every layer.
+
 A hybrid model may keep two entries for one layer (Falcon-H1 runs attention and a Mamba2 mixer side by side): one
 positional (``full``/``ring``/``latent``) and one ``recurrent``. :meth:`StateSpec.layer` returns the positional one,
 :meth:`StateSpec.recurrent` the recurrent one.
@@ -157,11 +162,21 @@ class LayerState:
         return state
 
 
+#: the JSON kind of a shared-KV layer's entry (no buffers; not a :class:`StateKind`: nothing to slot)
+SHARED_KIND = "shared"
+
+
 @dataclass(frozen=True)
 class StateSpec:
-    """Every layer's :class:`LayerState`, in layer order."""
+    """Every layer's :class:`LayerState`, in layer order; :attr:`shared`: the layers that keep none."""
 
     layers: tuple[LayerState, ...]
+    #: shared-KV layers, ``(layer, source)``: no buffer; attends over ``source``'s keys/values of the same step
+    shared: tuple[tuple[int, int], ...] = ()
+
+    def source_of(self, i: int) -> int | None:
+        """The layer whose keys/values shared-KV layer ``i`` reads; ``None``: ``i`` is not shared."""
+        return next((src for layer, src in self.shared if layer == i), None)
 
     def layer(self, i: int) -> LayerState | None:
         """Layer ``i``'s positional state (``full``/``ring``/``latent``); ``None`` if it keeps none."""
@@ -192,7 +207,8 @@ class StateSpec:
         return tuple(s.layer for s in self.layers if s.kind == "latent")
 
     def to_json(self) -> list[dict]:
-        return [s.to_json() for s in self.layers]
+        shared = [{"layer": layer, "kind": SHARED_KIND, "source": src} for layer, src in self.shared]
+        return sorted([s.to_json() for s in self.layers] + shared, key=lambda d: d["layer"])
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -205,7 +221,13 @@ class StateSpec:
             raise ContractError(f"graph metadata {META_KEY} is not JSON") from None
         if not isinstance(raw, list):
             raise ContractError(f"graph metadata {META_KEY} must be a list of layers")
-        return cls(tuple(sorted((LayerState.from_json(d) for d in raw), key=_order)))
+        shared = [d for d in raw if isinstance(d, dict) and d.get("kind") == SHARED_KIND]
+        try:
+            pairs = tuple(sorted((int(d["layer"]), int(d["source"])) for d in shared))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ContractError(f"graph metadata {META_KEY}: malformed shared layer entry ({exc})") from None
+        states = (LayerState.from_json(d) for d in raw if not (isinstance(d, dict) and d.get("kind") == SHARED_KIND))
+        return cls(tuple(sorted(states, key=_order)), shared=pairs)
 
 
 def _order(state: LayerState) -> tuple[int, int]:
@@ -215,7 +237,8 @@ def _order(state: LayerState) -> tuple[int, int]:
 
 def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
                sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS,
-               latent_layers: Iterable[int] = (), recurrent: dict | None = None) -> StateSpec:
+               latent_layers: Iterable[int] = (), recurrent: dict | None = None,
+               shared: Iterable[tuple[int, int]] = ()) -> StateSpec:
     """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
     stem (``None``: the layer does not attend); ring layers keep ``window`` slots (fixed by the model), the others
     ``ctx_len`` (a symbolic axis: bound at run time, ``capacity`` ``None``); sliding layers record their window;
@@ -223,7 +246,7 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
     after the batch axis of its recurrent stems (``conv_state`` ``(conv_dim, conv_kernel)``, then
     ``recurrent_state`` ``(heads, head_dim, d_state)``; a short-conv layer gives only the first): one entry of kind
     ``recurrent`` each, no position axis, all static (only the batch axis is dynamic). A parallel-hybrid layer has
-    both entries."""
+    both entries. ``shared``: the ``(layer, source)`` shared-KV layers (no entry of their own)."""
     rings, sliding, latent = set(ring_layers), set(sliding_layers), set(latent_layers)
     recurrent = recurrent or {}
     layers = []
@@ -239,7 +262,7 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
             rec = tuple(tuple(int(d) for d in s) for s in recurrent[i])
             layers.append(LayerState(layer=i, kind="recurrent", stems=RecurrentKind.stems[:len(rec)], shapes=rec,
                                      position_axis=None))
-    return StateSpec(tuple(layers))
+    return StateSpec(tuple(layers), shared=tuple(sorted((int(a), int(b)) for a, b in shared)))
 
 
 def _has_position_axis(shape: tuple | None) -> bool:
@@ -334,6 +357,9 @@ def read(metadata: dict, pairs: Iterable[tuple[str, int, tuple | None, tuple | N
 def mismatch(spec: StateSpec, pairs: Iterable[tuple[str, int, tuple | None, tuple | None]]) -> str | None:
     """Why a recorded spec does not describe the graph's KV buffers (layers, stems, kinds), or ``None``."""
     found = derive(pairs)
+    reason = _shared_mismatch(spec, found)
+    if reason is not None:
+        return reason
     want_keys = [(s.layer, s.kind == "recurrent") for s in spec.layers]
     got_keys = [(s.layer, s.kind == "recurrent") for s in found.layers]
     if sorted(want_keys) != sorted(got_keys):
@@ -345,6 +371,18 @@ def mismatch(spec: StateSpec, pairs: Iterable[tuple[str, int, tuple | None, tupl
                     f"{list(got.stems)}")
         if want.kind != got.kind:
             return f"graph metadata {META_KEY}: layer {want.layer} is {want.kind}, its buffers are {got.kind}"
+    return None
+
+
+def _shared_mismatch(spec: StateSpec, found: StateSpec) -> str | None:
+    """A shared-KV layer that has buffers, or whose source keeps no keys/values (``None``: consistent)."""
+    buffered = {s.layer for s in found.layers}
+    for layer, src in spec.shared:
+        if layer in buffered:
+            return f"graph metadata {META_KEY}: layer {layer} is shared (reads layer {src}) but has KV buffers"
+        if found.layer(src) is None:
+            return (f"graph metadata {META_KEY}: layer {layer} reads layer {src}'s keys/values, but layer {src} "
+                    f"keeps none")
     return None
 
 

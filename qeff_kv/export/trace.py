@@ -54,7 +54,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
                                 ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers,
                                 latent_layers=range(num_layers) if latent else (),
-                                recurrent=recurrent_mod.state_shapes(facts.recurrent))
+                                recurrent=recurrent_mod.state_shapes(facts.recurrent), shared=facts.kv_shared)
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
     if vision is not None:   # contract section 6: the peer's input and output order

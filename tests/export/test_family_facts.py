@@ -290,3 +290,49 @@ def test_recurrent_layers_never_apply_rope():
     assert rope(layers_block_type=["mamba", "attention", "mlp", "moe"]) == (1,)
     assert rope(layer_types=["full_attention", "sliding_attention"] * 2) == (0, 1, 2, 3)
     assert rope() == (0, 1, 2, 3)
+
+
+# --- shared-KV layers (Gemma 4's num_kv_shared_layers) ------------------------------------------------------
+GEMMA4_SHARED = dict(model_type="gemma4_text", num_hidden_layers=5, num_kv_shared_layers=2, sliding_window=512,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                  "full_attention"])
+
+
+def test_shared_kv_layers_read_the_last_earlier_layer_of_their_type():
+    """transformers 5.24 ``kv_sharing_modes``: the last ``num_kv_shared_layers`` layers reuse the keys/values of
+    the last layer before them of the same attention type; they write nothing through the cache."""
+    f = facts(**GEMMA4_SHARED)
+    assert f.kv_shared == ((3, 2), (4, 1))
+    assert f.kv_shared_layers == (3, 4)
+    assert f.cache_writers() == (0, 1, 2)
+    assert f.refusal(opts("portable")) is None and f.refusal(opts("onnxruntime-fused")) is None
+    # the shared layers stay sliding/RoPE layers: they attend with their type's window and rotate their queries
+    assert f.sliding_layers == (0, 2, 3) and f.rope_layers == (0, 1, 2, 3, 4)
+    assert facts(**{**GEMMA4_SHARED, "num_kv_shared_layers": 0}).kv_shared == ()
+    assert facts(**{**GEMMA4_SHARED, "num_kv_shared_layers": 0}).cache_writers() is None
+    assert facts(model_type="llama").kv_shared == ()
+    # no layer_types: every layer is one type, the shared layers read the last unshared one
+    assert facts(num_hidden_layers=4, num_kv_shared_layers=1).kv_shared == ((3, 2),)
+
+
+def test_shared_kv_layers_of_a_hybrid_model_leave_the_recurrent_layers_out_of_the_writers():
+    f = facts(model_type="qwen3_next", num_hidden_layers=4, num_kv_shared_layers=1,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              linear_conv_kernel_dim=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+              linear_value_head_dim=8)
+    assert f.kv_shared == ((3, 1),)
+    assert f.cache_writers() == (1,)
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "onnxruntime-fused"])
+def test_a_shared_layer_with_nothing_to_read_is_refused_in_one_line(target):
+    """Every layer shared, or a shared layer whose type no earlier layer has: transformers has no source for it."""
+    every = facts(**{**GEMMA4_SHARED, "num_kv_shared_layers": 5})
+    assert every.refusal(opts(target)) == (
+        "XForCausalLM: shared-KV layers [0, 1, 2, 3, 4] (num_kv_shared_layers) have no earlier layer of their "
+        "attention type to read keys and values from; fix the config's layer_types or num_kv_shared_layers")
+    orphan = facts(**{**GEMMA4_SHARED, "num_kv_shared_layers": 3,
+                      "layer_types": ["full_attention"] * 2 + ["sliding_attention", "full_attention"] * 1
+                      + ["full_attention"]})
+    assert orphan.kv_shared == ((2, -1), (3, 1), (4, 1))
+    assert orphan.refusal(opts(target)).startswith("XForCausalLM: shared-KV layers [2] (num_kv_shared_layers)")

@@ -166,12 +166,6 @@ FAMILIES: dict[str, Family] = {
                                  note=f"shared-KV layers 2 (sliding) and 3 (global) read layers 0 and 1 "
                                       f"(num_kv_shared_layers, no buffers of their own), window {SW}: ring buffers, "
                                       "per-layer embeddings, wider global heads, MoE"),
-    "gemma4_unified_text_shared": Family("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
-                                         dict(head_dim=16, global_head_dim=32, num_hidden_layers=4,
-                                              sliding_window=SW, num_kv_shared_layers=2,
-                                              layer_types=_GEMMA4_SHARED_TYPES, final_logit_softcapping=30.0),
-                                         note="gemma4_unified's text model: shared-KV layers 2 and 3, window "
-                                              f"{SW}, wider global heads"),
     # --- mixture of experts -----------------------------------------------------------------------------
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
                       _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

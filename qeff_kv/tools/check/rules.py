@@ -23,7 +23,9 @@ Rules, in order:
                       to the input (:mod:`qeff_kv.graph.madeup_dims`, the rule every rule sees): one the graph does not
                       tie takes the input's batch axis or fixed size (said in a note), and fails against any
                       other named axis.
-``layers``            layers are ``0..N-1`` with no gap, and each layer has both members of its stem group
+``layers``            layers are ``0..N-1`` with no gap (a layer the graph's state spec records as a shared-KV layer,
+                      reading an earlier layer's keys/values, keeps none: not a gap), and each layer has both members
+                      of its stem group
                       (``past_key`` with ``past_value``; ``compressed_kv`` with ``k_pe``; ``conv_state`` with
                       ``recurrent_state``).
 ``prefix``            one prefix (or none) on every KV buffer, valid (``[A-Za-z0-9]{1,64}``), equal to the
@@ -177,7 +179,9 @@ def _parsed_kv(layout: KVLayout) -> list[naming.KVName]:
 def _rule_layers(layout: KVLayout, r: RuleResult) -> None:
     parsed = _parsed_kv(layout)
     layers = sorted({k.layer for k in parsed})
-    missing = sorted(set(range(layers[-1] + 1)) - set(layers)) if layers else []
+    # a shared-KV layer the graph's state spec records keeps no buffer (it reads its source's): not a gap
+    shared = {layer for layer, _ in layout.state_spec.shared}
+    missing = sorted(set(range(layers[-1] + 1)) - set(layers) - shared) if layers else []
     for i in missing:
         r.fail(None, f"layer {i} has no KV buffers (layers present: {fmt_ints(layers)}; expected 0..{layers[-1]})")
     stems_at: dict[int, set[str]] = {}
