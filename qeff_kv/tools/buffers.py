@@ -197,6 +197,10 @@ def _notes(layout: KVLayout, sliding_window: int | None) -> list[str]:
     if layout.has_sliding:
         w = f"window {sliding_window}" if sliding_window is not None else "window unknown"
         lines.append(f"sliding-window layers ({w}): " + ", ".join(str(i) for i in layout.sliding_layers))
+    shared = layout.state_spec.shared
+    if shared:
+        lines.append("shared-KV layers (no buffers; each reads an earlier layer's keys/values): "
+                     + ", ".join(f"{layer} reads {src}" for layer, src in shared))
     if layout.speculative:
         k = layout.speculative_tokens
         lines.append(f"speculative decoding: {naming.LOGITS_TO_KEEP_INPUT} input, decode steps of up to "
@@ -309,6 +313,7 @@ class BuffersReport:
             "ctx_len": self.ctx_len,
             "sliding_window": self.sliding_window,
             "sliding_layers": lay.sliding_layers,
+            **({"shared_layers": [{"layer": a, "source": b} for a, b in sh]} if (sh := lay.state_spec.shared) else {}),
             "pairs": [{**p.to_json(self.ctx_len, self.sliding_window), "state": kinds.get((p.stem, p.layer))}
                       for p in _sorted_pairs(lay)],
             "bytes_per_sequence": total_bytes_per_sequence(lay, self.ctx_len, self.sliding_window),

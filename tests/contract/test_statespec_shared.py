@@ -1,7 +1,7 @@
 """Layers without state of their own in the state spec (qeff_kv/contract/statespec.py): a shared-KV layer (Gemma 4's
 ``num_kv_shared_layers``) attends over an earlier layer's keys/values and keeps no buffer. The spec records it
 (``StateSpec.shared``, a ``"shared"`` entry in ``qeff_kv.state_spec``), ``check`` accepts the layer numbers it
-leaves out, and a record that contradicts the buffers is reported in one line."""
+leaves out (and ``check``/``buffers`` name them), and a record that contradicts the buffers is one line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import onnx
 import _kv_graphs
 from qeff_kv.contract import naming, statespec
 from qeff_kv.graph import graphio
+from qeff_kv.tools.buffers import buffers_report, format_buffer_table
 from qeff_kv.tools.check import check
 
 KV = ((2, 16), (2, 16))
@@ -59,8 +60,13 @@ def _gap_graph(tmp_path, shared):
 def test_check_accepts_a_layer_the_spec_records_as_shared(tmp_path):
     report = check(_gap_graph(tmp_path, ((1, 0),)))
     assert report.ok, report.format_text()
+    assert report.format_text().splitlines()[0].endswith(", 2 layers, shared-KV layers 1 (no buffers)")
+    assert report.to_json()["shared_layers"] == [{"layer": 1, "source": 0}]
     lay = graphio.layout_of(graphio.load(tmp_path / "gap1.onnx"))
     assert lay.state_spec.shared == ((1, 0),) and lay.num_layers == 2
+    assert ("shared-KV layers (no buffers; each reads an earlier layer's keys/values): 1 reads 0"
+            in format_buffer_table(lay).splitlines())
+    assert buffers_report(tmp_path / "gap1.onnx").to_json()["shared_layers"] == [{"layer": 1, "source": 0}]
 
 
 def test_check_still_fails_a_gap_nothing_records(tmp_path):

@@ -127,6 +127,8 @@ class CheckReport:
     #: the graph's LoRA adapter inputs (:meth:`qeff_kv.contract.lora.LoraGeometry.to_json`; ``None``: none, or a
     #: malformed set, which rule ``lora`` fails)
     lora: dict | None = None
+    #: shared-KV layers the graph's state spec records, ``(layer, source)``: no buffers of their own
+    shared_layers: list = field(default_factory=list)
 
     @property
     def sliding(self) -> bool:
@@ -175,6 +177,8 @@ class CheckReport:
                if self.sliding else {}),
             **({"vision_language": self.vision_language} if self.vision_language else {}),
             **({"lora": self.lora} if self.lora is not None else {}),
+            **({"shared_layers": [{"layer": a, "source": b} for a, b in self.shared_layers]}
+               if self.shared_layers else {}),
             # only on graphs of another dialect (or pairs a sidecar names): our own graphs' key set stays as it was
             **({"dialect": self.dialect, "update": self.update, "source": self.source}
                if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else {}),
@@ -193,6 +197,8 @@ class CheckReport:
                  + (f", sliding-window layers {fmt_ints(self.sliding_layers) or 'none'} "
                     f"(window {self.sliding_window if self.sliding_window is not None else 'unknown'})"
                     if self.sliding else "")
+                 + (f", shared-KV layers {fmt_ints([a for a, _ in self.shared_layers])} (no buffers)"
+                    if self.shared_layers else "")
                  + (f", {multimodal.describe_kind(self.vision_language)}" if self.vision_language else "")
                  + (f", LoRA adapter inputs ({self.lora['adapted']} modules, max rank "
                     f"{'unknown' if self.lora['max_rank'] is None else self.lora['max_rank']})" if self.lora else "")

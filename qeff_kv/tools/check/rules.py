@@ -393,6 +393,7 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         ccl=layout.input(naming.CCL_INPUT) is not None, speculative=layout.speculative,
         speculative_tokens=layout.speculative_tokens, sliding_layers=layout.sliding_layers,
         sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
+        shared_layers=list(layout.state_spec.shared),
         vision_language=multimodal.graph_kind(layout), dialect=layout.dialect, update=layout.update,
         source=layout.source, lora=_lora_json(layout))
 
