@@ -194,3 +194,33 @@ def latent_attention(text: dict) -> bool:
     if text.get("qk_nope_head_dim") is not None or text.get("qk_rope_head_dim") is not None:
         return int(v) != int(text.get("qk_nope_head_dim") or 0) + int(text.get("qk_rope_head_dim") or 0)
     return text.get("head_dim") is not None and int(v) != int(text["head_dim"])
+
+
+def indexed_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """DeepSeek sparse attention (``index_topk``: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``): the layers that run their
+    own lightning indexer, so keep its keys (``index_key.{i}``): those whose ``indexer_types`` entry is ``"full"``
+    (a ``"shared"`` layer reuses the previous layer's selection and keeps none; transformers derives the list from
+    ``index_topk_pattern`` or ``index_topk_freq``/``index_skip_topk_offset`` when the config has none), else every
+    attention layer. Empty without ``index_topk``."""
+    if not text.get("index_topk"):
+        return ()
+    types = text.get("indexer_types")
+    pattern = text.get("index_topk_pattern")
+    if not isinstance(types, list) and pattern is not None:
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if not isinstance(types, list) and text.get("index_topk_freq") is not None:
+        freq, offset = max(int(text["index_topk_freq"]), 1), int(text.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    if isinstance(types, list) and len(types) >= num_layers:
+        return tuple(i for i in range(num_layers) if types[i] == "full")
+    return attention_layers(text, num_layers)
+
+
+def compressed_attention_refusal(text: dict) -> str | None:
+    """Why the model's compressed attention cannot be a retained-state graph (``compress_rates``: DeepSeek-V4's
+    compressed sparse and heavily compressed attention layers), or ``None``."""
+    if not text.get("compress_rates"):
+        return None
+    return ("its compressed attention layers (compress_rates) keep running compressor buffers that emit one cache "
+            "entry per window of compress_rate tokens, a cache that grows by windows rather than one slot per "
+            "position, and its hyper-connections (hc_mult) carry several residual streams between layers")

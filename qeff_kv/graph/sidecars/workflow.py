@@ -38,7 +38,7 @@ from qeff_kv.graph.sidecars.declared import SidecarFacts, STEM_ROLES
 SCHEMA_VERSION = "v1.2"
 #: our state kind -> the proposal's state group kind
 GROUP_KINDS = {"full": "full_attention", "ring": "sliding_attention", "latent": "multi_latent_attention",
-               "recurrent": "recurrent"}
+               "indexed": "indexed_attention", "recurrent": "recurrent"}
 _TEXT_INPUTS = (naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT)
 _STATIC_INPUTS = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
 #: a static cache's packed ``[batch, capacity, kv_heads*head_dim]`` buffer as the schema spells it (positions: axis 1)

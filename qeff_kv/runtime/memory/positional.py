@@ -73,7 +73,7 @@ def copy_slots(capacity: int | None, n: int, lowest: int) -> np.ndarray | slice:
     return np.arange(max(lowest, n - capacity, 0), n) % capacity
 
 
-@holds("full", "ring", "latent", order=0, role="positional")
+@holds("full", "ring", "latent", "indexed", order=0, role="positional")
 class PositionalMemory(Memory):
     """The buffers of ``pairs`` (graph order), each at its own capacity, and the ring rules.
 
