@@ -121,3 +121,26 @@ def test_latent_kind_derived_and_checked(tmp_path):
                                                            ((1, "ctx_len", 4), (1, "ctx_len", 4))) for i in range(2)))
     assert statespec.mismatch(wrong, lay.state_pairs) == (
         "graph metadata qeff_kv.state_spec: layer 0 is full, its buffers are latent")
+
+
+def test_indexed_kind_derived_and_checked(tmp_path):
+    """DeepSeek sparse attention: a layer whose buffers include the indexer's ``index_key`` is ``indexed`` (its pair
+    and the indexer keys, all full-length); a recorded spec that calls it ``full`` does not describe the graph."""
+    path = _kv_graphs.save(_kv_graphs.build(2, stems=naming.INDEXED_STEMS), tmp_path / "g.onnx")
+    lay = _layout(path)
+    assert [(s.layer, s.kind, s.stems) for s in lay.state_spec.layers] == [
+        (0, "indexed", naming.INDEXED_STEMS), (1, "indexed", naming.INDEXED_STEMS)]
+    assert lay.state_spec.indexed_layers == (0, 1)
+    kind = statespec.KINDS["indexed"]
+    assert (kind.slot(7, 32), kind.held(9, 32), kind.dim, kind.sliceable) == (7, (0, 9), "ctx_len", True)
+    wrong = statespec.StateSpec(tuple(statespec.LayerState(i, "full", naming.INDEXED_STEMS,
+                                                           ((1, "ctx_len", 4),) * 3) for i in range(2)))
+    assert statespec.mismatch(wrong, lay.state_pairs) == (
+        "graph metadata qeff_kv.state_spec: layer 0 is full, its buffers are indexed")
+    spec = statespec.for_export([((1, 8), (1, 4), (1, 16)), ((1, 8), (1, 4))], window=None, ring_layers=(),
+                                indexed_layers=(0,))
+    assert [(s.kind, s.stems, s.shapes) for s in spec.layers] == [
+        ("indexed", ("past_key", "past_value", "index_key"), ((1, "ctx_len", 8), (1, "ctx_len", 4), (1, "ctx_len", 16))),
+        ("full", ("past_key", "past_value"), ((1, "ctx_len", 8), (1, "ctx_len", 4)))]
+    assert statespec.StateSpec.loads(spec.dumps()) == spec
+    assert check(path).ok

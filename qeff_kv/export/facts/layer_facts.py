@@ -217,9 +217,10 @@ def indexed_layers(text: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def compressed_attention_refusal(text: dict) -> str | None:
-    """Why the model's compressed attention cannot be a retained-state graph (``compress_rates``: DeepSeek-V4's
-    compressed sparse and heavily compressed attention layers), or ``None``."""
-    if not text.get("compress_rates"):
+    """Why the model's compressed attention cannot be a retained-state graph (``compress_rates``, or the older
+    checkpoints' ``compress_ratios`` / ``compress_rate_csa``: DeepSeek-V4's compressed sparse and heavily compressed
+    attention layers), or ``None``."""
+    if not any(text.get(k) for k in ("compress_rates", "compress_ratios", "compress_rate_csa", "compress_rate_hca")):
         return None
     return ("its compressed attention layers (compress_rates) keep running compressor buffers that emit one cache "
             "entry per window of compress_rate tokens, a cache that grows by windows rather than one slot per "
