@@ -13,6 +13,7 @@ import json
 
 import onnx
 import pytest
+from click.testing import CliRunner
 
 from suite import requires_torch
 from families import CHUNK, CTX, NEW, PROMPTS
@@ -78,7 +79,7 @@ def test_persistent_cache_state_files_and_rewind(family_exports, family_refs, tm
     from qeff_kv.runtime import Session
 
     refs = family_refs("deepseek_v32")
-    s = Session(family_exports("deepseek_v32", "portable").out_dir)
+    s = Session(family_exports("deepseek_v32", "portable").out_dir, max_sequences=2)
     [g] = s.generate([PROMPTS[0]], max_tokens=3, stop_tokens=[])
     assert g.tokens == refs[0][:3]
     path = s.save_state(g.sequence, tmp_path / "kv.safetensors")
@@ -86,12 +87,17 @@ def test_persistent_cache_state_files_and_rewind(family_exports, family_refs, tm
     assert sorted(stored) == sorted(f"{stem}.{i}" for i in range(2) for stem in ("past_key", "past_value",
                                                                                    "index_key"))
     assert stored["index_key.1"].shape == (1, 1, len(PROMPTS[0]) + 2, INDEX_DIM)
-    s2 = Session(family_exports("deepseek_v32", "onnxruntime").out_dir)
+    s2 = Session(family_exports("deepseek_v32", "onnxruntime").out_dir, max_sequences=2)
     [rest] = s2.generate([s2.load_state(path)], max_tokens=NEW - 3, stop_tokens=[])
     assert g.tokens + rest.tokens == refs[0]
     s2.truncate(rest.sequence, 7)
     [again] = s2.generate([(rest.sequence, PROMPTS[0][7:])], max_tokens=NEW, stop_tokens=[])
     assert again.tokens == refs[0]
+    [p] = s.generate([PROMPTS[1]], max_tokens=0)            # the hand-off: prefill here, decode there
+    state = s.export_state(p.sequence, select=r"^index_key\..*|^past_.*")
+    assert sorted(state.tensors) == sorted(stored)
+    [rest] = s2.generate([s2.import_state(state)], max_tokens=NEW, stop_tokens=[])
+    assert rest.tokens == refs[1]
 
 
 def test_check_buffers_and_prefix_rewrite(family_exports, family_refs, tmp_path):
@@ -99,6 +105,7 @@ def test_check_buffers_and_prefix_rewrite(family_exports, family_refs, tmp_path)
     from qeff_kv.tools.buffers import buffers_report
     from qeff_kv.tools.check import check
     from qeff_kv.tools.rewrite import rewrite
+    from qeff_kv_cli.main import main as cli
 
     path = family_exports("glm_moe_dsa", "portable").onnx_path
     j = buffers_report(path, ctx_len=CTX).to_json()
@@ -113,6 +120,11 @@ def test_check_buffers_and_prefix_rewrite(family_exports, family_refs, tmp_path)
     report = check(out, expected_prefix="kvCache")
     assert report.ok, report.format_text()
     assert PlainLoop(out, CTX).greedy(PROMPTS[1], NEW, CHUNK) == family_refs("glm_moe_dsa")[1]
+    r = CliRunner().invoke(cli, ["compile-config", str(path), "-o", str(tmp_path / "cc"), "--prefill-seq-len",
+                                 str(CHUNK), "--ctx-len", str(CTX)])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "cc" / "custom_io.yaml").read_text()
+    assert "IOName: index_key.0" in text and "IOName: index_key.0_RetainedState" in text
 
 
 def test_latent_cache_is_refused_before_loading(family_models, tmp_path, monkeypatch):

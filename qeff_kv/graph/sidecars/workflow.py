@@ -9,7 +9,8 @@ ports carry the roles ``token_ids``, ``position_ids`` and ``logits``, a ``token_
 ``aliasing: required`` (the retained output is the input's buffer), ``layout: head_major_bnsh``, ``sequence_axis:
 2`` and state cells seeded with zeros, each cell's shape giving its capacity (``ctx_len``, or the window ``W`` of a
 ring). Kinds: ``full`` -> ``full_attention``, ``ring`` -> ``sliding_attention``, ``latent`` ->
-``multi_latent_attention``, ``recurrent`` -> ``recurrent`` (``update: replace``, no sequence axis).
+``multi_latent_attention``, ``indexed`` -> ``indexed_attention``, ``recurrent`` -> ``recurrent`` (``update: replace``,
+no sequence axis).
 
 The schema refuses unknown fields, so what it has no field for is in the header comment: the KV prefix, and that
 the proposal has no update kind for a graph that writes its own slots from ``position_ids`` (position ``p`` at slot
