@@ -140,7 +140,8 @@ def test_indexed_kind_derived_and_checked(tmp_path):
     spec = statespec.for_export([((1, 8), (1, 4), (1, 16)), ((1, 8), (1, 4))], window=None, ring_layers=(),
                                 indexed_layers=(0,))
     assert [(s.kind, s.stems, s.shapes) for s in spec.layers] == [
-        ("indexed", ("past_key", "past_value", "index_key"), ((1, "ctx_len", 8), (1, "ctx_len", 4), (1, "ctx_len", 16))),
+        ("indexed", ("past_key", "past_value", "index_key"),
+         ((1, "ctx_len", 8), (1, "ctx_len", 4), (1, "ctx_len", 16))),
         ("full", ("past_key", "past_value"), ((1, "ctx_len", 8), (1, "ctx_len", 4)))]
     assert statespec.StateSpec.loads(spec.dumps()) == spec
     assert check(path).ok
