@@ -127,22 +127,43 @@ def test_check_buffers_and_prefix_rewrite(family_exports, family_refs, tmp_path)
     assert "IOName: index_key.0" in text and "IOName: index_key.0_RetainedState" in text
 
 
-def test_latent_cache_is_refused_before_loading(family_models, tmp_path, monkeypatch):
-    """``--mla-cache latent`` would drop the indexer (its absorbed attention attends everywhere): refused in one
-    line from the config, before any weight is read."""
-    import transformers
+def _config_only(src, dest, **changes):
+    """A folder with ``src``'s config.json (``changes`` applied) and weights that cannot be read: a refusal must
+    come from the config."""
+    cfg = json.loads((src / "config.json").read_text()) if src is not None else {}
+    dest.mkdir()
+    (dest / "config.json").write_text(json.dumps({**cfg, **changes}))
+    (dest / "model.safetensors").write_bytes(b"not read: the refusal comes first")
+    return dest
 
+
+def test_latent_cache_is_refused_before_loading(family_models, tmp_path):
+    """``--mla-cache latent`` would drop the indexer (its absorbed attention attends everywhere): refused in one
+    line from the config, nothing written."""
     from qeff_kv.errors import ExportError
     from qeff_kv.export import export_model
 
-    def no_loading(*a, **k):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", no_loading)
+    d = _config_only(family_models("deepseek_v32"), tmp_path / "v32")
     with pytest.raises(ExportError) as err:
-        export_model(family_models("deepseek_v32"), tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK,
-                     mla_cache="latent")
+        export_model(d, tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK, mla_cache="latent")
     assert str(err.value) == ("--mla-cache latent does not support DeepseekV32ForCausalLM's DeepSeek sparse "
                               "attention (its absorbed attention has no indexer selection); export with "
                               "--mla-cache full")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime-fused"])
+def test_deepseek_v4_is_refused_from_its_config(tmp_path, target):
+    """A DeepSeek-V4 config as its checkpoints ship it (the older ``compress_ratios`` per layer): refused before
+    any weight is read (it used to fail with an ``IndexError`` after loading)."""
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    d = _config_only(None, tmp_path / "v4", architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+                     num_hidden_layers=4, hidden_size=64, vocab_size=128, compress_ratios=[0, 4, 128, 4],
+                     hc_mult=4, index_topk=512, index_head_dim=128, index_n_heads=64)
+    with pytest.raises(ExportError) as err:
+        export_model(d, tmp_path / "out", ctx_len=CTX, prefill_seq_len=CHUNK, target=target)
+    assert str(err.value).startswith("DeepseekV4ForCausalLM: its compressed attention layers (compress_rates) keep "
+                                     "running compressor buffers that emit one cache entry per window")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
