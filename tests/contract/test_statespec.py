@@ -145,3 +145,22 @@ def test_indexed_kind_derived_and_checked(tmp_path):
         ("full", ("past_key", "past_value"), ((1, "ctx_len", 8), (1, "ctx_len", 4)))]
     assert statespec.StateSpec.loads(spec.dumps()) == spec
     assert check(path).ok
+
+
+def test_check_index_key_rules(tmp_path):
+    """``check``'s pair-match rule on indexer keys: they share their layer's ctx axis and come with its cache."""
+    def graph(name, **kw):
+        return _kv_graphs.save(_kv_graphs.build(2, stems=naming.INDEXED_STEMS, **kw), tmp_path / name)
+
+    skewed = [1, 1, "ctx_len2", 4]
+    skew = check(graph("skew.onnx", input_dims={"index_key.1": skewed},
+                       output_dims={"index_key.1_RetainedState": skewed}))
+    pm = next(r for r in skew.rules if r.id == "pair-match")
+    assert pm.status == "fail"
+    assert any("index_key.1 dim 2 is 'ctx_len2' but past_key.1 dim 2 is 'ctx_len'; the indexer's keys share their "
+               "layer's ctx axis" in v.message for v in pm.violations), pm.violations
+    alone = check(graph("alone.onnx", drop_inputs=["past_key.0", "past_value.0"],
+                        drop_outputs=["past_key.0_RetainedState", "past_value.0_RetainedState"]))
+    assert not alone.ok
+    assert any("index_key.0 has no past_key.0" in v.message for r in alone.rules for v in r.violations), \
+        alone.format_text()
