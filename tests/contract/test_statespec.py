@@ -43,7 +43,7 @@ def test_malformed_spec_is_one_line():
     with pytest.raises(ContractError, match=r"^graph metadata qeff_kv.state_spec is not JSON$"):
         statespec.StateSpec.loads("{")
     with pytest.raises(ContractError,
-                       match=r"layer 0 has unknown kind 'paged' \(known: full, ring, latent, recurrent\)$"):
+                       match=r"layer 0 has unknown kind 'paged' \(known: full, ring, latent, indexed, recurrent\)$"):
         statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "paged", "stems": [], "shapes": []}]))
 
 
