@@ -215,6 +215,11 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                             grid=vision.get("grid"), **common).eval(), target
 
 
+def _sparse_layers(facts) -> int:
+    """The layers whose attention :mod:`.sparse` must patch: every layer of a DSA model (``index_topk``), else 0."""
+    return facts.num_layers if getattr(facts, "index_topk", None) else 0
+
+
 def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None, *,
                  export_params: bool = True) -> None:
     """``torch.onnx.export`` (TorchScript, opset 17) with the target's RoPE, the export symbolics and static MoE
@@ -223,7 +228,7 @@ def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers:
     line naming the model."""
     latent = contextlib.nullcontext() if latent_layers is None else mla.latent_attention(model, latent_layers)
     with warnings.catch_warnings(), torch.no_grad(), target.rotary(model), rope.export_patches(model), \
-            moe.static_routing(model, path), latent, sparse.sparse_attention(model):
+            moe.static_routing(model, path), latent, sparse.sparse_attention(model, _sparse_layers(target.facts)):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(io.args), str(path), dynamo=False, opset_version=opt.OPSET,

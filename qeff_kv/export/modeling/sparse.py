@@ -30,6 +30,7 @@ import types
 
 import torch
 
+from qeff_kv.errors import ExportError
 from qeff_kv.export import transformers_adapter as hf
 
 #: attributes of transformers' DSA attention modules that :func:`sparse_forward` reads
@@ -117,9 +118,15 @@ def sparse_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def sparse_attention(model: torch.nn.Module):
-    """Inside: every DSA attention module of ``model`` runs :func:`sparse_forward` (none: nothing changes)."""
+def sparse_attention(model: torch.nn.Module, num_layers: int = 0):
+    """Inside: every DSA attention module of ``model`` runs :func:`sparse_forward` (none: nothing changes).
+    ``num_layers`` (the facts say the model has DeepSeek sparse attention): refuses (one line) a model whose layers
+    are not all attention this module knows, whose selection would otherwise be traced at the trace's length."""
     found = sparse_modules(model)
+    if num_layers and len(found) != num_layers:
+        raise ExportError(f"{type(model).__name__}'s attention is not DeepSeek sparse attention this exporter knows "
+                          f"(an MLA module with an indexer) in every layer ({len(found)} of {num_layers}); its "
+                          f"selection cannot be traced")
     try:
         for m in found:
             m.forward = types.MethodType(sparse_forward, m)
