@@ -5,9 +5,9 @@ Facts (see ``docs/naming.md``, the single reference):
 * A KV buffer of layer ``i`` is an input ``<stem>.<i>`` paired with an output ``<stem>.<i>_RetainedState``.
   Pairing is by exact name: an output ``X_RetainedState`` is retained against the input ``X``.
 * With a prefix ``P`` the names are ``<stem>.<i>_P`` and ``<stem>.<i>_P_RetainedState``.
-* KV stems: ``past_key`` and ``past_value`` (what we export), plus ``compressed_kv``, ``k_pe`` (MLA) and
-  ``conv_state``, ``recurrent_state`` (hybrid models) found in peer graphs. Stems match exactly, never by
-  ``startswith("past_")``.
+* KV stems: ``past_key`` and ``past_value`` (what we export), plus ``compressed_kv``, ``k_pe`` (MLA), ``index_key``
+  (DSA indexer keys) and ``conv_state``, ``recurrent_state`` (hybrid models) found in peer graphs. Stems match
+  exactly, never by ``startswith("past_")``.
 * Retained buffers that are not KV (``vision_embeds``...) are never prefixed.
 * A prefix is 1-64 ASCII characters from ``[A-Za-z0-9]``; serving regexes select on it.
 
@@ -33,14 +33,19 @@ from qeff_kv.errors import PrefixError
 #: Stems that qeff-kv exports (one key and one value buffer per layer).
 EXPORT_STEMS: tuple[str, ...] = ("past_key", "past_value")
 #: Every stem a prefix applies to: ours plus those of peer graphs (MLA, hybrid/linear attention).
-KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state")
+KV_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", "conv_state", "recurrent_state",
+                             "index_key")
+#: DeepSeek sparse attention (contract section 11): an indexed layer's indexer keys ``index_key.{i}``
+#: ``[batch, 1, ctx_len, index_head_dim]`` beside its pair, position ``p`` in slot ``p`` (:data:`INDEXED_STEMS`)
+INDEX_STEM = "index_key"
+INDEXED_STEMS: tuple[str, ...] = ("past_key", "past_value", INDEX_STEM)
 #: MLA's compressed (latent) cache, contract section 11: ``compressed_kv [batch, 1, ctx_len, kv_lora_rank]`` and
 #: ``k_pe [batch, 1, ctx_len, qk_rope_head_dim]`` per layer, exported with ``--mla-cache latent``.
 LATENT_STEMS: tuple[str, ...] = ("compressed_kv", "k_pe")
 #: Stems whose axis 2 is usually a position axis (``ctx_len`` or ``sliding_window``); recurrent states have none. Whether
 #: a given buffer has one follows from its shapes, not its stem (the peer's Qwen3.5 dense keeps recurrent states as
 #: ``past_key``/``past_value``): :func:`qeff_kv.contract.statespec.recurrent_buffers`.
-POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe")
+POSITION_STEMS: tuple[str, ...] = ("past_key", "past_value", "compressed_kv", "k_pe", INDEX_STEM)
 #: A recurrent (Mamba2 / gated-delta-net / short-conv) layer's state, contract section 12: ``conv_state.{i}``
 #: ``[batch, conv_dim, conv_kernel]`` and ``recurrent_state.{i}`` ``[batch, heads, head_dim, state_dim]``; only axis 0
 #: is dynamic, no position axis: every token overwrites it, so it cannot be cut by position.

@@ -9,6 +9,8 @@ its *kind*, which says how a position maps to a slot and which positions the buf
   (contract section 7);
 * ``latent``: an MLA layer's compressed pair (``compressed_kv`` ``[batch, 1, ctx_len, kv_lora_rank]`` and ``k_pe``
   ``[batch, 1, ctx_len, qk_rope_head_dim]``, contract section 11): ``ctx_len`` slots, position ``p`` in slot ``p``;
+* ``indexed``: a DeepSeek sparse attention layer: its pair plus the indexer's keys (``index_key``
+  ``[batch, 1, ctx_len, index_head_dim]``, contract section 11): ``ctx_len`` slots each, position ``p`` in slot ``p``;
 * ``recurrent``: a recurrent layer's state (``conv_state``, ``recurrent_state``, contract section 12): no position
   axis, no slots; every token overwrites it, so it is never sliced by position (``sliceable`` is false) and a
   rewind needs a checkpoint of it.
@@ -92,6 +94,15 @@ class LatentKind(FullKind):
     stems: tuple[str, ...] = naming.LATENT_STEMS
 
 
+class IndexedKind(FullKind):
+    """A DeepSeek sparse attention layer: ``past_key``, ``past_value`` and the indexer's ``index_key``, all
+    full-length (contract section 11); slots as ``full``."""
+
+    name = "indexed"
+    #: the stems of an indexed layer, in graph order
+    stems: tuple[str, ...] = naming.INDEXED_STEMS
+
+
 class RecurrentKind(StateKind):
     """A recurrent layer's state (contract section 12): one state per sequence that every token overwrites. It has
     no slots: :meth:`slot` refuses, and :meth:`held` says the state summarises every position written."""
@@ -110,7 +121,8 @@ class RecurrentKind(StateKind):
 
 
 #: kind name -> its :class:`StateKind`
-KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind(), LatentKind(), RecurrentKind())}
+KINDS: dict[str, StateKind] = {k.name: k for k in (FullKind(), RingKind(), LatentKind(), IndexedKind(),
+                                                   RecurrentKind())}
 
 
 @dataclass(frozen=True)
@@ -206,6 +218,10 @@ class StateSpec:
     def latent_layers(self) -> tuple[int, ...]:
         return tuple(s.layer for s in self.layers if s.kind == "latent")
 
+    @property
+    def indexed_layers(self) -> tuple[int, ...]:
+        return tuple(s.layer for s in self.layers if s.kind == "indexed")
+
     def to_json(self) -> list[dict]:
         shared = [{"layer": layer, "kind": SHARED_KIND, "source": src} for layer, src in self.shared]
         return sorted([s.to_json() for s in self.layers] + shared, key=lambda d: d["layer"])
@@ -238,7 +254,8 @@ def _order(state: LayerState) -> tuple[int, int]:
 def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
                sliding_layers: Iterable[int] = (), stems: tuple[str, ...] = naming.EXPORT_STEMS,
                latent_layers: Iterable[int] = (), recurrent: dict | None = None,
-               shared: Iterable[tuple[int, int]] = ()) -> StateSpec:
+               shared: Iterable[tuple[int, int]] = (),
+               indexed_layers: Iterable[int] = ()) -> StateSpec:
     """The spec of a graph the exporter writes: ``kv_shapes[i]`` holds layer ``i``'s ``(heads, head_dim)`` per
     stem (``None``: the layer does not attend); ring layers keep ``window`` slots (fixed by the model), the others
     ``ctx_len`` (a symbolic axis: bound at run time, ``capacity`` ``None``); sliding layers record their window;
@@ -246,15 +263,18 @@ def for_export(kv_shapes, *, window: int | None, ring_layers: Iterable[int],
     after the batch axis of its recurrent stems (``conv_state`` ``(conv_dim, conv_kernel)``, then
     ``recurrent_state`` ``(heads, head_dim, d_state)``; a short-conv layer gives only the first): one entry of kind
     ``recurrent`` each, no position axis, all static (only the batch axis is dynamic). A parallel-hybrid layer has
-    both entries. ``shared``: the ``(layer, source)`` shared-KV layers (no entry of their own)."""
+    both entries. Indexed layers (DeepSeek sparse attention) retain ``index_key`` after their pair (``kv_shapes[i]``
+    has a third entry). ``shared``: the ``(layer, source)`` shared-KV layers (no entry of their own)."""
     rings, sliding, latent = set(ring_layers), set(sliding_layers), set(latent_layers)
+    indexed = set(indexed_layers)
     recurrent = recurrent or {}
     layers = []
     for i in range(max(len(kv_shapes), max(recurrent, default=-1) + 1)):
         shapes = kv_shapes[i] if i < len(kv_shapes) else None
         if shapes is not None:
-            kind = KINDS["ring" if i in rings else "latent" if i in latent else "full"]
-            layers.append(LayerState(layer=i, kind=kind.name, stems=tuple(kind.stems if i in latent else stems),
+            kind = KINDS["ring" if i in rings else "latent" if i in latent else "indexed" if i in indexed else "full"]
+            layers.append(LayerState(layer=i, kind=kind.name,
+                                     stems=tuple(kind.stems if i in latent or i in indexed else stems),
                                      shapes=tuple((h, kind.dim, d) for h, d in shapes), position_axis=2,
                                      capacity=int(window) if i in rings else None,
                                      window=int(window) if window and (i in sliding or i in rings) else None))
@@ -336,10 +356,12 @@ def derive(pairs: Iterable[tuple[str, int, tuple | None, tuple | None]], window:
         ring = any(s is not None and len(s) > 2 and s[2] == naming.SLIDING_DIM
                    for _, shape, out in entries for s in (shape, out))
         latent = not ring and any(stem in naming.LATENT_STEMS for stem, _, _ in entries)
+        indexed = not ring and not latent and any(stem == naming.INDEX_STEM for stem, _, _ in entries)
         axis2 = [shape[2] for _, shape, _ in entries if shape is not None and len(shape) > 2]
         static = [d for d in axis2 if isinstance(d, int) and not isinstance(d, bool)]
         capacity = min(static) if static else None
-        layers.append(LayerState(layer=layer, kind="ring" if ring else "latent" if latent else "full",
+        kind = "ring" if ring else "latent" if latent else "indexed" if indexed else "full"
+        layers.append(LayerState(layer=layer, kind=kind,
                                  stems=stems, shapes=shapes, position_axis=2, capacity=capacity,
                                  window=window if ring else None))
     return StateSpec(tuple(layers))

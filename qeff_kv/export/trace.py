@@ -19,7 +19,7 @@ import torch
 from qeff_kv.support import limits
 from qeff_kv.contract import naming, statespec
 from qeff_kv.errors import ExportError
-from qeff_kv.export.modeling import caches, mla, moe, rope
+from qeff_kv.export.modeling import caches, mla, moe, rope, sparse
 from qeff_kv.export.modeling import lora as lora_mod
 from qeff_kv.export.adapters.plan import LoraPlan
 from qeff_kv.export import targets
@@ -54,7 +54,8 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     spec = statespec.for_export(kv_shapes, window=facts.sliding_window,
                                 ring_layers=facts.ring_layers(options), sliding_layers=facts.sliding_layers,
                                 latent_layers=range(num_layers) if latent else (),
-                                recurrent=recurrent_mod.state_shapes(facts.recurrent), shared=facts.kv_shared)
+                                recurrent=recurrent_mod.state_shapes(facts.recurrent), shared=facts.kv_shared,
+                                indexed_layers=facts.indexed_layers)
     io = _token_inputs(options)
     kv = _kv_inputs(spec, options, next(model.parameters()).dtype, io)
     if vision is not None:   # contract section 6: the peer's input and output order
@@ -68,7 +69,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
     wrapper.lora = routing
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
-    (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)
+    (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)[:2]
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
                 "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
     if (v_heads, v_dim) != (n_kv, head_dim):
@@ -105,6 +106,11 @@ def _kv_shapes(model, options: opt.ExportOptions, num_layers: int, facts) -> lis
     except Exception as exc:  # a model that does not run through our cache cannot be exported
         raise ExportError(f"{type(model).__name__} does not run with a retained-state cache: "
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    indexed = tuple(i for i, s in enumerate(kv_shapes) if s is not None and len(s) > 2)
+    if indexed != tuple(facts.indexed_layers):   # the config's facts must say what the model writes
+        raise ExportError(f"{type(model).__name__}'s layers {list(indexed)} write indexer keys, its config says "
+                          f"{list(facts.indexed_layers)} (index_topk, indexer_types); cannot tell which layers keep "
+                          f"them")
     kv_batch = options.full_batch_size if options.continuous_batching else 1
     # The probe KV tensors are allocated at ctx_len: refuse, in one line with their size, what cannot fit.
     limits.require_memory(
@@ -208,14 +214,20 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
                             grid=vision.get("grid"), **common).eval(), target
 
 
+def _sparse_layers(facts) -> int:
+    """The layers whose attention :mod:`.sparse` must patch: every layer of a DSA model (``index_topk``), else 0."""
+    return facts.num_layers if getattr(facts, "index_topk", None) else 0
+
+
 def run_exporter(model, wrapper, target, io: GraphIO, path: Path, latent_layers: int | None = None, *,
                  export_params: bool = True) -> None:
     """``torch.onnx.export`` (TorchScript, opset 17) with the target's RoPE, the export symbolics and static MoE
-    routing patched in (and, with ``latent_layers``, the absorbed MLA attention of :mod:`.mla`); a failure is one
+    routing patched in (with ``latent_layers``, the absorbed MLA attention of :mod:`.mla`; DeepSeek sparse attention's
+    selection in graph form, :mod:`.sparse`); a failure is one
     line naming the model."""
     latent = contextlib.nullcontext() if latent_layers is None else mla.latent_attention(model, latent_layers)
     with warnings.catch_warnings(), torch.no_grad(), target.rotary(model), rope.export_patches(model), \
-            moe.static_routing(model, path), latent:
+            moe.static_routing(model, path), latent, sparse.sparse_attention(model, _sparse_layers(target.facts)):
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(wrapper, tuple(io.args), str(path), dynamo=False, opset_version=opt.OPSET,

@@ -20,6 +20,7 @@ in 5.23, ``cache`` in 5.24)                   (5.24), else the old names, never 
 the output's cache field (``past_key_values`` :func:`returned_cache`                                 5.23-5.24
 / ``cache_params``, ``cache`` in 5.24)
 an attention module's cache keyword           :func:`attention_cache` (patched forwards, MLA)        5.23-5.24
+``ALL_ATTENTION_FUNCTIONS.get_interface``     :func:`attention_function` (patched forwards, DSA)     5.24
 ``PreTrainedModel.get_decoder``,              :func:`decoder`, :func:`find_decoder` (Llama4's        5.23
 ``get_output_embeddings``                     ``get_decoder`` returns the LM itself)
 ``AttentionInterface.register``,              :func:`use_attention`                                  5.23
@@ -210,6 +211,15 @@ def modeling_module(obj):
     (``rotate_half``, ``apply_rotary_pos_emb``) are what the decoder calls through its globals."""
     cls = obj if isinstance(obj, type) else type(obj)
     return sys.modules.get(cls.__module__)
+
+
+def attention_function(module):
+    """The attention function ``module``'s forward calls: transformers' ``ALL_ATTENTION_FUNCTIONS`` entry for its
+    config's implementation, else its modeling file's ``eager_attention_forward`` (patched forwards, DSA)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                 modeling_module(module).eager_attention_forward)
 
 
 def experts_implementation_available(implementation: str) -> bool:

@@ -148,3 +148,12 @@ def test_looks_like_kv(name, expected):
     ("past_key.0_VLLM", None)])
 def test_prefixed_non_kv(name, expected):
     assert naming.prefixed_non_kv(name) == expected
+
+
+def test_index_key_is_a_prefixable_position_stem():
+    """DeepSeek sparse attention's indexer keys (contract section 11) pair and take a prefix like any KV buffer."""
+    assert naming.kv_input_name("index_key", 3, "VLLM") == "index_key.3_VLLM"
+    assert naming.parse_kv_name("index_key.3_VLLM_RetainedState") == naming.KVName("index_key", 3, "VLLM", True)
+    assert naming.rename_kv("index_key.0", "kvCache") == "index_key.0_kvCache"
+    assert naming.INDEX_STEM in naming.POSITION_STEMS and naming.INDEX_STEM not in naming.EXPORT_STEMS
+    assert naming.regex_selects(naming.exact_regex("VLLM", naming.INDEXED_STEMS), "index_key.1_VLLM_RetainedState")

@@ -43,7 +43,7 @@ def test_malformed_spec_is_one_line():
     with pytest.raises(ContractError, match=r"^graph metadata qeff_kv.state_spec is not JSON$"):
         statespec.StateSpec.loads("{")
     with pytest.raises(ContractError,
-                       match=r"layer 0 has unknown kind 'paged' \(known: full, ring, latent, recurrent\)$"):
+                       match=r"layer 0 has unknown kind 'paged' \(known: full, ring, latent, indexed, recurrent\)$"):
         statespec.StateSpec.loads(json.dumps([{"layer": 0, "kind": "paged", "stems": [], "shapes": []}]))
 
 
@@ -121,3 +121,46 @@ def test_latent_kind_derived_and_checked(tmp_path):
                                                            ((1, "ctx_len", 4), (1, "ctx_len", 4))) for i in range(2)))
     assert statespec.mismatch(wrong, lay.state_pairs) == (
         "graph metadata qeff_kv.state_spec: layer 0 is full, its buffers are latent")
+
+
+def test_indexed_kind_derived_and_checked(tmp_path):
+    """DeepSeek sparse attention: a layer whose buffers include the indexer's ``index_key`` is ``indexed`` (its pair
+    and the indexer keys, all full-length); a recorded spec that calls it ``full`` does not describe the graph."""
+    path = _kv_graphs.save(_kv_graphs.build(2, stems=naming.INDEXED_STEMS), tmp_path / "g.onnx")
+    lay = _layout(path)
+    assert [(s.layer, s.kind, s.stems) for s in lay.state_spec.layers] == [
+        (0, "indexed", naming.INDEXED_STEMS), (1, "indexed", naming.INDEXED_STEMS)]
+    assert lay.state_spec.indexed_layers == (0, 1)
+    kind = statespec.KINDS["indexed"]
+    assert (kind.slot(7, 32), kind.held(9, 32), kind.dim, kind.sliceable) == (7, (0, 9), "ctx_len", True)
+    wrong = statespec.StateSpec(tuple(statespec.LayerState(i, "full", naming.INDEXED_STEMS,
+                                                           ((1, "ctx_len", 4),) * 3) for i in range(2)))
+    assert statespec.mismatch(wrong, lay.state_pairs) == (
+        "graph metadata qeff_kv.state_spec: layer 0 is full, its buffers are indexed")
+    spec = statespec.for_export([((1, 8), (1, 4), (1, 16)), ((1, 8), (1, 4))], window=None, ring_layers=(),
+                                indexed_layers=(0,))
+    assert [(s.kind, s.stems, s.shapes) for s in spec.layers] == [
+        ("indexed", ("past_key", "past_value", "index_key"),
+         ((1, "ctx_len", 8), (1, "ctx_len", 4), (1, "ctx_len", 16))),
+        ("full", ("past_key", "past_value"), ((1, "ctx_len", 8), (1, "ctx_len", 4)))]
+    assert statespec.StateSpec.loads(spec.dumps()) == spec
+    assert check(path).ok
+
+
+def test_check_index_key_rules(tmp_path):
+    """``check``'s pair-match rule on indexer keys: they share their layer's ctx axis and come with its cache."""
+    def graph(name, **kw):
+        return _kv_graphs.save(_kv_graphs.build(2, stems=naming.INDEXED_STEMS, **kw), tmp_path / name)
+
+    skewed = [1, 1, "ctx_len2", 4]
+    skew = check(graph("skew.onnx", input_dims={"index_key.1": skewed},
+                       output_dims={"index_key.1_RetainedState": skewed}))
+    pm = next(r for r in skew.rules if r.id == "pair-match")
+    assert pm.status == "fail"
+    assert any("index_key.1 dim 2 is 'ctx_len2' but past_key.1 dim 2 is 'ctx_len'; the indexer's keys share their "
+               "layer's ctx axis" in v.message for v in pm.violations), pm.violations
+    alone = check(graph("alone.onnx", drop_inputs=["past_key.0", "past_value.0"],
+                        drop_outputs=["past_key.0_RetainedState", "past_value.0_RetainedState"]))
+    assert not alone.ok
+    assert any("index_key.0 has no past_key.0" in v.message for r in alone.rules for v in r.violations), \
+        alone.format_text()

@@ -336,3 +336,45 @@ def test_a_shared_layer_with_nothing_to_read_is_refused_in_one_line(target):
                       + ["full_attention"]})
     assert orphan.kv_shared == ((2, -1), (3, 1), (4, 1))
     assert orphan.refusal(opts(target)).startswith("XForCausalLM: shared-KV layers [2] (num_kv_shared_layers)")
+
+
+# --- DeepSeek sparse attention and DeepSeek-V4 (issue 53) ---------------------------------------------------------
+
+def test_indexed_layers_from_index_topk_and_indexer_types():
+    """The layers that run their own indexer (and keep ``index_key``): every attention layer with ``index_topk``;
+    GLM-5's ``indexer_types`` (given, or derived as transformers does from ``index_topk_pattern`` or
+    ``index_topk_freq``/``index_skip_topk_offset``) keeps only the ``"full"`` ones."""
+    v32 = dict(model_type="deepseek_v32", kv_lora_rank=32, index_topk=6, index_head_dim=16)
+    assert (facts(**v32).indexed_layers, facts(**v32).index_topk) == ((0, 1, 2, 3), 6)
+    glm = dict(model_type="glm_moe_dsa", kv_lora_rank=32, index_topk=6)
+    assert facts(**glm, indexer_types=["full", "shared", "full", "shared"]).indexed_layers == (0, 2)
+    assert facts(**glm, index_topk_pattern="FSSF").indexed_layers == (0, 3)
+    assert facts(**glm, index_topk_freq=2, index_skip_topk_offset=1).indexed_layers == (0, 2)
+    assert (facts(model_type="deepseek_v3", kv_lora_rank=32).indexed_layers,
+            facts(model_type="deepseek_v3", kv_lora_rank=32).index_topk) == ((), None)
+
+
+def test_sparse_attention_refusals_come_first_and_name_the_limit():
+    """onnxruntime-fused: the sparse selection is named before MLA (both hold; the selection is what no option of
+    GroupQueryAttention expresses); ``--mla-cache latent``: its absorbed attention has no selection."""
+    f = facts(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", kv_lora_rank=32, index_topk=6)
+    assert f.refusal(opts("onnxruntime-fused")) == (
+        "--target onnxruntime-fused cannot express DeepseekV32ForCausalLM's DeepSeek sparse attention (each query "
+        "attends only to the index_topk 6 positions its indexer selects; GroupQueryAttention attends to every "
+        "cached position); use --target onnxruntime")
+    assert f.refusal(opts("portable")) is None and f.refusal(opts("onnxruntime")) is None
+    latent = ExportOptions(ctx_len=32, prefill_seq_len=4, target="portable", mla_cache="latent").validate()
+    assert f.refusal(latent).startswith("--mla-cache latent does not support DeepseekV32ForCausalLM's DeepSeek "
+                                        "sparse attention")
+
+
+@pytest.mark.parametrize("fields", [dict(compress_rates={"compressed_sparse_attention": 4,
+                                                         "heavily_compressed_attention": 128}),
+                                    dict(compress_ratios=[0, 4, 128, 4])])   # an older checkpoint's config
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "onnxruntime-fused"])
+def test_deepseek_v4_compressed_attention_is_refused_from_the_config(fields, target):
+    f = facts(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", index_topk=512, hc_mult=4, **fields)
+    reason = f.refusal(opts(target))
+    assert reason.startswith("DeepseekV4ForCausalLM: its compressed attention layers (compress_rates) keep running "
+                             "compressor buffers")
+    assert reason.endswith("; qeff-kv does not export it") and "\n" not in reason

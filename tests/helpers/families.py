@@ -221,6 +221,32 @@ FAMILIES: dict[str, Family] = {
                                num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
                                n_shared_experts=1),
                           note="MLA, RoPE through complex numbers (torch.polar) as cos/sin pairs, MoE"),
+    # --- DeepSeek sparse attention: MLA plus a lightning indexer with its own key cache (index_key.{i}) --------
+    "deepseek_v32": Family("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                           dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                                num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+                                first_k_dense_replace=1, n_shared_experts=1, index_topk=6, index_head_dim=16,
+                                index_n_heads=16),
+                           note="DeepSeek sparse attention: MLA over the index_topk positions an indexer selects "
+                                "(its own key cache index_key), dense and MoE layers"),
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+                          dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                               num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=64,
+                               first_k_dense_replace=1, n_shared_experts=1, index_topk=6, index_head_dim=16,
+                               index_n_heads=16, indexer_types=["full", "shared"]),
+                          note="DeepSeek sparse attention; a shared-indexer layer reuses the previous layer's "
+                               "selection (no index_key of its own), dense and MoE layers"),
+    "deepseek_v4": Family("DeepseekV4Config", "DeepseekV4ForCausalLM",
+                          dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=16, q_lora_rank=24,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, o_groups=2,
+                               o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=6, sliding_window=4,
+                               hc_mult=2, compress_rates={"compressed_sparse_attention": 2,
+                                                          "heavily_compressed_attention": 4},
+                               layer_types=["sliding_attention", "compressed_sparse_attention",
+                                            "heavily_compressed_attention"]),
+                          note="compressed sparse / heavily compressed attention, hyper-connections: refused"),
     "minicpm3": Family("MiniCPM3Config", "MiniCPM3ForCausalLM",
                        dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
                             qk_nope_head_dim=16, v_head_dim=16, scale_emb=12.0, scale_depth=1.4, dim_model_base=16,
@@ -330,6 +356,11 @@ EXPECT["diffllama"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused
                                             "DiffLlamaForCausalLM's differential attention")
 EXPECT["deepseek_v2"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "DeepseekV2ForCausalLM's multi-head latent attention")
+EXPECT["deepseek_v32"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                               "DeepseekV32ForCausalLM's DeepSeek sparse attention")
+EXPECT["glm_moe_dsa"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                              "GlmMoeDsaForCausalLM's DeepSeek sparse attention")
+EXPECT["deepseek_v4"] = {t: "refused: DeepseekV4ForCausalLM: its compressed attention layers" for t in TARGETS}
 EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                            "MiniCPM3ForCausalLM's multi-head latent attention")
 EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "

@@ -1,6 +1,6 @@
 """One conformance suite for every memory kind of the runtime (qeff_kv/runtime/memory/), run against the memory
-interface (:class:`qeff_kv.runtime.memory.base.Memory`) and the hybrid that composes them: full, ring and latent
-positional buffers, a recurrent state with its checkpoints, and the session's hybrid of positional (full + ring),
+interface (:class:`qeff_kv.runtime.memory.base.Memory`) and the hybrid that composes them: full, ring, latent and
+indexed (DSA's indexer keys beside the pair) positional buffers, a recurrent state with its checkpoints, and the session's hybrid of positional (full + ring),
 RoPE marks and recurrent memories.
 
 Each kind is built directly (numpy buffers of small random shapes, no graph) inside a
@@ -47,6 +47,9 @@ def _pair(stem: str, layer: int, shape: tuple, dtype: str = "float32", recurrent
 FULL = [_pair("past_key", 0, (2, "ctx_len", 4)), _pair("past_value", 0, (2, "ctx_len", 4))]
 RINGED = [_pair("past_key", 1, (2, "sliding_window", 4)), _pair("past_value", 1, (2, "sliding_window", 4))]
 LATENT = [_pair("compressed_kv", 0, (1, "ctx_len", 8)), _pair("k_pe", 0, (1, "ctx_len", 4), "float16")]
+#: DeepSeek sparse attention: the pair plus the indexer's keys, of their own width
+INDEXED = [_pair("past_key", 0, (1, "ctx_len", 8)), _pair("past_value", 0, (1, "ctx_len", 4)),
+           _pair("index_key", 0, (1, "ctx_len", 6))]
 STATES = [_pair("conv_state", 2, (6, 3), recurrent=True), _pair("recurrent_state", 2, (2, 4, 4), recurrent=True)]
 RINGS = RingSpec(WINDOW, {p.input_name: RING for p in RINGED})
 
@@ -59,6 +62,7 @@ KINDS = {
     "full": lambda: _table(PositionalMemory(FULL, max_sequences=SLOTS, ctx_len=CTX)),
     "ring": lambda: _table(PositionalMemory(FULL + RINGED, max_sequences=SLOTS, ctx_len=CTX, rings=RINGS)),
     "latent": lambda: _table(PositionalMemory(LATENT, max_sequences=SLOTS, ctx_len=CTX, double_buffer=True)),
+    "indexed": lambda: _table(PositionalMemory(INDEXED, max_sequences=SLOTS, ctx_len=CTX)),
     "recurrent": lambda: _table(RecurrentMemory(STATES, max_sequences=SLOTS, policy=POLICY)),
     "hybrid": lambda: HybridMemory.open({"full": FULL + RINGED, "recurrent": STATES},
                                         registry.Settings(SLOTS, CTX, rings=RINGS, checkpoints=POLICY)),
@@ -189,7 +193,7 @@ def test_every_kind_of_the_state_spec_has_a_memory_and_a_builder_here():
     cache = HybridMemory.open({"full": FULL}, registry.Settings(SLOTS, CTX))
     assert [type(m) for m in cache.memories] == [PositionalMemory, RopeMarks, RecurrentMemory]
     with pytest.raises(RuntimeInputError, match=r"^no memory of the runtime holds state kind 'sink' \(held: full, "
-                                                r"ring, latent, recurrent\)$"):
+                                                r"ring, latent, indexed, recurrent\)$"):
         registry.memory_of("sink")
 
 
@@ -311,7 +315,7 @@ def test_refusals_are_those_of_each_kind(kind):
     seq = _filled(h, np.random.default_rng(4))
     got = {type(m).__name__: m.refusal_error for n in range(1, LENGTH) for m in h.memories
            if m.truncate_refusal(seq, n) is not None or m.copy_refusal(seq, n) is not None}
-    want = {"full": {}, "latent": {},
+    want = {"full": {}, "latent": {}, "indexed": {},
             "ring": {"PositionalMemory": RuntimeInputError},
             "recurrent": {"RecurrentMemory": RewindError},
             "hybrid": {"PositionalMemory": RuntimeInputError, "RopeMarks": RuntimeInputError,

@@ -16,8 +16,8 @@ from qeff_kv.errors import ExportError
 from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
-    kv_sharing, kv_sharing_problem,
-    latent_attention, logits_scaling, longrope_threshold, rope_layers, rope_types, sliding_layers)
+    compressed_attention_refusal, indexed_layers, kv_sharing, kv_sharing_problem, latent_attention, logits_scaling,
+    longrope_threshold, rope_layers, rope_types, sliding_layers)
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
 
 
@@ -61,6 +61,12 @@ class ModelFacts:
     #: MLA's compressed cache width (``kv_lora_rank``, DeepSeek-V2/V3), ``None`` without MLA: what
     #: ``--mla-cache latent`` needs
     kv_lora_rank: int | None = None
+    #: DeepSeek sparse attention: each query attends to the ``index_topk`` positions its layer's indexer selects
+    #: (``None`` without); ``indexed_layers`` run their own indexer and keep its keys (``index_key.{i}``)
+    index_topk: int | None = None
+    indexed_layers: tuple[int, ...] = ()
+    #: why the model's compressed attention cannot be exported (DeepSeek-V4's ``compress_rates``), ``None``
+    compressed_attention: str | None = None
     #: attention adds learned per-head sink logits to the softmax (GPT-OSS; see :data:`ATTENTION_SINK_MODEL_TYPES`)
     attention_sinks: bool = False
     #: RoPE variants the config selects (``rope_parameters``, or the older ``rope_scaling``; one per layer type
@@ -120,6 +126,9 @@ class ModelFacts:
             alibi=bool(text.get("alibi")) or model_type in ALWAYS_ALIBI,
             latent_attention=latent_attention(text),
             kv_lora_rank=int_or_none(text.get("kv_lora_rank")) or None,
+            index_topk=int_or_none(text.get("index_topk")) or None,
+            indexed_layers=indexed_layers(text, num_layers),
+            compressed_attention=compressed_attention_refusal(text),
             attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
             rope_types=rope_types(text),
             max_position_embeddings=int_or_none(first_of(text, "max_position_embeddings", "n_positions")),
@@ -158,6 +167,8 @@ class ModelFacts:
         reason = self.recurrent_refusal()
         if reason is not None:
             return reason
+        if self.compressed_attention is not None:
+            return f"{self.architecture}: {self.compressed_attention}; qeff-kv does not export it"
         if self.vision_language:
             reason = self.vision_refusal()
             if reason is not None:
@@ -187,6 +198,9 @@ class ModelFacts:
         if getattr(options, "mla_cache", None) == "latent" and self.kv_lora_rank is None:
             return (f"--mla-cache latent is for models with multi-head latent attention (kv_lora_rank); "
                     f"{self.architecture} has none")
+        if getattr(options, "mla_cache", None) == "latent" and self.index_topk is not None:
+            return (f"--mla-cache latent does not support {self.architecture}'s DeepSeek sparse attention (its "
+                    f"absorbed attention has no indexer selection); export with --mla-cache full")
         if self.ring_layers(options) and options.prefill_seq_len > int(self.sliding_window):
             # A chunk longer than the ring would write two of its positions into one slot in one ScatterND.
             return (f"prefill_seq_len {options.prefill_seq_len} is longer than the sliding window "
@@ -259,6 +273,10 @@ class ModelFacts:
         limit = FUSED_ATTENTION_LIMITS.get(self.model_type)
         if limit is not None:
             return f"{cannot} {limit}; use --target onnxruntime"
+        if self.index_topk is not None:
+            return (f"{cannot} DeepSeek sparse attention (each query attends only to the index_topk "
+                    f"{self.index_topk} positions its indexer selects; GroupQueryAttention attends to every cached "
+                    f"position); use --target onnxruntime")
         if self.latent_attention:
             return (f"{cannot} multi-head latent attention (keys and values of different head sizes); "
                     f"use --target onnxruntime")

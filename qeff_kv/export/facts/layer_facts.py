@@ -224,3 +224,34 @@ def kv_sharing_problem(pairs: tuple[tuple[int, int], ...], architecture: str) ->
         return None
     return (f"{architecture}: shared-KV layers {orphans} (num_kv_shared_layers) have no earlier layer of their "
             f"attention type to read keys and values from; fix the config's layer_types or num_kv_shared_layers")
+
+
+def indexed_layers(text: dict, num_layers: int) -> tuple[int, ...]:
+    """DeepSeek sparse attention (``index_topk``: DeepSeek-V3.2, GLM-5's ``glm_moe_dsa``): the layers that run their
+    own lightning indexer, so keep its keys (``index_key.{i}``): those whose ``indexer_types`` entry is ``"full"``
+    (a ``"shared"`` layer reuses the previous layer's selection and keeps none; transformers derives the list from
+    ``index_topk_pattern`` or ``index_topk_freq``/``index_skip_topk_offset`` when the config has none), else every
+    attention layer. Empty without ``index_topk``."""
+    if not text.get("index_topk"):
+        return ()
+    types = text.get("indexer_types")
+    pattern = text.get("index_topk_pattern")
+    if not isinstance(types, list) and pattern is not None:
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if not isinstance(types, list) and text.get("index_topk_freq") is not None:
+        freq, offset = max(int(text["index_topk_freq"]), 1), int(text.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    if isinstance(types, list) and len(types) >= num_layers:
+        return tuple(i for i in range(num_layers) if types[i] == "full")
+    return attention_layers(text, num_layers)
+
+
+def compressed_attention_refusal(text: dict) -> str | None:
+    """Why the model's compressed attention cannot be a retained-state graph (``compress_rates``, or the older
+    checkpoints' ``compress_ratios`` / ``compress_rate_csa``: DeepSeek-V4's compressed sparse and heavily compressed
+    attention layers), or ``None``."""
+    if not any(text.get(k) for k in ("compress_rates", "compress_ratios", "compress_rate_csa", "compress_rate_hca")):
+        return None
+    return ("its compressed attention layers (compress_rates) keep running compressor buffers that emit one cache "
+            "entry per window of compress_rate tokens, a cache that grows by windows rather than one slot per "
+            "position, and its hyper-connections (hc_mult) carry several residual streams between layers")

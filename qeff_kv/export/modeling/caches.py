@@ -6,6 +6,8 @@
   the onnxruntime target, ``comp_ctx_lengths`` with CCL), with every slot the sequence has not written selected
   to zero (:func:`zero_unwritten`);
 * ring buffers of sliding layers (contract section 7), planned once per step by :class:`RingStep`;
+* DeepSeek sparse attention's indexer keys (``update_indexer``): one more full-length buffer of an indexed layer
+  (``index_key.{i}`` ``[B, 1, ctx_len, index_head_dim]``), scattered and read as its keys are;
 * :class:`RecordingCache` / :func:`probe_kv_shapes`: what each layer really writes, before anything is traced.
 
 The fused target's cache (GroupQueryAttention appends in place) lives with its target,
@@ -82,7 +84,8 @@ class RetainedStateCache(hf.CacheProtocol):
     """A cache object for transformers models: scatter-update into fixed-capacity buffers.
 
     Models call ``update(key, value, layer_idx, ...)`` (:class:`~qeff_kv.export.transformers_adapter.CacheProtocol`).
-    After the forward pass, :attr:`retained` holds one updated (key, value) per layer, in layer order.
+    After the forward pass, :attr:`retained` holds one updated (key, value) per layer, in layer order (and, for
+    an indexed layer, its indexer keys third: :meth:`update_indexer`).
     """
 
     def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]], position_ids: torch.Tensor,
@@ -135,7 +138,7 @@ class RetainedStateCache(hf.CacheProtocol):
     def _update_ring(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """A sliding layer's ring buffer: attend over the old ring plus the chunk, then scatter the chunk into
         ``position % window`` (see :class:`RingStep`)."""
-        past_k, past_v = self.past[layer_idx]
+        past_k, past_v = self.past[layer_idx][:2]
         indices = self._indices(int(key_states.shape[1]), ring=True)
         att, new = [], []
         for past, states in ((past_k, key_states), (past_v, value_states)):
@@ -151,7 +154,7 @@ class RetainedStateCache(hf.CacheProtocol):
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         if layer_idx in self.ring_layers:
             return self._update_ring(layer_idx, key_states, value_states)
-        past_k, past_v = self.past[layer_idx]
+        past_k, past_v = self.past[layer_idx][:2]
         indices = self._indices(int(key_states.shape[1]))
         new_k = ScatterKV.apply(past_k, indices, key_states.to(past_k.dtype))
         new_v = ScatterKV.apply(past_v, indices, value_states.to(past_v.dtype))
@@ -166,6 +169,28 @@ class RetainedStateCache(hf.CacheProtocol):
         written = self._written_slots(att_k)
         return zero_unwritten(att_k, written), zero_unwritten(att_v, written)
 
+    def _attended(self, states: torch.Tensor) -> torch.Tensor:
+        """The slots attention reads of a scattered full-length buffer: the first ``attend_length`` (when set), the
+        step's rows (``batch_index``), every slot the sequence has not written selected to zero."""
+        if self.attend_length is not None:
+            states = SliceSlots.apply(states, self.attend_length)
+        if self.batch_index is not None:
+            states = states[self.batch_index.reshape(-1)]
+        return zero_unwritten(states, self._written_slots(states))
+
+    def update_indexer(self, index_keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """DeepSeek sparse attention: the layer's new indexer keys ``[B, S, index_head_dim]`` scattered into its
+        ``index_key`` buffer (the third of ``past[layer_idx]``, ``[B, 1, ctx_len, index_head_dim]``) at their
+        positions, as keys are; returns what the indexer scores, ``[B, T, index_head_dim]`` (unwritten slots zero,
+        so their scores are exactly 0 plus the mask)."""
+        layer_idx = int(layer_idx)
+        past = self.past[layer_idx]
+        if len(past) < 3 or self.retained[layer_idx] is None or len(self.retained[layer_idx]) != 2:
+            raise RuntimeError(f"layer {layer_idx} runs an indexer the state spec gives no index_key buffer")
+        new = ScatterKV.apply(past[2], self._indices(1), index_keys.unsqueeze(1).to(past[2].dtype))
+        self.retained[layer_idx] = (*self.retained[layer_idx], new)
+        return self._attended(new).squeeze(1)
+
 
 class RecordingCache(hf.CacheProtocol):
     """A cache that records each layer's new key/value shapes and attends over them only."""
@@ -173,16 +198,23 @@ class RecordingCache(hf.CacheProtocol):
     def __init__(self, num_layers: int):
         super().__init__(num_layers)
         self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = [None] * num_layers
+        #: layer -> the shape of the indexer keys it wrote (DeepSeek sparse attention), ``[B, S, index_head_dim]``
+        self.index_shapes: dict[int, tuple[int, ...]] = {}
 
     def write(self, key_states, value_states, layer_idx):
         self.shapes[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape))
         return key_states, value_states
 
+    def update_indexer(self, index_keys, layer_idx):
+        self.index_shapes[int(layer_idx)] = tuple(index_keys.shape)
+        return index_keys
+
 
 def probe_kv_shapes(model: torch.nn.Module, num_layers: int, attention_layers: tuple[int, ...] | None = None
                     ) -> list[tuple[tuple[int, int], tuple[int, int]] | None]:
     """Run the decoder once on two tokens and record, per layer, ``((key_heads, key_dim), (value_heads,
-    value_dim))`` as the model itself produces them. ``attention_layers`` (a hybrid model): only these must write
+    value_dim))`` as the model itself produces them, and a third ``(1, index_head_dim)`` for a layer that writes
+    indexer keys (DeepSeek sparse attention). ``attention_layers`` (a hybrid model): only these must write
     through the cache, and only they do; the other layers' entries are ``None``.
 
     The cache buffers are shaped from what the model really writes, not from config fields whose meaning
@@ -206,7 +238,8 @@ def probe_kv_shapes(model: torch.nn.Module, num_layers: int, attention_layers: t
         if kv is None:
             raise RuntimeError(f"layer {i} wrote no keys/values through the cache")
         (kb, kh, ks, kd), (vb, vh, vs, vd) = kv
-        out.append(((int(kh), int(kd)), (int(vh), int(vd))))
+        index = cache.index_shapes.get(i)
+        out.append(((int(kh), int(kd)), (int(vh), int(vd))) + (() if index is None else ((1, int(index[-1])),)))
     return out
 
 

@@ -9,7 +9,8 @@ ports carry the roles ``token_ids``, ``position_ids`` and ``logits``, a ``token_
 ``aliasing: required`` (the retained output is the input's buffer), ``layout: head_major_bnsh``, ``sequence_axis:
 2`` and state cells seeded with zeros, each cell's shape giving its capacity (``ctx_len``, or the window ``W`` of a
 ring). Kinds: ``full`` -> ``full_attention``, ``ring`` -> ``sliding_attention``, ``latent`` ->
-``multi_latent_attention``, ``recurrent`` -> ``recurrent`` (``update: replace``, no sequence axis).
+``multi_latent_attention``, ``indexed`` -> ``indexed_attention``, ``recurrent`` -> ``recurrent`` (``update: replace``,
+no sequence axis).
 
 The schema refuses unknown fields, so what it has no field for is in the header comment: the KV prefix, and that
 the proposal has no update kind for a graph that writes its own slots from ``position_ids`` (position ``p`` at slot
@@ -38,7 +39,7 @@ from qeff_kv.graph.sidecars.declared import SidecarFacts, STEM_ROLES
 SCHEMA_VERSION = "v1.2"
 #: our state kind -> the proposal's state group kind
 GROUP_KINDS = {"full": "full_attention", "ring": "sliding_attention", "latent": "multi_latent_attention",
-               "recurrent": "recurrent"}
+               "indexed": "indexed_attention", "recurrent": "recurrent"}
 _TEXT_INPUTS = (naming.INPUT_IDS_INPUT, naming.POSITION_IDS_INPUT)
 _STATIC_INPUTS = (naming.WRITE_INDICES_INPUT, naming.NONPAD_KV_SEQLEN_INPUT)
 #: a static cache's packed ``[batch, capacity, kv_heads*head_dim]`` buffer as the schema spells it (positions: axis 1)

@@ -1,5 +1,6 @@
-"""Positional memory: the KV buffers whose axis 2 holds positions (the state spec's ``full``, ``ring`` and
-``latent`` kinds), one row per sequence slot, and the ring rules.
+"""Positional memory: the KV buffers whose axis 2 holds positions (the state spec's ``full``, ``ring``, ``latent``
+and ``indexed`` kinds: DeepSeek sparse attention's ``index_key`` is one more full-length buffer), one row per sequence
+slot, and the ring rules.
 
 Every buffer is ``[max_sequences, heads, capacity, head_dim]``: ``ctx_len`` positions (a ``full`` buffer, and MLA's
 ``latent`` pair ``compressed_kv``/``k_pe``: position ``p`` in slot ``p``), a sliding-window ring's ``C`` slots
@@ -73,7 +74,7 @@ def copy_slots(capacity: int | None, n: int, lowest: int) -> np.ndarray | slice:
     return np.arange(max(lowest, n - capacity, 0), n) % capacity
 
 
-@holds("full", "ring", "latent", order=0, role="positional")
+@holds("full", "ring", "latent", "indexed", order=0, role="positional")
 class PositionalMemory(Memory):
     """The buffers of ``pairs`` (graph order), each at its own capacity, and the ring rules.
 

@@ -145,6 +145,7 @@ def _rule_pair_match(layout: KVLayout, r: RuleResult) -> None:
         r.note = _taken_note(taken)
     state_rules.sliding_dims(layout, r)
     state_rules.latent_dims(layout, r)
+    state_rules.index_dims(layout, r)
     state_rules.recurrent_dims(layout, r)
     _non_kv(layout, r)
 

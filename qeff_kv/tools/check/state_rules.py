@@ -3,7 +3,8 @@
 buffers agree with each other and with the window, an MLA layer's latent pair (``compressed_kv.{i}``,
 ``k_pe.{i}``) shares its batch, head and ctx axes, and a recurrent layer's states (``conv_state.{i}``
 ``[batch, conv_dim, conv_kernel]``, ``recurrent_state.{i}`` ``[batch, heads, head_dim, d_state]``) have no position
-axis: only axis 0 is dynamic. Rules report through the ``RuleResult`` they are given."""
+axis: only axis 0 is dynamic; a DSA layer's ``index_key.{i}`` shares its layer's batch and ctx axes. Rules report
+through the ``RuleResult`` they are given."""
 
 from __future__ import annotations
 
@@ -86,6 +87,33 @@ def latent_dims(layout: KVLayout, r) -> None:
             if da != db:
                 r.fail(kpe.input_name, f"{kpe.input_name} dim {axis} is {_fmt_dim(db)} but {ckv.input_name} dim "
                                        f"{axis} is {_fmt_dim(da)}; a layer's latent pair shares its {what} axis")
+
+
+def index_dims(layout: KVLayout, r) -> None:
+    """DeepSeek sparse attention's indexer keys (``index_key.{i}``, contract section 11) are one more full-length
+    buffer of layer ``i``: rank 4 (``[batch, 1, ctx_len, index_head_dim]``), beside the layer's ``past_key.{i}`` /
+    ``past_value.{i}``, whose batch and ctx axes they share (the indexer scores the positions attention reads)."""
+    by_layer: dict[int, dict] = {}
+    for p in layout.pairs:
+        by_layer.setdefault(p.layer, {})[p.stem] = p
+    for layer in sorted(by_layer):
+        index = by_layer[layer].get(naming.INDEX_STEM)
+        if index is None or index.input.shape is None:
+            continue
+        key = by_layer[layer].get("past_key")
+        if len(index.input.shape) != 4:
+            r.fail(index.input_name, f"{index.input_name} has rank {len(index.input.shape)}; the indexer's keys are "
+                                     "[batch, 1, ctx_len, index_head_dim]")
+        elif key is None:
+            r.fail(index.input_name, f"{index.input_name} has no past_key.{layer}: the indexer's keys come with "
+                                     "their layer's cache")
+        elif key.input.shape is not None and len(key.input.shape) == 4:
+            for axis, what in ((0, "batch"), (2, "ctx")):
+                da, db = key.input.shape[axis], index.input.shape[axis]
+                if da != db:
+                    r.fail(index.input_name, f"{index.input_name} dim {axis} is {_fmt_dim(db)} but "
+                                             f"{key.input_name} dim {axis} is {_fmt_dim(da)}; the indexer's keys "
+                                             f"share their layer's {what} axis")
 
 
 #: the ranks each recurrent stem's buffers may have (contract section 12; the peer's Qwen3.5-MoE keeps a
