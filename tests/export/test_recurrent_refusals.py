@@ -38,6 +38,7 @@ WHY = {
     "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a cached "
                 "one"),
     "glm5_next": _POOLED_INDEXER,   # its default config's head_dim is 0 (NoPE MLA): the refusal still names the reason
+    "glm5_next_text": _POOLED_INDEXER,
     "qwen4_exp": _PLE,
     "qwen4_exp_text": _PLE,
     "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
