@@ -1,4 +1,4 @@
-"""Kimi delta attention's traced step (``qeff_kv/export/modeling/kimi_delta.py``) against transformers' own KDA.
+"""Kimi delta attention's traced step (``qeff_kv/export/modeling/gated_delta.py``) against transformers' own KDA.
 
 The rule over chunks longer than one sub-chunk (150 tokens: three fixed sub-chunk slices, the last partial), from
 a carried state, at once and in chunks of 37, equals transformers' chunked and per-token functions; padded
@@ -29,7 +29,7 @@ def _inputs(seed: int = 0, batch: int = 2, seq: int = 150, heads: int = 3, dim: 
 def _ours(q, k, v, decay, beta, state, chunk: int):
     import torch
 
-    from qeff_kv.export.modeling.kimi_delta import kda_rule
+    from qeff_kv.export.modeling.gated_delta import kda_rule
 
     dim = q.shape[-1]
     q, k, v, decay, beta = (x.transpose(1, 2) for x in (q, k, v, decay, beta))
@@ -64,7 +64,7 @@ def test_padding_leaves_the_states_untouched(family_models):
     import torch
     import transformers
 
-    from qeff_kv.export.modeling.kimi_delta import kda_step
+    from qeff_kv.export.modeling.gated_delta import kda_step
 
     model = transformers.AutoModelForCausalLM.from_pretrained(family_models("kimi_linear"), dtype=torch.float32)
     mixer = model.model.layers[0].self_attn

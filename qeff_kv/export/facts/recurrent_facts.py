@@ -257,7 +257,7 @@ _POOLED_INDEXER = ("its sparse attention picks keys through an indexer whose cac
 #: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
 #: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next,
 #: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), Kimi Linear and Bailing-Hybrid (Kimi delta
-#: attention, ``export/kimi_delta.py``), LFM2 (short conv, ``export/short_conv.py``) and the Mamba2-mixer families.
+#: attention, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``) and the Mamba2-mixer families.
 RECURRENT_REFUSALS: dict[str, str] = {
     "mamba": f"its Mamba (v1) {_SCAN}",
     "falcon_mamba": f"its Mamba (v1) {_SCAN}",
