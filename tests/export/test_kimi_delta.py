@@ -82,3 +82,21 @@ def test_padding_leaves_the_states_untouched(family_models):
     assert torch.allclose(new_conv[0], alone_conv[0], atol=1e-5) and torch.allclose(new_rec[0], alone_rec[0], atol=1e-5)
     assert torch.allclose(out[0, :3], alone[0], atol=1e-5)
     assert torch.equal(out[0, 3], out[0, 2]) and torch.equal(out[0, 4], out[0, 2])
+
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "bailing_hybrid"])
+def test_the_split_qkv_convolutions_stream(name, family_models, family_exports):
+    """The checkpoint keeps ``q_conv1d``/``k_conv1d``/``v_conv1d`` and transformers joins them into ``conv1d``
+    (a lone ``Concatenate``): the export streams them (it loaded the whole model before). The family's exact
+    cells (test_recurrent_families.py) are those streamed exports."""
+    from safetensors import safe_open
+
+    with safe_open(str(family_models(name) / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("q_conv1d.weight") for k in f.keys())
+    result = family_exports(name, "onnxruntime")
+    if isinstance(result, BaseException):
+        raise result
+    notes = family_exports.notes[(name, "onnxruntime")]
+    assert any(n.startswith(f"building tiny-{name} without its weights") for n in notes), notes
+    assert not any("loading the whole model" in n or "streaming is not possible" in n for n in notes), notes
