@@ -100,3 +100,25 @@ def test_the_split_qkv_convolutions_stream(name, family_models, family_exports):
     notes = family_exports.notes[(name, "onnxruntime")]
     assert any(n.startswith(f"building tiny-{name} without its weights") for n in notes), notes
     assert not any("loading the whole model" in n or "streaming is not possible" in n for n in notes), notes
+
+
+def test_float16_stream_keeps_the_float32_modules_in_float32(family_models, tmp_path):
+    """transformers keeps Kimi's ``dt_bias`` (and the router) in float32 in a float16 model; the streamed graph's
+    initializers keep each parameter's own dtype (all were written in the export dtype, and onnxruntime refused
+    the graph: ``Add`` of float and float16 in the forget gate)."""
+    import onnx
+    import onnxruntime
+
+    from qeff_kv.export import export_model
+
+    notes: list[str] = []
+    r = export_model(family_models("kimi_linear"), tmp_path / "fp16", ctx_len=16, prefill_seq_len=4,
+                     target="onnxruntime", dtype="float16", progress=notes.append, verify=False)
+    assert not any("streaming is not possible" in n for n in notes), notes
+    onnxruntime.InferenceSession(str(r.onnx_path), providers=["CPUExecutionProvider"])   # it refused the graph
+    graph = onnx.load(str(r.onnx_path), load_external_data=False).graph
+    inits = {i.name: i.data_type for i in graph.initializer}
+    # the forget gate's first Add: the projection (cast to float32) plus dt_bias
+    dt_bias = [inits[n.input[1]] for n in graph.node if n.name.endswith("self_attn/forget_gate/Add")]
+    assert len(dt_bias) == 2 and set(dt_bias) == {onnx.TensorProto.FLOAT}
+    assert onnx.TensorProto.FLOAT16 in inits.values()
