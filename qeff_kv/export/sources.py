@@ -81,6 +81,8 @@ def _check_config_types(cfg: dict, where: Path) -> dict:
             continue
         for key in _INT_FIELDS:
             v = part.get(key)
+            if key == "head_dim" and v == 0 and part.get("qk_rope_head_dim") == 0:
+                continue   # NoPE MLA (GLM-5-Next): transformers sets head_dim to the RoPE width, 0
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ExportError(f"{where}: config field {key!r} must be a positive integer, got {v!r}")
     return cfg

@@ -378,3 +378,35 @@ def test_deepseek_v4_compressed_attention_is_refused_from_the_config(fields, tar
     assert reason.startswith("DeepseekV4ForCausalLM: its compressed attention layers (compress_rates) keep running "
                              "compressor buffers")
     assert reason.endswith("; qeff-kv does not export it") and "\n" not in reason
+
+
+def test_kimi_delta_facts_from_the_saved_config_and_the_checkpoint_layout():
+    """Kimi delta attention's state geometry: ``conv_state [3 * heads * head_dim, kernel]`` (q, k, v convolved as
+    one), ``recurrent_state [heads, head_dim, head_dim]``; the layers from ``layer_types`` or a checkpoint's 1-based
+    ``linear_attn_config`` lists; Bailing-Hybrid's from ``num_attention_heads``/``head_dim``."""
+    saved = facts(model_type="kimi_linear", num_hidden_layers=3, linear_num_heads=2, linear_head_dim=16,
+                  linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    ckpt = facts(model_type="kimi_linear", num_hidden_layers=3, linear_attn_config=dict(
+        num_heads=2, head_dim=16, short_conv_kernel_size=4, kda_layers=[1, 3], full_attn_layers=[2]))
+    bailing = facts(model_type="bailing_hybrid", num_hidden_layers=3, num_attention_heads=2, head_dim=16,
+                    short_conv_kernel_size=4, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    for f in (saved, ckpt, bailing):
+        r = f.recurrent
+        assert (r.mixer, r.mixer_layers, r.attention_layers) == ("kda", (0, 2), (1,))
+        assert r.state_shapes == ((96, 4), (2, 16, 16))
+    # without layer_types: transformers' defaults (Kimi: every 4th from layer 4; Bailing: every layer_group_size-th)
+    kimi = facts(model_type="kimi_linear", num_hidden_layers=6, linear_num_heads=2, linear_head_dim=16).recurrent
+    assert (kimi.mixer_layers, kimi.attention_layers) == ((0, 1, 2, 3, 5), (4,))
+    bailing = facts(model_type="bailing_hybrid", num_hidden_layers=6, num_attention_heads=2, head_dim=16,
+                    layer_group_size=3).recurrent
+    assert (bailing.mixer_layers, bailing.attention_layers) == ((0, 1, 3, 4), (2, 5))
+
+
+def test_mla_latent_cache_is_refused_for_recurrent_models_before_loading():
+    o = ExportOptions(ctx_len=32, prefill_seq_len=4, mla_cache="latent").validate()
+    f = facts(model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], num_hidden_layers=3,
+              kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=2,
+              linear_head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"])
+    assert f.refusal(o) == ("--mla-cache latent with KimiLinearForCausalLM's recurrent layers: the compressed cache "
+                            "is absorbed only in models whose every layer is MLA attention; export with "
+                            "--mla-cache full")

@@ -159,7 +159,8 @@ def test_fused_layout_checkpoint_streams(tmp_path, monkeypatch):
 
 
 def test_a_conversion_that_is_not_a_stacking_refuses_streaming():
-    """Only stacking the experts (then joining gate and up) streams; any other operation is named in one line."""
+    """Only stacking the experts (then joining gate and up), or joining several tensors, streams; any other
+    operation is named in one line."""
     from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, WeightConverter
 
     from qeff_kv.export.weights.expert_keys import ConversionRefused, conversion_ops
@@ -167,6 +168,9 @@ def test_a_conversion_that_is_not_a_stacking_refuses_streaming():
     fused = WeightConverter(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
                             "mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)])
     assert conversion_ops(fused) == (0, 1)
+    joined = WeightConverter(["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"], "conv1d.weight",
+                             operations=[Concatenate(dim=0)])   # Kimi Linear: no experts, three tensors joined
+    assert conversion_ops(joined) == (None, 0)
     split = WeightConverter("mlp.gate_up.weight", ["mlp.gate.weight", "mlp.up.weight"], operations=[Chunk(dim=0)])
     with pytest.raises(ConversionRefused, match=r"^the checkpoint converts mlp\.gate\.weight by Chunk, which is "
                                                 r"not streamed$"):

@@ -5,7 +5,9 @@ whole-sequence forward), two prompts longer than three prefill chunks with paddi
 transformers' greedy tokens, the recurrent buffers are named exactly ``conv_state.{i}`` / ``recurrent_state.{i}``
 on the mixer layers (``past_key``/``past_value`` on the attention layer), and ``check`` passes. Continuous batching
 runs two sequences of different lengths in one graph; a prefix names the recurrent buffers too.
-Qwen3.5-MoE, LFM2-MoE and LFM3 come with the same mixers (their MoE and gated attention are transformers' code).
+Qwen3.5-MoE, LFM2-MoE and LFM3 come with the same mixers (their MoE and gated attention are transformers' code);
+Kimi Linear and Bailing-Hybrid run Kimi delta attention (per-channel decay) beside MLA attention, which the fused
+target refuses from the config (``RECURRENT_EXPECT``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import numpy as np
 import pytest
 
 from suite import requires_torch
-from families import CTX, NEW, RECURRENT_FAMILIES, TARGETS
+from families import CTX, NEW, RECURRENT_EXPECT, RECURRENT_FAMILIES, TARGETS
 
 pytestmark = [requires_torch]
 
 CHUNK = 4
 #: longer than three chunks of CHUNK, the last chunk padded (15 = 3 * 4 + 3, 13 = 3 * 4 + 1)
 PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21, 9, 33, 54, 2], [100, 3, 3, 60, 9, 88, 14, 71, 26, 45, 8, 19, 93]]
-CELLS = [(n, t) for n in RECURRENT_FAMILIES for t in TARGETS]
+CELLS = [(n, t) for n in RECURRENT_FAMILIES for t in TARGETS if RECURRENT_EXPECT[n][t] == "exact"]
+REFUSED = [(n, t) for n in RECURRENT_FAMILIES for t in TARGETS if RECURRENT_EXPECT[n][t] != "exact"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,20 @@ def test_recurrent_family_exact(name, target, family_exports, recurrent_refs):
     assert got == refs
     report = check(result.onnx_path)
     assert report.ok, report.format_text()
+
+
+@pytest.mark.parametrize("name,target", REFUSED, ids=[f"{n}-{t}" for n, t in REFUSED])
+def test_recurrent_family_refused(name, target, family_models, tmp_path):
+    """The cell's one-line refusal, from the config before the weights are read; nothing written."""
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as err:
+        export_model(family_models(name), out, ctx_len=CTX, prefill_seq_len=CHUNK, target=target,
+                     progress=lambda line: pytest.fail(f"progress before the refusal: {line}"))
+    assert str(err.value).startswith(RECURRENT_EXPECT[name][target][len("refused: "):])
+    assert "\n" not in str(err.value) and not out.exists()
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])

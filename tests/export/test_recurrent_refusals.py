@@ -1,6 +1,7 @@
 """Recurrent and linear-attention families qeff-kv does not export: refused from ``config.json`` alone (the config
 transformers 5.23 writes for the family), before any weight is read, in one line that says why; nothing written.
-The families it exports (Qwen3-Next, Qwen3.5's text model, LFM2, the Mamba2-mixer families) are not refused."""
+The families it exports (Qwen3-Next, Qwen3.5's text model, LFM2, Kimi Linear, Bailing-Hybrid, the Mamba2-mixer
+families) are not refused."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS
 transformers = pytest.importorskip("transformers")
 
 _SCAN = "selective scan (transformers' torch path) is a Python loop over every token"
-_PER_CHANNEL = ("its linear attention decays every key channel separately (a per-channel gate, looped over chunks of "
-                "64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
+_POOLED_INDEXER = ("its sparse attention picks keys through an indexer whose cache pools keys in blocks of index_kpool "
+                   "plus an incomplete tail pool (a retained state of its own, its top-k shared with the next layers), "
+                   "which qeff-kv's graphs do not keep")
 _PLE = ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated delta net's, "
         "not the peer's conv_state/recurrent_state pair")
 #: the config's top-level model_type -> the reason the refusal gives
@@ -35,9 +37,8 @@ WHY = {
               "the peer's conv_state/recurrent_state pair"),
     "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a cached "
                 "one"),
-    "kimi_linear": _PER_CHANNEL,
-    "bailing_hybrid": _PER_CHANNEL,
-    "glm5_next": _PER_CHANNEL,
+    "glm5_next": _POOLED_INDEXER,   # its default config's head_dim is 0 (NoPE MLA): the refusal still names the reason
+    "glm5_next_text": _POOLED_INDEXER,
     "qwen4_exp": _PLE,
     "qwen4_exp_text": _PLE,
     "inkling_mm_model": ("it convolves keys, values and each block's input with four short-conv states per layer, "
@@ -53,9 +54,6 @@ VLM_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "lfm2_
 
 def _config(model_type: str) -> dict:
     cfg = transformers.AutoConfig.for_model(model_type).to_dict()
-    for section in (cfg, cfg.get("text_config") or {}):
-        if section.get("head_dim") == 0:   # GLM-5-Next's default config leaves it unset; a checkpoint's is set
-            section["head_dim"] = 64
     cfg["architectures"] = [f"Tiny{model_type.title().replace('_', '')}ForCausalLM"]
     return cfg
 
@@ -87,7 +85,7 @@ def test_every_refused_type_has_a_reason_and_transformers_knows_it():
 
     assert set(RECURRENT_REFUSALS) <= set(CONFIG_MAPPING_NAMES)
     assert {"mamba", "falcon_mamba", "jamba", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm", "minimax",
-            "kimi_linear"} <= set(RECURRENT_REFUSALS)
+            "glm5_next"} <= set(RECURRENT_REFUSALS)
 
 
 @pytest.mark.parametrize("model_type", sorted(VLM_TEXT))
@@ -99,8 +97,8 @@ def test_vision_language_wrapper_over_recurrent_layers_names_its_text_model(mode
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "lfm2", "olmo_hybrid", "mamba2", "bamba",
-                                        "granitemoehybrid",
-                                        "falcon_h1", "nemotron_h"])
+                                        "granitemoehybrid", "falcon_h1", "nemotron_h", "kimi_linear",
+                                        "bailing_hybrid"])
 def test_exported_recurrent_families_are_not_refused(model_type):
     assert ModelFacts.from_config(_config(model_type)).recurrent_refusal() is None
 

@@ -290,6 +290,25 @@ RECURRENT_FAMILIES: dict[str, Family] = {
                        dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             num_dense_layers=1), note="short-conv layers, MoE"),
     "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM", dict(_SHORT_CONV), note="short-conv layers, gated attention"),
+    "kimi_linear": Family("KimiLinearConfig", "KimiLinearForCausalLM",
+                          dict(num_hidden_layers=3,
+                               layer_types=["linear_attention", "full_attention", "linear_attention"],
+                               mlp_layer_types=["dense", "sparse", "sparse"], linear_num_heads=2, linear_head_dim=16,
+                               linear_conv_kernel_dim=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                               topk_group=1),
+                          note="Kimi delta attention (per-channel decay; conv_state, recurrent_state), MLA attention "
+                               "without RoPE, MoE and dense MLPs"),
+    "bailing_hybrid": Family("BailingHybridConfig", "BailingHybridForCausalLM",
+                             dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                                    "linear_attention"],
+                                  mlp_layer_types=["dense", "sparse", "sparse"], head_dim=16, short_conv_kernel_size=4,
+                                  num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=16, v_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, n_group=1, topk_group=1),
+                             note="KDA with a bounded gate (kda_safe_gate), MLA with interleaved RoPE and a head-wise "
+                                  "output gate, MoE and dense MLPs"),
 }
 
 
@@ -347,6 +366,12 @@ def make_family_dir(name: str, root: Path, seed: int = 0) -> Path:
 #: tests/export/test_families.py proves every cell.
 EXACT_EVERYWHERE = {t: "exact" for t in TARGETS}
 EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in FAMILIES}
+#: the same per recurrent family (tests/export/test_recurrent_families.py proves every cell): the KDA families'
+#: attention layers are MLA, which GroupQueryAttention cannot express
+RECURRENT_EXPECT: dict[str, dict[str, str]] = {name: dict(EXACT_EVERYWHERE) for name in RECURRENT_FAMILIES}
+for _name, _cls in (("kimi_linear", "KimiLinearForCausalLM"), ("bailing_hybrid", "BailingHybridForCausalLM")):
+    RECURRENT_EXPECT[_name]["onnxruntime-fused"] = (f"refused: --target onnxruntime-fused cannot express {_cls}'s "
+                                                    f"multi-head latent attention")
 #: onnxruntime-fused refusals, from the config (qeff_kv/export/facts/family.py, ModelFacts.fused_refusal)
 EXPECT["gptj"]["onnxruntime-fused"] = "refused: --target onnxruntime-fused cannot express GPTJForCausalLM's attention"
 EXPECT["nemotron_h"] = {t: "refused: NemotronHForCausalLM has layers without any state" for t in TARGETS}

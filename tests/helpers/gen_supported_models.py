@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from families import EXPECT, FAMILIES, RECURRENT_FAMILIES, TARGETS  # noqa: E402
+from families import EXPECT, FAMILIES, RECURRENT_EXPECT, RECURRENT_FAMILIES, TARGETS  # noqa: E402
 
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS  # noqa: E402  (no torch)
 
@@ -105,10 +105,10 @@ Each cell is proved by `tests/export/test_mla.py` on a tiny seeded model.
 
 
 GATED_DELTA_HEADER = """
-## Gated delta net and short-conv families
+## Gated delta net, Kimi delta attention and short-conv families
 
-Their linear layers retain `conv_state.{i}` (and, for the gated delta net, `recurrent_state.{i}`), their attention
-layers `past_key.{i}` / `past_value.{i}`; see [export.md](export.md#gated-delta-net-and-short-conv-layers-qwen3-next-qwen35-lfm2).
+Their linear layers retain `conv_state.{i}` (and, for the gated delta net and Kimi delta attention,
+`recurrent_state.{i}`), their attention layers `past_key.{i}` / `past_value.{i}`; see [export.md](export.md#gated-delta-net-and-short-conv-layers-qwen3-next-qwen35-lfm2).
 Each cell is proved by `tests/export/test_recurrent_families.py` on a tiny seeded model (a linear layer on each side of an
 attention layer): verification at export over three chunks and a padded half one, exact buffer names, greedy tokens
 equal to transformers' on two prompts of four prefill chunks (the last padded), `check` passing; continuous
@@ -144,7 +144,8 @@ def render() -> str:
         lines.append(f"| {name} | `{cls}` | {note} | " + " | ".join(cells) + " |")
     lines.append(GATED_DELTA_HEADER)
     for name, fam in RECURRENT_FAMILIES.items():
-        lines.append(f"| {name} | `{fam.model_class}` | {fam.note} | " + " | ".join("exact" for _ in TARGETS) + " |")
+        cells = " | ".join(_cell(RECURRENT_EXPECT[name][t]) for t in TARGETS)
+        lines.append(f"| {name} | `{fam.model_class}` | {fam.note} | {cells} |")
     lines.append(REFUSED_RECURRENT_HEADER)
     for model_type, why in RECURRENT_REFUSALS.items():
         lines.append(f"| {model_type} | {why} |")

@@ -8,7 +8,7 @@ quirks a family adds to the mixer (Falcon-H1's multipliers, its ungated-norm var
 
 :func:`recurrent_facts` reads them from the language config; :meth:`RecurrentFacts.refusal` says, from the config
 alone, why a recurrent family cannot be exported (one line), before anything is loaded. A new mixer kind (a short
-convolution, a gated delta net) is one more reader in :data:`MIXERS` and one more module in
+convolution, a gated delta net, Kimi delta attention) is one more reader in :data:`MIXERS` and one more module in
 :mod:`qeff_kv.export.modeling.recurrent` that traces it.
 """
 
@@ -90,6 +90,9 @@ class RecurrentFacts:
         if getattr(options, "speculative_tokens", None) is not None:
             return (f"--speculative-tokens with {name}'s recurrent state: rejected drafts cannot be rewound out "
                     f"of a state every token overwrites")
+        if getattr(options, "mla_cache", None) == "latent":
+            return (f"--mla-cache latent with {name}'s recurrent layers: the compressed cache is absorbed only in "
+                    f"models whose every layer is MLA attention; export with --mla-cache full")
         if getattr(options, "ccl", None) is not None and not self.attention_layers:
             return f"--ccl limits attention; {name} has no attention layers"
         return None
@@ -188,12 +191,55 @@ def _short_conv(text: dict, architecture: str, model_type: str) -> RecurrentFact
         head_dim=0, d_state=0, n_groups=1, intermediate=hidden, keeps_recurrent_state=False)
 
 
+#: KDA families whose config sizes the linear heads by ``num_attention_heads``/``head_dim`` (transformers copies
+#: them into ``linear_*`` in the config's ``__post_init__``, then overwrites ``head_dim`` with the RoPE width, so a
+#: saved config carries ``linear_*``, a checkpoint's only the originals)
+_KDA_HEADS_FROM_ATTENTION = frozenset({"bailing_hybrid"})
+
+
+def _kda_default_layer_types(text: dict, sub: dict, num_layers: int, model_type: str) -> list[str]:
+    """The layer types transformers derives when the config has no ``layer_types``: a Kimi checkpoint's 1-based
+    ``kda_layers`` (else every 4th layer from layer 4 attends), Bailing-Hybrid's every ``layer_group_size``-th."""
+    if isinstance(sub.get("kda_layers"), list):
+        linear = {int(i) - 1 for i in sub["kda_layers"]}
+        return ["linear_attention" if i in linear else "full_attention" for i in range(num_layers)]
+    if model_type in _KDA_HEADS_FROM_ATTENTION:
+        group = int(text.get("layer_group_size") or 6)
+        return ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(num_layers)]
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _kda(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
+    """Kimi delta attention's facts (Kimi Linear, Bailing-Hybrid: ``linear_num_heads``/``linear_head_dim``/
+    ``linear_conv_kernel_dim``, or a Kimi checkpoint's ``linear_attn_config`` with 1-based ``kda_layers``/
+    ``full_attn_layers``, or a Bailing checkpoint's attention sizes): ``conv_state
+    [3 * heads * head_dim, kernel]`` (q, k and v convolved as one), ``recurrent_state [heads, head_dim, head_dim]``."""
+    sub = text.get("linear_attn_config") if isinstance(text.get("linear_attn_config"), dict) else {}
+    if model_type in _KDA_HEADS_FROM_ATTENTION and not sub:   # Bailing-Hybrid: its linear heads are the attention's
+        sub = {"num_heads": text.get("num_attention_heads"), "head_dim": text.get("head_dim"),
+               "short_conv_kernel_size": text.get("short_conv_kernel_size")}
+    heads = int_or_none(text.get("linear_num_heads") or sub.get("num_heads"))
+    dim = int_or_none(text.get("linear_head_dim") or sub.get("head_dim"))
+    if heads is None or dim is None:
+        return None
+    kernel = int(text.get("linear_conv_kernel_dim") or sub.get("short_conv_kernel_size") or 4)
+    num_layers = int(first_of(text, "num_hidden_layers", "n_layer", "num_layers") or 0)
+    if not isinstance(text.get("layer_types"), list):
+        text = dict(text, layer_types=_kda_default_layer_types(text, sub, num_layers, model_type))
+    mixer, attention, stateless = _layer_kinds(text, num_layers, model_type)
+    return RecurrentFacts(
+        mixer="kda", architecture=architecture, num_layers=num_layers, mixer_layers=mixer,
+        attention_layers=attention, stateless_layers=stateless, conv_kernel=kernel, conv_dim=3 * heads * dim,
+        heads=heads, head_dim=dim, d_state=dim, n_groups=1, intermediate=heads * dim)
+
+
 #: mixer readers, by the ``model_type`` values whose layers run them (transformers 5.23)
 MIXERS = {
     "mamba2": _mamba2, "bamba": _mamba2, "granitemoehybrid": _mamba2, "falcon_h1": _mamba2, "nemotron_h": _mamba2,
     "qwen3_next": _gated_delta, "qwen3_5_text": _gated_delta, "qwen3_5_moe_text": _gated_delta,
     "olmo_hybrid": _gated_delta,
     "lfm2": _short_conv, "lfm2_moe": _short_conv, "lfm3": _short_conv,
+    "kimi_linear": _kda, "bailing_hybrid": _kda,
 }
 
 
@@ -205,12 +251,13 @@ def recurrent_facts(text: dict, architecture: str, model_type: str) -> Recurrent
 
 # ------------------------------------------------------------------------------------------- refusals
 _SCAN = "selective scan (transformers' torch path) is a Python loop over every token"
-_PER_CHANNEL_DECAY = ("its linear attention decays every key channel separately (a per-channel gate, looped over "
-                      "chunks of 64 in Python), which qeff-kv's gated delta step (one decay per head) does not compute")
+_POOLED_INDEXER = ("its sparse attention picks keys through an indexer whose cache pools keys in blocks of "
+                   "index_kpool plus an incomplete tail pool (a retained state of its own, its top-k shared with the "
+                   "next layers), which qeff-kv's graphs do not keep")
 #: Recurrent and linear-attention families of transformers 5.23 that qeff-kv does not export, by ``model_type``
 #: (the language model's, or the top-level one), and why, read from their modeling code. Exported: Qwen3-Next,
-#: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``)
-#: and the Mamba2-mixer families.
+#: Qwen3.5, OLMo-Hybrid (gated delta net, ``export/gated_delta.py``), Kimi Linear and Bailing-Hybrid (Kimi delta
+#: attention, ``export/gated_delta.py``), LFM2 (short conv, ``export/short_conv.py``) and the Mamba2-mixer families.
 RECURRENT_REFUSALS: dict[str, str] = {
     "mamba": f"its Mamba (v1) {_SCAN}",
     "falcon_mamba": f"its Mamba (v1) {_SCAN}",
@@ -225,10 +272,8 @@ RECURRENT_REFUSALS: dict[str, str] = {
               "not the peer's conv_state/recurrent_state pair"),
     "minimax": ("its lightning attention loops in Python over blocks of a prompt and over every token after a "
                 "cached one"),
-    "kimi_linear": _PER_CHANNEL_DECAY,
-    "bailing_hybrid": _PER_CHANNEL_DECAY,
-    "glm5_next_text": _PER_CHANNEL_DECAY,
-    "glm5_next": _PER_CHANNEL_DECAY,
+    "glm5_next_text": _POOLED_INDEXER,
+    "glm5_next": _POOLED_INDEXER,
     "qwen4_exp_text": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "
                        "delta net's, not the peer's conv_state/recurrent_state pair"),
     "qwen4_exp": ("its per-layer-embedding blocks keep two more convolution states per layer besides the gated "

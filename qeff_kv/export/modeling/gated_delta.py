@@ -1,4 +1,5 @@
-"""The gated delta net (Qwen3-Next, Qwen3.5, OLMo-Hybrid) as one traceable step over a chunk of any length.
+"""The gated delta net (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and Kimi delta attention (Kimi Linear, Bailing-Hybrid)
+as one traceable step over a chunk of any length.
 
 transformers' torch path runs a prefill chunk as a Python loop over sub-chunks of 64 tokens whose count follows
 the prompt, solves each sub-chunk's triangular system with ``torch.linalg.solve_triangular`` (no ONNX op), and
@@ -22,6 +23,16 @@ last ``conv_kernel`` inputs of the depthwise convolution, as transformers' cache
 ``position_ids == -1``; right padding) leave both untouched: their ``beta`` and ``g`` are zero (no write, no
 decay) and the new conv state is the last ``conv_kernel`` *valid* inputs of each row; their output repeats
 the row's last valid one, as every other layer's does under the exporter's padding contract.
+
+**Kimi delta attention** (Kimi Linear, Bailing-Hybrid; :func:`kda_step`) is the same rule with a *per-channel*
+gate: a head's state ``S [Dk, Dv]`` decays by ``exp(g_t)``, ``g_t [Dk]`` one log decay per key channel. Within a
+sub-chunk, with ``G`` the running sum of ``g``, the decay from token ``j`` to token ``i >= j`` is
+``exp(G_i - G_j)`` per channel: a ``[T, T, Dk]`` tensor whose exponent is masked to ``i >= j`` before the ``exp``
+(never positive, so never overflowing); ``A[i, j] = sum_d beta_i k_id k_jd exp(G_id - G_jd)`` (``i > j``) is
+inverted by the same series, and the state leaves the sub-chunk as ``S0 * exp(G_T) + (k * exp(G_T - G))^T @
+v_new``, the decay per row of ``S``. Its ``conv_state`` is ``[batch, 3 * heads * head_dim, conv_kernel]`` (q, k and
+v convolved as one, as transformers' cache keeps them), its ``recurrent_state [batch, heads, head_dim, head_dim]``;
+padding as above.
 """
 
 from __future__ import annotations
@@ -189,4 +200,103 @@ def gated_delta_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tenso
     shape = out.shape
     out = _norm(mixer)(out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).reshape(shape)
     out = _out_proj(mixer)(out.reshape(bsz, seq, -1))
+    return repeat_last_valid(out, valid), new_conv, new_state.to(recurrent_state.dtype)
+
+
+# ----------------------------------------------------- Kimi delta attention (per-channel decay)
+_KDA_PARTS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
+
+
+def is_kda_mixer(module) -> bool:
+    """A transformers KDA mixer (Kimi Linear's ``KimiLinearDeltaAttention``, Bailing-Hybrid's
+    ``BailingHybridDeltaAttention``): q/k/v projections into one depthwise convolution, a per-channel
+    ``forget_gate``, ``b_proj`` (beta), an output gate (Kimi's low-rank ``g_a_proj``/``g_b_proj``, Bailing's
+    ``g_proj``), the gated norm ``o_norm`` and ``o_proj``."""
+    gate = hasattr(module, "g_proj") or (hasattr(module, "g_a_proj") and hasattr(module, "g_b_proj"))
+    return gate and all(hasattr(module, p) for p in _KDA_PARTS)
+
+
+def _output_gate(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hasattr(mixer, "g_proj"):
+        return mixer.g_proj(hidden_states)
+    return mixer.g_b_proj(mixer.g_a_proj(hidden_states))
+
+
+def kda_geometry(module) -> tuple[int, int, int]:
+    """``(conv_dim, conv_kernel, heads)`` of a KDA mixer module."""
+    return int(module.conv1d.weight.shape[0]), int(module.conv1d.weight.shape[-1]), int(module.num_heads)
+
+
+def _kda_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' (and FLA's) ``x / sqrt(sum x^2 + eps)``."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_sub_chunk(query, key, value, g, beta, state):
+    """One sub-chunk (at most :data:`SUB_CHUNK` tokens, possibly none), all ``float32``: ``query``/``key``
+    ``[B, H, T, Dk]`` (normalised, query scaled), ``value [B, H, T, Dv]``, ``g [B, H, T, Dk]`` (log decay per
+    channel), ``beta [B, H, T]``, ``state [B, H, Dk, Dv]``. Returns the output ``[B, H, T, Dv]`` and the state."""
+    seq = query.shape[2]
+    idx = torch.arange(seq, device=query.device)
+    lower = (idx.unsqueeze(1) >= idx.unsqueeze(0)).unsqueeze(-1)      # [T, T, 1]: i >= j
+    strict = idx.unsqueeze(1) > idx.unsqueeze(0)                      # [T, T]: i > j
+    cum = g.cumsum(dim=2)                                              # [B, H, T, Dk]
+    diff = cum.unsqueeze(3) - cum.unsqueeze(2)                         # [B, H, T(i), T(j), Dk]: G_i - G_j
+    zero = torch.zeros_like(diff)
+    decay = torch.where(lower, torch.exp(torch.where(lower, diff, zero)), zero)
+    k_beta = key * beta.unsqueeze(-1)
+    v_beta = value * beta.unsqueeze(-1)
+    kk = (k_beta.unsqueeze(3) * key.unsqueeze(2) * decay).sum(dim=-1)  # [B, H, T, T]
+    inv = unit_lower_inverse(torch.where(strict, kk, torch.zeros_like(kk)), SUB_CHUNK)
+    new_values = inv @ v_beta
+    k_cumdecay = inv @ (k_beta * cum.exp())
+    v_new = new_values - k_cumdecay @ state
+    intra = (query.unsqueeze(3) * key.unsqueeze(2) * decay).sum(dim=-1)   # zero above the diagonal
+    out = (query * cum.exp()) @ state + intra @ v_new
+    total = g.sum(dim=2, keepdim=True)                                 # [B, H, 1, Dk]: 0 for an empty sub-chunk
+    new_state = state * total.transpose(-1, -2).exp() + (key * torch.exp(total - cum)).transpose(-1, -2) @ v_new
+    return out, new_state
+
+
+def kda_rule(query, key, value, g, beta, state, max_len: int):
+    """The KDA rule over a chunk of up to ``max_len`` tokens in fixed slices of :data:`SUB_CHUNK` (shapes as
+    :func:`kda_sub_chunk`, ``T`` any length)."""
+    outs = []
+    tracing = torch.jit.is_tracing()
+    for start in range(0, max(int(max_len), 1), SUB_CHUNK):
+        if not tracing and start >= query.shape[2]:
+            break   # eager: the slices past the chunk are empty (a graph keeps them, empty at run time)
+        part = slice(start, start + SUB_CHUNK)
+        out, state = kda_sub_chunk(query[:, :, part], key[:, :, part], value[:, :, part], g[:, :, part],
+                                   beta[:, :, part], state)
+        outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+def kda_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+             valid: torch.Tensor, max_len: int):
+    """One chunk of ``mixer`` (transformers' ``KimiLinearDeltaAttention``) continuing from its retained states.
+
+    ``hidden_states [B, T, hidden]``, ``valid [B, T]`` bool (false on right padding), ``max_len``: the longest
+    chunk the step must be exact for. Returns ``(output [B, T, hidden], conv_state, recurrent_state)``; a padded
+    row's output is its row's last valid one."""
+    bsz, seq = hidden_states.shape[:2]
+    heads, dim = int(mixer.num_heads), int(mixer.head_dim)
+    mixed = torch.cat([mixer.q_proj(hidden_states), mixer.k_proj(hidden_states), mixer.v_proj(hidden_states)],
+                      dim=-1).transpose(1, 2)
+    mixed, new_conv = causal_conv_step(mixed, conv_state, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
+                                       valid, activation=mixer.activation)
+    query, key, value = (x.reshape(bsz, seq, heads, dim) for x in torch.split(mixed.transpose(1, 2), heads * dim, -1))
+    keep = valid.reshape(bsz, seq, 1)
+    g = mixer.forget_gate(hidden_states).float()                       # [B, T, H, Dk]
+    g = torch.where(keep.unsqueeze(-1), g, torch.zeros_like(g))
+    beta = torch.sigmoid(mixer.b_proj(hidden_states)).float()          # [B, T, H]
+    beta = torch.where(keep, beta, torch.zeros_like(beta))
+    query, key, value, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
+    query = _kda_l2norm(query) * (dim ** -0.5)
+    key = _kda_l2norm(key)
+    out, new_state = kda_rule(query, key, value, g, beta, recurrent_state.float(), max_len)
+    out = out.transpose(1, 2).to(hidden_states.dtype)                  # [B, T, H, Dv]
+    gate = _output_gate(mixer, hidden_states).reshape(bsz, seq, heads, dim)
+    out = mixer.o_proj(mixer.o_norm(out, gate).reshape(bsz, seq, -1))
     return repeat_last_valid(out, valid), new_conv, new_state.to(recurrent_state.dtype)

@@ -4,7 +4,8 @@
 The wrapper (:class:`~qeff_kv.export.wrapper.RetainedStateLM`) builds one :class:`RecurrentStep` per traced step
 from the graph's recurrent inputs, and :func:`mixers_routed` routes every mixer module of the model to the traced
 form of its kind (:data:`MIXER_STEPS`; ``"mamba2"``: :func:`mamba2_step`; ``"gated_delta"``: Qwen3-Next's and
-Qwen3.5's gated delta net, :mod:`.gated_delta`; ``"short_conv"``: LFM2's short convolution, :mod:`.short_conv`)
+Qwen3.5's gated delta net, :mod:`.gated_delta`; ``"kda"``: Kimi Linear's and Bailing-Hybrid's Kimi delta attention,
+:mod:`.gated_delta`; ``"short_conv"``: LFM2's short convolution, :mod:`.short_conv`)
 for the duration of the decoder call.
 
 Invariants of every mixer step:
@@ -164,6 +165,15 @@ def gated_delta_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: Recurr
     return out
 
 
+def kda_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+    """Kimi Linear's delta attention (per-channel decay) over the layer's carried states (:mod:`.gated_delta`)."""
+    conv_old, rec_old = step.read(mixer.layer_idx)
+    out, conv_new, rec_new = gated_delta.kda_step(mixer, hidden, conv_old, rec_old, step.valid,
+                                                  max_len=int(hidden.shape[1]))
+    step.write(mixer.layer_idx, [conv_new, rec_new])
+    return out
+
+
 def short_conv_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
     """LFM2's short convolution over the layer's carried ``conv_state`` (:mod:`.short_conv`)."""
     (conv_old,) = step.read(mixer.layer_idx)
@@ -173,13 +183,15 @@ def short_conv_layer(mixer: torch.nn.Module, hidden: torch.Tensor, step: Recurre
 
 
 #: mixer kind (``RecurrentFacts.mixer``) -> the traced step of one layer
-MIXER_STEPS = {"mamba2": mamba2_step, "gated_delta": gated_delta_layer, "short_conv": short_conv_layer}
+MIXER_STEPS = {"mamba2": mamba2_step, "gated_delta": gated_delta_layer, "short_conv": short_conv_layer,
+               "kda": kda_layer}
 #: mixer kind -> whether a module is the mixer of that kind
 _MIXER_PARTS = {"mamba2": ("in_proj", "conv1d", "A_log", "dt_bias", "D", "out_proj", "norm")}
 _IS_MIXER = {
     "mamba2": lambda m: all(hasattr(m, p) for p in _MIXER_PARTS["mamba2"]),
     "gated_delta": gated_delta.is_gated_delta_mixer,
     "short_conv": short_conv.is_short_conv_mixer,
+    "kda": gated_delta.is_kda_mixer,
 }
 #: the geometry a mixer module must share with its facts (a module, or the facts), per kind
 _MIXER_GEOMETRY = {
@@ -189,6 +201,8 @@ _MIXER_GEOMETRY = {
                               if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel, x.heads)),
     "short_conv": lambda x: ((int(x.conv.weight.shape[0]), int(x.conv.weight.shape[-1]))
                              if isinstance(x, torch.nn.Module) else (x.conv_dim, x.conv_kernel)),
+    "kda": lambda x: (gated_delta.kda_geometry(x) if isinstance(x, torch.nn.Module)
+                      else (x.conv_dim, x.conv_kernel, x.heads)),
 }
 
 

@@ -8,8 +8,8 @@ its conversion mapping (``transformers.conversion_mapping``: renamings, then at 
 key whose ``operations`` stack the experts, ``MergeModulelist``, and join the gate and up halves,
 ``Concatenate``). The facts are read from transformers itself (:func:`converted_store`), not re-typed per
 family: each checkpoint key is renamed by transformers' own ``rename_source_key``, and the converters' operations
-are read (only the stacking and joining ones are streamed; any other conversion refuses streaming, and the model
-loads whole as before).
+are read (only the stacking and joining ones are streamed, and a lone join of several tensors such as Kimi
+Linear's q/k/v convolutions; any other conversion refuses streaming, and the model loads whole as before).
 
 :class:`ConvertedStore` answers for the model's parameter names what :class:`.checkpoint_store.CheckpointStore`
 answers for the checkpoint's keys (``keys``, ``shape``, ``array``, ``chunks``): a fused parameter is assembled
@@ -31,18 +31,28 @@ class ConversionRefused(Exception):
 @dataclass(frozen=True)
 class Fused:
     """A parameter assembled from per-expert checkpoint tensors: ``parts[p][e]`` is source pattern ``p``'s
-    tensor of expert ``e``; the experts are stacked on ``stack_dim`` and the patterns joined on ``cat_dim``."""
+    tensor of expert ``e``; the experts are stacked on ``stack_dim`` and the patterns joined on ``cat_dim``.
+    ``stack_dim`` ``None``: no experts, one tensor per pattern joined on ``cat_dim`` (Kimi Linear's q/k/v
+    convolutions into one ``conv1d.weight``)."""
 
     parts: tuple[tuple[str, ...], ...]
-    stack_dim: int
+    stack_dim: int | None
     cat_dim: int
     shape: tuple[int, ...]
 
+    @property
+    def inner_cat(self) -> int:
+        """The joined axis in one expert's tensor."""
+        return self.cat_dim if self.stack_dim is None else self.cat_dim - (self.cat_dim > self.stack_dim)
 
-def conversion_ops(converter) -> tuple[int, int]:
+
+def conversion_ops(converter) -> tuple[int | None, int]:
     """``(stack_dim, cat_dim)`` of a converter whose operations are ``MergeModulelist`` then (optionally)
-    ``Concatenate``; refuses (:class:`ConversionRefused`) any other operation."""
+    ``Concatenate``, or ``(None, cat_dim)`` for a lone ``Concatenate`` of several tensors; refuses
+    (:class:`ConversionRefused`) any other operation."""
     names = [type(op).__name__ for op in converter.operations]
+    if names == ["Concatenate"] and len(converter.source_patterns) > 1:
+        return None, int(converter.operations[0].dim)
     if names not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
         raise ConversionRefused(f"the checkpoint converts {converter.target_patterns[0]} by "
                                 f"{' then '.join(names)}, which is not streamed")
@@ -83,18 +93,20 @@ def key_map(model, checkpoint_keys, shape_of) -> tuple[dict[str, str], dict[str,
 
 def _fused(target: str, converter, by_pattern: dict[str, list[str]], shape_of) -> Fused:
     stack, cat = conversion_ops(converter)
-    inner_cat = cat - (cat > stack)   # the joined axis in one expert's tensor
+    inner_cat = Fused((), stack, cat, ()).inner_cat
     parts = tuple(tuple(by_pattern.get(p, ())) for p in converter.source_patterns)
     shapes = [{shape_of(k) for k in keys} for keys in parts]
     counts = [len(keys) for keys in parts]
     if min(counts) == 0 or len(set(counts)) > 1 or any(len(s) != 1 for s in shapes) \
-            or len({s[:inner_cat] + s[inner_cat + 1:] for (s,) in shapes}) != 1:
+            or len({s[:inner_cat] + s[inner_cat + 1:] for (s,) in shapes}) != 1 \
+            or (stack is None and counts[0] != 1):
         raise ConversionRefused(f"{target}: the checkpoint's experts do not stack (per pattern {counts} tensors "
                                 f"of shapes {[sorted(s) for s in shapes]})")
     first = next(iter(shapes[0]))
     shape = list(first)
     shape[inner_cat] = sum(next(iter(s))[inner_cat] for s in shapes)
-    shape.insert(stack, counts[0])
+    if stack is not None:
+        shape.insert(stack, counts[0])
     return Fused(parts, stack, cat, tuple(shape))
 
 
@@ -122,7 +134,7 @@ class ConvertedStore:
     def _slab(self, f: Fused, e: int, dtype, out: np.ndarray) -> None:
         """Expert ``e``'s tensors of every pattern into ``out`` (the fused tensor indexed at ``e`` on its
         stacking axis), joined on the pattern axis."""
-        inner_cat = f.cat_dim - (f.cat_dim > f.stack_dim)
+        inner_cat = f.inner_cat
         at = 0
         for keys in f.parts:
             part = self.inner.array(keys[e], dtype)
@@ -139,6 +151,9 @@ class ConvertedStore:
         if f is None:
             return self.inner.array(self.renamed.get(key, key), dtype)
         out = self.inner.hold(np.empty(f.shape, dtype=_np_dtype(dtype)))
+        if f.stack_dim is None:   # one tensor per pattern, joined
+            self._slab(f, 0, dtype, out)
+            return out
         for e in range(f.shape[f.stack_dim]):
             self._slab(f, e, dtype, np.moveaxis(out, f.stack_dim, 0)[e])
         return out

@@ -111,7 +111,10 @@ class Plan:
     shapes: dict[int, tuple] = field(default_factory=dict)      # storage data_ptr -> the parameter's shape
     names: dict[int, str] = field(default_factory=dict)         # storage data_ptr -> first parameter name
     params: list = field(default_factory=list)                  # the stand-ins themselves
+    #: the narrowest parameter dtype (the export dtype; what the stand-ins' class numbers must fit)
     dtype: object = None
+    #: checkpoint key -> its parameter's dtype (a module kept in float32 in a float16 model keeps its weights so)
+    key_dtypes: dict = field(default_factory=dict)
 
     def key_of(self, tensor) -> str | None:
         return self.keys.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
@@ -131,7 +134,9 @@ def plan(model, store) -> Plan:
             raise StreamRefused(f"{name}: checkpoint shape {store.shape(name)}, model shape {tuple(p.shape)}")
         out.keys[ptr], out.shapes[ptr], out.names[ptr] = name, tuple(p.shape), name
         out.params.append(p)
-        out.dtype = p.dtype
+        out.key_dtypes[name] = p.dtype
+        if out.dtype is None or p.element_size() < out.dtype.itemsize:
+            out.dtype = p.dtype
     return out
 
 
@@ -178,9 +183,10 @@ def lineage(params: dict, the_plan: Plan) -> dict:
     return out
 
 
-def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
+def attach_weights(model: ir.Model, sources: dict, store, torch_dtype, key_dtypes: dict | None = None) -> int:
     """The raw graph's parameter inputs (named in ``sources``) become initializers: real arrays as they are,
-    checkpoint tensors as lazy tensors read at save time. Returns how many are lazy."""
+    checkpoint tensors as lazy tensors read at save time, in ``torch_dtype`` or their parameter's own dtype
+    (``key_dtypes``: checkpoint key -> dtype, as the trace saw it). Returns how many are lazy."""
     graph = model.graph
     lazy = 0
     for value in list(graph.inputs):
@@ -191,7 +197,8 @@ def attach_weights(model: ir.Model, sources: dict, store, torch_dtype) -> int:
         if isinstance(src, np.ndarray):
             value.const_value = ir.tensor(src, name=value.name)
         else:
-            value.const_value = lazy_tensor(store, src[0], src[1], torch_dtype, value.name, *src[2:])
+            dtype = (key_dtypes or {}).get(src[0], torch_dtype)
+            value.const_value = lazy_tensor(store, src[0], src[1], dtype, value.name, *src[2:])
             lazy += 1
         graph.register_initializer(value)
     return lazy
@@ -383,7 +390,8 @@ class Streamed:
 
     def attach(self, ir_model: ir.Model, recorded: dict) -> int:
         """The captured graph's parameters as initializers (lazy where they come from the checkpoint)."""
-        return attach_weights(ir_model, lineage(recorded["params"], self.plan), self.store, self.plan.dtype)
+        return attach_weights(ir_model, lineage(recorded["params"], self.plan), self.store, self.plan.dtype,
+                              self.plan.key_dtypes)
 
 
 def _skeleton_and_store(source, dtype):
