@@ -290,3 +290,29 @@ def test_recurrent_layers_never_apply_rope():
     assert rope(layers_block_type=["mamba", "attention", "mlp", "moe"]) == (1,)
     assert rope(layer_types=["full_attention", "sliding_attention"] * 2) == (0, 1, 2, 3)
     assert rope() == (0, 1, 2, 3)
+
+
+def test_mixer_layer_types_are_the_recurrent_layer_type_names():
+    """A decoder that takes one mask per layer type (LFM3) also looks up its mixer layers' type (``"conv"``): the
+    fact names those types, once each, and none for attention-only or list-less configs."""
+    assert facts(model_type="lfm3", conv_L_cache=3, hidden_size=64,
+                 layer_types=["conv", "sliding_attention", "conv", "full_attention"]).mixer_layer_types == ("conv",)
+    assert facts(layer_types=["linear_attention", "full_attention"] * 2).mixer_layer_types == ("linear_attention",)
+    assert facts(layer_types=["sliding_attention", "full_attention"] * 2).mixer_layer_types == ()
+    assert facts().mixer_layer_types == ()
+
+
+def test_a_per_type_mask_dict_names_the_mixer_types_without_a_mask():
+    """SlidingPlan.masks: with ring layers and full layers the decoder gets ``{type: mask}``; a mixer layer type
+    maps to ``None`` (transformers looks every type of ``layer_types`` up: without it, ``KeyError: 'conv'``)."""
+    torch = pytest.importorskip("torch")
+    from qeff_kv.export.modeling.caches import SlidingPlan
+
+    plan = SlidingPlan(4, 6, ring_layers=(1,), unmasked_types=("conv",))
+    pos = torch.arange(4).reshape(1, 4)
+    ring = plan.ring_step(pos, torch.zeros(1, 4, dtype=torch.bool), torch.float32)
+    full = torch.zeros(1, 1, 4, 32)
+    masks = plan.masks(full, ring)
+    assert set(masks) == {"full_attention", "sliding_attention", "conv"}
+    assert masks["conv"] is None and masks["full_attention"] is full and masks["sliding_attention"] is ring.mask
+    assert SlidingPlan(4, None, unmasked_types=("conv",)).masks(full, None) is full   # one mask: left as it is

@@ -244,7 +244,11 @@ RECURRENT_FAMILIES: dict[str, Family] = {
     "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
                        dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             num_dense_layers=1), note="short-conv layers, MoE"),
-    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM", dict(_SHORT_CONV), note="short-conv layers, gated attention"),
+    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM",
+                   dict(conv_L_cache=3, num_hidden_layers=4, head_dim=16, sliding_window=SW,
+                        layer_types=["conv", "sliding_attention", "conv", "full_attention"]),
+                   note=f"short-conv layers, gated attention, a sliding layer (window {SW}: a ring buffer on the "
+                        "ScatterND targets) and a full one with proportional partial RoPE"),
 }
 
 

@@ -17,7 +17,7 @@ from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_n
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
     latent_attention, logits_scaling, longrope_threshold, rope_layers, rope_types, sliding_layers)
-from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
+from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, mixer_layer_types, recurrent_facts
 
 
 def text_config(config: dict) -> dict:
@@ -91,6 +91,9 @@ class ModelFacts:
     #: recurrent / hybrid models: the mixer, its layers and its state geometry (:mod:`.recurrent_facts`);
     #: ``None`` for attention-only models
     recurrent: RecurrentFacts | None = None
+    #: ``layer_types`` names of recurrent mixer layers (LFM3's ``"conv"``): keys of a per-layer-type mask dict
+    #: that get no mask (:func:`.recurrent_facts.mixer_layer_types`)
+    mixer_layer_types: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -127,6 +130,7 @@ class ModelFacts:
             **chunked_attention(text, num_layers),
             top_model_type=str(config.get("model_type") or ""),
             recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
+            mixer_layer_types=mixer_layer_types(text),
         )
 
     # ---------------------------------------------------------------------------------------- refusals
