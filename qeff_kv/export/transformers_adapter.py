@@ -29,7 +29,9 @@ an attention module's cache keyword           :func:`attention_cache` (patched f
 ``modeling_rope_utils.dynamic_rope_update``,  :func:`dynamic_rope_decorator_code`,                   5.23
 ``ROPE_INIT_FUNCTIONS``                       :func:`rope_init_functions`
 ``activations.ACT2FN``                        :func:`activation`                                     5.23
-``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``         :func:`causal_lm_architectures`                        5.23
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``         :func:`causal_lm_architectures`,                       5.23
+                                              :func:`causal_lm_loader` (its own ``*ForCausalLM``
+                                              class where the mapping lacks the type: Mistral4)
 module-level helpers of a modeling file       :func:`modeling_module` (``rotate_half``,             5.23
 (``rotate_half``, ``apply_rotary_pos_emb``)   ``apply_rotary_pos_emb`` patched while tracing)
 ``logging.set_verbosity_error``,              :func:`import_transformers` (quiet, version-checked)   5.23
@@ -291,3 +293,35 @@ def gguf_tensor_helpers(arch: str):
     processor_class = tg.TENSOR_PROCESSORS.get(arch, tg.TensorProcessor)
     return (lambda config: processor_class(config=config), tg.get_gguf_hf_weights_map,
             lambda path: tg.load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+
+
+class _ClassLoader:
+    """A model class with the auto classes' two loading calls (``from_config`` is transformers' ``_from_config``,
+    what ``AutoModel.from_config`` calls on the class it picks)."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def from_pretrained(self, *args, **kwargs):
+        return self.cls.from_pretrained(*args, **kwargs)
+
+    def from_config(self, config, **kwargs):
+        return self.cls._from_config(config, **kwargs)
+
+
+def causal_lm_loader(transformers, config):
+    """What loads the text decoder of ``config`` (``config.json`` as a dict, or a transformers config):
+    ``AutoModelForCausalLM`` where transformers maps its ``model_type`` to a causal LM; else the ``*ForCausalLM``
+    class its ``architectures`` names, when transformers ships it for that very ``model_type`` (Mistral4: its
+    ``Mistral4ForCausalLM`` exists, but 5.24 maps ``mistral4`` only for pretraining and image-text-to-text).
+    Otherwise ``AutoModelForCausalLM``, whose own error then names the config class."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    model_type = str(get("model_type") or "")
+    auto = transformers.AutoModelForCausalLM
+    if not model_type or model_type in causal_lm_architectures():
+        return auto
+    for name in get("architectures") or ():
+        cls = getattr(transformers, str(name), None) if str(name).endswith("ForCausalLM") else None
+        if cls is not None and getattr(getattr(cls, "config_class", None), "model_type", None) == model_type:
+            return _ClassLoader(cls)
+    return auto

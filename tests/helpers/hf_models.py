@@ -48,13 +48,28 @@ def make_model_dir(arch: str, root: Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+def load_causal_lm(model_dir: Path):
+    """The folder's causal LM in fp32 with eager attention: ``AutoModelForCausalLM``, or the class the config's
+    ``architectures`` names where transformers maps the type to no causal LM (Mistral4)."""
+    import torch
+    import transformers
+
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        arch = transformers.AutoConfig.from_pretrained(model_dir).architectures[0]
+        return getattr(transformers, arch).from_pretrained(model_dir, **kw).eval()
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers ``generate`` (eager attention, fp32)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load_causal_lm(model_dir)
     ids = torch.tensor([prompt], dtype=torch.int64)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -69,8 +84,7 @@ def hf_greedy_whole(model_dir: Path, prompt: list[int], max_new_tokens: int) -> 
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load_causal_lm(model_dir)
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(max_new_tokens):
