@@ -316,3 +316,16 @@ def test_a_per_type_mask_dict_names_the_mixer_types_without_a_mask():
     assert set(masks) == {"full_attention", "sliding_attention", "conv"}
     assert masks["conv"] is None and masks["full_attention"] is full and masks["sliding_attention"] is ring.mask
     assert SlidingPlan(4, None, unmasked_types=("conv",)).masks(full, None) is full   # one mask: left as it is
+
+
+def test_exaone45_text_model_is_read_as_exaone4():
+    """Exaone4.5's ``config.json`` may name its text model ``exaone4_5_text``, which transformers reads as exaone4:
+    the facts too (its global layers without RoPE when a window is set), whichever name the file uses."""
+    text = dict(num_hidden_layers=4, sliding_window=6, head_dim=16,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    for name in ("exaone4", "exaone4_5_text"):
+        f = ModelFacts.from_config({"architectures": ["Exaone4_5_ForConditionalGeneration"], "model_type": "exaone4_5",
+                                    "image_token_id": 67, "vision_config": {"depth": 2},
+                                    "text_config": {**text, "model_type": name}})
+        assert f.model_type == "exaone4" and f.rope_layers == (0, 2) and f.vision_language and not f.mrope
+        assert f.vision_refusal() is None

@@ -20,10 +20,19 @@ from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tes
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, mixer_layer_types, recurrent_facts
 
 
+#: language models that a vision-language ``config.json`` names by a type of its own, which transformers reads as
+#: another family's (Exaone4.5's ``exaone4_5_text`` is exaone4: ``Exaone4_5_Config.__post_init__``, 5.24)
+TEXT_MODEL_TYPE_ALIASES = {"exaone4_5_text": "exaone4"}
+
+
 def text_config(config: dict) -> dict:
-    """The language model's section of a config: ``text_config`` for multimodal configs, else the config."""
+    """The language model's section of a config: ``text_config`` for multimodal configs (its ``model_type`` read as
+    transformers reads it, :data:`TEXT_MODEL_TYPE_ALIASES`), else the config."""
     sub = config.get("text_config")
-    return sub if isinstance(sub, dict) else config
+    if not isinstance(sub, dict):
+        return config
+    alias = TEXT_MODEL_TYPE_ALIASES.get(str(sub.get("model_type")))
+    return sub if alias is None else {**sub, "model_type": alias}
 
 
 @dataclass(frozen=True)
