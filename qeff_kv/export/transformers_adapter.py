@@ -295,26 +295,13 @@ def gguf_tensor_helpers(arch: str):
             lambda path: tg.load_gguf_checkpoint(str(path), return_tensors=False)["config"])
 
 
-class _ClassLoader:
-    """A model class with the auto classes' two loading calls (``from_config`` is transformers' ``_from_config``,
-    what ``AutoModel.from_config`` calls on the class it picks)."""
-
-    def __init__(self, cls):
-        self.cls = cls
-
-    def from_pretrained(self, *args, **kwargs):
-        return self.cls.from_pretrained(*args, **kwargs)
-
-    def from_config(self, config, **kwargs):
-        return self.cls._from_config(config, **kwargs)
-
-
 def causal_lm_loader(transformers, config):
-    """What loads the text decoder of ``config`` (``config.json`` as a dict, or a transformers config):
-    ``AutoModelForCausalLM`` where transformers maps its ``model_type`` to a causal LM; else the ``*ForCausalLM``
-    class its ``architectures`` names, when transformers ships it for that very ``model_type`` (Mistral4: its
-    ``Mistral4ForCausalLM`` exists, but 5.24 maps ``mistral4`` only for pretraining and image-text-to-text).
-    Otherwise ``AutoModelForCausalLM``, whose own error then names the config class."""
+    """The auto class that loads the text decoder of ``config`` (``config.json`` as a dict, or a transformers
+    config): ``AutoModelForCausalLM``, where transformers maps its ``model_type`` to a causal LM. Where it does not,
+    the ``*ForCausalLM`` class that ``architectures`` names, when transformers ships it for that very
+    ``model_type`` (Mistral4: ``Mistral4ForCausalLM`` exists, but 5.24 maps ``mistral4`` only for pretraining and
+    image-text-to-text), is registered for its config class first (``AutoModelForCausalLM.register``, transformers'
+    public way to map a config to a model class). Otherwise the Auto class's own error names the config class."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     model_type = str(get("model_type") or "")
     auto = transformers.AutoModelForCausalLM
@@ -322,6 +309,8 @@ def causal_lm_loader(transformers, config):
         return auto
     for name in get("architectures") or ():
         cls = getattr(transformers, str(name), None) if str(name).endswith("ForCausalLM") else None
-        if cls is not None and getattr(getattr(cls, "config_class", None), "model_type", None) == model_type:
-            return _ClassLoader(cls)
+        config_class = getattr(cls, "config_class", None)
+        if cls is not None and getattr(config_class, "model_type", None) == model_type:
+            auto.register(config_class, cls, exist_ok=True)
+            break
     return auto
