@@ -139,7 +139,7 @@ class ProbeRunner:
 
         if vision_path is not None:
             opts = ort.SessionOptions()
-            opts.log_severity_level = 3
+            opts.log_severity_level = capture.onnxruntime_log_severity()
             with capture.library_output():
                 vis = ort.InferenceSession(str(vision_path), opts, providers=["CPUExecutionProvider"])
             self.extra["vision_embeds"] = vis.run(None, {"pixel_values": pixel_values})[0]
@@ -295,7 +295,8 @@ def open_session_on(onnx_path: Path, float32_kernels: bool = False, *, packed: b
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts.log_severity_level = capture.onnxruntime_log_severity()   # a node failing at run time: our one line
+    ort.set_default_logger_severity(capture.onnxruntime_log_severity())
     copy, quantized = float32_kernels_copy(onnx_path) if float32_kernels else (None, False)
     # the weights stay in the memory-mapped external data file instead of a prepacked copy (a 1.45 GB
     # float32 graph: 1.68 GB resident after loading with prepacking, 0.08 GB without; docs/export.md)

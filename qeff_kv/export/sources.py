@@ -194,7 +194,7 @@ class FolderSource(ModelSource):
             return folder.load_dequantized(self.path, self.config(), scheme, _torch_dtype(torch, options), say)
         say(f"loading {self.path}")
         vision = isinstance(self.config().get("vision_config"), dict)
-        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+        auto = transformers.AutoModelForImageTextToText if vision else hf.causal_lm_loader(transformers, self.config())
         try:
             model, info = auto.from_pretrained(
                 self.path, dtype=_torch_dtype(torch, options), attn_implementation="eager", use_safetensors=True,

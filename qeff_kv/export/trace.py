@@ -197,7 +197,8 @@ def _wrapper(model, options: opt.ExportOptions, facts, spec: statespec.StateSpec
     max_positions = max(options.ctx_len, int(getattr(text_cfg, "max_position_embeddings", 0) or 0))
     # the fused target windows GroupQueryAttention itself and never reads the windowed mask
     sliding = SlidingPlan(num_layers, facts.sliding_window, spec.ring_layers, facts.windowed_layers(options),
-                          chunk=facts.attention_chunk if facts.chunked_layers else None)
+                          chunk=facts.attention_chunk if facts.chunked_layers else None,
+                          unmasked_types=facts.mixer_layer_types)
     target = targets.get(options.target)(model, facts, sliding, max_positions=max_positions,
                                          continuous_batching=options.continuous_batching,
                                          ccl=options.ccl is not None)

@@ -30,7 +30,9 @@ an attention module's cache keyword           :func:`attention_cache` (patched f
 ``modeling_rope_utils.dynamic_rope_update``,  :func:`dynamic_rope_decorator_code`,                   5.23
 ``ROPE_INIT_FUNCTIONS``                       :func:`rope_init_functions`
 ``activations.ACT2FN``                        :func:`activation`                                     5.23
-``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``         :func:`causal_lm_architectures`                        5.23
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``         :func:`causal_lm_architectures`,                       5.23
+                                              :func:`causal_lm_loader` (its own ``*ForCausalLM``
+                                              class where the mapping lacks the type: Mistral4)
 module-level helpers of a modeling file       :func:`modeling_module` (``rotate_half``,             5.23
 (``rotate_half``, ``apply_rotary_pos_emb``)   ``apply_rotary_pos_emb`` patched while tracing)
 ``logging.set_verbosity_error``,              :func:`import_transformers` (quiet, version-checked)   5.23
@@ -301,3 +303,24 @@ def gguf_tensor_helpers(arch: str):
     processor_class = tg.TENSOR_PROCESSORS.get(arch, tg.TensorProcessor)
     return (lambda config: processor_class(config=config), tg.get_gguf_hf_weights_map,
             lambda path: tg.load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+
+
+def causal_lm_loader(transformers, config):
+    """The auto class that loads the text decoder of ``config`` (``config.json`` as a dict, or a transformers
+    config): ``AutoModelForCausalLM``, where transformers maps its ``model_type`` to a causal LM. Where it does not,
+    the ``*ForCausalLM`` class that ``architectures`` names, when transformers ships it for that very
+    ``model_type`` (Mistral4: ``Mistral4ForCausalLM`` exists, but 5.24 maps ``mistral4`` only for pretraining and
+    image-text-to-text), is registered for its config class first (``AutoModelForCausalLM.register``, transformers'
+    public way to map a config to a model class). Otherwise the Auto class's own error names the config class."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    model_type = str(get("model_type") or "")
+    auto = transformers.AutoModelForCausalLM
+    if not model_type or model_type in causal_lm_architectures():
+        return auto
+    for name in get("architectures") or ():
+        cls = getattr(transformers, str(name), None) if str(name).endswith("ForCausalLM") else None
+        config_class = getattr(cls, "config_class", None)
+        if cls is not None and getattr(config_class, "model_type", None) == model_type:
+            auto.register(config_class, cls, exist_ok=True)
+            break
+    return auto

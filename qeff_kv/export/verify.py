@@ -60,6 +60,9 @@ class Probe:
     #: takes multimodal RoPE rows (:mod:`qeff_kv.contract.mrope`)
     grid: list[int] | None = None
     spatial_merge_size: int | None = None
+    #: the language model takes multimodal RoPE rows (Qwen2.5-VL); a patch-row model over 1-D positions
+    #: (Exaone4.5's exaone4 text model) does not
+    mrope: bool = True
     #: run the graph this many decoder layers at a time (:func:`block_layers_for`), None: whole
     block_layers: int | None = None
     #: why the graph is run by blocks: the whole-graph refusal (None: forced by ``probe_runner.BLOCK_ENV``)
@@ -67,7 +70,7 @@ class Probe:
 
     def rope_rows(self) -> tuple[np.ndarray, int] | None:
         """``(rows [3, len(prompt)], delta)`` of multimodal RoPE, or ``None``."""
-        if self.grid is None:
+        if self.grid is None or not self.mrope:
             return None
         from qeff_kv.contract.mrope import prompt_positions
 
@@ -126,7 +129,7 @@ def make_probe(vocab_size: int, ctx_len: int, prefill_seq_len: int, *, slot: int
 
 
 def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dtype: str = "float32",
-              image_blocks: bool = False) -> Probe:
+              image_blocks: bool = False, mrope: bool = True) -> Probe:
     """The probe of a vision-language model: three text tokens, the image's ``vision_size`` image tokens, then
     the probe's own text, trimmed to leave room for the decode steps; a seeded random image (or its patch rows
     and grid, for models that take patch rows), and multimodal RoPE rows where the model uses them."""
@@ -147,7 +150,7 @@ def add_image(probe: Probe, image_token_id: int, vision: dict, ctx_len: int, dty
     return Probe(prompt=prompt[:room], chunk=probe.chunk, decode_steps=probe.decode_steps, slot=probe.slot,
                  pixel_values=pixels, image_token=int(image_token_id), image_blocks=image_blocks,
                  grid=list(vision["grid"]) if "grid" in vision else None,
-                 spatial_merge_size=vision.get("spatial_merge_size"))
+                 spatial_merge_size=vision.get("spatial_merge_size"), mrope=mrope)
 
 
 def memory_allows(need: int, why: str = "", by_layer: int | None = None) -> tuple[bool, str]:
@@ -245,7 +248,8 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
             image["image_sizes"] = torch.tensor([list(probe.pixel_values.shape[-2:])], dtype=torch.int64)
         if probe.grid is not None:   # Qwen2.5-VL builds its multimodal RoPE rows from these
             image["image_grid_thw"] = torch.tensor([probe.grid], dtype=torch.int64)
-            image["mm_token_type_ids"] = (ids == probe.image_token).to(torch.int64)
+            if probe.mrope:
+                image["mm_token_type_ids"] = (ids == probe.image_token).to(torch.int64)
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **image)
         logits = [out.logits[0, -1].double().numpy().copy()]
         past = hf.returned_cache(out)
@@ -253,7 +257,7 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
         tokens = [int(np.argmax(logits[-1]))]
         # multimodal RoPE: decode positions are the text position plus the offset the model itself computed for
         # the prompt (transformers' generate passes them the same way)
-        deltas = getattr(getattr(model, "model", None), "rope_deltas", None) if probe.grid is not None else None
+        deltas = getattr(getattr(model, "model", None), "rope_deltas", None) if probe.rope_rows() else None
         for _ in range(probe.decode_steps):
             mask_len += 1
             step = torch.tensor([[tokens[-1]]], dtype=torch.int64)
@@ -455,7 +459,7 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     if facts.vision_language:
         try:
             probe = add_image(probe, facts.image_token_id, vision, options.ctx_len, options.dtype,
-                              image_blocks=facts.bidirectional_images)
+                              image_blocks=facts.bidirectional_images, mrope=facts.mrope)
         except VerificationError as exc:
             raise ExportError(str(exc)) from None
     probe.block_layers, probe.block_reason = blocks, why

@@ -51,6 +51,18 @@ def passthrough() -> bool:
     return _PASSTHROUGH or os.environ.get("QEFF_KV_DEBUG", "") not in ("", "0")
 
 
+#: onnxruntime's log severities: 2 warning, 3 error, 4 fatal
+ORT_WARNING, ORT_FATAL = 2, 4
+
+
+def onnxruntime_log_severity() -> int:
+    """The least severity onnxruntime's own loggers (a session's ``log_severity_level``, the default logger's
+    ``set_default_logger_severity``) print at: fatal only, so its ``[E:onnxruntime...]`` lines (a node that fails
+    at run time logs one from C++ before the exception we turn into one line) never reach the terminal; with
+    ``--debug`` its warnings and errors show too."""
+    return ORT_WARNING if passthrough() else ORT_FATAL
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):

@@ -336,6 +336,24 @@ def test_no_onnxruntime_log_lines_before_the_error(tiny, tmp_path):
 
 
 @requires_torch
+def test_no_onnxruntime_log_line_before_a_failed_verification(tmp_path):
+    """A fused export whose GroupQueryAttention onnxruntime cannot run (head_dim 24: its CPU kernel wants a multiple
+    of 16) fails verification in one line: onnxruntime's own ``[E:onnxruntime...]`` line (logged from C++ to the
+    real fd 2 as the node fails, hence a subprocess) stays quiet, and nothing is written."""
+    from hf_models import make_model_dir
+
+    model = make_model_dir("llama", tmp_path, head_dim=24)
+    out = tmp_path / "o"
+    proc = subprocess.run([str(QEFF_KV), "export", str(model), "-q", "-o", str(out), "--target", "onnxruntime-fused",
+                           "--ctx-len", "32", "--prefill-seq-len", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: verification failed: "), proc.stderr
+    assert "head_size shall be a multiple of 16" in lines[0] and "[E:onnxruntime" not in proc.stderr
+    assert not out.exists()
+
+
+@requires_torch
 def test_quiet_export_of_a_folder_prints_nothing_on_stderr(hf_dir, tmp_path):
     """No transformers "Loading weights" progress bar under -q (a subprocess: the bar writes to the real fd)."""
     proc = subprocess.run([str(QEFF_KV), "export", str(hf_dir), "-q", "-o", str(tmp_path / "o"), "--no-verify"],

@@ -58,9 +58,8 @@ def test_family_cell(name, target, family_exports, family_refs):
 def test_family_first_chunk_logits(name, family_exports, family_models):
     """Logits after the first prefill chunk within tolerance of transformers' (the portable graph)."""
     import torch
-    import transformers
 
-    from hf_models import PlainLoop
+    from hf_models import PlainLoop, load_causal_lm
 
     target = next((t for t in TARGETS if EXPECT[name][t] == "exact"), None)
     if target is None:
@@ -68,8 +67,7 @@ def test_family_first_chunk_logits(name, family_exports, family_models):
     result = family_exports(name, target)
     prompt = PROMPTS[0][:CHUNK]
     got = PlainLoop(result.onnx_path, CTX).prefill(prompt, CHUNK)[0, -1].astype(np.float64)
-    model = transformers.AutoModelForCausalLM.from_pretrained(family_models(name), dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load_causal_lm(family_models(name))
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0, -1].double().numpy()
     tol = 1e-3 * max(1.0, float(np.abs(want).max()))

@@ -410,3 +410,42 @@ def test_mla_latent_cache_is_refused_for_recurrent_models_before_loading():
     assert f.refusal(o) == ("--mla-cache latent with KimiLinearForCausalLM's recurrent layers: the compressed cache "
                             "is absorbed only in models whose every layer is MLA attention; export with "
                             "--mla-cache full")
+
+
+def test_mixer_layer_types_are_the_recurrent_layer_type_names():
+    """A decoder that takes one mask per layer type (LFM3) also looks up its mixer layers' type (``"conv"``): the
+    fact names those types, once each, and none for attention-only or list-less configs."""
+    assert facts(model_type="lfm3", conv_L_cache=3, hidden_size=64,
+                 layer_types=["conv", "sliding_attention", "conv", "full_attention"]).mixer_layer_types == ("conv",)
+    assert facts(layer_types=["linear_attention", "full_attention"] * 2).mixer_layer_types == ("linear_attention",)
+    assert facts(layer_types=["sliding_attention", "full_attention"] * 2).mixer_layer_types == ()
+    assert facts().mixer_layer_types == ()
+
+
+def test_a_per_type_mask_dict_names_the_mixer_types_without_a_mask():
+    """SlidingPlan.masks: with ring layers and full layers the decoder gets ``{type: mask}``; a mixer layer type
+    maps to ``None`` (transformers looks every type of ``layer_types`` up: without it, ``KeyError: 'conv'``)."""
+    torch = pytest.importorskip("torch")
+    from qeff_kv.export.modeling.caches import SlidingPlan
+
+    plan = SlidingPlan(4, 6, ring_layers=(1,), unmasked_types=("conv",))
+    pos = torch.arange(4).reshape(1, 4)
+    ring = plan.ring_step(pos, torch.zeros(1, 4, dtype=torch.bool), torch.float32)
+    full = torch.zeros(1, 1, 4, 32)
+    masks = plan.masks(full, ring)
+    assert set(masks) == {"full_attention", "sliding_attention", "conv"}
+    assert masks["conv"] is None and masks["full_attention"] is full and masks["sliding_attention"] is ring.mask
+    assert SlidingPlan(4, None, unmasked_types=("conv",)).masks(full, None) is full   # one mask: left as it is
+
+
+def test_exaone45_text_model_is_read_as_exaone4():
+    """Exaone4.5's ``config.json`` may name its text model ``exaone4_5_text``, which transformers reads as exaone4:
+    the facts too (its global layers without RoPE when a window is set), whichever name the file uses."""
+    text = dict(num_hidden_layers=4, sliding_window=6, head_dim=16,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    for name in ("exaone4", "exaone4_5_text"):
+        f = ModelFacts.from_config({"architectures": ["Exaone4_5_ForConditionalGeneration"], "model_type": "exaone4_5",
+                                    "image_token_id": 67, "vision_config": {"depth": 2},
+                                    "text_config": {**text, "model_type": name}})
+        assert f.model_type == "exaone4" and f.rope_layers == (0, 2) and f.vision_language and not f.mrope
+        assert f.vision_refusal() is None

@@ -49,12 +49,13 @@ def _names(result):
 
 
 def _expected_buffers(name: str, prefix: str = "") -> list[str]:
-    """Layer 0 and 2 mix (conv, and the gated delta net's recurrent state), layer 1 attends."""
-    stems = {0: ["conv_state"] if name.startswith("lfm") else ["conv_state", "recurrent_state"],
-             1: ["past_key", "past_value"]}
-    stems[2] = stems[0]
+    """The family's ``layer_types``: mixer layers keep ``conv_state`` (and the gated delta net's
+    ``recurrent_state``), attention layers (full or sliding) ``past_key``/``past_value``."""
+    mixer = ["conv_state"] if name.startswith("lfm") else ["conv_state", "recurrent_state"]
+    types = RECURRENT_FAMILIES[name].config_kwargs()["layer_types"]
     sfx = f"_{prefix}" if prefix else ""
-    return [f"{s}.{i}{sfx}" for i in range(3) for s in stems[i]]
+    return [f"{s}.{i}{sfx}" for i, t in enumerate(types)
+            for s in (["past_key", "past_value"] if t.endswith("attention") and t != "linear_attention" else mixer)]
 
 
 @pytest.mark.parametrize("name,target", CELLS, ids=[f"{n}-{t}" for n, t in CELLS])
@@ -66,7 +67,8 @@ def test_recurrent_family_exact(name, target, family_exports, recurrent_refs):
     if isinstance(result, BaseException):
         raise result
     ver = result.manifest["verification"]
-    assert ver["status"] == "passed" and ver["prompt_len"] == 3 * CHUNK + CHUNK // 2
+    window = RECURRENT_FAMILIES[name].config_kwargs().get("sliding_window") or CTX   # a window: that much longer
+    assert ver["status"] == "passed" and ver["prompt_len"] == 3 * CHUNK + CHUNK // 2 + (window if window < CTX else 0)
     ins, outs = _names(result)
     want = _expected_buffers(name)
     assert ins == ["input_ids", "position_ids", *want]
@@ -77,6 +79,23 @@ def test_recurrent_family_exact(name, target, family_exports, recurrent_refs):
     assert got == refs
     report = check(result.onnx_path)
     assert report.ok, report.format_text()
+    _assert_sliding_capacity(name, target, result)
+
+
+def _assert_sliding_capacity(name: str, target: str, result) -> None:
+    """A sliding layer's buffer is a ring (axis ``sliding_window``) on the ScatterND targets (the window binds: CTX
+    is larger), as long as a full layer's on the fused one (GroupQueryAttention windows it)."""
+    import onnx
+
+    fam = RECURRENT_FAMILIES[name].config_kwargs()
+    graph = onnx.load(str(result.onnx_path), load_external_data=False).graph
+    slots = {i.name: i.type.tensor_type.shape.dim[2].dim_param for i in graph.input if i.name.startswith("past_key")}
+    for i, t in enumerate(fam["layer_types"]):
+        if t == "sliding_attention":
+            assert fam["sliding_window"] < CTX
+            full = slots[f"past_key.{fam['layer_types'].index('full_attention')}"]
+            assert full != "sliding_window"
+            assert slots[f"past_key.{i}"] == (full if target == "onnxruntime-fused" else "sliding_window"), slots
 
 
 @pytest.mark.parametrize("name,target", REFUSED, ids=[f"{n}-{t}" for n, t in REFUSED])

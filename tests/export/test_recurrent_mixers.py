@@ -209,7 +209,10 @@ def test_whole_model_with_routed_mixers_equals_transformers(name):
     model = getattr(transformers, fam.model_class)(cfg).eval()
     facts = ModelFacts.from_config(cfg.to_dict()).recurrent
     assert facts.mixer == ("short_conv" if name.startswith("lfm") else "gated_delta")
-    assert facts.mixer_layers == (0, 2) and facts.attention_layers == (1,)
+    types = fam.config_kwargs()["layer_types"]
+    assert facts.mixer_layers == tuple(i for i, t in enumerate(types) if t in ("conv", "linear_attention"))
+    assert facts.attention_layers == tuple(i for i, t in enumerate(types) if t in ("full_attention",
+                                                                                    "sliding_attention"))
     shapes = recurrent.state_shapes(facts)
     assert len(shapes[0]) == (1 if name.startswith("lfm") else 2)
     states = {i: tuple(torch.zeros((1, *s)) for s in layer) for i, layer in shapes.items()}

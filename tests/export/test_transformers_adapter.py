@@ -127,3 +127,26 @@ def test_export_output_has_no_library_warnings(tmp_path):
     assert "Warning" not in res.stderr and "Warning" not in res.stdout, res.stderr
     assert "tracing LlamaForCausalLM (2 layers" in res.stderr + res.stdout
     assert "past_key.0_VLLM_RetainedState" in res.stdout
+
+
+@requires_torch
+def test_causal_lm_loader_registers_the_configs_own_causal_lm_class():
+    """``AutoModelForCausalLM`` loads a type transformers maps to a causal LM; where it maps none (Mistral4:
+    transformers 5.24 ships ``Mistral4ForCausalLM`` but maps ``mistral4`` to no causal LM) the config's
+    ``*ForCausalLM`` class of that very type is registered for it first; never a class of another type, nor a class
+    that is not a causal LM."""
+    import transformers
+
+    assert "mistral4" not in hf.causal_lm_architectures()
+    auto = transformers.AutoModelForCausalLM
+    cfg = transformers.Mistral4Config(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                      kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                      v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1)
+    for archs in (["LlamaForCausalLM"], ["Mistral4ForTokenClassification"]):   # nothing to register
+        cfg.architectures = archs
+        assert hf.causal_lm_loader(transformers, cfg) is auto
+    assert hf.causal_lm_loader(transformers, {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) is auto
+    cfg.architectures = ["Mistral4ForCausalLM"]
+    assert hf.causal_lm_loader(transformers, cfg.to_dict()) is auto
+    assert type(auto.from_config(cfg)) is transformers.Mistral4ForCausalLM

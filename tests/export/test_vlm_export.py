@@ -304,6 +304,48 @@ def test_qwen25vl_image_size_must_fit_the_patch_grid(qwen, tmp_path):
         export_model(qwen, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, image_size=12)
 
 
+# --- Exaone4.5: Qwen2.5-VL's patch rows, 1-D positions of its exaone4 text model (sliding rings) -------------------
+
+@pytest.fixture(scope="module")
+def exaone45(tmp_path_factory):
+    from hf_models import make_exaone45_dir
+
+    return make_exaone45_dir(tmp_path_factory.mktemp("exaone45"))
+
+
+EXAONE45_PROMPT = [1, 5, 6] + [150] * 4 + [7, 8, 9, 20, 33, 41, 42]   # 150: the image token
+
+
+@pytest.fixture(scope="module")
+def exaone45_refs(exaone45):
+    from hf_models import hf_vlm_greedy, qwen_patches
+
+    refs = [hf_vlm_greedy(exaone45, EXAONE45_PROMPT, qwen_patches(seed), NEW, Q_GRID) for seed in (0, 3)]
+    assert refs[0] != refs[1] and len(set(refs[0])) > 1   # the image and the tokens matter
+    return refs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_exaone45_exports_its_exaone4_text_model_with_the_image(target, exaone45, exaone45_refs, tmp_path):
+    """Exaone4.5 (no causal-LM mapping: image-text-to-text only) exports like Qwen2.5-VL's patch rows of one grid,
+    but its exaone4 text model takes 1-D positions (no multimodal RoPE rows: verification feeds none); greedy tokens
+    with the image equal transformers' on two images, the image straddling chunks, the sliding layers' window (6)
+    wrapping in the prompt."""
+    from hf_models import PlainLoop, qwen_patches
+    from qeff_kv.export import export_model
+
+    res = export_model(exaone45, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK, target=target, image_size=16)
+    man = res.manifest
+    assert man["verification"]["status"] == "passed"
+    assert man["vision"]["grid"] == Q_GRID and man["vision"]["vision_size"] == 4
+    m = onnx.load(str(res.onnx_path), load_external_data=False)
+    pos = next(i for i in m.graph.input if i.name == "position_ids")
+    assert [d.dim_param or d.dim_value for d in pos.type.tensor_type.shape.dim] == ["batch_size", "seq_len"]
+    got = [PlainLoop(res.onnx_path, CTX).with_image(qwen_patches(seed), res.out_dir / man["vision_onnx"])
+           .greedy(EXAONE45_PROMPT, NEW, CHUNK) for seed in (0, 3)]
+    assert got == exaone45_refs
+
+
 # --- InternVL (pixel-shuffled rows) and Mistral3 (Pixtral encoder taking image_sizes): 4 rows per image --------
 
 @pytest.mark.parametrize("single", [False, True], ids=["dual", "single"])

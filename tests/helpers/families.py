@@ -255,6 +255,13 @@ FAMILIES: dict[str, Family] = {
                                                  mscale_all_dim=1.0)),
                        note="MLA; scale_emb, scale_depth residuals, logits divided by hidden_size / dim_model_base, "
                             "yarn softmax scale"),
+    "mistral4": Family("Mistral4Config", "Mistral4ForCausalLM",
+                       dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+                            n_shared_experts=1),
+                       note="MLA, MoE; transformers maps it to no AutoModelForCausalLM: loaded by its config's "
+                            "`architectures` class"),
     "longcat_flash": Family("LongcatFlashConfig", "LongcatFlashForCausalLM",
                             dict(num_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
@@ -289,7 +296,11 @@ RECURRENT_FAMILIES: dict[str, Family] = {
     "lfm2_moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
                        dict(_SHORT_CONV, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             num_dense_layers=1), note="short-conv layers, MoE"),
-    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM", dict(_SHORT_CONV), note="short-conv layers, gated attention"),
+    "lfm3": Family("Lfm3Config", "Lfm3ForCausalLM",
+                   dict(conv_L_cache=3, num_hidden_layers=4, head_dim=16, sliding_window=SW,
+                        layer_types=["conv", "sliding_attention", "conv", "full_attention"]),
+                   note=f"short-conv layers, gated attention, a sliding layer (window {SW}: a ring buffer on the "
+                        "ScatterND targets) and a full one with proportional partial RoPE"),
     "kimi_linear": Family("KimiLinearConfig", "KimiLinearForCausalLM",
                           dict(num_hidden_layers=3,
                                layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -390,6 +401,8 @@ EXPECT["minicpm3"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused 
                                            "MiniCPM3ForCausalLM's multi-head latent attention")
 EXPECT["longcat_flash"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                                 "LongcatFlashForCausalLM's multi-head latent attention")
+EXPECT["mistral4"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
+                                           "Mistral4ForCausalLM's multi-head latent attention")
 EXPECT["llama4_text"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express "
                                               "Llama4ForCausalLM's chunked attention")
 EXPECT["jetmoe"]["onnxruntime-fused"] = ("refused: --target onnxruntime-fused cannot express JetMoeForCausalLM's "

@@ -65,6 +65,9 @@ VLM_ROWS = [
      ("exact", "exact", "refused: --target onnxruntime-fused cannot express ... attention within an image both ways")),
     ("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration", "patch rows of one grid (`--image-size`), windowed vision "
      "attention, multimodal RoPE (`position_ids [4, batch, seq_len]`)", ("exact", "exact", "exact")),
+    ("Exaone4.5", "Exaone4_5_ForConditionalGeneration", "Qwen2.5-VL's patch rows of one grid (`--image-size`) with "
+     "a 2-D vision RoPE, over an exaone4 text model of 1-D positions (sliding layers as rings)",
+     ("exact", "exact", "exact")),
     ("InternVL", "InternVLForConditionalGeneration", "pixel-shuffled image rows", ("exact", "exact", "exact")),
     ("Mistral3", "Mistral3ForConditionalGeneration", "Pixtral encoder (its own 2-D RoPE, image sizes), patch merger",
      ("exact", "exact", "exact")),

@@ -48,13 +48,28 @@ def make_model_dir(arch: str, root: Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+def load_causal_lm(model_dir: Path):
+    """The folder's causal LM in fp32 with eager attention: ``AutoModelForCausalLM``, or the class the config's
+    ``architectures`` names where transformers maps the type to no causal LM (Mistral4)."""
+    import torch
+    import transformers
+
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kw).eval()
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        arch = transformers.AutoConfig.from_pretrained(model_dir).architectures[0]
+        return getattr(transformers, arch).from_pretrained(model_dir, **kw).eval()
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers ``generate`` (eager attention, fp32)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load_causal_lm(model_dir)
     ids = torch.tensor([prompt], dtype=torch.int64)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -69,8 +84,7 @@ def hf_greedy_whole(model_dir: Path, prompt: list[int], max_new_tokens: int) -> 
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load_causal_lm(model_dir)
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(max_new_tokens):
@@ -290,6 +304,29 @@ def make_qwen25vl_dir(root: Path, seed: int = 0) -> Path:
     return out
 
 
+def make_exaone45_dir(root: Path, seed: int = 0) -> Path:
+    """A tiny seeded Exaone4.5 (its vision encoder: Qwen2.5-VL's patch rows with a 2-D RoPE of its own, patch 4,
+    merge 2; 16x16 images are a 1x4x4 patch grid, 4 image tokens) over an exaone4 text model with 1-D positions
+    (sliding layers with a window of 6, global layers without RoPE)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Exaone4_5_Config(
+        text_config=dict(model_type="exaone4", vocab_size=160, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=256, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, sliding_window=6, sliding_window_pattern=2),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, num_key_value_heads=4,
+                           out_hidden_size=64, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, fullatt_block_indexes=[1], in_channels=3),
+        image_token_id=QWEN_IMAGE_TOKEN, video_token_id=151)
+    cfg.architectures = ["Exaone4_5_ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    out = root / "tiny-exaone4_5"
+    transformers.Exaone4_5_ForConditionalGeneration(cfg).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def qwen_patches(seed: int = 0) -> np.ndarray:
     """A 16x16 image as the processor's patch rows: [1*4*4 patches, 3 channels * 2 frames * 4 * 4]."""
     return np.random.default_rng(seed).standard_normal((16, 96)).astype(np.float32)
@@ -356,7 +393,8 @@ def hf_vlm_greedy(model_dir: Path, prompt: list[int], pixel_values: np.ndarray, 
         extra["image_sizes"] = torch.tensor([list(pixel_values.shape[-2:])], dtype=torch.int64)
     if grid is not None:             # Qwen2.5-VL: patch rows, their grid, and the modality of every token
         extra["image_grid_thw"] = torch.tensor([grid], dtype=torch.int64)
-        extra["mm_token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
+        if "mm_token_type_ids" in params:   # multimodal RoPE (Qwen2.5-VL; not Exaone4.5: 1-D text positions)
+            extra["mm_token_type_ids"] = (ids == model.config.image_token_id).to(torch.int64)
     with torch.no_grad():
         out = model.generate(ids, pixel_values=torch.from_numpy(pixel_values), attention_mask=torch.ones_like(ids),
                              **extra,

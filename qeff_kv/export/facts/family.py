@@ -18,13 +18,22 @@ from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tes
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
     compressed_attention_refusal, indexed_layers, kv_sharing, kv_sharing_problem, latent_attention, logits_scaling,
     longrope_threshold, rope_layers, rope_types, sliding_layers)
-from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, recurrent_facts
+from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, mixer_layer_types, recurrent_facts
+
+
+#: language models that a vision-language ``config.json`` names by a type of its own, which transformers reads as
+#: another family's (Exaone4.5's ``exaone4_5_text`` is exaone4: ``Exaone4_5_Config.__post_init__``, 5.24)
+TEXT_MODEL_TYPE_ALIASES = {"exaone4_5_text": "exaone4"}
 
 
 def text_config(config: dict) -> dict:
-    """The language model's section of a config: ``text_config`` for multimodal configs, else the config."""
+    """The language model's section of a config: ``text_config`` for multimodal configs (its ``model_type`` read as
+    transformers reads it, :data:`TEXT_MODEL_TYPE_ALIASES`), else the config."""
     sub = config.get("text_config")
-    return sub if isinstance(sub, dict) else config
+    if not isinstance(sub, dict):
+        return config
+    alias = TEXT_MODEL_TYPE_ALIASES.get(str(sub.get("model_type")))
+    return sub if alias is None else {**sub, "model_type": alias}
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,9 @@ class ModelFacts:
     #: shared-KV layers (Gemma 4's ``num_kv_shared_layers``): ``(layer, source)`` pairs; a shared layer keeps no
     #: buffer and attends over the keys/values its source layer wrote in the same step (:func:`kv_sharing`)
     kv_shared: tuple[tuple[int, int], ...] = ()
+    #: ``layer_types`` names of recurrent mixer layers (LFM3's ``"conv"``): keys of a per-layer-type mask dict
+    #: that get no mask (:func:`.recurrent_facts.mixer_layer_types`)
+    mixer_layer_types: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -141,6 +153,7 @@ class ModelFacts:
             top_model_type=str(config.get("model_type") or ""),
             recurrent=recurrent_facts(text, str((config.get("architectures") or ["?"])[0]), model_type),
             kv_shared=kv_sharing(text, num_layers),
+            mixer_layer_types=mixer_layer_types(text),
         )
 
     # ---------------------------------------------------------------------------------------- refusals

@@ -243,6 +243,16 @@ MIXERS = {
 }
 
 
+def mixer_layer_types(text: dict) -> tuple[str, ...]:
+    """The ``layer_types`` names of a hybrid config whose layers run a recurrent mixer (LFM3's ``"conv"``), in
+    order of first use: a decoder that takes one attention mask per layer type (``{layer_type: mask}``) looks these
+    up too, and they get none (the mixer reads its padding from the graph's own inputs)."""
+    types = text.get("layer_types")
+    if not isinstance(types, list):
+        return ()
+    return tuple(dict.fromkeys(str(t) for t in types if str(t) in _MIXER_TYPES))
+
+
 def recurrent_facts(text: dict, architecture: str, model_type: str) -> RecurrentFacts | None:
     """The recurrent facts of a language config, ``None`` for a model without recurrent layers."""
     reader = MIXERS.get(model_type)

@@ -248,11 +248,15 @@ class SlidingPlan:
 
     ``ring_layers``: sliding layers whose cache is a ring of ``window`` slots (ScatterND targets, ``ctx_len >
     window``); ``windowed_layers``: full-length sliding layers whose window binds, so their mask applies it
-    (``--sliding-cache full``); ``window``: the config's sliding window (``None`` without one)."""
+    (``--sliding-cache full``); ``window``: the config's sliding window (``None`` without one); ``unmasked_types``:
+    layer types of recurrent mixer layers (``ModelFacts.mixer_layer_types``), which a per-type mask dict maps to
+    ``None``."""
 
     def __init__(self, num_layers: int, window: int | None, ring_layers: tuple[int, ...] = (),
-                 windowed_layers: tuple[int, ...] = (), chunk: int | None = None):
+                 windowed_layers: tuple[int, ...] = (), chunk: int | None = None,
+                 unmasked_types: tuple[str, ...] = ()):
         self.num_layers = num_layers
+        self.unmasked_types = tuple(unmasked_types)
         #: chunked attention (Llama4): the chunk size, when the model has chunked layers (full-length buffers; their
         #: mask keeps each query within its chunk)
         self.chunk = int(chunk) if chunk else None
@@ -283,13 +287,16 @@ class SlidingPlan:
         """What the decoder gets as ``attention_mask``: the full-length mask; the ring mask (or, with full-length
         sliding layers whose window binds, the ``windowed()`` mask) when every layer is sliding; else
         ``{layer_type: mask}`` (transformers then gives each layer the mask of its type), with the ``chunked()``
-        mask of the chunked layers when the model has them."""
+        mask of the chunked layers when the model has them and ``None`` for the recurrent mixer layers' types
+        (their traced step masks padding itself)."""
         masks = self._masks(full, ring, windowed)
-        if self.chunk is None:
-            return masks
-        if not isinstance(masks, dict):
-            masks = {"full_attention": masks}
-        return {**masks, "chunked_attention": chunked()}
+        if self.chunk is not None:
+            if not isinstance(masks, dict):
+                masks = {"full_attention": masks}
+            masks = {**masks, "chunked_attention": chunked()}
+        if isinstance(masks, dict):
+            masks = {**masks, **{t: None for t in self.unmasked_types}}
+        return masks
 
     def _masks(self, full, ring: RingStep | None, windowed=None):
         if ring is None and self.windowed_layers:

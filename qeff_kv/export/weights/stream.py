@@ -76,8 +76,11 @@ def is_vision_language(config) -> bool:
 
 
 def auto_class(transformers, cfg):
-    """The auto class the whole path loads ``cfg`` with: image-text-to-text for a vision-language model."""
-    return transformers.AutoModelForImageTextToText if is_vision_language(cfg) else transformers.AutoModelForCausalLM
+    """The auto class the whole path loads ``cfg`` with: image-text-to-text for a vision-language model, else the
+    causal LM's (:func:`~qeff_kv.export.transformers_adapter.causal_lm_loader`)."""
+    from qeff_kv.export import transformers_adapter as hf
+
+    return transformers.AutoModelForImageTextToText if is_vision_language(cfg) else hf.causal_lm_loader(transformers, cfg)
 
 
 def skeleton(folder, dtype, config=None):

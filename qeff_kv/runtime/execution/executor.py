@@ -39,10 +39,11 @@ _ORT_QUIET = False
 
 
 def quiet_onnxruntime() -> None:
-    """onnxruntime's default logger at severity 3 (error): its warnings never print above our one-line errors."""
+    """onnxruntime's default logger at :func:`~qeff_kv.support.capture.onnxruntime_log_severity` (fatal, unless
+    ``--debug``): its warnings and error lines never print above our one-line errors."""
     global _ORT_QUIET
     if not _ORT_QUIET:
-        ort.set_default_logger_severity(3)
+        ort.set_default_logger_severity(capture.onnxruntime_log_severity())
         _ORT_QUIET = True
 
 
@@ -111,8 +112,8 @@ def open_onnxruntime(source: bytes | str, label: str, *, threads: int | None, pr
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = int(threads)
-    # Errors are ours to report, in one line: onnxruntime's own log lines stay quiet below "error".
-    so.log_severity_level = 3
+    # Errors are ours to report, in one line: onnxruntime's own log lines (a node failing at run time) stay quiet.
+    so.log_severity_level = capture.onnxruntime_log_severity()
     quiet_onnxruntime()
     if external_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", external_folder)

@@ -58,7 +58,7 @@ class VisionStage:
         self.dtype = np.dtype(self.input.dtype)
         self.out_dtype = np.dtype(self.output.dtype)
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = capture.onnxruntime_log_severity()
         if threads:
             so.intra_op_num_threads = int(threads)
         quiet_onnxruntime()

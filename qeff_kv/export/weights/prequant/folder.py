@@ -104,7 +104,7 @@ def load_dequantized(folder: Path, config: dict, scheme: PrequantScheme, dtype, 
         if part is not None and hasattr(part, "quantization_config"):
             delattr(part, "quantization_config")
     auto = transformers.AutoModelForImageTextToText if isinstance(config.get("vision_config"), dict) \
-        else transformers.AutoModelForCausalLM
+        else hf.causal_lm_loader(transformers, config)
     try:
         model = auto.from_config(cfg, attn_implementation="eager", dtype=dtype)
     except Exception as exc:   # noqa: BLE001 - bad config values: one line
