@@ -336,21 +336,58 @@ def test_no_onnxruntime_log_lines_before_the_error(tiny, tmp_path):
 
 
 @requires_torch
-def test_no_onnxruntime_log_line_before_a_failed_verification(tmp_path):
-    """A fused export whose GroupQueryAttention onnxruntime cannot run (head_dim 24: its CPU kernel wants a multiple
-    of 16) fails verification in one line: onnxruntime's own ``[E:onnxruntime...]`` line (logged from C++ to the
-    real fd 2 as the node fails, hence a subprocess) stays quiet, and nothing is written."""
+def test_a_fused_head_size_onnxruntime_cannot_run_is_refused_before_loading(tmp_path):
+    """head_dim 24 on --target onnxruntime-fused: onnxruntime's CPU GroupQueryAttention runs multiples of 16 only,
+    so the export is refused from the config in one line (it used to load, trace and fail verification), and
+    nothing is written."""
     from hf_models import make_model_dir
 
     model = make_model_dir("llama", tmp_path, head_dim=24)
+    (model / "model.safetensors").write_bytes(b"not read")   # refused before any weight is read
     out = tmp_path / "o"
     proc = subprocess.run([str(QEFF_KV), "export", str(model), "-q", "-o", str(out), "--target", "onnxruntime-fused",
                            "--ctx-len", "32", "--prefill-seq-len", "4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: verification failed: "), proc.stderr
-    assert "head_size shall be a multiple of 16" in lines[0] and "[E:onnxruntime" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --target onnxruntime-fused cannot express LlamaForCausalLM's attention head size 24: onnxruntime's "
+        "CPU GroupQueryAttention runs head sizes that are a multiple of 16 only; use --target onnxruntime"]
     assert not out.exists()
+
+
+_FAILING_NODE = """
+import sys
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+from qeff_kv.export.probe_runner import first_line, open_session_on
+graph = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6]),
+                           helper.make_tensor_value_info("s", TensorProto.INT64, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), sys.argv[1])
+session = open_session_on(sys.argv[1])
+try:
+    session.run(None, {"x": np.zeros(6, np.float32), "s": np.array([7], np.int64)})
+except Exception as exc:
+    print("failed:", first_line(exc))
+"""
+
+
+def test_no_onnxruntime_log_line_when_a_node_fails_at_run_time(tmp_path):
+    """A node failing at run time in the export's verification session (a Reshape to an impossible shape): our
+    code gets the error, and onnxruntime's own ``[E:onnxruntime...]`` line (logged from C++ to the real fd 2,
+    hence a subprocess) stays quiet; with ``QEFF_KV_DEBUG`` it shows."""
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_NODE)
+    env = {k: v for k, v in os.environ.items() if k != "QEFF_KV_DEBUG"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "g.onnx")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("failed: ") and "Reshape" in proc.stdout, proc.stdout
+    assert "[E:onnxruntime" not in proc.stderr, proc.stderr
+    loud = subprocess.run([sys.executable, str(script), str(tmp_path / "g.onnx")], capture_output=True, text=True,
+                          timeout=120, env={**env, "QEFF_KV_DEBUG": "1"})
+    assert "[E:onnxruntime" in loud.stderr, loud.stderr
 
 
 @requires_torch

@@ -449,3 +449,28 @@ def test_exaone45_text_model_is_read_as_exaone4():
                                     "text_config": {**text, "model_type": name}})
         assert f.model_type == "exaone4" and f.rope_layers == (0, 2) and f.vision_language and not f.mrope
         assert f.vision_refusal() is None
+
+
+# --- head sizes onnxruntime's CPU GroupQueryAttention runs (issue 53, item 6) -------------------------------------
+
+def test_attention_head_dims_from_the_config():
+    assert facts(head_dim=24).head_dims == (24,)
+    assert facts(hidden_size=64, num_attention_heads=4).head_dims == (16,)
+    assert facts(n_embd=96, n_head=4).head_dims == (24,)
+    assert facts(head_dim=256, global_head_dim=512).head_dims == (256, 512)   # Gemma 4: its full layers' size
+    assert facts(hidden_size=64, num_attention_heads=5).head_dims == ()        # the config does not say
+
+
+def test_a_head_size_groupqueryattention_cannot_run_is_refused_on_fused_only():
+    odd = facts(head_dim=24)
+    assert odd.refusal(opts("onnxruntime-fused")) == (
+        "--target onnxruntime-fused cannot express XForCausalLM's attention head size 24: onnxruntime's CPU "
+        "GroupQueryAttention runs head sizes that are a multiple of 16 only; use --target onnxruntime")
+    assert odd.refusal(opts("portable")) is None and odd.refusal(opts("onnxruntime")) is None
+    assert facts(head_dim=16, global_head_dim=40).refusal(opts("onnxruntime-fused")).startswith(
+        "--target onnxruntime-fused cannot express XForCausalLM's attention head size 40")
+    assert facts(head_dim=128).refusal(opts("onnxruntime-fused")) is None
+    # a pure recurrent model's head_dim is its mixer's, not an attention head's
+    mamba = facts(model_type="mamba2", num_heads=4, head_dim=24, state_size=8, n_groups=2, hidden_size=48)
+    assert mamba.recurrent is not None and not mamba.recurrent.attention_layers
+    assert mamba.fused_refusal() is None

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from qeff_kv.errors import ExportError
 from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
-    ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, chunked_attention, has_mrope,
+    ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, FUSED_HEAD_SIZE_MULTIPLE,
+    attention_head_dims, chunked_attention, has_mrope,
     compressed_attention_refusal, indexed_layers, kv_sharing, kv_sharing_problem, latent_attention, logits_scaling,
     longrope_threshold, rope_layers, rope_types, sliding_layers)
 from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, mixer_layer_types, recurrent_facts
@@ -73,6 +74,8 @@ class ModelFacts:
     #: DeepSeek sparse attention: each query attends to the ``index_topk`` positions its layer's indexer selects
     #: (``None`` without); ``indexed_layers`` run their own indexer and keep its keys (``index_key.{i}``)
     index_topk: int | None = None
+    #: the head sizes the config gives its attention layers (:func:`.layer_facts.attention_head_dims`)
+    head_dims: tuple[int, ...] = ()
     indexed_layers: tuple[int, ...] = ()
     #: why the model's compressed attention cannot be exported (DeepSeek-V4's ``compress_rates``), ``None``
     compressed_attention: str | None = None
@@ -139,6 +142,7 @@ class ModelFacts:
             latent_attention=latent_attention(text),
             kv_lora_rank=int_or_none(text.get("kv_lora_rank")) or None,
             index_topk=int_or_none(text.get("index_topk")) or None,
+            head_dims=attention_head_dims(text),
             indexed_layers=indexed_layers(text, num_layers),
             compressed_attention=compressed_attention_refusal(text),
             attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
@@ -296,6 +300,10 @@ class ModelFacts:
         if self.vision_language and self.bidirectional_images:
             return (f"{cannot} attention within an image both ways (GroupQueryAttention masks causally); "
                     f"use --target onnxruntime")
+        odd = [d for d in self.head_dims if d % FUSED_HEAD_SIZE_MULTIPLE]
+        if odd and (self.recurrent is None or self.recurrent.attention_layers):
+            return (f"{cannot} attention head size {odd[0]}: onnxruntime's CPU GroupQueryAttention runs head sizes "
+                    f"that are a multiple of {FUSED_HEAD_SIZE_MULTIPLE} only; use --target onnxruntime")
         return None
 
     @property

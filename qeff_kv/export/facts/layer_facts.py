@@ -183,6 +183,30 @@ def rope_layers_of_config(text: dict, num_layers: int, window: int | None,
     return tuple(range(num_layers))
 
 
+#: onnxruntime's CPU GroupQueryAttention (the pinned 1.32) runs head sizes that are a multiple of this only ("head_size
+#: shall be a multiple of 16" at run time)
+FUSED_HEAD_SIZE_MULTIPLE = 16
+
+
+def attention_head_dims(text: dict) -> tuple[int, ...]:
+    """The head sizes the config gives its attention layers: ``head_dim`` (else ``hidden_size`` over
+    ``num_attention_heads``, or GPT-2's ``n_embd`` over ``n_head``) and Gemma 4's ``global_head_dim`` for its full
+    layers; sorted, unique, empty when the config does not say."""
+    dims = set()
+    head_dim = int_or_none(text.get("head_dim"))
+    if head_dim:
+        dims.add(head_dim)
+    else:
+        hidden = int_or_none(text.get("hidden_size") or text.get("n_embd"))
+        heads = int_or_none(text.get("num_attention_heads") or text.get("n_head"))
+        if hidden and heads and hidden % heads == 0:
+            dims.add(hidden // heads)
+    global_dim = int_or_none(text.get("global_head_dim"))
+    if global_dim:
+        dims.add(global_dim)
+    return tuple(sorted(dims))
+
+
 def latent_attention(text: dict) -> bool:
     """Keys and values of different head sizes: MLA (``kv_lora_rank``), or ``v_head_dim`` other than the key's
     ``qk_nope_head_dim + qk_rope_head_dim`` / ``head_dim``."""
