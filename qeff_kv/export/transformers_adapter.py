@@ -46,10 +46,12 @@ lets ``.ci/latest --unbounded`` try a newer release on purpose).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
 import sys
+import types
 import warnings
 
 from qeff_kv.errors import MissingDependencyError, UnsupportedVersionError
@@ -200,6 +202,19 @@ def use_attention(module, name: str, fn) -> None:
 
     AttentionInterface.register(name, fn)
     module.set_attn_implementation(name)
+
+
+@contextlib.contextmanager
+def patched_forwards(modules, forward):
+    """Inside: each of ``modules`` runs ``forward`` (bound to it) instead of its class's ``forward``; restored on
+    the way out."""
+    try:
+        for m in modules:
+            m.forward = types.MethodType(forward, m)
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("forward", None)
 
 
 def use_config_attention(model, implementation: str) -> None:

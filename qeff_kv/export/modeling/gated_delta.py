@@ -119,19 +119,22 @@ def unit_lower_inverse(a: torch.Tensor, max_len: int) -> torch.Tensor:
     return inv
 
 
-def delta_rule(query, key, value, g, beta, state, max_len: int):
+def delta_rule(query, key, value, g, beta, state, max_len: int, sub_chunk=None):
     """The gated delta rule over a chunk of up to ``max_len`` tokens, all ``float32``: ``query``/``key``
     ``[B, H, T, Dk]`` (l2-normalised, query scaled), ``value`` ``[B, H, T, Dv]``, ``g`` (log decay) and ``beta``
     ``[B, H, T]``, ``state`` ``[B, H, Dk, Dv]``. Fixed slices of :data:`SUB_CHUNK` tokens, the state carried from
-    one to the next. Returns the output ``[B, H, T, Dv]`` and the state after the chunk."""
+    one to the next, each slice computed by ``sub_chunk`` (:func:`delta_rule_sub_chunk` by default; KDA's
+    :func:`kda_sub_chunk`, whose ``g`` is per key channel). Returns the output ``[B, H, T, Dv]`` and the state
+    after the chunk."""
+    sub_chunk = sub_chunk or delta_rule_sub_chunk
     outs = []
     tracing = torch.jit.is_tracing()
     for start in range(0, max(int(max_len), 1), SUB_CHUNK):
         if not tracing and start >= query.shape[2]:
             break   # eager: the slices past the chunk are empty (a graph keeps them, empty at run time)
         part = slice(start, start + SUB_CHUNK)
-        out, state = delta_rule_sub_chunk(query[:, :, part], key[:, :, part], value[:, :, part], g[:, :, part],
-                                          beta[:, :, part], state)
+        out, state = sub_chunk(query[:, :, part], key[:, :, part], value[:, :, part], g[:, :, part],
+                               beta[:, :, part], state)
         outs.append(out)
     return torch.cat(outs, dim=2), state
 
@@ -261,16 +264,7 @@ def kda_sub_chunk(query, key, value, g, beta, state):
 def kda_rule(query, key, value, g, beta, state, max_len: int):
     """The KDA rule over a chunk of up to ``max_len`` tokens in fixed slices of :data:`SUB_CHUNK` (shapes as
     :func:`kda_sub_chunk`, ``T`` any length)."""
-    outs = []
-    tracing = torch.jit.is_tracing()
-    for start in range(0, max(int(max_len), 1), SUB_CHUNK):
-        if not tracing and start >= query.shape[2]:
-            break   # eager: the slices past the chunk are empty (a graph keeps them, empty at run time)
-        part = slice(start, start + SUB_CHUNK)
-        out, state = kda_sub_chunk(query[:, :, part], key[:, :, part], value[:, :, part], g[:, :, part],
-                                   beta[:, :, part], state)
-        outs.append(out)
-    return torch.cat(outs, dim=2), state
+    return delta_rule(query, key, value, g, beta, state, max_len, sub_chunk=kda_sub_chunk)
 
 
 def kda_step(mixer, hidden_states: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,

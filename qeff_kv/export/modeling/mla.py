@@ -24,7 +24,6 @@ exactly as for ordinary KV. The patch is a context manager around tracing that s
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 
@@ -99,10 +98,5 @@ def latent_attention(model: torch.nn.Module, num_layers: int):
         raise ExportError(f"--mla-cache latent: {type(model).__name__}'s attention is not DeepSeek-V3's MLA (rotary "
                           f"through apply_rotary_pos_emb) in every layer ({len(found)} of {num_layers}); it cannot "
                           f"be absorbed")
-    try:
-        for m in found:
-            m.forward = types.MethodType(latent_forward, m)
+    with hf.patched_forwards(found, latent_forward):
         yield
-    finally:
-        for m in found:
-            m.__dict__.pop("forward", None)

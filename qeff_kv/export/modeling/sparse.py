@@ -127,10 +127,5 @@ def sparse_attention(model: torch.nn.Module, num_layers: int = 0):
         raise ExportError(f"{type(model).__name__}'s attention is not DeepSeek sparse attention this exporter knows "
                           f"(an MLA module with an indexer) in every layer ({len(found)} of {num_layers}); its "
                           f"selection cannot be traced")
-    try:
-        for m in found:
-            m.forward = types.MethodType(sparse_forward, m)
+    with hf.patched_forwards(found, sparse_forward):
         yield
-    finally:
-        for m in found:
-            m.__dict__.pop("forward", None)
