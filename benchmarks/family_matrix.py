@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -37,11 +38,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers"), str(Path(__file__).r
 TARGETS = ("portable", "onnxruntime", "onnxruntime-fused")
 PROMPTS = [[5, 17, 42, 99, 13, 7, 101, 64, 3, 77, 21], [100, 3, 3, 60, 9]]
 CTX, CHUNK, NEW = 32, 4, 8
+#: a vision-language wrapper's capacity: one image of 16 rows, the probe's text and its decode steps
+VLM_CTX = 128
 OUT = ROOT / "benchmarks" / "results" / "family_matrix.json"
 DOC = ROOT / "docs" / "family-matrix.md"
 #: progress messages that mean the weights were being read (qeff_kv.export.api / sources)
 _LOADING = ("loading", "checkpoint identity", "streaming", "tracing", "building bundled")
-STATUSES = ("exact", "MISMATCH", "refused", "crash", "build-failed", "timeout")
+STATUSES = ("exact", "MISMATCH", "exported", "refused", "crash", "build-failed", "timeout")
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -50,9 +53,22 @@ def causal_lm_types() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def vlm_types() -> dict[str, str]:
+    """The image-text-to-text wrappers (``vlm:<model_type>``): exported as a user would export the wrapper; their
+    tokens are not compared (that needs an image on both sides), the export's own verification still runs."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return {f"vlm:{t}": c for t, c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()}
+
+
+def _clean(text: str) -> str:
+    """``text`` without this run's temporary folders (so two runs compare equal)."""
+    return re.sub(r"\S*family-matrix-[^/\s]+/[^/\s]+/(model\d?|[\w-]+)", "<model>", text)
+
+
 def _line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+    return _clean(f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__)
 
 
 def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict) -> dict:
@@ -64,16 +80,27 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
     said: list[str] = []
     t0 = time.monotonic()
     rec = dict(type=model_type, target=target)
+    extra = {}
+    if refs is None:
+        from transformers import AutoConfig
+
+        from tiny_configs import vision_image_size
+
+        size = vision_image_size(AutoConfig.from_pretrained(model_dir))
+        extra = dict(image_size=size) if size else {}
     try:
-        res = export_model(model_dir, work / target, ctx_len=CTX, prefill_seq_len=CHUNK, target=target,
-                           progress=said.append)
+        res = export_model(model_dir, work / target, ctx_len=CTX if refs is not None else VLM_CTX,
+                           prefill_seq_len=CHUNK, target=target, progress=said.append, **extra)
     except QeffKvError as exc:
         loaded = any(m.startswith(_LOADING) for m in said)
-        return dict(rec, status="refused", error=type(exc).__name__, detail=str(exc).splitlines()[0][:400],
+        return dict(rec, status="refused", error=type(exc).__name__, detail=_clean(str(exc).splitlines()[0][:400]),
                     seconds=round(time.monotonic() - t0, 2), loaded=loaded)
     except Exception as exc:   # noqa: BLE001 - a crash is what the matrix records
         return dict(rec, status="crash", detail=_line(exc), seconds=round(time.monotonic() - t0, 2),
                     loaded=any(m.startswith(_LOADING) for m in said))
+    if refs is None or res.manifest.get("vision") or res.manifest.get("vision_onnx"):
+        # a vision-language graph: verified at export (with an image), tokens not compared
+        return dict(rec, status="exported", seconds=round(time.monotonic() - t0, 2))
     try:
         got = [PlainLoop(res.onnx_path, CTX).greedy(p, NEW, CHUNK) for p in PROMPTS]
     except Exception as exc:   # noqa: BLE001
@@ -81,7 +108,8 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
                     seconds=round(time.monotonic() - t0, 2), loaded=True)
     rec.update(seconds=round(time.monotonic() - t0, 2), tokens=got)
     if got == refs["cached"]:
-        return dict(rec, status="exact", reference="generate")
+        return dict(rec, status="exact", reference="generate" if "whole" not in refs else
+                    "forward over the whole sequence")
     if "whole" not in refs:
         try:
             refs["whole"] = [hf_greedy_whole(model_dir, p, NEW) for p in PROMPTS]
@@ -93,10 +121,21 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
     return dict(rec, status="MISMATCH", reference_tokens=refs["cached"], whole_tokens=refs["whole"])
 
 
+def _references(model_dir: Path) -> dict:
+    """transformers' greedy tokens: ``generate`` with its cache; where that fails (some hybrids' caches), the
+    forward over the whole sequence at every step."""
+    from hf_models import hf_greedy, hf_greedy_whole
+
+    try:
+        return {"cached": [hf_greedy(model_dir, p, NEW) for p in PROMPTS]}
+    except Exception as exc:   # noqa: BLE001
+        whole = [hf_greedy_whole(model_dir, p, NEW) for p in PROMPTS]
+        return {"cached": whole, "whole": whole, "generate_error": _line(exc)}
+
+
 def run_type(model_type: str, class_name: str, targets: list[str], work: Path, sink: Path) -> None:
     """One type in a forked child: build, reference, every target; each record appended to ``sink`` (JSON lines)
     as soon as it is known, so a timeout keeps what finished."""
-    from hf_models import hf_greedy
     from tiny_configs import ATTEMPTS, build_tiny
 
     def emit(rec):
@@ -104,6 +143,18 @@ def run_type(model_type: str, class_name: str, targets: list[str], work: Path, s
             f.write(json.dumps(rec) + "\n")
 
     t0 = time.monotonic()
+    if model_type.startswith("vlm:"):
+        model_dir = work / "model"
+        try:
+            summary = build_tiny(model_type[4:], class_name, model_dir)
+        except Exception as exc:   # noqa: BLE001
+            emit(dict(type=model_type, stage="build", status="build-failed", detail=_line(exc)))
+            return
+        emit(dict(type=model_type, stage="build", status="built", seconds=round(time.monotonic() - t0, 2),
+                  **summary))
+        for target in targets:
+            emit(_cell(model_type, target, model_dir, work, None))
+        return
     for n, (init, untie) in enumerate(ATTEMPTS):   # the first variant whose greedy tokens vary
         model_dir = work / f"model{n}"
         try:
@@ -112,7 +163,7 @@ def run_type(model_type: str, class_name: str, targets: list[str], work: Path, s
             emit(dict(type=model_type, stage="build", status="build-failed", detail=_line(exc)))
             return
         try:
-            refs = {"cached": [hf_greedy(model_dir, p, NEW) for p in PROMPTS]}
+            refs = _references(model_dir)
         except Exception as exc:   # noqa: BLE001
             emit(dict(type=model_type, stage="reference", status="build-failed", detail="transformers' greedy: "
                       + _line(exc), **summary))
@@ -125,7 +176,8 @@ def run_type(model_type: str, class_name: str, targets: list[str], work: Path, s
     else:
         model_dir, summary, refs = first
     emit(dict(type=model_type, stage="build", status="built", seconds=round(time.monotonic() - t0, 2),
-              tokens_vary=vary, reference_tokens=refs["cached"], **summary))
+              tokens_vary=vary, reference_tokens=refs["cached"], **summary,
+              **({"generate_error": refs.pop("generate_error")} if "generate_error" in refs else {})))
     for target in targets:
         emit(_cell(model_type, target, model_dir, work, refs))
 
@@ -196,7 +248,7 @@ def summarize(records: list[dict]) -> dict:
     """Counts per target: exact / MISMATCH / refused before and after loading / crash / timeout; build outcomes."""
     counts: dict[str, dict[str, int]] = {}
     for r in records:
-        key = r.get("target", "build")
+        key = ("vlm " if r["type"].startswith("vlm:") else "") + r.get("target", "build")
         status = r["status"]
         if status == "refused":
             status = "refused-after-load" if r.get("loaded") else "refused-before-load"
@@ -302,17 +354,10 @@ def _doc_cell(r: dict | None) -> str:
     return f"{s}: {detail}" if detail else s
 
 
-def render_doc(data: dict) -> str:
-    targets = data["targets"]
-    cells = _cells(data)
-    counts = []
-    for key, c in data["summary"].items():
-        counts.append(f"- `{key}`: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items())))
-    text = DOC_HEAD.format(version=data["transformers"], ctx=data["ctx_len"], chunk=data["prefill_seq_len"],
-                           new=data["new_tokens"], counts="\n".join(counts), targets=" | ".join(targets),
-                           rule="---|" * len(targets))
+def _rows(data: dict, types: list[str]) -> list[str]:
+    cells, targets = _cells(data), data["targets"]
     rows = []
-    for t in sorted({r["type"] for r in data["records"]}):
+    for t in types:
         b = cells.get((t, "build"), {})
         kinds = ", ".join(b.get("kinds") or []) if len(b.get("kinds") or []) <= 4 else f"{len(b['kinds'])} kinds"
         layers = f"{b.get('layers')}" + (f" ({kinds})" if kinds else "") if b.get("layers") else ""
@@ -320,14 +365,45 @@ def render_doc(data: dict) -> str:
             row = [_doc_cell(b)] + [""] * (len(targets) - 1)
         else:
             row = [_doc_cell(cells.get((t, x))) for x in targets]
-        rows.append(f"| {t} | `{b.get('class', '')}` | {layers} | " + " | ".join(row) + " |")
-    return text + "\n".join(rows) + "\n"
+        rows.append(f"| {t.removeprefix('vlm:')} | `{b.get('class', '')}` | {layers} | " + " | ".join(row) + " |")
+    return rows
+
+
+VLM_HEAD = """
+## Vision-language wrappers (image-text-to-text types)
+
+Each wrapper of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, built the same way (its vision encoder at 4x4
+merged patches, 16 image rows), exported at ctx {ctx} as a user would export it. Their tokens are not compared
+here (that needs the image on both sides); **exported** means the export and its own verification with an image
+passed. A failure here may be the generic shrinker's (an image geometry it got wrong) as well as qeff-kv's.
+
+| `model_type` | class | text layers kept | {targets} |
+|---|---|---|{rule}
+"""
+
+
+def render_doc(data: dict) -> str:
+    targets = data["targets"]
+    counts = []
+    for key, c in data["summary"].items():
+        counts.append(f"- `{key}`: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items())))
+    text = DOC_HEAD.format(version=data["transformers"], ctx=data["ctx_len"], chunk=data["prefill_seq_len"],
+                           new=data["new_tokens"], counts="\n".join(counts), targets=" | ".join(targets),
+                           rule="---|" * len(targets))
+    every = sorted({r["type"] for r in data["records"]})
+    text += "\n".join(_rows(data, [t for t in every if not t.startswith("vlm:")])) + "\n"
+    vlms = [t for t in every if t.startswith("vlm:")]
+    if vlms:
+        text += VLM_HEAD.format(ctx=VLM_CTX, targets=" | ".join(targets), rule="---|" * len(targets))
+        text += "\n".join(_rows(data, vlms)) + "\n"
+    return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", help="comma-separated model types (default: every CausalLM type)")
     ap.add_argument("--targets", default="portable", help="comma-separated targets (default: portable)")
+    ap.add_argument("--vlm", action="store_true", help="also the image-text-to-text wrappers (vlm:<type>)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per cell (a type gets this per target + 1)")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -342,10 +418,14 @@ def main(argv=None) -> int:
         return 0
     if not args.docs_only:
         targets = [t for t in args.targets.split(",") if t]
-        everything = causal_lm_types()
-        types = {t: everything[t] for t in args.types.split(",")} if args.types else everything
+        everything = {**causal_lm_types(), **vlm_types()}
+        chosen = args.types.split(",") if args.types else \
+            [t for t in everything if args.vlm or not t.startswith("vlm:")]
+        types = {t: everything[t] for t in chosen}
         records = run_all(types, targets, args.jobs, args.timeout)
-        old = json.loads(args.out.read_text()) if args.out.is_file() and args.types else None
+        old = json.loads(args.out.read_text()) if args.out.is_file() else None
+        if old:   # a type transformers no longer has leaves the results
+            old["records"] = [r for r in old["records"] if r["type"] in everything]
         all_targets = sorted(set(targets) | set(old["targets"] if old else []), key=TARGETS.index)
         data = write_results(merge(old, records, types), all_targets, args.out)
         print(json.dumps(data["summary"], indent=1))

@@ -252,7 +252,16 @@ def shrink_dict(d: dict, model_type: str | None = None) -> dict:
         heads = out.get("num_attention_heads")
         if heads and out["head_dim"] * heads != out["hidden_size"] and orig.get("head_dim") is None:
             out["head_dim"] = out["hidden_size"] // heads
+    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("head_dim"), int):
+        out["head_dim"] = out["qk_rope_head_dim"]   # MLA: the rotary embedding's size is the rope part's
+    if out.get("is_decoder") is False:   # an encoder family's LM head is a causal decoder only with is_decoder
+        out["is_decoder"] = True
     shrink_layers(out)
+    if isinstance(out.get("patch_size"), int) and isinstance(out.get("image_size"), int):
+        merge = out.get("spatial_merge_size") if isinstance(out.get("spatial_merge_size"), int) else 1
+        out["image_size"] = out["patch_size"] * 4 * max(merge, 1)   # a vision encoder: 4x4 (merged) patches
+    if isinstance(out.get("mm_tokens_per_image"), int):
+        out["mm_tokens_per_image"] = 16
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
         rope["original_max_position_embeddings"] = min(rope["original_max_position_embeddings"], 64)
@@ -285,6 +294,16 @@ def tiny_config(model_type: str, init: float = INIT, untie: bool = False):
     return cls.from_dict(d)
 
 
+def vision_image_size(cfg) -> int | None:
+    """The image size to export a tiny vision-language ``cfg`` at where its vision config names none (models that
+    take patch rows): 4x4 merged patches; ``None`` where the config has its own."""
+    vision = getattr(cfg, "vision_config", None)
+    if vision is None or getattr(vision, "image_size", None) or not isinstance(getattr(vision, "patch_size", 0), int):
+        return None
+    merge = getattr(vision, "spatial_merge_size", 1) or 1
+    return vision.patch_size * 4 * merge
+
+
 def layer_kinds(cfg) -> list[str]:
     """A short description of the kept layers' kinds (for the matrix's table)."""
     d = cfg.to_dict()
@@ -315,6 +334,7 @@ def build_tiny(model_type: str, class_name: str, out, seed: int = 0, init: float
     model = model_cls(cfg).eval()
     model.save_pretrained(out, safe_serialization=True)
     params = sum(p.numel() for p in model.parameters())
-    n = next((getattr(cfg, k) for k in _LAYERS if isinstance(getattr(cfg, k, None), int)), None)
-    return dict(params=params, layers=n, kinds=layer_kinds(cfg), init=init,
+    text = cfg.get_text_config()
+    n = next((getattr(text, k) for k in _LAYERS if isinstance(getattr(text, k, None), int)), None)
+    return dict(params=params, layers=n, kinds=layer_kinds(text), init=init,
                 tied=bool(getattr(cfg, "tie_word_embeddings", False)))
