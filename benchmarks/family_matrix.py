@@ -7,6 +7,7 @@ Usage:
         [--jobs 1] [--timeout 300] [--out benchmarks/results/family_matrix.json] [--no-docs]
   python benchmarks/family_matrix.py --docs-only            # regenerate docs/family-matrix.md from the JSON
   python benchmarks/family_matrix.py --compare OLD.json [NEW.json]   # what changed (the next bump)
+  python benchmarks/family_matrix.py --bugs                 # every MISMATCH, crash and refusal after loading
 
 Each type runs in a forked child (torch, transformers and qeff_kv imported once in the parent) with a timeout: build
 the tiny model, transformers' greedy tokens on two prompts, then per target ``export_model`` (ctx 32, chunks of 4)
@@ -86,7 +87,10 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
 
         from tiny_configs import vision_image_size
 
-        size = vision_image_size(AutoConfig.from_pretrained(model_dir))
+        try:
+            size = vision_image_size(AutoConfig.from_pretrained(model_dir))
+        except Exception as exc:   # noqa: BLE001 - the survey's own limit, not qeff-kv's
+            return dict(rec, status="build-failed", detail="reading the tiny config back: " + _line(exc))
         extra = dict(image_size=size) if size else {}
     try:
         res = export_model(model_dir, work / target, ctx_len=CTX if refs is not None else VLM_CTX,
@@ -107,7 +111,8 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
         return dict(rec, status="crash", detail="running the export: " + _line(exc),
                     seconds=round(time.monotonic() - t0, 2), loaded=True)
     rec.update(seconds=round(time.monotonic() - t0, 2), tokens=got)
-    if got == refs["cached"]:
+    if got == refs["cached"]:   # the tokens are the build record's reference_tokens
+        rec.pop("tokens")
         return dict(rec, status="exact", reference="generate" if "whole" not in refs else
                     "forward over the whole sequence")
     if "whole" not in refs:
@@ -117,7 +122,8 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
             refs["whole"] = None
             rec["whole_reference_error"] = _line(exc)
     if got == refs["whole"]:
-        return dict(rec, status="exact", reference="forward over the whole sequence")
+        rec.pop("tokens")
+        return dict(rec, status="exact", reference="forward over the whole sequence", reference_tokens=got)
     return dict(rec, status="MISMATCH", reference_tokens=refs["cached"], whole_tokens=refs["whole"])
 
 
@@ -313,6 +319,16 @@ def compare(old: dict, new: dict) -> list[str]:
     return lines
 
 
+def bugs(data: dict) -> list[str]:
+    """Every cell the lead must look at: MISMATCH first, then crashes, then refusals after loading."""
+    order = {"MISMATCH": 0, "crash": 1, "refused": 2}
+    hits = [r for r in data.get("records", []) if "target" in r and (r["status"] in ("MISMATCH", "crash")
+                                                                       or r["status"] == "refused" and r.get("loaded"))]
+    hits.sort(key=lambda r: (order[r["status"]], r["type"], TARGETS.index(r["target"])))
+    return [f"{r['status'] + (' after load' if r['status'] == 'refused' else '')}: {r['type']} [{r['target']}] "
+            f"{r.get('detail') or ''}".rstrip() for r in hits]
+
+
 # ------------------------------------------------------------------------------------------------------ docs
 DOC_HEAD = """# Every CausalLM type of transformers {version}
 
@@ -409,8 +425,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-docs", action="store_true")
     ap.add_argument("--docs-only", action="store_true")
+    ap.add_argument("--bugs", action="store_true", help="list every MISMATCH, crash and refusal after loading")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="OLD.json [NEW.json (default: --out)]")
     args = ap.parse_args(argv)
+    if args.bugs:
+        print("\n".join(bugs(json.loads(args.out.read_text()))))
+        return 0
     if args.compare:
         old = json.loads(Path(args.compare[0]).read_text())
         new = json.loads(Path(args.compare[1] if len(args.compare) > 1 else args.out).read_text())

@@ -106,3 +106,14 @@ def test_subset_run_replaces_only_its_own_cells():
     assert [(r["type"], r.get("target", "build"), r["status"]) for r in merged] == [
         ("gone", "build", "build-failed"), ("kimi", "build", "built"), ("kimi", "portable", "exact"),
         ("llama", "build", "built"), ("llama", "portable", "exact")]
+
+
+def test_generated_page_matches_the_committed_results():
+    assert matrix.OUT.is_file(), "run: python benchmarks/family_matrix.py --targets portable,onnxruntime,onnxruntime-fused --vlm"
+    assert matrix.DOC.read_text() == matrix.render_doc(json.loads(matrix.OUT.read_text())), \
+        "docs/family-matrix.md is generated: python benchmarks/family_matrix.py --docs-only"
+
+
+def test_bugs_lists_mismatches_first_then_refusals_after_loading():
+    assert matrix.bugs(_results(NEW + OLD[3:4])) == [
+        "MISMATCH: llama [portable]", "refused after load: kimi [portable] kimi: per-channel decay"]
