@@ -124,7 +124,26 @@ def _cell(model_type: str, target: str, model_dir: Path, work: Path, refs: dict)
     if got == refs["whole"]:
         rec.pop("tokens")
         return dict(rec, status="exact", reference="forward over the whole sequence", reference_tokens=got)
-    return dict(rec, status="MISMATCH", reference_tokens=refs["cached"], whole_tokens=refs["whole"])
+    return dict(rec, status="MISMATCH", reference_tokens=refs["cached"], whole_tokens=refs["whole"],
+                **_placeholder_note(model_dir, got, refs["cached"]))
+
+
+def _placeholder_note(model_dir: Path, got: list, ref: list) -> dict:
+    """Where the tokens part after the model generated one of its config's special placeholder ids (an image or
+    audio token, inside the tiny vocabulary), say so: a wrapper may treat that id apart from text."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    special = {v: k for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool)
+               and (k.endswith("_token_id") or k.endswith("_token_index"))
+               and k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    for prompt, g, r in zip(PROMPTS, got, ref):
+        first = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None)
+        if first is None:
+            continue
+        hit = [t for t in prompt + r[:first] if t in special]
+        if hit:
+            return {"note": f"the tokens part after the sequence holds {special[hit[0]]} {hit[0]} (a placeholder "
+                            "id of the tiny config, generated as text)"}
+    return {}
 
 
 def _references(model_dir: Path) -> dict:
@@ -366,7 +385,7 @@ def _doc_cell(r: dict | None) -> str:
     if s == "refused":
         return f"refused{' (after load)' if r.get('loaded') else ''}: {detail}"
     if s == "MISMATCH":
-        return "**MISMATCH**"
+        return "**MISMATCH**" + (f" ({r['note']})" if r.get("note") else "")
     return f"{s}: {detail}" if detail else s
 
 
