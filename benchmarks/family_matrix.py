@@ -419,9 +419,12 @@ passed. A failure here may be the generic shrinker's (an image geometry it got w
 
 def render_doc(data: dict) -> str:
     targets = data["targets"]
-    counts = []
-    for key, c in data["summary"].items():
-        counts.append(f"- `{key}`: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items())))
+    order = ["built", "exact", "exported", "MISMATCH", "refused-before-load", "refused-after-load", "crash",
+             "build-failed", "timeout"]
+    keys = sorted(data["summary"], key=lambda k: (k.startswith("vlm"), k.split()[-1] != "build",
+                                                  TARGETS.index(k.split()[-1]) if k.split()[-1] in TARGETS else 0))
+    counts = [f"- `{key}`: " + ", ".join(f"{data['summary'][key][st]} {st}" for st in order
+                                         if st in data["summary"][key]) for key in keys]
     text = DOC_HEAD.format(version=data["transformers"], ctx=data["ctx_len"], chunk=data["prefill_seq_len"],
                            new=data["new_tokens"], counts="\n".join(counts), targets=" | ".join(targets),
                            rule="---|" * len(targets))

@@ -78,6 +78,11 @@ OVERRIDES: dict[str, dict] = {
     # Mamba2: num_heads x head_dim must equal expand x hidden (128)
     "mamba2": dict(num_heads=8, head_dim=16),
     "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16),
+    # the defaults leave the routed experts' top-k unset (None): they do not build at full size either
+    "deepseek_v2": dict(num_experts_per_tok=2),
+    # the defaults leave the sparse indexer's geometry unset (None)
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
+                           indexer_compress_ratio=4),
     # its defaults have no layer_types (None; the checkpoints name them): one short-conv and one attention layer
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_hidden_layers=2, num_dense_layers=1),
 }
