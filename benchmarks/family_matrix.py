@@ -463,6 +463,9 @@ def main(argv=None) -> int:
         everything = {**causal_lm_types(), **vlm_types()}
         chosen = args.types.split(",") if args.types else \
             [t for t in everything if args.vlm or not t.startswith("vlm:")]
+        unknown = [t for t in chosen if t not in everything]
+        if unknown:
+            ap.error(f"--types: {', '.join(unknown)} not among transformers' CausalLM types (or vlm:<type> wrappers)")
         types = {t: everything[t] for t in chosen}
         records = run_all(types, targets, args.jobs, args.timeout)
         old = json.loads(args.out.read_text()) if args.out.is_file() else None

@@ -288,7 +288,17 @@ def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:
         return None
     from qeff_kv.export.modeling import vlm
 
-    return vlm.vision_geometry(model, options.image_size)
+    name = type(model).__name__
+    if not callable(getattr(model, "get_image_features", None)):
+        raise ExportError(f"{name} has no get_image_features (its images reach the language model another way); "
+                          f"qeff-kv does not export its vision side")
+    try:
+        return vlm.vision_geometry(model, options.image_size)
+    except ExportError:
+        raise
+    except Exception as exc:  # an image encoder that does not run as qeff-kv runs one: one line, not a traceback
+        raise ExportError(f"{name}'s image encoder does not run on one image of its configured size through "
+                          f"get_image_features: {capture_line(exc)}") from None
 
 
 def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, onnx_path: Path, ckpt: dict,

@@ -154,6 +154,33 @@ def test_vlm_refusals_are_one_line(llava, tmp_path):
     assert json.loads((llava / "config.json").read_text())["image_token_index"] == 120   # the input is untouched
 
 
+
+def test_an_image_encoder_that_does_not_run_is_one_line(llava, tmp_path, monkeypatch):
+    """A vision-language class without get_image_features, or whose get_image_features fails on one image of
+    the configured size (the family matrix met 18 such wrappers: idefics2, llava_next...): a one-line ExportError
+    naming the class, not the encoder's traceback; nothing written."""
+    import transformers
+    from qeff_kv.errors import ExportError
+    from qeff_kv.export import export_model
+
+    cls = transformers.LlavaForConditionalGeneration
+
+    def broken(self, pixel_values, **kw):
+        raise ValueError("not enough values to unpack (expected 5, got 4)\nsecond line")
+
+    monkeypatch.setattr(cls, "get_image_features", broken)
+    with pytest.raises(ExportError) as err:
+        export_model(llava, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK)
+    assert str(err.value) == ("LlavaForConditionalGeneration's image encoder does not run on one image of its "
+                              "configured size through get_image_features: ValueError: not enough values to unpack "
+                              "(expected 5, got 4)")
+    monkeypatch.setattr(cls, "get_image_features", None)
+    with pytest.raises(ExportError, match=r"^LlavaForConditionalGeneration has no get_image_features \(its images "
+                                          r"reach the language model another way\); qeff-kv does not export its "
+                                          r"vision side$"):
+        export_model(llava, tmp_path / "o", ctx_len=CTX, prefill_seq_len=CHUNK)
+    assert not (tmp_path / "o").exists()
+
 # --- Gemma3: sliding layers (ring buffers) and bidirectional attention within each image ----------------------
 
 G3_CTX, G3_CHUNK = 48, 16
