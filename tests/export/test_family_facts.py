@@ -474,3 +474,15 @@ def test_a_head_size_groupqueryattention_cannot_run_is_refused_on_fused_only():
     mamba = facts(model_type="mamba2", num_heads=4, head_dim=24, state_size=8, n_groups=2, hidden_size=48)
     assert mamba.recurrent is not None and not mamba.recurrent.attention_layers
     assert mamba.fused_refusal() is None
+
+
+@pytest.mark.parametrize("model_type", ["axk2", "hy_v4", "mistral_large4_text"])
+def test_an_indexer_of_another_layout_is_refused_from_the_config(model_type):
+    """Configs with ``index_topk`` whose indexer is not DeepSeek-V3.2's (transformers 5.24: AXK2, HY-V4,
+    Mistral-Large-4) used to load and fail in the shape probe (``RecordingCache`` has no ``update_indexer``)."""
+    f = facts(model_type=model_type, kv_lora_rank=32, index_topk=2048)
+    for target in ("portable", "onnxruntime", "onnxruntime-fused"):
+        assert f.refusal(opts(target)) == (
+            f"XForCausalLM: its sparse attention's indexer ({model_type}'s own, index_topk 2048) is not the "
+            f"DeepSeek-V3.2 / GLM-5 indexer qeff-kv traces; qeff-kv does not export it")
+    assert facts(model_type="deepseek_v32", kv_lora_rank=32, index_topk=6).compressed_attention is None

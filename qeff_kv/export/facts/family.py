@@ -16,10 +16,11 @@ from qeff_kv.errors import ExportError
 from qeff_kv.export.facts.config_values import first_of, float_or_none, int_or_none
 from qeff_kv.export.facts.layer_facts import (  # noqa: F401 (the constants: tests read them here)
     ALWAYS_ALIBI, ATTENTION_CODE, ATTENTION_SINK_MODEL_TYPES, FUSED_ATTENTION_LIMITS, FUSED_HEAD_SIZE_MULTIPLE,
-    attention_head_dims, chunked_attention, has_mrope,
-    compressed_attention_refusal, indexed_layers, kv_sharing, kv_sharing_problem, latent_attention, logits_scaling,
-    longrope_threshold, rope_layers, rope_types, sliding_layers)
-from qeff_kv.export.facts.recurrent_facts import RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts, mixer_layer_types, recurrent_facts
+    attention_head_dims, chunked_attention, compressed_attention_refusal, has_mrope, indexed_layers, kv_sharing,
+    kv_sharing_problem, latent_attention, logits_scaling, longrope_threshold, rope_layers, rope_types, sliding_layers,
+    unknown_indexer_refusal)
+from qeff_kv.export.facts.recurrent_facts import (RECURRENT_REFUSALS, RECURRENT_TEXT_MODEL_TYPES, RecurrentFacts,
+                                                  mixer_layer_types, recurrent_facts)
 
 
 #: language models that a vision-language ``config.json`` names by a type of its own, which transformers reads as
@@ -77,7 +78,8 @@ class ModelFacts:
     #: the head sizes the config gives its attention layers (:func:`.layer_facts.attention_head_dims`)
     head_dims: tuple[int, ...] = ()
     indexed_layers: tuple[int, ...] = ()
-    #: why the model's compressed attention cannot be exported (DeepSeek-V4's ``compress_rates``), ``None``
+    #: why the model's compressed or sparse attention cannot be exported (DeepSeek-V4's ``compress_rates``, an
+    #: indexer of a layout qeff-kv does not trace), ``None``
     compressed_attention: str | None = None
     #: attention adds learned per-head sink logits to the softmax (GPT-OSS; see :data:`ATTENTION_SINK_MODEL_TYPES`)
     attention_sinks: bool = False
@@ -144,7 +146,8 @@ class ModelFacts:
             index_topk=int_or_none(text.get("index_topk")) or None,
             head_dims=attention_head_dims(text),
             indexed_layers=indexed_layers(text, num_layers),
-            compressed_attention=compressed_attention_refusal(text),
+            compressed_attention=(compressed_attention_refusal(text)
+                                  or unknown_indexer_refusal(text, model_type)),
             attention_sinks=model_type in ATTENTION_SINK_MODEL_TYPES,
             rope_types=rope_types(text),
             max_position_embeddings=int_or_none(first_of(text, "max_position_embeddings", "n_positions")),

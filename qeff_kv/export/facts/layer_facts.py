@@ -270,6 +270,21 @@ def indexed_layers(text: dict, num_layers: int) -> tuple[int, ...]:
     return attention_layers(text, num_layers)
 
 
+#: the sparse-attention families whose indexer qeff-kv traces (``export/modeling/sparse.py``: an MLA module with a
+#: lightning indexer, DeepSeek-V3.2's layout), by ``model_type``; other configs with ``index_topk`` (AXK2, HY-V4,
+#: Mistral-Large-4: indexers of their own layout, transformers 5.24) are refused from the config
+SPARSE_ATTENTION_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+
+
+def unknown_indexer_refusal(text: dict, model_type: str) -> str | None:
+    """Why a sparse-attention model (``index_topk``) whose indexer is not one qeff-kv traces cannot be exported
+    (:data:`SPARSE_ATTENTION_MODEL_TYPES`), or ``None``."""
+    if not text.get("index_topk") or model_type in SPARSE_ATTENTION_MODEL_TYPES:
+        return None
+    return (f"its sparse attention's indexer ({model_type}'s own, index_topk {text['index_topk']}) is not the "
+            f"DeepSeek-V3.2 / GLM-5 indexer qeff-kv traces")
+
+
 def compressed_attention_refusal(text: dict) -> str | None:
     """Why the model's compressed attention cannot be a retained-state graph (``compress_rates``, or the older
     checkpoints' ``compress_ratios`` / ``compress_rate_csa``: DeepSeek-V4's compressed sparse and heavily compressed
