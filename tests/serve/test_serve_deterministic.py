@@ -33,10 +33,13 @@ def _request(i: int, prompt, seeded: bool) -> GenerationRequest:
                              logprobs=2)
 
 
-def _outcome(handle):
-    """Every token with its logprob and alternatives (read from the logits bit for bit) and how it finished."""
+def _outcome(handle, reused: list | None = None):
+    """Every token with its logprob and alternatives (read from the logits bit for bit); the prompt tokens taken
+    from a kept sequence go to ``reused``."""
     evs = list(handle.iter_sync(timeout=120))
     assert isinstance(evs[-1], Finished) and evs[-1].finish_reason == "length", evs[-1]
+    if reused is not None:
+        reused.append(evs[-1].cached_tokens)
     return [(e.token, e.logprob, e.top) for e in evs[:-1]]
 
 
@@ -49,6 +52,7 @@ class Served:
         self.sched = Scheduler(Session(path, max_sequences=rows), prefill_chunk=1, deterministic=deterministic)
         self.alone_sched = Scheduler(Session(path, max_sequences=rows), reuse_prompts=False, deterministic=True)
         self.alone_cache: dict = {}
+        self.reused: list[int] = []   # cached prompt tokens of each request served together
 
     def alone(self, prompt, seeded: bool):
         key = (prompt, seeded)
@@ -58,7 +62,7 @@ class Served:
 
     def together(self, reqs) -> list:
         handles = [self.sched.submit(_request(i, p, s)) for i, (p, s) in enumerate(reqs)]
-        return [_outcome(h) for h in handles]
+        return [_outcome(h, self.reused) for h in handles]
 
     def close(self) -> None:
         self.sched.close()
@@ -102,6 +106,7 @@ def test_float_continuous_batching_tokens_equal_each_request_alone(own_cb_graph)
         check()
     finally:
         served.close()
+    assert any(served.reused), "no prompt was reused: the property was not tried with prompt reuse"
 
 
 @requires_torch
@@ -117,6 +122,7 @@ def test_int4_fused_lock_step_tokens_equal_each_request_alone(int4_fused):
         check()
     finally:
         served.close()
+    assert any(served.reused), "no prompt was reused: the property was not tried with prompt reuse"
 
 
 def test_deterministic_refusals():
