@@ -146,6 +146,10 @@ def option_groups(names: list[str]) -> list[tuple[str, list[str]]]:
               help="Recurrent/hybrid graphs: checkpoints kept per sequence, oldest dropped (default 8).")
 @click.option("--no-prompt-reuse", "reuse_prompts", flag_value=False, default=True,
               help="Destroy finished sequences instead of keeping them for reuse.")
+@click.option("--deterministic", is_flag=True,
+              help="Batch-invariant serving: a request's greedy (and seeded) tokens equal the same request alone, at "
+                   "any concurrency (one graph run per sequence and step, prompt reuse and chunks in whole prefill "
+                   "lengths; slower with several sequences: docs/serving.md).")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the export folder's name).")
 @click.option("--served-model-name", multiple=True, metavar="NAME [NAME ...]",
               help="vLLM's: the names requests may give as model; the first is the one answers report and "

@@ -361,13 +361,13 @@ class Session:
                 f"position {self.ctx_len - 1} with a real token; the usable capacity is {self.ctx_len - 1}")
         t0 = time.perf_counter()
         # lock step: the rows in use
-        self.binding.use_kv(batching.decode_views(self.binding.rows, rows, self.max_sequences))
+        self.binding.use_kv(batching.decode_views(self.binding.rows, rows, self.max_sequences, seqs))
         arrays = self.binding.bind_small(rows, width)
         if width != 1:
             arrays["input_ids"].fill(0)
             pos_mod.clear(arrays["position_ids"])
         batching.fill_decode(arrays, seqs, toks, self.cache.sequences)
-        self.binding.adapt_rows(arrays, ((batching.logits_row(r, s), s) for r, s in enumerate(seqs)))
+        self.binding.adapt_rows(arrays, ((batching.logits_row(r, s, rows), s) for r, s in enumerate(seqs)))
         logits = self._run(rows, width, np.zeros(rows, np.int64), needed=max(s.length for s in seqs) + 1)
         out = {}
         for r, (s, t) in enumerate(zip(seqs, toks)):
@@ -378,7 +378,7 @@ class Session:
             s.tokens.append(t)
             s.pending = None
             s.pending_emitted = False
-            out[s] = logits[batching.logits_row(r, s)]
+            out[s] = logits[batching.logits_row(r, s, rows)]
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
         self.timings.decode_rows += rows

@@ -129,6 +129,17 @@ class ServeConfig:
                                     "is another qeff-kv serve)")
         if self.pd is not None and self.speculation is not None:
             raise RuntimeInputError("--kv-role does not go with --speculative")
+        self._refuse_with_deterministic()
+
+    def _refuse_with_deterministic(self) -> None:
+        """``--deterministic`` holds for one local engine decoding plainly: what it cannot guarantee is refused."""
+        if not self.engine.deterministic:
+            return
+        for flag, on in (("--speculative", self.speculation is not None), ("--disaggregate", self.disaggregate),
+                         ("--kv-role", self.pd is not None)):
+            if on:
+                raise RuntimeInputError(f"--deterministic does not go with {flag} (its steps are not the runs a "
+                                        "request alone makes)")
 
     def _refuse_unread(self, attr: str) -> None:
         if attr in self.unread:

@@ -38,7 +38,7 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
         eng = config.engine
         engine = Scheduler(session, max_queue=eng.max_queue, reuse_prompts=eng.reuse_prompts, model_name=model.name,
                            prefill_chunk=eng.prefill_chunk, speculation=speculation, kv_events=kv_events,
-                           connector=connector, adapters=adapters)
+                           connector=connector, adapters=adapters, deterministic=eng.deterministic)
         engine.vision = open_vision(session, config)   # a vision-language export: images over HTTP (serve/images.py)
         start_images(engine)   # its processor loaded now, once: no request waits for it or races another loading it
         return engine

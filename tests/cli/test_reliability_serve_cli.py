@@ -176,6 +176,8 @@ def test_a_port_in_use_is_one_line_without_the_serving_line(own_cb_graph, tmp_pa
     (["--max-checkpoints", "2"], "--checkpoint-every and --max-checkpoints go with a recurrent"),
     (["--disaggregate", "--state-dir", "x"], "--state-dir does not go with --disaggregate"),
     (["--max-request-bytes", "10"], "--max-request-bytes"),
+    (["--deterministic", "--prefill-chunk", "auto"], "--deterministic does not go with --prefill-chunk auto"),
+    (["--deterministic", "--speculative", "lookup"], "--deterministic does not go with --speculative"),
 ])
 def test_options_that_could_never_work_are_refused(own_cb_graph, args, needle):
     _one_line(CliRunner().invoke(main, ["serve", str(own_cb_graph), *args]), needle)

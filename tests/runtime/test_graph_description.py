@@ -95,13 +95,13 @@ def test_continuous_batching_names_each_rows_slot():
 def test_lock_step_runs_the_rows_in_use_and_reads_each_sequences_own():
     b = LockStep()
     fed, idle, above = _seq(1, 4), _seq(0, 7), _seq(3, 9)
-    assert b.decode_rows([fed], 4) == 2 and b.decode_rows([above, fed], 4) == 4   # up to the highest slot fed
+    assert b.decode_rows([idle, fed], 4) == 2 and b.decode_rows([above, fed], 4) == 4   # up to the highest slot fed
     arrays = _step(b, 2)
     assert set(arrays) == {"input_ids", "position_ids"}   # no batch_index
-    b.fill_decode(arrays, [fed], [42], [fed, idle, above])
-    assert arrays["input_ids"].ravel().tolist() == [42 if r == 1 else 0 for r in range(2)]
+    b.fill_decode(arrays, [fed, above], [42, 5], [fed, idle, above])
+    assert arrays["input_ids"].ravel().tolist() == [0, 42]
     assert arrays["position_ids"].ravel().tolist() == [7, 4]   # idle rows write at their next free position
-    assert b.logits_row(0, fed) == 1 and b.usable_ctx_len(64) == 63
+    assert b.logits_row(0, fed, 2) == 1 and b.usable_ctx_len(64) == 63
     buffers = {"past_key.0": np.arange(4 * 6, dtype=np.float32).reshape(4, 1, 3, 2)}
     views = RowViews(buffers)
     assert b.decode_views(views, 4, 4) is None                   # every row: the whole buffers
@@ -109,6 +109,21 @@ def test_lock_step_runs_the_rows_in_use_and_reads_each_sequences_own():
     assert first is b.decode_views(views, 2, 4)                  # made once
     assert first["past_key.0"].shape() == [2, 1, 3, 2]
     assert first["past_key.0"].data_ptr() == buffers["past_key.0"].ctypes.data   # a view, not a copy
+
+
+def test_lock_step_runs_one_sequence_in_its_own_row():
+    """A step feeding one sequence (a solo step) runs one row, the batch-1 view of the sequence's own row (the
+    binding a prefill makes): the run the sequence alone in slot 0 makes, wherever it sits."""
+    b = LockStep()
+    fed, idle = _seq(2, 4), _seq(0, 7)
+    assert b.decode_rows([fed], 4) == 1
+    arrays = _step(b, 1)
+    b.fill_decode(arrays, [fed], [42], [fed, idle])
+    assert arrays["input_ids"].ravel().tolist() == [42] and arrays["position_ids"].ravel().tolist() == [4]
+    assert b.logits_row(0, fed, 1) == 0
+    buffers = {"past_key.0": np.arange(4 * 6, dtype=np.float32).reshape(4, 1, 3, 2)}
+    solo = b.decode_views(RowViews(buffers), 1, 4, [fed])["past_key.0"]
+    assert solo.shape() == [1, 1, 3, 2] and solo.data_ptr() == buffers["past_key.0"][2:3].ctypes.data
 
 
 def test_one_sequence_refuses_a_step_of_several():

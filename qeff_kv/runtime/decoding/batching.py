@@ -69,18 +69,18 @@ class OneSequence:
     def _row_slot(self, arrays: dict[str, np.ndarray], row: int, seq) -> None:
         """Say which KV row step row ``row`` is (nothing to say with one sequence)."""
 
-    def logits_row(self, row: int, seq) -> int:
-        """The row of a decode step's logits that belongs to ``seq``, fed in row ``row``."""
+    def logits_row(self, row: int, seq, rows: int = 0) -> int:
+        """The row of a decode step's logits (``rows`` rows) that belongs to ``seq``, fed in row ``row``."""
         return row
 
     def prefill_views(self, rows: RowViews, seq) -> dict[str, ort.OrtValue] | None:
         """The KV values a prefill of ``seq`` binds instead of the whole buffers (``None``: the whole buffers)."""
         return None
 
-    def decode_views(self, rows: RowViews, count: int, max_sequences: int
+    def decode_views(self, rows: RowViews, count: int, max_sequences: int, seqs: Seq = ()
                      ) -> dict[str, ort.OrtValue] | None:
-        """The KV values a ``count``-row decode step binds instead of the whole buffers (``None``: the whole
-        buffers)."""
+        """The KV values a ``count``-row decode step feeding ``seqs`` binds instead of the whole buffers (``None``:
+        the whole buffers)."""
         return None
 
 
@@ -107,8 +107,9 @@ class ContinuousBatching(OneSequence):
 class LockStep(OneSequence):
     """Several sequences in a graph without ``batch_index`` (:mod:`.lockstep`): a decode step runs the rows up to
     the highest slot fed, bound through a view of those first rows (the idle ones among them write past their
-    length, into the slot each row keeps: the usable capacity is ``ctx_len - 1``); a prefill binds the batch-1
-    view of its sequence's row."""
+    length, into the slot each row keeps: the usable capacity is ``ctx_len - 1``); a prefill, and a decode step
+    feeding one sequence (a **solo step**: the run the sequence alone in slot 0 makes, wherever it is), binds the
+    batch-1 view of its sequence's row."""
 
     name = "lock step"
     lockstep = True
@@ -118,20 +119,24 @@ class LockStep(OneSequence):
         return ctx_len - 1
 
     def decode_rows(self, seqs: Seq, max_sequences: int) -> int:
-        return lockstep_mod.step_rows(s.slot for s in seqs)
+        return 1 if len(seqs) == 1 else lockstep_mod.step_rows(s.slot for s in seqs)
 
-    def decode_views(self, rows: RowViews, count: int, max_sequences: int
+    def decode_views(self, rows: RowViews, count: int, max_sequences: int, seqs: Seq = ()
                      ) -> dict[str, ort.OrtValue] | None:
+        if len(seqs) == 1:   # a solo step: its own row, as a prefill binds it
+            return rows.row(seqs[0].slot)
         return None if count == max_sequences else rows.first(count)
 
     def fill_decode(self, arrays: dict[str, np.ndarray], seqs: Seq, toks: Seq[int], sequences: Seq) -> None:
         count = arrays["input_ids"].shape[0]
+        if len(seqs) == 1:
+            return super().fill_decode(arrays, seqs, toks, sequences)
         lockstep_mod.fill_rows(arrays["input_ids"], arrays["position_ids"],
                                {s.slot: (t, s.length) for s, t in zip(seqs, toks)},
                                {s.slot: s.length for s in sequences if s.slot < count})
 
-    def logits_row(self, row: int, seq) -> int:
-        return seq.slot
+    def logits_row(self, row: int, seq, rows: int = 0) -> int:
+        return row if rows == 1 else seq.slot
 
     def prefill_views(self, rows: RowViews, seq) -> dict[str, ort.OrtValue] | None:
         return rows.row(seq.slot)

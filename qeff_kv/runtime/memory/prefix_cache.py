@@ -27,6 +27,11 @@ names) shares its longest prefix, then :meth:`PrefixCache.acquire` the sequence 
   (a :class:`~qeff_kv.errors.QeffKvError`). A session whose ``copy`` is ``None`` (a memory without the verb)
   reuses by truncating in place only, and forks of OpenAI's ``n`` prefill instead of copying.
 
+* **Exact reuse** (``align``, the serve engine's ``--deterministic``): a reused prefix must hold the bytes a fresh
+  prefill of the new prompt would write, and the rest must be fed in the chunks a fresh prefill runs. Only
+  positions a prompt's whole prefill chunks wrote qualify (:meth:`held` records ``length // align * align``, ``align``
+  the prefill length; decode steps, a prompt's last partial chunk, a scored or handed-off prompt do not), and the
+  reuse length is rounded down to a whole number of prefill lengths: the chunks after it are the fresh run's.
 * **LoRA adapters** (docs/lora.md): a sequence's KV was computed with its adapter and scale (``Sequence.adapter``,
   ``Sequence.lora_scale``), so prompts are reused only between sequences of one adapter at one scale: every
   question and :meth:`fresh` take the ``lora`` key of the prompt (:func:`lora_of`: ``(adapter, scale)``, ``None`` for
@@ -89,12 +94,17 @@ class PrefixCache:
         reuse: keep finished sequences and start prompts from them (False: :meth:`release` destroys, nothing is
             reused, :meth:`lookup` finds nothing).
         listener: a :class:`CacheListener` told what sequences hold, or None.
+        align: exact reuse in whole prefill lengths of ``align`` tokens (the module docstring), or None.
     """
 
-    def __init__(self, session, *, reuse: bool = True, listener: CacheListener | None = None):
+    def __init__(self, session, *, reuse: bool = True, listener: CacheListener | None = None,
+                 align: int | None = None):
         self.session = session
         self.reuse = reuse
         self.listener = listener
+        self.align = align
+        #: with ``align``: sequence id -> the positions whole prefill chunks wrote (what may be reused exactly)
+        self._exact: dict[int, int] = {}
         self._kept: collections.OrderedDict[int, Sequence] = collections.OrderedDict()   # LRU first
         #: whether the session copies sequences (its ``copy`` verb is set): decided once, for every user
         self.copies = callable(session.copy)
@@ -138,6 +148,8 @@ class PrefixCache:
             if lora_of(s) != lora:   # another adapter (or scale): other KV for the same tokens
                 continue
             n = common_prefix(s.tokens, prompt, limit)
+            if self.align:
+                n = min(n, self._exact.get(s.id, 0)) // self.align * self.align
             if n:
                 n = self.session.reusable(s, n)
             if n > best_n:
@@ -225,6 +237,7 @@ class PrefixCache:
 
     def _truncated(self, seq: Sequence, n: int) -> tuple[Sequence, int]:
         del self._kept[seq.id]
+        self._exact[seq.id] = min(n, self._exact.get(seq.id, 0))
         try:
             self.session.truncate(seq, n)
         except QeffKvError:   # ring buffers: the rewind is refused; prefill from scratch in this slot
@@ -235,8 +248,12 @@ class PrefixCache:
         return seq, n
 
     # ------------------------------------------------------------------------------------ keep, evict, forget
-    def held(self, seq: Sequence) -> None:
-        """``seq``'s prompt is prefilled: tell the listener what it holds (while it runs, it can be a source)."""
+    def held(self, seq: Sequence, exact: bool = True) -> None:
+        """``seq``'s prompt is prefilled: tell the listener what it holds (while it runs, it can be a source).
+        ``exact``: its prompt was fed in whole prefill chunks from position 0 or an exact prefix (else, with
+        ``align``, none of it is reused)."""
+        if self.align:
+            self._exact[seq.id] = seq.length // self.align * self.align if exact else 0
         if self.reuse:
             self._tell(seq, seq.tokens)
 
@@ -277,6 +294,7 @@ class PrefixCache:
     def remove(self, seq: Sequence) -> None:
         """Destroy ``seq`` (kept or not) in the session."""
         self._kept.pop(seq.id, None)
+        self._exact.pop(seq.id, None)
         self.session.remove_sequence(seq)
         self._tell(seq, ())
 

@@ -1,7 +1,9 @@
 """The decode step of the local engine's turn: one step for every running sequence together.
 
 Plainly, one ``Session.decode`` over the running sequences (``batch_index`` rows, or lock step on a graph without
-it), each row's token selected by its :meth:`~.active.Active.select`; with a
+it), each row's token selected by its :meth:`~.active.Active.select`; batch-invariant (``--deterministic``), one
+solo ``Session.decode`` per sequence (a one-row step: ``batch_index`` of its slot, or its own lock-step row), the
+same graph run, with the same inputs, as the sequence alone makes: no other row can change its arithmetic; with a
 :class:`~.speculative_step.Speculation` (``--speculative``), one verification step that may give each sequence
 several tokens.
 
@@ -41,14 +43,18 @@ class Step:
     seconds: float = 0.0
 
 
-def decode(session, batch: list, speculation=None) -> Step:
+def decode(session, batch: list, speculation=None, solo: bool = False) -> Step:
     """One decode step for ``batch`` (:class:`~.active.Active` records, each with its token to feed in ``last``)
-    in ``session``, through ``speculation`` when given (see the module docstring)."""
+    in ``session``, through ``speculation`` when given (see the module docstring). ``solo``: one graph run per
+    sequence (``--deterministic``): each row's arithmetic is the run it makes alone, whatever else runs."""
     if speculation is not None:
         return _speculative(speculation, batch)
     t0 = time.perf_counter()
     try:
-        out = session.decode([(a.seq, a.last) for a in batch])
+        if solo:
+            out = {a.seq: session.decode([(a.seq, a.last)])[a.seq] for a in batch}
+        else:
+            out = session.decode([(a.seq, a.last) for a in batch])
     except Exception as exc:   # noqa: BLE001 - the step failed for all of them
         return Step(error=f"decode failed: {exc}")
     step = Step(seconds=time.perf_counter() - t0)

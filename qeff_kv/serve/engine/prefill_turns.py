@@ -59,7 +59,7 @@ class PrefillTurns:
     ``"auto"``: while sequences are running, as many tokens as cost :data:`AUTO_SHARE` of a decode step
     (measured), so a running stream's step at most about doubles; the full prefill length when nothing runs."""
 
-    def __init__(self, session, prefill_chunk: int | str | None = None):
+    def __init__(self, session, prefill_chunk: int | str | None = None, whole: bool = False):
         if prefill_chunk is not None and prefill_chunk != "auto" and (
                 isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
             raise RuntimeInputError(f"prefill_chunk must be a positive int or 'auto', got {prefill_chunk!r}")
@@ -69,6 +69,8 @@ class PrefillTurns:
         #: prompt tokens fed per turn (the most, with ``auto``)
         self.chunk = (S if self.auto else max(S, TURN_TOKENS // S * S) if prefill_chunk is None
                       else prefill_chunk)
+        if whole:   # batch-invariant serving: every prompt is fed in whole prefill lengths (never auto)
+            self.auto, self.chunk = False, max(S, self.chunk // S * S)
         #: requests whose prompt is still being fed, oldest first
         self.queue: list = []
         self.decode_s: float | None = None       # moving averages: one decode step, one prefill token

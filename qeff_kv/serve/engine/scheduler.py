@@ -94,16 +94,19 @@ class Scheduler(Engine):
         speculation: a :class:`~.speculation.Speculation` over ``session`` (speculative decoding), or None.
         kv_events: a :class:`~.kv_events.KVEventPublisher` told what the sequences hold (``--kv-events``), or
             None; the scheduler closes it.
+        deterministic: batch-invariant (``--deterministic``): solo decode steps, exact prompt reuse, whole prefill
+            lengths (:mod:`~.decode_step`), so a request's tokens equal the same request alone.
     """
 
     def __init__(self, session, *, max_queue: int = 64, reuse_prompts: bool = True, model_name: str | None = None,
                  prefill_chunk: int | str | None = None, speculation=None, kv_events=None,
-                 connector=None, adapters=None):
+                 connector=None, adapters=None, deterministic: bool = False):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise RuntimeInputError(f"max_queue must be a non-negative int, got {max_queue!r}")
         self.session = session
         #: the requests still prefilling and what each turn feeds
-        self.turns = PrefillTurns(session, prefill_chunk)
+        self.turns = PrefillTurns(session, prefill_chunk, whole=deterministic)
+        self.deterministic = deterministic
         #: prompt tokens fed per engine turn (the most, with ``"auto"``)
         self.prefill_chunk: int = self.turns.chunk
         if speculation is not None and speculation.session is not session:
@@ -117,7 +120,8 @@ class Scheduler(Engine):
         self.max_queue = max_queue
         self.reuse_prompts = reuse_prompts
         #: the kept sequences and the prompt-reuse decision (the engine thread is its only user)
-        self.prefix_cache = PrefixCache(session, reuse=reuse_prompts, listener=kv_events)
+        self.prefix_cache = PrefixCache(session, reuse=reuse_prompts, listener=kv_events,
+                                        align=session.prefill_seq_len if deterministic else None)
         self.kv_events = kv_events
         #: the waiting groups, control actions, counters and slot table (shared with the submitting threads)
         self.inbox = Inbox(self.max_sequences, session.cache.memory_capacity)
@@ -246,8 +250,8 @@ class Scheduler(Engine):
                         a.handle.emit(Embedding(logits))
                         self._finish(a, STOP)
                         continue
-                    if a.req.images is None:
-                        self.prefix_cache.held(a.seq)
+                    if a.req.images is None:   # a scored prompt ran position by position: not reused exactly
+                        self.prefix_cache.held(a.seq, a.req.prompt_logprobs is None)
                     self._prompt_done(a, logits)
         if self.running:
             self._decode()
@@ -300,7 +304,7 @@ class Scheduler(Engine):
             if seq.pending is None:
                 self.prefix_cache.remove(seq)
                 raise RuntimeInputError("the handed-off state has no pending token")
-            self.prefix_cache.held(seq)
+            self.prefix_cache.held(seq, exact=False)
             a.picker.accept(seq.pending)
             self._emit(a, seq.pending)
             return a
@@ -335,12 +339,12 @@ class Scheduler(Engine):
 
     def _decode(self) -> None:
         """One decode step for every running request (:func:`~.decode_step.decode`), applied row by row."""
-        if self.speculation is None and self.prefix_cache.low_rows:
+        if self.speculation is None and self.prefix_cache.low_rows and not self.deterministic:
             seq = to_lower(self.running)
             if seq is not None:
                 self.prefix_cache.lower(seq)
         batch = list(self.running)
-        step = decode(self.session, batch, self.speculation)
+        step = decode(self.session, batch, self.speculation, solo=self.deterministic)
         if step.error is not None:
             for a in batch:
                 self._finish(a, "error", step.error, keep=False)

@@ -38,6 +38,9 @@ class EngineSection:
     prefill_chunk: int | str | None = None
     #: keep finished sequences and start new prompts from their longest common prefix
     reuse_prompts: bool = True
+    #: batch-invariant serving: a request's tokens equal the same request alone (one graph run per sequence and
+    #: decode step, exact prompt reuse, chunks of whole prefill lengths)
+    deterministic: bool = False
     #: recurrent/hybrid graphs: checkpoint the recurrent state every N positions, keep at most N per sequence
     #: (None: the runtime's defaults); prompt reuse returns to checkpoints
     checkpoint_every: int | None = None
@@ -62,6 +65,9 @@ class EngineSection:
         ep_proofs.require(ep_proofs.resolve(self.device, None))   # a device proved for no graph kind: refused now
         if self.model_name is not None:
             _check_name(self.model_name, "--model-name")
+        if self.deterministic and self.prefill_chunk == "auto":
+            raise RuntimeInputError("--deterministic does not go with --prefill-chunk auto (its chunks follow the "
+                                    "timing); give a number of tokens")
         if self.served_model_name is not None:
             if self.model_name is not None:
                 raise RuntimeInputError("give --served-model-name or --model-name, not both")
