@@ -62,6 +62,10 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--accuracy-level", type=ACCURACY_LEVEL, metavar="L",
               help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
                    "Needs --weights.")
+@click.option("--zero-points/--no-zero-points", "zero_points", default=None,
+              help="With --weights: asymmetric blocks, each with its own zero point (MatMulNBits zero_points), or "
+                   "symmetric ones (no zero points). Default: zero points for int4 (it keeps SmolLM2's answers: "
+                   "docs/export.md), none for int8.")
 @click.option("--gguf-grid", is_flag=True,
               help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
                    "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "

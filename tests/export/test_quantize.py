@@ -75,10 +75,21 @@ def test_quantized_graph_structure(exports, key):
               and "GatherBlockQuantized" in {u.node.op_type for u in v.uses()}]
     assert len(packed) == 1
     assert {u.node.op_type for u in packed[0].uses()} == {"MatMulNBits", "GatherBlockQuantized"}
+    # int4 (issue 54): asymmetric blocks by default, a uint8 zero point per block on every MatMul weight's
+    # MatMulNBits (the vocabulary table, read by two ops, stays symmetric); int8: symmetric, none
+    zero_points = key == "int4"
+    for node in model.graph:
+        if node.op_type == "MatMulNBits" and packed[0] not in node.inputs:
+            zp = node.inputs[3] if len(node.inputs) > 3 else None
+            assert (zp is not None) == zero_points, node.name
+            if zp is not None:
+                n, k = int(node.attributes["N"].value), int(node.attributes["K"].value)
+                assert zp.dtype == 2 and int(np.prod(zp.shape)) == n * ((k // BLOCK + 1) // 2)
     report = check(r.onnx_path)
     assert report.ok, report.format_text()
     w = r.manifest["weights"]
     assert w["scheme"] == key.split("-")[0] and w["block_size"] == BLOCK and w["accuracy_level"] == 4
+    assert w["zero_points"] is zero_points and w["symmetric"] is not zero_points
     assert w["quantizer"].startswith("onnxruntime ")
     assert w["graph_bytes"] < w["float_graph_bytes"]
     # a folder of safetensors streams: quantized as written (no float graph), verified at float32's tolerance
@@ -131,3 +142,20 @@ def test_quantization_options_refused_without_weights():
         export_model(None, "/nonexistent/never-written", target="onnxruntime", block_size=64)
     with pytest.raises(ExportError, match="power of two"):
         export_model(None, "/nonexistent/never-written", target="onnxruntime", weights="int4", block_size=48)
+    with pytest.raises(ExportError) as exc:
+        export_model(None, "/nonexistent/never-written", target="onnxruntime", zero_points=False)
+    assert str(exc.value) == "--zero-points/--no-zero-points need --weights int4|int8"
+
+
+def test_zero_points_option_resolves_per_scheme():
+    """int4 defaults to zero points (asymmetric), int8 to none; symmetric keeps the options hash it had."""
+    from qeff_kv.export.options import ExportOptions
+
+    def resolved(**kw):
+        return ExportOptions(target="onnxruntime", **kw).resolved(64)
+
+    assert resolved(weights="int4").zero_points is True
+    assert resolved(weights="int8").zero_points is False
+    assert resolved(weights="int4", zero_points=False).zero_points is False
+    assert "zero_points" not in resolved(weights="int4", zero_points=False).to_json()
+    assert resolved(weights="int4").to_json()["zero_points"] is True

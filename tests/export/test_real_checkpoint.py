@@ -159,6 +159,32 @@ def test_generate_chat_from_the_export_folder_alone(export):
 
 
 @real
+def test_int4_default_keeps_paris(export, hf, tmp_path):
+    """Issue 54: ``--weights int4`` of the README's GGUF answers "The capital of France is Paris" (greedy, chat
+    template) as the float export does. The int4 graph is the module's float graph through the whole-graph
+    quantizer with the default scheme (zero points): the graph ``export --weights int4`` writes from this float
+    graph (tests/export/test_export_stream.py holds the streamed writer to the same bytes), without a second
+    export."""
+    import onnx_ir as ir
+    from hf_models import PlainLoop
+
+    from qeff_kv.export.options import ExportOptions
+    from qeff_kv.export.schemes import WeightScheme
+    from qeff_kv.export.weights.quantize import quantize_graph
+
+    scheme = WeightScheme.of(ExportOptions(target="onnxruntime-fused", weights="int4").resolved(CTX))
+    assert not scheme.symmetric and scheme.block_size == 32 and scheme.accuracy_level == 4
+    model = quantize_graph(export.onnx_path, scheme)
+    assert any(n.op_type == "MatMulNBits" and len(n.inputs) > 3 and n.inputs[3] is not None for n in model.graph)
+    path = tmp_path / "int4.onnx"
+    ir.save(model, path, external_data="int4.onnx.data")
+    del model
+    _model, tok = hf
+    got = PlainLoop(path, CTX).greedy(_hf_chat_ids(tok, QUESTION), 6, CHUNK)
+    assert tok.decode(got).startswith("The capital of France is Paris"), tok.decode(got)
+
+
+@real
 def test_cache_key_follows_the_gguf_file(export, tmp_path):
     """Same file, same fingerprint; another GGUF (different bytes) another one."""
     from qeff_kv.export import sources

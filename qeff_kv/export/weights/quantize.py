@@ -59,7 +59,7 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     pre-quantized checkpoint folder whose own int4 blocks become the MatMulNBits weights (:mod:`.prequant`)."""
     from qeff_kv.export.verify import make_probe
 
-    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    scheme = WeightScheme.of(options)
     work.mkdir(parents=True, exist_ok=True)
     qpath = work / onnx_path.name
     grid: dict = {}
@@ -153,7 +153,7 @@ def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, 
     """The manifest's ``weights`` record of a graph quantized as it streamed (verified against the
     quantized-then-dequantized reference by the verify stage): the scheme, the graph's bytes, and the natural-text
     check of the quantized graph against the float PyTorch model (``natural``: :func:`natural_reference`)."""
-    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    scheme = WeightScheme.of(options)
     record = scheme.to_json()
     if float_bytes is not None:   # the float weights' bytes (no float graph was written)
         record["float_graph_bytes"] = float_bytes
