@@ -300,16 +300,21 @@ def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
     from qeff_kv.export.weights import gguf_grid
 
     inits = {t.name: t for t in proto.graph.initializer}
-    nodes = list(proto.graph.node)
+    nodes = []
     used: set[str] = set()
-    for i, node in enumerate(nodes):
+    for node in list(proto.graph.node):
         if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in grid.fitted:
             k, n = (int(d) for d in inits[node.input[1]].dims)
             new, new_inits = gguf_grid.matmulnbits_node(node, node.input[1], grid.fitted[node.input[1]], grid.rows,
-                                                       k, n, scheme.accuracy_level)
-            nodes[i] = new
+                                                        k, n, scheme.accuracy_level)
+            nodes += new
             used.add(node.input[1])
-            proto.graph.initializer.extend(new_inits)
+            for t in new_inits:   # a block-sum matrix is shared by the weights of its K
+                if t.name not in inits:
+                    inits[t.name] = t
+                    proto.graph.initializer.append(t)
+        else:
+            nodes.append(node)
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     still = {x for nd in nodes for x in nd.input}
