@@ -1,7 +1,8 @@
 """``--weights int4 --gguf-grid`` (issue 21, build item 4; Q4_1: issue 54): MatMul weights whose GGUF type maps
 onto MatMulNBits (Q4_0: ``d * (q - 8)``, zero point 8; Q4_1: ``d * q + m``, zero point 0 and the offsets' term
 beside) take the GGUF's own blocks, and onnxruntime's dequantized weights are bit-identical to gguf's own
-dequantization; weights of other types are requantized and reported with the reason; the refusals. The GGUF is written in the test with the ``gguf`` package's writer (seeded)."""
+dequantization; weights of other types are requantized and reported with the reason; the refusals. The GGUF
+is written in the test with the ``gguf`` package's writer (seeded)."""
 
 from __future__ import annotations
 

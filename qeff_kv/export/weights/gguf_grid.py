@@ -28,8 +28,8 @@ The float graph's weights are the GGUF's, dequantized by transformers with gguf'
 permuted back for Llama's rotary layout, matrices transposed for ``MatMul``, Q/K/V possibly packed side by side
 by a fused target): so each column ``n`` of a ``MatMul`` weight ``B [K, N]`` is, bit for bit, one row of a GGUF
 tensor. Columns are matched to rows by content (a hash of the float32 bytes), which survives every one of those
-rearrangements; a weight whose columns all come from ``Q4_0`` or ``Q4_1`` rows gets those rows' blocks, repacked, as its
-``MatMulNBits``; every other weight is left to the ordinary quantizer and listed with the reason.
+rearrangements; a weight whose columns all come from ``Q4_0`` or ``Q4_1`` rows gets those rows' blocks, repacked,
+as its ``MatMulNBits``; every other weight is left to the ordinary quantizer and listed with the reason.
 """
 
 from __future__ import annotations
