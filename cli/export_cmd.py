@@ -64,8 +64,7 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "Needs --weights.")
 @click.option("--zero-points/--no-zero-points", "zero_points", default=None,
               help="With --weights: asymmetric blocks, each with its own zero point (MatMulNBits zero_points), or "
-                   "symmetric ones (no zero points). Default: zero points for int4 (it keeps SmolLM2's answers: "
-                   "docs/export.md), none for int8.")
+                   "symmetric ones (no zero points: the default, measured better on SmolLM2's int4: docs/export.md).")
 @click.option("--gguf-grid", is_flag=True,
               help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
                    "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "

@@ -66,7 +66,7 @@ class ExportOptions:
     block_size: int | None = None
     accuracy_level: int | None = None
     #: ``--zero-points/--no-zero-points``: asymmetric blocks with a zero point each (``MatMulNBits``'
-    #: ``zero_points``) or symmetric ones; resolved to the scheme's default (int4: zero points, int8: none)
+    #: ``zero_points``) or symmetric ones; resolved to the scheme's default (symmetric: schemes.DEFAULT_ZERO_POINTS)
     zero_points: bool | None = None
     #: how sliding-window layers keep their cache when ``ctx_len`` exceeds the window (contract section 7):
     #: ``"ring"`` (``sliding_window`` slots written at ``position % window``), ``"full"`` (``ctx_len`` slots, the

@@ -161,9 +161,9 @@ def test_generate_chat_from_the_export_folder_alone(export):
 @real
 def test_int4_default_keeps_paris(export, hf, tmp_path):
     """Issue 54: ``--weights int4`` of the README's GGUF answers "The capital of France is Paris" (greedy, chat
-    template) as the float export does. The int4 graph is the module's float graph through the whole-graph
-    quantizer with the default scheme (zero points): the graph ``export --weights int4`` writes from this float
-    graph (tests/export/test_export_stream.py holds the streamed writer to the same bytes), without a second
+    template) as the float export does, with the default scheme and with ``--zero-points``. Each int4 graph is the
+    module's float graph through the whole-graph quantizer: the graph ``export --weights int4`` writes from this
+    float graph (tests/export/test_export_stream.py holds the streamed writer to the same bytes), without a second
     export."""
     import onnx_ir as ir
     from hf_models import PlainLoop
@@ -172,16 +172,21 @@ def test_int4_default_keeps_paris(export, hf, tmp_path):
     from qeff_kv.export.schemes import WeightScheme
     from qeff_kv.export.weights.quantize import quantize_graph
 
-    scheme = WeightScheme.of(ExportOptions(target="onnxruntime-fused", weights="int4").resolved(CTX))
-    assert not scheme.symmetric and scheme.block_size == 32 and scheme.accuracy_level == 4
-    model = quantize_graph(export.onnx_path, scheme)
-    assert any(n.op_type == "MatMulNBits" and len(n.inputs) > 3 and n.inputs[3] is not None for n in model.graph)
-    path = tmp_path / "int4.onnx"
-    ir.save(model, path, external_data="int4.onnx.data")
-    del model
     _model, tok = hf
-    got = PlainLoop(path, CTX).greedy(_hf_chat_ids(tok, QUESTION), 6, CHUNK)
-    assert tok.decode(got).startswith("The capital of France is Paris"), tok.decode(got)
+    prompt = _hf_chat_ids(tok, QUESTION)
+    for zero_points in (None, True):
+        scheme = WeightScheme.of(ExportOptions(target="onnxruntime-fused", weights="int4",
+                                               zero_points=zero_points).resolved(CTX))
+        assert scheme.symmetric is (zero_points is None) and (scheme.block_size, scheme.accuracy_level) == (32, 4)
+        model = quantize_graph(export.onnx_path, scheme)
+        has_zp = any(n.op_type == "MatMulNBits" and len(n.inputs) > 3 and n.inputs[3] is not None
+                     for n in model.graph)
+        assert has_zp is bool(zero_points)
+        path = tmp_path / f"int4-{zero_points}.onnx"
+        ir.save(model, path, external_data=f"{path.name}.data")
+        del model
+        got = PlainLoop(path, CTX).greedy(prompt, 6, CHUNK)
+        assert tok.decode(got).startswith("The capital of France is Paris"), (zero_points, tok.decode(got))
 
 
 @real
