@@ -67,8 +67,8 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
                    "symmetric ones (no zero points: the default, measured better on SmolLM2's int4: docs/export.md).")
 @click.option("--gguf-grid", is_flag=True,
               help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
-                   "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "
-                   "requantized and listed with the reason.")
+                   "(Q4_0; Q4_1 with its offsets beside) take the GGUF's own blocks (bit-identical dequantized "
+                   "weights); the others are requantized and listed with the reason.")
 @click.option("--sliding-cache", type=click.Choice(opt.SLIDING_CACHES),
               help="Sliding-window layers when ctx_len exceeds the window: ring (window slots written at "
                    "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "
