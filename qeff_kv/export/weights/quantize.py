@@ -88,8 +88,9 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     if gguf is not None:
         record["gguf_grid"] = grid
     if prequant is not None:   # the checkpoint's own blocks: no quantizer ran
-        record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
-                      f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
+        record.update(symmetric=grid["scheme"]["symmetric"], zero_points=not grid["scheme"]["symmetric"],
+                      quantizer=f"none: the checkpoint's own int4 blocks ({grid['format']}), repacked for "
+                      "MatMulNBits", prequantized=grid)
     return record
 
 
