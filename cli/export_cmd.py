@@ -62,10 +62,13 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
 @click.option("--accuracy-level", type=ACCURACY_LEVEL, metavar="L",
               help="MatMulNBits accuracy_level (0 unset, 1 fp32, 4 int8 compute: default 4, fastest on CPU). "
                    "Needs --weights.")
+@click.option("--zero-points/--no-zero-points", "zero_points", default=None,
+              help="With --weights: asymmetric blocks, each with its own zero point (MatMulNBits zero_points), or "
+                   "symmetric ones (no zero points: the default, measured better on SmolLM2's int4: docs/export.md).")
 @click.option("--gguf-grid", is_flag=True,
               help="With --weights int4 from a .gguf file: MatMul weights whose GGUF type fits MatMulNBits exactly "
-                   "(Q4_0) take the GGUF's own blocks (bit-identical dequantized weights); the others are "
-                   "requantized and listed with the reason.")
+                   "(Q4_0; Q4_1 with its offsets beside) take the GGUF's own blocks (bit-identical dequantized "
+                   "weights); the others are requantized and listed with the reason.")
 @click.option("--sliding-cache", type=click.Choice(opt.SLIDING_CACHES),
               help="Sliding-window layers when ctx_len exceeds the window: ring (window slots written at "
                    "position % window, axis 'sliding_window'; default on portable and onnxruntime) or full "

@@ -186,7 +186,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     from qeff_kv.export.adapters import proof as lora_proof_mod
     # --weights int4|int8 from a streamed checkpoint: quantized as the weights stream, no float graph; verified
     # against the reference on the quantized-then-dequantized weights (see docs/export.md)
-    scheme = quant_mod.WeightScheme(options.weights, options.block_size, options.accuracy_level) \
+    scheme = quant_mod.WeightScheme.of(options) \
         if streamed is not None and options.weights is not None and not options.prequant \
         and not options.gguf_grid else None
     say(f"checkpoint identity {ckpt['weights_sha256'][:16]} ({ckpt['bytes'] / 1e6:.0f} MB hashed)")

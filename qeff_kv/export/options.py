@@ -65,6 +65,9 @@ class ExportOptions:
     weights: str | None = None
     block_size: int | None = None
     accuracy_level: int | None = None
+    #: ``--zero-points/--no-zero-points``: asymmetric blocks with a zero point each (``MatMulNBits``'
+    #: ``zero_points``) or symmetric ones; resolved to the scheme's default (symmetric: schemes.DEFAULT_ZERO_POINTS)
+    zero_points: bool | None = None
     #: how sliding-window layers keep their cache when ``ctx_len`` exceeds the window (contract section 7):
     #: ``"ring"`` (``sliding_window`` slots written at ``position % window``), ``"full"`` (``ctx_len`` slots, the
     #: window in the attention mask: deeper rewinds, more memory); ``None``: ring where the target can (the
@@ -110,6 +113,7 @@ class ExportOptions:
             naming.validate_prefix(self.kv_cache_prefix)
         for label in ("continuous_batching", "single_graph"):
             validate.flag(label, getattr(self, label), error=ExportError)
+        validate.flag("zero_points", self.zero_points, optional=True, error=ExportError)
         for label, lo in (("block_size", 1), ("accuracy_level", 0), ("full_batch_size", 1), ("image_size", 1)):
             validate.optional_int(label, getattr(self, label), minimum=lo, error=ExportError)
         for label in ("single_graph", "gguf_grid", "hidden_states"):   # truthy values taken as the flag
@@ -131,7 +135,8 @@ class ExportOptions:
             ctx_len = min(int(max_position_embeddings or DEFAULT_MAX_CTX_LEN), DEFAULT_MAX_CTX_LEN)
         ccl = parse_ccl(self.ccl, ctx_len, self.prefill_seq_len) if isinstance(ctx_len, int) else self.ccl
         return replace(self, ctx_len=ctx_len, ccl=ccl,
-                       **resolve_options(self.weights, self.block_size, self.accuracy_level)).validate()
+                       **resolve_options(self.weights, self.block_size, self.accuracy_level,
+                                         self.zero_points)).validate()
 
     def validate(self) -> "ExportOptions":
         """The values and their combinations (one line each); returns the options with numpy integers as ints."""
@@ -174,7 +179,7 @@ class ExportOptions:
             if self.speculative_tokens + 1 > self.ctx_len:
                 raise ExportError(f"--speculative-tokens {self.speculative_tokens}: a verification step of "
                                   f"{self.speculative_tokens + 1} tokens does not fit in ctx_len {self.ctx_len}")
-        check_scheme(self.weights, self.block_size, self.accuracy_level, self.target)
+        check_scheme(self.weights, self.block_size, self.accuracy_level, self.target, zero_points=self.zero_points)
         if self.gguf_grid and self.weights != "int4":
             raise ExportError("--gguf-grid needs --weights int4 (the GGUF's 4-bit blocks become MatMulNBits)")
         if self.gguf_grid and self.block_size != 32:
@@ -205,6 +210,8 @@ class ExportOptions:
             del d["gguf_grid"]   # exports without it keep their options hash
         if d["prequant"] is None:
             del d["prequant"]
+        if not d["zero_points"]:
+            del d["zero_points"]   # symmetric blocks (int8, --no-zero-points) keep the options hash they had
         if d["mla_cache"] in (None, "full"):
             del d["mla_cache"]   # the default keeps the options hash it had before --mla-cache existed
         if d["lora"] is None:

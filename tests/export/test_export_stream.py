@@ -62,7 +62,8 @@ def test_streamed_graph_is_the_whole_model_graph(sharded_bf16, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("target,weights,external", [("onnxruntime", "int8", False),
-                                                     ("onnxruntime-fused", "int4", True)])
+                                                     ("onnxruntime-fused", "int4", True),
+                                                     ("onnxruntime", "int4-zp", False)])
 def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_path, monkeypatch, target, weights,
                                                             external):
     """--weights quantized as the weights stream from the checkpoint (qeff_kv/export/weights/quantize_stream.py; no float
@@ -79,7 +80,8 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
         monkeypatch.setattr(options, "EXTERNAL_DATA_THRESHOLD", 0)
     monkeypatch.setattr(quantize_stream, "CHUNK_BYTES", 1000)
 
-    kw = dict(ctx_len=32, prefill_seq_len=8, target=target, weights=weights)
+    weights, zp = weights.split("-")[0], weights.endswith("-zp")   # -zp: --zero-points (asymmetric blocks)
+    kw = dict(ctx_len=32, prefill_seq_len=8, target=target, weights=weights, zero_points=zp or None)
     monkeypatch.setenv("QEFF_KV_EXPORT_STREAM", "0")
     monkeypatch.setattr(quantize, "STREAM", False)
     old = export_model(sharded_bf16, tmp_path / "old", verify=False, **kw)
@@ -96,6 +98,7 @@ def test_streamed_quantization_is_the_whole_graph_quantizer(sharded_bf16, tmp_pa
     a, b = onnx.load(str(old.onnx_path), load_external_data=False), onnx.load(str(new.onnx_path),
                                                                                load_external_data=False)
     assert [(o.domain, o.version) for o in a.opset_import] == [(o.domain, o.version) for o in b.opset_import]
+    assert any(n.op_type == "MatMulNBits" and len(n.input) > 3 and n.input[3] for n in b.graph.node) is zp
     assert {p.key: p.value for p in a.metadata_props} == {p.key: p.value for p in b.metadata_props}
     assert old.manifest["checkpoint"] == new.manifest["checkpoint"]
     # no float graph: quantized before it is written, never compared with a float graph

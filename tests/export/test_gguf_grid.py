@@ -1,7 +1,8 @@
-"""``--weights int4 --gguf-grid`` (issue 21, build item 4): MatMul weights whose GGUF type maps onto MatMulNBits
-exactly (Q4_0: ``d * (q - 8)``, zero point 8) take the GGUF's own blocks, and onnxruntime's dequantized weights
-are bit-identical to gguf's own dequantization; weights of other types (Q4_1 here) are requantized and reported
-with the reason; the refusals. The GGUF is written in the test with the ``gguf`` package's writer (seeded)."""
+"""``--weights int4 --gguf-grid`` (issue 21, build item 4; Q4_1: issue 54): MatMul weights whose GGUF type maps
+onto MatMulNBits (Q4_0: ``d * (q - 8)``, zero point 8; Q4_1: ``d * q + m``, zero point 0 and the offsets' term
+beside) take the GGUF's own blocks, and onnxruntime's dequantized weights are bit-identical to gguf's own
+dequantization; weights of other types are requantized and reported with the reason; the refusals. The GGUF
+is written in the test with the ``gguf`` package's writer (seeded)."""
 
 from __future__ import annotations
 
@@ -93,35 +94,44 @@ def test_q4_0_weights_take_the_gguf_blocks_bit_identically(files):
     for name in ("W_q", "W_kv"):
         node = by_out[f"y_{name}"]
         assert node.op_type == "MatMulNBits" and node.input[1] == f"{name}_Q4_gguf" and len(node.input) == 3
-    assert by_out["y_W_up"].op_type == by_out["y_W_free"].op_type == "MatMulNBits"
-    assert not by_out["y_W_up"].input[1].endswith("_gguf")
+    assert by_out["y_W_free"].op_type == "MatMulNBits" and not by_out["y_W_free"].input[1].endswith("_gguf")
+    # the Q4_1 weight (issue 54): MatMulNBits on its blocks with zero point 0, plus (x @ block sums) @ offsets
+    add = by_out["y_W_up"]
+    assert add.op_type == "Add"
+    nbits, offsets = by_out[add.input[0]], by_out[add.input[1]]
+    assert nbits.op_type == "MatMulNBits" and nbits.input[1] == "W_up_Q4_gguf" and nbits.input[3].endswith("_gguf")
+    zp = numpy_helper.to_array({t.name: t for t in proto.graph.initializer}[nbits.input[3]])
+    assert not zp.any()
+    assert offsets.op_type == "MatMul" and by_out[offsets.input[0]].input[1] == "gguf_block_sums_96"
     # onnxruntime's dequantized weights (x = identity: y = 1 * w, exact in float32) equal gguf's, bit for bit
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     eye = np.eye(K, dtype=np.float32)
     got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": eye})))
-    for name in ("W_q", "W_kv"):
+    for name in ("W_q", "W_kv", "W_up"):   # Q4_1: d * q + m * 1, the same float32 operations as gguf's
         assert np.array_equal(got[f"y_{name}"], files["weights"][name]), name
-    # the requantized Q4_1 weight is not (RTN int4 on another grid)
-    assert not np.array_equal(got["y_W_up"], files["weights"]["W_up"])
+    # the weight not from the GGUF is requantized (RTN int4 on its own grid)
+    assert not np.array_equal(got["y_W_free"], files["weights"]["W_free"])
     # and a MatMul's output on real activations matches the float product to float32 rounding
     x = np.random.default_rng(3).standard_normal((5, K)).astype(np.float32)
     y = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": x})))
-    np.testing.assert_allclose(y["y_W_q"], x @ files["weights"]["W_q"], rtol=1e-5, atol=1e-5)
+    for name in ("W_q", "W_up"):
+        np.testing.assert_allclose(y[f"y_{name}"], x @ files["weights"][name], rtol=1e-5, atol=1e-5)
 
 
 def test_the_report_says_what_fits_and_why_not(files):
     _, _, report = _quantized(files)
     assert report["gguf_types"] == {"Q4_0": 3, "Q4_1": 1}
-    assert report["fitted"]["weights"] == 2
-    assert report["fitted"]["gguf_tensors"] == ["blk.0.attn_k.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight"]
-    assert report["fitted"]["how"] == {"Q4_0": FITS["Q4_0"]}
-    assert report["requantized"] == [{"type": "Q4_1", "gguf_tensors": 1, "why": WHY_NOT["Q4_1"],
-                                      "examples": ["blk.0.ffn_up.weight"]}]
+    assert report["fitted"]["weights"] == 3
+    assert report["fitted"]["gguf_tensors"] == ["blk.0.attn_k.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight",
+                                                "blk.0.ffn_up.weight"]
+    assert report["fitted"]["how"] == {"Q4_0": FITS["Q4_0"], "Q4_1": FITS["Q4_1"]}
+    assert report["requantized"] == [] and "Q4_K" in WHY_NOT
     assert report["not_from_gguf"] == ["W_free"] and report["not_taken"] == []
 
 
 def test_q4_1_zero_points_are_not_integers(files):
-    """Why Q4_1 does not fit, measured on its blocks: -m/d is an integer in [0, 15] in (almost) no block."""
+    """Why Q4_1 needs its offsets' term: -m/d is an integer in [0, 15] in (almost) no block; with the term the
+    weight fits (issue 54)."""
     reader = gguf.GGUFReader(str(files["gguf"]))
     [t] = [t for t in reader.tensors if t.tensor_type == Q.Q4_1]
     blocks = np.asarray(t.data).reshape(-1, 20)
@@ -130,7 +140,7 @@ def test_q4_1_zero_points_are_not_integers(files):
     zp = -m / d
     fits = (zp == np.round(zp)) & (zp >= 0) & (zp <= 15)
     assert fits.mean() < 0.05
-    assert plan({"W_up": files["weights"]["W_up"]}, files["gguf"]).fitted == {}
+    assert list(plan({"W_up": files["weights"]["W_up"]}, files["gguf"]).fitted) == ["W_up"]
 
 
 def test_refusals(tmp_path):

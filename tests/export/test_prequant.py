@@ -205,6 +205,7 @@ def test_export_gives_transformers_greedy_tokens_on_the_dequantized_weights(chec
         assert w["check"]["top1_agreement"] == 1.0 and w["check"]["max_abs_logit_diff"] < 1e-4
     kind = CASES[name][0]
     assert w["scheme"] == "int4" and w["prequantized"]["format"] == kind
+    assert w["zero_points"] is not w["symmetric"]   # the checkpoint's scheme, not --zero-points' default
     skipped = len(CASES[name][1].get("keep_float", ()))
     assert w["prequantized"]["linears"] == w["prequantized"]["linears_taken"] == 14 - skipped
     assert w["prequantized"]["linears_not_taken"] == [] and w["quantizer"].startswith("none: the checkpoint's own")

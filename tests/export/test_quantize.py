@@ -37,8 +37,9 @@ def exports(src, tmp_path_factory):
                                       ("int8", "onnxruntime-fused", "int8", None),
                                       ("int8-acc1", "onnxruntime-fused", "int8", 1),
                                       ("int8-ort", "onnxruntime", "int8", None)):
+        # int4 with zero points (issue 54: asymmetric blocks, verified like the rest); int8 symmetric (default)
         out[key] = export_model(src, root / key, ctx_len=CTX, prefill_seq_len=CHUNK, target=target, weights=weights,
-                                accuracy_level=acc)
+                                accuracy_level=acc, zero_points=True if key == "int4" else None)
     return out
 
 
@@ -75,10 +76,21 @@ def test_quantized_graph_structure(exports, key):
               and "GatherBlockQuantized" in {u.node.op_type for u in v.uses()}]
     assert len(packed) == 1
     assert {u.node.op_type for u in packed[0].uses()} == {"MatMulNBits", "GatherBlockQuantized"}
+    # int4 --zero-points (issue 54): asymmetric blocks, a uint8 zero point per block on every MatMul weight's
+    # MatMulNBits (the vocabulary table, read by two ops, stays symmetric); int8: symmetric (the default), none
+    zero_points = key == "int4"
+    for node in model.graph:
+        if node.op_type == "MatMulNBits" and packed[0] not in node.inputs:
+            zp = node.inputs[3] if len(node.inputs) > 3 else None
+            assert (zp is not None) == zero_points, node.name
+            if zp is not None:
+                n, k = int(node.attributes["N"].value), int(node.attributes["K"].value)
+                assert zp.dtype == 2 and int(np.prod(zp.shape)) == n * ((k // BLOCK + 1) // 2)
     report = check(r.onnx_path)
     assert report.ok, report.format_text()
     w = r.manifest["weights"]
     assert w["scheme"] == key.split("-")[0] and w["block_size"] == BLOCK and w["accuracy_level"] == 4
+    assert w["zero_points"] is zero_points and w["symmetric"] is not zero_points
     assert w["quantizer"].startswith("onnxruntime ")
     assert w["graph_bytes"] < w["float_graph_bytes"]
     # a folder of safetensors streams: quantized as written (no float graph), verified at float32's tolerance
@@ -131,3 +143,23 @@ def test_quantization_options_refused_without_weights():
         export_model(None, "/nonexistent/never-written", target="onnxruntime", block_size=64)
     with pytest.raises(ExportError, match="power of two"):
         export_model(None, "/nonexistent/never-written", target="onnxruntime", weights="int4", block_size=48)
+    with pytest.raises(ExportError) as exc:
+        export_model(None, "/nonexistent/never-written", target="onnxruntime", zero_points=False)
+    assert str(exc.value) == "--zero-points/--no-zero-points need --weights int4|int8"
+
+
+def test_zero_points_option_resolves_per_scheme():
+    """Symmetric by default (measured better on SmolLM2's int4), keeping the options hash it had; --zero-points
+    is in the hash."""
+    from qeff_kv.export.options import ExportOptions
+    from qeff_kv.export.schemes import WeightScheme
+
+    def resolved(**kw):
+        return ExportOptions(target="onnxruntime", **kw).resolved(64)
+
+    for weights in ("int4", "int8"):
+        assert resolved(weights=weights).zero_points is False
+        assert "zero_points" not in resolved(weights=weights).to_json()
+        assert WeightScheme.of(resolved(weights=weights)).symmetric
+    assert resolved(weights="int4", zero_points=True).to_json()["zero_points"] is True
+    assert not WeightScheme.of(resolved(weights="int4", zero_points=True)).symmetric

@@ -159,6 +159,37 @@ def test_generate_chat_from_the_export_folder_alone(export):
 
 
 @real
+def test_int4_default_keeps_paris(export, hf, tmp_path):
+    """Issue 54: ``--weights int4`` of the README's GGUF answers "The capital of France is Paris" (greedy, chat
+    template) as the float export does, with the default scheme and with ``--zero-points``. Each int4 graph is the
+    module's float graph through the whole-graph quantizer: the graph ``export --weights int4`` writes from this
+    float graph (tests/export/test_export_stream.py holds the streamed writer to the same bytes), without a second
+    export."""
+    import onnx_ir as ir
+    from hf_models import PlainLoop
+
+    from qeff_kv.export.options import ExportOptions
+    from qeff_kv.export.schemes import WeightScheme
+    from qeff_kv.export.weights.quantize import quantize_graph
+
+    _model, tok = hf
+    prompt = _hf_chat_ids(tok, QUESTION)
+    for zero_points in (None, True):
+        scheme = WeightScheme.of(ExportOptions(target="onnxruntime-fused", weights="int4",
+                                               zero_points=zero_points).resolved(CTX))
+        assert scheme.symmetric is (zero_points is None) and (scheme.block_size, scheme.accuracy_level) == (32, 4)
+        model = quantize_graph(export.onnx_path, scheme)
+        has_zp = any(n.op_type == "MatMulNBits" and len(n.inputs) > 3 and n.inputs[3] is not None
+                     for n in model.graph)
+        assert has_zp is bool(zero_points)
+        path = tmp_path / f"int4-{zero_points}.onnx"
+        ir.save(model, path, external_data=f"{path.name}.data")
+        del model
+        got = PlainLoop(path, CTX).greedy(prompt, 6, CHUNK)
+        assert tok.decode(got).startswith("The capital of France is Paris"), (zero_points, tok.decode(got))
+
+
+@real
 def test_cache_key_follows_the_gguf_file(export, tmp_path):
     """Same file, same fingerprint; another GGUF (different bytes) another one."""
     from qeff_kv.export import sources

@@ -9,7 +9,12 @@ The GGUF types, block by block:
 * ``Q4_0``: ``w = d * (q - 8)``, ``d`` an fp16 scale per 32 values: **exact** (``scale = d``, ``zp = 8``, the
   default; gguf's own dequantization computes ``d * (q - 8)`` in float32, as onnxruntime does);
 * ``Q4_1``: ``w = d * q + m``: ``zp = -m / d`` would have to be an integer in ``[0, 15]``; for a min-max block
-  (``m`` the block's minimum, ``d = (max - min) / 15``) it almost never is: **does not fit**;
+  (``m`` the block's minimum, ``d = (max - min) / 15``) it almost never is, and float zero points run a slow path
+  on CPU (57x slower per MatMulNBits here). So the offset is taken out of the block (issue 54):
+  ``x . w = sum_b d_b * (x_b . q_b) + sum_b m_b * sum(x_b)``: a ``MatMulNBits`` with scale ``d`` and zero point 0,
+  plus the input's block sums (``x @ S``, ``S [K, K/32]`` of ones, one per K) times the offsets ``M [K/32, N]``
+  (two small float MatMuls and an Add beside it): **fits**, the same weights to float32 rounding (the sum is
+  regrouped, not approximated);
 * ``Q4_K``: super-blocks of 256, eight sub-blocks of 32 with 6-bit scales and mins, ``w = d*sc * q - dmin*m``:
   the zero point ``dmin*m / (d*sc)`` is again not an integer in general, and ``d*sc`` is rounded once more in
   float32 before the product: **does not fit**;
@@ -23,8 +28,8 @@ The float graph's weights are the GGUF's, dequantized by transformers with gguf'
 permuted back for Llama's rotary layout, matrices transposed for ``MatMul``, Q/K/V possibly packed side by side
 by a fused target): so each column ``n`` of a ``MatMul`` weight ``B [K, N]`` is, bit for bit, one row of a GGUF
 tensor. Columns are matched to rows by content (a hash of the float32 bytes), which survives every one of those
-rearrangements; a weight whose columns all come from ``Q4_0`` rows gets those rows' blocks, repacked, as its
-``MatMulNBits``; every other weight is left to the ordinary quantizer and listed with the reason.
+rearrangements; a weight whose columns all come from ``Q4_0`` or ``Q4_1`` rows gets those rows' blocks, repacked,
+as its ``MatMulNBits``; every other weight is left to the ordinary quantizer and listed with the reason.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ from qeff_kv.errors import ExportError, MissingDependencyError
 #: the GGUF block (MatMulNBits' block size here)
 BLOCK = 32
 #: GGUF types whose blocks are MatMulNBits blocks exactly, and how (``zp``: the integer zero point)
-FITS = {"Q4_0": "w = d * (q - 8): scale d, zero point 8 (MatMulNBits' default)"}
+FITS = {"Q4_0": "w = d * (q - 8): scale d, zero point 8 (MatMulNBits' default)",
+        "Q4_1": "w = d * q + m: scale d, zero point 0, plus the input's block sums times m (a [K/32, N] MatMul "
+                "beside the MatMulNBits)"}
 #: why the others do not
 WHY_NOT = {
-    "Q4_1": "w = d * q + m: the zero point -m/d is not an integer in [0, 15] (a block's min over its step)",
     "Q4_K": "w = d*sc * q - dmin*m per sub-block of 32: the zero point dmin*m/(d*sc) is not an integer in [0, 15]",
 }
 MORE_BITS = "more than 4 bits per weight (int4 would requantize them)"
@@ -88,13 +94,21 @@ class GGUFRows:
     def q4_0_blocks(self, ti: int, row: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``row`` of Q4_0 tensor ``ti`` as MatMulNBits data: packed ``[K/32, 16]`` uint8 (element ``2i`` in
         the low nibble of byte ``i``) and scales ``[K/32]`` float32."""
+        packed, d, _m = self.column_blocks(ti, row)
+        return packed, d
+
+    def column_blocks(self, ti: int, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Row ``row`` of the Q4_0 or Q4_1 tensor ``ti``: packed ``[K/32, 16]`` uint8 (element ``2i`` in the low
+        nibble of byte ``i``), scales ``d [K/32]`` and (Q4_1) offsets ``m [K/32]`` float32 (None for Q4_0)."""
         t = self._reader.tensors[ti]
-        raw = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[row].reshape(-1, 18)
+        q4_1 = self.types[ti] == "Q4_1"
+        raw = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[row].reshape(-1, 20 if q4_1 else 18)
         d = raw[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
-        qs = raw[:, 2:]
+        m = raw[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32) if q4_1 else None
+        qs = raw[:, 4:] if q4_1 else raw[:, 2:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)   # GGUF: byte j holds elements j and j + 16
         packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-        return packed, d
+        return packed, d, m
 
 
     def table_blocks(self, table: np.ndarray):
@@ -199,22 +213,63 @@ def summary_lines(report: dict) -> list[str]:
 
 def matmulnbits_node(matmul, b_name: str, cols: list[tuple[int, int]], rows: GGUFRows, k: int, n: int,
                      accuracy_level: int | None):
-    """The ``MatMulNBits`` node (and its two initializers) replacing ``matmul`` (an ``onnx.NodeProto`` reading
-    ``B = b_name [k, n]``), with column ``j``'s blocks from GGUF row ``cols[j]``."""
+    """The nodes (and their initializers) replacing ``matmul`` (an ``onnx.NodeProto`` reading ``B = b_name [k,
+    n]``), with column ``j``'s blocks from GGUF row ``cols[j]``: one ``MatMulNBits`` where every column is Q4_0;
+    with Q4_1 columns, zero points (8 for Q4_0 columns, 0 for Q4_1) and the offsets' term added to its output
+    (``x @ S @ M``: :func:`_offset_nodes`)."""
     import onnx
     from onnx import numpy_helper
 
-    packed = np.empty((n, k // BLOCK, BLOCK // 2), np.uint8)
-    scales = np.empty((n, k // BLOCK), np.float32)
+    kb = k // BLOCK
+    packed = np.empty((n, kb, BLOCK // 2), np.uint8)
+    scales = np.empty((n, kb), np.float32)
+    zp = np.full((n, kb), 8, np.uint8)
+    offsets = np.zeros((kb, n), np.float32)
     for j, (ti, r) in enumerate(cols):
-        if rows.types[ti] != "Q4_0":   # pragma: no cover - plan() fits Q4_0 only
-            raise ExportError(f"--gguf-grid: {rows.names[ti]} is {rows.types[ti]}, not Q4_0")
-        packed[j], scales[j] = rows.q4_0_blocks(ti, r)
+        if rows.types[ti] not in FITS:   # pragma: no cover - plan() fits these only
+            raise ExportError(f"--gguf-grid: {rows.names[ti]} is {rows.types[ti]}, not Q4_0 or Q4_1")
+        packed[j], scales[j], m = rows.column_blocks(ti, r)
+        if m is not None:
+            zp[j], offsets[:, j] = 0, m
     qname, sname = f"{b_name}_Q4_gguf", f"{b_name}_scales_gguf"
     inits = [numpy_helper.from_array(packed, qname), numpy_helper.from_array(scales.reshape(-1), sname)]
     attrs = dict(K=k, N=n, bits=4, block_size=BLOCK)
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
-    node = onnx.helper.make_node("MatMulNBits", [matmul.input[0], qname, sname], list(matmul.output),
-                                 name=(matmul.name or "MatMul") + "_Q4_gguf", domain="com.microsoft", **attrs)
-    return node, inits
+    inputs = [matmul.input[0], qname, sname]
+    with_offsets = bool((zp == 0).any())
+    if with_offsets:
+        zname = f"{b_name}_zero_points_gguf"
+        zpad = np.pad(zp, ((0, 0), (0, kb % 2)))   # two a byte, low nibble first
+        inits.append(numpy_helper.from_array((zpad[:, 0::2] | (zpad[:, 1::2] << 4)).astype(np.uint8).reshape(-1),
+                                             zname))
+        inputs.append(zname)
+    name = (matmul.name or "MatMul") + "_Q4_gguf"
+    out = f"{matmul.output[0]}_Q4_gguf" if with_offsets else matmul.output[0]
+    nodes = [onnx.helper.make_node("MatMulNBits", inputs, [out], name=name, domain="com.microsoft", **attrs)]
+    if with_offsets:
+        more_nodes, more_inits = _offset_nodes(matmul, b_name, out, offsets, k)
+        nodes += more_nodes
+        inits += more_inits
+    return nodes, inits
+
+
+def block_sums_name(k: int) -> str:
+    """The ``[k, k/32]`` block-sum matrix's initializer (one per K, shared by the weights of that K)."""
+    return f"gguf_block_sums_{k}"
+
+
+def _offset_nodes(matmul, b_name: str, nbits_out: str, offsets: np.ndarray, k: int):
+    """``y = MatMulNBits(x) + (x @ S) @ M``: ``S [k, k/32]`` the block-sum matrix of ones, ``M [k/32, n]`` the
+    Q4_1 offsets (0 for Q4_0 columns)."""
+    import onnx
+    from onnx import numpy_helper
+
+    x, y, base = matmul.input[0], matmul.output[0], matmul.name or "MatMul"
+    sums = np.kron(np.eye(k // BLOCK, dtype=np.float32), np.ones((BLOCK, 1), np.float32))
+    oname = f"{b_name}_offsets_gguf"
+    inits = [numpy_helper.from_array(sums, block_sums_name(k)), numpy_helper.from_array(offsets, oname)]
+    nodes = [onnx.helper.make_node("MatMul", [x, block_sums_name(k)], [f"{y}_block_sums"], name=f"{base}_block_sums"),
+             onnx.helper.make_node("MatMul", [f"{y}_block_sums", oname], [f"{y}_offsets"], name=f"{base}_offsets"),
+             onnx.helper.make_node("Add", [nbits_out, f"{y}_offsets"], [y], name=f"{base}_Q4_gguf_add")]
+    return nodes, inits

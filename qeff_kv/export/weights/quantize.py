@@ -59,7 +59,7 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     pre-quantized checkpoint folder whose own int4 blocks become the MatMulNBits weights (:mod:`.prequant`)."""
     from qeff_kv.export.verify import make_probe
 
-    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    scheme = WeightScheme.of(options)
     work.mkdir(parents=True, exist_ok=True)
     qpath = work / onnx_path.name
     grid: dict = {}
@@ -88,8 +88,9 @@ def quantize_export(onnx_path: Path, work: Path, options, probe, vocab_size: int
     if gguf is not None:
         record["gguf_grid"] = grid
     if prequant is not None:   # the checkpoint's own blocks: no quantizer ran
-        record.update(symmetric=grid["scheme"]["symmetric"], quantizer=f"none: the checkpoint's own int4 blocks "
-                      f"({grid['format']}), repacked for MatMulNBits", prequantized=grid)
+        record.update(symmetric=grid["scheme"]["symmetric"], zero_points=not grid["scheme"]["symmetric"],
+                      quantizer=f"none: the checkpoint's own int4 blocks ({grid['format']}), repacked for "
+                      "MatMulNBits", prequantized=grid)
     return record
 
 
@@ -153,7 +154,7 @@ def streamed_record(onnx_path: Path, options, probe, natural: dict | None, say, 
     """The manifest's ``weights`` record of a graph quantized as it streamed (verified against the
     quantized-then-dequantized reference by the verify stage): the scheme, the graph's bytes, and the natural-text
     check of the quantized graph against the float PyTorch model (``natural``: :func:`natural_reference`)."""
-    scheme = WeightScheme(options.weights, options.block_size, options.accuracy_level)
+    scheme = WeightScheme.of(options)
     record = scheme.to_json()
     if float_bytes is not None:   # the float weights' bytes (no float graph was written)
         record["float_graph_bytes"] = float_bytes
@@ -300,16 +301,21 @@ def _apply_grid(proto, grid, scheme: WeightScheme) -> None:
     from qeff_kv.export.weights import gguf_grid
 
     inits = {t.name: t for t in proto.graph.initializer}
-    nodes = list(proto.graph.node)
+    nodes = []
     used: set[str] = set()
-    for i, node in enumerate(nodes):
+    for node in list(proto.graph.node):
         if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in grid.fitted:
             k, n = (int(d) for d in inits[node.input[1]].dims)
             new, new_inits = gguf_grid.matmulnbits_node(node, node.input[1], grid.fitted[node.input[1]], grid.rows,
-                                                       k, n, scheme.accuracy_level)
-            nodes[i] = new
+                                                        k, n, scheme.accuracy_level)
+            nodes += new
             used.add(node.input[1])
-            proto.graph.initializer.extend(new_inits)
+            for t in new_inits:   # a block-sum matrix is shared by the weights of its K
+                if t.name not in inits:
+                    inits[t.name] = t
+                    proto.graph.initializer.append(t)
+        else:
+            nodes.append(node)
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     still = {x for nd in nodes for x in nd.input}
