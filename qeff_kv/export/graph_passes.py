@@ -61,6 +61,8 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     rows = 1 if options.speculative_tokens is None else naming.LOGITS_TO_KEEP_INPUT
     logits.shape = ir.Shape(["batch_size", rows, geometry["vocab_size"]])
     _metadata(model, options, geometry)
+    if options.kv_cache_dtype == "int8":
+        name_kv_scales(model)
     passes = pipeline(options)
     passes(model)
     if any(isinstance(p, GateVisionEncoderPass) and p.gated for p in passes.passes):
@@ -86,3 +88,28 @@ def _metadata(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
         meta[naming.LORA_META] = json.dumps(geometry["lora"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         meta[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
+
+
+def name_kv_scales(model: ir.Model) -> None:
+    """``--kv-cache-dtype int8``: each GroupQueryAttention's static scales (inputs 12 and 13) take the contract's
+    names (:func:`~qeff_kv.contract.naming.kv_scale_name`) of the layer whose buffers the node reads."""
+    for node in model.graph:
+        if node.op_type != "GroupQueryAttention" or len(node.inputs) < 14:
+            continue
+        for index, buffer in zip((12, 13), node.inputs[3:5]):
+            scale = node.inputs[index]
+            kv = naming.parse_kv_name(buffer.name) if buffer is not None else None
+            producer = scale.producer() if scale is not None else None
+            tensor = scale.const_value if scale is not None and scale.is_initializer() else \
+                producer.attributes["value"].as_tensor() if producer is not None and producer.op_type == "Constant" \
+                else None
+            if kv is None or tensor is None:
+                raise QeffKvError(f"GroupQueryAttention node {node.name} reads no retained buffer or no static scale")
+            named = ir.Value(name=naming.kv_scale_name(kv.stem, kv.layer), shape=ir.Shape(tensor.shape),
+                             type=ir.TensorType(tensor.dtype), const_value=tensor)
+            model.graph.register_initializer(named)
+            node.replace_input_with(index, named)
+            if producer is not None and not scale.uses():
+                model.graph.remove(producer, safe=True)
+            elif scale.is_initializer() and not scale.uses():
+                model.graph.initializers.pop(scale.name)
