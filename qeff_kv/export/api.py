@@ -281,7 +281,8 @@ def _kv_scales(model, source, options: opt.ExportOptions, tmp: Path, say) -> lis
     from qeff_kv.export.modeling import kv_quant
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    ids = kv_quant.calibration_ids(_tokenizer_of(source, tmp), int(cfg.vocab_size), options.ctx_len)
+    ids = kv_quant.calibration_ids(_tokenizer_of(source, tmp), int(cfg.vocab_size),
+                                   int(getattr(cfg, "max_position_embeddings", 0) or kv_quant.CALIBRATION_MAX))
     say(f"calibrating the int8 KV cache's static scales ({len(ids)} tokens, margin {kv_quant.MARGIN})")
     return kv_quant.calibrate(model, ids, int(cfg.num_hidden_layers))
 

@@ -33,17 +33,21 @@ CALIBRATION_TEXT = (
     "ask the people, and a notice was printed in the paper that evening: 1,204 votes were counted a week later.")
 #: without a tokenizer: this many seeded random token ids
 CALIBRATION_TOKENS = 96
+#: at most this many tokens are read: the scales depend on the checkpoint and its tokenizer only (not on ctx_len),
+#: so the int8 exports of one checkpoint hold one cache and accept each other's state files
+CALIBRATION_MAX = 128
 CALIBRATION_SEED = 4321
 
 
-def calibration_ids(tokenizer, vocab_size: int, ctx_len: int) -> list[int]:
+def calibration_ids(tokenizer, vocab_size: int, max_positions: int) -> list[int]:
     """The calibration pass's token ids: :data:`CALIBRATION_TEXT` through ``tokenizer`` (a ``tokenizers``
-    object), else :data:`CALIBRATION_TOKENS` seeded random ids; at most ``ctx_len``."""
+    object), else :data:`CALIBRATION_TOKENS` seeded random ids; at most :data:`CALIBRATION_MAX` and the model's
+    ``max_positions``."""
     ids = list(tokenizer.encode(CALIBRATION_TEXT).ids) if tokenizer is not None else []
     if not ids:
         rng = np.random.default_rng(CALIBRATION_SEED)
         ids = [int(t) for t in rng.integers(3 if vocab_size > 8 else 0, vocab_size, size=CALIBRATION_TOKENS)]
-    return ids[:ctx_len]
+    return ids[:min(CALIBRATION_MAX, max_positions)]
 
 
 def calibrate(model, ids: list[int], num_layers: int) -> list[tuple]:
