@@ -177,7 +177,6 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
 
     from qeff_kv.export.weights import quantize as quant_mod
     from qeff_kv.export import verify as verify_mod
-    from qeff_kv.export.modeling import kv_quant
 
     if streamed is None:
         torch_model = source.load_torch_model(options, say)   # torch missing: refused here, in one line
@@ -205,10 +204,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size),
                                                                   tmp / "packed")   # packed once, for both
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
-        kv_scales = _kv_scales(torch_model, source, options, tmp, say)   # --kv-cache-dtype int8, else None
-        with kv_quant.emulated_cache(kv_scales):   # the reference's cache quantized as the graph's
-            probe, reference, skipped = verify_mod.reference_for_export(
-                torch_model, options, verify, say, vision, streamed=streamed is not None, one_pass=scheme is not None)
+        probe, reference, skipped, kv_scales = _reference_stage(torch_model, source, options, verify, say, vision,
+                                                                tmp, streamed is not None, scheme is not None)
         lora_proof = lora_proof_mod.references(torch_model, plan, probe, options.dtype)   # on the same weights
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
@@ -226,7 +223,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
                                      say)
     records = {"checkpoint": ckpt, "verification": verification.to_json(),
                **({} if lora_record is None else {"lora_verification": lora_record}),   # each adapter's proof
-               **({} if kv_scales is None else {"kv_cache": kv_quant.scales_record(kv_scales)})}
+               **({} if kv_scales is None else {"kv_cache": _kv_record(kv_scales)})}
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:
@@ -271,6 +268,26 @@ def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, 
         save=lambda m, p: publish.save_graph(m, p, say), kv_batch=kv_batch,
         gguf=source.path if options.gguf_grid else None, tokenizer=_tokenizer_of(source, tmp),
         prequant=source.path if options.prequant else None)
+
+
+def _reference_stage(model, source, options: opt.ExportOptions, verify, say, vision, tmp: Path, streamed: bool,
+                     one_pass: bool):
+    """``(probe, reference, why_skipped, kv_scales)``: :func:`~.verify.reference_for_export`, with an int8 cache's
+    scales calibrated first and its quantization emulated in the reference (``kv_scales`` ``None`` otherwise)."""
+    from qeff_kv.export import verify as verify_mod
+    from qeff_kv.export.modeling import kv_quant
+
+    kv_scales = _kv_scales(model, source, options, tmp, say)
+    with kv_quant.emulated_cache(kv_scales):   # the reference's cache quantized as the graph's
+        probe, reference, skipped = verify_mod.reference_for_export(model, options, verify, say, vision,
+                                                                    streamed=streamed, one_pass=one_pass)
+    return probe, reference, skipped, kv_scales
+
+
+def _kv_record(kv_scales: list) -> dict:
+    from qeff_kv.export.modeling import kv_quant
+
+    return kv_quant.scales_record(kv_scales)
 
 
 def _kv_scales(model, source, options: opt.ExportOptions, tmp: Path, say) -> list | None:

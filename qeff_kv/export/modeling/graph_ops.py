@@ -14,7 +14,6 @@ import contextlib
 
 import torch
 
-from qeff_kv.export.modeling import kv_quant
 from qeff_kv.export.versions import OPSET
 
 
@@ -314,6 +313,16 @@ class SplitHeads(torch.autograd.Function):
         return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([0, 0, -1, d], dtype=torch.int64)))
 
 
+def quantize_int8(x, scale):
+    """``x`` to int8 as GroupQueryAttention's quantized cache (and ``QuantizeLinear``) writes it: ``x / scale``
+    rounded half to even, saturated to [-128, 127] (:mod:`.kv_quant`)."""
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
+
+
+def dequantize_int8(q, scale, dtype):
+    return (q.float() * scale).to(dtype)
+
+
 class GroupQueryAttentionOp(torch.autograd.Function):
     """onnxruntime's ``com.microsoft::GroupQueryAttention`` over a shared past/present buffer.
 
@@ -354,9 +363,9 @@ class GroupQueryAttentionOp(torch.autograd.Function):
             pv[bi, hi, pi] = v.to(pv.dtype)
             keys, values = pk, pv
         else:   # the int8 cache (kv_quant): written quantized, read dequantized, the prompt's own keys included
-            pk[bi, hi, pi] = kv_quant.quantize(k, k_scale)
-            pv[bi, hi, pi] = kv_quant.quantize(v, v_scale)
-            keys, values = kv_quant.dequantize(pk, k_scale, q.dtype), kv_quant.dequantize(pv, v_scale, q.dtype)
+            pk[bi, hi, pi] = quantize_int8(k, k_scale)
+            pv[bi, hi, pi] = quantize_int8(v, v_scale)
+            keys, values = dequantize_int8(pk, k_scale, q.dtype), dequantize_int8(pv, v_scale, q.dtype)
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
         scores = (torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)) * scale).float()  # [B, Hkv, G, S, ctx]
         if softcap > 0:

@@ -81,20 +81,12 @@ def _scale(states):
     return torch.clamp(amax * MARGIN / QMAX, min=torch.finfo(torch.float32).tiny).to(torch.float32)
 
 
-def quantize(x, scale):
-    """``x`` to int8 as GroupQueryAttention (and ``QuantizeLinear``) writes it: round half to even, saturated."""
-    import torch
-
-    return torch.clamp(torch.round(x.float() / scale), -QMAX - 1, QMAX).to(torch.int8)
-
-
-def dequantize(q, scale, dtype):
-    return (q.float() * scale).to(dtype)
-
-
 def fake_quantize(x, scale):
-    """``x`` as the cache gives it back: quantized then dequantized, in ``x``'s dtype."""
-    return dequantize(quantize(x, scale), scale, x.dtype)
+    """``x`` as the int8 cache gives it back: quantized then dequantized (:func:`.graph_ops.quantize_int8`, the
+    fused target's own), in ``x``'s dtype."""
+    from qeff_kv.export.modeling.graph_ops import dequantize_int8, quantize_int8
+
+    return dequantize_int8(quantize_int8(x, scale), scale, x.dtype)
 
 
 @contextlib.contextmanager
@@ -104,20 +96,14 @@ def emulated_cache(scales: list[tuple] | None):
     if scales is None:
         yield
         return
-    from transformers import cache_utils
+    from qeff_kv.export import transformers_adapter as hf
 
-    original = cache_utils.Cache.update
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def write(layer_idx, keys, values):
         k_scale, v_scale = scales[layer_idx]
-        return original(self, fake_quantize(key_states, k_scale), fake_quantize(value_states, v_scale), layer_idx,
-                        *args, **kwargs)
+        return fake_quantize(keys, k_scale), fake_quantize(values, v_scale)
 
-    cache_utils.Cache.update = update
-    try:
+    with hf.cache_writes_through(write):
         yield
-    finally:
-        cache_utils.Cache.update = original
 
 
 def scales_record(scales: list[tuple]) -> dict:
