@@ -27,7 +27,7 @@ from qeff_kv.export.versions import EXPORTER_VERSION, IR_VERSION, OPSET  # noqa:
 
 DTYPES = ("float32", "float16")
 #: ``--kv-cache-dtype``: the retained KV buffers' dtype; ``None`` (or the export dtype): the export dtype. ``int8``:
-#: onnxruntime's GroupQueryAttention quantized cache with static per-channel scales (``--target onnxruntime-fused``)
+#: static per-channel scales (onnxruntime's GroupQueryAttention quantized cache on the fused target)
 KV_CACHE_DTYPES = ("float32", "float16", "int8", "int4")
 #: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
 SLIDING_CACHES = ("ring", "full")
@@ -233,8 +233,9 @@ class ExportOptions:
 
 
 def check_kv_cache_dtype(options: ExportOptions) -> None:
-    """``--kv-cache-dtype``: one of :data:`KV_CACHE_DTYPES`; a float one is the export dtype; int8 where the graph
-    can hold it exactly (onnxruntime's GroupQueryAttention quantized cache); int4 refused (one line each)."""
+    """``--kv-cache-dtype``: one of :data:`KV_CACHE_DTYPES`; a float one is the export dtype; int8 (every target:
+    GroupQueryAttention's quantized cache, or quantize/dequantize around the ScatterND); int4 refused (one line
+    each). What a model's layers cannot hold in int8 is :meth:`ModelFacts.kv_quant_refusal`'s."""
     kv = options.kv_cache_dtype
     if kv is None or kv == options.dtype:
         return
@@ -246,9 +247,6 @@ def check_kv_cache_dtype(options: ExportOptions) -> None:
     if kv == "int4":
         raise ExportError("--kv-cache-dtype int4: onnxruntime 1.32's GroupQueryAttention packs two 4-bit values per "
                           "byte in a layout this exporter does not verify yet; use --kv-cache-dtype int8")
-    if options.target != "onnxruntime-fused":
-        raise ExportError(f"--kv-cache-dtype int8 needs --target onnxruntime-fused (GroupQueryAttention's quantized "
-                          f"cache); --target {options.target} keeps a float cache")
     if options.dtype != "float32":
         raise ExportError("--kv-cache-dtype int8 is verified with --dtype float32 only; use --dtype float32")
 

@@ -87,11 +87,28 @@ def test_int8_cache_check_and_buffers(int8_kv_export):
     assert "KV bytes per token (one sequence, all layers): 128" in table
 
 
+@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def test_int8_cache_scatter_targets_exact_to_emulated_reference(family_models, tmp_path, target):
+    """The ScatterND targets: the chunk quantized before the scatter, the buffer dequantized where attention reads
+    it, with the same static scales: exact to the same emulated reference."""
+    from families import CHUNK, CTX
+    from qeff_kv.runtime.session import Session
+
+    res = export_model(family_models("llama"), tmp_path / target, ctx_len=CTX, prefill_seq_len=CHUNK, target=target,
+                       kv_cache_dtype="int8")
+    assert res.manifest["verification"]["status"] == "passed"
+    assert res.manifest["verification"]["max_abs_diff"] < 1e-4
+    kv = [i for i in onnx.load(res.onnx_path).graph.input if i.name.startswith("past_")]
+    assert kv and all(i.type.tensor_type.elem_type == onnx.TensorProto.INT8 for i in kv)
+    scales = _scales(res.onnx_path, 2)
+    session = Session(res.onnx_path)
+    for prompt in PROMPTS:
+        got = session.generate([prompt], max_tokens=NEW)[0]
+        assert got.tokens == _hf_greedy_emulated(family_models("llama"), scales, prompt)[0]
+        session.remove_sequence(got.sequence)
+
+
 @pytest.mark.parametrize("kw, message", [
-    (dict(target="portable"), "--kv-cache-dtype int8 needs --target onnxruntime-fused (GroupQueryAttention's "
-                              "quantized cache); --target portable keeps a float cache"),
-    (dict(target="onnxruntime"), "--kv-cache-dtype int8 needs --target onnxruntime-fused (GroupQueryAttention's "
-                                 "quantized cache); --target onnxruntime keeps a float cache"),
     (dict(kv_cache_dtype="int4"), "--kv-cache-dtype int4: onnxruntime 1.32's GroupQueryAttention packs two 4-bit "
                                   "values per byte in a layout this exporter does not verify yet; use "
                                   "--kv-cache-dtype int8"),
@@ -99,12 +116,19 @@ def test_int8_cache_check_and_buffers(int8_kv_export):
                                      "in the export dtype; use --dtype float16, or --kv-cache-dtype int8"),
     (dict(kv_cache_dtype="int3"), "kv_cache_dtype must be one of float32, float16, int8, int4, got 'int3'"),
     (dict(dtype="float16"), "--kv-cache-dtype int8 is verified with --dtype float32 only; use --dtype float32"),
+    (dict(family="mistral_sw", target="portable"),
+     "--kv-cache-dtype int8 cannot be used with MistralForCausalLM's sliding-window ring buffers (only layers that keep "
+     "a plain key/value cache of their own hold it in int8 here); export without it"),
+    (dict(family="gemma4_text_shared"),
+     "--kv-cache-dtype int8 cannot be used with Gemma4ForCausalLM's shared-KV layers (only layers that keep a plain "
+     "key/value cache of their own hold it in int8 here); export without it"),
 ])
 def test_int8_cache_refusals(family_models, tmp_path, kw, message):
     options = dict(target="onnxruntime-fused", kv_cache_dtype="int8")
     options.update(kw)
+    family = options.pop("family", "llama")
     with pytest.raises(ExportError) as err:
-        export_model(family_models("llama"), tmp_path / "out", ctx_len=32, **options)
+        export_model(family_models(family), tmp_path / "out", ctx_len=32, prefill_seq_len=4, **options)
     assert str(err.value) == message
     assert not (tmp_path / "out").exists()
 

@@ -222,8 +222,6 @@ class FusedTarget(Target):
         self.window_layers = tuple(facts.sliding_layers) if self.window else ()
         #: shared-KV layers -> their source (:attr:`ModelFacts.kv_shared`)
         self.shared = tuple(facts.kv_shared)
-        #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)``, set by the trace before the wrapper runs
-        self.kv_scales = None
 
     def rotary(self, model):
         if self.rotary_caches is not None:
