@@ -37,6 +37,11 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="Prefill chunk length (the prefill specialization).")
 @click.option("--dtype", type=click.Choice(opt.DTYPES), default="float32", show_default=True,
               help="Weights, activations and KV cache dtype.")
+@click.option("--kv-cache-dtype", type=click.Choice(opt.KV_CACHE_DTYPES), default=None,
+              help="The KV cache's dtype (default: --dtype). int8: a quarter of the float32 cache's bytes per token, "
+                   "static per-channel scales calibrated at export (GroupQueryAttention's quantized cache on "
+                   "onnxruntime-fused; quantize/dequantize around the cache update on portable and onnxruntime); "
+                   "verified against PyTorch with the same quantization emulated. int4: refused for now.")
 @click.option("--continuous-batching", is_flag=True,
               help="Add input batch_index [batch_size, 1]; the KV batch axis becomes full_batch_size.")
 @click.option("--full-batch-size", type=DIM, metavar="N",

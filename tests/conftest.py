@@ -240,6 +240,17 @@ def family_exports(family_models, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def int8_kv_export(family_models, tmp_path_factory):
+    """The tiny llama exported ``--target onnxruntime-fused --kv-cache-dtype int8`` at the matrix's ctx_len and
+    chunk (verified at export against the reference with the int8 cache emulated): export and runtime tests."""
+    from families import CHUNK, CTX
+    from qeff_kv.export import export_model
+
+    return export_model(family_models("llama"), tmp_path_factory.mktemp("int8_kv") / "llama", ctx_len=CTX,
+                        prefill_seq_len=CHUNK, target="onnxruntime-fused", kv_cache_dtype="int8")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep the export cache of every test away from the user's ~/.cache."""

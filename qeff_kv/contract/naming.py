@@ -266,6 +266,12 @@ def kv_retained_name(stem: str, layer: int, prefix: str | None = None) -> str:
     return retained_name(kv_input_name(stem, layer, prefix))
 
 
+def kv_scale_name(stem: str, layer: int) -> str:
+    """``--kv-cache-dtype int8``: the initializer holding layer ``layer``'s static per-channel scales of its ``stem``
+    buffer (``kv_scale.past_key.0``, float32 ``[1, kv_heads, 1, head_dim]``); no prefix, not retained state."""
+    return f"kv_scale.{stem}.{int(layer)}"
+
+
 def retained_name(input_name: str) -> str:
     """The output name retained against ``input_name`` (the pairing rule)."""
     return input_name + RETAINED_SUFFIX

@@ -204,9 +204,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     transform = None if scheme is None else streamed.dequantizing(scheme, quant_mod.min_k(scheme.block_size),
                                                                   tmp / "packed")   # packed once, for both
     with contextlib.nullcontext() if streamed is None else streamed.weights(transform):
-        probe, reference, skipped = verify_mod.reference_for_export(torch_model, options, verify, say, vision,
-                                                                    streamed=streamed is not None,
-                                                                    one_pass=scheme is not None)
+        probe, reference, skipped, kv_scales = _reference_stage(torch_model, source, options, verify, say, vision,
+                                                                tmp, streamed is not None, scheme is not None)
         lora_proof = lora_proof_mod.references(torch_model, plan, probe, options.dtype)   # on the same weights
     natural = None
     if scheme is not None and probe is not None:   # the float model's view of a paragraph, for the quality check
@@ -215,7 +214,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
             with streamed.weights():
                 natural = quant_mod.natural_reference(torch_model, tokenizer, options.ctx_len, say)
     geometry, vision_path = _trace_graphs(torch_model, options, facts, vision, tmp, onnx_path, ckpt, say, streamed,
-                                          scheme)
+                                          scheme, kv_scales)
     del torch_model
     verification = verify_mod.verify_export(onnx_path, vision_path, options, probe, reference, skipped, say)
     lora_record = lora_proof_mod.verify(onnx_path, options, probe, lora_proof, skipped, say) \
@@ -223,7 +222,8 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
     weights_record = _weights_record(source, options, scheme, probe, natural, verification, geometry, tmp, onnx_path,
                                      say)
     records = {"checkpoint": ckpt, "verification": verification.to_json(),
-               **({} if lora_record is None else {"lora_verification": lora_record})}   # each adapter's proof
+               **({} if lora_record is None else {"lora_verification": lora_record}),   # each adapter's proof
+               **({} if kv_scales is None else {"kv_cache": _kv_record(kv_scales)})}
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:
@@ -270,6 +270,40 @@ def _weights_record(source, options: opt.ExportOptions, scheme, probe, natural, 
         prequant=source.path if options.prequant else None)
 
 
+def _reference_stage(model, source, options: opt.ExportOptions, verify, say, vision, tmp: Path, streamed: bool,
+                     one_pass: bool):
+    """``(probe, reference, why_skipped, kv_scales)``: :func:`~.verify.reference_for_export`, with an int8 cache's
+    scales calibrated first and its quantization emulated in the reference (``kv_scales`` ``None`` otherwise)."""
+    from qeff_kv.export import verify as verify_mod
+    from qeff_kv.export.modeling import kv_quant
+
+    kv_scales = _kv_scales(model, source, options, tmp, say)
+    with kv_quant.emulated_cache(kv_scales):   # the reference's cache quantized as the graph's
+        probe, reference, skipped = verify_mod.reference_for_export(model, options, verify, say, vision,
+                                                                    streamed=streamed, one_pass=one_pass)
+    return probe, reference, skipped, kv_scales
+
+
+def _kv_record(kv_scales: list) -> dict:
+    from qeff_kv.export.modeling import kv_quant
+
+    return kv_quant.scales_record(kv_scales)
+
+
+def _kv_scales(model, source, options: opt.ExportOptions, tmp: Path, say) -> list | None:
+    """``--kv-cache-dtype int8``: the int8 cache's static scales, calibrated on the model (:mod:`.modeling.kv_quant`);
+    otherwise ``None``."""
+    if options.kv_cache_dtype != "int8":
+        return None
+    from qeff_kv.export.modeling import kv_quant
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = kv_quant.calibration_ids(_tokenizer_of(source, tmp), int(cfg.vocab_size),
+                                   int(getattr(cfg, "max_position_embeddings", 0) or kv_quant.CALIBRATION_MAX))
+    say(f"calibrating the int8 KV cache's static scales ({len(ids)} tokens, margin {kv_quant.MARGIN})")
+    return kv_quant.calibrate(model, ids, int(cfg.num_hidden_layers))
+
+
 def _tokenizer_of(source, tmp: Path):
     """The source's tokenizer (for the quantized graph's natural-text check), or None when it has none."""
     folder = tmp / "tokenizer"
@@ -302,7 +336,7 @@ def _vision_geometry(model, options: opt.ExportOptions, facts) -> dict | None:
 
 
 def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, onnx_path: Path, ckpt: dict,
-                  say: Progress, streamed=None, scheme=None):
+                  say: Progress, streamed=None, scheme=None, kv_scales=None):
     """The trace and graph-passes stages: the language graph (and the dual layout's vision graph) traced, passed
     and saved into the staging folder. Returns ``(geometry, vision_path)``. ``streamed``: the skeleton's
     :class:`~qeff_kv.export.weights.stream.Streamed` (the graph is captured without weights, which are attached lazily).
@@ -318,7 +352,8 @@ def _trace_graphs(model, options: opt.ExportOptions, facts, vision, tmp: Path, o
     with capture.library_output(), \
             contextlib.nullcontext({}) if streamed is None else streamed.recorded() as recorded:
         # (torch prints the whole traced graph when an operator has no ONNX form)
-        geometry = trace.trace_language(model, options, raw, facts, vision, export_params=streamed is None)
+        geometry = trace.trace_language(model, options, raw, facts, vision, export_params=streamed is None,
+                                        kv_scales=kv_scales)
     say("post-processing graph")
     ir_model = graphio.load(raw)
     if streamed is not None:

@@ -61,6 +61,8 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     rows = 1 if options.speculative_tokens is None else naming.LOGITS_TO_KEEP_INPUT
     logits.shape = ir.Shape(["batch_size", rows, geometry["vocab_size"]])
     _metadata(model, options, geometry)
+    if options.kv_cache_dtype == "int8":
+        name_kv_scales(model)
     passes = pipeline(options)
     passes(model)
     if any(isinstance(p, GateVisionEncoderPass) and p.gated for p in passes.passes):
@@ -86,3 +88,86 @@ def _metadata(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> No
         meta[naming.LORA_META] = json.dumps(geometry["lora"], sort_keys=True)
     if geometry.get("vision"):   # what a runtime needs to feed images, with the bare .onnx too
         meta[naming.VISION_META] = json.dumps(geometry["vision"], sort_keys=True)
+
+
+def name_kv_scales(model: ir.Model) -> None:
+    """``--kv-cache-dtype int8``: the static scales take the contract's names (:func:`~qeff_kv.contract.naming.
+    kv_scale_name`) of the buffer they scale, as initializers: GroupQueryAttention's inputs 12 and 13 (fused target);
+    on the ScatterND targets the ``Div`` that quantizes a buffer's update (``Cast(Clip(Round(Div(x, scale))))``)
+    and every equal constant (the ``Mul`` that dequantizes what attention reads)."""
+    found = []   # (value read as the scale, its tensor, the name)
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention" and len(node.inputs) >= 14:
+            for index, buffer in zip((12, 13), node.inputs[3:5]):
+                found.append((node, index, buffer))
+        elif node.op_type == "ScatterND":
+            div = _quantizing_div(node.inputs[2])
+            if div is not None:
+                found.append((div, 1, node.inputs[0]))
+    named: dict[str, ir.Value] = {}
+    for node, index, buffer in found:
+        scale = node.inputs[index]
+        kv = naming.parse_kv_name(buffer.name) if buffer is not None and buffer.name else None
+        tensor = _constant(scale)
+        if kv is None or tensor is None:
+            raise QeffKvError(f"{node.op_type} node {node.name} reads no retained buffer or no static scale")
+        name = naming.kv_scale_name(kv.stem, kv.layer)
+        if name not in named:
+            named[name] = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                                   const_value=tensor)
+            model.graph.register_initializer(named[name])
+        node.replace_input_with(index, named[name])
+        _drop_if_unused(model, scale)
+    _share_equal_constants(model, list(named.values()))
+
+
+def _quantizing_div(value):
+    """The ``Div`` of ``Cast(Clip(Round(Div(x, scale))))`` (through any ``Cast``) that produced ``value``, or None."""
+    node = value.producer() if value is not None else None
+    for op in ("Cast", "Clip", "Round", "Div"):
+        while node is not None and node.op_type == "Cast" and op != "Cast":
+            node = node.inputs[0].producer()
+        if node is None or node.op_type != op:
+            return None
+        if op == "Div":
+            return node
+        node = node.inputs[0].producer()
+    return None
+
+
+def _constant(value):
+    """The tensor of an initializer or a ``Constant`` node's output, else None."""
+    if value is None:
+        return None
+    if value.is_initializer():
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor()
+    return None
+
+
+def _drop_if_unused(model: ir.Model, value) -> None:
+    if value.uses():
+        return
+    producer = value.producer()
+    if producer is not None:
+        model.graph.remove(producer, safe=True)
+    elif value.is_initializer():
+        model.graph.initializers.pop(value.name)
+
+
+def _share_equal_constants(model: ir.Model, scales: list) -> None:
+    """Constants equal to a named scale (the dequantizing ``Mul``'s copy) read the named initializer instead."""
+    by_bytes = {(tuple(v.const_value.shape), v.const_value.numpy().tobytes()): v for v in scales}
+    for node in list(model.graph):
+        if node.op_type != "Constant" or "value" not in node.attributes:
+            continue
+        tensor = node.attributes["value"].as_tensor()
+        target = by_bytes.get((tuple(tensor.shape), tensor.numpy().tobytes()))
+        if target is None or tensor.dtype != target.const_value.dtype:
+            continue
+        out = node.outputs[0]
+        for user, index in list(out.uses()):
+            user.replace_input_with(index, target)
+        _drop_if_unused(model, out)

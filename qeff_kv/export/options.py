@@ -26,6 +26,9 @@ from qeff_kv.export.schemes import check_scheme, resolve_options
 from qeff_kv.export.versions import EXPORTER_VERSION, IR_VERSION, OPSET  # noqa: F401 (read as opt.OPSET)
 
 DTYPES = ("float32", "float16")
+#: ``--kv-cache-dtype``: the retained KV buffers' dtype; ``None`` (or the export dtype): the export dtype. ``int8``:
+#: static per-channel scales (onnxruntime's GroupQueryAttention quantized cache on the fused target)
+KV_CACHE_DTYPES = ("float32", "float16", "int8", "int4")
 #: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
 SLIDING_CACHES = ("ring", "full")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
@@ -105,6 +108,9 @@ class ExportOptions:
     #: with :attr:`max_lora_rank` alone: the module names adapted (comma-separated, e.g. ``q_proj,v_proj``; default
     #: the attention and MLP projections)
     lora_targets: str | None = None
+    #: the KV cache's dtype (:data:`KV_CACHE_DTYPES`); ``None``: :attr:`dtype` (docs/export.md, "A quantized KV
+    #: cache")
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         """The kinds, refused in one line before anything is read: flags are real booleans (``"no"`` is refused,
@@ -187,7 +193,13 @@ class ExportOptions:
                               "cannot be used with it")
         check_mla_cache(self)
         check_lora(self)
+        check_kv_cache_dtype(self)
         return self
+
+    @property
+    def quantized_kv(self) -> bool:
+        """The KV buffers are int8 (``--kv-cache-dtype int8``)."""
+        return self.kv_cache_dtype == "int8"
 
     @property
     def adapts(self) -> bool:
@@ -218,11 +230,32 @@ class ExportOptions:
             del d["lora"]
         else:
             d["lora"] = [list(pair) for pair in d["lora"]]
+        if d["kv_cache_dtype"] == self.dtype:
+            d["kv_cache_dtype"] = None   # the export dtype named: the same graph as the default
         for key in ("weights", "block_size", "accuracy_level", "sliding_cache", "speculative_tokens",
-                    "max_lora_rank", "lora_targets"):
+                    "max_lora_rank", "lora_targets", "kv_cache_dtype"):
             if d[key] is None:
                 del d[key]  # exports without these options keep the options hash they had before they existed
         return d
+
+
+def check_kv_cache_dtype(options: ExportOptions) -> None:
+    """``--kv-cache-dtype``: one of :data:`KV_CACHE_DTYPES`; a float one is the export dtype; int8 (every target:
+    GroupQueryAttention's quantized cache, or quantize/dequantize around the ScatterND); int4 refused (one line
+    each). What a model's layers cannot hold in int8 is :meth:`ModelFacts.kv_quant_refusal`'s."""
+    kv = options.kv_cache_dtype
+    if kv is None or kv == options.dtype:
+        return
+    if kv not in KV_CACHE_DTYPES:
+        raise ExportError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv!r}")
+    if kv in DTYPES:
+        raise ExportError(f"--kv-cache-dtype {kv} differs from --dtype {options.dtype}: a float cache is kept in "
+                          f"the export dtype; use --dtype {kv}, or --kv-cache-dtype int8")
+    if kv == "int4":
+        raise ExportError("--kv-cache-dtype int4: onnxruntime 1.32's GroupQueryAttention packs two 4-bit values per "
+                          "byte in a layout this exporter does not verify yet; use --kv-cache-dtype int8")
+    if options.dtype != "float32":
+        raise ExportError("--kv-cache-dtype int8 is verified with --dtype float32 only; use --dtype float32")
 
 
 def check_run(*, model, out_dir, progress, verify, force) -> None:

@@ -41,7 +41,7 @@ class GraphIO:
 
 
 def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision: dict | None = None, *,
-                   export_params: bool = True) -> dict:
+                   export_params: bool = True, kv_scales: list | None = None) -> dict:
     """Trace the wrapped model into ``path``; return the export's geometry (``state_spec`` included).
     ``vision``: a vision-language model's geometry (:func:`~qeff_kv.export.modeling.vlm.vision_geometry`).
     ``export_params=False``: the parameters stay graph inputs without data (the streaming export,
@@ -68,10 +68,11 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     routing = _lora_inputs(model, plan, next(model.parameters()).dtype, io)
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
     wrapper.lora = routing
+    target.kv_scales = kv_scales   # --kv-cache-dtype int8: the calibrated scales (kv_quant); the fused target reads them
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
     (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)[:2]
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
-                "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.dtype}
+                "vocab_size": int(text_cfg.vocab_size), "kv_dtype": options.kv_cache_dtype or options.dtype}
     if (v_heads, v_dim) != (n_kv, head_dim):
         geometry.update(value_heads=v_heads, value_head_dim=v_dim)
     if vision is not None:
@@ -140,7 +141,8 @@ def _kv_inputs(spec: statespec.StateSpec, options: opt.ExportOptions, dtype, io:
             past += recurrent_mod.state_inputs(layer, kv_batch, kv_axis, dtype, io)
             continue
         for stem, (heads, dim_name, dim) in zip(layer.stems, layer.shapes):
-            past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim), dtype=dtype))
+            past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim),
+                                    dtype=torch.int8 if options.kv_cache_dtype == "int8" else dtype))
             in_name = naming.kv_input_name(stem, layer.layer)
             out_name = naming.retained_name(in_name)
             io.in_names.append(in_name)

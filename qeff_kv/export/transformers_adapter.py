@@ -339,3 +339,22 @@ def causal_lm_loader(transformers, config):
             auto.register(config_class, cls, exist_ok=True)
             break
     return auto
+
+
+@contextlib.contextmanager
+def cache_writes_through(transform):
+    """While active, every transformers cache write hands its layer's new keys and values through ``transform(
+    layer_idx, keys, values) -> (keys, values)`` first (the reference of an int8 cache: :mod:`.modeling.kv_quant`)."""
+    from transformers import cache_utils
+
+    original = cache_utils.Cache.update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key_states, value_states = transform(layer_idx, key_states, value_states)
+        return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache_utils.Cache.update = update
+    try:
+        yield
+    finally:
+        cache_utils.Cache.update = original

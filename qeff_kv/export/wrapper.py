@@ -109,7 +109,8 @@ class RetainedStateLM(torch.nn.Module):
         ccl_length = LengthOf.apply(flat.pop()) if self.ccl else None    # [L] = Shape(comp_ctx_lengths)
         past, states = self._split(flat)
         last = position_ids.argmax(dim=1, keepdim=True)                          # [B, 1] last valid row
-        dtype = flat[0].dtype
+        # the activations' dtype: the KV buffers', or the model's where they are int8 (--kv-cache-dtype int8)
+        dtype = flat[0].dtype if flat[0].is_floating_point() else next(self.lm.parameters()).dtype
         is_pad = position_ids < 0
         if inputs_embeds is not None and pad_rows:
             inputs_embeds = fill_padding_rows(inputs_embeds, position_ids)

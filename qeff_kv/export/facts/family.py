@@ -178,7 +178,21 @@ class ModelFacts:
         # Attention sinks need no refusal: the portable target runs the model's own attention, the onnxruntime
         # target adds them to its grouped attention and the fused one passes them as GQA's ``head_sink``.
         if options.target_info.group_query_attention:
-            return self.fused_refusal()
+            return self.fused_refusal() or self.kv_quant_refusal(options)
+        return self.kv_quant_refusal(options)
+
+    def kv_quant_refusal(self, options) -> str | None:
+        """``--kv-cache-dtype int8``: only layers whose own GroupQueryAttention node reads their int8 cache."""
+        if getattr(options, "kv_cache_dtype", None) != "int8":
+            return None
+        kinds = (("shared-KV layers", bool(self.kv_shared)), ("recurrent layers", self.recurrent is not None),
+                 ("vision-language graph", self.vision_language), ("latent attention", self.latent_attention),
+                 ("sparse-attention indexer", self.index_topk is not None),
+                 ("sliding-window ring buffers", bool(self.ring_layers(options))))
+        kind = next((k for k, present in kinds if present), None)
+        if kind is not None:
+            return (f"--kv-cache-dtype int8 cannot be used with {self.architecture}'s {kind} (only layers that "
+                    f"keep a plain key/value cache of their own hold it in int8 here); export without it")
         return None
 
     def _kind_refusal(self, options) -> str | None:

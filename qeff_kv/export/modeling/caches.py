@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from qeff_kv.export import transformers_adapter as hf
-from qeff_kv.export.modeling.graph_ops import RingConcat, ScatterKV, SliceSlots
+from qeff_kv.export.modeling.graph_ops import RingConcat, ScatterKV, SliceSlots, dequantize_int8, quantize_int8
 from qeff_kv.export.modeling.masks import build_attention_mask
 
 
@@ -101,6 +101,9 @@ class RetainedStateCache(hf.CacheProtocol):
         self.retained: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
         self._plans: dict[tuple[int, bool], torch.Tensor] = {}
         self._written: torch.Tensor | None = None
+        #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)`` (:mod:`.kv_quant`; set by the target): the chunk
+        #: is quantized before the ScatterND and what attention reads dequantized after it
+        self.kv_scales: list | None = None
 
     def _written_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """``[B, 1, L, 1]``: slot ``j`` of the ``L`` read (``slots``: the buffer's axis 2) was written by the row's
@@ -156,6 +159,9 @@ class RetainedStateCache(hf.CacheProtocol):
             return self._update_ring(layer_idx, key_states, value_states)
         past_k, past_v = self.past[layer_idx][:2]
         indices = self._indices(int(key_states.shape[1]))
+        dtype, scales = key_states.dtype, None if self.kv_scales is None else self.kv_scales[layer_idx]
+        if scales is not None:
+            key_states, value_states = quantize_int8(key_states, scales[0]), quantize_int8(value_states, scales[1])
         new_k = ScatterKV.apply(past_k, indices, key_states.to(past_k.dtype))
         new_v = ScatterKV.apply(past_v, indices, value_states.to(past_v.dtype))
         self.retained[layer_idx] = (new_k, new_v)
@@ -166,6 +172,8 @@ class RetainedStateCache(hf.CacheProtocol):
         if self.batch_index is not None:
             rows = self.batch_index.reshape(-1)
             att_k, att_v = att_k[rows], att_v[rows]
+        if scales is not None:
+            att_k, att_v = dequantize_int8(att_k, scales[0], dtype), dequantize_int8(att_v, scales[1], dtype)
         written = self._written_slots(att_k)
         return zero_unwritten(att_k, written), zero_unwritten(att_v, written)
 

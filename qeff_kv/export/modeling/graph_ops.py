@@ -313,6 +313,16 @@ class SplitHeads(torch.autograd.Function):
         return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([0, 0, -1, d], dtype=torch.int64)))
 
 
+def quantize_int8(x, scale):
+    """``x`` to int8 as GroupQueryAttention's quantized cache (and ``QuantizeLinear``) writes it: ``x / scale``
+    rounded half to even, saturated to [-128, 127] (:mod:`.kv_quant`)."""
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
+
+
+def dequantize_int8(q, scale, dtype):
+    return (q.float() * scale).to(dtype)
+
+
 class GroupQueryAttentionOp(torch.autograd.Function):
     """onnxruntime's ``com.microsoft::GroupQueryAttention`` over a shared past/present buffer.
 
@@ -332,7 +342,7 @@ class GroupQueryAttentionOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq: int, hkv: int, d: int,
-                scale: float, softcap: float, rotary: bool, local_window: int = -1):
+                scale: float, softcap: float, rotary: bool, local_window: int = -1, k_scale=None, v_scale=None):
         b, _, s, _ = q.shape
         start = (seqlens_k.long() - s + 1).reshape(b, 1)
         pos = start + torch.arange(s).reshape(1, s)                                  # [B, S]
@@ -348,10 +358,16 @@ class GroupQueryAttentionOp(torch.autograd.Function):
         hi = torch.arange(hkv).reshape(1, hkv, 1).expand(b, hkv, s)
         pi = pos.reshape(b, 1, s).expand(b, hkv, s)
         pk, pv = past_k.clone(), past_v.clone()
-        pk[bi, hi, pi] = k.to(pk.dtype)
-        pv[bi, hi, pi] = v.to(pv.dtype)
+        if k_scale is None:
+            pk[bi, hi, pi] = k.to(pk.dtype)
+            pv[bi, hi, pi] = v.to(pv.dtype)
+            keys, values = pk, pv
+        else:   # the int8 cache (kv_quant): written quantized, read dequantized, the prompt's own keys included
+            pk[bi, hi, pi] = quantize_int8(k, k_scale)
+            pv[bi, hi, pi] = quantize_int8(v, v_scale)
+            keys, values = dequantize_int8(pk, k_scale, q.dtype), dequantize_int8(pv, v_scale, q.dtype)
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
-        scores = (torch.matmul(q5, pk.unsqueeze(2).transpose(-1, -2)) * scale).float()  # [B, Hkv, G, S, ctx]
+        scores = (torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)) * scale).float()  # [B, Hkv, G, S, ctx]
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
         slots = torch.arange(pk.shape[2]).reshape(1, 1, 1, 1, -1)
@@ -364,12 +380,12 @@ class GroupQueryAttentionOp(torch.autograd.Function):
             probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
         else:
             probs = torch.softmax(scores, -1)
-        out = torch.matmul(probs.to(q.dtype), pv.unsqueeze(2))                      # [B, Hkv, G, S, D]
+        out = torch.matmul(probs.to(q.dtype), values.unsqueeze(2))                  # [B, Hkv, G, S, D]
         return out.reshape(b, hq, s, d).transpose(1, 2).reshape(b, s, hq * d), pk, pv
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq, hkv, d, scale, softcap,
-                 rotary, local_window=-1):
+                 rotary, local_window=-1, k_scale=None, v_scale=None):
         def const(values):
             return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
@@ -394,6 +410,9 @@ class GroupQueryAttentionOp(torch.autograd.Function):
                 inputs += [empty(), empty()]
             inputs += [empty(), empty(), sinks]  # position_ids, attention_bias omitted; head_sink
             attrs["smooth_softmax_i"] = 1
+        if not absent(k_scale):   # inputs 12, 13; the int8 cache with per-channel static scales
+            inputs += [empty() for _ in range(12 - len(inputs))] + [k_scale, v_scale]
+            attrs.update(kv_cache_bit_width_i=8, k_quant_type_s="PER_CHANNEL", v_quant_type_s="PER_CHANNEL")
         out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, outputs=3, **attrs)
         out.setType(q.type().with_sizes([None, None, hq * d]))
         present_k.setType(past_k.type())

@@ -57,6 +57,9 @@ class Target:
     fills_padding: ClassVar[bool] = True
     #: ``custom_opsets`` for ``torch.onnx.export``
     custom_opsets: ClassVar[dict | None] = None
+    #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)`` (:mod:`~qeff_kv.export.modeling.kv_quant`), set by
+    #: the trace; ``None``: a float cache
+    kv_scales: list | None = None
 
     def __init__(self, model: torch.nn.Module, facts, sliding: SlidingPlan, *, max_positions: int,
                  continuous_batching: bool, ccl: bool):

@@ -102,8 +102,11 @@ class FusedKVCache(hf.CacheProtocol):
     and attends in standard ops over the source's GQA present output (:meth:`attend_shared`)."""
 
     def __init__(self, past, position_ids: torch.Tensor, rotary: RotaryCaches | None = None,
-                 window: int | None = None, window_layers: tuple[int, ...] = (), shared: dict | None = None):
+                 window: int | None = None, window_layers: tuple[int, ...] = (), shared: dict | None = None,
+                 kv_scales: list | None = None):
         super().__init__(len(past))
+        #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)`` (:mod:`~qeff_kv.export.modeling.kv_quant`)
+        self.kv_scales = kv_scales
         self.shared = dict(shared or {})
         self.past = past
         self.rotary = rotary
@@ -142,9 +145,10 @@ class FusedKVCache(hf.CacheProtocol):
         past_k, past_v = self.past[layer_idx]
         # onnxruntime's local_window_size is the window itself: W keys, p - W + 1 .. p, as transformers' window
         local = self.window if layer_idx in self.window_layers else -1
+        k_scale, v_scale = (None, None) if self.kv_scales is None else self.kv_scales[layer_idx]
         out, present_k, present_v = GroupQueryAttentionOp.apply(
             query, key, value, past_k, past_v, self.seqlens_k, self.total, cos, sin, sinks, hq, hkv, d, scale,
-            float(softcap or 0.0), rope is not None, local)
+            float(softcap or 0.0), rope is not None, local, k_scale, v_scale)
         self.retained[layer_idx] = (present_k, present_v)
         return SplitHeads.apply(out, d)
 
@@ -226,7 +230,7 @@ class FusedTarget(Target):
 
     def begin(self, x: StepInputs) -> Step:
         cache = FusedKVCache(x.past, x.position_ids, self.rotary_caches, window=self.window,
-                             window_layers=self.window_layers, shared=dict(self.shared))
+                             window_layers=self.window_layers, shared=dict(self.shared), kv_scales=self.kv_scales)
         mask = torch.zeros((1, 1, 1, 1), dtype=x.dtype)  # GroupQueryAttention masks causally itself
         return Step(x.input_ids, slot_positions(x.position_ids), cache, mask)
 

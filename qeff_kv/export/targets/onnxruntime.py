@@ -59,6 +59,7 @@ class OnnxruntimeTarget(Target):
             length = torch.minimum(length, x.ccl_length)
         ring = plan.ring_step(position_ids, x.is_pad, x.dtype, x.blocks, read=True)
         cache = RetainedStateCache(x.past, position_ids, x.batch_index, length, ring, plan.ring_layers)
+        cache.kv_scales = self.kv_scales
         mask = plan.masks(build_attention_mask(position_ids, length[0], x.dtype, blocks=x.blocks), ring,
                           lambda: build_attention_mask(position_ids, length[0], x.dtype, plan.window, x.blocks),
                           lambda: build_attention_mask(position_ids, length[0], x.dtype, blocks=x.blocks,

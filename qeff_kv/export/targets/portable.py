@@ -35,6 +35,7 @@ class PortableTarget(Target):
                                                                        x.blocks),
                               lambda: build_attention_mask(position_ids, columns, x.dtype, blocks=x.blocks,
                                                            chunk=plan.chunk))
+        cache.kv_scales = self.kv_scales   # --kv-cache-dtype int8 (kv_quant), else None
         return Step(input_ids, position_ids, cache, mask)
 
 

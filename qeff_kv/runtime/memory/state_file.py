@@ -237,6 +237,7 @@ def check_metadata(session, meta: dict, where: str = "state") -> None:
     """The checks of :func:`validate` that need no tensors (KV contract, model, capacity): for a state still held
     elsewhere, before it is taken."""
     try:
+        _check_dtype(session, meta, where)
         if meta["kv_fingerprint"] != session.kv_fingerprint:
             raise StateFileError(f"{where}: saved from a graph with another KV contract (prefix "
                                  f"{meta.get('prefix') or '(none)'!r}; this graph's prefix is "
@@ -299,12 +300,24 @@ def _check_container(state: KVState, where: str) -> dict[str, str]:
 
 def _check_contract(session, meta: dict[str, str], tensors: dict, where: str) -> None:
     """Saved from a graph with this session's KV contract."""
+    _check_dtype(session, meta, where)
     if meta["kv_fingerprint"] != session.kv_fingerprint:
         theirs = sorted(tensors)[:2]
         ours = [p.input_name for p in session.layout.pairs][:2]
         raise StateFileError(
             f"{where}: saved from a graph with another KV contract (buffers {theirs}..., prefix "
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
+
+
+def _check_dtype(session, meta: dict[str, str], where: str) -> None:
+    """A KV cache of another dtype (an int8 cache, ``--kv-cache-dtype``, against a float one), refused in one line
+    before the contract's fingerprint (graphs with recurrent states keep theirs per tensor: not checked here)."""
+    pairs = session.layout.pairs
+    ours = {str(p.input.dtype) for p in pairs}
+    theirs = meta.get("dtype")
+    if theirs and len(ours) == 1 and theirs not in ours and not any(p.recurrent for p in pairs):
+        raise StateFileError(f"{where}: its KV cache is {theirs}, this graph's is {ours.pop()} (set at export by "
+                             f"--dtype and --kv-cache-dtype); load it into a graph whose KV cache is {theirs}")
 
 
 def _read_header(meta: dict[str, str], where: str) -> tuple[int, dict, int | None]:

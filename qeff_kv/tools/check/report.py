@@ -129,6 +129,13 @@ class CheckReport:
     lora: dict | None = None
     #: shared-KV layers the graph's state spec records, ``(layer, source)``: no buffers of their own
     shared_layers: list = field(default_factory=list)
+    #: the KV buffers' dtypes (``["int8"]``: a quantized cache, ``--kv-cache-dtype int8``)
+    kv_dtypes: list = field(default_factory=list)
+
+    @property
+    def quantized_kv(self) -> bool:
+        """The KV buffers are integers (a quantized cache)."""
+        return any(d.startswith(("int", "uint")) for d in self.kv_dtypes)
 
     @property
     def sliding(self) -> bool:
@@ -179,6 +186,8 @@ class CheckReport:
             **({"lora": self.lora} if self.lora is not None else {}),
             **({"shared_layers": [{"layer": a, "source": b} for a, b in self.shared_layers]}
                if self.shared_layers else {}),
+            # only on quantized caches (int8): every float graph's key set stays as it was
+            **({"kv_cache_dtype": "/".join(self.kv_dtypes)} if self.quantized_kv else {}),
             # only on graphs of another dialect (or pairs a sidecar names): our own graphs' key set stays as it was
             **({"dialect": self.dialect, "update": self.update, "source": self.source}
                if self.dialect not in (None, naming.RETAINED_STATE) or self.source != "names" else {}),
@@ -190,7 +199,8 @@ class CheckReport:
     def format_text(self) -> str:
         width = max(len(r) for r in RULES)
         lines = [f"{self.model}: prefix {fmt_prefix(self.prefix) if len(self.prefixes) <= 1 else 'mixed'}, "
-                 f"{self.num_layers} layers" + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
+                 f"{self.num_layers} layers" + (f", KV cache {'/'.join(self.kv_dtypes)}" if self.quantized_kv else "")
+                 + (", comp_ctx_lengths input (CCL)" if self.ccl else "")
                  + (f", {naming.LOGITS_TO_KEEP_INPUT} input (speculative decoding, "
                     f"K={self.speculative_tokens if self.speculative_tokens is not None else 'unknown'})"
                     if self.speculative else "")

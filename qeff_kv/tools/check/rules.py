@@ -396,7 +396,8 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         sliding_window=layout.sliding_window, sliding_meta=layout.sliding_window_meta is not None,
         shared_layers=list(layout.state_spec.shared),
         vision_language=multimodal.graph_kind(layout), dialect=layout.dialect, update=layout.update,
-        source=layout.source, lora=_lora_json(layout))
+        source=layout.source, lora=_lora_json(layout),
+        kv_dtypes=sorted({str(p.input.dtype) for p in layout.pairs if not p.recurrent}))
 
 
 def _lora_json(layout: KVLayout) -> dict | None:
