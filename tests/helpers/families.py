@@ -157,15 +157,13 @@ FAMILIES: dict[str, Family] = {
                                                    original_max_position_embeddings=32)),
                          note=f"window {SW}: ring buffers with attention sinks, MoE"),
     # --- Gemma 4: per-layer embeddings (PLE), wider global heads, MoE beside the MLP; shared-KV layers -------
-    "gemma4_text": Family("Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4,
-                          note="per-layer embeddings, global layers with wider heads whose keys are the values "
-                               "(attention_k_eq_v), MoE beside the MLP, sliding layers"),
     "gemma4_text_shared": Family("Gemma4TextConfig", "Gemma4ForCausalLM",
                                  dict(_GEMMA4, num_hidden_layers=4, sliding_window=SW, num_kv_shared_layers=2,
                                       use_double_wide_mlp=True, layer_types=_GEMMA4_SHARED_TYPES),
-                                 note=f"shared-KV layers 2 (sliding) and 3 (global) read layers 0 and 1 "
-                                      f"(num_kv_shared_layers, no buffers of their own), window {SW}: ring buffers, "
-                                      "per-layer embeddings, wider global heads, MoE"),
+                                 note=f"Gemma 4: unshared layers 0 (sliding) and 1 (global), shared-KV layers 2 and "
+                                      f"3 reading them (num_kv_shared_layers, no buffers of their own), window {SW}: "
+                                      "ring buffers, per-layer embeddings, global layers with wider heads whose keys "
+                                      "are the values (attention_k_eq_v), MoE beside the MLP"),
     # --- mixture of experts -----------------------------------------------------------------------------
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM",
                       _moe(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
