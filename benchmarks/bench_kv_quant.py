@@ -20,38 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+import bench_nll
+from bench_nll import tokenize
+
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "fixtures" / "text" / "gettysburg.txt"
 
 
-def tokenize(export: Path, text: str) -> list[int]:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(export / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-
-
 def nll(export: Path, tokens: list[int]) -> dict:
-    from qeff_kv.runtime import Session
-
-    sess = Session(export)
-    seq = sess.add_sequence()
-    logits = sess.prefill(seq, tokens[:1])
-    total, argmaxes = 0.0, []
-    for nxt in tokens[1:]:
-        z = np.asarray(logits, dtype=np.float64)
-        m = float(z.max())
-        total += (m + math.log(float(np.exp(z - m).sum()))) - float(z[nxt])
-        argmaxes.append(int(z.argmax()))
-        logits = sess.decode({seq: nxt})[seq]
-    n = len(tokens) - 1
-    return {"tokens": n, "mean_nll": total / n, "perplexity": math.exp(total / n), "_argmax": argmaxes}
+    """Teacher-forced NLL through the runtime (``bench_nll.nll``), the fields this benchmark reports."""
+    got = bench_nll.nll(export, tokens)
+    return {k: got[k] for k in ("tokens", "mean_nll", "perplexity", "_argmax")}
 
 
 def decode_speed(export: Path, prompt: list[int], steps: int) -> float:
