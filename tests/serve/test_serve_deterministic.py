@@ -94,24 +94,10 @@ SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=list(He
 
 
 @requires_torch
-def test_float_continuous_batching_tokens_equal_each_request_alone(own_cb_graph):
-    served = Served(own_cb_graph, rows=3)
-
-    @SETTINGS
-    @given(st.data())
-    def check(data):
-        _check_invariant(served, data)
-
-    try:
-        check()
-    finally:
-        served.close()
-    assert any(served.reused), "no prompt was reused: the property was not tried with prompt reuse"
-
-
-@requires_torch
-def test_int4_fused_lock_step_tokens_equal_each_request_alone(int4_fused):
-    served = Served(int4_fused, rows=4)
+@pytest.mark.parametrize("graph,rows", [("own_cb_graph", 3), ("int4_fused", 4)],
+                         ids=["float-continuous-batching", "int4-fused-lock-step"])
+def test_tokens_equal_each_request_alone(graph, rows, request):
+    served = Served(request.getfixturevalue(graph), rows=rows)
 
     @SETTINGS
     @given(st.data())
