@@ -300,7 +300,7 @@ def _check_container(state: KVState, where: str) -> dict[str, str]:
 
 def _check_contract(session, meta: dict[str, str], tensors: dict, where: str) -> None:
     """Saved from a graph with this session's KV contract."""
-    _check_dtype(session, meta, where)
+    _check_dtype(session, meta, where, tensors)
     if meta["kv_fingerprint"] != session.kv_fingerprint:
         theirs = sorted(tensors)[:2]
         ours = [p.input_name for p in session.layout.pairs][:2]
@@ -309,14 +309,26 @@ def _check_contract(session, meta: dict[str, str], tensors: dict, where: str) ->
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
 
 
-def _check_dtype(session, meta: dict[str, str], where: str) -> None:
-    """A KV cache of another dtype (an int8 cache, ``--kv-cache-dtype``, against a float one), refused in one line
-    before the contract's fingerprint (graphs with recurrent states keep theirs per tensor: not checked here)."""
+#: KV dtypes of a quantized cache (``--kv-cache-dtype``): a state of one of these against a graph of another dtype
+#: (or the reverse) is named as such; float16 against float32 stays "another KV contract" (its fingerprint)
+QUANTIZED_KV_DTYPES = frozenset({"int8", "uint8", "int4", "uint4"})
+
+
+def _check_dtype(session, meta: dict[str, str], where: str, tensors: dict | None = None) -> None:
+    """A quantized KV cache (an int8 cache, ``--kv-cache-dtype``) against a graph of another KV dtype (or the
+    reverse), refused in one line before the contract's fingerprint. Metadata that contradicts its own tensors is
+    left to :func:`_check_consistent`; graphs with recurrent states keep their dtypes per tensor (not checked
+    here)."""
+    theirs = meta.get("dtype")
+    if not theirs or (tensors is not None and {str(np.asarray(t).dtype) for t in tensors.values()} != {theirs}):
+        return
     pairs = session.layout.pairs
     ours = {str(p.input.dtype) for p in pairs}
-    theirs = meta.get("dtype")
-    if theirs and len(ours) == 1 and theirs not in ours and not any(p.recurrent for p in pairs):
-        raise StateFileError(f"{where}: its KV cache is {theirs}, this graph's is {ours.pop()} (set at export by "
+    if len(ours) != 1 or theirs in ours or any(p.recurrent for p in pairs):
+        return
+    mine = ours.pop()
+    if theirs in QUANTIZED_KV_DTYPES or mine in QUANTIZED_KV_DTYPES:
+        raise StateFileError(f"{where}: its KV cache is {theirs}, this graph's is {mine} (set at export by "
                              f"--dtype and --kv-cache-dtype); load it into a graph whose KV cache is {theirs}")
 
 
