@@ -251,6 +251,17 @@ def int8_kv_export(family_models, tmp_path_factory):
                         prefill_seq_len=CHUNK, target="onnxruntime-fused", kv_cache_dtype="int8")
 
 
+@pytest.fixture(scope="session")
+def int4_kv_export(family_models, tmp_path_factory):
+    """The tiny llama exported ``--target onnxruntime-fused --kv-cache-dtype int4`` (GroupQueryAttention's packed
+    4-bit cache), verified at export against the reference with the int4 cache emulated."""
+    from families import CHUNK, CTX
+    from qeff_kv.export import export_model
+
+    return export_model(family_models("llama"), tmp_path_factory.mktemp("int4_kv") / "llama", ctx_len=CTX,
+                        prefill_seq_len=CHUNK, target="onnxruntime-fused", kv_cache_dtype="int4")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Keep the export cache of every test away from the user's ~/.cache."""

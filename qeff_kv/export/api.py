@@ -223,7 +223,7 @@ def _build_from(source, options: opt.ExportOptions, verify: bool | None, say: Pr
                                      say)
     records = {"checkpoint": ckpt, "verification": verification.to_json(),
                **({} if lora_record is None else {"lora_verification": lora_record}),   # each adapter's proof
-               **({} if kv_scales is None else {"kv_cache": _kv_record(kv_scales)})}
+               **({} if kv_scales is None else {"kv_cache": _kv_record(kv_scales, options)})}
     if weights_record is not None:
         records["weights"] = weights_record
     if "vision" in geometry:
@@ -278,30 +278,31 @@ def _reference_stage(model, source, options: opt.ExportOptions, verify, say, vis
     from qeff_kv.export.modeling import kv_quant
 
     kv_scales = _kv_scales(model, source, options, tmp, say)
-    with kv_quant.emulated_cache(kv_scales):   # the reference's cache quantized as the graph's
+    with kv_quant.emulated_cache(kv_scales, options.kv_cache_bits or 8):   # the reference's cache as the graph's
         probe, reference, skipped = verify_mod.reference_for_export(model, options, verify, say, vision,
                                                                     streamed=streamed, one_pass=one_pass)
     return probe, reference, skipped, kv_scales
 
 
-def _kv_record(kv_scales: list) -> dict:
+def _kv_record(kv_scales: list, options: opt.ExportOptions) -> dict:
     from qeff_kv.export.modeling import kv_quant
 
-    return kv_quant.scales_record(kv_scales)
+    return kv_quant.scales_record(kv_scales, options.kv_cache_bits)
 
 
 def _kv_scales(model, source, options: opt.ExportOptions, tmp: Path, say) -> list | None:
-    """``--kv-cache-dtype int8``: the int8 cache's static scales, calibrated on the model (:mod:`.modeling.kv_quant`);
-    otherwise ``None``."""
-    if options.kv_cache_dtype != "int8":
+    """``--kv-cache-dtype int8`` (``int4``): the quantized cache's static scales, calibrated on the model
+    (:mod:`.modeling.kv_quant`); otherwise ``None``."""
+    if not options.quantized_kv:
         return None
     from qeff_kv.export.modeling import kv_quant
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ids = kv_quant.calibration_ids(_tokenizer_of(source, tmp), int(cfg.vocab_size),
                                    int(getattr(cfg, "max_position_embeddings", 0) or kv_quant.CALIBRATION_MAX))
-    say(f"calibrating the int8 KV cache's static scales ({len(ids)} tokens, margin {kv_quant.MARGIN})")
-    return kv_quant.calibrate(model, ids, int(cfg.num_hidden_layers))
+    say(f"calibrating the {options.kv_cache_dtype} KV cache's static scales ({len(ids)} tokens, margin "
+        f"{kv_quant.MARGIN})")
+    return kv_quant.calibrate(model, ids, int(cfg.num_hidden_layers), options.kv_cache_bits)
 
 
 def _tokenizer_of(source, tmp: Path):

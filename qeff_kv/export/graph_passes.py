@@ -61,7 +61,7 @@ def finalize(model: ir.Model, options: opt.ExportOptions, geometry: dict) -> Non
     rows = 1 if options.speculative_tokens is None else naming.LOGITS_TO_KEEP_INPUT
     logits.shape = ir.Shape(["batch_size", rows, geometry["vocab_size"]])
     _metadata(model, options, geometry)
-    if options.kv_cache_dtype == "int8":
+    if options.quantized_kv:
         name_kv_scales(model)
     passes = pipeline(options)
     passes(model)

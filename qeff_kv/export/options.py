@@ -27,8 +27,11 @@ from qeff_kv.export.versions import EXPORTER_VERSION, IR_VERSION, OPSET  # noqa:
 
 DTYPES = ("float32", "float16")
 #: ``--kv-cache-dtype``: the retained KV buffers' dtype; ``None`` (or the export dtype): the export dtype. ``int8``:
-#: static per-channel scales (onnxruntime's GroupQueryAttention quantized cache on the fused target)
+#: static per-channel scales (onnxruntime's GroupQueryAttention quantized cache on the fused target); ``int4``: the same,
+#: two values per byte (the fused target only)
 KV_CACHE_DTYPES = ("float32", "float16", "int8", "int4")
+#: the quantized cache dtypes' bit widths (GroupQueryAttention's ``kv_cache_bit_width``)
+KV_CACHE_BITS = {"int8": 8, "int4": 4}
 #: how sliding-window layers keep their cache (``ExportOptions.sliding_cache``)
 SLIDING_CACHES = ("ring", "full")
 #: portable: static-shape friendly, standard ops (accelerator compilers); onnxruntime: attention follows the
@@ -198,8 +201,13 @@ class ExportOptions:
 
     @property
     def quantized_kv(self) -> bool:
-        """The KV buffers are int8 (``--kv-cache-dtype int8``)."""
-        return self.kv_cache_dtype == "int8"
+        """The KV buffers are quantized (``--kv-cache-dtype int8`` or ``int4``)."""
+        return self.kv_cache_dtype in KV_CACHE_BITS
+
+    @property
+    def kv_cache_bits(self) -> int | None:
+        """The quantized cache's bit width (8 or 4), or ``None`` for a float cache."""
+        return KV_CACHE_BITS.get(self.kv_cache_dtype)
 
     @property
     def adapts(self) -> bool:
@@ -241,8 +249,9 @@ class ExportOptions:
 
 def check_kv_cache_dtype(options: ExportOptions) -> None:
     """``--kv-cache-dtype``: one of :data:`KV_CACHE_DTYPES`; a float one is the export dtype; int8 (every target:
-    GroupQueryAttention's quantized cache, or quantize/dequantize around the ScatterND); int4 refused (one line
-    each). What a model's layers cannot hold in int8 is :meth:`ModelFacts.kv_quant_refusal`'s."""
+    GroupQueryAttention's quantized cache, or quantize/dequantize around the ScatterND); int4 on the fused target only
+    (ONNX's ScatterND has no int4 type; one line each). What a model's layers cannot hold quantized is
+    :meth:`ModelFacts.kv_quant_refusal`'s."""
     kv = options.kv_cache_dtype
     if kv is None or kv == options.dtype:
         return
@@ -251,11 +260,12 @@ def check_kv_cache_dtype(options: ExportOptions) -> None:
     if kv in DTYPES:
         raise ExportError(f"--kv-cache-dtype {kv} differs from --dtype {options.dtype}: a float cache is kept in "
                           f"the export dtype; use --dtype {kv}, or --kv-cache-dtype int8")
-    if kv == "int4":
-        raise ExportError("--kv-cache-dtype int4: onnxruntime 1.32's GroupQueryAttention packs two 4-bit values per "
-                          "byte in a layout this exporter does not verify yet; use --kv-cache-dtype int8")
+    if kv == "int4" and options.target != "onnxruntime-fused":
+        raise ExportError(f"--kv-cache-dtype int4 needs --target onnxruntime-fused (GroupQueryAttention's packed 4-bit "
+                          f"cache; ONNX's ScatterND on the {options.target} target has no int4 type); use "
+                          f"--target onnxruntime-fused, or --kv-cache-dtype int8")
     if options.dtype != "float32":
-        raise ExportError("--kv-cache-dtype int8 is verified with --dtype float32 only; use --dtype float32")
+        raise ExportError(f"--kv-cache-dtype {kv} is verified with --dtype float32 only; use --dtype float32")
 
 
 def check_run(*, model, out_dir, progress, verify, force) -> None:

@@ -69,6 +69,7 @@ def trace_language(model, options: opt.ExportOptions, path: Path, facts, vision:
     wrapper, target = _wrapper(model, options, facts, spec, num_layers, vision, text_cfg)
     wrapper.lora = routing
     target.kv_scales = kv_scales   # --kv-cache-dtype int8: the calibrated scales (kv_quant); the fused target reads them
+    target.kv_bits = options.kv_cache_bits or 8
     run_exporter(model, wrapper, target, io, path, num_layers if latent else None, export_params=export_params)
     (n_kv, head_dim), (v_heads, v_dim) = next((s for s in kv_shapes if s is not None), ((None, None),) * 2)[:2]
     geometry = {"num_layers": num_layers, "n_kv_heads": n_kv, "head_dim": head_dim,
@@ -141,14 +142,21 @@ def _kv_inputs(spec: statespec.StateSpec, options: opt.ExportOptions, dtype, io:
             past += recurrent_mod.state_inputs(layer, kv_batch, kv_axis, dtype, io)
             continue
         for stem, (heads, dim_name, dim) in zip(layer.stems, layer.shapes):
-            past.append(torch.zeros((kv_batch, heads, layer.capacity_at(options.ctx_len), dim),
-                                    dtype=torch.int8 if options.kv_cache_dtype == "int8" else dtype))
+            past.append(_kv_buffer(options, (kv_batch, heads, layer.capacity_at(options.ctx_len), dim), dtype))
             in_name = naming.kv_input_name(stem, layer.layer)
             out_name = naming.retained_name(in_name)
             io.in_names.append(in_name)
             io.out_names.append(out_name)
             io.dyn[in_name] = io.dyn[out_name] = {0: kv_axis, layer.position_axis: dim_name}
     return past
+
+
+def _kv_buffer(options: opt.ExportOptions, shape: tuple, dtype):
+    """A zero KV buffer: ``dtype``; int8 (``--kv-cache-dtype int8``); or uint8 with two 4-bit values per byte,
+    ``[..., head_dim / 2]`` (``int4``: GroupQueryAttention's packed cache, :func:`.modeling.graph_ops.quantize_int4`)."""
+    if options.kv_cache_dtype == "int4":
+        return torch.zeros((*shape[:-1], shape[-1] // 2), dtype=torch.uint8)
+    return torch.zeros(shape, dtype=torch.int8 if options.kv_cache_dtype == "int8" else dtype)
 
 
 def _trailing_inputs(options: opt.ExportOptions, io: GraphIO) -> None:

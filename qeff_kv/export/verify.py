@@ -39,7 +39,7 @@ from qeff_kv.export.probe_runner import BlockProbeRunner, BlockRunRefused, Probe
 #: ``int8-kv`` (``--kv-cache-dtype int8``, against the reference with the cache quantization emulated): a value within
 #: float32 rounding of a rounding boundary may land one int8 step apart on the two sides (RoPE'd keys differ in the
 #: last bit), and attention carries that step on; float16's tolerance bounds it
-RTOL = {"float32": 1e-3, "float16": 3e-2, "int8-kv": 3e-2}
+RTOL = {"float32": 1e-3, "float16": 3e-2, "int8-kv": 3e-2, "int4-kv": 3e-2}
 DECODE_STEPS = 4
 PROBE_SEED = 1234
 #: verification is on by default when twice the weights (PyTorch + onnxruntime copies) plus this margin fit in
@@ -485,7 +485,7 @@ def verify_export(onnx_path: Path, vision_path: Path | None, options, probe, ref
         return VerificationResult(status="skipped", reason=skipped)
     say(f"verifying against PyTorch ({len(probe.prompt)}-token prompt in chunks of {probe.chunk}, "
         f"{probe.decode_steps} decode steps)")
-    dtype = "int8-kv" if getattr(options, "kv_cache_dtype", None) == "int8" else options.dtype
+    dtype = f"{options.kv_cache_dtype}-kv" if getattr(options, "quantized_kv", False) else options.dtype
     result = verify_graph(onnx_path, probe, reference, ctx_len=options.ctx_len, dtype=dtype,
                           kv_batch=options.full_batch_size if options.continuous_batching else 1,
                           ccl=options.ccl, vision_path=vision_path, say=say)

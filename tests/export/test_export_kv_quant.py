@@ -1,5 +1,6 @@
-"""``--kv-cache-dtype int8``: the fused target's int8 cache exact to the transformers model with the same cache
-quantization emulated, its scales named by the contract, and the one-line refusals of what it cannot do."""
+"""``--kv-cache-dtype int8`` (``int4``): the fused target's int8 (packed int4) cache exact to the transformers model
+with the same cache quantization emulated, its scales named by the contract, and the one-line refusals of what it
+cannot do."""
 
 import json
 
@@ -27,14 +28,14 @@ def _scales(onnx_path, layers: int) -> list:
                   for stem in ("past_key", "past_value")) for i in range(layers)]
 
 
-def _hf_greedy_emulated(model_dir, scales, prompt) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens with every cache write quantized then dequantized (the int8 cache's reference),
-    and its logits after the prompt."""
+def _hf_greedy_emulated(model_dir, scales, prompt, bits: int = 8) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens with every cache write quantized then dequantized (the int8, ``bits=4``: int4,
+    cache's reference), and its logits after the prompt."""
     from hf_models import hf_greedy, load_causal_lm
     from qeff_kv.export.modeling import kv_quant
     import torch
 
-    with kv_quant.emulated_cache(scales):
+    with kv_quant.emulated_cache(scales, bits):
         tokens = hf_greedy(model_dir, prompt, NEW)
         with torch.no_grad():
             logits = load_causal_lm(model_dir)(torch.tensor([prompt]), use_cache=True).logits[0, -1].numpy()
@@ -87,6 +88,55 @@ def test_int8_cache_check_and_buffers(int8_kv_export):
     assert "KV bytes per token (one sequence, all layers): 128" in table
 
 
+def test_int4_cache_exact_to_emulated_reference(int4_kv_export, int8_kv_export, family_models):
+    """GroupQueryAttention's packed 4-bit cache (uint8 ``[.., head_dim / 2]``): exact to transformers with the int4
+    cache emulated, greedy tokens included, and really int4 (not the int8 cache's logits); check and buffers name it
+    and count half of int8's bytes."""
+    from qeff_kv.graph import graphio
+    from qeff_kv.runtime.session import Session
+    from qeff_kv.tools.buffers import format_buffer_table
+    from qeff_kv.tools.check.rules import check
+
+    res = int4_kv_export
+    assert res.manifest["verification"]["status"] == "passed"
+    assert res.manifest["verification"]["max_abs_diff"] < 1e-4
+    assert res.manifest["kv_cache"]["dtype"] == "int4"
+    assert res.manifest["kv_cache"]["rounding"] == "half to even, saturated to [-8, 7]"
+    kv = [i for i in onnx.load(res.onnx_path).graph.input if i.name.startswith("past_")]
+    assert kv and all(i.type.tensor_type.elem_type == onnx.TensorProto.UINT8 for i in kv)
+    assert all(i.type.tensor_type.shape.dim[3].dim_value == 8 for i in kv)   # head_dim 16, two per byte
+    scales = _scales(res.onnx_path, 2)
+    int8_scales = _scales(int8_kv_export.onnx_path, 2)
+    # the int4 range: the same calibrated absmax over 7 instead of 127
+    assert all(np.allclose(a.numpy() * 7, b.numpy() * 127, rtol=1e-5) for p, q in zip(scales, int8_scales)
+               for a, b in zip(p, q))
+    session, int8_session = Session(res.onnx_path), Session(int8_kv_export.onnx_path)
+    seen = set()
+    for prompt in PROMPTS:
+        want, want_logits = _hf_greedy_emulated(family_models("llama"), scales, prompt, bits=4)
+        got = session.generate([prompt], max_tokens=NEW)[0]
+        assert got.tokens == want
+        seen.add(tuple(got.tokens))
+        session.remove_sequence(got.sequence)
+        logits = [_prefill_logits(s, prompt) for s in (session, int8_session)]
+        assert np.abs(logits[0] - want_logits).max() < 1e-4   # exact to the emulated int4 cache ...
+        assert np.abs(logits[0] - logits[1]).max() > 1e-3     # ... and not the int8 one
+    assert len(seen) == 2 and all(len(set(t)) > 1 for t in seen)
+    report = check(res.onnx_path)
+    assert report.ok and report.to_json()["kv_cache_dtype"] == "int4"
+    assert report.format_text().splitlines()[0].endswith("2 layers, KV cache int4")
+    table = format_buffer_table(graphio.layout_of(graphio.load(res.onnx_path)), ctx_len=32)
+    # 2 layers x key and value x 2 heads x 16 channels x half a byte: half of the int8 cache's 128
+    assert "KV bytes per token (one sequence, all layers): 64" in table
+
+
+def _prefill_logits(session, prompt):
+    seq = session.add_sequence()
+    logits = session.prefill(seq, prompt)
+    session.remove_sequence(seq)
+    return logits
+
+
 @pytest.mark.parametrize("target", ["portable", "onnxruntime"])
 def test_int8_cache_scatter_targets_exact_to_emulated_reference(family_models, tmp_path, target):
     """The ScatterND targets: the chunk quantized before the scatter, the buffer dequantized where attention reads
@@ -109,9 +159,14 @@ def test_int8_cache_scatter_targets_exact_to_emulated_reference(family_models, t
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(kv_cache_dtype="int4"), "--kv-cache-dtype int4: onnxruntime 1.32's GroupQueryAttention packs two 4-bit "
-                                  "values per byte in a layout this exporter does not verify yet; use "
-                                  "--kv-cache-dtype int8"),
+    (dict(kv_cache_dtype="int4", target="portable"),
+     "--kv-cache-dtype int4 needs --target onnxruntime-fused (GroupQueryAttention's packed 4-bit cache; ONNX's "
+     "ScatterND on the portable target has no int4 type); use --target onnxruntime-fused, or --kv-cache-dtype int8"),
+    (dict(kv_cache_dtype="int4", target="onnxruntime"),
+     "--kv-cache-dtype int4 needs --target onnxruntime-fused (GroupQueryAttention's packed 4-bit cache; ONNX's "
+     "ScatterND on the onnxruntime target has no int4 type); use --target onnxruntime-fused, or --kv-cache-dtype int8"),
+    (dict(kv_cache_dtype="int4", dtype="float16"),
+     "--kv-cache-dtype int4 is verified with --dtype float32 only; use --dtype float32"),
     (dict(kv_cache_dtype="float16"), "--kv-cache-dtype float16 differs from --dtype float32: a float cache is kept "
                                      "in the export dtype; use --dtype float16, or --kv-cache-dtype int8"),
     (dict(kv_cache_dtype="int3"), "kv_cache_dtype must be one of float32, float16, int8, int4, got 'int3'"),

@@ -45,3 +45,17 @@ def test_state_of_another_kv_dtype_refused(int8_kv_export, family_exports, tmp_p
         Session(float_export.onnx_path).load_state(q_path)
     assert str(err.value) == (f"{q_path}: its KV cache is int8, this graph's is float32 (set at export by --dtype "
                               f"and --kv-cache-dtype); load it into a graph whose KV cache is int8")
+
+
+def test_int4_state_refused_by_the_int8_graph(int4_kv_export, int8_kv_export, tmp_path):
+    """The packed int4 cache (uint8 buffers) saves and loads in its own graph and is refused by the int8 one."""
+    session, seq = _prefilled(int4_kv_export.onnx_path, PROMPTS[0])
+    path = session.save_state(seq, tmp_path / "int4.kvstate")
+    want = session.decode({seq: 9})[seq]
+    other = Session(int4_kv_export.onnx_path)
+    loaded = other.load_state(path)
+    assert np.array_equal(other.decode({loaded: 9})[loaded], want)
+    with pytest.raises(StateFileError) as err:
+        Session(int8_kv_export.onnx_path).load_state(path)
+    assert str(err.value) == (f"{path}: its KV cache is uint8, this graph's is int8 (set at export by --dtype "
+                              f"and --kv-cache-dtype); load it into a graph whose KV cache is uint8")

@@ -182,8 +182,10 @@ class ModelFacts:
         return self.kv_quant_refusal(options)
 
     def kv_quant_refusal(self, options) -> str | None:
-        """``--kv-cache-dtype int8``: only layers whose own GroupQueryAttention node reads their int8 cache."""
-        if getattr(options, "kv_cache_dtype", None) != "int8":
+        """``--kv-cache-dtype int8`` (``int4``): only layers whose own GroupQueryAttention node reads their quantized
+        cache."""
+        kv = getattr(options, "kv_cache_dtype", None)
+        if kv not in ("int8", "int4"):
             return None
         kinds = (("shared-KV layers", bool(self.kv_shared)), ("recurrent layers", self.recurrent is not None),
                  ("vision-language graph", self.vision_language), ("latent attention", self.latent_attention),
@@ -191,8 +193,8 @@ class ModelFacts:
                  ("sliding-window ring buffers", bool(self.ring_layers(options))))
         kind = next((k for k, present in kinds if present), None)
         if kind is not None:
-            return (f"--kv-cache-dtype int8 cannot be used with {self.architecture}'s {kind} (only layers that "
-                    f"keep a plain key/value cache of their own hold it in int8 here); export without it")
+            return (f"--kv-cache-dtype {kv} cannot be used with {self.architecture}'s {kind} (only layers that "
+                    f"keep a plain key/value cache of their own hold it in {kv} here); export without it")
         return None
 
     def _kind_refusal(self, options) -> str | None:

@@ -323,6 +323,25 @@ def dequantize_int8(q, scale, dtype):
     return (q.float() * scale).to(dtype)
 
 
+def quantize_int4(x, scale):
+    """``x [..., D]`` to GroupQueryAttention's 4-bit cache (``kv_cache_bit_width=4``), uint8 ``[..., D/2]``: ``x /
+    scale`` rounded half to even, saturated to [-8, 7], offset by 8; element ``2i`` in the low nibble of byte ``i``,
+    ``2i + 1`` in the high one (measured on onnxruntime 1.32's CPU kernel, docs/export.md)."""
+    q = (torch.clamp(torch.round(x.float() / scale), -8, 7) + 8).to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def dequantize_int4(packed, scale, dtype):
+    """:func:`quantize_int4`'s bytes ``[..., D/2]`` back to ``(nibble - 8) * scale`` ``[..., D]``."""
+    nibbles = torch.stack([packed & 15, packed >> 4], -1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return ((nibbles.float() - 8) * scale).to(dtype)
+
+
+def kv_codec(bits: int):
+    """``(quantize, dequantize)`` of the ``bits``-wide quantized KV cache (8: int8, 4: packed int4)."""
+    return (quantize_int8, dequantize_int8) if bits == 8 else (quantize_int4, dequantize_int4)
+
+
 class GroupQueryAttentionOp(torch.autograd.Function):
     """onnxruntime's ``com.microsoft::GroupQueryAttention`` over a shared past/present buffer.
 
@@ -342,7 +361,8 @@ class GroupQueryAttentionOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq: int, hkv: int, d: int,
-                scale: float, softcap: float, rotary: bool, local_window: int = -1, k_scale=None, v_scale=None):
+                scale: float, softcap: float, rotary: bool, local_window: int = -1, k_scale=None, v_scale=None,
+                kv_bits: int = 8):
         b, _, s, _ = q.shape
         start = (seqlens_k.long() - s + 1).reshape(b, 1)
         pos = start + torch.arange(s).reshape(1, s)                                  # [B, S]
@@ -362,10 +382,11 @@ class GroupQueryAttentionOp(torch.autograd.Function):
             pk[bi, hi, pi] = k.to(pk.dtype)
             pv[bi, hi, pi] = v.to(pv.dtype)
             keys, values = pk, pv
-        else:   # the int8 cache (kv_quant): written quantized, read dequantized, the prompt's own keys included
-            pk[bi, hi, pi] = quantize_int8(k, k_scale)
-            pv[bi, hi, pi] = quantize_int8(v, v_scale)
-            keys, values = dequantize_int8(pk, k_scale, q.dtype), dequantize_int8(pv, v_scale, q.dtype)
+        else:   # the int8/int4 cache (kv_quant): written quantized, read dequantized, the prompt's own keys included
+            quantize, dequantize = kv_codec(kv_bits)
+            pk[bi, hi, pi] = quantize(k, k_scale)
+            pv[bi, hi, pi] = quantize(v, v_scale)
+            keys, values = dequantize(pk, k_scale, q.dtype), dequantize(pv, v_scale, q.dtype)
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
         scores = (torch.matmul(q5, keys.unsqueeze(2).transpose(-1, -2)) * scale).float()  # [B, Hkv, G, S, ctx]
         if softcap > 0:
@@ -385,7 +406,7 @@ class GroupQueryAttentionOp(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total, cos, sin, sinks, hq, hkv, d, scale, softcap,
-                 rotary, local_window=-1, k_scale=None, v_scale=None):
+                 rotary, local_window=-1, k_scale=None, v_scale=None, kv_bits=8):
         def const(values):
             return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
@@ -410,9 +431,9 @@ class GroupQueryAttentionOp(torch.autograd.Function):
                 inputs += [empty(), empty()]
             inputs += [empty(), empty(), sinks]  # position_ids, attention_bias omitted; head_sink
             attrs["smooth_softmax_i"] = 1
-        if not absent(k_scale):   # inputs 12, 13; the int8 cache with per-channel static scales
+        if not absent(k_scale):   # inputs 12, 13; the int8 (int4) cache with per-channel static scales
             inputs += [empty() for _ in range(12 - len(inputs))] + [k_scale, v_scale]
-            attrs.update(kv_cache_bit_width_i=8, k_quant_type_s="PER_CHANNEL", v_quant_type_s="PER_CHANNEL")
+            attrs.update(kv_cache_bit_width_i=int(kv_bits), k_quant_type_s="PER_CHANNEL", v_quant_type_s="PER_CHANNEL")
         out, present_k, present_v = g.op("com.microsoft::GroupQueryAttention", *inputs, outputs=3, **attrs)
         out.setType(q.type().with_sizes([None, None, hq * d]))
         present_k.setType(past_k.type())

@@ -60,6 +60,8 @@ class Target:
     #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)`` (:mod:`~qeff_kv.export.modeling.kv_quant`), set by
     #: the trace; ``None``: a float cache
     kv_scales: list | None = None
+    #: the quantized cache's bit width (8; 4: ``--kv-cache-dtype int4``, the fused target only), set by the trace
+    kv_bits: int = 8
 
     def __init__(self, model: torch.nn.Module, facts, sliding: SlidingPlan, *, max_positions: int,
                  continuous_batching: bool, ccl: bool):

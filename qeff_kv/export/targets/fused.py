@@ -103,10 +103,11 @@ class FusedKVCache(hf.CacheProtocol):
 
     def __init__(self, past, position_ids: torch.Tensor, rotary: RotaryCaches | None = None,
                  window: int | None = None, window_layers: tuple[int, ...] = (), shared: dict | None = None,
-                 kv_scales: list | None = None):
+                 kv_scales: list | None = None, kv_bits: int = 8):
         super().__init__(len(past))
-        #: ``--kv-cache-dtype int8``: per layer ``(k_scale, v_scale)`` (:mod:`~qeff_kv.export.modeling.kv_quant`)
-        self.kv_scales = kv_scales
+        #: ``--kv-cache-dtype int8``/``int4``: per layer ``(k_scale, v_scale)`` (:mod:`~qeff_kv.export.modeling.
+        #: kv_quant`), and the cache's bit width
+        self.kv_scales, self.kv_bits = kv_scales, kv_bits
         self.shared = dict(shared or {})
         self.past = past
         self.rotary = rotary
@@ -148,7 +149,7 @@ class FusedKVCache(hf.CacheProtocol):
         k_scale, v_scale = (None, None) if self.kv_scales is None else self.kv_scales[layer_idx]
         out, present_k, present_v = GroupQueryAttentionOp.apply(
             query, key, value, past_k, past_v, self.seqlens_k, self.total, cos, sin, sinks, hq, hkv, d, scale,
-            float(softcap or 0.0), rope is not None, local, k_scale, v_scale)
+            float(softcap or 0.0), rope is not None, local, k_scale, v_scale, self.kv_bits)
         self.retained[layer_idx] = (present_k, present_v)
         return SplitHeads.apply(out, d)
 
@@ -230,7 +231,8 @@ class FusedTarget(Target):
 
     def begin(self, x: StepInputs) -> Step:
         cache = FusedKVCache(x.past, x.position_ids, self.rotary_caches, window=self.window,
-                             window_layers=self.window_layers, shared=dict(self.shared), kv_scales=self.kv_scales)
+                             window_layers=self.window_layers, shared=dict(self.shared), kv_scales=self.kv_scales,
+                             kv_bits=self.kv_bits)
         mask = torch.zeros((1, 1, 1, 1), dtype=x.dtype)  # GroupQueryAttention masks causally itself
         return Step(x.input_ids, slot_positions(x.position_ids), cache, mask)
 
