@@ -1,16 +1,17 @@
-"""The int8 KV cache (``--kv-cache-dtype int8``) against the float32 cache: accuracy on real text and decode speed at
-a long context, on the fused target.
+"""The int8 and int4 KV caches (``--kv-cache-dtype int8``, ``int4``) against the float32 cache: accuracy on real text
+and decode speed at a long context, on the fused target.
 
     python benchmarks/bench_kv_quant.py [--model /work/ckpt/smollm2-360m] [--ctx-len 2048] [--context 1024]
+                                        [--caches float32,int8,int4]
 
-Exports MODEL (a local Hugging Face folder) twice with ``--target onnxruntime-fused``: float32 cache and int8
-cache (each verified at export; the int8 one against the reference with the cache quantization emulated). Then:
+Exports MODEL (a local Hugging Face folder) once per cache of ``--caches`` with ``--target onnxruntime-fused``
+(each verified at export; a quantized one against the reference with the cache quantization emulated). Then:
 
 * **accuracy**: the mean per-token NLL of ``fixtures/text/gettysburg.txt`` (public domain), teacher forced through
   the runtime (the first token prefilled, every next one a decode step, NLL of token ``t+1`` in float64 from the
   logits after ``t``), and the top-1 agreement of the int8 cache's argmax with the float cache's;
 * **speed**: decode tokens/s of one sequence at ``--context`` positions (a prompt of that many tokens of the text,
-  repeated, prefilled; then ``--steps`` greedy decode steps), float and int8 interleaved for ``--rounds`` rounds;
+  repeated, prefilled; then ``--steps`` greedy decode steps), the caches interleaved for ``--rounds`` rounds;
 * **bytes**: KV bytes per token and per sequence at ``ctx_len``.
 
 ``--json PATH`` writes the results.
@@ -81,17 +82,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=HERE / "work" / "kv_quant")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--caches", default="float32,int8,int4", help="the KV cache dtypes compared (float32 first)")
     args = ap.parse_args(argv)
+    caches = ["float32"] + [c for c in args.caches.split(",") if c != "float32"]
     exports = {kv: export(args.model, args.work / f"{args.model.name}-{kv}-{args.ctx_len}", args.ctx_len,
-                          None if kv == "float32" else kv) for kv in ("float32", "int8")}
+                          None if kv == "float32" else kv) for kv in caches}
     text = TEXT.read_text()
     tokens = tokenize(exports["float32"], text)
     rows = {kv: {**kv_bytes(ex, args.ctx_len), **nll(ex, tokens),
                  "verification": json.loads((ex / "manifest.json").read_text())["verification"]}
             for kv, ex in exports.items()}
-    base, q = rows["float32"], rows["int8"]
-    q["top1_agreement_with_float"] = float(np.mean([a == b for a, b in zip(q["_argmax"], base["_argmax"])]))
-    q["nll_vs_float"] = q["mean_nll"] / base["mean_nll"] - 1
+    base = rows["float32"]
+    for q in (rows[kv] for kv in caches[1:]):
+        q["top1_agreement_with_float"] = float(np.mean([a == b for a, b in zip(q["_argmax"], base["_argmax"])]))
+        q["nll_vs_float"] = q["mean_nll"] / base["mean_nll"] - 1
     prompt = (tokens * (args.context // len(tokens) + 1))[:args.context]
     speeds: dict = {kv: [] for kv in exports}
     for _ in range(args.rounds):   # interleaved

@@ -41,7 +41,8 @@ def _progress(msg: str, _t0=[None]) -> None:  # noqa: B006 - start time kept acr
               help="The KV cache's dtype (default: --dtype). int8: a quarter of the float32 cache's bytes per token, "
                    "static per-channel scales calibrated at export (GroupQueryAttention's quantized cache on "
                    "onnxruntime-fused; quantize/dequantize around the cache update on portable and onnxruntime); "
-                   "verified against PyTorch with the same quantization emulated. int4: refused for now.")
+                   "verified against PyTorch with the same quantization emulated. int4: an eighth, two values per "
+                   "byte (onnxruntime-fused only).")
 @click.option("--continuous-batching", is_flag=True,
               help="Add input batch_index [batch_size, 1]; the KV batch axis becomes full_batch_size.")
 @click.option("--full-batch-size", type=DIM, metavar="N",
