@@ -39,7 +39,10 @@ from qeff_kv.export.probe_runner import BlockProbeRunner, BlockRunRefused, Probe
 #: ``int8-kv`` (``--kv-cache-dtype int8``, against the reference with the cache quantization emulated): a value within
 #: float32 rounding of a rounding boundary may land one int8 step apart on the two sides (RoPE'd keys differ in the
 #: last bit), and attention carries that step on; float16's tolerance bounds it
-RTOL = {"float32": 1e-3, "float16": 3e-2, "int8-kv": 3e-2, "int4-kv": 3e-2}
+#: ``int4-kv`` (``--kv-cache-dtype int4``): the same boundary effect with a step 127/7 times an int8 step (1.25 x absmax
+#: over 7 codes, not 127): SmolLM2-135M's int4 export differs by up to 1.77 at max|logits| 28.3 (its int8 one by
+#: 0.149); the greedy tokens must still be the reference's, and the tiny models' int4 graphs are exact to 1e-5
+RTOL = {"float32": 1e-3, "float16": 3e-2, "int8-kv": 3e-2, "int4-kv": 1e-1}
 DECODE_STEPS = 4
 PROBE_SEED = 1234
 #: verification is on by default when twice the weights (PyTorch + onnxruntime copies) plus this margin fit in
