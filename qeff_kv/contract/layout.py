@@ -330,6 +330,12 @@ class KVLayout:
                      if not p.recurrent and p.input.dtype in QUANTIZED_KV_DTYPES), None)
 
     @property
+    def kv_dtype(self) -> str | None:
+        """The KV cache's dtype: :attr:`quantized_kv`, else the first position-cut buffer's (``float32``...); None
+        without one (what a router and the two sides of a hand-off compare)."""
+        return self.quantized_kv or next((p.input.dtype for p in self.pairs if not p.recurrent), None)
+
+    @property
     def grows(self) -> bool:
         """A past/present graph whose outputs grow by concatenation (``present`` has more positions than ``past``:
         not retained state); a shared-buffer one keeps the same positions axis."""
