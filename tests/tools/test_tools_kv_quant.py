@@ -89,3 +89,20 @@ def test_rewrite_int8_cache_to_static_refused(int8_kv_export, tmp_path):
         "runtimes (mobius-onnx, onnxruntime-genai) feed a float cache with no scales; keep it retained-state or "
         "shared-past-present, or convert an export with a float cache")
     assert not (tmp_path / "static.onnx").exists()
+
+
+def test_compile_config_keeps_int8_cache_precision(int8_kv_export, family_exports):
+    from qeff_kv.errors import RuntimeInputError
+    from qeff_kv.tools.compile_config import custom_io_yaml
+
+    precisions = {line.strip() for line in (int8_kv_export.onnx_path.parent / "custom_io.yaml").read_text().splitlines()
+                  if "Precision" in line}
+    assert precisions == {"Precision: int8"}   # the export's own compile files
+    layout = graphio.layout_of(graphio.load(int8_kv_export.onnx_path))
+    assert custom_io_yaml(layout, "int8") == custom_io_yaml(layout)
+    with pytest.raises(RuntimeInputError) as err:
+        custom_io_yaml(layout, "float16")
+    assert str(err.value) == ("KV precision float16 for a graph whose KV cache is int8 (exported with "
+                              "--kv-cache-dtype int8): its buffers hold int8 values; use --precision int8 (its default)")
+    plain = graphio.layout_of(graphio.load(family_exports("llama", "onnxruntime-fused").onnx_path))
+    assert "Precision: float16" in custom_io_yaml(plain) and "int8" not in custom_io_yaml(plain)
