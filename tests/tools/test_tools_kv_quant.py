@@ -98,6 +98,11 @@ def test_compile_config_keeps_int8_cache_precision(int8_kv_export, family_export
     precisions = {line.strip() for line in (int8_kv_export.onnx_path.parent / "custom_io.yaml").read_text().splitlines()
                   if "Precision" in line}
     assert precisions == {"Precision: int8"}   # the export's own compile files
+    import yaml   # ... and its workflow sidecar: the KV cells and the zeros that seed them are int8
+    inputs = yaml.safe_load((int8_kv_export.onnx_path.parent / "inference_metadata.yaml").read_text())
+    seeds = {k: v for k, v in inputs["pipeline"]["workflow"]["inputs"].items() if "_seed_" in k}
+    assert seeds and {v["contract"]["dtype"] for v in seeds.values()} == {"int8"}
+    assert {v["default"] for v in seeds.values()} == {0}
     layout = graphio.layout_of(graphio.load(int8_kv_export.onnx_path))
     assert custom_io_yaml(layout, "int8") == custom_io_yaml(layout)
     with pytest.raises(RuntimeInputError) as err:
