@@ -119,9 +119,8 @@ def _per_token_line(layout: KVLayout) -> str | None:
     if per_token is None:
         return None
     line = f"KV bytes per token (one sequence, all layers): {per_token}"
-    if layout.quantized_kv is not None:   # --kv-cache-dtype int8: one byte a value, read through its scales
-        line += (f", KV cache {layout.quantized_kv} ({itemsize(layout.quantized_kv)} byte a value; its scales are "
-                 "initializers, not per sequence)")
+    if layout.quantized_kv is not None:   # --kv-cache-dtype int8: read through its scales
+        line += f", KV cache {layout.quantized_kv} (its scales are initializers, not per sequence)"
     full = mla_full_equivalent(layout)
     if full is not None:
         line += (f"; MLA latent cache (compressed_kv + k_pe), the expanded per-head cache would take {full} "

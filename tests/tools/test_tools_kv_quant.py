@@ -50,8 +50,8 @@ def test_buffers_states_int8_cache(int8_kv_export, family_exports):
 
     report = buffers_report(int8_kv_export.onnx_path, ctx_len=CTX)
     assert report.to_json()["kv_cache_dtype"] == "int8" and report.to_json()["bytes_per_token"] == 128
-    assert ("KV bytes per token (one sequence, all layers): 128, KV cache int8 (1 byte a value; its scales are "
-            "initializers, not per sequence)") in report.format_text()
+    assert ("KV bytes per token (one sequence, all layers): 128, KV cache int8 (its scales are initializers, "
+            "not per sequence)") in report.format_text()
     plain = buffers_report(family_exports("llama", "onnxruntime-fused").onnx_path, ctx_len=CTX)
     assert "kv_cache_dtype" not in plain.to_json() and "KV cache" not in plain.format_text()
 

@@ -149,14 +149,20 @@ def recurrent_dims(layout: KVLayout, r) -> None:
 def kv_scales(model, layout: KVLayout, r) -> None:
     """A quantized cache's scales (docs/export.md, "A quantized KV cache"): each ``past_key.{i}``/``past_value.{i}``
     of an integer dtype has the float32 initializer :func:`~qeff_kv.contract.naming.kv_scale_name` ``[1, kv_heads, 1,
-    head_dim]`` (its heads and channels); without it the int8 values have no meaning."""
+    head_dim]`` (its heads and channels); without it the int8 values have no meaning. A uint8 buffer that
+    GroupQueryAttention reads as its packed 4-bit cache (``kv_cache_bit_width`` 4, two values a byte) holds
+    ``head_dim / 2`` bytes a head."""
     inits = model.graph.initializers
+    per_byte = 2 if any(n.op_type == "GroupQueryAttention" and n.attributes.get_int("kv_cache_bit_width", 8) == 4
+                        for n in model.graph) else 1
     for p in layout.pairs:
         if p.recurrent or p.input.dtype not in QUANTIZED_KV_DTYPES or p.stem not in naming.EXPORT_STEMS:
             continue
         name = naming.kv_scale_name(p.stem, p.layer)
         shape = p.input.shape
-        want = [1, shape[1], 1, shape[3]] if shape is not None and len(shape) == 4 else None
+        packed = per_byte if p.input.dtype == "uint8" else 1
+        want = [1, shape[1], 1, shape[3] * packed if isinstance(shape[3], int) else shape[3]] \
+            if shape is not None and len(shape) == 4 else None
         scale = inits.get(name)
         if scale is None:
             r.fail(p.input_name, f"{p.input_name} is {p.input.dtype} but the graph has no initializer {name} (its "
