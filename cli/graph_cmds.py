@@ -115,8 +115,8 @@ def buffers_cmd(model: str, regex: str | None, ctx_len: int | None, sliding_wind
               help="Continuous batching: rows of the decode specialization (needed for CB graphs).")
 @click.option("--specializations-format", "fmt", type=click.Choice(["flat", "named"]), default="flat",
               show_default=True, help="flat: read by every compiler release; named: newer format.")
-@click.option("--precision", type=PRECISION, default="float16", show_default=True,
-              help="Precision of the KV buffers in custom_io.")
+@click.option("--precision", type=PRECISION, default=None,
+              help="Precision of the KV buffers in custom_io (default: float16; an int8 KV cache: int8, and no other).")
 @click.option("--ccl", metavar="L1,L2,...|auto",
               help="Compute-context lengths of a graph with a comp_ctx_lengths input: one prefill and one decode "
                    "specialization per value.")

@@ -33,6 +33,8 @@ _ORT_TO_NAME = {
     "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(int16)": "int16", "tensor(uint16)": "uint16",
 }
 _ITEMSIZE = {"bfloat16": 2}
+#: KV dtypes of a quantized cache (``--kv-cache-dtype int8``), read through static scales (``naming.kv_scale_name``)
+QUANTIZED_KV_DTYPES = ("int8", "uint8", "int4", "uint4")
 
 
 def dtype_from_onnx(elem_type: int) -> str:
@@ -320,6 +322,18 @@ class KVLayout:
         """The dialect the KV names are spelled in (the first, when mixed: ``check`` fails that); ``None`` without
         KV buffers, or for names only a sidecar declares."""
         return self.dialects[0] if self.dialects else None
+
+    @property
+    def quantized_kv(self) -> str | None:
+        """The dtype of a quantized KV cache (``int8``: :data:`QUANTIZED_KV_DTYPES`), else ``None``."""
+        return next((p.input.dtype for p in self.pairs
+                     if not p.recurrent and p.input.dtype in QUANTIZED_KV_DTYPES), None)
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The KV cache's dtype: :attr:`quantized_kv`, else the first position-cut buffer's (``float32``...); None
+        without one (what a router and the two sides of a hand-off compare)."""
+        return self.quantized_kv or next((p.input.dtype for p in self.pairs if not p.recurrent), None)
 
     @property
     def grows(self) -> bool:

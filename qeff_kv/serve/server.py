@@ -26,7 +26,7 @@ def build_engine(config: ServeConfig, model: ServedModel | None = None) -> Engin
     session = open_session(config.engine, model, speculative=config.speculation is not None)
     adapters = open_adapters(config.lora, session, model.name)   # --lora-modules read and fitted: one-line refusals
     speculation = open_speculation(config, session)
-    kv_events = open_publisher(config.events)
+    kv_events = open_publisher(config.events, kv_dtype=session.layout.kv_dtype)   # an int8 cache salts its hashes
     if kv_events is not None and adapters is not None:
         kv_events.lora_ids = adapters.lora_id   # an adapter's blocks carry its lora_int_id
     connector = None

@@ -119,6 +119,8 @@ def _per_token_line(layout: KVLayout) -> str | None:
     if per_token is None:
         return None
     line = f"KV bytes per token (one sequence, all layers): {per_token}"
+    if layout.quantized_kv is not None:   # --kv-cache-dtype int8: read through its scales
+        line += f", KV cache {layout.quantized_kv} (its scales are initializers, not per sequence)"
     full = mla_full_equivalent(layout)
     if full is not None:
         line += (f"; MLA latent cache (compressed_kv + k_pe), the expanded per-head cache would take {full} "
@@ -320,6 +322,8 @@ class BuffersReport:
             "bytes_per_token": bytes_per_token(lay),
             **({"recurrent_bytes_per_sequence": rec} if (rec := recurrent_bytes_per_sequence(lay)) is not None else {}),
             **({"mla_full_bytes_per_token": full} if (full := mla_full_equivalent(lay)) is not None else {}),
+            # only on a quantized cache (--kv-cache-dtype int8): every float graph's key set stays as it was
+            **({"kv_cache_dtype": q} if (q := lay.quantized_kv) is not None else {}),
             "unpaired": {"inputs": list(lay.unpaired_inputs), "outputs": list(lay.unpaired_outputs)},
             "non_kv_retained": [{"input": i, "retained": o} for i, o in _non_kv_rows(lay)],
             "regexes": self.regexes,

@@ -63,9 +63,27 @@ GRID_HEIGHT = "grid_height"
 PRECISIONS = ("float16", "bfloat16", "float32", "mxint8", "int8")
 
 
-def check_precision(precision: str) -> str:
+def check_precision(precision: str | None) -> str | None:
+    """``None`` (the default: :func:`kv_precision`) or one of :data:`PRECISIONS` (one-line error otherwise)."""
+    if precision is None:
+        return None
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise RuntimeInputError(f"unknown KV precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def kv_precision(layout: KVLayout, precision: str | None) -> str:
+    """The KV buffers' precision in ``custom_io.yaml``: ``precision``; by default ``float16`` for a float cache and
+    a quantized cache's own dtype (``int8``: ``--kv-cache-dtype int8``). A quantized cache at another precision is
+    refused in one line (its buffers hold that dtype's values, read through its scales)."""
+    check_precision(precision)
+    quantized = layout.quantized_kv
+    if precision is None:
+        return quantized or "float16"
+    if quantized is not None and precision != quantized:
+        raise RuntimeInputError(f"KV precision {precision} for a graph whose KV cache is {quantized} (exported with "
+                                f"--kv-cache-dtype {quantized}): its buffers hold {quantized} values; use --precision "
+                                f"{quantized} (its default)")
     return precision
 
 
@@ -87,14 +105,15 @@ def _io_yaml(inputs: "list[tuple[str, str]]", outputs: "list[tuple[str, str]]") 
     return "\n".join(lines)
 
 
-def custom_io_yaml(layout: KVLayout, precision: str = "float16", *, vision_precision: str | None = None) -> str:
-    """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output.
+def custom_io_yaml(layout: KVLayout, precision: str | None = None, *, vision_precision: str | None = None) -> str:
+    """`` - IOName: X`` / ``   Precision: <precision>`` for every KV input and its retained output (default:
+    :func:`kv_precision`, ``float16`` or a quantized cache's own dtype).
 
     A vision-language graph's float non-KV retained buffers (``vision_embeds``, ``pixel_values``...) come first, at
     ``vision_precision`` or, by default, their own dtype in the graph (the model dtype)."""
-    check_precision(precision)
     check_vision_precision(vision_precision)
     layout.require_valid()
+    precision = kv_precision(layout, precision)
     pairs = sorted(layout.pairs, key=lambda p: (p.layer, p.stem))
     extra = multimodal.custom_io_buffers(layout)
     ins = [(a.name, vision_precision or multimodal.float_precision(a)) for a, _ in extra]
@@ -376,7 +395,7 @@ def _resolve_vision(layout: KVLayout, vision: dict | None, single_graph: bool | 
 
 def write_compile_config(layout: KVLayout, out_dir: str | Path, *, prefill_seq_len: int, ctx_len: int,
                          batch_size: int = 1, full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                         precision: str = "float16", ccl: "Seq[int] | None" = None,
+                         precision: str | None = None, ccl: "Seq[int] | None" = None,
                          sliding_window: int | None = None, vision: dict | None = None,
                          single_graph: bool | None = None, vision_graph: "KVLayout | str | Path | None" = None,
                          vision_batch_size: int = 1, max_num_images: int | None = None,

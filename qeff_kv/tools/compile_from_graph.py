@@ -25,7 +25,7 @@ from qeff_kv.tools.lora_inputs import check_lora_settings
 def write_compile_config_for_graph(path: str | os.PathLike, out_dir: str | os.PathLike, *,
                                    prefill_seq_len: int, ctx_len: int, batch_size: int = 1,
                                    full_batch_size: int | None = None, fmt: SpecFormat = "flat",
-                                   precision: str = "float16", ccl=None,
+                                   precision: str | None = None, ccl=None,
                                    sliding_window: int | None = None, img_size: int | None = None,
                                    vision_size: int | None = None, vision_batch_size: int = 1,
                                    max_num_images: int | None = None, vision_precision: str | None = None,

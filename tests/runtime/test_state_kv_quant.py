@@ -59,3 +59,35 @@ def test_int4_state_refused_by_the_int8_graph(int4_kv_export, int8_kv_export, tm
         Session(int8_kv_export.onnx_path).load_state(path)
     assert str(err.value) == (f"{path}: its KV cache is uint8, this graph's is int8 (set at export by --dtype "
                               f"and --kv-cache-dtype); load it into a graph whose KV cache is uint8")
+
+
+def _greedy(session, seq, logits, n: int = 6) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = session.decode({seq: out[-1]})[seq]
+    return out
+
+
+def test_int8_prompt_reuse_equals_fresh_prefill(int8_kv_export):
+    """Prompt reuse on an int8 cache: the kept sequence cut back to a shared prefix holds the same int8 KV as a
+    fresh prefill of the prompt, and continues to the same greedy tokens."""
+    from qeff_kv.runtime.memory.prefix_cache import PrefixCache
+
+    session = Session(int8_kv_export.onnx_path)
+    cache = PrefixCache(session)
+    kept = cache.fresh()
+    session.prefill(kept, PROMPTS[0])
+    cache.release(kept)
+    prompt = PROMPTS[0][:7] + [60, 61, 2]
+    seq, reused = cache.acquire(prompt)
+    assert reused == 7 and seq.length == 7
+    logits = session.prefill(seq, prompt[reused:])
+    fresh = Session(int8_kv_export.onnx_path)
+    f_seq = fresh.add_sequence()
+    f_logits = fresh.prefill(f_seq, prompt)
+    mine, theirs = (s.export_state(q, checksum=False).tensors for s, q in ((session, seq), (fresh, f_seq)))
+    assert sorted(mine) == sorted(theirs) and {str(np.asarray(t).dtype) for t in mine.values()} == {"int8"}
+    assert all(np.array_equal(np.asarray(mine[k]), np.asarray(theirs[k])) for k in mine)
+    tokens = _greedy(session, seq, logits)
+    assert tokens == _greedy(fresh, f_seq, f_logits) and len(set(tokens)) > 1

@@ -360,6 +360,7 @@ def test_flags_override_generation_config(tmp_path):
 def test_model_by_id(client, served):
     m = client.models.retrieve("tiny-api")
     assert m.id == "tiny-api" and m.model_extra["max_model_len"] == served.engine.ctx_len
+    assert m.model_extra["kv_cache_dtype"] == "float32"   # a router reads the cache dtype (int8: --kv-cache-dtype)
     r = httpx.get(served.url + "/v1/models/gpt-9", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

@@ -169,7 +169,7 @@ def _ports(layout: KVLayout, facts: SidecarFacts) -> tuple[dict, dict]:
     return ins, outs
 
 
-def _inputs(layout: KVLayout, facts: SidecarFacts, seeds: dict[str, list]) -> dict:
+def _inputs(layout: KVLayout, facts: SidecarFacts, seeds: dict[str, tuple]) -> dict:
     ctx = facts.ctx_len
     inputs = {"package.accepted_len": _literal("int64", ["batch"], 0),
               "package.active": _literal("bool", ["batch"], True),
@@ -180,8 +180,8 @@ def _inputs(layout: KVLayout, facts: SidecarFacts, seeds: dict[str, list]) -> di
         inputs["package.position_ids"] = _literal("int64", ["batch", "position_len"], 0)
     if is_static(layout):
         inputs["package.kv_lengths"] = _literal("int64", ["batch"], 0)
-    for name, shape in seeds.items():
-        inputs[name] = _literal("float32", shape, 0.0)
+    for name, (shape, dtype) in seeds.items():   # zeros of the cell's dtype (an int8 cache: int8 zeros)
+        inputs[name] = _literal(dtype, shape, 0.0 if dtype.startswith(("float", "bfloat")) else 0)
     inputs["request.input_ids"] = {"contract": _contract("int64", ["batch", "sequence"]),
                                    "role": {"kind": "runtime", "version": "1.0", "role": "prompt_tokens"},
                                    "source": {"kind": "request"}, "required": True}
@@ -196,13 +196,14 @@ def _state(groups: dict[str, list[KVPair]], shapes: dict[str, list]) -> tuple[di
              if name != "token"}
     state["sequence"] = _cell("int64", ["batch", "sequence"], "request.input_ids",
                               recurrence={"kind": "bounded", "axis": 1, "max": "package.sequence_capacity"})
-    seeds: dict[str, list] = {}
+    seeds: dict[str, tuple] = {}   # seed name -> (shape, dtype): one seed per shape and dtype
     for gname, pairs in groups.items():
         for p in pairs:
             shape = shapes[p.input_name]
-            seed = f"package.{gname}_seed_{len(seeds)}" if shape not in seeds.values() else \
-                next(k for k, v in seeds.items() if v == shape)
-            seeds.setdefault(seed, shape)
+            kind = (shape, p.input.dtype)
+            seed = f"package.{gname}_seed_{len(seeds)}" if kind not in seeds.values() else \
+                next(k for k, v in seeds.items() if v == kind)
+            seeds.setdefault(seed, kind)
             state[alias_label(p)] = _cell(p.input.dtype, shape, seed, management="runtime",
                                           release_boundary="invocation", service_group=gname)
     return state, seeds

@@ -76,7 +76,8 @@ class PrefillWorker:
         session = open_prefill_session(engine, model)
         adapters = open_adapters(lora or LoraSection(), session, _name(model))
         # --kv-events: (section, rank): this replica publishes on the endpoint's port + rank
-        self.kv_events = open_publisher(*kv_events) if kv_events is not None else None
+        self.kv_events = (open_publisher(*kv_events, kv_dtype=session.layout.kv_dtype) if kv_events is not None
+                          else None)
         if self.kv_events is not None and adapters is not None:
             self.kv_events.lora_ids = adapters.lora_id
         self.prefiller = Prefiller(session, reuse=reuse_prompts, kv_events=self.kv_events)
@@ -180,6 +181,7 @@ class DisaggregatedEngine(Engine):
         self._prefill, self._decode = list(prefill_actors), list(decode_actors)
         self.model_name = model_name
         self.ctx_len = int(decode_facts["ctx_len"])
+        self.kv_cache_dtype = decode_facts.get("kv_dtype")
         self.max_sequences = int(decode_facts["max_sequences"]) * len(self._decode)
         self.vocab_size = decode_facts["vocab_size"]
         self.bytes_per_position = int(decode_facts["bytes_per_position"])

@@ -35,7 +35,12 @@ unsigned. Hashes are int64 (msgpack ints, as vLLM's ``ExternalBlockHash`` int fo
 LoRA adapter (whose KV differs from the base model's for the same tokens) has ``parent`` ``b"\\x02"`` followed by
 the adapter's name in UTF-8 (its length first, 4 bytes big-endian) and its scale (8 bytes, a big-endian IEEE
 double): as vLLM puts the adapter's name into its block hashes, the same tokens under two adapters (or two scales)
-are different blocks, and one adapter's blocks hash alike on every server.
+are different blocks, and one adapter's blocks hash alike on every server. Likewise a **quantized KV cache**
+(``--kv-cache-dtype int8``: the same tokens held in int8 are not the float cache's KV, and a decode replica of the
+other dtype refuses its state): the first block's ``parent`` is ``b"\x03"`` followed by the cache dtype's name in
+ASCII (its length first, 4 bytes big-endian) and then the head it would have otherwise (``b"\x00"``, or the
+adapter's ``b"\x02..."``); a float cache (``float32``, ``float16``...) keeps the hashes above (vLLM's, whose
+float caches they match). The served cache dtype is ``kv_cache_dtype`` in ``/v1/models``.
 
 **Never slowing the engine.** The engine thread only diffs the blocks of the sequence it tells about (SHA-256 of
 the new blocks only) and appends the batch to a bounded queue (:data:`MAX_QUEUE` batches); a background thread
@@ -61,6 +66,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from qeff_kv.contract.layout import QUANTIZED_KV_DTYPES
 from qeff_kv.errors import MissingDependencyError, RuntimeInputError
 
 DEFAULT_BLOCK_SIZE = 16
@@ -75,9 +81,10 @@ REPLAY_BUFFER = 10_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def block_hash(parent: int | None, tokens: Seq[int], lora: tuple[str, float] | None = None) -> int:
+def block_hash(parent: int | None, tokens: Seq[int], lora: tuple[str, float] | None = None,
+               kv_dtype: str | None = None) -> int:
     """The chained hash of one block (see the module docstring); ``lora``: the adapter and scale of a sequence's
-    first block."""
+    first block; ``kv_dtype``: the cache's dtype, salting the first block of a quantized cache only."""
     if parent is not None:
         head = b"\x01" + int(parent).to_bytes(8, "big", signed=True)
     elif lora is not None:
@@ -85,20 +92,23 @@ def block_hash(parent: int | None, tokens: Seq[int], lora: tuple[str, float] | N
         head = b"\x02" + struct.pack(">I", len(name)) + name + struct.pack(">d", float(lora[1]))
     else:
         head = b"\x00"
+    if parent is None and kv_dtype in QUANTIZED_KV_DTYPES:
+        head = b"\x03" + struct.pack(">I", len(kv_dtype)) + kv_dtype.encode("ascii") + head
     digest = hashlib.sha256(head + struct.pack(f">{len(tokens)}I", *tokens)).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def block_hashes(tokens: Seq[int], block_size: int, parent: int | None = None,
-                 lora: tuple[str, float] | None = None) -> list[int]:
+                 lora: tuple[str, float] | None = None, kv_dtype: str | None = None) -> list[int]:
     """The hashes of the full blocks of ``tokens`` (up to the first unknown, negative, token id), chained from
-    ``parent`` (``lora``: a sequence's adapter and scale, read for its first block)."""
+    ``parent`` (``lora``: a sequence's adapter and scale, ``kv_dtype`` the cache's dtype, read for its first
+    block)."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[i:i + block_size]
         if min(block) < 0:
             break
-        parent = block_hash(parent, block, lora)
+        parent = block_hash(parent, block, lora, kv_dtype)
         out.append(parent)
     return out
 
@@ -131,10 +141,12 @@ class BlockTable:
     """Which blocks each sequence holds and how many sequences hold each block; turns ``holds(key, tokens)``
     into the events of what changed (no socket, no thread: the publisher's bookkeeping, tested alone)."""
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str | None = None):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise RuntimeInputError(f"--kv-events-block-size must be a positive int, got {block_size!r}")
         self.block_size = block_size
+        #: the served KV cache's dtype (a quantized one salts every sequence's first block; None: a float cache)
+        self.kv_dtype = kv_dtype
         self._chains: dict[int, tuple] = {}   # key -> (its full blocks' tokens, hashes, its adapter)
         self._refs: collections.Counter[int] = collections.Counter()
 
@@ -150,7 +162,7 @@ class BlockTable:
         while old_lora == lora and same < len(old) and same * bs + bs <= len(full) and \
                 old_tokens[same * bs:same * bs + bs] == full[same * bs:same * bs + bs]:
             same += 1
-        new = old[:same] + block_hashes(full[same * bs:], bs, old[same - 1] if same else None, lora)
+        new = old[:same] + block_hashes(full[same * bs:], bs, old[same - 1] if same else None, lora, self.kv_dtype)
         full = full[:len(new) * bs]   # up to an unknown token id
         events = self._removed(old[same:])
         events += self._stored(new, same, full, lora_id)
@@ -222,14 +234,15 @@ class KVEventsSection:
         BlockTable(self.kv_events_block_size)
 
 
-def open_publisher(section: KVEventsSection | None, rank: int = 0) -> "KVEventPublisher | None":
-    """The publisher the ``section`` asks for, for replica ``rank`` (its endpoints' ports moved up by ``rank``), or
-    None without ``--kv-events`` (no section)."""
+def open_publisher(section: KVEventsSection | None, rank: int = 0,
+                   kv_dtype: str | None = None) -> "KVEventPublisher | None":
+    """The publisher the ``section`` asks for, for replica ``rank`` (its endpoints' ports moved up by ``rank``) of a
+    KV cache of ``kv_dtype``, or None without ``--kv-events`` (no section)."""
     if section is None:
         return None
     replay = section.kv_events_replay
     return KVEventPublisher(offset_endpoint(section.kv_events, rank), block_size=section.kv_events_block_size,
-                            topic=section.kv_events_topic, rank=rank,
+                            topic=section.kv_events_topic, rank=rank, kv_dtype=kv_dtype,
                             replay_endpoint=None if replay is None else offset_endpoint(replay, rank))
 
 
@@ -243,10 +256,12 @@ class KVEventPublisher:
         topic: the first frame of every message.
         replay_endpoint: where the replay ROUTER socket binds, or None (no replay).
         rank: ``data_parallel_rank`` of every batch (the replica's index).
+        kv_dtype: the served KV cache's dtype (``int8`` salts the block hashes; a float dtype or None does not).
     """
 
     def __init__(self, endpoint: str, *, block_size: int = DEFAULT_BLOCK_SIZE, topic: str = DEFAULT_TOPIC,
-                 replay_endpoint: str | None = None, rank: int = 0, max_queue: int = MAX_QUEUE):
+                 replay_endpoint: str | None = None, rank: int = 0, max_queue: int = MAX_QUEUE,
+                 kv_dtype: str | None = None):
         try:
             import msgpack  # noqa: F401
             import zmq  # noqa: F401
@@ -256,7 +271,7 @@ class KVEventPublisher:
         self.endpoint = check_endpoint(endpoint)
         self.replay_endpoint = None if replay_endpoint is None else check_endpoint(replay_endpoint,
                                                                                    "--kv-events-replay")
-        self.table = BlockTable(block_size)
+        self.table = BlockTable(block_size, kv_dtype)
         self.topic = topic.encode("utf-8")
         self.rank = rank
         #: adapter name -> its ``lora_int_id`` (the server's :class:`~qeff_kv.serve.engine.lora.AdapterTable`

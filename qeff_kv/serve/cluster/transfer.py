@@ -113,14 +113,19 @@ def facts(session) -> dict:
             "capacities": dict(session.rings.capacities), "ctx_len": session.ctx_len,
             "vocab_size": session.vocab_size, "max_sequences": session.max_sequences,
             "eos_token_ids": list(session.eos_token_ids), "bytes_per_position": session.cache.bytes_per_position,
-            "lora": session.lora.enabled}
+            "lora": session.lora.enabled, "kv_dtype": session.layout.kv_dtype}
 
 
 def pair_refusal(prefill: dict, decode: dict) -> str | None:
-    """Why a prefill export cannot hand its sequences to a decode export (one line), or ``None``: another KV
-    contract, another checkpoint (checkpoint identities when both record one, else sampled weights), another
-    sliding window, a prefill context smaller than the decode one, or a vocabulary mismatch. Ring capacities may differ (states convert by position)."""
+    """Why a prefill export cannot hand its sequences to a decode export (one line), or ``None``: another KV cache
+    dtype (an int8 cache against a float one), another KV contract, another checkpoint (checkpoint identities when
+    both record one, else sampled weights), another sliding window, a prefill context smaller than the decode one,
+    or a vocabulary mismatch. Ring capacities may differ (states convert by position)."""
     pre, dec = prefill["onnx"], decode["onnx"]
+    a, b = prefill.get("kv_dtype"), decode.get("kv_dtype")
+    if a != b and a is not None and b is not None:
+        return (f"prefill export {pre} keeps its KV cache in {a}, decode export {dec} in {b} (set at export by "
+                f"--dtype and --kv-cache-dtype); a KV state moves only between exports of one cache dtype")
     if prefill["kv_fingerprint"] != decode["kv_fingerprint"]:
         return (f"prefill export {pre} and decode export {dec} have different KV contracts (prefix "
                 f"{prefill['prefix'] or '(none)'!r} vs {decode['prefix'] or '(none)'!r}, or other buffers)")

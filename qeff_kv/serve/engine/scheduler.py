@@ -116,6 +116,7 @@ class Scheduler(Engine):
         self.connector = connector
         self.model_name = model_name or session.files.folder.name
         self.ctx_len = session.ctx_len
+        self.kv_cache_dtype = session.layout.kv_dtype   # /v1/models tells a router (int8: --kv-cache-dtype int8)
         self.max_sequences = session.max_sequences
         self.max_queue = max_queue
         self.reuse_prompts = reuse_prompts

@@ -145,7 +145,8 @@ class _Frontend:
     def model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "qeff-kv",
                 "root": self.engine.model_name, "parent": None, "max_model_len": self.engine.ctx_len,
-                "sampling_defaults": self.defaults.shown(), "max_n": self.max_n}
+                "sampling_defaults": self.defaults.shown(), "max_n": self.max_n,
+                "kv_cache_dtype": getattr(self.engine, "kv_cache_dtype", None)}
 
     def model_cards(self) -> list[dict]:
         """The served model under each of its names (an alias as its own entry, as vLLM lists them), then each LoRA

@@ -22,7 +22,8 @@ Rules, in order:
                       int64 ``[1, 1]``. Output dims the exporter made up (``..._RetainedState_dim_<i>``) are matched
                       to the input (:mod:`qeff_kv.graph.madeup_dims`, the rule every rule sees): one the graph does not
                       tie takes the input's batch axis or fixed size (said in a note), and fails against any
-                      other named axis.
+                      other named axis. A quantized KV buffer (``--kv-cache-dtype int8``) has its float32 scale
+                      initializer ``kv_scale.<stem>.<i>`` ``[1, kv_heads, 1, head_dim]``.
 ``layers``            layers are ``0..N-1`` with no gap (a layer the graph's state spec records as a shared-KV layer,
                       reading an earlier layer's keys/values, keeps none: not a gap), and each layer has both members
                       of its stem group
@@ -374,6 +375,7 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
     _rule_kv_present(layout, results["kv-present"])
     _rule_pairing(layout, results["pairing"])
     _rule_pair_match(layout, results["pair-match"])
+    state_rules.kv_scales(model, layout, results["pair-match"])
     if layout.kv_names:
         _rule_layers(layout, results["layers"])
         _rule_prefix(layout, results["prefix"], expected_prefix)

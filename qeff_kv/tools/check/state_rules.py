@@ -9,7 +9,7 @@ through the ``RuleResult`` they are given."""
 from __future__ import annotations
 
 from qeff_kv.contract import naming, statespec
-from qeff_kv.contract.layout import KVLayout
+from qeff_kv.contract.layout import QUANTIZED_KV_DTYPES, KVLayout, dtype_from_onnx
 
 
 def _fmt_dim(d) -> str:
@@ -144,3 +144,36 @@ def recurrent_dims(layout: KVLayout, r) -> None:
                 r.fail(p.input_name, f"{t.name} dim {i} is {_fmt_dim(d)}; a recurrent state has no position axis "
                                      f"(only axis 0, the batch, is dynamic)")
                 break
+
+
+def kv_scales(model, layout: KVLayout, r) -> None:
+    """A quantized cache's scales (docs/export.md, "A quantized KV cache"): each ``past_key.{i}``/``past_value.{i}``
+    of an integer dtype has the float32 initializer :func:`~qeff_kv.contract.naming.kv_scale_name` ``[1, kv_heads, 1,
+    head_dim]`` (its heads and channels); without it the int8 values have no meaning. A uint8 buffer that
+    GroupQueryAttention reads as its packed 4-bit cache (``kv_cache_bit_width`` 4, two values a byte) holds
+    ``head_dim / 2`` bytes a head."""
+    inits = model.graph.initializers
+    per_byte = 2 if any(n.op_type == "GroupQueryAttention" and n.attributes.get_int("kv_cache_bit_width", 8) == 4
+                        for n in model.graph) else 1
+    for p in layout.pairs:
+        if p.recurrent or p.input.dtype not in QUANTIZED_KV_DTYPES or p.stem not in naming.EXPORT_STEMS:
+            continue
+        name = naming.kv_scale_name(p.stem, p.layer)
+        shape = p.input.shape
+        packed = per_byte if p.input.dtype == "uint8" else 1
+        want = [1, shape[1], 1, shape[3] * packed if isinstance(shape[3], int) else shape[3]] \
+            if shape is not None and len(shape) == 4 else None
+        scale = inits.get(name)
+        if scale is None:
+            r.fail(p.input_name, f"{p.input_name} is {p.input.dtype} but the graph has no initializer {name} (its "
+                                 "static scales); re-export with --kv-cache-dtype int8")
+            continue
+        got = None if scale.shape is None else list(scale.shape.dims)
+        dtype = "unknown" if scale.dtype is None else dtype_from_onnx(int(scale.dtype))
+        if dtype != "float32" or got != want:
+            r.fail(p.input_name, f"{name} is {dtype} {_fmt_shape(got)}, but {p.input_name} needs float32 "
+                                 f"{_fmt_shape(want)} (one scale per KV head and channel)")
+
+
+def _fmt_shape(s) -> str:
+    return "unknown" if s is None else "[" + ", ".join(_fmt_dim(d) for d in s) + "]"

@@ -64,6 +64,10 @@ def refusal(layout: KVLayout, dialect: str) -> str | None:
         return (f"grows by concatenation: {layout.pairs[0].output_name} = Concat({layout.pairs[0].input_name}, new) "
                 f"is not built into a fixed-capacity {SHARED_PAST_PRESENT} cache: convert to {naming.RETAINED_STATE} "
                 f"first (with a capacity), then to {SHARED_PAST_PRESENT}")
+    if dialect == naming.STATIC_CACHE and layout.quantized_kv is not None:
+        return (f"its KV cache is {layout.quantized_kv} (--kv-cache-dtype), and the {naming.STATIC_CACHE} dialect's "
+                f"runtimes (mobius-onnx, onnxruntime-genai) feed a float cache with no scales; keep it "
+                f"{naming.RETAINED_STATE} or {SHARED_PAST_PRESENT}, or convert an export with a float cache")
     source = layout.dialect
     if source is None:
         return "KV buffers are named only by a sidecar; convert the graph those names come from"
