@@ -35,6 +35,14 @@ _ORT_TO_NAME = {
 _ITEMSIZE = {"bfloat16": 2}
 #: KV dtypes of a quantized cache (``--kv-cache-dtype int8``), read through static scales (``naming.kv_scale_name``)
 QUANTIZED_KV_DTYPES = ("int8", "uint8", "int4", "uint4")
+#: a KV buffer's element type -> the cache dtype it holds: a uint8 KV buffer is GroupQueryAttention's packed 4-bit
+#: cache (``--kv-cache-dtype int4``: two values per byte, each stored as value + 8)
+_CACHE_DTYPE = {"uint8": "int4"}
+
+
+def cache_dtype(dtype: str) -> str:
+    """The cache dtype a KV buffer of element type ``dtype`` holds (``uint8`` -> ``int4``; others as they are)."""
+    return _CACHE_DTYPE.get(dtype, dtype)
 
 
 def dtype_from_onnx(elem_type: int) -> str:
@@ -325,8 +333,9 @@ class KVLayout:
 
     @property
     def quantized_kv(self) -> str | None:
-        """The dtype of a quantized KV cache (``int8``: :data:`QUANTIZED_KV_DTYPES`), else ``None``."""
-        return next((p.input.dtype for p in self.pairs
+        """The dtype of a quantized KV cache (``int8``, ``int4``: :data:`QUANTIZED_KV_DTYPES`, :func:`cache_dtype`),
+        else ``None``."""
+        return next((cache_dtype(p.input.dtype) for p in self.pairs
                      if not p.recurrent and p.input.dtype in QUANTIZED_KV_DTYPES), None)
 
     @property

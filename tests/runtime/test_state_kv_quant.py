@@ -57,8 +57,8 @@ def test_int4_state_refused_by_the_int8_graph(int4_kv_export, int8_kv_export, tm
     assert np.array_equal(other.decode({loaded: 9})[loaded], want)
     with pytest.raises(StateFileError) as err:
         Session(int8_kv_export.onnx_path).load_state(path)
-    assert str(err.value) == (f"{path}: its KV cache is uint8, this graph's is int8 (set at export by --dtype "
-                              f"and --kv-cache-dtype); load it into a graph whose KV cache is uint8")
+    assert str(err.value) == (f"{path}: its KV cache is int4, this graph's is int8 (set at export by --dtype "
+                              f"and --kv-cache-dtype); load it into a graph whose KV cache is int4")
 
 
 def _greedy(session, seq, logits, n: int = 6) -> list[int]:

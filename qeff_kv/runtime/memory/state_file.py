@@ -49,6 +49,7 @@ import numpy as np
 from qeff_kv import __version__
 from qeff_kv.support import fsutil
 from qeff_kv.contract import naming
+from qeff_kv.contract.layout import QUANTIZED_KV_DTYPES, cache_dtype
 from qeff_kv.errors import RuntimeInputError, StateFileError
 from qeff_kv.runtime.memory.hybrid import Sequence, take_adapter
 from qeff_kv.graph import graphio
@@ -309,11 +310,6 @@ def _check_contract(session, meta: dict[str, str], tensors: dict, where: str) ->
             f"{meta['prefix'] or '(none)'!r}; this graph has {ours}..., prefix {session.prefix or '(none)'!r})")
 
 
-#: KV dtypes of a quantized cache (``--kv-cache-dtype``): a state of one of these against a graph of another dtype
-#: (or the reverse) is named as such; float16 against float32 stays "another KV contract" (its fingerprint)
-QUANTIZED_KV_DTYPES = frozenset({"int8", "uint8", "int4", "uint4"})
-
-
 def _check_dtype(session, meta: dict[str, str], where: str, tensors: dict | None = None) -> None:
     """A quantized KV cache (an int8 cache, ``--kv-cache-dtype``) against a graph of another KV dtype (or the
     reverse), refused in one line before the contract's fingerprint. Metadata that contradicts its own tensors is
@@ -327,7 +323,8 @@ def _check_dtype(session, meta: dict[str, str], where: str, tensors: dict | None
     if len(ours) != 1 or theirs in ours or any(p.recurrent for p in pairs):
         return
     mine = ours.pop()
-    if theirs in QUANTIZED_KV_DTYPES or mine in QUANTIZED_KV_DTYPES:
+    if theirs in QUANTIZED_KV_DTYPES or mine in QUANTIZED_KV_DTYPES:   # float16 against float32: its fingerprint
+        theirs, mine = cache_dtype(theirs), cache_dtype(mine)
         raise StateFileError(f"{where}: its KV cache is {theirs}, this graph's is {mine} (set at export by "
                              f"--dtype and --kv-cache-dtype); load it into a graph whose KV cache is {theirs}")
 
