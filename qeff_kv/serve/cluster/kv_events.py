@@ -36,11 +36,11 @@ LoRA adapter (whose KV differs from the base model's for the same tokens) has ``
 the adapter's name in UTF-8 (its length first, 4 bytes big-endian) and its scale (8 bytes, a big-endian IEEE
 double): as vLLM puts the adapter's name into its block hashes, the same tokens under two adapters (or two scales)
 are different blocks, and one adapter's blocks hash alike on every server. Likewise a **quantized KV cache**
-(``--kv-cache-dtype int8``: the same tokens held in int8 are not the float cache's KV, and a decode replica of the
-other dtype refuses its state): the first block's ``parent`` is ``b"\x03"`` followed by the cache dtype's name in
-ASCII (its length first, 4 bytes big-endian) and then the head it would have otherwise (``b"\x00"``, or the
-adapter's ``b"\x02..."``); a float cache (``float32``, ``float16``...) keeps the hashes above (vLLM's, whose
-float caches they match). The served cache dtype is ``kv_cache_dtype`` in ``/v1/models``.
+(``--kv-cache-dtype int8``/``int4``: the same tokens held in int8 are not the float cache's KV, and a decode replica
+of another dtype refuses its state): the first block's ``parent`` is ``b"\\x03"`` followed by the cache dtype's name
+in ASCII (its length first, 4 bytes big-endian) and then the head it would have otherwise (``b"\\x00"``, or the
+adapter's ``b"\\x02..."``); a float cache (``float32``, ``float16``...) keeps the hashes above unchanged. The served
+cache dtype is ``kv_cache_dtype`` in ``/v1/models``.
 
 **Never slowing the engine.** The engine thread only diffs the blocks of the sequence it tells about (SHA-256 of
 the new blocks only) and appends the batch to a bounded queue (:data:`MAX_QUEUE` batches); a background thread
