@@ -280,12 +280,14 @@ def reference_run(model, probe: Probe, whole: bool = False) -> Reference:
     return Reference(logits=logits, tokens=tokens, seconds=time.perf_counter() - t0)
 
 
-def one_pass_run(model, probe: Probe, vocab_size: int) -> Reference:
+def one_pass_run(model, probe: Probe, vocab_size: int, cached: bool = False) -> Reference:
     """:func:`reference_run` in one forward pass, without a cache: the decode tokens are fixed in advance (seeded
     random ids, not the greedy ones), so the prompt and all of them go through the model at once and the logits
     after the prompt and after each decode token are rows of one output. The same comparison (both sides are fed
     the same tokens; each step's logits and greedy token are checked), with each weight read once: a streamed
-    checkpoint is read once, not once per step (at 8B each read costs minutes)."""
+    checkpoint is read once, not once per step (at 8B each read costs minutes). ``cached``: the pass writes a
+    cache and attends over what the cache gives back (a quantized cache's emulation, ``--kv-cache-dtype``, acts on
+    cache writes; without a cache the reference would be the float cache's)."""
     import torch
 
     t0 = time.perf_counter()
@@ -294,7 +296,7 @@ def one_pass_run(model, probe: Probe, vocab_size: int) -> Reference:
     fed = [int(t) for t in rng.integers(low, vocab_size, size=probe.decode_steps)]
     n = len(probe.prompt)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([probe.prompt + fed], dtype=torch.int64), use_cache=False)
+        out = model(input_ids=torch.tensor([probe.prompt + fed], dtype=torch.int64), use_cache=cached)
         logits = [out.logits[0, n - 1 + j].double().numpy().copy() for j in range(len(fed) + 1)]
     return Reference(logits=logits, tokens=fed + [int(np.argmax(logits[-1]))], seconds=time.perf_counter() - t0)
 
@@ -471,7 +473,8 @@ def reference_for_export(model, options, verify: bool | None, say, vision: dict 
     probe.block_layers, probe.block_reason = blocks, why
     try:
         if one_pass and facts.recurrent is None and not facts.vision_language:
-            reference = one_pass_run(model, probe, int(cfg.vocab_size))
+            reference = one_pass_run(model, probe, int(cfg.vocab_size),
+                                     cached=bool(getattr(options, "quantized_kv", False)))
         else:
             reference = reference_run(model, probe, whole=facts.recurrent is not None)
     except Exception as exc:

@@ -194,3 +194,14 @@ def test_int8_cache_options_hash():
     assert ExportOptions(target="onnxruntime-fused", kv_cache_dtype="float32").to_json() == base
     int8 = ExportOptions(target="onnxruntime-fused", kv_cache_dtype="int8").to_json()
     assert int8["kv_cache_dtype"] == "int8" and json.dumps(int8) != json.dumps(base)
+
+
+def test_int4_weights_with_int8_cache_exact_to_emulated_reference(family_models, tmp_path):
+    """int4 weights' reference runs the probe in one pass; with an int8 cache that pass must write (and read back)
+    a cache too, or its reference is the float cache's and the graph differs by the cache's quantization noise."""
+    from families import CHUNK, CTX
+
+    out = export_model(family_models("llama"), tmp_path / "i4k8", ctx_len=CTX, prefill_seq_len=CHUNK,
+                       target="onnxruntime-fused", weights="int4", kv_cache_dtype="int8")
+    ver = json.loads((out.out_dir / "manifest.json").read_text())["verification"]
+    assert ver["status"] == "passed" and ver["max_abs_diff"] < 1e-4, ver
