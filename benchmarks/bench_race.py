@@ -17,7 +17,8 @@ change the cases; warm-up requests prefill at most ``WARMUP_MAX`` tokens of the 
 (or ``$GENAI_PYTHON``): an interpreter where ``onnxruntime_genai`` imports, for genai's workers and its builder
 (qeff-kv's engines run under this one). Writes ``race-<model>-ctx<N>.json`` for a capacity other than 2048.
 Target (issue 54): ``qeff_int4_kv8`` decode >= 1.2x ``genai_int4`` (onnxruntime-genai's float cache) at the long
-prompt.
+prompt. ``--profile only`` (same options, after the race) profiles the engines at ``--profile-prompts`` into that
+race's JSON: a 4K prefill of the 1B shape takes minutes per engine, so the race itself can run ``--profile never``.
 
     python benchmarks/bench_race.py                  # 5 interleaved rounds, NLL, profile: about 10-20 minutes
     python benchmarks/bench_race.py --quick          # 2 rounds (a smoke run)
@@ -659,8 +660,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-nll", action="store_true")
     ap.add_argument("--wait-quiet", type=float, default=60.0,
                     help="before each round wait up to this many seconds for other work to use < 0.3 cores (0: never)")
-    ap.add_argument("--profile", choices=("auto", "always", "never"), default="always",
-                    help="always (default): profile our and genai's graphs; auto: only when a speed target is missed")
+    ap.add_argument("--profile", choices=("auto", "always", "never", "only"), default="always",
+                    help="always (default): profile our and genai's graphs; auto: only when a speed target is missed; "
+                         "only: profile into the results JSON of an earlier race with the same options")
     ap.add_argument("--ctx-len", type=int, default=CTX,
                     help="capacity in positions: our ctx_len (exports made at it; use a --work per capacity), "
                          "genai's max_length, llama.cpp's n_ctx")
@@ -722,6 +724,8 @@ def race(args) -> int:
         say(note)
         notes.append(note)
         engines = [e for e in engines if not e.startswith("genai")]
+    if args.profile == "only":
+        return profile_only(args, engines)
     t_start = time.time()
     if args.no_verify:
         notes.append("exports made without verification against PyTorch (--no-verify)")
@@ -788,20 +792,43 @@ def race(args) -> int:
     if args.profile == "always" or (args.profile == "auto" and missed):
         at = [int(x) for x in (args.profile_prompts or args.prompts).split(",") if x]
         say(f"profiling (onnxruntime profiler): prefill of {', '.join(map(str, at))} tokens, 32 decode steps after each")
-        prof_engines = [e for e in ("qeff_int4", "qeff_int4_kv8", "genai_int4", "qeff_fp32", "genai_fp32")
-                        if e in engines]
-        results["profile"] = run_profiles(args.work, args.threads, args.prefill_chunk, prof_engines, at,
+        results["profile"] = run_profiles(args.work, args.threads, args.prefill_chunk, _profile_engines(engines), at,
                                           args.ctx_len, args.genai_python)
     _bandwidth(results, args.work, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["seconds"] = round(time.time() - t_start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = ("race" if args.model == "smollm2" else f"race-{args.model}") + (
-        f"-ctx{args.ctx_len}" if args.ctx_len != CTX else "")
+    stem = _stem(args)
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plotted = _plot(results, args.out / f"{stem}.png")
     _print_table(results)
     say(f"wrote {args.out / (stem + '.json')}{' and .png' if plotted else ''} ({results['seconds']:.0f} s)")
+    return 0
+
+
+def _stem(args) -> str:
+    return ("race" if args.model == "smollm2" else f"race-{args.model}") + (
+        f"-ctx{args.ctx_len}" if args.ctx_len != CTX else "")
+
+
+def _profile_engines(engines: list[str]) -> list[str]:
+    return [e for e in ("qeff_int4", "qeff_int4_kv8", "genai_int4", "qeff_fp32", "genai_fp32") if e in engines]
+
+
+def profile_only(args, engines: list[str]) -> int:
+    """``--profile only``: the profiles of an earlier race's engines, written into its JSON (kept apart from the
+    race so a long prefill's profile need not hold the race up)."""
+    path = args.out / f"{_stem(args)}.json"
+    results = json.loads(path.read_text())
+    at = [int(x) for x in (args.profile_prompts or args.prompts).split(",") if x]
+    say(f"profiling {', '.join(_profile_engines(engines))} at prompt(s) {', '.join(map(str, at))} into {path}")
+    new = run_profiles(args.work, args.threads, args.prefill_chunk, _profile_engines(engines), at, args.ctx_len,
+                       args.genai_python)
+    for e, per_prompt in new.items():
+        results.setdefault("profile", {}).setdefault(e, {}).update(per_prompt)
+    results["machine"]["loadavg_profile"] = os.getloadavg()
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    _print_table(results)
     return 0
 
 
