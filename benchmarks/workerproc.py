@@ -26,11 +26,12 @@ def peak_rss() -> int:
 class WorkerProcess:
     """A worker process speaking JSON lines; :attr:`ready` is its first line."""
 
-    def __init__(self, name: str, argv: list[str], threads: int):
+    def __init__(self, name: str, argv: list[str], threads: int, python: str | None = None):
+        """``python``: the interpreter to run ``argv`` with (default: this one)."""
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                    MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([python or sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)
         line = self.proc.stdout.readline()
         if not line:
