@@ -123,7 +123,8 @@ def llama_rss(server: str, gguf: str, slots: int, ctx: int, log: Path) -> dict:
     import httpx
 
     port = 20000 + os.getpid() % 20000
-    argv = [server, "-m", gguf, "--port", str(port), "-np", str(slots), "-c", str(ctx * slots), "--threads", "2"]
+    argv = [server, "-m", gguf, "--port", str(port), "-np", str(slots), "-c", str(ctx * slots), "--threads", "2",
+            "-lv", "4"]   # verbosity 4: its llama_kv_cache size lines
     with open(log, "w") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
     try:
