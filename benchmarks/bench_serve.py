@@ -394,6 +394,7 @@ def main() -> None:
                     srv.stop()
     if args.check_generate:
         check_generate(results, targets, clients, args, corpora)
+    record_differ_from_first(results, [name for name, kind, _ in targets if kind == "qeff"])
     for name, r in results["runs"].items():
         r["concurrency"] = [median_run([rounds[i] for rounds in r["rounds"]]) for i in range(len(r["rounds"][0]))]
     # the same text from every target and round, request by request (greedy: speculation must not change it)
@@ -424,6 +425,17 @@ def check_generate(results: dict, targets, clients: list[int], args, corpora: di
                 got = rounds[i]["texts"]
                 rounds[i]["differ_from_generate"] = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
             say(f"  differ: {[rounds[i]['differ_from_generate'] for rounds in results['runs'][name]['rounds']]}")
+
+
+def record_differ_from_first(results: dict, names: list[str]) -> None:
+    """Per qeff-kv export after the first, per client count: how many of its first round's texts differ from the
+    first export's (the same requests; e.g. an int8 KV cache against the float cache, greedy)."""
+    if len(names) < 2:
+        return
+    first = results["runs"][names[0]]["rounds"][0]
+    for name in names[1:]:
+        for mine, ref in zip(results["runs"][name]["rounds"][0], first):
+            mine["differ_from_first_export"] = sum(a != b for a, b in zip(mine["texts"], ref["texts"]))
 
 
 def median_run(runs: list[dict]) -> dict:
