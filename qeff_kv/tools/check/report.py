@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, field
 
 from qeff_kv.contract import multimodal, naming
+from qeff_kv.contract.layout import QUANTIZED_KV_DTYPES
 
 SCHEMA = "qeff-kv.check/1"
 
@@ -134,8 +135,8 @@ class CheckReport:
 
     @property
     def quantized_kv(self) -> bool:
-        """The KV buffers are integers (a quantized cache)."""
-        return any(d.startswith(("int", "uint")) for d in self.kv_dtypes)
+        """The KV buffers hold a quantized cache (:data:`~qeff_kv.contract.layout.QUANTIZED_KV_DTYPES`)."""
+        return any(d in QUANTIZED_KV_DTYPES for d in self.kv_dtypes)
 
     @property
     def sliding(self) -> bool:

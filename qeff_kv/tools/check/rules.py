@@ -71,7 +71,7 @@ from qeff_kv.tools.check.lora_rule import rule_lora
 from qeff_kv.tools.check.report import ANY, FAIL, PASS, RULES, CheckReport, RuleResult, fmt_ints, fmt_prefix
 from qeff_kv.errors import ContractError, GraphReadError
 from qeff_kv.graph.inplace import inplace_issues
-from qeff_kv.contract.layout import NO_KV, KVLayout
+from qeff_kv.contract.layout import NO_KV, KVLayout, cache_dtype
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -399,16 +399,13 @@ def check_model(model: ir.Model, *, expected_prefix: object = ANY, name: str = "
         shared_layers=list(layout.state_spec.shared),
         vision_language=multimodal.graph_kind(layout), dialect=layout.dialect, update=layout.update,
         source=layout.source, lora=_lora_json(layout),
-        kv_dtypes=_kv_dtypes(model, layout))
+        kv_dtypes=_kv_dtypes(layout))
 
 
-def _kv_dtypes(model: ir.Model, layout: KVLayout) -> list[str]:
-    """The KV buffers' dtypes; uint8 buffers that GroupQueryAttention reads as its 4-bit cache
-    (``kv_cache_bit_width=4``, two values per byte: ``--kv-cache-dtype int4``) are named ``int4``."""
-    dtypes = {str(p.input.dtype) for p in layout.pairs if not p.recurrent}
-    packed = any(node.op_type == "GroupQueryAttention" and node.attributes.get_int("kv_cache_bit_width", 0) == 4
-                 for node in model.graph)
-    return sorted({"int4" if packed and d == "uint8" else d for d in dtypes})
+def _kv_dtypes(layout: KVLayout) -> list[str]:
+    """The KV buffers' cache dtypes (:func:`~qeff_kv.contract.layout.cache_dtype`: a uint8 buffer is
+    GroupQueryAttention's packed 4-bit cache, ``--kv-cache-dtype int4``, named ``int4``)."""
+    return sorted({cache_dtype(str(p.input.dtype)) for p in layout.pairs if not p.recurrent})
 
 
 def _lora_json(layout: KVLayout) -> dict | None:
